@@ -1,0 +1,1 @@
+//! ODC engine (filled by the engine work).

@@ -1,0 +1,1 @@
+//! Accumulate and cast kernels.
