@@ -1,1 +1,164 @@
-fn main() {}
+//! Accumulate throughput against a memcpy of the same bytes, in one run.
+//!
+//! Sizes are bytes of the pushed chunk `x` (a landing slot's payload): the
+//! daemon sees 64 KiB – 4 MiB chunks; 16 and 64 MiB show the memory-bound
+//! regime. GB/s counts bytes of `x` (10⁹ B/s), so a kernel at the memcpy
+//! ratio 1.0 drains a landing slot as fast as it could copy it out.
+//!
+//! After criterion's report, `cargo bench` prints a table with the ratio of
+//! each kernel to memcpy, measured here in the same process.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use half::{bf16, f16};
+use odc_kernels::cpu;
+
+const KIB: usize = 1 << 10;
+const MIB: usize = 1 << 20;
+const SIZES: [(usize, &str); 4] = [
+    (64 * KIB, "64KiB"),
+    (MIB, "1MiB"),
+    (16 * MIB, "16MiB"),
+    (64 * MIB, "64MiB"),
+];
+
+/// One benchmarked operation, owning its buffers.
+enum Op {
+    Memcpy { src: Vec<u8>, dst: Vec<u8> },
+    F32F32 { acc: Vec<f32>, x: Vec<f32> },
+    F32Bf16 { acc: Vec<f32>, x: Vec<bf16> },
+    F32F16 { acc: Vec<f32>, x: Vec<f16> },
+    Bf16Bf16 { acc: Vec<bf16>, x: Vec<bf16> },
+}
+
+const NAMES: [&str; 5] = ["memcpy", "f32+=f32", "f32+=bf16", "f32+=f16", "bf16+=bf16"];
+
+/// Small integers: no subnormals (which would trap to microcode) and no
+/// overflow however many times a bench repeats.
+fn values<T>(n: usize, f: impl Fn(f32) -> T) -> Vec<T> {
+    (0..n).map(|i| f((i % 61) as f32 - 30.0)).collect()
+}
+
+impl Op {
+    fn new(name: &str, x_bytes: usize) -> Op {
+        match name {
+            "memcpy" => Op::Memcpy {
+                src: vec![7u8; x_bytes],
+                dst: vec![1u8; x_bytes],
+            },
+            "f32+=f32" => Op::F32F32 {
+                acc: values(x_bytes / 4, |v| v),
+                x: values(x_bytes / 4, |v| v),
+            },
+            "f32+=bf16" => Op::F32Bf16 {
+                acc: values(x_bytes / 2, |v| v),
+                x: values(x_bytes / 2, bf16::from_f32),
+            },
+            "f32+=f16" => Op::F32F16 {
+                acc: values(x_bytes / 2, |v| v),
+                x: values(x_bytes / 2, f16::from_f32),
+            },
+            _ => Op::Bf16Bf16 {
+                acc: values(x_bytes / 2, bf16::from_f32),
+                x: values(x_bytes / 2, bf16::from_f32),
+            },
+        }
+    }
+
+    fn run(&mut self) {
+        let ok = match self {
+            Op::Memcpy { src, dst } => {
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+            // A scale of 1.0 keeps accumulators finite across repetitions.
+            Op::F32F32 { acc, x } => cpu::accumulate_f32(acc, x, 1.0),
+            Op::F32Bf16 { acc, x } => cpu::accumulate_f32(acc, x, 1.0),
+            Op::F32F16 { acc, x } => cpu::accumulate_f32(acc, x, 1.0),
+            Op::Bf16Bf16 { acc, x } => cpu::accumulate_same(acc, x, 1.0),
+        };
+        black_box(ok.is_ok());
+        black_box(self);
+    }
+
+    /// Bytes of memory traffic per call: reads and writes of both buffers.
+    fn traffic(&self, x_bytes: usize) -> usize {
+        match self {
+            Op::Memcpy { .. } => 2 * x_bytes,
+            Op::F32F32 { .. } | Op::Bf16Bf16 { .. } => 3 * x_bytes,
+            Op::F32Bf16 { .. } | Op::F32F16 { .. } => 5 * x_bytes,
+        }
+    }
+}
+
+fn criterion_benches(c: &mut Criterion) {
+    for (x_bytes, label) in SIZES {
+        let mut group = c.benchmark_group(format!("accumulate/{label}"));
+        group.throughput(Throughput::Bytes(x_bytes as u64));
+        for name in NAMES {
+            let mut op = Op::new(name, x_bytes);
+            group.bench_function(name, |b| b.iter(|| op.run()));
+        }
+        group.finish();
+    }
+}
+
+/// Best seconds per call of each op, timing the ops round-robin for about
+/// `budget` so that they all see the same machine: on a shared host the
+/// ratio to memcpy stays meaningful even when absolute numbers move.
+fn best_secs(ops: &mut [Op], budget: Duration) -> Vec<f64> {
+    let mut best = vec![f64::INFINITY; ops.len()];
+    ops.iter_mut().for_each(Op::run);
+    let start = Instant::now();
+    let mut rounds = 0;
+    while rounds < 5 || (start.elapsed() < budget && rounds < 10_000) {
+        for (op, best) in ops.iter_mut().zip(&mut best) {
+            let t = Instant::now();
+            op.run();
+            *best = best.min(t.elapsed().as_secs_f64());
+        }
+        rounds += 1;
+    }
+    best
+}
+
+fn ratio_table() {
+    println!(
+        "\nkernel throughput vs memcpy (GB/s of x, 10^9 B/s, best of interleaved runs; isa = {})",
+        cpu::isa()
+    );
+    println!(
+        "{:>6} {:>11} {:>9} {:>8} {:>12}",
+        "size", "op", "GB/s", "ratio", "traffic GB/s"
+    );
+    for (x_bytes, label) in SIZES {
+        let mut ops: Vec<Op> = NAMES.iter().map(|name| Op::new(name, x_bytes)).collect();
+        let secs = best_secs(&mut ops, Duration::from_millis(1500));
+        let memcpy_gbs = x_bytes as f64 / secs[0] / 1e9;
+        for ((name, op), secs) in NAMES.iter().zip(&ops).zip(secs) {
+            let gbs = x_bytes as f64 / secs / 1e9;
+            let traffic = op.traffic(x_bytes) as f64 / secs / 1e9;
+            println!(
+                "{label:>6} {name:>11} {gbs:>9.2} {:>8.2} {traffic:>12.2}",
+                gbs / memcpy_gbs
+            );
+        }
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(1))
+        .sample_size(10)
+        .configure_from_args();
+    criterion_benches(&mut c);
+    c.final_summary();
+    // Only under `cargo bench`, not when `cargo test` smoke-runs benches.
+    // (`cargo bench -p odc-kernels -- none` skips criterion, keeps this.)
+    if std::env::args().any(|a| a == "--bench") {
+        ratio_table();
+    }
+}
