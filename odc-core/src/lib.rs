@@ -1,1 +1,146 @@
-//! ODC engine (filled by the engine work).
+//! ODC engine: a decentralized parameter server for FSDP built on one-sided
+//! operations. A rank **gathers** parameter shards straight out of their
+//! owners' registered memory and **scatter-accumulates** gradient chunks
+//! into landing slots that each owner's **server daemon** adds into its
+//! gradient accumulators. Ranks meet once per minibatch, never per layer,
+//! and may run different numbers of microbatches.
+//!
+//! # Module map
+//!
+//! | module | owns |
+//! |---|---|
+//! | [`error`] | the one [`Error`] type |
+//! | [`topology`] | world D, ranks per node G, rank → node |
+//! | [`layout`] | [`BucketSpec`], [`BucketLayout`]: padded shards, chunking |
+//! | [`store`] | the rendezvous [`Store`] trait and [`FileStore`] |
+//! | [`sync`] | atomics (std or loom), [`sync::Backoff`], futex sleep/wake |
+//! | [`region`] | registered memory and its plain-data [`RegionDesc`] |
+//! | [`transport`] | the [`Transport`] trait (`get`, `put_signal`, bells) and its `shm` backend |
+//! | [`control`] | where control words and landing slots live; slot header format |
+//! | `engine` | [`Engine`] setup, registration, the daemon's lifetime |
+//! | `client` | the worker API: publish, gather, release, scatter, finish |
+//! | `server` | the shard server daemon loop |
+//!
+//! Data flows one way: `Engine` → client ops → `Transport`; the server reads
+//! signals from its own memory and calls `odc-kernels`.
+//!
+//! # Quick start
+//!
+//! One rank of a job (every rank runs the same code with its own rank):
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use odc_core::{bytes_of, bytes_of_mut, BucketSpec, Engine, EngineConfig, FileStore, Topology};
+//! use odc_kernels::DType;
+//!
+//! # fn main() -> odc_core::Result<()> {
+//! let (rank, world) = (0, 2);
+//! let store = Arc::new(FileStore::new("/tmp/odc-store")?);
+//! let engine = Engine::new(store, Topology::single_node(rank, world)?, EngineConfig::default())?;
+//! engine.register(&[BucketSpec::new("layer0", 1000, DType::F32)])?;
+//! let b = engine.bucket_id("layer0")?;
+//! let shard_len = engine.bucket(b)?.shard_len();
+//!
+//! let mut shard = vec![1.0f32; shard_len];
+//! engine.publish(b, bytes_of(&shard), DType::F32, 0)?; // initial parameters
+//! for k in 0..10u64 {
+//!     let mut params = vec![0f32; 1000];
+//!     engine.gather(b, k, bytes_of_mut(&mut params), DType::F32)?;
+//!     let grads = vec![1.0f32; 1000]; // forward + backward, any number of microbatches
+//!     engine.scatter_accumulate(b, bytes_of(&grads), DType::F32, 1.0)?;
+//!     engine.finish_minibatch(k)?; // this rank's gradient shards are final
+//!     let mut g = vec![0f32; shard_len];
+//!     engine.read_grad_shard(b, &mut g)?;
+//!     shard.iter_mut().zip(&g).for_each(|(p, g)| *p -= 0.01 * g); // optimizer step
+//!     engine.zero_grads()?;
+//!     engine.publish(b, bytes_of(&shard), DType::F32, k + 1)?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Protocol
+//!
+//! See [`control`] for the words. In short: `publish(v)` waits until every
+//! client released `v - 1`, writes the shard, then signals version `v` to
+//! every reader; `gather(v)` waits for version `v` of each owner's shard and
+//! copies it; `scatter_accumulate` writes chunks into two landing slots per
+//! (client, owner) and never waits for the last acknowledgements;
+//! `finish_minibatch(k)` waits for its acknowledgements, writes `done = k`
+//! to every owner and returns when every client's `done` here reads `k`.
+//! Every wait spins briefly, then sleeps on a futex in this rank's own
+//! memory, checks the awaited peer's liveness every 50 ms and fails at
+//! [`EngineConfig::timeout`] with [`Error::PeerTimeout`] (or earlier with
+//! [`Error::PeerDied`]).
+//!
+//! # Thread safety
+//!
+//! [`Engine`] is `Send + Sync`. Gathers may run from several threads at once
+//! and concurrently with pushes; pushes and finish serialize on one internal
+//! lock (taken once per call, never per chunk), publishes on another. The
+//! server daemon is a separate thread per engine that never blocks the
+//! caller. Accumulators may only be read or zeroed between
+//! `finish_minibatch` and the next publish, as the protocol prescribes.
+//!
+//! # Resource cleanup
+//!
+//! Dropping the [`Engine`] stops and joins the server thread, unmaps peers'
+//! memory and unlinks this rank's shared-memory segments; peers that still
+//! wait on it see it as gone (`PeerDied`). A crashed rank's segments are
+//! removed at the next start of a job with the same
+//! [`EngineConfig::job_key`].
+
+#![warn(unsafe_op_in_unsafe_fn)]
+#![cfg_attr(loom, allow(dead_code))]
+
+pub mod control;
+pub mod error;
+pub mod layout;
+pub mod store;
+pub mod sync;
+pub mod topology;
+
+// Under `--cfg loom` only the pure modules and the protocol model build:
+// loom's atomics cannot live in shared mappings.
+#[cfg(not(loom))]
+pub mod region;
+#[cfg(not(loom))]
+pub mod transport;
+
+#[cfg(not(loom))]
+mod client;
+#[cfg(not(loom))]
+mod engine;
+#[cfg(not(loom))]
+mod server;
+
+#[cfg(all(test, not(loom)))]
+mod engine_tests;
+#[cfg(all(test, loom))]
+mod loom_model;
+
+#[cfg(not(loom))]
+pub use engine::{BucketId, Engine, EngineConfig};
+pub use error::{Error, Result};
+pub use layout::{BucketLayout, BucketSpec};
+#[cfg(not(loom))]
+pub use region::RegionDesc;
+pub use store::{FileStore, Store};
+pub use topology::Topology;
+#[cfg(not(loom))]
+pub use transport::{Transport, TransportKind};
+
+pub use odc_kernels::{DType, Element};
+
+/// Views a slice of f32, bf16 or f16 as bytes.
+pub fn bytes_of<T: Element>(s: &[T]) -> &[u8] {
+    // SAFETY: `Element` types are plain old data without padding; the byte
+    // view covers exactly the slice's memory and borrows it.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}
+
+/// Views a mutable slice of f32, bf16 or f16 as bytes.
+pub fn bytes_of_mut<T: Element>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `bytes_of`; every bit pattern is a valid value of these
+    // types, so writes through the byte view cannot create invalid values.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}

@@ -1,0 +1,215 @@
+//! Where every control word and landing slot lives in a rank's control
+//! region, and the landing-slot header's wire format.
+//!
+//! Every rank's control region has the same layout (same D, bucket count B
+//! and chunk size C, checked at registration). All words are written by a
+//! peer with `put_signal` and waited on by the owner of the region, so every
+//! wait is local:
+//!
+//! | words | written by | meaning (stored as value + 1; 0 = never) |
+//! |---|---|---|
+//! | `seen_version[o][b]` | owner o at publish | o's shard of b holds this version |
+//! | `released[c][b]` | client c | c finished reading this version of b |
+//! | `done[c]` | client c at finish | c's pushes for minibatch k are acknowledged |
+//! | `ack[o][s]` | owner o's server | sequence number of the last chunk o added from slot s |
+//! | slot `[c][s]` signal | client c | sequence number of the chunk in the slot |
+//!
+//! A landing slot is a 64-byte signal line, a 64-byte [`SlotHeader`] and C
+//! bytes of data. Sequence numbers per (client, owner) pair start at 1;
+//! chunk `seq` goes to slot `seq % 2`.
+
+use odc_kernels::DType;
+
+/// Bytes of slot header on the wire.
+pub const HEADER_BYTES: usize = 64;
+const LINE: usize = 64;
+
+/// Offsets into a control region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CtrlLayout {
+    world: usize,
+    buckets: usize,
+    chunk_bytes: usize,
+    off_seen: usize,
+    off_released: usize,
+    off_done: usize,
+    off_ack: usize,
+    off_slots: usize,
+    len: usize,
+}
+
+fn round_line(n: usize) -> usize {
+    n.div_ceil(LINE) * LINE
+}
+
+impl CtrlLayout {
+    /// The layout for `world` ranks, `buckets` buckets and chunks of
+    /// `chunk_bytes` (rounded up to 64).
+    pub fn new(world: usize, buckets: usize, chunk_bytes: usize) -> CtrlLayout {
+        let chunk_bytes = round_line(chunk_bytes.max(LINE));
+        let table = round_line(world * buckets * 8);
+        let off_seen = LINE;
+        let off_released = off_seen + table;
+        let off_done = off_released + table;
+        let off_ack = off_done + world * LINE;
+        let off_slots = off_ack + world * 2 * LINE;
+        let len = off_slots + world * 2 * (2 * LINE + chunk_bytes);
+        CtrlLayout {
+            world,
+            buckets,
+            chunk_bytes,
+            off_seen,
+            off_released,
+            off_done,
+            off_ack,
+            off_slots,
+            len,
+        }
+    }
+
+    /// Total bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the layout is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Landing-slot data capacity in bytes.
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk_bytes
+    }
+
+    /// `seen_version[owner][bucket]`.
+    pub fn seen_version(&self, owner: usize, bucket: usize) -> usize {
+        self.off_seen + (owner * self.buckets + bucket) * 8
+    }
+
+    /// `released[client][bucket]`.
+    pub fn released(&self, client: usize, bucket: usize) -> usize {
+        self.off_released + (client * self.buckets + bucket) * 8
+    }
+
+    /// `done[client]`.
+    pub fn done(&self, client: usize) -> usize {
+        self.off_done + client * LINE
+    }
+
+    /// `ack[owner][slot]`.
+    pub fn ack(&self, owner: usize, slot: usize) -> usize {
+        self.off_ack + (owner * 2 + slot) * LINE
+    }
+
+    fn slot(&self, client: usize, slot: usize) -> usize {
+        self.off_slots + (client * 2 + slot) * (2 * LINE + self.chunk_bytes)
+    }
+
+    /// Signal word of landing slot `[client][slot]`.
+    pub fn slot_signal(&self, client: usize, slot: usize) -> usize {
+        self.slot(client, slot)
+    }
+
+    /// Header of landing slot `[client][slot]`; the data follows it.
+    pub fn slot_header(&self, client: usize, slot: usize) -> usize {
+        self.slot(client, slot) + LINE
+    }
+
+    /// Data of landing slot `[client][slot]`.
+    pub fn slot_data(&self, client: usize, slot: usize) -> usize {
+        self.slot(client, slot) + 2 * LINE
+    }
+
+    /// World size this layout was built for.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+}
+
+/// What a pushed chunk is: written in front of the data, read by the server
+/// after it sees the slot's signal.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SlotHeader {
+    /// Sequence number (equals the signal value).
+    pub seq: u64,
+    /// Bucket index.
+    pub bucket: u32,
+    /// Element type of the data.
+    pub dtype: DType,
+    /// First element, relative to the owner's shard.
+    pub offset: u64,
+    /// Elements in the chunk.
+    pub len: u64,
+    /// Factor applied while accumulating.
+    pub scale: f32,
+}
+
+impl SlotHeader {
+    /// Little-endian wire form.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..12].copy_from_slice(&self.bucket.to_le_bytes());
+        b[12] = self.dtype.as_u8();
+        b[16..24].copy_from_slice(&self.offset.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..36].copy_from_slice(&self.scale.to_le_bytes());
+        b
+    }
+
+    /// Parses the wire form; `None` for an unknown dtype code.
+    pub fn decode(b: &[u8; HEADER_BYTES]) -> Option<SlotHeader> {
+        let u64_at = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(w)
+        };
+        let mut w4 = [0u8; 4];
+        w4.copy_from_slice(&b[8..12]);
+        let bucket = u32::from_le_bytes(w4);
+        w4.copy_from_slice(&b[32..36]);
+        let scale = f32::from_le_bytes(w4);
+        Some(SlotHeader {
+            seq: u64_at(0),
+            bucket,
+            dtype: DType::from_u8(b[12])?,
+            offset: u64_at(16),
+            len: u64_at(24),
+            scale,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trips() {
+        let h = SlotHeader {
+            seq: 7,
+            bucket: 3,
+            dtype: DType::BF16,
+            offset: 1 << 40,
+            len: 99,
+            scale: 0.5,
+        };
+        assert_eq!(SlotHeader::decode(&h.encode()), Some(h));
+        let mut bad = h.encode();
+        bad[12] = 9;
+        assert_eq!(SlotHeader::decode(&bad), None);
+    }
+
+    #[test]
+    fn words_do_not_overlap() {
+        let l = CtrlLayout::new(3, 5, 1000);
+        assert_eq!(l.chunk_bytes(), 1024);
+        assert!(l.seen_version(2, 4) + 8 <= l.released(0, 0));
+        assert!(l.released(2, 4) + 8 <= l.done(0));
+        assert!(l.done(2) + 8 <= l.ack(0, 0));
+        assert!(l.ack(2, 1) + 8 <= l.slot_signal(0, 0));
+        assert_eq!(l.slot_data(2, 1) + 1024, l.len());
+        assert_eq!(l.slot_data(0, 0) % 64, 0);
+    }
+}

@@ -1,0 +1,608 @@
+//! [`Engine`]: setup (job rendezvous, collective registration, connection),
+//! the server thread's lifetime, and the shared state the worker API
+//! ([`crate::client`]) and the daemon ([`crate::server`]) use.
+//!
+//! This module owns every resource of a rank; it does not move data itself.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use odc_kernels::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::control::CtrlLayout;
+use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
+use crate::region::{Bell, Endpoint, HeapBlock, LocalRegion, RegionDesc};
+use crate::store::{wait_get, Store};
+use crate::sync::{AtomicBool, AtomicU64, Backoff, Ordering};
+use crate::topology::Topology;
+use crate::transport::shm::ShmTransport;
+use crate::transport::{PeerStatus, Transport, TransportKind};
+use crate::{Error, Result};
+
+/// Region id of the control region (control words and landing slots).
+const CTRL_REGION: u32 = 0;
+/// Region id of the published parameter shards.
+const PARAMS_REGION: u32 = 1;
+/// How often a sleeping waiter checks that the peer it waits for is alive.
+const LIVENESS_PERIOD: Duration = Duration::from_millis(50);
+
+/// Engine settings. `Default` reads `ODC_TIMEOUT_S` and `ODC_JOB_KEY`.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Landing-slot size: the most bytes one push carries (default 1 MiB).
+    /// Must be equal on every rank.
+    pub chunk_bytes: usize,
+    /// Deadline of every wait (default 300 s, or `ODC_TIMEOUT_S`).
+    pub timeout: Duration,
+    /// Accumulator dtype; only `F32` is supported.
+    pub accum_dtype: DType,
+    /// Backend.
+    pub transport: TransportKind,
+    /// Names this job's shared-memory segments so that a restart of the same
+    /// job removes a crashed run's leftovers (default `ODC_JOB_KEY`, else
+    /// `"default"`).
+    pub job_key: String,
+    /// Store key prefix, so several engines can share one store.
+    pub store_prefix: String,
+}
+
+impl Default for EngineConfig {
+    fn default() -> EngineConfig {
+        let timeout = std::env::var("ODC_TIMEOUT_S")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(Duration::from_secs(300), Duration::from_secs_f64);
+        EngineConfig {
+            chunk_bytes: 1 << 20,
+            timeout,
+            accum_dtype: DType::F32,
+            transport: TransportKind::Shm,
+            job_key: std::env::var("ODC_JOB_KEY").unwrap_or_else(|_| "default".into()),
+            store_prefix: "odc".into(),
+        }
+    }
+}
+
+/// A registered bucket's index, as returned by [`Engine::bucket_id`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BucketId(pub usize);
+
+/// Everything that exists after [`Engine::register`].
+#[derive(Debug)]
+pub(crate) struct Registered {
+    pub(crate) buckets: Vec<BucketLayout>,
+    pub(crate) names: HashMap<String, usize>,
+    pub(crate) ctrl_layout: CtrlLayout,
+    /// Byte offset of each bucket's shard in the params region.
+    pub(crate) params_off: Vec<usize>,
+    /// Element offset of each bucket's accumulator.
+    pub(crate) accum_off: Vec<usize>,
+    pub(crate) ctrl: LocalRegion,
+    pub(crate) params: LocalRegion,
+    pub(crate) accum: HeapBlock,
+    pub(crate) peer_ctrl: Vec<RegionDesc>,
+    pub(crate) peer_params: Vec<RegionDesc>,
+    pub(crate) peer_pid: Vec<u32>,
+    /// Highest version + 1 this client released per bucket (local only).
+    pub(crate) released: Vec<AtomicU64>,
+    /// Highest minibatch + 1 this client finished.
+    pub(crate) finished: AtomicU64,
+}
+
+impl Registered {
+    pub(crate) fn word(&self, offset: usize) -> &AtomicU64 {
+        // The control layout only yields in-range, aligned offsets.
+        match self.ctrl.signal(offset) {
+            Some(w) => w,
+            None => unreachable!("control offset {offset} outside the control region"),
+        }
+    }
+
+    pub(crate) fn bucket(&self, id: BucketId) -> Result<&BucketLayout> {
+        self.buckets.get(id.0).ok_or_else(|| {
+            Error::layout(
+                None,
+                format!(
+                    "unknown bucket id {} ({} registered)",
+                    id.0,
+                    self.buckets.len()
+                ),
+            )
+        })
+    }
+
+    /// The accumulator of bucket `b` as a raw pointer and length.
+    pub(crate) fn accum_ptr(&self, b: usize) -> (*mut f32, usize) {
+        let len = self.buckets[b].shard_len();
+        // SAFETY: accum_off[b] + len is within the block (sized at register).
+        let ptr = unsafe { self.accum.as_ptr().cast::<f32>().add(self.accum_off[b]) };
+        (ptr, len)
+    }
+}
+
+/// State shared by the worker API and the server daemon.
+pub(crate) struct Inner {
+    pub(crate) topo: Topology,
+    pub(crate) config: EngineConfig,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) transport: Box<dyn Transport>,
+    pub(crate) reg: OnceLock<Registered>,
+    pub(crate) shutdown: AtomicBool,
+    pub(crate) server_error: Mutex<Option<String>>,
+}
+
+impl fmt::Debug for Inner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Inner")
+            .field("topo", &self.topo)
+            .field("transport", &self.transport)
+            .field("registered", &self.reg.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Pushes in flight from this client: per owner, the next sequence number
+/// and the sequence number last written into each of its two slots.
+#[derive(Debug)]
+pub(crate) struct PushState {
+    pub(crate) next_seq: Vec<u64>,
+    pub(crate) sent: Vec<[u64; 2]>,
+    pub(crate) cursor: Vec<std::ops::Range<usize>>,
+}
+
+/// One rank's ODC engine: worker API plus the shard server daemon.
+///
+/// See the crate docs for the protocol, thread safety and cleanup.
+#[derive(Debug)]
+pub struct Engine {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) push: Mutex<PushState>,
+    pub(crate) publish_lock: Mutex<()>,
+    register_lock: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct RegPost {
+    hash: u64,
+    chunk_bytes: usize,
+    accum: String,
+    specs: Vec<(String, usize, String)>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct EndpointPost {
+    endpoint: Endpoint,
+    regions: Vec<RegionDesc>,
+}
+
+fn fnv1a(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in data {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn random_job_id() -> Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn json<T: Serialize>(key: &str, v: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(v).map_err(|e| Error::Store {
+        op: "set",
+        key: key.to_owned(),
+        detail: e.to_string(),
+    })
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(key: &str, v: &[u8]) -> Result<T> {
+    serde_json::from_slice(v).map_err(|e| Error::Store {
+        op: "get",
+        key: key.to_owned(),
+        detail: format!("malformed value: {e}"),
+    })
+}
+
+impl Engine {
+    /// Joins the job as `topology.rank()`: agrees on a job id through the
+    /// store (rank 0 draws it) and creates this rank's transport.
+    pub fn new(store: Arc<dyn Store>, topology: Topology, config: EngineConfig) -> Result<Engine> {
+        if config.chunk_bytes == 0 || config.chunk_bytes > 1 << 30 {
+            return Err(Error::Config(format!(
+                "chunk_bytes {} not in 1..=1 GiB",
+                config.chunk_bytes
+            )));
+        }
+        if config.accum_dtype != DType::F32 {
+            return Err(Error::Config(format!(
+                "accumulation dtype {} unsupported; only f32",
+                config.accum_dtype
+            )));
+        }
+        if config.timeout.is_zero() {
+            return Err(Error::Config("timeout must be positive".into()));
+        }
+        let deadline = Instant::now() + config.timeout;
+        let key = format!("{}/job_id", config.store_prefix);
+        let job_id = if topology.rank() == 0 {
+            let id = random_job_id()?;
+            store.set(&key, id.as_bytes())?;
+            id
+        } else {
+            String::from_utf8_lossy(&wait_get(store.as_ref(), &key, deadline)?).into_owned()
+        };
+        let transport: Box<dyn Transport> = match config.transport {
+            TransportKind::Shm => {
+                if topology.nodes() != 1 {
+                    return Err(Error::Config(
+                        "the shm transport needs a single-node topology".into(),
+                    ));
+                }
+                Box::new(ShmTransport::new(
+                    topology.rank(),
+                    topology.world(),
+                    &config.job_key,
+                    &job_id,
+                )?)
+            }
+        };
+        let world = topology.world();
+        Ok(Engine {
+            inner: Arc::new(Inner {
+                topo: topology,
+                config,
+                store,
+                transport,
+                reg: OnceLock::new(),
+                shutdown: AtomicBool::new(false),
+                server_error: Mutex::new(None),
+            }),
+            push: Mutex::new(PushState {
+                next_seq: vec![0; world],
+                sent: vec![[0; 2]; world],
+                cursor: vec![0..0; world],
+            }),
+            publish_lock: Mutex::new(()),
+            register_lock: Mutex::new(None),
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.inner.topo.rank()
+    }
+
+    /// D.
+    pub fn world(&self) -> usize {
+        self.inner.topo.world()
+    }
+
+    /// The topology.
+    pub fn topology(&self) -> Topology {
+        self.inner.topo
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.config
+    }
+
+    /// Registers every bucket: eager and collective, in the same order on
+    /// every rank. The lists are compared through the store and a mismatch
+    /// fails on every rank naming the first differing bucket. Allocates the
+    /// published shards, accumulators, landing slots and control words,
+    /// exchanges descriptors, connects to every peer and starts the server.
+    pub fn register(&self, specs: &[BucketSpec]) -> Result<()> {
+        let mut server = self
+            .register_lock
+            .lock()
+            .map_err(|_| Error::protocol(None, "an earlier register call panicked"))?;
+        if self.inner.reg.get().is_some() {
+            return Err(Error::protocol(None, "register called twice"));
+        }
+        let inner = &self.inner;
+        let (rank, world) = (inner.topo.rank(), inner.topo.world());
+        let deadline = Instant::now() + inner.config.timeout;
+        let prefix = &inner.config.store_prefix;
+
+        let mut buckets = Vec::with_capacity(specs.len());
+        let mut names = HashMap::new();
+        for (i, s) in specs.iter().enumerate() {
+            if names.insert(s.name.clone(), i).is_some() {
+                return Err(Error::layout(Some(&s.name), "bucket name registered twice"));
+            }
+            buckets.push(BucketLayout::new(s.clone(), world)?);
+        }
+        if buckets.is_empty() {
+            return Err(Error::layout(None, "register needs at least one bucket"));
+        }
+
+        // 1. Compare bucket lists through the store.
+        let spec_list: Vec<(String, usize, String)> = specs
+            .iter()
+            .map(|s| (s.name.clone(), s.numel, s.dtype.name().to_owned()))
+            .collect();
+        let ctrl_layout = CtrlLayout::new(world, buckets.len(), inner.config.chunk_bytes);
+        let mut post = RegPost {
+            hash: 0,
+            chunk_bytes: ctrl_layout.chunk_bytes(),
+            accum: inner.config.accum_dtype.name().into(),
+            specs: spec_list,
+        };
+        post.hash = fnv1a(&json("reg", &post.specs)?);
+        let my_key = format!("{prefix}/reg/{rank}");
+        inner.store.set(&my_key, &json(&my_key, &post)?)?;
+        for peer in 0..world {
+            let key = format!("{prefix}/reg/{peer}");
+            let theirs: RegPost = parse(&key, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
+            if theirs.hash != post.hash || theirs.specs != post.specs {
+                let n = post.specs.len().max(theirs.specs.len());
+                let show = |l: &[(String, usize, String)], i: usize| {
+                    l.get(i).map_or("<none>".to_owned(), |(a, b, c)| {
+                        format!("{a} numel={b} dtype={c}")
+                    })
+                };
+                let i = (0..n)
+                    .find(|&i| post.specs.get(i) != theirs.specs.get(i))
+                    .unwrap_or(0);
+                return Err(Error::Registration {
+                    peer,
+                    first_differing_bucket: i,
+                    ours: show(&post.specs, i),
+                    theirs: show(&theirs.specs, i),
+                });
+            }
+            if theirs.chunk_bytes != post.chunk_bytes || theirs.accum != post.accum {
+                return Err(Error::Config(format!(
+                    "rank {peer} uses chunk_bytes {} / accumulation {}, this rank {} / {}",
+                    theirs.chunk_bytes, theirs.accum, post.chunk_bytes, post.accum
+                )));
+            }
+        }
+
+        // 2. Allocate.
+        let mut params_off = Vec::with_capacity(buckets.len());
+        let mut accum_off = Vec::with_capacity(buckets.len());
+        let (mut params_len, mut accum_len) = (0usize, 0usize);
+        for b in &buckets {
+            params_off.push(params_len);
+            params_len += b.shard_bytes().div_ceil(ALIGN_BYTES) * ALIGN_BYTES;
+            accum_off.push(accum_len);
+            accum_len += b.shard_len();
+        }
+        let ctrl = inner.transport.register(CTRL_REGION, ctrl_layout.len())?;
+        let params = inner.transport.register(PARAMS_REGION, params_len)?;
+        let accum = HeapBlock::zeroed(accum_len * 4)?;
+
+        // 3. Exchange descriptors and connect to every rank (this one too).
+        let my_key = format!("{prefix}/ep/{rank}");
+        let ep = EndpointPost {
+            endpoint: inner.transport.endpoint(),
+            regions: vec![ctrl.desc(), params.desc()],
+        };
+        inner.store.set(&my_key, &json(&my_key, &ep)?)?;
+        let (mut peer_ctrl, mut peer_params, mut peer_pid) = (Vec::new(), Vec::new(), Vec::new());
+        for peer in 0..world {
+            let key = format!("{prefix}/ep/{peer}");
+            let theirs: EndpointPost =
+                parse(&key, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
+            let find = |id: u32| {
+                theirs
+                    .regions
+                    .iter()
+                    .copied()
+                    .find(|r| r.id == id)
+                    .ok_or_else(|| Error::Store {
+                        op: "get",
+                        key: key.clone(),
+                        detail: format!("rank {peer} published no region {id}"),
+                    })
+            };
+            let (c, p) = (find(CTRL_REGION)?, find(PARAMS_REGION)?);
+            if c.len < ctrl_layout.len() as u64 || p.len < params_len as u64 {
+                return Err(Error::Config(format!(
+                    "rank {peer} registered regions of a different size"
+                )));
+            }
+            inner
+                .transport
+                .connect(peer, &theirs.endpoint, &theirs.regions)?;
+            peer_ctrl.push(c);
+            peer_params.push(p);
+            peer_pid.push(theirs.endpoint.pid);
+        }
+        // Every rank has mapped every segment before anyone may drop (and
+        // unlink) its own: the one barrier, at setup only.
+        let my_key = format!("{prefix}/connected/{rank}");
+        inner.store.set(&my_key, b"1")?;
+        let keys: Vec<String> = (0..world)
+            .map(|p| format!("{prefix}/connected/{p}"))
+            .collect();
+        let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+        inner.store.wait(&keys, deadline)?;
+        let nb = buckets.len();
+        let reg = Registered {
+            buckets,
+            names,
+            ctrl_layout,
+            params_off,
+            accum_off,
+            ctrl,
+            params,
+            accum,
+            peer_ctrl,
+            peer_params,
+            peer_pid,
+            released: (0..nb).map(|_| AtomicU64::new(0)).collect(),
+            finished: AtomicU64::new(0),
+        };
+        if inner.reg.set(reg).is_err() {
+            return Err(Error::protocol(None, "register called twice"));
+        }
+
+        // 4. Start the shard server daemon.
+        let daemon = Arc::clone(&self.inner);
+        let handle = std::thread::Builder::new()
+            .name(format!("odc-server-{rank}"))
+            .spawn(move || crate::server::run(&daemon))?;
+        *server = Some(handle);
+        Ok(())
+    }
+
+    /// The id of the bucket named `name`.
+    pub fn bucket_id(&self, name: &str) -> Result<BucketId> {
+        let reg = self.inner.registered()?;
+        reg.names
+            .get(name)
+            .map(|&i| BucketId(i))
+            .ok_or_else(|| Error::layout(Some(name), "unknown bucket"))
+    }
+
+    /// The layout of bucket `id`.
+    pub fn bucket(&self, id: BucketId) -> Result<&BucketLayout> {
+        self.inner.registered()?.bucket(id)
+    }
+
+    /// Every registered bucket, in registration order.
+    pub fn buckets(&self) -> Result<&[BucketLayout]> {
+        Ok(&self.inner.registered()?.buckets)
+    }
+}
+
+impl Inner {
+    pub(crate) fn registered(&self) -> Result<&Registered> {
+        self.reg.get().ok_or_else(|| {
+            Error::protocol(
+                None,
+                "the engine has no registered buckets; call register first",
+            )
+        })
+    }
+
+    /// Waits until `check` reports nothing pending (`Ok(None)`); while it
+    /// names a lagging peer, spins briefly, then sleeps on this rank's
+    /// client bell, probing that peer's liveness every 50 ms, until the
+    /// configured deadline.
+    pub(crate) fn wait(
+        &self,
+        bucket: Option<&str>,
+        waited_for: &dyn Fn() -> String,
+        mut check: impl FnMut() -> Result<Option<usize>>,
+    ) -> Result<()> {
+        let mut backoff = Backoff::new();
+        let start = Instant::now();
+        let deadline = start + self.config.timeout;
+        let mut next_probe = start;
+        loop {
+            if check()?.is_none() {
+                return Ok(());
+            }
+            if !backoff.is_completed() {
+                backoff.snooze();
+                continue;
+            }
+            let epoch = self.transport.bell_epoch(Bell::Client);
+            let lagging = match check()? {
+                None => return Ok(()),
+                Some(p) => p,
+            };
+            let now = Instant::now();
+            if now >= next_probe {
+                next_probe = now + LIVENESS_PERIOD;
+                self.probe(lagging, bucket, waited_for)?;
+            }
+            if now >= deadline {
+                self.transport.set_blame(lagging);
+                return Err(Error::PeerTimeout {
+                    peer: lagging,
+                    bucket: bucket.map(str::to_owned),
+                    waited_for: waited_for(),
+                    after: now - start,
+                });
+            }
+            let nap = LIVENESS_PERIOD.min(deadline - now);
+            self.transport.bell_wait(Bell::Client, epoch, nap)?;
+        }
+    }
+
+    fn probe(
+        &self,
+        peer: usize,
+        bucket: Option<&str>,
+        waited_for: &dyn Fn() -> String,
+    ) -> Result<()> {
+        match self.transport.peer_status(peer) {
+            PeerStatus::Alive => Ok(()),
+            PeerStatus::Dead { pid, blamed } => {
+                let me = self.topo.rank();
+                let (root, pid, reported_by) = match blamed {
+                    Some(b) if b != me && b != peer && b < self.topo.world() => {
+                        let pid = self
+                            .reg
+                            .get()
+                            .and_then(|r| r.peer_pid.get(b).copied())
+                            .unwrap_or(0);
+                        (b, pid, Some(peer))
+                    }
+                    _ => (peer, pid, None),
+                };
+                self.transport.set_blame(root);
+                Err(Error::PeerDied {
+                    peer: root,
+                    pid,
+                    bucket: bucket.map(str::to_owned),
+                    waited_for: waited_for(),
+                    reported_by,
+                })
+            }
+        }
+    }
+
+    pub(crate) fn record_server_error(&self, msg: String) {
+        if let Ok(mut slot) = self.server_error.lock() {
+            if slot.is_none() {
+                *slot = Some(msg);
+            }
+        }
+    }
+
+    pub(crate) fn take_server_error(&self) -> Option<String> {
+        self.server_error.lock().ok().and_then(|s| s.clone())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.inner.shutdown.store(true, Ordering::Release);
+        self.inner.transport.ring(Bell::Server);
+        let handle = match self.register_lock.get_mut() {
+            Ok(h) => h.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        if let Some(h) = handle {
+            if h.join().is_err() {
+                eprintln!(
+                    "odc: rank {}: server thread panicked",
+                    self.inner.topo.rank()
+                );
+            }
+        }
+        if let Some(e) = self.inner.take_server_error() {
+            eprintln!("odc: rank {}: server reported: {e}", self.inner.topo.rank());
+        }
+    }
+}
+
+/// Loads a control word (acquire).
+pub(crate) fn load(word: &AtomicU64) -> u64 {
+    word.load(Ordering::Acquire)
+}

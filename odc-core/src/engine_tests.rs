@@ -1,0 +1,183 @@
+//! In-process tests: several engines in one process, one thread per rank.
+//! Multi-process behaviour (crashes, segment cleanup) lives in `tests/`.
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use odc_kernels::DType;
+
+use crate::{
+    bytes_of, bytes_of_mut, BucketId, BucketSpec, Engine, EngineConfig, Error, FileStore, Topology,
+};
+
+fn config(key: &str) -> EngineConfig {
+    EngineConfig {
+        chunk_bytes: 256,
+        timeout: Duration::from_secs(10),
+        job_key: key.into(),
+        ..EngineConfig::default()
+    }
+}
+
+fn run_ranks<F>(world: usize, key: &str, f: F)
+where
+    F: Fn(Engine) + Send + Sync + 'static,
+{
+    let dir = tempfile::tempdir().unwrap();
+    let f = Arc::new(f);
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            let f = Arc::clone(&f);
+            let key = key.to_owned();
+            std::thread::spawn(move || {
+                let e = Engine::new(
+                    store,
+                    Topology::single_node(rank, world).unwrap(),
+                    config(&key),
+                )
+                .unwrap();
+                f(e)
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn gather_scatter_three_ranks_threads() {
+    run_ranks(3, "unit_gs3", |e| {
+        let (rank, world) = (e.rank(), e.world());
+        let numel = 1001;
+        e.register(&[
+            BucketSpec::new("a", numel, DType::F32),
+            BucketSpec::new("b", 77, DType::BF16),
+        ])
+        .unwrap();
+        let a = e.bucket_id("a").unwrap();
+        let sl = e.bucket(a).unwrap().shard_len();
+        for k in 0..5u64 {
+            let shard: Vec<f32> = (0..sl)
+                .map(|i| ((rank * sl + i) as f32) + 1000.0 * k as f32)
+                .collect();
+            e.publish(a, bytes_of(&shard), DType::F32, k).unwrap();
+            let mut full = vec![0f32; numel];
+            e.gather(a, k, bytes_of_mut(&mut full), DType::F32).unwrap();
+            for (i, x) in full.iter().enumerate() {
+                assert_eq!(*x, i as f32 + 1000.0 * k as f32);
+            }
+            let mut remote = vec![-1f32; numel];
+            e.gather_remote(a, k, bytes_of_mut(&mut remote), DType::F32)
+                .unwrap();
+            for (i, x) in remote.iter().enumerate() {
+                let own = e.bucket(a).unwrap().shard_range(rank).contains(&i);
+                assert_eq!(
+                    *x,
+                    if own {
+                        -1.0
+                    } else {
+                        i as f32 + 1000.0 * k as f32
+                    }
+                );
+            }
+            let grads: Vec<f32> = (0..numel).map(|i| (i % 7) as f32 + rank as f32).collect();
+            e.scatter_accumulate(a, bytes_of(&grads), DType::F32, 1.0)
+                .unwrap();
+            e.scatter_accumulate(a, bytes_of(&grads), DType::F32, 2.0)
+                .unwrap();
+            e.finish_minibatch(k).unwrap();
+            let mut g = vec![0f32; sl];
+            e.read_grad_shard(a, &mut g).unwrap();
+            for (j, x) in g.iter().enumerate() {
+                let i = rank * sl + j;
+                let want = if i < numel {
+                    3.0 * (0..world).map(|r| (i % 7) as f32 + r as f32).sum::<f32>()
+                } else {
+                    0.0
+                };
+                assert_eq!(*x, want, "rank {rank} elem {i}");
+            }
+            e.zero_grads().unwrap();
+        }
+    });
+}
+
+#[test]
+fn bad_input_is_reported() {
+    run_ranks(2, "unit_bad", |e| {
+        let shard = vec![0f32; 64];
+        assert!(matches!(
+            e.publish(BucketId(0), bytes_of(&shard), DType::F32, 0),
+            Err(Error::Protocol { .. })
+        ));
+        e.register(&[BucketSpec::new("a", 100, DType::F32)])
+            .unwrap();
+        assert!(matches!(e.bucket_id("nope"), Err(Error::Layout { .. })));
+        let a = e.bucket_id("a").unwrap();
+        assert!(matches!(
+            e.publish(BucketId(5), bytes_of(&shard), DType::F32, 0),
+            Err(Error::Layout { .. })
+        ));
+        assert!(matches!(
+            e.publish(a, bytes_of(&shard[..3]), DType::F32, 0),
+            Err(Error::Layout { .. })
+        ));
+        assert!(matches!(
+            e.publish(a, bytes_of(&shard), DType::BF16, 0),
+            Err(Error::Layout { .. })
+        ));
+        let mut out = vec![0f32; 99];
+        assert!(matches!(
+            e.gather(a, 0, bytes_of_mut(&mut out), DType::F32),
+            Err(Error::Layout { .. })
+        ));
+        let g = vec![0f32; 10];
+        assert!(matches!(
+            e.scatter_accumulate_at(a, 120, bytes_of(&g), DType::F32, 1.0),
+            Err(Error::Layout { .. })
+        ));
+        assert!(matches!(
+            e.register(&[BucketSpec::new("a", 100, DType::F32)]),
+            Err(Error::Protocol { .. })
+        ));
+    });
+}
+
+#[test]
+fn mismatched_registration_names_bucket() {
+    let dir = tempfile::tempdir().unwrap();
+    let threads: Vec<_> = (0..2)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            std::thread::spawn(move || {
+                let e = Engine::new(
+                    store,
+                    Topology::single_node(rank, 2).unwrap(),
+                    config("unit_mis"),
+                )
+                .unwrap();
+                let n = if rank == 0 { 10 } else { 11 };
+                e.register(&[
+                    BucketSpec::new("x", 5, DType::F32),
+                    BucketSpec::new("y", n, DType::F32),
+                ])
+            })
+        })
+        .collect();
+    for t in threads {
+        match t.join().unwrap() {
+            Err(Error::Registration {
+                first_differing_bucket: 1,
+                ours,
+                theirs,
+                ..
+            }) => {
+                assert!(ours.starts_with("y numel=") && theirs.starts_with("y numel="));
+            }
+            other => panic!("expected a registration error, got {other:?}"),
+        }
+    }
+}

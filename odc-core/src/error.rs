@@ -1,0 +1,199 @@
+//! The crate's one error type.
+//!
+//! Variants are few on purpose: the Python layer maps each one to an
+//! exception class (`PeerTimeout`, `PeerDied`, `RegistrationError`,
+//! `LayoutError`, `ProtocolError`, `ConfigError`, `TransportError`,
+//! `StoreError`, `OSError`). Every variant carries enough context (peer rank,
+//! bucket, what was awaited) for a user to act on it without a debugger.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in the engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A wait on a peer passed its deadline while the peer still looked alive.
+    #[error(
+        "timed out after {after:?} waiting for rank {peer} ({waited_for}{})",
+        bucket_suffix(.bucket)
+    )]
+    PeerTimeout {
+        /// The rank that did not make progress.
+        peer: usize,
+        /// The bucket involved, if the wait was about one.
+        bucket: Option<String>,
+        /// What was awaited, in words (`"version 3 of the shard"`).
+        waited_for: String,
+        /// How long the wait lasted.
+        after: Duration,
+    },
+
+    /// A peer's process exited (or closed its engine) while this rank still
+    /// needed it.
+    #[error(
+        "rank {peer} (pid {pid}) died or closed its engine while waiting for {waited_for}{}{}",
+        bucket_suffix(.bucket),
+        .reported_by.map(|r| format!(" (reported by rank {r})")).unwrap_or_default()
+    )]
+    PeerDied {
+        /// The rank that died (the root cause when another rank reported it).
+        peer: usize,
+        /// Its process id (0 when unknown).
+        pid: u32,
+        /// The bucket involved, if any.
+        bucket: Option<String>,
+        /// What this rank was waiting for.
+        waited_for: String,
+        /// Set when a third rank failed because of `peer` and exited in turn.
+        reported_by: Option<usize>,
+    },
+
+    /// Ranks registered different bucket lists.
+    #[error(
+        "registration mismatch with rank {peer}: first differing bucket is #{first_differing_bucket} \
+         (this rank: {ours}; rank {peer}: {theirs})"
+    )]
+    Registration {
+        /// The rank whose list differs from ours.
+        peer: usize,
+        /// Index of the first bucket that differs.
+        first_differing_bucket: usize,
+        /// Our bucket at that index (`name numel dtype`, or `<none>`).
+        ours: String,
+        /// Their bucket at that index.
+        theirs: String,
+    },
+
+    /// A buffer, dtype, offset or bucket does not match the registered layout.
+    #[error("layout error{}: {detail}", bucket_suffix(.bucket))]
+    Layout {
+        /// The bucket involved, if known.
+        bucket: Option<String>,
+        /// What is wrong, with the expected and actual values.
+        detail: String,
+    },
+
+    /// Calls made in an order the protocol forbids (publish before register,
+    /// a gather of a version newer than the owner's, a corrupt landing slot).
+    #[error("protocol violation{}: {detail}", bucket_suffix(.bucket))]
+    Protocol {
+        /// The bucket involved, if any.
+        bucket: Option<String>,
+        /// What happened.
+        detail: String,
+    },
+
+    /// An invalid configuration or topology.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A transport operation failed.
+    #[error("transport {op} failed: {detail}")]
+    Transport {
+        /// The operation (`"shm_open"`, `"mmap"`, `"get"`, ...).
+        op: &'static str,
+        /// What it was applied to and why it failed.
+        detail: String,
+        /// The underlying error, when there is one.
+        #[source]
+        source: Option<std::io::Error>,
+    },
+
+    /// The rendezvous store failed or returned malformed data.
+    #[error("store {op} failed for key {key:?}: {detail}")]
+    Store {
+        /// The operation (`"set"`, `"get"`, `"wait"`, `"add"`).
+        op: &'static str,
+        /// The key involved.
+        key: String,
+        /// Why it failed.
+        detail: String,
+    },
+
+    /// An operating-system error outside the transport.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+fn bucket_suffix(bucket: &Option<String>) -> String {
+    match bucket {
+        Some(b) => format!(" (bucket {b:?})"),
+        None => String::new(),
+    }
+}
+
+impl Error {
+    /// The peer this error blames, for `PeerTimeout` and `PeerDied`.
+    pub fn blamed_peer(&self) -> Option<usize> {
+        match self {
+            Error::PeerTimeout { peer, .. } | Error::PeerDied { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn layout(bucket: Option<&str>, detail: impl Into<String>) -> Error {
+        Error::Layout {
+            bucket: bucket.map(str::to_owned),
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn protocol(bucket: Option<&str>, detail: impl Into<String>) -> Error {
+        Error::Protocol {
+            bucket: bucket.map(str::to_owned),
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn transport(op: &'static str, detail: impl Into<String>) -> Error {
+        Error::Transport {
+            op,
+            detail: detail.into(),
+            source: None,
+        }
+    }
+
+    pub(crate) fn transport_io(
+        op: &'static str,
+        detail: impl Into<String>,
+        source: std::io::Error,
+    ) -> Error {
+        Error::Transport {
+            op,
+            detail: detail.into(),
+            source: Some(source),
+        }
+    }
+}
+
+/// `Result` with this crate's [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_name_peer_and_bucket() {
+        let e = Error::PeerTimeout {
+            peer: 3,
+            bucket: Some("layer.0".into()),
+            waited_for: "version 2 of its shard".into(),
+            after: Duration::from_secs(5),
+        };
+        let s = e.to_string();
+        assert!(
+            s.contains("rank 3") && s.contains("layer.0") && s.contains("version 2"),
+            "{s}"
+        );
+        assert_eq!(e.blamed_peer(), Some(3));
+        let e = Error::PeerDied {
+            peer: 1,
+            pid: 42,
+            bucket: None,
+            waited_for: "x".into(),
+            reported_by: Some(2),
+        };
+        assert!(e.to_string().contains("reported by rank 2"));
+    }
+}

@@ -1,0 +1,211 @@
+//! Rendezvous: the [`Store`] trait (a tiny key-value store every rank can
+//! reach) and [`FileStore`], a directory-backed implementation for one node
+//! and for tests. torch's `TCPStore` implements the trait from Python.
+//!
+//! The engine uses the store only at setup (job id, registration hashes,
+//! region descriptors); nothing on the data path touches it.
+
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use crate::{Error, Result};
+
+/// A key-value store shared by every rank of a job.
+///
+/// Object-safe and minimal so that foreign stores (torch's `TCPStore`
+/// through Python callbacks) can implement it. Every blocking call has a
+/// deadline.
+pub trait Store: Send + Sync {
+    /// Sets `key` to `value`, replacing any previous value.
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// The value of `key`, or `None` when it is not set.
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>>;
+    /// Blocks until every key in `keys` is set, or fails at `deadline`.
+    fn wait(&self, keys: &[&str], deadline: Instant) -> Result<()>;
+    /// Atomically adds `delta` to the integer at `key` (0 when unset) and
+    /// returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+}
+
+/// Waits for `key` and returns its value.
+pub(crate) fn wait_get(store: &dyn Store, key: &str, deadline: Instant) -> Result<Vec<u8>> {
+    store.wait(&[key], deadline)?;
+    store.get(key)?.ok_or_else(|| Error::Store {
+        op: "get",
+        key: key.to_owned(),
+        detail: "key vanished after wait".into(),
+    })
+}
+
+/// A [`Store`] backed by a directory: one file per key, written to a
+/// temporary name and renamed into place so readers never see half a value.
+///
+/// Every process that opens the same directory shares the store. Keys may
+/// contain `/`; they are escaped into flat file names.
+#[derive(Debug, Clone)]
+pub struct FileStore {
+    dir: PathBuf,
+}
+
+impl FileStore {
+    /// Opens (creating if needed) a store in `dir`.
+    pub fn new(dir: impl AsRef<Path>) -> Result<FileStore> {
+        let dir = dir.as_ref().to_path_buf();
+        fs::create_dir_all(&dir).map_err(|e| Error::Store {
+            op: "open",
+            key: String::new(),
+            detail: format!("cannot create {}: {e}", dir.display()),
+        })?;
+        Ok(FileStore { dir })
+    }
+
+    /// The directory backing the store.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn path(&self, key: &str) -> PathBuf {
+        let mut name = String::with_capacity(key.len() + 4);
+        name.push_str("k_");
+        for b in key.bytes() {
+            if b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.' {
+                name.push(char::from(b));
+            } else {
+                name.push_str(&format!("%{b:02x}"));
+            }
+        }
+        self.dir.join(name)
+    }
+
+    fn err(op: &'static str, key: &str, e: impl std::fmt::Display) -> Error {
+        Error::Store {
+            op,
+            key: key.to_owned(),
+            detail: e.to_string(),
+        }
+    }
+
+    fn write_atomic(&self, key: &str, value: &[u8]) -> Result<()> {
+        let path = self.path(key);
+        let tmp =
+            tempfile::NamedTempFile::new_in(&self.dir).map_err(|e| Self::err("set", key, e))?;
+        tmp.as_file()
+            .write_all(value)
+            .map_err(|e| Self::err("set", key, e))?;
+        tmp.persist(&path).map_err(|e| Self::err("set", key, e))?;
+        Ok(())
+    }
+}
+
+impl Store for FileStore {
+    fn set(&self, key: &str, value: &[u8]) -> Result<()> {
+        self.write_atomic(key, value)
+    }
+
+    fn get(&self, key: &str) -> Result<Option<Vec<u8>>> {
+        match fs::File::open(self.path(key)) {
+            Ok(mut f) => {
+                let mut v = Vec::new();
+                f.read_to_end(&mut v)
+                    .map_err(|e| Self::err("get", key, e))?;
+                Ok(Some(v))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Self::err("get", key, e)),
+        }
+    }
+
+    fn wait(&self, keys: &[&str], deadline: Instant) -> Result<()> {
+        let mut sleep = Duration::from_micros(200);
+        for key in keys {
+            let path = self.path(key);
+            while !path.exists() {
+                if Instant::now() >= deadline {
+                    return Err(Self::err(
+                        "wait",
+                        key,
+                        "deadline passed before the key was set",
+                    ));
+                }
+                std::thread::sleep(sleep);
+                sleep = (sleep * 2).min(Duration::from_millis(10));
+            }
+        }
+        Ok(())
+    }
+
+    fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        // Serialize read-modify-write through an advisory lock on a lock file.
+        let lock_path = self.path(&format!("{key}.lock"));
+        let lock = fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| Self::err("add", key, e))?;
+        let fd = lock.as_raw_fd();
+        // SAFETY: `fd` is an open descriptor owned by `lock`, which outlives
+        // the call; flock has no memory-safety preconditions.
+        if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
+            return Err(Self::err("add", key, std::io::Error::last_os_error()));
+        }
+        let result = (|| {
+            let current = match self.get(key)? {
+                Some(v) => std::str::from_utf8(&v)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i64>().ok())
+                    .ok_or_else(|| Self::err("add", key, "value is not an integer"))?,
+                None => 0,
+            };
+            let new = current + delta;
+            self.write_atomic(key, new.to_string().as_bytes())?;
+            Ok(new)
+        })();
+        // SAFETY: as above; unlocking a descriptor we locked.
+        unsafe { libc::flock(fd, libc::LOCK_UN) };
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn set_get_wait_add() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = FileStore::new(dir.path()).unwrap();
+        assert_eq!(s.get("a/b").unwrap(), None);
+        s.set("a/b", b"hello").unwrap();
+        assert_eq!(s.get("a/b").unwrap().as_deref(), Some(&b"hello"[..]));
+        s.wait(&["a/b"], Instant::now()).unwrap();
+        let err = s.wait(&["missing"], Instant::now() + Duration::from_millis(20));
+        assert!(matches!(err, Err(Error::Store { op: "wait", .. })));
+        assert_eq!(s.add("n", 2).unwrap(), 2);
+        assert_eq!(s.add("n", -5).unwrap(), -3);
+    }
+
+    #[test]
+    fn add_is_atomic_across_threads() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(FileStore::new(dir.path()).unwrap());
+        let threads: Vec<_> = (0..4)
+            .map(|_| {
+                let s = Arc::clone(&s);
+                std::thread::spawn(move || {
+                    for _ in 0..25 {
+                        s.add("ctr", 1).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(s.add("ctr", 0).unwrap(), 100);
+    }
+}

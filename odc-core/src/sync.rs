@@ -1,0 +1,210 @@
+//! The one place atomics come from, plus the waiting primitives every
+//! waiter uses: [`Backoff`] (spin, then yield) and futex wait/wake on 32-bit
+//! words that may live in memory shared between processes.
+//!
+//! Under `--cfg loom` the atomics are loom's so the landing-slot protocol can
+//! be model-checked; futexes do not exist there and waits degrade to yields.
+//!
+//! Why sleep at all: hosts are oversubscribed (2 cores for 2–8 ranks, each
+//! with a daemon). A busy-polling thread costs its neighbours a whole
+//! scheduler slice, so a waiter spins only briefly, then sleeps on the word
+//! and whoever writes the word wakes it.
+
+#[cfg(loom)]
+pub use loom::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+#[cfg(not(loom))]
+pub use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+#[cfg(not(loom))]
+use std::time::Duration;
+
+/// Spin-then-yield backoff in the manner of crossbeam's: a waiter calls
+/// [`snooze`](Backoff::snooze) until [`is_completed`](Backoff::is_completed),
+/// then goes to sleep on a futex.
+#[derive(Debug, Default)]
+pub struct Backoff {
+    step: u32,
+}
+
+impl Backoff {
+    const SPIN_LIMIT: u32 = 6;
+    const YIELD_LIMIT: u32 = 9;
+
+    /// A fresh backoff.
+    pub fn new() -> Backoff {
+        Backoff { step: 0 }
+    }
+
+    /// Busy-waits (exponentially longer), then yields the CPU.
+    pub fn snooze(&mut self) {
+        if self.step <= Self::SPIN_LIMIT {
+            for _ in 0..1u32 << self.step {
+                spin_hint();
+            }
+        } else {
+            yield_now();
+        }
+        if self.step <= Self::YIELD_LIMIT {
+            self.step += 1;
+        }
+    }
+
+    /// Whether the waiter should stop spinning and sleep.
+    pub fn is_completed(&self) -> bool {
+        self.step > Self::YIELD_LIMIT
+    }
+
+    /// Starts over (after progress was made).
+    pub fn reset(&mut self) {
+        self.step = 0;
+    }
+}
+
+#[cfg(loom)]
+fn spin_hint() {
+    loom::thread::yield_now();
+}
+#[cfg(not(loom))]
+fn spin_hint() {
+    std::hint::spin_loop();
+}
+
+/// Yields the CPU to another thread.
+#[cfg(loom)]
+pub fn yield_now() {
+    loom::thread::yield_now();
+}
+/// Yields the CPU to another thread.
+#[cfg(not(loom))]
+pub fn yield_now() {
+    std::thread::yield_now();
+}
+
+/// Sleeps while `*word == expected`, for at most `timeout`. Returns early on
+/// a wake, a spurious wake-up or when the word already differs. The word may
+/// sit in a mapping shared with other processes (non-private futex).
+#[cfg(not(loom))]
+pub fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(i32::try_from(timeout.subsec_nanos()).unwrap_or(0)),
+    };
+    // SAFETY: `word` is a live, aligned 32-bit atomic for the duration of the
+    // call and `ts` outlives it; FUTEX_WAIT only reads both. Errors (EAGAIN
+    // when the value already differs, ETIMEDOUT, EINTR) all mean "re-check".
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wakes every thread (in any process) sleeping on `word`.
+#[cfg(not(loom))]
+pub fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: `word` is a live, aligned 32-bit atomic; FUTEX_WAKE does not
+    // access memory beyond hashing its address.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// An event count on a pair of 32-bit words: waiters read the
+/// [`epoch`](EventCount::epoch), re-check their condition, and sleep while
+/// the epoch is unchanged; a writer publishes its data (release), then calls
+/// [`notify`](EventCount::notify), which bumps the epoch and issues a futex
+/// wake only when someone sleeps. `#[repr(C)]` so it can live in a shared
+/// mapping.
+#[repr(C)]
+#[derive(Debug, Default)]
+#[cfg(not(loom))]
+pub struct EventCount {
+    epoch: AtomicU32,
+    sleepers: AtomicU32,
+}
+
+#[cfg(not(loom))]
+impl EventCount {
+    /// The current epoch; read it before checking the awaited condition.
+    pub fn epoch(&self) -> u32 {
+        self.epoch.load(Ordering::SeqCst)
+    }
+
+    /// Sleeps until the epoch moves past `epoch` or `timeout` passes.
+    pub fn wait(&self, epoch: u32, timeout: Duration) {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        if self.epoch.load(Ordering::SeqCst) == epoch {
+            futex_wait(&self.epoch, epoch, timeout);
+        }
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Bumps the epoch and wakes sleepers, if any. Call after the store the
+    /// waiters wait for.
+    pub fn notify(&self) {
+        self.epoch.fetch_add(1, Ordering::SeqCst);
+        if self.sleepers.load(Ordering::SeqCst) != 0 {
+            futex_wake_all(&self.epoch);
+        }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    #[test]
+    fn futex_times_out_and_wakes() {
+        let ec = Arc::new(EventCount::default());
+        let t0 = Instant::now();
+        ec.wait(ec.epoch(), Duration::from_millis(20));
+        assert!(t0.elapsed() >= Duration::from_millis(15));
+
+        let flag = Arc::new(AtomicU64::new(0));
+        let (ec2, flag2) = (Arc::clone(&ec), Arc::clone(&flag));
+        let waiter = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            loop {
+                let e = ec2.epoch();
+                if flag2.load(Ordering::Acquire) == 1 {
+                    break;
+                }
+                ec2.wait(e, Duration::from_secs(10));
+            }
+            t0.elapsed()
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        flag.store(1, Ordering::Release);
+        ec.notify();
+        assert!(waiter.join().unwrap() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn backoff_completes() {
+        let mut b = Backoff::new();
+        let mut n = 0;
+        while !b.is_completed() {
+            b.snooze();
+            n += 1;
+        }
+        assert!(n > 5);
+        b.reset();
+        assert!(!b.is_completed());
+    }
+}

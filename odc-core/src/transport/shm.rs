@@ -1,0 +1,476 @@
+//! `shm`: the transport between processes on one host, over POSIX shared
+//! memory. A read is a memcpy out of the peer's mapping; a signal is a
+//! release store into it followed by a futex wake on the peer's bell page.
+//!
+//! Segments are named `/odc-<jobkey>-<jobid>-r<rank>-p<pid>-<id>`, created
+//! with `O_EXCL` and mode 0600, and unlinked when the rank's transport and
+//! regions drop. A rank that crashes leaves its segments behind; the next
+//! start with the same job key removes every `odc-<jobkey>-*` segment whose
+//! owner pid is dead ([`sweep_stale`]).
+//!
+//! Region id [`BELL_ID`] is the transport's own bell page: owner pid, state,
+//! blame, and the two [`EventCount`]s the owner sleeps on.
+
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::ptr::NonNull;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use memmap2::MmapMut;
+use nix::fcntl::OFlag;
+use nix::sys::mman::{shm_open, shm_unlink};
+use nix::sys::stat::Mode;
+
+use super::{PeerStatus, Transport};
+use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, SignalRef};
+use crate::sync::{AtomicU64, EventCount, Ordering};
+use crate::{Error, Result};
+
+/// Region id of the bell page (not a user region).
+pub const BELL_ID: u32 = u32::MAX;
+const MAX_REGIONS: u32 = 16;
+const BELL_LEN: usize = 4096;
+const MAGIC: u64 = 0x4f44_435f_5348_4d31; // "ODC_SHM1"
+const OFF_MAGIC: usize = 0;
+const OFF_PID: usize = 8;
+const OFF_STATE: usize = 16;
+const OFF_BLAME: usize = 24;
+const OFF_SERVER_BELL: usize = 64;
+const OFF_CLIENT_BELL: usize = 128;
+const STATE_CLOSED: u64 = 1;
+
+/// A mapped segment; unlinks its name on drop when this process created it.
+struct Segment {
+    name: String,
+    map: MmapMut,
+    ptr: NonNull<u8>,
+    owned: bool,
+}
+
+// SAFETY: the mapping is process-wide memory; access goes through raw
+// pointers and atomics under the protocol's ordering.
+unsafe impl Send for Segment {}
+// SAFETY: as above.
+unsafe impl Sync for Segment {}
+
+impl std::fmt::Debug for Segment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment")
+            .field("name", &self.name)
+            .field("len", &self.map.len())
+            .finish()
+    }
+}
+
+impl Segment {
+    fn create(name: &str, len: usize) -> Result<Segment> {
+        let fd = shm_open(
+            name,
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_RDWR,
+            Mode::S_IRUSR | Mode::S_IWUSR,
+        )
+        .map_err(|e| Error::transport_io("shm_open", format!("create {name}"), e.into()))?;
+        let seg = (|| {
+            nix::unistd::ftruncate(&fd, i64::try_from(len).unwrap_or(i64::MAX)).map_err(|e| {
+                Error::transport_io("ftruncate", format!("{name} to {len} bytes"), e.into())
+            })?;
+            Segment::map(name, fd, true)
+        })();
+        if seg.is_err() {
+            let _ = shm_unlink(name);
+        }
+        seg
+    }
+
+    fn open(name: &str) -> Result<Segment> {
+        let fd = shm_open(name, OFlag::O_RDWR, Mode::empty())
+            .map_err(|e| Error::transport_io("shm_open", format!("open {name}"), e.into()))?;
+        Segment::map(name, fd, false)
+    }
+
+    fn map(name: &str, fd: OwnedFd, owned: bool) -> Result<Segment> {
+        let file = File::from(fd);
+        // SAFETY: the segment is shared memory that peers write concurrently;
+        // we never form long-lived references into it, only raw-pointer
+        // copies and atomics whose ordering the protocol defines.
+        let mut map = unsafe { MmapMut::map_mut(&file) }
+            .map_err(|e| Error::transport_io("mmap", name.to_owned(), e))?;
+        let ptr = NonNull::new(map.as_mut_ptr())
+            .ok_or_else(|| Error::transport("mmap", format!("{name}: null mapping")))?;
+        Ok(Segment {
+            name: name.to_owned(),
+            map,
+            ptr,
+            owned,
+        })
+    }
+
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn word(&self, offset: usize) -> &AtomicU64 {
+        debug_assert!(offset % 8 == 0 && offset + 8 <= self.len());
+        // SAFETY: callers pass an 8-aligned offset inside the mapping (page
+        // aligned base); signal words are only ever accessed atomically.
+        unsafe { &*self.ptr.as_ptr().add(offset).cast::<AtomicU64>() }
+    }
+
+    fn event_count(&self, offset: usize) -> &EventCount {
+        // SAFETY: the bell page is BELL_LEN bytes and `offset` is one of the
+        // fixed, aligned bell offsets; EventCount is two atomics, repr(C).
+        unsafe { &*self.ptr.as_ptr().add(offset).cast::<EventCount>() }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        if self.owned {
+            if let Err(e) = shm_unlink(self.name.as_str()) {
+                // Nothing to propagate from drop; a leftover is swept at the
+                // next start of the job.
+                eprintln!("odc: shm_unlink({}) failed: {e}", self.name);
+            }
+        }
+    }
+}
+
+/// A connected peer: its pid, bell page and regions by id.
+#[derive(Debug)]
+struct Peer {
+    pid: u32,
+    bell: Segment,
+    regions: Vec<Option<Segment>>,
+}
+
+/// The POSIX shared-memory transport. See the module docs.
+#[derive(Debug)]
+pub struct ShmTransport {
+    rank: usize,
+    prefix: String,
+    pid: u32,
+    bell: Segment,
+    peers: Vec<OnceLock<Peer>>,
+}
+
+/// Sanitizes a job key into `[A-Za-z0-9_]{1,32}`.
+pub fn sanitize_job_key(key: &str) -> String {
+    let s: String = key
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .take(32)
+        .collect();
+    if s.is_empty() {
+        "default".into()
+    } else {
+        s
+    }
+}
+
+/// Whether process `pid` exists and is not a zombie.
+pub fn pid_alive(pid: u32) -> bool {
+    let Ok(raw) = i32::try_from(pid) else {
+        return false;
+    };
+    if let Err(nix::errno::Errno::ESRCH) =
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(raw), None)
+    {
+        return false;
+    }
+    // A zombie still answers kill(); its state in /proc is 'Z' (or 'X').
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rfind(')')
+                .and_then(|i| stat[i + 1..].trim_start().chars().next()),
+            Some('Z') | Some('X')
+        ),
+        Err(_) => false,
+    }
+}
+
+/// Removes `/dev/shm/odc-<jobkey>-*` segments whose owner pid is dead.
+/// Returns how many were removed.
+pub fn sweep_stale(job_key: &str) -> usize {
+    let prefix = format!("odc-{}-", sanitize_job_key(job_key));
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(&prefix) {
+            continue;
+        }
+        let pid = name
+            .split('-')
+            .find_map(|part| part.strip_prefix('p').and_then(|p| p.parse::<u32>().ok()));
+        if let Some(pid) = pid {
+            if !pid_alive(pid) && shm_unlink(format!("/{name}").as_str()).is_ok() {
+                removed += 1;
+            }
+        }
+    }
+    removed
+}
+
+impl ShmTransport {
+    /// Creates this rank's transport (and its bell page) for job `job_id`
+    /// under `job_key`, after sweeping stale segments of that key.
+    pub fn new(rank: usize, world: usize, job_key: &str, job_id: &str) -> Result<ShmTransport> {
+        sweep_stale(job_key);
+        let prefix = format!(
+            "/odc-{}-{}",
+            sanitize_job_key(job_key),
+            sanitize_job_key(job_id)
+        );
+        let pid = std::process::id();
+        let bell = Segment::create(&segment_name(&prefix, rank, pid, BELL_ID), BELL_LEN)?;
+        bell.word(OFF_PID).store(u64::from(pid), Ordering::Relaxed);
+        bell.word(OFF_MAGIC).store(MAGIC, Ordering::Release);
+        Ok(ShmTransport {
+            rank,
+            prefix,
+            pid,
+            bell,
+            peers: (0..world).map(|_| OnceLock::new()).collect(),
+        })
+    }
+
+    fn peer(&self, peer: usize) -> Result<&Peer> {
+        self.peers
+            .get(peer)
+            .and_then(OnceLock::get)
+            .ok_or_else(|| Error::transport("lookup", format!("rank {peer} is not connected")))
+    }
+
+    fn remote(
+        &self,
+        peer: usize,
+        remote: &RegionDesc,
+        offset: usize,
+        len: usize,
+    ) -> Result<*mut u8> {
+        let p = self.peer(peer)?;
+        let seg = usize::try_from(remote.id)
+            .ok()
+            .and_then(|i| p.regions.get(i))
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                Error::transport("lookup", format!("rank {peer} has no region {}", remote.id))
+            })?;
+        match offset.checked_add(len) {
+            Some(end) if end <= seg.len() => {
+                // SAFETY: offset + len is within the mapping (checked).
+                Ok(unsafe { seg.ptr.as_ptr().add(offset) })
+            }
+            _ => Err(Error::transport(
+                "bounds",
+                format!(
+                    "{len} bytes at {offset} exceed region {} of rank {peer} ({} bytes)",
+                    remote.id,
+                    seg.len()
+                ),
+            )),
+        }
+    }
+
+    fn own_bell(&self, bell: Bell) -> &EventCount {
+        self.bell.event_count(bell_offset(bell))
+    }
+}
+
+fn bell_offset(bell: Bell) -> usize {
+    match bell {
+        Bell::Server => OFF_SERVER_BELL,
+        Bell::Client => OFF_CLIENT_BELL,
+    }
+}
+
+fn segment_name(prefix: &str, rank: usize, pid: u32, id: u32) -> String {
+    if id == BELL_ID {
+        format!("{prefix}-r{rank}-p{pid}-bell")
+    } else {
+        format!("{prefix}-r{rank}-p{pid}-{id}")
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn endpoint(&self) -> Endpoint {
+        Endpoint {
+            rank: self.rank,
+            pid: self.pid,
+            host: std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .unwrap_or_default(),
+            address: String::new(),
+        }
+    }
+
+    fn register(&self, id: u32, len: usize) -> Result<LocalRegion> {
+        if id >= MAX_REGIONS {
+            return Err(Error::transport(
+                "register",
+                format!("region id {id} >= {MAX_REGIONS}"),
+            ));
+        }
+        let seg = Segment::create(
+            &segment_name(&self.prefix, self.rank, self.pid, id),
+            len.max(64),
+        )?;
+        let desc = RegionDesc {
+            owner: u32::try_from(self.rank).unwrap_or(u32::MAX),
+            id,
+            len: seg.len() as u64,
+            key: 0,
+        };
+        let (ptr, len) = (seg.ptr, seg.len());
+        // SAFETY: the mapping is page aligned, `len` bytes long and lives as
+        // long as `seg`, which the region owns.
+        Ok(unsafe { LocalRegion::new(ptr, len, desc, Box::new(seg)) })
+    }
+
+    fn connect(&self, peer: usize, endpoint: &Endpoint, regions: &[RegionDesc]) -> Result<()> {
+        let slot = self
+            .peers
+            .get(peer)
+            .ok_or_else(|| Error::transport("connect", format!("rank {peer} out of range")))?;
+        let bell = Segment::open(&segment_name(&self.prefix, peer, endpoint.pid, BELL_ID))?;
+        if bell.len() < BELL_LEN || bell.word(OFF_MAGIC).load(Ordering::Acquire) != MAGIC {
+            return Err(Error::transport(
+                "connect",
+                format!("rank {peer}: bad bell page"),
+            ));
+        }
+        let mut maps: Vec<Option<Segment>> = Vec::new();
+        for desc in regions {
+            let i = usize::try_from(desc.id).unwrap_or(usize::MAX);
+            if desc.id >= MAX_REGIONS {
+                return Err(Error::transport(
+                    "connect",
+                    format!("rank {peer}: region id {}", desc.id),
+                ));
+            }
+            let seg = Segment::open(&segment_name(&self.prefix, peer, endpoint.pid, desc.id))?;
+            if (seg.len() as u64) < desc.len {
+                return Err(Error::transport(
+                    "connect",
+                    format!(
+                        "rank {peer}: region {} is {} bytes, descriptor says {}",
+                        desc.id,
+                        seg.len(),
+                        desc.len
+                    ),
+                ));
+            }
+            if maps.len() <= i {
+                maps.resize_with(i + 1, || None);
+            }
+            maps[i] = Some(seg);
+        }
+        slot.set(Peer {
+            pid: endpoint.pid,
+            bell,
+            regions: maps,
+        })
+        .map_err(|_| Error::transport("connect", format!("rank {peer} connected twice")))
+    }
+
+    fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()> {
+        let src = self.remote(peer, remote, offset, dst.len())?;
+        // SAFETY: `src` is valid for dst.len() bytes (bounds checked), and a
+        // mapping never overlaps a caller's buffer.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn put_signal(
+        &self,
+        peer: usize,
+        remote: &RegionDesc,
+        offset: usize,
+        src: &[&[u8]],
+        signal: SignalRef,
+        value: u64,
+    ) -> Result<()> {
+        let total: usize = src.iter().map(|s| s.len()).sum();
+        let mut dst = self.remote(peer, remote, offset, total)?;
+        let sig = self.remote(peer, remote, signal.offset, 8)?;
+        if signal.offset % 8 != 0 {
+            return Err(Error::transport(
+                "put_signal",
+                format!("signal offset {} unaligned", signal.offset),
+            ));
+        }
+        for part in src {
+            // SAFETY: the destination range was bounds checked for the total
+            // length; source buffers never overlap a shared mapping.
+            unsafe {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), dst, part.len());
+                dst = dst.add(part.len());
+            }
+        }
+        // SAFETY: `sig` is in range and 8-aligned (checked); signal words are
+        // accessed only atomically.
+        let word = unsafe { &*sig.cast::<AtomicU64>() };
+        word.store(value, Ordering::Release);
+        self.peer(peer)?
+            .bell
+            .event_count(bell_offset(signal.bell))
+            .notify();
+        Ok(())
+    }
+
+    fn bell_epoch(&self, bell: Bell) -> u32 {
+        self.own_bell(bell).epoch()
+    }
+
+    fn bell_wait(&self, bell: Bell, epoch: u32, timeout: Duration) -> Result<()> {
+        self.own_bell(bell).wait(epoch, timeout);
+        Ok(())
+    }
+
+    fn ring(&self, bell: Bell) {
+        self.own_bell(bell).notify();
+    }
+
+    fn peer_status(&self, peer: usize) -> PeerStatus {
+        if peer == self.rank {
+            return PeerStatus::Alive;
+        }
+        let Ok(p) = self.peer(peer) else {
+            return PeerStatus::Alive;
+        };
+        let closed = p.bell.word(OFF_STATE).load(Ordering::Acquire) == STATE_CLOSED;
+        if closed || !pid_alive(p.pid) {
+            let blame = p.bell.word(OFF_BLAME).load(Ordering::Acquire);
+            let blamed = blame.checked_sub(1).and_then(|b| usize::try_from(b).ok());
+            return PeerStatus::Dead { pid: p.pid, blamed };
+        }
+        PeerStatus::Alive
+    }
+
+    fn set_blame(&self, peer: usize) {
+        let _ = self.bell.word(OFF_BLAME).compare_exchange(
+            0,
+            peer as u64 + 1,
+            Ordering::AcqRel,
+            Ordering::Relaxed,
+        );
+    }
+}
+
+impl Drop for ShmTransport {
+    fn drop(&mut self) {
+        // Peers that still wait on this rank see it as gone at once.
+        self.bell
+            .word(OFF_STATE)
+            .store(STATE_CLOSED, Ordering::Release);
+        self.own_bell(Bell::Client).notify();
+    }
+}
