@@ -1,1 +1,651 @@
-//! Shared code for the perf binaries.
+//! Shared harness of the nccl-tests-style perf binaries `gather_perf` and
+//! `scatter_accumulate_perf`.
+//!
+//! A perf binary started by a user is the **launcher**: it creates a job
+//! directory (a [`FileStore`](odc_core::store::FileStore) for the engine's
+//! rendezvous) and a shared [`BenchPage`] (barrier, per-rank timings and
+//! error counts), then re-executes itself once per rank with `--rank`. Each
+//! rank process runs every size; rank 0 prints one row per size as soon as
+//! every rank has reported it, and writes the JSON file (`-J`) at the end.
+//!
+//! Every timed operation is framed like a collective benchmark: all ranks
+//! meet at a barrier, time the operation, and meet again; a row's time is
+//! the slowest rank's mean. Sizes follow nccl-tests: for gather, `size` is
+//! the gathered (output) buffer; for scatter-accumulate, the pushed (input)
+//! buffer; `algbw = size / time`, `busbw = algbw · (n − 1) / n`, GB = 10⁹ B.
+//! The `limit` column is a single-thread `memcpy` (gather) or `memcpy` + add
+//! (scatter) of the bytes one rank moves, timed in the same run on rank 0.
+
+#![warn(unsafe_op_in_unsafe_fn)]
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use memmap2::MmapMut;
+use odc_core::sync::EventCount;
+use odc_kernels::DType;
+use serde::Serialize;
+
+/// Most ranks a perf run may launch.
+pub const MAX_RANKS: usize = 64;
+
+/// Command-line flags shared by the perf binaries (nccl-tests spelling).
+#[derive(Debug, Clone, Parser)]
+pub struct PerfArgs {
+    /// Number of local ranks (processes) to launch.
+    #[arg(short = 'g', long = "ranks", default_value_t = 2)]
+    pub ranks: usize,
+    /// Smallest size (bytes; K, M, G suffixes are powers of 1024).
+    #[arg(short = 'b', long = "minbytes", default_value = "64K", value_parser = parse_size)]
+    pub min_bytes: u64,
+    /// Largest size.
+    #[arg(short = 'e', long = "maxbytes", default_value = "64M", value_parser = parse_size)]
+    pub max_bytes: u64,
+    /// Multiplication factor between sizes.
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 4)]
+    pub factor: u64,
+    /// Timed iterations per size.
+    #[arg(short = 'n', long = "iters", default_value_t = 20)]
+    pub iters: usize,
+    /// Warm-up iterations per size (not timed).
+    #[arg(short = 'w', long = "warmup_iters", default_value_t = 5)]
+    pub warmup: usize,
+    /// Element type: f32, bf16 or f16.
+    #[arg(short = 'd', long = "datatype", default_value = "f32", value_parser = parse_dtype)]
+    pub dtype: DType,
+    /// Check results (1) or not (0).
+    #[arg(short = 'c', long = "check", default_value_t = 1)]
+    pub check: u8,
+    /// Write the results as JSON to this file.
+    #[arg(short = 'J', long = "json")]
+    pub json: Option<PathBuf>,
+    /// Chunk size of a push (bytes); default: the engine's.
+    #[arg(long = "chunk-bytes", value_parser = parse_size)]
+    pub chunk_bytes: Option<u64>,
+    /// Seconds any wait on a peer may take before the run fails.
+    #[arg(long = "timeout", default_value_t = 120)]
+    pub timeout_s: u64,
+    /// Internal: this process is rank N of a launched job.
+    #[arg(long = "rank", hide = true)]
+    pub rank: Option<usize>,
+    /// Internal: the job directory made by the launcher.
+    #[arg(long = "job-dir", hide = true)]
+    pub job_dir: Option<PathBuf>,
+}
+
+impl PerfArgs {
+    /// Checks the flags; the message names the offending one.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.ranks < 2 || self.ranks > MAX_RANKS {
+            return Err(format!(
+                "-g {}: need between 2 and {MAX_RANKS} ranks",
+                self.ranks
+            ));
+        }
+        if self.min_bytes == 0 || self.min_bytes > self.max_bytes {
+            return Err(format!(
+                "-b {} -e {}: need 0 < minbytes <= maxbytes",
+                self.min_bytes, self.max_bytes
+            ));
+        }
+        if self.factor < 2 {
+            return Err(format!(
+                "-f {}: the step factor must be at least 2",
+                self.factor
+            ));
+        }
+        if self.iters == 0 {
+            return Err("-n 0: need at least one timed iteration".into());
+        }
+        Ok(())
+    }
+
+    /// The sizes of the sweep, each rounded down to whole elements of `dtype`.
+    pub fn sizes(&self) -> Vec<u64> {
+        let elem = self.dtype.size_bytes() as u64;
+        let mut out = Vec::new();
+        let mut s = self.min_bytes;
+        while s <= self.max_bytes {
+            let rounded = (s / elem).max(1) * elem;
+            out.push(rounded);
+            match s.checked_mul(self.factor) {
+                Some(next) => s = next,
+                None => break,
+            }
+        }
+        out
+    }
+}
+
+/// Parses `65536`, `64K`, `64KiB`, `64M`, `1G` (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (examples: 65536, 64K, 64M, 1G)"))?;
+    let mult = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        other => {
+            return Err(format!(
+                "'{s}': unknown size unit '{other}' (use K, M or G)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    s.parse::<DType>().map_err(|e| e.to_string())
+}
+
+/// One row of the table.
+#[derive(Debug, Clone, Serialize)]
+pub struct Row {
+    /// Bytes of the operation (see the crate doc for which buffer).
+    pub size: u64,
+    /// Elements.
+    pub count: u64,
+    /// Element type.
+    #[serde(rename = "type")]
+    pub dtype: String,
+    /// Reduction ("sum" for scatter-accumulate, "none" for gather).
+    pub redop: String,
+    /// Slowest rank's mean time per operation, microseconds.
+    pub time_us: f64,
+    /// size / time, GB/s.
+    pub algbw: f64,
+    /// algbw · (n − 1) / n, GB/s.
+    pub busbw: f64,
+    /// Wrong elements summed over ranks and iterations checked.
+    pub wrong: u64,
+    /// The single-thread limit for the same bytes, GB/s of busbw-equivalent.
+    pub limit_busbw: f64,
+}
+
+/// Prints the table header.
+pub fn print_header(title: &str, args: &PerfArgs) {
+    println!(
+        "# {title}: {} ranks, {} warm-up + {} timed iterations, check={}",
+        args.ranks, args.warmup, args.iters, args.check
+    );
+    println!(
+        "# {:>10} {:>12} {:>5} {:>6} | {:>10} {:>8} {:>8} {:>7} | {:>8} {:>6}",
+        "size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "limit", "%limit"
+    );
+}
+
+/// Prints one row.
+pub fn print_row(r: &Row) {
+    let pct = if r.limit_busbw > 0.0 {
+        100.0 * r.busbw / r.limit_busbw
+    } else {
+        0.0
+    };
+    println!(
+        "  {:>10} {:>12} {:>5} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>7} | {:>8.2} {:>5.0}%",
+        r.size, r.count, r.dtype, r.redop, r.time_us, r.algbw, r.busbw, r.wrong, r.limit_busbw, pct
+    );
+    let _ = std::io::stdout().flush();
+}
+
+/// The shared page the ranks of one run meet in: a sense-counting barrier
+/// and one timing / error-count slot per rank.
+#[repr(C)]
+#[derive(Debug)]
+struct PageLayout {
+    arrived: AtomicU32,
+    _pad0: [u32; 15],
+    generation: EventCount,
+    _pad1: [u32; 14],
+    time_ns: [AtomicU64; MAX_RANKS],
+    wrong: [AtomicU64; MAX_RANKS],
+}
+
+/// A mapped [`PageLayout`] shared by the ranks of one run.
+#[derive(Debug)]
+pub struct BenchPage {
+    map: MmapMut,
+    ranks: usize,
+    timeout: Duration,
+}
+
+impl BenchPage {
+    const FILE: &'static str = "bench.page";
+
+    /// Creates the zeroed page in `job_dir` (launcher).
+    pub fn create(job_dir: &Path) -> std::io::Result<()> {
+        let f = File::create(job_dir.join(Self::FILE))?;
+        f.set_len(std::mem::size_of::<PageLayout>() as u64)
+    }
+
+    /// Maps the page made by the launcher (rank processes).
+    pub fn open(job_dir: &Path, ranks: usize, timeout: Duration) -> std::io::Result<BenchPage> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(job_dir.join(Self::FILE))?;
+        // SAFETY: the file is private to this job and sized by `create`; all
+        // concurrent access to the mapping goes through atomics.
+        let map = unsafe { MmapMut::map_mut(&f)? };
+        if map.len() < std::mem::size_of::<PageLayout>() {
+            return Err(std::io::Error::other("bench page is too small"));
+        }
+        Ok(BenchPage {
+            map,
+            ranks,
+            timeout,
+        })
+    }
+
+    fn page(&self) -> &PageLayout {
+        // SAFETY: the mapping is page-aligned, at least `size_of::<PageLayout>()`
+        // bytes, lives as long as `self`, and every field is an atomic (any bit
+        // pattern, zero included, is valid).
+        unsafe { &*(self.map.as_ptr() as *const PageLayout) }
+    }
+
+    /// Waits until every rank has arrived. Fails after the timeout, naming
+    /// how many ranks arrived.
+    pub fn barrier(&self) -> Result<(), String> {
+        let p = self.page();
+        let epoch = p.generation.epoch();
+        let n = self.ranks as u32;
+        if p.arrived.fetch_add(1, Ordering::AcqRel) + 1 == n {
+            p.arrived.store(0, Ordering::Release);
+            p.generation.notify();
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.timeout;
+        let mut spins = 0u32;
+        while p.generation.epoch() == epoch {
+            if spins < 200 {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(format!(
+                    "barrier timed out after {:?}: {} of {} ranks arrived",
+                    self.timeout,
+                    p.arrived.load(Ordering::Acquire),
+                    n
+                ));
+            }
+            p.generation
+                .wait(epoch, (deadline - now).min(Duration::from_millis(100)));
+        }
+        Ok(())
+    }
+
+    /// Records this rank's mean time and wrong-element count for the current size.
+    pub fn report(&self, rank: usize, mean: Duration, wrong: u64) {
+        let p = self.page();
+        p.time_ns[rank].store(mean.as_nanos() as u64, Ordering::Release);
+        p.wrong[rank].store(wrong, Ordering::Release);
+    }
+
+    /// The slowest rank's time and the summed wrong count (after a barrier).
+    pub fn collect(&self) -> (Duration, u64) {
+        let p = self.page();
+        let t = (0..self.ranks)
+            .map(|r| p.time_ns[r].load(Ordering::Acquire))
+            .max()
+            .unwrap_or(0);
+        let w = (0..self.ranks)
+            .map(|r| p.wrong[r].load(Ordering::Acquire))
+            .sum();
+        (Duration::from_nanos(t), w)
+    }
+}
+
+/// Launches `args.ranks` copies of the current executable as ranks of one
+/// job and waits for them. Returns the process exit code.
+pub fn launch(args: &PerfArgs) -> ExitCode {
+    if let Err(e) = args.validate() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let job = match tempfile::Builder::new().prefix("odc-perf-").tempdir() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: cannot create a job directory: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Err(e) = BenchPage::create(job.path()) {
+        eprintln!("error: cannot create the bench page: {e}");
+        return ExitCode::FAILURE;
+    }
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: cannot find this executable: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let passthrough: Vec<String> = std::env::args().skip(1).collect();
+    let mut children: Vec<Child> = Vec::new();
+    for r in 0..args.ranks {
+        let child = Command::new(&exe)
+            .args(&passthrough)
+            .arg("--rank")
+            .arg(r.to_string())
+            .arg("--job-dir")
+            .arg(job.path())
+            .spawn();
+        match child {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                eprintln!("error: cannot start rank {r}: {e}");
+                kill_all(&mut children);
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    // Wait for all; if one fails, the others fail at their next wait (they
+    // name it), but do not leave any behind.
+    let mut failed = None;
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_s.saturating_mul(4).max(60));
+    let mut done = vec![false; children.len()];
+    while done.iter().any(|d| !d) {
+        for (r, c) in children.iter_mut().enumerate() {
+            if done[r] {
+                continue;
+            }
+            match c.try_wait() {
+                Ok(Some(status)) => {
+                    done[r] = true;
+                    if !status.success() && failed.is_none() {
+                        failed = Some((r, status));
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => done[r] = true,
+            }
+        }
+        if Instant::now() > deadline {
+            eprintln!(
+                "error: ranks still running after {:?}; killing them",
+                deadline
+            );
+            kill_all(&mut children);
+            return ExitCode::FAILURE;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    match failed {
+        None => ExitCode::SUCCESS,
+        Some((r, status)) => {
+            eprintln!("error: rank {r} failed ({status})");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn kill_all(children: &mut [Child]) {
+    for c in children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+/// Times `f` over `iters` runs framed by barriers; returns the mean time.
+pub fn timed<F>(page: &BenchPage, warmup: usize, iters: usize, mut f: F) -> Result<Duration, String>
+where
+    F: FnMut(usize) -> Result<(), String>,
+{
+    for i in 0..warmup {
+        page.barrier()?;
+        f(i)?;
+    }
+    let mut total = Duration::ZERO;
+    for i in 0..iters {
+        page.barrier()?;
+        let t0 = Instant::now();
+        f(warmup + i)?;
+        total += t0.elapsed();
+    }
+    page.barrier()?;
+    Ok(total / iters as u32)
+}
+
+/// GB/s of a single-thread copy of `bytes` (best of a few runs).
+pub fn memcpy_gbps(bytes: usize) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    best_gbps(bytes, || {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+    })
+}
+
+/// GB/s of a single-thread copy of `bytes` followed by `acc += slot` on f32
+/// (the work a push and its accumulation do), best of a few runs.
+pub fn memcpy_add_gbps(bytes: usize) -> f64 {
+    let n = bytes / 4;
+    let src = vec![1.0f32; n];
+    let mut slot = vec![0.0f32; n];
+    let mut acc = vec![0.0f32; n];
+    best_gbps(bytes, || {
+        slot.copy_from_slice(&src);
+        for (a, s) in acc.iter_mut().zip(&slot) {
+            *a += *s;
+        }
+        std::hint::black_box(&mut acc);
+    })
+}
+
+fn best_gbps(bytes: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let reps = (64usize << 20).div_ceil(bytes.max(1)).clamp(3, 1000);
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+    }
+    bytes as f64 / best / 1e9
+}
+
+/// Writes `rows` as JSON: `{"benchmark":..,"ranks":..,"dtype":..,"rows":[..]}`.
+pub fn write_json(path: &Path, bench: &str, args: &PerfArgs, rows: &[Row]) -> Result<(), String> {
+    let doc = serde_json::json!({
+        "benchmark": bench,
+        "ranks": args.ranks,
+        "dtype": args.dtype.name(),
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "rows": rows,
+    });
+    let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+    std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_size("64K").unwrap(), 65536);
+        assert_eq!(parse_size("64M").unwrap(), 64 << 20);
+        assert_eq!(parse_size("100").unwrap(), 100);
+        assert!(parse_size("12Q").unwrap_err().contains("unknown size unit"));
+        assert!(parse_size("abc").unwrap_err().contains("not a size"));
+    }
+
+    #[test]
+    fn sweep_is_geometric_and_whole_elements() {
+        let a = PerfArgs::parse_from(["x", "-b", "64K", "-e", "1M", "-f", "4", "-d", "bf16"]);
+        assert_eq!(a.sizes(), vec![65536, 262144, 1048576]);
+        let b = PerfArgs::parse_from(["x", "-b", "7", "-e", "7", "-d", "f32"]);
+        assert_eq!(b.sizes(), vec![4]);
+    }
+
+    #[test]
+    fn bad_flags_are_named() {
+        let a = PerfArgs::parse_from(["x", "-g", "1"]);
+        assert!(a.validate().unwrap_err().contains("-g 1"));
+        let a = PerfArgs::parse_from(["x", "-b", "1M", "-e", "64K"]);
+        assert!(a.validate().unwrap_err().contains("minbytes"));
+    }
+
+    #[test]
+    fn barrier_and_report_in_one_process() {
+        let dir = tempfile::tempdir().unwrap();
+        BenchPage::create(dir.path()).unwrap();
+        let page = BenchPage::open(dir.path(), 1, Duration::from_secs(5)).unwrap();
+        page.barrier().unwrap();
+        page.report(0, Duration::from_micros(7), 3);
+        assert_eq!(page.collect(), (Duration::from_micros(7), 3));
+    }
+}
+
+/// What a rank process of a perf run holds.
+#[derive(Debug)]
+pub struct RankCtx {
+    /// This rank.
+    pub rank: usize,
+    /// The engine, with one bucket registered per size of the sweep.
+    pub engine: odc_core::Engine,
+    /// The shared barrier page.
+    pub page: BenchPage,
+    /// The sizes of the sweep (bytes), one bucket each, named `size-<bytes>`.
+    pub sizes: Vec<u64>,
+}
+
+/// Joins the job as `rank`: builds the engine on the launcher's store and
+/// registers one bucket per size.
+pub fn join(args: &PerfArgs, rank: usize) -> Result<RankCtx, String> {
+    let job = args.job_dir.as_deref().ok_or("--rank needs --job-dir")?;
+    let timeout = Duration::from_secs(args.timeout_s.max(1));
+    let store = odc_core::FileStore::new(job.join("store")).map_err(|e| e.to_string())?;
+    let topo = odc_core::Topology::single_node(rank, args.ranks).map_err(|e| e.to_string())?;
+    let mut cfg = odc_core::EngineConfig {
+        timeout,
+        ..Default::default()
+    };
+    if let Some(c) = args.chunk_bytes {
+        cfg.chunk_bytes = usize::try_from(c).map_err(|e| e.to_string())?;
+    }
+    // One key per launched run (the job directory is unique), equal on every rank.
+    let dir_name = job
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    cfg.job_key = dir_name.trim_start_matches("odc-perf-").to_string();
+    let engine =
+        odc_core::Engine::new(std::sync::Arc::new(store), topo, cfg).map_err(|e| e.to_string())?;
+    let sizes = args.sizes();
+    let elem = args.dtype.size_bytes() as u64;
+    let specs: Vec<_> = sizes
+        .iter()
+        .map(|&s| odc_core::BucketSpec::new(format!("size-{s}"), (s / elem) as usize, args.dtype))
+        .collect();
+    engine.register(&specs).map_err(|e| e.to_string())?;
+    let page = BenchPage::open(job, args.ranks, timeout).map_err(|e| e.to_string())?;
+    Ok(RankCtx {
+        rank,
+        engine,
+        page,
+        sizes,
+    })
+}
+
+/// Integer-valued test pattern, exact in f32, bf16 and f16.
+pub fn pattern(rank: usize, i: usize) -> f32 {
+    ((rank * 7 + i) % 61) as f32
+}
+
+/// Encodes `values` as `dtype` bytes.
+pub fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
+    let mut out = vec![0u8; values.len() * dtype.size_bytes()];
+    let src: &[u8] = bytemuck::cast_slice(values);
+    // f32 → dtype; the values are small integers, exact in every dtype.
+    if odc_kernels::cpu::cast(src, DType::F32, &mut out, dtype).is_err() {
+        out.clear();
+    }
+    out
+}
+
+/// Decodes `bytes` of `dtype` into f32.
+pub fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    let n = bytes.len() / dtype.size_bytes();
+    let mut out = vec![0f32; n];
+    let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+    if odc_kernels::cpu::cast(bytes, dtype, dst, DType::F32).is_err() {
+        out.iter_mut().for_each(|v| *v = f32::NAN);
+    }
+    out
+}
+
+/// The main of a perf binary: launcher when `--rank` is absent, else one rank.
+pub fn perf_main(
+    title: &str,
+    run_rank: fn(&PerfArgs, RankCtx) -> Result<Vec<Row>, String>,
+) -> ExitCode {
+    let args = PerfArgs::parse();
+    let Some(rank) = args.rank else {
+        return launch(&args);
+    };
+    let result = join(&args, rank).and_then(|ctx| {
+        if rank == 0 {
+            print_header(title, &args);
+        }
+        run_rank(&args, ctx)
+    });
+    match result {
+        Ok(rows) => {
+            if rank == 0 {
+                if let Some(path) = &args.json {
+                    if let Err(e) = write_json(path, title, &args, &rows) {
+                        eprintln!("error: {e}");
+                        return ExitCode::FAILURE;
+                    }
+                }
+                if rows.iter().any(|r| r.wrong > 0) {
+                    eprintln!("error: wrong results (see #wrong)");
+                    return ExitCode::FAILURE;
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("rank {rank}: error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Builds the row for `size` after the ranks reported (call on rank 0 after a barrier).
+pub fn make_row(args: &PerfArgs, size: u64, redop: &str, page: &BenchPage, limit_gbps: f64) -> Row {
+    let (t, wrong) = page.collect();
+    let secs = t.as_secs_f64().max(1e-12);
+    let algbw = size as f64 / secs / 1e9;
+    let n = args.ranks as f64;
+    Row {
+        size,
+        count: size / args.dtype.size_bytes() as u64,
+        dtype: args.dtype.name().to_string(),
+        redop: redop.to_string(),
+        time_us: secs * 1e6,
+        algbw,
+        busbw: algbw * (n - 1.0) / n,
+        wrong,
+        limit_busbw: limit_gbps,
+    }
+}

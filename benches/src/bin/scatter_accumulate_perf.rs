@@ -1,0 +1,81 @@
+//! `scatter_accumulate_perf`: ODC scatter-accumulate across local ranks,
+//! nccl-tests style.
+//!
+//! ```text
+//! scatter_accumulate_perf -g 2 -b 64K -e 64M -f 4 -n 20 -w 5 -d f32 [-J out.json]
+//! ```
+//! Each iteration pushes the whole gradient bucket (every owner's slice) and
+//! finishes the minibatch, which returns once this rank's own gradient shard
+//! is final — the semantics of a reduce-scatter. `size` is the pushed
+//! buffer; busbw = algbw · (n − 1) / n. Sums are checked at the end of each
+//! size (integer-valued data, exact in every dtype).
+
+use std::process::ExitCode;
+
+use odc_benches::{
+    encode, make_row, memcpy_add_gbps, pattern, perf_main, print_row, timed, PerfArgs, RankCtx, Row,
+};
+
+fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
+    let RankCtx {
+        rank,
+        engine,
+        page,
+        sizes,
+    } = ctx;
+    let dtype = args.dtype;
+    let mut rows = Vec::new();
+    let mut minibatch = 0u64;
+    for (b, &size) in sizes.iter().enumerate() {
+        let id = odc_core::BucketId(b);
+        let layout = engine.bucket(id).map_err(|e| e.to_string())?.clone();
+        let grads: Vec<f32> = (0..layout.numel()).map(|i| pattern(rank, i)).collect();
+        let grads = encode(&grads, dtype);
+        // Every push of the previous size was acknowledged before the
+        // barrier that ended it, so zeroing here races with nothing.
+        engine.zero_grad(id).map_err(|e| e.to_string())?;
+        let mean = timed(&page, args.warmup, args.iters, |_| {
+            engine
+                .scatter_accumulate(id, &grads, dtype, 1.0)
+                .map_err(|e| e.to_string())?;
+            engine
+                .finish_minibatch(minibatch)
+                .map_err(|e| e.to_string())?;
+            minibatch += 1;
+            Ok(())
+        })?;
+        let mut wrong = 0u64;
+        if args.check != 0 {
+            let mut acc = vec![0f32; layout.shard_len()];
+            engine
+                .read_grad_shard(id, &mut acc)
+                .map_err(|e| e.to_string())?;
+            let reps = (args.warmup + args.iters) as f32;
+            let range = layout.shard_range(rank);
+            for (j, i) in range.enumerate() {
+                let want = if i < layout.numel() {
+                    reps * (0..args.ranks).map(|r| pattern(r, i)).sum::<f32>()
+                } else {
+                    0.0
+                };
+                if acc[j] != want {
+                    wrong += 1;
+                }
+            }
+        }
+        page.report(rank, mean, wrong);
+        page.barrier()?;
+        if rank == 0 {
+            let moved = (size as usize) * (args.ranks - 1) / args.ranks;
+            let row = make_row(args, size, "sum", &page, memcpy_add_gbps(moved.max(4)));
+            print_row(&row);
+            rows.push(row);
+        }
+        page.barrier()?;
+    }
+    Ok(rows)
+}
+
+fn main() -> ExitCode {
+    perf_main("scatter_accumulate_perf", run)
+}

@@ -1,0 +1,93 @@
+//! The perf binaries run end to end at tiny sizes, check their own results
+//! and reject bad flags with a message naming them.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+fn run(bin: &str, extra: &[&str]) -> (i32, String, String) {
+    let mut args = vec![
+        "-b",
+        "4K",
+        "-e",
+        "64K",
+        "-f",
+        "4",
+        "-n",
+        "3",
+        "-w",
+        "1",
+        "--timeout",
+        "30",
+    ];
+    if !extra.contains(&"-g") {
+        args.extend(["-g", "2"]);
+    }
+    let out = Command::new(bin)
+        .args(args)
+        .args(extra)
+        .output()
+        .expect("spawn perf binary");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn check_json(path: &std::path::Path, bench: &str) {
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert_eq!(doc["benchmark"], bench);
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 3, "sizes 4K, 16K, 64K");
+    for r in rows {
+        assert_eq!(r["wrong"], 0, "{r}");
+        assert!(r["busbw"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn gather_perf_small_sweep_is_correct() {
+    for dtype in ["f32", "bf16", "f16"] {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("g.json");
+        let (code, stdout, stderr) = run(
+            env!("CARGO_BIN_EXE_gather_perf"),
+            &["-d", dtype, "-J", json.to_str().unwrap()],
+        );
+        assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+        assert!(stdout.contains("busbw"));
+        check_json(&json, "gather_perf");
+    }
+}
+
+#[test]
+fn scatter_accumulate_perf_small_sweep_is_correct() {
+    for dtype in ["f32", "bf16"] {
+        let dir = tempfile::tempdir().unwrap();
+        let json = dir.path().join("s.json");
+        let (code, stdout, stderr) = run(
+            env!("CARGO_BIN_EXE_scatter_accumulate_perf"),
+            &[
+                "-d",
+                dtype,
+                "-J",
+                json.to_str().unwrap(),
+                "--chunk-bytes",
+                "4K",
+            ],
+        );
+        assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+        check_json(&json, "scatter_accumulate_perf");
+    }
+}
+
+#[test]
+fn bad_flags_exit_2_with_a_message() {
+    let (code, _, stderr) = run(env!("CARGO_BIN_EXE_gather_perf"), &["-g", "1"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("-g 1"), "{stderr}");
+    let (code, _, stderr) = run(env!("CARGO_BIN_EXE_gather_perf"), &["-d", "int8"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("int8"), "{stderr}");
+}
