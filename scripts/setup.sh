@@ -57,7 +57,7 @@ src_hash=$(find odc-py odc-core odc-kernels packing Cargo.toml Cargo.lock -type 
 built="$VENV/.odc-py-built"
 if [ ! -f "$built" ] || [ "$(cat "$built")" != "$src_hash" ]; then
     log "building odc-py into $VENV"
-    VIRTUAL_ENV="$PWD/$VENV" PATH="$PWD/$VENV/bin:$PATH" \
+    VIRTUAL_ENV="$PWD/$VENV" PATH="$(dirname "$UV"):$PWD/$VENV/bin:$PATH" \
         "$VENV/bin/maturin" develop --uv --release -q -m odc-py/Cargo.toml
     printf '%s' "$src_hash" >"$built"
 fi

@@ -1,0 +1,624 @@
+"""The torch.distributed backend ``"odc"``: all-gather and reduce-scatter on ODC.
+
+``dist.init_process_group("odc")`` works without importing ``odc``: torch
+finds the backend through the ``torch.distributed.backends`` entry point,
+which calls :func:`register`. :func:`odc.register` does the same explicitly
+(it is idempotent).
+
+The group is a Python ``ProcessGroup`` (:class:`ProcessGroupODC`). It owns
+two :class:`odc.Engine` instances, created and registered eagerly and
+collectively when the group is created, plus an internal gloo backend on the
+same store (under its own ``PrefixStore``) for the operations ODC has no
+verb for:
+
++------------------------------------------+---------------------------------------------+
+| operation                                | runs on                                     |
++==========================================+=============================================+
+| ``all_gather_single`` (alias             | ODC gather for f32 / bf16 / f16;            |
+| ``all_gather_into_tensor``,              | other dtypes (int, bool, f64): gloo         |
+| ``_allgather_base``), ``*_coalesced``    |                                             |
++------------------------------------------+---------------------------------------------+
+| ``allgather`` (list form)                | ODC when every output has the input's size  |
+|                                          | and dtype (f32 / bf16 / f16); else gloo     |
++------------------------------------------+---------------------------------------------+
+| ``reduce_scatter_single`` (alias         | ODC scatter-accumulate: SUM / AVG /         |
+| ``reduce_scatter_tensor``,               | PREMUL_SUM on f32 / bf16 / f16; anything    |
+| ``_reduce_scatter_base``),               | else raises :class:`UnsupportedCollective`  |
+| ``*_coalesced``, ``reduce_scatter``      | (op) or :class:`odc.LayoutError` (dtype)    |
++------------------------------------------+---------------------------------------------+
+| ``allreduce``, ``allreduce_coalesced``   | ODC reduce-scatter, then gather, for SUM /  |
+|                                          | AVG / PREMUL_SUM on f32 / bf16 / f16;       |
+|                                          | other ops and dtypes: gloo                  |
++------------------------------------------+---------------------------------------------+
+| ``broadcast``, ``barrier``, ``reduce``,  | gloo                                        |
+| ``gather``, ``scatter``, ``alltoall``,   |                                             |
+| ``all_to_all_single``, ``send``,         |                                             |
+| ``recv``, ``recv_anysource``             |                                             |
++------------------------------------------+---------------------------------------------+
+
+ODC collectives complete before they return (the returned Work is already
+done); delegated ones return gloo's own Work. ``ProcessGroupODC.op_counts``
+counts which ran where.
+
+Scratch buckets. Registration is eager and collective, but a process group
+does not know its op sizes in advance, so each engine registers fixed scratch
+buckets and every op is cut into pieces that fit them. The per-rank shard
+capacity is ``ODC_BACKEND_SCRATCH_MB`` MiB (default 16):
+
+* all-gather engine (store prefix ``odc-ag``): per dtype, buckets whose shard
+  is 4 KiB, 16 KiB, ... (×4) up to the capacity, so a small op does not copy a
+  16 MiB bucket. Op piece ``i`` on a bucket publishes version ``i``, gathers
+  it and releases it; ``publish`` itself waits until every reader released
+  ``i - 1``. ``publish`` needs exactly ``shard_len`` elements, so a piece
+  shorter than its bucket's shard is first copied into a staging shard, and
+  the gathered bucket (``D · shard_len``) is copied out into the output's
+  rows (skipped when the op fills its bucket exactly).
+* reduce-scatter engine (store prefix ``odc-rs``): two f32 buckets whose shard
+  holds the capacity in f32. Pieces land one element into each owner's shard
+  (the engine binding reads a push at offset 0 as a whole-bucket push), so a
+  piece holds at most ``shard_len - 1`` elements; the input rows are pushed
+  in place, with no copy. Op piece ``k`` pushes each owner's row into
+  bucket ``k % 2``, calls ``finish_minibatch(k)``, reads its own shard into
+  the output (cast to the output dtype: bf16/f16 accumulate in f32) and
+  zeroes what it read. Alternating buckets makes this safe without a
+  barrier: a peer pushes into the same bucket again only for piece ``k + 2``,
+  after its ``finish_minibatch(k + 1)`` returned, which needs this rank's
+  ``finish_minibatch(k + 1)``, which this rank calls only after it read and
+  zeroed piece ``k``.
+
+Two engines, because ``finish_minibatch(k)`` releases every bucket at version
+``k``: on one engine that release would run ahead of the all-gather versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import secrets
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from .engine import Bucket, Engine, dtype_name
+from .errors import ConfigError, LayoutError, OdcError
+
+__all__ = [
+    "BACKEND_NAME",
+    "ProcessGroupODC",
+    "UnsupportedCollective",
+    "get_process_group",
+    "register",
+    "scratch_bytes",
+]
+
+BACKEND_NAME = "odc"
+SCRATCH_ENV = "ODC_BACKEND_SCRATCH_MB"
+DEFAULT_SCRATCH_MB = 16.0
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Every shard capacity is a multiple of this many elements, so a bucket of
+# D·S elements has shard_len exactly S in every dtype (the engine aligns
+# shards to 64 bytes in the dtype and in the f32 accumulator).
+_ALIGN_ELEMS = 64
+_SMALLEST_SHARD_BYTES = 4096
+_CLASS_STEP = 4
+# Reduce-scatter pieces start this many elements into each owner's shard (see _Reducer).
+_PUSH_SKIP = 1
+
+_ReduceOp = dist.ReduceOp
+_SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
+
+
+class UnsupportedCollective(OdcError, NotImplementedError):
+    """The ``odc`` backend has no implementation of this collective / reduce op / dtype."""
+
+
+def scratch_bytes() -> int:
+    """Per-rank shard capacity of the backend's scratch buckets, in bytes (``ODC_BACKEND_SCRATCH_MB``)."""
+    raw = os.environ.get(SCRATCH_ENV)
+    try:
+        mb = DEFAULT_SCRATCH_MB if raw is None else float(raw)
+    except ValueError:
+        raise ConfigError(f"{SCRATCH_ENV}={raw!r} is not a number of MiB") from None
+    if not mb > 0:
+        raise ConfigError(f"{SCRATCH_ENV}={raw!r} must be positive")
+    return int(mb * 2**20)
+
+
+def _capacity(nbytes: int, elem_size: int) -> int:
+    return max(_ALIGN_ELEMS, nbytes // elem_size // _ALIGN_ELEMS * _ALIGN_ELEMS)
+
+
+def _shard_classes(nbytes: int, elem_size: int) -> list[int]:
+    """Shard lengths of the all-gather buckets of one dtype, ascending, ending at the capacity."""
+    cap = _capacity(nbytes, elem_size)
+    out, s = [], _capacity(_SMALLEST_SHARD_BYTES, elem_size)
+    while s < cap:
+        out.append(s)
+        s *= _CLASS_STEP
+    out.append(cap)
+    return out
+
+
+# -- Work ------------------------------------------------------------------------
+class _CompletedWork(dist.Work):
+    """The Work of an ODC collective: it completed before the call returned."""
+
+    def __init__(self, result: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def synchronize(self) -> None:
+        pass
+
+    def get_future(self) -> Future:
+        fut: Future = Future()
+        fut.set_result(self._result)
+        return fut
+
+
+# -- the two engines ---------------------------------------------------------------
+class _Gatherer:
+    """All-gather through versions of per-dtype scratch buckets (engine prefix ``odc-ag``)."""
+
+    def __init__(self, engine: Engine, nbytes: int) -> None:
+        self.engine = engine
+        self.world = engine.world_size
+        self.classes = {dt: _shard_classes(nbytes, dt.itemsize) for dt in _DTYPES}
+        buckets = [
+            Bucket(self._name(dt, s), self.world * s, dt) for dt in _DTYPES for s in self.classes[dt]
+        ]
+        engine.register(buckets)
+        for b in buckets:
+            if engine.bucket(b.name)["shard_len"] != b.numel // self.world:
+                raise LayoutError(f"scratch bucket {b.name}: unexpected shard length {engine.bucket(b.name)}")
+        self.version = {b.name: 0 for b in buckets}
+        self._staging: dict[str, torch.Tensor] = {}
+        self._full: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def _name(dtype: torch.dtype, shard: int) -> str:
+        return f"ag-{dtype_name(dtype)}-{shard}"
+
+    def _buffer(self, cache: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = cache.get(name)
+        if buf is None:
+            buf = cache[name] = torch.empty(numel, dtype=dtype)
+        return buf
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` (D·n, contiguous) gets every rank's ``inp`` (n, contiguous), rank order."""
+        n, world, dtype = inp.numel(), self.world, inp.dtype
+        classes = self.classes[dtype]
+        rows = out.view(world, n)
+        for start in range(0, n, classes[-1]):
+            length = min(classes[-1], n - start)
+            shard = next(s for s in classes if s >= length)
+            name = self._name(dtype, shard)
+            version = self.version[name]
+            self.version[name] = version + 1
+            piece = inp[start : start + length]
+            if length != shard:
+                staged = self._buffer(self._staging, name, shard, dtype)
+                staged[:length].copy_(piece)
+                piece = staged
+            self.engine.publish(name, piece, version)
+            if length == n == shard:
+                self.engine.gather(name, version, out)
+                self.engine.release(name, version)
+                continue
+            full = self._buffer(self._full, name, world * shard, dtype)
+            self.engine.gather(name, version, full)
+            self.engine.release(name, version)
+            rows[:, start : start + length].copy_(full.view(world, shard)[:, :length])
+
+
+class _Reducer:
+    """Reduce-scatter through two alternating f32 scratch buckets (engine prefix ``odc-rs``)."""
+
+    def __init__(self, engine: Engine, nbytes: int) -> None:
+        self.engine = engine
+        self.world, self.rank = engine.world_size, engine.rank
+        self.shard = _capacity(nbytes, 4)
+        engine.register([Bucket(f"rs-{i}", self.world * self.shard, torch.float32) for i in range(2)])
+        # The binding reads a push at offset 0 as a whole-bucket push, so every
+        # piece lands one element into its owner's shard and holds at most S - 1.
+        self.piece = self.shard - _PUSH_SKIP
+        self.accum = [engine.grad_shard(i)[_PUSH_SKIP:] for i in range(2)]
+        self.k = 0
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
+        """``out`` (n) gets ``scale · Σ_ranks inp.view(D, n)[rank]``, accumulated in f32."""
+        n, world = out.numel(), self.world
+        rows = inp.view(world, n)
+        for start in range(0, n, self.piece):
+            length = min(self.piece, n - start)
+            k = self.k
+            self.k += 1
+            bucket = k % 2
+            for i in range(world):
+                # Start with the next rank so owners are not all hit in the same order.
+                owner = (self.rank + 1 + i) % world
+                self.engine.scatter_accumulate(
+                    bucket, rows[owner, start : start + length], scale=scale, offset=owner * self.shard + _PUSH_SKIP
+                )
+            self.engine.finish_minibatch(k)
+            acc = self.accum[bucket][:length]
+            out[start : start + length].copy_(acc)
+            acc.zero_()
+
+
+# -- helpers ---------------------------------------------------------------------
+def _scale(op: Any, world: int, what: str, dtype: torch.dtype) -> float:
+    """The push scale of a sum-like reduce op, or a typed error naming the op and dtype."""
+    red = getattr(op, "op", op)
+    if red == _ReduceOp.SUM:
+        return 1.0
+    if red == _ReduceOp.AVG:
+        return 1.0 / world
+    if red == _ReduceOp.PREMUL_SUM:
+        factor = op.factor
+        if isinstance(factor, torch.Tensor):
+            if factor.numel() != 1:
+                raise UnsupportedCollective(f"{what}: PREMUL_SUM with a factor of {factor.numel()} elements")
+            factor = factor.item()
+        return float(factor)
+    raise UnsupportedCollective(
+        f"{what}: reduce op {red} on {dtype} is not supported by the odc backend (SUM, AVG and PREMUL_SUM are)"
+    )
+
+
+def _check_dtype(what: str, dtype: torch.dtype) -> None:
+    if dtype not in _DTYPES:
+        raise LayoutError(f"{what}: dtype {dtype} is not supported by the odc backend (float32, bfloat16, float16 are)")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def _timeout_s(timeout: Any) -> float:
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def _job_key(store: dist.Store, rank: int) -> str:
+    """Equal on every rank, distinct per job: ``ODC_JOB_KEY``, torchelastic's run id, or a token rank 0 posts."""
+    for env in ("ODC_JOB_KEY", "TORCHELASTIC_RUN_ID"):
+        if os.environ.get(env):
+            return os.environ[env]
+    key = "odc/job_key"
+    if rank == 0:
+        store.set(key, "pg" + secrets.token_hex(8))
+    return store.get(key).decode()
+
+
+# -- the process group -------------------------------------------------------------
+class ProcessGroupODC(dist.ProcessGroup):
+    """A torch.distributed process group whose all-gather and reduce-scatter run on ODC.
+
+    Created by torch for ``init_process_group("odc")`` / ``new_group(backend="odc")``;
+    see the module doc for which operations run where.
+
+    Args:
+        store: the group's store (torch passes a ``PrefixStore`` unique to the group).
+        rank: this rank in the group.
+        world_size: the group's size D.
+        timeout: how long any wait on a peer may take.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+        super().__init__(rank, world_size)
+        self._group_name = ""
+        self._group_desc = ""
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+        #: How many operations ran on ODC (``odc:<op>``) and on gloo (``gloo:<op>``).
+        self.op_counts: collections.Counter[str] = collections.Counter()
+        seconds = _timeout_s(timeout)
+        nbytes = scratch_bytes()
+        job_key = _job_key(store, rank)
+
+        def engine(prefix: str) -> Engine:
+            return Engine(store, rank, world_size, timeout=seconds, job_key=job_key, prefix=prefix)
+
+        self._gatherer = _Gatherer(engine("odc-ag"), nbytes)
+        self._reducer = _Reducer(engine("odc-rs"), nbytes)
+        gloo_timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=seconds)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("odc-gloo/", store), rank, world_size, gloo_timeout)
+
+    # -- identity (a Python group keeps its own name; torch sets it after creation)
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupODC(rank={self.rank()}, world_size={self.size()}, name={self._group_name!r})"
+
+    # -- ODC core ------------------------------------------------------------------
+    def _run(self, what: str, body: Callable[[], None]) -> None:
+        """Runs one ODC collective (arguments already checked).
+
+        A failure inside leaves the engines' version and minibatch counters
+        out of step with the peers, so the group refuses ODC work afterwards.
+        """
+        with self._lock:
+            if self._failure is not None:
+                raise OdcError(
+                    f"{what}: this odc process group is unusable after an earlier failure "
+                    f"({type(self._failure).__name__}: {self._failure}); destroy and re-create it"
+                )
+            self.op_counts[f"odc:{what}"] += 1
+            try:
+                body()
+            except BaseException as e:
+                self._failure = e
+                raise
+
+    def _delegate(self, op: str, *args: Any) -> dist.Work:
+        """Runs ``op`` on the internal gloo backend (an operation ODC does not run)."""
+        if self._gloo is None:
+            raise OdcError(f"{op}: this odc process group was shut down")
+        self.op_counts[f"gloo:{op}"] += 1
+        return getattr(self._gloo, op)(*args)
+
+    def _all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+        if out.numel() != inp.numel() * self.size():
+            raise LayoutError(f"{what}: output has {out.numel()} elements, expected {self.size()} x {inp.numel()}")
+        if out.dtype != inp.dtype:
+            raise LayoutError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
+        if inp.numel() == 0:
+            return
+        src = _flat(inp)
+        dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
+
+        def body() -> None:
+            self._gatherer.all_gather(dst, src)
+
+        self._run(what, body)
+        if dst.data_ptr() != out.data_ptr() or not out.is_contiguous():
+            out.copy_(dst.view(out.shape))
+
+    def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str) -> None:
+        _check_dtype(what, inp.dtype)
+        _check_dtype(what, out.dtype)
+        scale = _scale(op, self.size(), what, inp.dtype)
+        if inp.numel() != out.numel() * self.size():
+            raise LayoutError(f"{what}: input has {inp.numel()} elements, expected {self.size()} x {out.numel()}")
+        if out.numel() == 0:
+            return
+        src = _flat(inp)
+        dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
+        self._run(what, lambda: self._reducer.reduce_scatter(dst, src, scale))
+        if not out.is_contiguous():
+            out.copy_(dst.view(out.shape))
+
+    def _odc_allreduce(self, t: torch.Tensor, scale: float) -> None:
+        """All-reduce as an ODC reduce-scatter of a padded copy, then a gather of the reduced shards."""
+        world, n = self.size(), t.numel()
+        if n == 0:
+            return
+        per = -(-n // world)
+        padded = torch.zeros(world * per, dtype=t.dtype)
+        padded[:n].copy_(t.reshape(-1))
+        shard = torch.empty(per, dtype=t.dtype)
+        full = torch.empty(world * per, dtype=t.dtype)
+
+        def body() -> None:
+            self._reducer.reduce_scatter(shard, padded, scale)
+            self._gatherer.all_gather(full, shard)
+
+        self._run("allreduce", body)
+        t.copy_(full[:n].view(t.shape))
+
+    def _odc_reduce_ok(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
+        red = getattr(op, "op", op)
+        return red in _SUM_LIKE and all(t.dtype in _DTYPES and t.device.type == "cpu" for t in tensors)
+
+    # -- all-gather ----------------------------------------------------------------
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        if input.dtype not in _DTYPES:
+            return self._delegate("all_gather_single", output, input, opts or dist.AllgatherOptions())
+        self._all_gather_into(output, input, "all_gather_single")
+        return _CompletedWork([output])
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        for out, inp in zip(outputs, inputs, strict=True):
+            self.all_gather_single(out, inp).wait()
+        return _CompletedWork(list(outputs))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        for outs, inp in zip(outputs, inputs, strict=True):
+            if inp.dtype in _DTYPES and all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs):
+                full = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype)
+                self._all_gather_into(full, inp, "allgather")
+                for o, row in zip(outs, full.view(len(outs), -1)):
+                    o.copy_(row.view(o.shape))
+            else:
+                self._delegate("allgather", [outs], [inp], opts or dist.AllgatherOptions()).wait()
+        return _CompletedWork([o for outs in outputs for o in outs])
+
+    # -- reduce-scatter ------------------------------------------------------------
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        self._reduce_scatter_into(output, input, op, "reduce_scatter_single")
+        return _CompletedWork([output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        for out, inp in zip(outputs, inputs, strict=True):
+            self._reduce_scatter_into(out, inp, op, "reduce_scatter_single_coalesced")
+        return _CompletedWork(list(outputs))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def reduce_scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> dist.Work:
+        op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        for out, ins in zip(outputs, inputs, strict=True):
+            if len(ins) != self.size() or any(i.numel() != out.numel() for i in ins):
+                raise LayoutError(f"reduce_scatter: needs {self.size()} inputs of {out.numel()} elements each")
+            for t in (out, *ins):
+                _check_dtype("reduce_scatter", t.dtype)
+            stacked = torch.cat([i.reshape(-1).to(out.dtype) for i in ins])
+            self._reduce_scatter_into(out, stacked, op, "reduce_scatter")
+        return _CompletedWork(list(outputs))
+
+    # -- all-reduce ----------------------------------------------------------------
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllreduceOptions()
+        if not self._odc_reduce_ok(tensors, opts.reduceOp):
+            return self._delegate("allreduce", tensors, opts)
+        for t in tensors:
+            self._odc_allreduce(t, _scale(opts.reduceOp, self.size(), "allreduce", t.dtype))
+        return _CompletedWork(list(tensors))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or dist.AllreduceCoalescedOptions()
+        if not self._odc_reduce_ok(tensors, opts.reduceOp):
+            return self._delegate("allreduce_coalesced", tensors, opts)
+        for t in tensors:
+            self._odc_allreduce(t, _scale(opts.reduceOp, self.size(), "allreduce_coalesced", t.dtype))
+        return _CompletedWork(list(tensors))
+
+    # -- delegated to gloo ---------------------------------------------------------
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._delegate("broadcast", tensors, opts or dist.BroadcastOptions())
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._delegate("barrier", opts or dist.BarrierOptions())
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._delegate("reduce", tensors, opts or dist.ReduceOptions())
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._delegate("gather", outputs, inputs, opts or dist.GatherOptions())
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:
+        return self._delegate("scatter", outputs, inputs, opts or dist.ScatterOptions())
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._delegate("alltoall", outputs, inputs, opts or dist.AllToAllOptions())
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        opts = opts or dist.AllToAllOptions()
+        return self._delegate("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
+
+    alltoall_base = all_to_all_single
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        return self._delegate("send", tensors, dst, tag)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        return self._delegate("recv", tensors, src, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        return self._delegate("recv_anysource", tensors, tag)
+
+    recvAnysource = recv_anysource
+
+    # -- teardown ------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stops both engines' server daemons and drops the gloo backend."""
+        with self._lock:
+            self._gatherer = self._reducer = None  # type: ignore[assignment]
+            self._gloo = None  # type: ignore[assignment]
+            if self._failure is None:
+                self._failure = OdcError("the process group was shut down")
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+# -- registration ------------------------------------------------------------------
+def _create(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> ProcessGroupODC:
+    return ProcessGroupODC(store, rank, world_size, timeout)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Registers the backend ``"odc"`` with torch.distributed (idempotent).
+
+    torch calls this through the ``torch.distributed.backends`` entry point
+    on ``init_process_group("odc")``; call it yourself where entry points are
+    not installed (a source checkout on ``sys.path``).
+    """
+    global _registered
+    if _registered:
+        return
+    plugins = getattr(dist.Backend, "_plugins", {})
+    if BACKEND_NAME.upper() not in plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+    _registered = True
+
+
+def get_process_group(group: dist.ProcessGroup | None = None) -> ProcessGroupODC:
+    """The :class:`ProcessGroupODC` behind ``group`` (default: the default group).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized, or ``group`` is
+            not an ``odc`` group; the message says what to call.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "odc.backend: torch.distributed is not initialized; "
+            'call torch.distributed.init_process_group("odc") first'
+        )
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupODC):
+        raise RuntimeError(
+            f"odc.backend: group {pg!r} uses backend {dist.get_backend(pg)!r}, not 'odc'; "
+            'create it with init_process_group("odc") or new_group(backend="odc")'
+        )
+    return pg

@@ -1,0 +1,75 @@
+"""The exception hierarchy of ODC.
+
+Every error raised by the native core maps one-to-one to a class here, all
+rooted at :class:`OdcError`. Errors caused by bad input also derive from
+:class:`ValueError`, so code that already catches ``ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OdcError",
+    "PackingError",
+    "LayoutError",
+    "RegistrationError",
+    "ProtocolError",
+    "ConfigError",
+    "TransportError",
+    "OdcOSError",
+    "StoreError",
+    "PeerError",
+    "PeerTimeout",
+    "PeerDied",
+]
+
+
+class OdcError(Exception):
+    """Base class of every error raised by ODC."""
+
+
+class PackingError(OdcError, ValueError):
+    """Bad input to the packer: lengths, strategy, cost model, budget or partition count."""
+
+
+class LayoutError(OdcError, ValueError):
+    """A buffer does not match its bucket: wrong size, dtype, unknown bucket, offset out of range."""
+
+
+class RegistrationError(OdcError):
+    """Ranks registered different bucket lists, or a bucket was used before registration."""
+
+
+class ProtocolError(OdcError):
+    """Calls in an order the protocol forbids: publish before register, versions that do not increase."""
+
+
+class ConfigError(OdcError, ValueError):
+    """An invalid engine configuration or topology."""
+
+
+class OdcOSError(OdcError, OSError):
+    """An operating-system error outside the transport."""
+
+
+class TransportError(OdcError):
+    """A transport operation failed (mapping, reading or writing a peer's region)."""
+
+
+class StoreError(OdcError):
+    """The rendezvous store failed or a key never appeared."""
+
+
+class PeerError(OdcError):
+    """A peer rank failed; ``peer`` names it."""
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+class PeerTimeout(PeerError):
+    """A wait on a peer passed its deadline; the message names the peer, bucket and what was awaited."""
+
+
+class PeerDied(PeerError):
+    """A peer process exited while this rank depended on it."""

@@ -1,0 +1,480 @@
+"""One-line FSDP2 integration: ``odc.fsdp.enable(model, optimizer)``.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) re-assembles each parameter
+group with an all-gather and shards its gradients with a reduce-scatter.
+:func:`enable` swaps both for ODC through FSDP2's own seams
+(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``); no
+FSDP function is patched. Ranks then synchronize once per minibatch, not per
+layer, and may run different numbers of microbatches (LB-Mini), zero included.
+
+How the protocol maps onto FSDP2 (``k`` is the minibatch, equal to the
+version of the parameters it reads):
+
+- ``enable``: every FSDP parameter group becomes one ODC bucket, registered
+  collectively in FSDP's group order (numel = D · the group's padded shard
+  length, dtype = its all-gather dtype). Each rank publishes version 0 of its
+  shards, which are exactly FSDP's all-gather inputs.
+- all-gather (forward, and backward for groups resharded after forward):
+  FSDP has already copied this rank's shard into the output; ODC reads the
+  D − 1 other owners' shards of version ``k``.
+- reduce-scatter (post-backward): pushes each owner's rows with
+  scatter-accumulate (scale 1/D for AVG, ``op.factor`` for PREMUL_SUM, the
+  lost post-divide for SUM), writes zeros into the output (which FSDP turns
+  into the sharded ``.grad``) and does not wait.
+- optimizer step pre-hook: ``finish_minibatch(k)`` (waits only for this
+  rank's own gradient shards), copies them into each parameter's ``.grad``
+  (also on ranks that ran no microbatch), zeroes the accumulators.
+- optimizer step post-hook: publishes version ``k + 1`` from the updated
+  parameters. There is no barrier: each wait is a causal edge.
+
+Without an optimizer (``enable(model, None)``) the same two steps run from
+:func:`minibatch`: leaving it finishes the minibatch, entering the next one
+publishes the stepped parameters.
+
+Settings whose semantics ODC cannot keep are refused with :class:`odc.ConfigError`:
+HSDP (2-D meshes; hybrid sharding comes later), ``reshard_after_forward=int``,
+tensor-subclass all-gather extensions, groups whose gradients are packed in
+another order than their parameters (mixed gradient dtypes). A group whose
+reduce-scatter input shrinks because a parameter got no gradient raises
+:class:`odc.LayoutError` (use ``set_reduce_scatter_unused_params(True)``).
+``set_force_sum_reduction_for_comms(True)`` and fp16 reduce dtypes are
+handled: ODC applies FSDP's post-divide itself.
+
+Private FSDP2 state read here (checked on torch 2.15.0): ``FSDPState``
+(``_lazy_init``, ``_state_ctx.all_states``, ``_fsdp_param_groups``), and per
+group ``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``,
+``_reduce_scatter_param_indices``, ``gradient_divide_factor``,
+``force_sum_reduction_for_comms``; ``_get_param_all_gather_inputs`` and
+``_get_gradient_divide_factors`` from ``_fsdp_collectives``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    DefaultAllGather,
+    DefaultReduceScatter,
+    _get_gradient_divide_factors,
+    _get_param_all_gather_inputs,
+)
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+from torch.distributed.tensor import DTensor
+
+from .engine import Bucket, Engine
+from .errors import ConfigError, LayoutError, ProtocolError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+__all__ = ["enable", "disable", "minibatch", "finish", "clip_grad_norm_", "is_enabled"]
+
+#: torch versions this module was checked against (private FSDP2 state).
+TORCH_VERSIONS_CHECKED = ("2.15.0",)
+
+_NORM_BUCKET = "odc-fsdp/grad-norm"
+_enables = itertools.count()  # one per enable() in this process; equal on every rank
+_live: "weakref.WeakSet[_Binding]" = weakref.WeakSet()
+
+
+@dataclass
+class _Group:
+    """One FSDP parameter group = one ODC bucket."""
+
+    name: str
+    pg: "FSDPParamGroup"
+    n: int  # FSDP's padded shard length (the all-gather input numel)
+    dtype: torch.dtype  # all-gather dtype
+    shard_len: int = 0  # ODC's shard length (n rounded up to the engine's alignment)
+    offsets: list[int] = field(default_factory=list)  # each parameter's offset in the shard
+    shard: torch.Tensor | None = None  # staging buffer for publish (shard_len elements)
+
+
+class _Binding:
+    """The ODC state of one enabled model (one engine, one bucket per group)."""
+
+    def __init__(self, model: FSDPModule, groups: list[_Group], engine: Engine, world: int, rank: int) -> None:
+        self.model = model
+        self.groups = groups
+        self.engine = engine
+        self.world = world
+        self.rank = rank
+        self.version = 0  # parameters published; gathers of this minibatch read them
+        self.open = True  # minibatch `version` is running (not finished)
+        self.pushed = False  # this rank pushed gradients in the running minibatch
+        self.clipped = -1  # last minibatch whose gradients were clipped
+        self.hooks: list[Any] = []
+        self.param_ids = {id(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params}
+
+    # -- protocol ------------------------------------------------------------
+    def check_open(self, what: str) -> None:
+        if not self.open:
+            raise ProtocolError(
+                f"odc.fsdp: {what} after minibatch {self.version} finished; step the optimizer "
+                "(or enter odc.fsdp.minibatch) before the next forward"
+            )
+
+    def publish_all(self) -> None:
+        for g in self.groups:
+            inputs = _get_param_all_gather_inputs(g.pg.fsdp_params)
+            flat = [t.reshape(-1) for ts in inputs for t in ts]
+            torch.cat(flat, out=g.shard[: g.n])
+            self.engine.publish(g.name, g.shard, self.version)
+
+    def finish(self, install: bool = True) -> None:
+        """Ends the running minibatch: own gradient shards final, copied into ``.grad``."""
+        if not self.open:
+            return
+        self.engine.finish_minibatch(self.version)
+        self.open = False
+        if install:
+            for g in self.groups:
+                acc = self.engine.grad_shard(g.name)
+                for fp, off in zip(g.pg.fsdp_params, g.offsets):
+                    p = fp.sharded_param
+                    if not p.requires_grad:
+                        continue
+                    shape = fp.sharded_size
+                    dtype = getattr(fp, "sharded_grad_dtype", None) or p.dtype
+                    # A copy: the accumulator is zeroed below and refilled by the next minibatch.
+                    local = acc[off : off + math.prod(shape)].view(shape).to(device=p.device, dtype=dtype, copy=True)
+                    p.grad = DTensor.from_local(
+                        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
+        self.engine.zero_grad()
+        self.pushed = False
+
+    def advance(self) -> None:
+        """Publishes the stepped parameters as the next version (after :meth:`finish`)."""
+        if self.open:
+            return
+        self.version += 1
+        self.publish_all()
+        self.open = True
+
+
+class _OdcAllGather(AllGather):
+    """FSDP2 all-gather seam: reads the other owners' published shards."""
+
+    def __init__(self, binding: _Binding, group: _Group) -> None:
+        self._b = binding
+        self._g = group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, async_op: bool = False):
+        b, g = self._b, self._g
+        b.check_open(f"all-gather of {g.name}")
+        ws, n, sl = b.world, g.n, g.shard_len
+        if output_tensor.numel() != ws * n or output_tensor.dtype != g.dtype:
+            raise LayoutError(
+                f"odc.fsdp: all-gather of {g.name} got {output_tensor.numel()} {output_tensor.dtype} elements; "
+                f"registered {ws}·{n} {g.dtype} (did the parameters change after odc.fsdp.enable?)"
+            )
+        if sl == n:
+            b.engine.gather(g.name, b.version, output_tensor, skip_own=True)
+        else:
+            # ODC aligns shards to 64 bytes; FSDP packs them densely.
+            tmp = torch.empty(ws, sl, dtype=g.dtype)
+            tmp[b.rank, :n].copy_(input_tensor)
+            b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
+            output_tensor.view(ws, n).copy_(tmp[:, :n])
+        return None
+
+
+class _OdcReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter seam: pushes the rows to their owners, does not wait."""
+
+    def __init__(self, binding: _Binding, group: _Group) -> None:
+        self._b = binding
+        self._g = group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def _scale(self, op: Any, dtype: torch.dtype) -> float:
+        factor = getattr(op, "factor", None)
+        if factor is not None:  # PREMUL_SUM(1 / gradient_divide_factor)
+            return float(factor)
+        kind = getattr(op, "op", op)
+        if kind == dist.ReduceOp.AVG:
+            return 1.0 / self._b.world
+        if kind == dist.ReduceOp.SUM:
+            # FSDP divides the *output* after a SUM (forced sum, or fp16 with a
+            # pre-divide already applied to the input); our output is zeros, so
+            # the post-divide moves into the push.
+            pg = self._g.pg
+            _, post, _, _ = _get_gradient_divide_factors(
+                pg.mesh_info.shard_process_group, None, dtype, pg.device.type,
+                pg.gradient_divide_factor, pg.force_sum_reduction_for_comms,
+            )
+            return 1.0 / post if post else 1.0
+        raise ConfigError(f"odc.fsdp: reduce-scatter op {op} is not supported (AVG, SUM, PREMUL_SUM are)")
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op: bool = False):
+        b, g = self._b, self._g
+        b.check_open(f"reduce-scatter of {g.name}")
+        ws, n, sl = b.world, g.n, g.shard_len
+        if input_tensor.numel() != ws * n:
+            raise LayoutError(
+                f"odc.fsdp: reduce-scatter input of {g.name} holds {input_tensor.numel()} elements, not "
+                f"{ws}·{n}: a parameter got no gradient and FSDP dropped it; call "
+                "model.set_reduce_scatter_unused_params(True) before odc.fsdp.enable"
+            )
+        scale = self._scale(op, input_tensor.dtype)
+        if sl == n:
+            b.engine.scatter_accumulate(g.name, input_tensor, scale=scale)
+        else:
+            tmp = torch.zeros(ws, sl, dtype=input_tensor.dtype)
+            tmp[:, :n].copy_(input_tensor.view(ws, n))
+            b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
+        b.pushed = True
+        output_tensor.zero_()
+        return None
+
+
+def _states(model: FSDPModule) -> list[Any]:
+    state = model._get_fsdp_state()
+    state._lazy_init()  # what the first forward does; idempotent
+    if not state._is_root:
+        raise ConfigError("odc.fsdp.enable: pass the root fully_shard-ed module (the one that runs forward)")
+    return list(state._state_ctx.all_states)
+
+
+def _describe(model: FSDPModule) -> list[_Group]:
+    groups: list[_Group] = []
+    for state in _states(model):
+        for pg in state._fsdp_param_groups:
+            mesh = pg.mesh_info
+            name = f"fsdp{len(groups)}:{pg._module_fqn or '<root>'}"
+            if isinstance(mesh, DDPMeshInfo) or not isinstance(mesh, FSDPMeshInfo):
+                raise ConfigError(
+                    f"odc.fsdp: {name} uses a 2-D (HSDP / replicated) mesh; ODC supports 1-D sharding "
+                    "meshes for now (hybrid sharding comes later)"
+                )
+            if pg.post_forward_mesh_info is not None and pg.post_forward_mesh_info is not mesh:
+                raise ConfigError(
+                    f"odc.fsdp: {name} uses reshard_after_forward=<int> (gathers over a sub-mesh); "
+                    "use True or False with ODC"
+                )
+            if pg._reduce_scatter_param_indices != list(range(len(pg.fsdp_params))):
+                raise ConfigError(
+                    f"odc.fsdp: {name} packs its gradients in another order than its parameters "
+                    "(mixed gradient dtypes); give its parameters one grad dtype"
+                )
+            inputs = _get_param_all_gather_inputs(pg.fsdp_params)
+            dtypes = {t.dtype for ts in inputs for t in ts}
+            if any(len(ts) != 1 for ts in inputs) or len(dtypes) != 1:
+                raise ConfigError(
+                    f"odc.fsdp: {name} uses an all-gather extension (fsdp_pre_all_gather) or mixed "
+                    "all-gather dtypes, which ODC does not support"
+                )
+            offsets, off = [], 0
+            for fp, (t,) in zip(pg.fsdp_params, inputs):
+                if t.numel() != fp.padded_sharded_param_size.numel():
+                    raise ConfigError(f"odc.fsdp: {name} has an all-gather input that is not its padded shard")
+                offsets.append(off)
+                off += t.numel()
+            groups.append(_Group(name=name, pg=pg, n=off, dtype=dtypes.pop(), offsets=offsets))
+    return groups
+
+
+def _binding(model: Any) -> _Binding:
+    b = getattr(model, "_odc_fsdp", None)
+    if b is None:
+        raise ConfigError("odc.fsdp: this model is not enabled; call odc.fsdp.enable(model, optimizer) first")
+    return b
+
+
+def is_enabled(model: Any) -> bool:
+    """Whether :func:`enable` is in effect on ``model``."""
+    return getattr(model, "_odc_fsdp", None) is not None
+
+
+def enable(
+    model: Any,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    chunk_bytes: int | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
+
+    Call on every rank, after ``fully_shard`` and before the first forward.
+    Collective once (registration); afterwards no call waits on the slowest
+    rank. Ranks may run different numbers of microbatches per minibatch.
+
+    Args:
+        model: the root module returned by ``fully_shard`` (1-D mesh).
+        optimizer: its optimizer; a step pre-hook finishes the minibatch and
+            installs the gradients, a post-hook publishes the new parameters.
+            ``None``: wrap each minibatch in :func:`minibatch` instead.
+        chunk_bytes: landing-slot size (default: the engine's).
+        timeout: seconds any wait on a peer may take (default 300 or
+            ``ODC_TIMEOUT_S``); past it :class:`odc.PeerTimeout` names the peer.
+
+    Raises:
+        ConfigError: the model is not ``fully_shard``-ed, already enabled, or
+            uses a setting ODC cannot keep (see the module doc).
+        RegistrationError: ranks built different models.
+    """
+    if not isinstance(model, FSDPModule):
+        raise ConfigError(
+            f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard; "
+            f"got {type(model).__name__}"
+        )
+    if is_enabled(model):
+        raise ConfigError("odc.fsdp.enable: this model is already enabled")
+    groups = _describe(model)
+    if not groups:
+        raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
+    mesh = groups[0].pg.mesh_info
+    world, rank = mesh.shard_mesh_size, mesh.shard_mesh_rank
+    members = dist.get_process_group_ranks(mesh.shard_process_group)
+    for g in groups:
+        if dist.get_process_group_ranks(g.pg.mesh_info.shard_process_group) != members:
+            raise ConfigError(f"odc.fsdp: {g.name} is sharded over other ranks than {groups[0].name}")
+    if world == 1:
+        return  # FSDP bypasses both seams at world size 1; nothing to replace
+    store = dist.PrefixStore(
+        f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, members))}/",
+        dist.distributed_c10d._get_default_store(),
+    )
+    engine = Engine(store, rank, world, chunk_bytes=chunk_bytes, timeout=timeout)
+    engine.register([Bucket(g.name, world * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, world, torch.float32)])
+    for g in groups:
+        g.shard_len = engine.bucket(g.name)["shard_len"]
+        g.shard = torch.zeros(g.shard_len, dtype=g.dtype)
+    b = _Binding(model, groups, engine, world, rank)
+    b.publish_all()  # version 0
+    for g in groups:
+        g.pg._all_gather_comm = _OdcAllGather(b, g)
+        g.pg._reduce_scatter_comm = _OdcReduceScatter(b, g)
+    if optimizer is not None:
+        b.hooks.append(optimizer.register_step_pre_hook(lambda *_: b.finish()))
+        b.hooks.append(optimizer.register_step_post_hook(lambda *_: b.advance()))
+    model.__dict__["_odc_fsdp"] = b
+    _live.add(b)
+
+
+def disable(model: Any) -> None:
+    """Restores FSDP2's default collectives. Call on every rank, after an optimizer step.
+
+    Raises:
+        ProtocolError: this rank pushed gradients that no optimizer step consumed.
+    """
+    b = _binding(model)
+    if b.open and b.pushed:
+        raise ProtocolError(
+            f"odc.fsdp.disable: gradients of minibatch {b.version} are pending; step the optimizer first"
+        )
+    # A teardown fence: once every peer finished, nobody reads this rank's shards.
+    b.finish(install=False)
+    for h in b.hooks:
+        h.remove()
+    for g in b.groups:
+        g.pg._all_gather_comm = DefaultAllGather()
+        g.pg._reduce_scatter_comm = DefaultReduceScatter()
+    del model.__dict__["_odc_fsdp"]
+    _live.discard(b)
+    b.engine = None  # type: ignore[assignment]  # drops the engine (unmaps, joins the daemon)
+
+
+@contextlib.contextmanager
+def minibatch(model: Any) -> Iterator[None]:
+    """One minibatch with explicit boundaries instead of optimizer hooks.
+
+    Entering publishes the parameters stepped since the previous minibatch;
+    leaving finishes the minibatch and installs the gradients as ``.grad``.
+    Step the optimizer after the block::
+
+        with odc.fsdp.minibatch(model):
+            for mb in microbatches:       # any number per rank, zero included
+                model(mb).sum().backward()
+        optimizer.step(); optimizer.zero_grad()
+    """
+    b = _binding(model)
+    b.advance()
+    yield
+    b.finish()
+
+
+def finish(model: Any) -> None:
+    """Finishes the running minibatch now: ``.grad`` holds the reduced gradients.
+
+    The optimizer pre-hook does this too; call it to read gradients before
+    ``optimizer.step()``.
+    """
+    _binding(model).finish()
+
+
+def _binding_of(model_or_params: Any) -> tuple[_Binding, list[torch.Tensor]]:
+    if isinstance(model_or_params, torch.nn.Module):
+        b = _binding(model_or_params)
+        params = [p for p in model_or_params.parameters() if id(p) in b.param_ids]
+        return b, params
+    params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+    for b in list(_live):
+        if params and all(id(p) in b.param_ids for p in params):
+            return b, params
+    raise ConfigError("odc.fsdp.clip_grad_norm_: these parameters do not belong to one odc.fsdp-enabled model")
+
+
+def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clips gradients by their global norm, like ``torch.nn.utils.clip_grad_norm_``, without a collective.
+
+    Finishes the running minibatch first (so call it where you would call
+    torch's, before ``optimizer.step()``). Each rank reduces its own gradient
+    shards to one number (sum of ``|g|^p``, or the max for ``inf``) and
+    publishes it, split into two float32 words for double precision, in a
+    small registered bucket; every rank gathers the D numbers and combines
+    them in rank order, so all ranks compute the identical norm. The bucket's
+    version is the minibatch number + 1, so it may be called once per
+    minibatch, on every rank.
+
+    Returns:
+        The total norm (a float64 scalar tensor), as torch's does.
+    """
+    b, params = _binding_of(model_or_params)
+    b.finish()
+    if b.clipped == b.version:
+        raise ProtocolError(f"odc.fsdp.clip_grad_norm_: already called in minibatch {b.version}")
+    b.clipped = b.version
+    norm_type = float(norm_type)
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    local = 0.0
+    for g in grads:
+        g = g.detach().double()
+        if g.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            local = max(local, g.abs().max().item())
+        else:
+            local += g.abs().pow(norm_type).sum().item()
+    info = b.engine.bucket(_NORM_BUCKET)
+    sl = info["shard_len"]
+    shard = torch.zeros(sl, dtype=torch.float32)
+    hi = torch.tensor(local, dtype=torch.float32)
+    shard[0], shard[1] = hi, torch.tensor(local - hi.double().item(), dtype=torch.float32)
+    version = b.version + 1  # above every version the done words of minibatches <= k imply
+    b.engine.publish(_NORM_BUCKET, shard, version)
+    everyone = torch.empty(info["padded_len"], dtype=torch.float32)
+    b.engine.gather(_NORM_BUCKET, version, everyone)
+    b.engine.release(_NORM_BUCKET, version)
+    parts = everyone.view(b.world, sl)[:, :2].double().sum(dim=1).tolist()
+    total = max(parts) if math.isinf(norm_type) else sum(parts) ** (1.0 / norm_type)
+    coef = float(max_norm) / (total + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return torch.tensor(total, dtype=torch.float64)

@@ -1,0 +1,242 @@
+"""Worker functions for test_fsdp.py: a tiny model, FSDP2 training loops with gloo and with ODC.
+
+Each worker runs under ``_dist.run_ranks`` (spawned ranks, shared TCPStore)
+and initialises a gloo process group on that store.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import odc
+import odc.fsdp
+
+DIM, VOCAB = 24, 37  # odd sizes: FSDP's shards are not 64-byte aligned
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 3 * dim + 1)
+        self.down = nn.Linear(3 * dim + 1, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Tiny(nn.Module):
+    def __init__(self, dim: int = DIM, layers: int = 3, unused: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+        if unused:
+            self.blocks[0].extra = nn.Linear(dim, dim)  # never called
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def init_pg(rank, world, store):
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+
+def build(world, seed=0, mp=None, reshard=True, mesh=None, unused=False, layers=3):
+    torch.manual_seed(seed)
+    model = Tiny(layers=layers, unused=unused)
+    mesh = mesh or init_device_mesh("cpu", (world,))
+    kw = {"mesh": mesh, "reshard_after_forward": reshard}
+    if mp is not None:
+        kw["mp_policy"] = mp
+    for b in model.blocks:
+        fully_shard(b, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def sample_loss(model, tokens):
+    """Per-sample summed next-token loss (a 1-D batch of token sequences)."""
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1), reduction="sum")
+
+
+def data(step, micro, rank, n=3, length=9):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randint(0, VOCAB, (n, length), generator=g)
+
+
+def full_params(model):
+    """Full parameters as nested lists (tensors do not survive a worker's os._exit in transit)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().tolist() for k, v in model.state_dict().items()}
+
+
+def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2):
+    """AdamW, ``micros`` microbatches per step; returns (losses, norms, params)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if odc_on:
+        odc.fsdp.enable(model, opt, timeout=60)
+    losses, norms = [], []
+    for s in range(steps):
+        total = 0.0
+        for m in range(micros):
+            loss = sample_loss(model, data(s, m, rank)) / (27 * micros)
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            clip_fn = odc.fsdp.clip_grad_norm_ if odc_on else torch.nn.utils.clip_grad_norm_
+            norms.append(float(clip_fn(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    params = full_params(model) if not odc_on else None
+    if odc_on:
+        odc.fsdp.disable(model)
+        params = full_params(model)  # full_tensor() is a gloo collective: after disable is fine
+    return losses, norms, params
+
+
+def parity_worker(rank, world, store, variants):
+    init_pg(rank, world, store)
+    out = {}
+    for name in variants:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if name == "bf16" else None
+        res = {}
+        for mode in ("gloo", "odc"):
+            model = build(world, mp=mp, reshard=(name != "forcesum"))  # forcesum also keeps params unsharded
+            if name == "forcesum":
+                model.set_force_sum_reduction_for_comms(True)
+            res[mode] = train(model, rank, world, steps=10, micros=2, odc_on=(mode == "odc"), clip=(0.5 if name == "fp32" else None))
+        out[name] = res
+    if world == 4:
+        # reshard_after_forward=<int> gathers over a sub-mesh: refused.
+        model = build(world, reshard=2)
+        try:
+            odc.fsdp.enable(model, None)
+        except odc.ConfigError as e:
+            out["reshard_int_error"] = str(e)
+    return out
+
+
+def lbmini_worker(rank, world, store, counts, steps):
+    """Ranks run counts[(s + r) % len(counts)] microbatches at step s; SGD on the summed loss.
+
+    Trains twice (optimizer hooks, then odc.fsdp.minibatch); rank 0 compares
+    both with a single-process reference on the same total loss.
+    """
+    init_pg(rank, world, store)
+    lr = 0.1
+
+    def plan(s, r):
+        return counts[(s + r) % len(counts)]
+
+    def mb_loss(model, s, r, m, norm):
+        return sample_loss(model, data(s, m, r)) / norm
+
+    got, seen = {}, []
+    for explicit in (False, True):
+        model = build(world)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        odc.fsdp.enable(model, None if explicit else opt, timeout=60)
+        seen = []
+        for s in range(steps):
+            norm = 27 * sum(plan(s, r) for r in range(world))  # tokens in the whole minibatch
+            with odc.fsdp.minibatch(model) if explicit else _null():
+                for m in range(plan(s, rank)):
+                    (mb_loss(model, s, rank, m, norm) * world).backward()  # FSDP averages over ranks
+            seen.append(plan(s, rank))
+            opt.step()
+            opt.zero_grad()
+        odc.fsdp.disable(model)
+        got[explicit] = full_params(model)
+    if rank != 0:
+        return {"counts": seen}
+    torch.manual_seed(0)
+    ref = Tiny()
+    ropt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for s in range(steps):
+        norm = 27 * sum(plan(s, r) for r in range(world))
+        for r in range(world):
+            for m in range(plan(s, r)):
+                mb_loss(ref, s, r, m, norm).backward()
+        ropt.step()
+        ropt.zero_grad()
+    diff = {
+        mode: max((torch.tensor(p[k]) - v.detach()).abs().max().item() for k, v in ref.state_dict().items())
+        for mode, p in got.items()
+    }
+    return {"counts": seen, "max_diff": diff}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def errors_worker(rank, world, store):
+    init_pg(rank, world, store)
+    found = {}
+
+    def expect(key, exc, fn):
+        try:
+            fn()
+        except exc as e:
+            found[key] = f"{type(e).__name__}: {e}"
+        else:
+            found[key] = "no error"
+
+    expect("not_sharded", odc.ConfigError, lambda: odc.fsdp.enable(Tiny(), None))
+    hsdp = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    expect("hsdp", odc.ConfigError, lambda: odc.fsdp.enable(build(world, mesh=hsdp), None))
+    expect("not_enabled", odc.ConfigError, lambda: odc.fsdp.disable(build(world)))
+
+    model = build(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    odc.fsdp.enable(model, None, timeout=30)
+    expect("twice", odc.ConfigError, lambda: odc.fsdp.enable(model, opt))
+    with odc.fsdp.minibatch(model):
+        sample_loss(model, data(0, 0, rank)).backward()
+    opt.step()
+    expect("pending", odc.ProtocolError, lambda: _push_then_disable(model, rank))
+    odc.fsdp.finish(model)
+    opt.step()
+    # A forward between the finished minibatch and the next one would read stale parameters.
+    expect("stale_forward", odc.ProtocolError, lambda: model(data(1, 0, rank)))
+    odc.fsdp.disable(model)
+
+    model = build(world, unused=True)
+    odc.fsdp.enable(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=30)
+    expect("unused", odc.LayoutError, lambda: sample_loss(model, data(0, 0, rank)).backward())
+    return found
+
+
+def _push_then_disable(model, rank):
+    with odc.fsdp.minibatch(model):
+        sample_loss(model, data(2, 0, rank)).backward()
+        odc.fsdp.disable(model)
+
+
+def dies_worker(rank, world, store):
+    init_pg(rank, world, store)
+    model = build(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    odc.fsdp.enable(model, opt, timeout=20)
+    for s in range(3):
+        if s == 1 and rank == 1:
+            os._exit(3)  # dies between minibatches, without a word
+        sample_loss(model, data(s, 0, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    return "survived"

@@ -1,0 +1,137 @@
+"""odc.Engine across real processes: exact gathers and sums, typed errors, dead peers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import odc
+from _dist import run_ranks
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _gather_scatter(rank, world, store, numel, minibatches):
+    eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-{os.getppid()}")
+    eng.register([odc.Bucket(f"a-{odc.engine.dtype_name(d)}", numel, d) for d in DTYPES])
+    for dtype in DTYPES:
+        _check_bucket(eng, rank, world, f"a-{odc.engine.dtype_name(dtype)}", numel, dtype, minibatches)
+    return True
+
+
+def _check_bucket(eng, rank, world, name, numel, dtype, minibatches):
+    info = eng.bucket(name)
+    sl = info["shard_len"]
+    full = torch.arange(sl * world, dtype=torch.float32) % 97
+    for k in range(minibatches):
+        shard = (full[rank * sl : (rank + 1) * sl] + k).to(dtype)
+        eng.publish(name, shard, version=k)
+        out = torch.empty(numel, dtype=dtype)
+        eng.gather(name, k, out)
+        want = (full[:numel] + k).to(dtype)
+        assert torch.equal(out, want), f"rank {rank} minibatch {k}: gathered wrong values"
+        # Every rank pushes (rank+1) * pattern; owners see sum_r (r+1) * pattern.
+        grads = ((torch.arange(numel, dtype=torch.float32) % 13) * (rank + 1)).to(dtype)
+        for _ in range(rank % 3):  # uneven microbatch counts, including zero
+            eng.scatter_accumulate(name, grads, scale=1.0)
+        eng.finish_minibatch(eng_minibatch(eng))
+        g = eng.grad_shard(name).clone()
+        pattern = torch.arange(numel, dtype=torch.float32) % 13
+        weight = sum((r + 1) * (r % 3) for r in range(world))
+        lo, hi = rank * sl, min((rank + 1) * sl, numel)
+        want_g = torch.zeros(sl)
+        if hi > lo:
+            want_g[: hi - lo] = pattern[lo:hi] * weight
+        assert torch.equal(g, want_g), f"rank {rank} minibatch {k}: wrong gradient sums"
+        eng.zero_grad()
+
+
+def eng_minibatch(eng):
+    """Minibatch counter shared by every bucket checked on this engine."""
+    k = getattr(eng, "_test_k", 0)
+    eng._test_k = k + 1
+    return k
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_gather_and_scatter_exact_every_dtype(world):
+    res = run_ranks(_gather_scatter, world, numel=1001, minibatches=3)
+    assert all(s == "ok" for s, _ in res.values()), res
+
+
+def _bad_input(rank, world, store):
+    eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-bad-{os.getppid()}")
+    eng.register([odc.Bucket("a", 10, torch.float32)])
+    errors = []
+    for call in (
+        lambda: eng.publish("a", torch.zeros(5, dtype=torch.float16), 0),  # wrong dtype
+        lambda: eng.publish("a", torch.zeros(3), 0),  # wrong size
+        lambda: eng.gather("nope", 0, torch.zeros(10)),  # unknown bucket
+        lambda: eng.scatter_accumulate("a", torch.zeros(4), offset=30),  # overruns the padded bucket
+        lambda: eng.gather("a", 0, torch.zeros(10, dtype=torch.int32)),  # unsupported dtype
+        lambda: eng.gather("a", 0, torch.zeros(20)[::2]),  # not contiguous
+    ):
+        try:
+            call()
+        except odc.LayoutError as e:
+            errors.append(str(e))
+    # Nothing was corrupted: the engine still works.
+    sl = eng.bucket("a")["shard_len"]
+    eng.publish("a", torch.full((sl,), float(rank)), 0)
+    out = torch.empty(10)
+    eng.gather("a", 0, out)
+    assert out.tolist() == [0.0] * min(sl, 10) + [1.0] * max(0, 10 - sl)
+    return errors
+
+
+def test_bad_input_gives_layout_errors_and_keeps_working():
+    res = run_ranks(_bad_input, 2)
+    for rank, (status, errors) in res.items():
+        assert status == "ok", res
+        assert len(errors) == 6, errors
+        assert "float16" in errors[0] or "f16" in errors[0]
+        assert "nope" in errors[2]
+
+
+def _mismatch(rank, world, store):
+    eng = odc.Engine(store, rank, world, timeout=20, job_key=f"pytest-mm-{os.getppid()}")
+    eng.register([odc.Bucket("a", 10, torch.float32), odc.Bucket("b", 10 + rank, torch.float32)])
+
+
+def test_mismatched_registration_names_the_bucket():
+    res = run_ranks(_mismatch, 2)
+    for status, value in res.values():
+        assert status == "error"
+        cls, msg, _, _ = value
+        assert cls == "RegistrationError", msg
+        assert "#1" in msg and "b" in msg
+
+
+def _dies(rank, world, store):
+    eng = odc.Engine(store, rank, world, timeout=20, job_key=f"pytest-die-{os.getppid()}")
+    eng.register([odc.Bucket("a", 64, torch.float32)])
+    eng.publish("a", torch.zeros(eng.bucket("a")["shard_len"]), 0)
+    if rank == 1:
+        os._exit(3)  # dies mid-minibatch
+    eng.scatter_accumulate("a", torch.ones(64))
+    eng.finish_minibatch(0)
+
+
+def test_dead_peer_is_named_not_a_hang():
+    res = run_ranks(_dies, 2, timeout=60)
+    status, value = res[0]
+    assert status == "error", res
+    cls, msg, peer, _ = value
+    assert cls in ("PeerDied", "PeerTimeout"), msg
+    assert peer == 1 and "rank 1" in msg
+
+
+def test_error_hierarchy():
+    assert issubclass(odc.PeerDied, odc.OdcError)
+    assert issubclass(odc.LayoutError, ValueError)
+    with pytest.raises(odc.LayoutError):
+        odc.Bucket("x", 0, torch.float32).spec()
+    with pytest.raises(odc.LayoutError, match="int64"):
+        odc.engine.dtype_name(torch.int64)

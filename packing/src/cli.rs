@@ -1,0 +1,271 @@
+//! The `odc-pack` command, as a library function so that other front ends
+//! (the Python package) can expose the very same command.
+//!
+//! ```text
+//! odc-pack --synthetic lognormal:n=4096,seed=0 --world 8 --minibatch-size 4 --compare
+//! odc-pack --lengths lengths.txt --strategy lb-micro --json
+//! odc-pack --lengths lengths.txt --partition 8 --equal-size --cost linear
+//! ```
+//!
+//! Exit codes: 0 on success, 2 on bad input or usage (one `error:` line on
+//! stderr naming the offending value), 1 when output cannot be written.
+
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::path::PathBuf;
+
+use clap::{ArgGroup, Parser};
+
+use crate::error::{Error, Result};
+use crate::input::{parse_lengths, synthetic_with_seed};
+use crate::kk::{karmarkar_karp, lower_bound, max_part_sum, part_sum};
+use crate::planner::{compare, plan, Plan, PlanConfig};
+
+const AFTER_HELP: &str = "\
+Strategies: local-sort, lb-micro, lb-mini, verl-native.
+Cost models: linear, quadratic (= quadratic:qwen2-7b), quadratic:qwen2-1.5b,
+  quadratic:a=A,b=B, verl, flops:hidden=H,layers=L,query=Q.
+Synthetic: lognormal:n=N[,median=10000][,sigma=1.0][,min=1][,max=65536][,seed=S]
+
+Bubble rates: collective = 1 - sum(C) / (D * sum_m max_d C[m,d]);
+              odc        = 1 - sum(C) / (D * max_d sum_m C[m,d]).
+Exit status: 0 ok, 2 bad input or usage, 1 output could not be written.";
+
+/// Plan sequence packing for data-parallel training and predict the
+/// bubble rate under collectives and under ODC.
+#[derive(Debug, Parser)]
+#[command(name = "odc-pack", version, after_help = AFTER_HELP)]
+#[command(group(ArgGroup::new("input").required(true).args(["lengths", "synthetic"])))]
+struct Args {
+    /// File of sequence lengths: one integer per line, or a JSON array; `-` reads stdin.
+    #[arg(long, value_name = "FILE")]
+    lengths: Option<PathBuf>,
+
+    /// Synthetic lengths, e.g. lognormal:n=1000,median=10000,sigma=1.0,max=65536,seed=0.
+    #[arg(long, value_name = "SPEC")]
+    synthetic: Option<String>,
+
+    /// Number of data-parallel ranks D.
+    #[arg(long, value_name = "N", default_value_t = 8)]
+    world: usize,
+
+    /// Samples per rank per minibatch M (a global minibatch is M·D samples).
+    #[arg(long, value_name = "M", default_value_t = 4)]
+    minibatch_size: usize,
+
+    /// Packing strategy: local-sort, lb-micro, lb-mini or verl-native.
+    #[arg(long, value_name = "NAME", default_value = "lb-mini")]
+    strategy: String,
+
+    /// Most tokens one microbatch may hold.
+    #[arg(long, value_name = "T", default_value_t = 65536)]
+    max_tokens: u64,
+
+    /// Per-sample cost model (see below).
+    #[arg(long, value_name = "NAME", default_value = "quadratic")]
+    cost: String,
+
+    /// Seed of the plan; also the seed of --synthetic when its spec has none.
+    #[arg(long, value_name = "S", default_value_t = 0)]
+    seed: u64,
+
+    /// Print the plan (or, with --compare, the table) as JSON.
+    #[arg(long)]
+    json: bool,
+
+    /// Compare every strategy under collectives and ODC.
+    #[arg(long, conflicts_with = "partition")]
+    compare: bool,
+
+    /// Instead of planning, split the samples into K non-empty parts
+    /// balanced by cost with Karmarkar–Karp (K must not exceed the count).
+    #[arg(long, value_name = "K")]
+    partition: Option<usize>,
+
+    /// With --partition: every part gets the same number of samples.
+    #[arg(long, requires = "partition")]
+    equal_size: bool,
+}
+
+/// Runs `odc-pack` with `args` (the first item is the program name),
+/// writing to the process's stdout and stderr. Returns the exit code.
+pub fn run<I: IntoIterator<Item = OsString>>(args: I) -> i32 {
+    let stdout = std::io::stdout();
+    let stderr = std::io::stderr();
+    run_with(args, &mut stdout.lock(), &mut stderr.lock())
+}
+
+/// [`run`] with explicit output streams; stdin is still the process's.
+pub fn run_with<I: IntoIterator<Item = OsString>>(
+    args: I,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> i32 {
+    let args = match Args::try_parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let text = e.render().to_string();
+            // Nothing sensible is left to do if even this write fails.
+            let _ = if e.use_stderr() {
+                write!(err, "{text}")
+            } else {
+                write!(out, "{text}")
+            };
+            return e.exit_code();
+        }
+    };
+    match execute(&args) {
+        Ok(text) => match writeln!(out, "{text}").and_then(|()| out.flush()) {
+            Ok(()) => 0,
+            Err(e) => {
+                let _ = writeln!(err, "odc-pack: error: cannot write output: {e}");
+                1
+            }
+        },
+        Err(e) => {
+            let _ = writeln!(err, "odc-pack: error: {e}");
+            2
+        }
+    }
+}
+
+fn read_lengths(args: &Args) -> Result<Vec<u64>> {
+    if let Some(spec) = &args.synthetic {
+        return synthetic_with_seed(spec, args.seed);
+    }
+    let path = args.lengths.clone().unwrap_or_else(|| PathBuf::from("-"));
+    let shown = path.display().to_string();
+    let io = |source| Error::Io {
+        path: shown.clone(),
+        source,
+    };
+    let mut bytes = Vec::new();
+    if path.as_os_str() == "-" {
+        std::io::stdin().read_to_end(&mut bytes).map_err(io)?;
+    } else {
+        bytes = std::fs::read(&path).map_err(io)?;
+    }
+    let text = String::from_utf8(bytes)
+        .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
+    parse_lengths(&text)
+}
+
+fn execute(args: &Args) -> Result<String> {
+    let cfg = PlanConfig {
+        world: args.world,
+        minibatch_size: args.minibatch_size,
+        strategy: args.strategy.parse()?,
+        max_tokens: args.max_tokens,
+        cost: args.cost.parse()?,
+        seed: args.seed,
+    };
+    let lengths = read_lengths(args)?;
+    if let Some(k) = args.partition {
+        return partition(&lengths, k, args, &cfg);
+    }
+    if args.compare {
+        let table = compare(&lengths, &cfg)?;
+        return Ok(if args.json {
+            json(&table)
+        } else {
+            table.to_string()
+        });
+    }
+    let p = plan(&lengths, &cfg)?;
+    Ok(if args.json {
+        json(&p)
+    } else {
+        summary(&p, &lengths, &cfg)
+    })
+}
+
+/// Plans and tables hold only numbers, strings and vectors, which always
+/// serialise; the fallback keeps even an impossible failure panic-free.
+fn json<T: serde::Serialize>(value: &T) -> String {
+    serde_json::to_string(value).unwrap_or_else(|e| format!("{{\"error\":{:?}}}", e.to_string()))
+}
+
+/// Output of `--partition`.
+#[derive(Debug, serde::Serialize)]
+struct Partition {
+    parts: Vec<Vec<usize>>,
+    costs: Vec<f64>,
+    tokens: Vec<u64>,
+    max_over_lower_bound: f64,
+}
+
+fn partition(lengths: &[u64], k: usize, args: &Args, cfg: &PlanConfig) -> Result<String> {
+    if let Some(index) = lengths.iter().position(|&s| s == 0) {
+        return Err(Error::ZeroLength {
+            at: crate::error::Location::Index(index),
+        });
+    }
+    let weights: Vec<f64> = lengths.iter().map(|&s| cfg.cost.cost(s)).collect();
+    let parts = karmarkar_karp(&weights, k, args.equal_size)?;
+    let costs: Vec<f64> = parts.iter().map(|p| part_sum(&weights, p)).collect();
+    let tokens = parts
+        .iter()
+        .map(|p| p.iter().map(|&i| lengths[i]).sum())
+        .collect();
+    let bound = lower_bound(&weights, k);
+    let result = Partition {
+        max_over_lower_bound: if bound > 0.0 {
+            max_part_sum(&weights, &parts) / bound
+        } else {
+            1.0
+        },
+        parts,
+        costs,
+        tokens,
+    };
+    if args.json {
+        return Ok(json(&result));
+    }
+    let mut text = format!(
+        "{} samples into {} parts (cost {}), max/lower-bound {:.4}",
+        lengths.len(),
+        k,
+        cfg.cost,
+        result.max_over_lower_bound
+    );
+    for (j, p) in result.parts.iter().enumerate() {
+        text.push_str(&format!(
+            "\npart {j}: {} samples, {} tokens, cost {:.6}",
+            p.len(),
+            result.tokens[j],
+            result.costs[j]
+        ));
+    }
+    Ok(text)
+}
+
+fn summary(p: &Plan, lengths: &[u64], cfg: &PlanConfig) -> String {
+    let counts: Vec<usize> = p.microbatch_counts().collect();
+    let min = counts.iter().copied().min().unwrap_or(0);
+    let max = counts.iter().copied().max().unwrap_or(0);
+    let mean = counts.iter().sum::<usize>() as f64 / counts.len().max(1) as f64;
+    let tokens: u64 = lengths.iter().sum();
+    format!(
+        "samples:        {} ({} tokens)\n\
+         world:          {} ranks, {} samples per rank per minibatch\n\
+         strategy:       {} (cost {}, max {} tokens per microbatch)\n\
+         minibatches:    {}\n\
+         microbatches:   per rank per minibatch min {}, mean {:.2}, max {}\n\
+         bubble:         collective {:.2}%, odc {:.2}%\n\
+         speedup:        {:.3}x predicted for odc over collective",
+        lengths.len(),
+        tokens,
+        cfg.world,
+        cfg.minibatch_size,
+        cfg.strategy,
+        cfg.cost,
+        cfg.max_tokens,
+        p.minibatches.len(),
+        min,
+        mean,
+        max,
+        100.0 * p.bubble_collective,
+        100.0 * p.bubble_odc,
+        p.predicted_speedup,
+    )
+}

@@ -1,0 +1,257 @@
+//! Plans: an assignment plus its simulated bubble rates, and the
+//! every-strategy comparison table.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cost::CostModel;
+use crate::error::Result;
+use crate::sim::{speedup, Timing};
+use crate::strategy::{assign, Batching, Strategy};
+
+/// Everything [`plan`] needs besides the lengths.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlanConfig {
+    /// Number of data-parallel ranks `D`.
+    pub world: usize,
+    /// Samples per rank per minibatch `M`; a global minibatch is `M·D`
+    /// consecutive samples.
+    pub minibatch_size: usize,
+    /// Packing strategy.
+    pub strategy: Strategy,
+    /// Most tokens one microbatch may hold.
+    pub max_tokens: u64,
+    /// Per-sample cost model.
+    pub cost: CostModel,
+    /// Seed for any randomised choice. Every current strategy is fully
+    /// deterministic (ties are broken by index), so plans do not depend on
+    /// it; it is part of the configuration so that a plan stays
+    /// reproducible if a randomised strategy is added.
+    pub seed: u64,
+}
+
+impl Default for PlanConfig {
+    /// 8 ranks, 4 samples per rank per minibatch, LB-Mini, 65 536 tokens,
+    /// the Qwen2-7B quadratic cost model, seed 0.
+    fn default() -> Self {
+        Self {
+            world: 8,
+            minibatch_size: 4,
+            strategy: Strategy::LbMini,
+            max_tokens: 65_536,
+            cost: CostModel::default(),
+            seed: 0,
+        }
+    }
+}
+
+/// A full plan: per minibatch, per rank, the microbatches, with bubble
+/// rates per minibatch and for the whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    /// Global minibatches in input order.
+    pub minibatches: Vec<MinibatchPlan>,
+    /// Whole-run bubble rate under collectives.
+    pub bubble_collective: f64,
+    /// Whole-run bubble rate under ODC.
+    pub bubble_odc: f64,
+    /// `(1 − bubble_odc) / (1 − bubble_collective)`: how much faster this
+    /// plan runs on ODC than on collectives.
+    pub predicted_speedup: f64,
+}
+
+/// One global minibatch of a [`Plan`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MinibatchPlan {
+    /// One entry per rank, rank order.
+    pub ranks: Vec<RankPlan>,
+    /// This minibatch's bubble rate under collectives.
+    pub bubble_collective: f64,
+    /// This minibatch's bubble rate under ODC.
+    pub bubble_odc: f64,
+}
+
+/// One rank's share of a minibatch.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RankPlan {
+    /// Microbatches in execution order, each a list of global sample
+    /// indices (ascending). May be empty, see [`Strategy`].
+    pub microbatches: Vec<Vec<usize>>,
+    /// Total cost of this rank's samples in the minibatch.
+    pub cost: f64,
+}
+
+impl Plan {
+    /// Microbatch count of every (minibatch, rank), minibatch-major.
+    pub fn microbatch_counts(&self) -> impl Iterator<Item = usize> + '_ {
+        self.minibatches
+            .iter()
+            .flat_map(|mb| mb.ranks.iter().map(|r| r.microbatches.len()))
+    }
+}
+
+/// Plans `lengths` (tokens per sample, in input order) under `cfg`.
+///
+/// ```
+/// use odc_packing::{plan, PlanConfig, Strategy};
+/// let cfg = PlanConfig { world: 2, minibatch_size: 2, strategy: Strategy::LbMicro, ..PlanConfig::default() };
+/// let p = plan(&[100, 200, 300, 400, 500], &cfg)?;
+/// assert_eq!(p.minibatches.len(), 2); // 4 samples, then the final 1
+/// assert!(p.bubble_odc <= p.bubble_collective);
+/// # Ok::<(), odc_packing::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// As [`crate::strategy::assign`]: bad settings, empty input, a zero
+/// length, or a sample longer than `max_tokens`.
+pub fn plan(lengths: &[u64], cfg: &PlanConfig) -> Result<Plan> {
+    let costs: Vec<f64> = lengths.iter().map(|&s| cfg.cost.cost(s)).collect();
+    plan_with_costs(lengths, &costs, cfg)
+}
+
+fn plan_with_costs(lengths: &[u64], costs: &[f64], cfg: &PlanConfig) -> Result<Plan> {
+    let batching = Batching {
+        world: cfg.world,
+        minibatch_size: cfg.minibatch_size,
+        max_tokens: cfg.max_tokens,
+    };
+    let assignment = assign(cfg.strategy, lengths, costs, &batching)?;
+    let mut total = Timing {
+        world: cfg.world,
+        ..Timing::default()
+    };
+    let minibatches = assignment
+        .into_iter()
+        .map(|ranks| {
+            let t = Timing::of_minibatch(&ranks, costs);
+            total.add(&t);
+            MinibatchPlan {
+                ranks: ranks
+                    .into_iter()
+                    .map(|microbatches| RankPlan {
+                        cost: microbatches.iter().flatten().map(|&i| costs[i]).sum(),
+                        microbatches,
+                    })
+                    .collect(),
+                bubble_collective: t.bubble_collective(),
+                bubble_odc: t.bubble_odc(),
+            }
+        })
+        .collect();
+    let (bc, bo) = (total.bubble_collective(), total.bubble_odc());
+    Ok(Plan {
+        minibatches,
+        bubble_collective: bc,
+        bubble_odc: bo,
+        predicted_speedup: speedup(bo, bc),
+    })
+}
+
+/// How a plan's microbatches are synchronised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// All-gather / reduce-scatter per microbatch: ranks wait per step.
+    Collective,
+    /// On-demand communication: ranks wait only per minibatch.
+    Odc,
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(match self {
+            Mode::Collective => "collective",
+            Mode::Odc => "odc",
+        })
+    }
+}
+
+/// One row of a [`Comparison`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct ComparisonRow {
+    /// Strategy that built the plan.
+    pub strategy: Strategy,
+    /// Synchronisation it runs under.
+    pub mode: Mode,
+    /// Whole-run bubble rate.
+    pub bubble: f64,
+    /// Predicted speedup over collective + LB-Micro on the same data.
+    pub speedup: f64,
+    /// Largest microbatch count any rank runs in any minibatch.
+    pub max_microbatches: usize,
+}
+
+/// Every strategy under both modes, relative to collective + LB-Micro.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Comparison {
+    /// Bubble rate of the baseline (collective + LB-Micro).
+    pub baseline_bubble: f64,
+    /// Rows in [`Strategy::ALL`] order, collective before ODC.
+    pub rows: Vec<ComparisonRow>,
+}
+
+/// Plans `lengths` with every strategy (keeping the rest of `base`) and
+/// scores each under collectives and ODC.
+///
+/// # Errors
+///
+/// As [`plan`].
+pub fn compare(lengths: &[u64], base: &PlanConfig) -> Result<Comparison> {
+    let costs: Vec<f64> = lengths.iter().map(|&s| base.cost.cost(s)).collect();
+    let plans = Strategy::ALL
+        .into_iter()
+        .map(|strategy| {
+            let cfg = PlanConfig { strategy, ..*base };
+            plan_with_costs(lengths, &costs, &cfg).map(|p| (strategy, p))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let baseline_bubble = plans
+        .iter()
+        .find(|(s, _)| *s == Strategy::LbMicro)
+        .map_or(0.0, |(_, p)| p.bubble_collective);
+    let rows = plans
+        .iter()
+        .flat_map(|(strategy, p)| {
+            let max_microbatches = p.microbatch_counts().max().unwrap_or(0);
+            [
+                (Mode::Collective, p.bubble_collective),
+                (Mode::Odc, p.bubble_odc),
+            ]
+            .map(|(mode, bubble)| ComparisonRow {
+                strategy: *strategy,
+                mode,
+                bubble,
+                speedup: speedup(bubble, baseline_bubble),
+                max_microbatches,
+            })
+        })
+        .collect();
+    Ok(Comparison {
+        baseline_bubble,
+        rows,
+    })
+}
+
+impl fmt::Display for Comparison {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{:<12} {:<11} {:>8} {:>9} {:>10}",
+            "strategy", "mode", "bubble", "speedup", "max-micro"
+        )?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "{:<12} {:<11} {:>7.2}% {:>8.3}x {:>10}",
+                r.strategy.name(),
+                r.mode,
+                100.0 * r.bubble,
+                r.speedup,
+                r.max_microbatches
+            )?;
+        }
+        write!(f, "speedup is relative to collective + lb-micro")
+    }
+}

@@ -1,0 +1,591 @@
+//! Strategies: who runs which sample, in which microbatch.
+//!
+//! Owns the mapping from sequence lengths to an *assignment*: per global
+//! minibatch, per rank, a list of microbatches, each a list of global
+//! sample indices. It does not judge assignments — that is
+//! [`crate::sim`] — and it sees costs only as numbers handed in.
+//!
+//! Common rules. The input is cut into global minibatches of
+//! `minibatch_size · world` consecutive samples (the last may be partial
+//! and is kept). Every sample lands in exactly one microbatch; no
+//! microbatch holds more than `max_tokens` tokens.
+//!
+//! Packing a sample set into microbatches searches the smallest bin count
+//! whose cost-balanced partition (Karmarkar–Karp; greedy LPT when
+//! `n·bins` exceeds 2²⁴) fits the budget, falling back to a balanced
+//! first-fit by tokens. Both cost at least `n·bins`, which grows with the
+//! square of a minibatch's sample count: minibatches of up to a few
+//! thousand samples take milliseconds, a single one of 2·10⁴ samples
+//! seconds.
+//!
+//! | strategy | balances | microbatch count per rank |
+//! |----------|----------|---------------------------|
+//! | [`Strategy::LocalSort`] | nothing | one per sample |
+//! | [`Strategy::LbMicro`] | every microbatch step | equal on all ranks |
+//! | [`Strategy::LbMini`] | each rank's minibatch total | free (may be 0) |
+//! | [`Strategy::VerlNative`] | the whole batch, then microbatches | equal on all ranks |
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::Serialize;
+
+use crate::error::{Error, Location, Result};
+use crate::kk::{karmarkar_karp, lpt};
+
+/// Above this `n·k`, microbatch packing uses LPT instead of Karmarkar–Karp.
+const LARGE_PARTITION: usize = 1 << 24;
+
+/// One microbatch: global sample indices, ascending.
+pub type Microbatch = Vec<usize>;
+
+/// One minibatch's assignment: `[rank][microbatch]`.
+pub type MinibatchAssignment = Vec<Vec<Microbatch>>;
+
+/// A packing strategy. Parse one from its name with [`str::parse`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// Strided split of each minibatch (rank `d` gets samples `d, d+D, …`),
+    /// each rank sorts its samples by length, descending, and runs one
+    /// sample per microbatch.
+    LocalSort,
+    /// Balance every microbatch step across ranks, with the same number of
+    /// microbatches on every rank (what collectives need). The minibatch is
+    /// split by Karmarkar–Karp into `K·D` bins for the smallest `K` whose
+    /// bins respect `max_tokens`; bins sorted by cost are dealt in groups
+    /// of `D`, one step per group. A rank gets an empty microbatch `[]`
+    /// only when the minibatch has fewer than `K·D` samples (a short final
+    /// minibatch, or fewer samples than ranks).
+    LbMicro,
+    /// Balance each rank's total cost per minibatch with Karmarkar–Karp
+    /// (`k = D`, unequal sizes; with fewer samples than ranks some ranks get
+    /// none), then each rank packs its own samples into the fewest
+    /// microbatches that fit `max_tokens`, balanced by cost. Counts differ
+    /// between ranks, so this needs ODC rather than collectives.
+    LbMini,
+    /// verl's pipeline: balance the whole batch into `D` equal-count parts
+    /// (as verl's `balance_batch`), split each rank's part in order into
+    /// minibatches of `minibatch_size`, then split each rank's minibatch
+    /// into cost-balanced microbatches under `max_tokens` and raise every
+    /// rank to the largest microbatch count of that minibatch (splitting
+    /// microbatches, or adding empty ones). When `D` does not divide the
+    /// sample count, parts differ in size by at most one (the partition is
+    /// padded with zero-cost phantom samples that are then dropped), and a
+    /// rank may run out one minibatch early.
+    VerlNative,
+}
+
+const VALID: &str = "local-sort, lb-micro, lb-mini, verl-native";
+
+impl Strategy {
+    /// Every strategy, in table order.
+    pub const ALL: [Strategy; 4] = [
+        Strategy::LocalSort,
+        Strategy::LbMicro,
+        Strategy::LbMini,
+        Strategy::VerlNative,
+    ];
+
+    /// The name [`str::parse`] accepts.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strategy::LocalSort => "local-sort",
+            Strategy::LbMicro => "lb-micro",
+            Strategy::LbMini => "lb-mini",
+            Strategy::VerlNative => "verl-native",
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.name())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        Strategy::ALL
+            .into_iter()
+            .find(|st| st.name() == s)
+            .ok_or_else(|| Error::UnknownStrategy {
+                name: s.to_owned(),
+                valid: VALID,
+            })
+    }
+}
+
+/// Largest supported world size (plans hold a list per rank).
+pub const MAX_WORLD: usize = 1 << 20;
+
+/// How samples are batched: world size, minibatch size and token budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Number of data-parallel ranks `D`.
+    pub world: usize,
+    /// Samples per rank per minibatch `M`.
+    pub minibatch_size: usize,
+    /// Most tokens one microbatch may hold.
+    pub max_tokens: u64,
+}
+
+impl Batching {
+    fn validate(&self, lengths: &[u64], costs: &[f64]) -> Result<()> {
+        let bad = |field, value: String, reason| Error::InvalidConfig {
+            field,
+            value,
+            reason,
+        };
+        if self.world == 0 {
+            return Err(bad("world", "0".into(), "need at least one rank"));
+        }
+        if self.world > MAX_WORLD {
+            return Err(bad(
+                "world",
+                self.world.to_string(),
+                "at most 1048576 ranks",
+            ));
+        }
+        if self.minibatch_size == 0 {
+            return Err(bad(
+                "minibatch_size",
+                "0".into(),
+                "need at least one sample per rank",
+            ));
+        }
+        if self.max_tokens == 0 {
+            return Err(bad(
+                "max_tokens",
+                "0".into(),
+                "need a positive token budget",
+            ));
+        }
+        if lengths.is_empty() {
+            return Err(Error::EmptyLengths);
+        }
+        if costs.len() != lengths.len() {
+            return Err(bad(
+                "costs",
+                costs.len().to_string(),
+                "need one cost per sequence length",
+            ));
+        }
+        for (index, &length) in lengths.iter().enumerate() {
+            if length == 0 {
+                return Err(Error::ZeroLength {
+                    at: Location::Index(index),
+                });
+            }
+            if length > self.max_tokens {
+                return Err(Error::SampleTooLong {
+                    index,
+                    length,
+                    max_tokens: self.max_tokens,
+                });
+            }
+        }
+        if let Some((index, &value)) = costs
+            .iter()
+            .enumerate()
+            .find(|(_, c)| !(c.is_finite() && **c >= 0.0))
+        {
+            return Err(Error::InvalidWeight { index, value });
+        }
+        Ok(())
+    }
+}
+
+/// Assigns samples to minibatches, ranks and microbatches.
+///
+/// `costs[i]` is the cost of sample `i` (see [`crate::cost`]). Returns one
+/// [`MinibatchAssignment`] per global minibatch.
+///
+/// # Errors
+///
+/// [`Error::InvalidConfig`] for a zero world, minibatch size or budget;
+/// [`Error::EmptyLengths`]; [`Error::ZeroLength`]; [`Error::SampleTooLong`]
+/// naming the first sample over `max_tokens`; [`Error::InvalidWeight`] for
+/// a non-finite or negative cost.
+pub fn assign(
+    strategy: Strategy,
+    lengths: &[u64],
+    costs: &[f64],
+    batching: &Batching,
+) -> Result<Vec<MinibatchAssignment>> {
+    batching.validate(lengths, costs)?;
+    let packer = Packer {
+        lengths,
+        costs,
+        max_tokens: batching.max_tokens,
+    };
+    let d = batching.world;
+    let global = batching.minibatch_size.saturating_mul(d);
+    let indices: Vec<usize> = (0..lengths.len()).collect();
+    match strategy {
+        Strategy::LocalSort => Ok(indices
+            .chunks(global)
+            .map(|mb| local_sort(mb, d, lengths))
+            .collect()),
+        Strategy::LbMicro => indices
+            .chunks(global)
+            .map(|mb| lb_micro(mb, d, &packer))
+            .collect(),
+        Strategy::LbMini => indices
+            .chunks(global)
+            .map(|mb| lb_mini(mb, d, &packer))
+            .collect(),
+        Strategy::VerlNative => verl_native(&indices, d, batching.minibatch_size, &packer),
+    }
+}
+
+fn local_sort(mb: &[usize], d: usize, lengths: &[u64]) -> MinibatchAssignment {
+    (0..d)
+        .map(|rank| {
+            let mut mine: Vec<usize> = mb.iter().copied().skip(rank).step_by(d).collect();
+            mine.sort_by(|&a, &b| lengths[b].cmp(&lengths[a]).then(a.cmp(&b)));
+            mine.into_iter().map(|i| vec![i]).collect()
+        })
+        .collect()
+}
+
+fn lb_micro(mb: &[usize], d: usize, packer: &Packer<'_>) -> Result<MinibatchAssignment> {
+    let mut bins = packer.pack_min(mb, d)?;
+    packer.sort_by_cost_desc(&mut bins);
+    let mut ranks: MinibatchAssignment = vec![Vec::new(); d];
+    for (step, group) in bins.chunks(d).enumerate() {
+        // Snake order evens out each rank's total across steps.
+        for (j, bin) in group.iter().enumerate() {
+            let rank = if step % 2 == 0 { j } else { d - 1 - j };
+            ranks[rank].push(bin.clone());
+        }
+    }
+    Ok(ranks)
+}
+
+fn lb_mini(mb: &[usize], d: usize, packer: &Packer<'_>) -> Result<MinibatchAssignment> {
+    let weights: Vec<f64> = mb.iter().map(|&i| packer.costs[i]).collect();
+    let parts = karmarkar_karp(&weights, d.min(mb.len()), false)?;
+    let mut ranks: MinibatchAssignment = vec![Vec::new(); d];
+    for (rank, part) in parts.iter().enumerate() {
+        let samples: Vec<usize> = part.iter().map(|&j| mb[j]).collect();
+        let mut bins = packer.pack_min(&samples, 1)?;
+        packer.sort_by_cost_desc(&mut bins);
+        ranks[rank] = bins;
+    }
+    Ok(ranks)
+}
+
+fn verl_native(
+    all: &[usize],
+    d: usize,
+    m: usize,
+    packer: &Packer<'_>,
+) -> Result<Vec<MinibatchAssignment>> {
+    let n = all.len();
+    let padded = n.div_ceil(d) * d;
+    let mut weights: Vec<f64> = packer.costs.to_vec();
+    weights.resize(padded, 0.0);
+    let parts = karmarkar_karp(&weights, d, true)?;
+    let per_rank: Vec<Vec<usize>> = parts
+        .into_iter()
+        .map(|p| p.into_iter().filter(|&i| i < n).collect())
+        .collect();
+    let longest = per_rank.iter().map(Vec::len).max().unwrap_or(0);
+    (0..longest.div_ceil(m))
+        .map(|b| {
+            let chunks: Vec<&[usize]> = per_rank
+                .iter()
+                .map(|p| p.get(b * m..((b + 1) * m).min(p.len())).unwrap_or(&[]))
+                .collect();
+            let mut count = 0;
+            let mut ranks = Vec::with_capacity(d);
+            for chunk in &chunks {
+                let bins = packer.pack_min(chunk, 1)?;
+                count = count.max(bins.len());
+                ranks.push(bins);
+            }
+            for (bins, chunk) in ranks.iter_mut().zip(&chunks) {
+                if bins.len() < count {
+                    *bins = packer.pack_exact(chunk, count, std::mem::take(bins))?;
+                }
+                packer.sort_by_cost_desc(bins);
+            }
+            Ok(ranks)
+        })
+        .collect()
+}
+
+/// Packs samples into microbatch bins under the token budget.
+#[derive(Debug)]
+struct Packer<'a> {
+    lengths: &'a [u64],
+    costs: &'a [f64],
+    max_tokens: u64,
+}
+
+impl Packer<'_> {
+    fn tokens(&self, bin: &[usize]) -> u64 {
+        bin.iter().map(|&i| self.lengths[i]).sum()
+    }
+
+    fn cost(&self, bin: &[usize]) -> f64 {
+        bin.iter().map(|&i| self.costs[i]).sum()
+    }
+
+    fn fits(&self, bin: &[usize]) -> bool {
+        self.tokens(bin) <= self.max_tokens
+    }
+
+    /// Bins ordered by descending cost (ties: smallest first index first;
+    /// empty bins last).
+    fn sort_by_cost_desc(&self, bins: &mut [Microbatch]) {
+        bins.sort_by(|a, b| {
+            self.cost(b).total_cmp(&self.cost(a)).then(
+                a.first()
+                    .unwrap_or(&usize::MAX)
+                    .cmp(b.first().unwrap_or(&usize::MAX)),
+            )
+        });
+    }
+
+    /// Exactly `count` bins balanced by cost, or `None` when neither
+    /// Karmarkar–Karp nor balanced first-fit finds bins under the budget.
+    fn try_pack(&self, samples: &[usize], count: usize) -> Result<Option<Vec<Microbatch>>> {
+        if samples.is_empty() {
+            return Ok(Some(vec![Vec::new(); count]));
+        }
+        if count == 0 {
+            return Ok(None);
+        }
+        let weights: Vec<f64> = samples.iter().map(|&i| self.costs[i]).collect();
+        let k = count.min(samples.len());
+        // Differencing costs O(n·k); beyond a few million subset steps (a
+        // single minibatch of ~10⁴ samples into thousands of microbatches)
+        // greedy LPT, O(n log k), balances almost as well.
+        let parts = if samples.len().saturating_mul(k) <= LARGE_PARTITION {
+            karmarkar_karp(&weights, k, false)?
+        } else {
+            lpt(&weights, k)?
+        };
+        let mut bins: Vec<Microbatch> = parts
+            .into_iter()
+            .map(|p| p.into_iter().map(|j| samples[j]).collect())
+            .collect();
+        if !bins.iter().all(|b| self.fits(b)) {
+            match self.balanced_fit(samples, count) {
+                Some(b) => bins = b,
+                None => return Ok(None),
+            }
+        }
+        for bin in &mut bins {
+            bin.sort_unstable();
+        }
+        bins.resize(count, Vec::new());
+        Ok(Some(bins))
+    }
+
+    /// Decreasing by tokens, each sample into the cheapest bin with room
+    /// (ties: lowest bin). O(n · count).
+    fn balanced_fit(&self, samples: &[usize], count: usize) -> Option<Vec<Microbatch>> {
+        let mut order = samples.to_vec();
+        order.sort_by(|&a, &b| self.lengths[b].cmp(&self.lengths[a]).then(a.cmp(&b)));
+        let mut bins: Vec<(u64, f64, Microbatch)> = vec![(0, 0.0, Vec::new()); count];
+        for i in order {
+            let len = self.lengths[i];
+            let (_, bin) = bins
+                .iter_mut()
+                .enumerate()
+                .filter(|(_, b)| b.0 + len <= self.max_tokens)
+                .min_by(|(x, a), (y, b)| a.1.total_cmp(&b.1).then(x.cmp(y)))?;
+            bin.0 += len;
+            bin.1 += self.costs[i];
+            bin.2.push(i);
+        }
+        Some(bins.into_iter().map(|b| b.2).collect())
+    }
+
+    /// `group·K` bins for the smallest feasible `K` found; no bins for no
+    /// samples. `K` starts at the token lower bound and grows by doubling
+    /// steps until the bins fit, then a bisection looks for a smaller `K`
+    /// (feasibility is nearly monotone in `K`), so a minibatch costs
+    /// O(log n) partitions rather than one per candidate `K`.
+    fn pack_min(&self, samples: &[usize], group: usize) -> Result<Vec<Microbatch>> {
+        if samples.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tokens = self.tokens(samples);
+        let budget = self.max_tokens.saturating_mul(group as u64);
+        let first = usize::try_from(tokens.div_ceil(budget))
+            .unwrap_or(usize::MAX)
+            .max(1);
+        // Once K·group ≥ n every sample has its own bin, which always fits.
+        let last = samples.len().div_ceil(group).max(first);
+        let (mut lo, mut k, mut step) = (first - 1, first, 1);
+        let (mut hi, mut best) = loop {
+            if let Some(bins) = self.try_pack(samples, k * group)? {
+                break (k, bins);
+            }
+            if k >= last {
+                let mut bins: Vec<Microbatch> = samples.iter().map(|&i| vec![i]).collect();
+                bins.resize(last * group, Vec::new());
+                return Ok(bins);
+            }
+            lo = k;
+            k = k.saturating_add(step).min(last);
+            step = step.saturating_mul(2);
+        };
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            match self.try_pack(samples, mid * group)? {
+                Some(bins) => (hi, best) = (mid, bins),
+                None => lo = mid,
+            }
+        }
+        Ok(best)
+    }
+
+    /// Exactly `count` bins, given a feasible packing `fallback` with fewer:
+    /// repack from scratch if that fits, else split the fullest bins.
+    fn pack_exact(
+        &self,
+        samples: &[usize],
+        count: usize,
+        mut fallback: Vec<Microbatch>,
+    ) -> Result<Vec<Microbatch>> {
+        if let Some(bins) = self.try_pack(samples, count)? {
+            return Ok(bins);
+        }
+        while fallback.len() < count {
+            let widest = fallback
+                .iter()
+                .enumerate()
+                .max_by(|(x, a), (y, b)| a.len().cmp(&b.len()).then(y.cmp(x)))
+                .map_or(0, |(j, _)| j);
+            if fallback.get(widest).is_some_and(|b| b.len() >= 2) {
+                let bin = std::mem::take(&mut fallback[widest]);
+                let weights: Vec<f64> = bin.iter().map(|&i| self.costs[i]).collect();
+                let mut halves = karmarkar_karp(&weights, 2, false)?
+                    .into_iter()
+                    .map(|p| p.into_iter().map(|j| bin[j]).collect::<Microbatch>());
+                fallback[widest] = halves.next().unwrap_or_default();
+                fallback.push(halves.next().unwrap_or_default());
+            } else {
+                fallback.push(Vec::new());
+            }
+        }
+        Ok(fallback)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(
+        strategy: Strategy,
+        lengths: &[u64],
+        d: usize,
+        m: usize,
+        t: u64,
+    ) -> Vec<MinibatchAssignment> {
+        let costs: Vec<f64> = lengths.iter().map(|&s| s as f64).collect();
+        let batching = Batching {
+            world: d,
+            minibatch_size: m,
+            max_tokens: t,
+        };
+        assign(strategy, lengths, &costs, &batching).unwrap()
+    }
+
+    fn check(plan: &[MinibatchAssignment], lengths: &[u64], d: usize, t: u64) {
+        let mut seen = vec![0; lengths.len()];
+        for mb in plan {
+            assert_eq!(mb.len(), d);
+            for rank in mb {
+                for micro in rank {
+                    assert!(micro.iter().map(|&i| lengths[i]).sum::<u64>() <= t);
+                    for &i in micro {
+                        seen[i] += 1;
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&c| c == 1), "{seen:?}");
+    }
+
+    #[test]
+    fn names() {
+        for s in Strategy::ALL {
+            assert_eq!(s.name().parse::<Strategy>().unwrap(), s);
+        }
+        let e = "lb-maxi".parse::<Strategy>().unwrap_err().to_string();
+        assert!(e.contains("lb-maxi") && e.contains("verl-native"), "{e}");
+    }
+
+    #[test]
+    fn local_sort_is_strided_and_sorted() {
+        let lengths = [1, 2, 3, 4, 5, 6];
+        let plan = run(Strategy::LocalSort, &lengths, 2, 3, 100);
+        assert_eq!(plan.len(), 1);
+        assert_eq!(plan[0][0], vec![vec![4], vec![2], vec![0]]);
+        assert_eq!(plan[0][1], vec![vec![5], vec![3], vec![1]]);
+    }
+
+    #[test]
+    fn every_strategy_covers_all_samples() {
+        let lengths: Vec<u64> = (0..37).map(|i| (i * 7919 % 97 + 1) as u64 * 10).collect();
+        for s in Strategy::ALL {
+            for (d, m) in [(1, 1), (2, 3), (4, 4), (8, 2), (64, 1)] {
+                let plan = run(s, &lengths, d, m, 1500);
+                check(&plan, &lengths, d, 1500);
+            }
+        }
+    }
+
+    #[test]
+    fn lb_micro_counts_equal() {
+        let lengths: Vec<u64> = (0..50).map(|i| (i * 31 % 17 + 1) as u64 * 100).collect();
+        for mb in run(Strategy::LbMicro, &lengths, 4, 4, 2000) {
+            let c = mb[0].len();
+            assert!(mb.iter().all(|r| r.len() == c));
+        }
+        for mb in run(Strategy::VerlNative, &lengths, 4, 4, 2000) {
+            let c = mb[0].len();
+            assert!(mb.iter().all(|r| r.len() == c));
+        }
+    }
+
+    #[test]
+    fn too_long_sample_is_named() {
+        let costs = [1.0, 1.0];
+        let b = Batching {
+            world: 1,
+            minibatch_size: 1,
+            max_tokens: 10,
+        };
+        let e = assign(Strategy::LbMini, &[5, 11], &costs, &b).unwrap_err();
+        assert!(matches!(
+            e,
+            Error::SampleTooLong {
+                index: 1,
+                length: 11,
+                max_tokens: 10
+            }
+        ));
+    }
+
+    #[test]
+    fn fewer_samples_than_ranks() {
+        let lengths = [10, 20, 30];
+        for s in Strategy::ALL {
+            let plan = run(s, &lengths, 8, 4, 100);
+            check(&plan, &lengths, 8, 100);
+        }
+        let plan = run(Strategy::LbMini, &lengths, 8, 4, 100);
+        assert_eq!(plan[0].iter().filter(|r| r.is_empty()).count(), 5);
+    }
+}

@@ -1,0 +1,298 @@
+//! End-to-end tests of the `odc-pack` binary.
+
+// Test helpers may unwrap: a failure here is a test failure.
+#![allow(clippy::unwrap_used)]
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Command, Output, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_odc-pack");
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn run_stdin(args: &[&str], input: &str) -> Output {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts exit code 2, one `error:` line, no panic, mentioning `needles`.
+fn assert_bad(o: &Output, needles: &[&str]) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    for n in needles {
+        assert!(err.contains(n), "expected {n:?} in {err:?}");
+    }
+}
+
+fn temp_file(name: &str, contents: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("odc-pack-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn empty_input() {
+    assert_bad(
+        &run_stdin(&["--lengths", "-"], "\n\n"),
+        &["no sequence lengths"],
+    );
+}
+
+#[test]
+fn zero_length() {
+    assert_bad(
+        &run_stdin(&["--lengths", "-"], "5\n0\n7\n"),
+        &["line 2", "zero"],
+    );
+}
+
+#[test]
+fn negative_length() {
+    assert_bad(
+        &run_stdin(&["--lengths", "-"], "5\n7\n-3\n"),
+        &["line 3", "-3"],
+    );
+}
+
+#[test]
+fn non_integer_length() {
+    assert_bad(
+        &run_stdin(&["--lengths", "-"], "5\n7.5\n"),
+        &["line 2", "7.5"],
+    );
+    assert_bad(
+        &run_stdin(&["--lengths", "-"], "[5, \"x\"]"),
+        &["index 1", "x"],
+    );
+}
+
+#[test]
+fn too_many_parts() {
+    assert_bad(
+        &run_stdin(&["--lengths", "-", "--partition", "5"], "10\n20\n30\n"),
+        &["k = 5", "n = 3"],
+    );
+    assert_bad(
+        &run_stdin(
+            &["--lengths", "-", "--partition", "2", "--equal-size"],
+            "1\n2\n3\n",
+        ),
+        &["n = 3", "k = 2"],
+    );
+    assert_bad(
+        &run(&["--synthetic", "lognormal:n=10", "--world", "0"]),
+        &["world", "0"],
+    );
+}
+
+#[test]
+fn partition_output() {
+    let o = run_stdin(
+        &[
+            "--lengths",
+            "-",
+            "--partition",
+            "2",
+            "--cost",
+            "linear",
+            "--json",
+        ],
+        "8\n7\n6\n5\n4\n",
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["parts"], serde_json::json!([[0, 1], [2, 3, 4]]));
+    assert_eq!(v["tokens"], serde_json::json!([15, 15]));
+}
+
+#[test]
+fn sample_longer_than_budget() {
+    assert_bad(
+        &run_stdin(&["--lengths", "-", "--max-tokens", "100"], "50\n20\n150\n"),
+        &["sample 2", "150", "100"],
+    );
+}
+
+#[test]
+fn unknown_strategy_and_cost() {
+    assert_bad(
+        &run(&["--synthetic", "lognormal:n=10", "--strategy", "fast"]),
+        &["\"fast\"", "lb-mini", "verl-native"],
+    );
+    assert_bad(
+        &run(&["--synthetic", "lognormal:n=10", "--cost", "cubic"]),
+        &["\"cubic\"", "quadratic", "flops"],
+    );
+    assert_bad(
+        &run(&[
+            "--synthetic",
+            "lognormal:n=10",
+            "--cost",
+            "flops:hidden=1,layers=2",
+        ]),
+        &["\"query\""],
+    );
+}
+
+#[test]
+fn bad_synthetic_spec() {
+    assert_bad(&run(&["--synthetic", "zipf:n=10"]), &["zipf"]);
+    assert_bad(&run(&["--synthetic", "lognormal:n=ten"]), &["\"ten\""]);
+}
+
+#[test]
+fn missing_and_unreadable_files() {
+    let missing = "/nonexistent/odc-pack/lengths.txt";
+    assert_bad(&run(&["--lengths", missing]), &[missing]);
+    let dir = std::env::temp_dir();
+    let shown = dir.display().to_string();
+    assert_bad(&run(&["--lengths", &shown]), &[&shown]);
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let o = run(&[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("--lengths"));
+    let o = run(&["--synthetic", "lognormal:n=4", "--world", "-1"]);
+    assert_eq!(o.status.code(), Some(2));
+}
+
+#[test]
+fn help() {
+    let o = run(&["--help"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for needle in [
+        "--lengths",
+        "--synthetic",
+        "--compare",
+        "lb-micro",
+        "quadratic",
+    ] {
+        assert!(out.contains(needle), "{needle}");
+    }
+}
+
+#[test]
+fn json_matches_schema() {
+    let path = temp_file("lengths.txt", "1000\n2000\n\n3000\n40000\n500\n600\n700\n");
+    let o = run(&[
+        "--lengths",
+        path.to_str().unwrap(),
+        "--world",
+        "2",
+        "--minibatch-size",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let top = v.as_object().unwrap();
+    let mut keys: Vec<&str> = top.keys().map(String::as_str).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "bubble_collective",
+            "bubble_odc",
+            "minibatches",
+            "predicted_speedup"
+        ]
+    );
+    let mbs = top["minibatches"].as_array().unwrap();
+    assert_eq!(mbs.len(), 2); // 7 samples, 4 per minibatch
+    let mut seen = Vec::new();
+    for mb in mbs {
+        let mb = mb.as_object().unwrap();
+        assert_eq!(mb.len(), 3);
+        assert!(mb["bubble_collective"].is_f64() && mb["bubble_odc"].is_f64());
+        let ranks = mb["ranks"].as_array().unwrap();
+        assert_eq!(ranks.len(), 2);
+        for r in ranks {
+            let r = r.as_object().unwrap();
+            assert_eq!(r.len(), 2);
+            assert!(r["cost"].is_number());
+            for micro in r["microbatches"].as_array().unwrap() {
+                for i in micro.as_array().unwrap() {
+                    seen.push(i.as_u64().unwrap());
+                }
+            }
+        }
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..7).collect::<Vec<u64>>());
+    // The schema deserialises into the library's Plan.
+    let plan: odc_packing::Plan = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(plan.bubble_odc <= plan.bubble_collective);
+}
+
+#[test]
+fn compare_table_and_json() {
+    let args = [
+        "--synthetic",
+        "lognormal:n=256,seed=1",
+        "--world",
+        "4",
+        "--compare",
+    ];
+    let o = run(&args);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let table = String::from_utf8_lossy(&o.stdout);
+    for s in [
+        "local-sort",
+        "lb-micro",
+        "lb-mini",
+        "verl-native",
+        "collective",
+        "odc",
+    ] {
+        assert!(table.contains(s), "{s} in {table}");
+    }
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    let o = run(&with_json);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 8);
+    let base = rows
+        .iter()
+        .find(|r| r["strategy"] == "lb-micro" && r["mode"] == "collective")
+        .unwrap();
+    assert!((base["speedup"].as_f64().unwrap() - 1.0).abs() < 1e-12);
+}
+
+#[test]
+fn summary_and_determinism() {
+    let args = ["--synthetic", "lognormal:n=300", "--seed", "3", "--json"];
+    let a = run(&args);
+    let b = run(&args);
+    assert_eq!(a.stdout, b.stdout);
+    let o = run(&["--synthetic", "lognormal:n=300"]);
+    assert_eq!(o.status.code(), Some(0));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("minibatches") && out.contains("bubble") && out.contains("speedup"));
+}

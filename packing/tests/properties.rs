@@ -1,0 +1,262 @@
+//! Property tests: partitions, strategies and the simulator.
+
+// Test helpers may unwrap: a failure here is a test failure.
+#![allow(clippy::unwrap_used)]
+
+use odc_packing::kk::{largest_differencing, lower_bound, max_part_sum};
+use odc_packing::sim::Timing;
+use odc_packing::strategy::{assign, Batching};
+use odc_packing::{karmarkar_karp, lpt, plan, CostModel, PlanConfig, Strategy};
+use proptest::prelude::*;
+
+fn config(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases,
+        ..ProptestConfig::default()
+    }
+}
+
+fn assert_partition(parts: &[Vec<usize>], n: usize, k: usize) {
+    assert_eq!(parts.len(), k);
+    let mut seen = vec![0u8; n];
+    for p in parts {
+        assert!(!p.is_empty(), "empty part");
+        assert!(p.windows(2).all(|w| w[0] < w[1]), "part not ascending");
+        for &i in p {
+            seen[i] += 1;
+        }
+    }
+    assert!(seen.iter().all(|&c| c == 1), "not a partition: {seen:?}");
+}
+
+/// Smallest largest-part sum over all k-way partitions with non-empty parts
+/// (integer weights, so sums are exact), by enumerating part labels with
+/// symmetry breaking and pruning.
+fn brute_force(w: &[u64], k: usize, equal: bool) -> u64 {
+    struct Search<'a> {
+        w: &'a [u64],
+        k: usize,
+        equal: bool,
+        sums: Vec<u64>,
+        counts: Vec<usize>,
+        best: u64,
+    }
+    impl Search<'_> {
+        fn go(&mut self, i: usize, used: usize) {
+            let cur = self.sums.iter().copied().max().unwrap_or(0);
+            if cur >= self.best {
+                return;
+            }
+            let n = self.w.len();
+            if i == n {
+                let sizes_ok = self.counts.iter().all(|&c| c > 0)
+                    && (!self.equal || self.counts.iter().all(|&c| c == n / self.k));
+                if sizes_ok {
+                    self.best = cur;
+                }
+                return;
+            }
+            for p in 0..self.k.min(used + 1) {
+                self.sums[p] += self.w[i];
+                self.counts[p] += 1;
+                self.go(i + 1, used.max(p + 1));
+                self.sums[p] -= self.w[i];
+                self.counts[p] -= 1;
+            }
+        }
+    }
+    let mut s = Search {
+        w,
+        k,
+        equal,
+        sums: vec![0; k],
+        counts: vec![0; k],
+        best: u64::MAX,
+    };
+    s.go(0, 0);
+    s.best
+}
+
+fn as_f64(w: &[u64]) -> Vec<f64> {
+    w.iter().map(|&x| x as f64).collect()
+}
+
+proptest! {
+    #![proptest_config(config(256))]
+
+    #[test]
+    fn kk_is_a_partition(w in prop::collection::vec(0.0f64..1e6, 1..200), k in 1usize..20, equal in any::<bool>()) {
+        let k = k.min(w.len());
+        let n = if equal { w.len() / k * k } else { w.len() };
+        let w = &w[..n];
+        let parts = karmarkar_karp(w, k, equal).unwrap();
+        assert_partition(&parts, n, k);
+        if equal {
+            prop_assert!(parts.iter().all(|p| p.len() == n / k));
+        }
+    }
+
+    #[test]
+    fn refinement_never_worse_than_plain_kk_or_lpt(w in prop::collection::vec(1u64..100_000, 1..120), k in 1usize..12) {
+        let k = k.min(w.len());
+        let w = as_f64(&w);
+        let refined = max_part_sum(&w, &karmarkar_karp(&w, k, false).unwrap());
+        let plain = max_part_sum(&w, &largest_differencing(&w, k, false).unwrap());
+        let greedy = max_part_sum(&w, &lpt(&w, k).unwrap());
+        prop_assert!(refined <= plain);
+        prop_assert!(refined <= greedy, "refined {refined} > lpt {greedy}");
+        prop_assert!(refined >= lower_bound(&w, k) * (1.0 - 1e-12));
+    }
+
+    #[test]
+    fn equal_size_refinement_never_worse(w in prop::collection::vec(1u64..100_000, 1..120), k in 1usize..12) {
+        let k = k.min(w.len());
+        let n = w.len() / k * k;
+        let w = as_f64(&w[..n]);
+        let refined = max_part_sum(&w, &karmarkar_karp(&w, k, true).unwrap());
+        let plain = max_part_sum(&w, &largest_differencing(&w, k, true).unwrap());
+        prop_assert!(refined <= plain);
+    }
+
+    #[test]
+    fn kk_is_deterministic(w in prop::collection::vec(0u64..50, 1..100), k in 1usize..10) {
+        // Small integer weights force many ties.
+        let k = k.min(w.len());
+        let w = as_f64(&w);
+        prop_assert_eq!(karmarkar_karp(&w, k, false).unwrap(), karmarkar_karp(&w, k, false).unwrap());
+    }
+}
+
+proptest! {
+    #![proptest_config(config(512))]
+
+    /// Empirically optimal family (checked on 20 000 random cases each):
+    /// k ≤ 3 parts with n ≤ 5 items, and k = 2 with n ≤ 6, unequal sizes.
+    /// (At k = 3, n = 6 a few inputs need a three-part exchange that the
+    /// pairwise refinement cannot make.)
+    #[test]
+    fn optimal_on_small_cases(w in prop::collection::vec(1u64..1000, 1..=6), k in 1usize..=3) {
+        let k = k.min(w.len());
+        prop_assume!(w.len() <= 5 || k <= 2);
+        let best = brute_force(&w, k, false);
+        let got = max_part_sum(&as_f64(&w), &karmarkar_karp(&as_f64(&w), k, false).unwrap());
+        prop_assert_eq!(got, best as f64, "weights {:?} k {}", w, k);
+    }
+}
+
+fn lengths_strategy() -> impl proptest::strategy::Strategy<Value = Vec<u64>> {
+    prop::collection::vec(1u64..=4096, 1..160)
+}
+
+fn strategy_strategy() -> impl proptest::strategy::Strategy<Value = Strategy> {
+    prop::sample::select(Strategy::ALL.to_vec())
+}
+
+proptest! {
+    #![proptest_config(config(128))]
+
+    #[test]
+    fn strategies_cover_every_sample_within_budget(
+        lengths in lengths_strategy(),
+        strategy in strategy_strategy(),
+        world in 1usize..10,
+        m in 1usize..6,
+        max_tokens in 4096u64..12000,
+    ) {
+        let costs: Vec<f64> = lengths.iter().map(|&s| CostModel::default().cost(s)).collect();
+        let batching = Batching { world, minibatch_size: m, max_tokens };
+        let plan = assign(strategy, &lengths, &costs, &batching).unwrap();
+        let mut seen = vec![0u8; lengths.len()];
+        for mb in &plan {
+            prop_assert_eq!(mb.len(), world);
+            if matches!(strategy, Strategy::LbMicro | Strategy::VerlNative) {
+                prop_assert!(mb.iter().all(|r| r.len() == mb[0].len()), "unequal microbatch counts");
+            }
+            for rank in mb {
+                for micro in rank {
+                    prop_assert!(micro.iter().map(|&i| lengths[i]).sum::<u64>() <= max_tokens);
+                    for &i in micro {
+                        seen[i] += 1;
+                    }
+                }
+            }
+        }
+        prop_assert!(seen.iter().all(|&c| c == 1));
+        if strategy != Strategy::VerlNative {
+            // Minibatches are consecutive input windows of M·D samples.
+            prop_assert_eq!(plan.len(), lengths.len().div_ceil(world * m));
+        }
+    }
+
+    #[test]
+    fn lb_micro_empty_only_when_short(lengths in lengths_strategy(), world in 1usize..10, m in 1usize..6) {
+        let cfg = PlanConfig { world, minibatch_size: m, strategy: Strategy::LbMicro, ..PlanConfig::default() };
+        let p = plan(&lengths, &cfg).unwrap();
+        for (b, mb) in p.minibatches.iter().enumerate() {
+            let samples = (lengths.len() - b * world * m).min(world * m);
+            let steps = mb.ranks[0].microbatches.len();
+            if samples >= steps * world {
+                prop_assert!(mb.ranks.iter().all(|r| r.microbatches.iter().all(|x| !x.is_empty())));
+            }
+        }
+    }
+
+    #[test]
+    fn odc_bubble_at_most_collective_and_same_seed_same_plan(
+        lengths in lengths_strategy(),
+        strategy in strategy_strategy(),
+        world in 1usize..10,
+        m in 1usize..6,
+        seed in any::<u64>(),
+    ) {
+        let cfg = PlanConfig { world, minibatch_size: m, strategy, seed, ..PlanConfig::default() };
+        let p = plan(&lengths, &cfg).unwrap();
+        prop_assert!(p.bubble_odc <= p.bubble_collective + 1e-12);
+        prop_assert!((0.0..=1.0).contains(&p.bubble_odc));
+        for mb in &p.minibatches {
+            prop_assert!(mb.bubble_odc <= mb.bubble_collective + 1e-12);
+        }
+        prop_assert!(p.predicted_speedup >= 1.0 - 1e-12);
+        prop_assert_eq!(p, plan(&lengths, &cfg).unwrap());
+    }
+
+    #[test]
+    fn timing_bubbles_ordered(matrix in prop::collection::vec(prop::collection::vec(0.0f64..100.0, 4), 0..6)) {
+        let t = Timing::from_matrix(&matrix, 4);
+        prop_assert!(t.bubble_odc() <= t.bubble_collective() + 1e-12);
+    }
+}
+
+#[test]
+fn brute_force_sanity() {
+    assert_eq!(brute_force(&[8, 7, 6, 5, 4], 2, false), 15);
+    assert_eq!(brute_force(&[5, 4, 3, 3, 3], 2, false), 9);
+    assert_eq!(brute_force(&[5, 1, 1, 1], 2, true), 6);
+}
+
+#[test]
+fn n_at_most_k_plus_one_is_optimal_for_any_k() {
+    // Provable family: with n ≤ k + 1 the optimum is max(largest item, the
+    // two smallest together) and refinement's swaps always reach it.
+    let mut x: u64 = 12345;
+    for _ in 0..300 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let k = (x >> 33) as usize % 12 + 1;
+        let n = k + ((x >> 20) as usize % 2).min(1);
+        let w: Vec<u64> = (0..n)
+            .map(|i| ((x >> (i % 40)) % 997 + 1) ^ (i as u64 * 31 % 7))
+            .map(|v| v.max(1))
+            .collect();
+        let mut sorted = w.clone();
+        sorted.sort_unstable();
+        let optimum = if n <= k {
+            sorted[n - 1]
+        } else {
+            sorted[n - 1].max(sorted[0] + sorted[1])
+        };
+        let got = max_part_sum(&as_f64(&w), &karmarkar_karp(&as_f64(&w), k, false).unwrap());
+        assert_eq!(got, optimum as f64, "{w:?} k={k}");
+    }
+}
