@@ -171,29 +171,69 @@ pub struct Row {
     pub wrong: u64,
     /// The single-thread limit for the same bytes, GB/s of busbw-equivalent.
     pub limit_busbw: f64,
+    /// The in-place variant (gather only: this rank's shard is already in
+    /// the output, as in FSDP, whose all-gather input aliases its output).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_place: Option<InPlace>,
 }
 
-/// Prints the table header.
-pub fn print_header(title: &str, args: &PerfArgs) {
+/// Time, bandwidths and errors of an in-place run of the same size.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct InPlace {
+    /// Slowest rank's mean time per operation, microseconds.
+    pub time_us: f64,
+    /// size / time, GB/s.
+    pub algbw: f64,
+    /// algbw · (n − 1) / n, GB/s.
+    pub busbw: f64,
+    /// Wrong elements summed over ranks.
+    pub wrong: u64,
+}
+
+/// Prints the table header; `in_place` adds the in-place columns
+/// (nccl-tests prints out-of-place, then in-place).
+pub fn print_header(title: &str, args: &PerfArgs, in_place: bool) {
     println!(
         "# {title}: {} ranks, {} warm-up + {} timed iterations, check={}",
         args.ranks, args.warmup, args.iters, args.check
     );
-    println!(
-        "# {:>10} {:>12} {:>5} {:>6} | {:>10} {:>8} {:>8} {:>7} | {:>8} {:>6}",
-        "size", "count", "type", "redop", "time(us)", "algbw", "busbw", "#wrong", "limit", "%limit"
+    let group = format!(
+        "{:>10} {:>8} {:>8} {:>7}",
+        "time(us)", "algbw", "busbw", "#wrong"
     );
+    let ip = if in_place {
+        format!(" | {group}")
+    } else {
+        String::new()
+    };
+    println!(
+        "# {:>10} {:>12} {:>5} {:>6} | {group}{ip} | {:>8} {:>6}",
+        "size", "count", "type", "redop", "limit", "%limit"
+    );
+    if in_place {
+        println!(
+            "# {:>37} | {:>36} | {:>36} | {:>8} {:>6}",
+            "", "out-of-place", "in-place", "", "(best)"
+        );
+    }
 }
 
-/// Prints one row.
+/// Prints one row; `%limit` is of the better of out-of-place and in-place.
 pub fn print_row(r: &Row) {
+    let best = r.in_place.map_or(r.busbw, |ip| ip.busbw.max(r.busbw));
     let pct = if r.limit_busbw > 0.0 {
-        100.0 * r.busbw / r.limit_busbw
+        100.0 * best / r.limit_busbw
     } else {
         0.0
     };
+    let ip = r.in_place.map_or(String::new(), |ip| {
+        format!(
+            " | {:>10.2} {:>8.2} {:>8.2} {:>7}",
+            ip.time_us, ip.algbw, ip.busbw, ip.wrong
+        )
+    });
     println!(
-        "  {:>10} {:>12} {:>5} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>7} | {:>8.2} {:>5.0}%",
+        "  {:>10} {:>12} {:>5} {:>6} | {:>10.2} {:>8.2} {:>8.2} {:>7}{ip} | {:>8.2} {:>5.0}%",
         r.size, r.count, r.dtype, r.redop, r.time_us, r.algbw, r.busbw, r.wrong, r.limit_busbw, pct
     );
     let _ = std::io::stdout().flush();
@@ -596,6 +636,7 @@ pub fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
 /// The main of a perf binary: launcher when `--rank` is absent, else one rank.
 pub fn perf_main(
     title: &str,
+    in_place: bool,
     run_rank: fn(&PerfArgs, RankCtx) -> Result<Vec<Row>, String>,
 ) -> ExitCode {
     let args = PerfArgs::parse();
@@ -604,7 +645,7 @@ pub fn perf_main(
     };
     let result = join(&args, rank).and_then(|ctx| {
         if rank == 0 {
-            print_header(title, &args);
+            print_header(title, &args, in_place);
         }
         run_rank(&args, ctx)
     });
@@ -647,5 +688,21 @@ pub fn make_row(args: &PerfArgs, size: u64, redop: &str, page: &BenchPage, limit
         busbw: algbw * (n - 1.0) / n,
         wrong,
         limit_busbw: limit_gbps,
+        in_place: None,
+    }
+}
+
+/// The in-place result for `size` after the ranks reported (rank 0, after
+/// a barrier).
+pub fn make_in_place(args: &PerfArgs, size: u64, page: &BenchPage) -> InPlace {
+    let (t, wrong) = page.collect();
+    let secs = t.as_secs_f64().max(1e-12);
+    let algbw = size as f64 / secs / 1e9;
+    let n = args.ranks as f64;
+    InPlace {
+        time_us: secs * 1e6,
+        algbw,
+        busbw: algbw * (n - 1.0) / n,
+        wrong,
     }
 }

@@ -10,7 +10,8 @@ use std::ptr::NonNull;
 use odc_kernels::DType;
 
 use crate::control::SlotHeader;
-use crate::engine::{load, BucketId, Engine, Registered};
+use crate::engine::{load, BucketId, Engine, PushState, Registered};
+use crate::handoff::OwnSlice;
 use crate::layout::BucketLayout;
 use crate::region::{Bell, SignalRef};
 use crate::sync::Ordering;
@@ -234,8 +235,10 @@ impl Engine {
     /// Pushes the full-bucket gradient `grads` (`numel` or `D * shard_len`
     /// elements of `dtype`, which may differ from the parameter dtype) so
     /// that every owner adds `scale · grads[its shard]` into its
-    /// accumulator. Returns once every chunk is written into a landing slot,
-    /// without waiting for the owners' acknowledgements.
+    /// accumulator. Returns once every chunk is written into a landing slot
+    /// and this rank's own slice is added (it is handed to this rank's
+    /// server without a copy), without waiting for the peers'
+    /// acknowledgements.
     pub fn scatter_accumulate(
         &self,
         bucket: BucketId,
@@ -274,13 +277,64 @@ impl Engine {
             .lock()
             .map_err(|_| Error::protocol(Some(b.name()), "a push panicked"))?;
         let push = &mut *guard;
+        let (me, world) = (self.rank(), self.world());
+        let size = dtype.size_bytes();
+        for o in 0..world {
+            push.cursor[o] = b.shard_overlap(o, offset, end);
+        }
+        // This rank's own slice goes to its own server as a pointer into
+        // `grads` (see `handoff`), not through a landing slot.
+        let own = std::mem::replace(&mut push.cursor[me], 0..0);
+        if own.is_empty() {
+            return self.push_chunks(push, b, bucket, offset, grads, dtype, scale);
+        }
+        let first = b.shard_range(me).start + own.start - offset;
+        let bytes = &grads[first * size..(first + own.len()) * size];
+        push.own_gen += 1;
+        let gen = push.own_gen;
+        self.inner.own.post(
+            gen,
+            OwnSlice {
+                bucket: bucket.0,
+                offset: own.start,
+                len: own.len(),
+                addr: bytes.as_ptr() as usize,
+                dtype: dtype.as_u8(),
+                scale,
+            },
+        );
+        self.inner.transport.ring(Bell::Server);
+        let pushed = self.push_chunks(push, b, bucket, offset, grads, dtype, scale);
+        let added = self.inner.wait(
+            Some(b.name()),
+            &|| "its own server to add this rank's own slice".to_owned(),
+            || Ok((!self.inner.own.is_done(gen)).then_some(me)),
+        );
+        if added.is_err() || pushed.is_err() {
+            // `grads` is borrowed only for this call.
+            self.inner.own.revoke(gen);
+        }
+        pushed.and(added)
+    }
+
+    /// Pushes every peer's part of `grads` (per `push.cursor`) through the
+    /// landing slots. Returns once every chunk is written into a slot.
+    #[allow(clippy::too_many_arguments)]
+    fn push_chunks(
+        &self,
+        push: &mut PushState,
+        b: &BucketLayout,
+        bucket: BucketId,
+        offset: usize,
+        grads: &[u8],
+        dtype: DType,
+        scale: f32,
+    ) -> Result<()> {
+        let reg = self.reg()?;
         let (me, world, lay) = (self.rank(), self.world(), &reg.ctrl_layout);
         let size = dtype.size_bytes();
         let chunk = lay.chunk_bytes() / size;
         let bucket_u32 = u32::try_from(bucket.0).unwrap_or(u32::MAX);
-        for o in 0..world {
-            push.cursor[o] = b.shard_overlap(o, offset, end);
-        }
         // Round-robin over owners so that no single slow server stalls the rest.
         loop {
             let mut pending = false;

@@ -17,6 +17,7 @@
 //! | [`region`] | registered memory and its plain-data [`RegionDesc`] |
 //! | [`transport`] | the [`Transport`] trait (`get`, `put_signal`, bells) and its `shm` backend |
 //! | [`control`] | where control words and landing slots live; slot header format |
+//! | `handoff` | a client's own slice of a push, handed to its own server without a copy |
 //! | `engine` | [`Engine`] setup, registration, the daemon's lifetime |
 //! | `client` | the worker API: publish, gather, release, scatter, finish |
 //! | `server` | the shard server daemon loop |
@@ -64,7 +65,9 @@
 //! client released `v - 1`, writes the shard, then signals version `v` to
 //! every reader; `gather(v)` waits for version `v` of each owner's shard and
 //! copies it; `scatter_accumulate` writes chunks into two landing slots per
-//! (client, owner) and never waits for the last acknowledgements;
+//! (client, peer owner) and never waits for the last acknowledgements, and
+//! hands this rank's own slice to its own server as a pointer (no copy; the
+//! server adds it fused with the peers' chunks and the call waits for it);
 //! `finish_minibatch(k)` waits for its acknowledgements, writes `done = k`
 //! to every owner and returns when every client's `done` here reads `k`.
 //! Every wait spins briefly, then sleeps on a futex in this rank's own
@@ -94,6 +97,7 @@
 
 pub mod control;
 pub mod error;
+mod handoff;
 pub mod layout;
 pub mod store;
 pub mod sync;

@@ -7,15 +7,25 @@
 //! accumulator with `odc-kernels`, and acknowledges with a `put_signal` of no
 //! data into the client's ack word. No lock, no allocation in the loop.
 //!
-//! It touches only the landing slots and accumulators; it never reads or
-//! writes published shards or version words.
+//! This rank's own slice of a push arrives through [`crate::handoff`] as a
+//! pointer into the client's buffer. The daemon adds its front together
+//! with the peer chunk for the same accumulator range when one arrives
+//! (block by block, so the accumulator is read and written once for both);
+//! when no peer chunk has come for [`SOLO_AFTER`] it adds a chunk from the
+//! slice's back alone. Peers push from the front, so the two ends meet and
+//! a descheduled peer does not cost the pairing of the chunks still to come.
+//!
+//! It touches only the landing slots, the hand-off and accumulators; it
+//! never reads or writes published shards or version words.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use odc_kernels::cpu::accumulate_into_f32;
+use odc_kernels::DType;
 
 use crate::control::{SlotHeader, HEADER_BYTES};
 use crate::engine::{load, Inner, Registered};
+use crate::handoff::OwnSlice;
 use crate::region::{Bell, SignalRef};
 use crate::sync::{Backoff, Ordering};
 
@@ -23,18 +33,59 @@ use crate::sync::{Backoff, Ordering};
 /// only bounds the damage of a lost wake-up).
 const NAP: Duration = Duration::from_millis(100);
 
+/// How long the own slice waits for a peer chunk to pair with before the
+/// daemon adds it alone. About the time a peer needs to copy one chunk, so
+/// that in a symmetric push both streams meet.
+const SOLO_AFTER: Duration = Duration::from_micros(50);
+
+/// Elements per block of a fused add: a 16 KiB f32 accumulator block stays
+/// in L1 between the two sources.
+const FUSE_BLOCK: usize = 4096;
+
+/// The own slice being added: its generation, where it is, and the part
+/// `[front, back)` (elements of the slice) still to add.
+struct Own {
+    gen: u64,
+    slice: OwnSlice,
+    dtype: DType,
+    front: usize,
+    back: usize,
+}
+
 /// The daemon's loop; returns when the engine shuts down.
 pub(crate) fn run(inner: &Inner) {
     let Some(reg) = inner.reg.get() else { return };
     let world = inner.topo.world();
     // Sequence number last processed per (client, slot): allocated once.
     let mut last = vec![[0u64; 2]; world];
+    let mut seen_gen = 0u64;
+    let mut own: Option<Own> = None;
     let mut backoff = Backoff::new();
+    let mut last_progress = Instant::now();
     loop {
         if inner.shutdown.load(Ordering::Acquire) {
             return;
         }
         let epoch = inner.transport.bell_epoch(Bell::Server);
+        if let Some((gen, slice)) = inner.own.take(seen_gen) {
+            seen_gen = gen;
+            // Give the peers' first chunks their time to arrive and pair.
+            last_progress = Instant::now();
+            own = match DType::from_u8(slice.dtype) {
+                Some(dtype) => Some(Own {
+                    gen,
+                    slice,
+                    dtype,
+                    front: 0,
+                    back: slice.len,
+                }),
+                None => {
+                    inner.record_server_error(format!("own slice with dtype code {}", slice.dtype));
+                    finish_own(inner, gen);
+                    None
+                }
+            };
+        }
         let mut progressed = false;
         for (client, seen) in last.iter_mut().enumerate() {
             for (slot, seen_seq) in seen.iter_mut().enumerate() {
@@ -42,7 +93,7 @@ pub(crate) fn run(inner: &Inner) {
                 if seq != *seen_seq {
                     *seen_seq = seq;
                     progressed = true;
-                    if let Err(msg) = accumulate(reg, client, slot, seq) {
+                    if let Err(msg) = accumulate(inner, reg, client, slot, seq, &mut own) {
                         inner.record_server_error(msg);
                     }
                     // Acknowledge even a rejected chunk so the client never
@@ -62,7 +113,20 @@ pub(crate) fn run(inner: &Inner) {
             }
         }
         if progressed {
+            last_progress = Instant::now();
             backoff.reset();
+            continue;
+        }
+        if own.is_some() {
+            // Never sleep while the own slice is pending: add a chunk of it
+            // alone once no peer chunk came for a while.
+            if last_progress.elapsed() >= SOLO_AFTER {
+                add_own_solo(inner, reg, &mut own);
+                last_progress = Instant::now();
+                backoff.reset();
+            } else {
+                backoff.snooze();
+            }
         } else if !backoff.is_completed() {
             backoff.snooze();
         } else {
@@ -72,8 +136,91 @@ pub(crate) fn run(inner: &Inner) {
     }
 }
 
-/// Adds the chunk in landing slot `[client][slot]` into its accumulator.
-fn accumulate(reg: &Registered, client: usize, slot: usize, seq: u64) -> Result<(), String> {
+/// Reports own slice `gen` dropped (unusable) and wakes its client.
+fn finish_own(inner: &Inner, gen: u64) {
+    if inner.own.claim(gen) {
+        inner.own.unclaim(gen, true);
+    }
+    inner.transport.ring(Bell::Client);
+}
+
+/// The accumulator range `[offset, offset + len)` of bucket `b`, checked.
+///
+/// # Safety
+/// Only the server thread may call this, and it may hold one returned slice
+/// at a time: the accumulator is written only by that thread while pushes
+/// are in flight (the worker reads or zeroes it only after
+/// `finish_minibatch`, ordered by the ack/done release-acquire chain).
+#[allow(clippy::mut_from_ref)]
+unsafe fn accum_range(reg: &Registered, b: usize, offset: usize, len: usize) -> Option<&mut [f32]> {
+    let bucket = reg.buckets.get(b)?;
+    if offset.checked_add(len)? > bucket.shard_len() {
+        return None;
+    }
+    let (acc_ptr, _) = reg.accum_ptr(b);
+    // SAFETY: in range (checked); exclusive per the caller's contract.
+    Some(unsafe { std::slice::from_raw_parts_mut(acc_ptr.add(offset), len) })
+}
+
+/// `len` elements of the own slice from element `from`, as bytes.
+///
+/// # Safety
+/// The caller holds the hand-off claim of `own.gen`, so the client's buffer
+/// is live and unchanged, and `from + len <= own.slice.len`.
+unsafe fn own_bytes(own: &Own, from: usize, len: usize) -> &[u8] {
+    let size = own.dtype.size_bytes();
+    // SAFETY: the client posted `slice.len` elements at `addr` and keeps
+    // them alive and unwritten while the claim is held (caller's contract).
+    unsafe { std::slice::from_raw_parts((own.slice.addr + from * size) as *const u8, len * size) }
+}
+
+/// Adds the last chunk still pending of the own slice on its own.
+fn add_own_solo(inner: &Inner, reg: &Registered, own_slot: &mut Option<Own>) {
+    let Some(own) = own_slot.as_mut() else { return };
+    if !inner.own.claim(own.gen) {
+        // Revoked by its client: drop it untouched.
+        *own_slot = None;
+        return;
+    }
+    let chunk = (reg.ctrl_layout.chunk_bytes() / own.dtype.size_bytes()).max(1);
+    let len = chunk.min(own.back - own.front);
+    let from = own.back - len;
+    // SAFETY: the server thread, one accumulator slice at a time.
+    let acc = unsafe { accum_range(reg, own.slice.bucket, own.slice.offset + from, len) };
+    let result = match acc {
+        None => Err(format!(
+            "own slice of {} elements at {} outside bucket {}'s shard",
+            own.slice.len, own.slice.offset, own.slice.bucket
+        )),
+        Some(acc) => {
+            // SAFETY: claimed above; `from + len = back <= slice.len`.
+            let data = unsafe { own_bytes(own, from, len) };
+            accumulate_into_f32(acc, data, own.dtype, own.slice.scale).map_err(|e| e.to_string())
+        }
+    };
+    own.back = from;
+    if let Err(msg) = result {
+        inner.record_server_error(msg);
+        own.back = own.front;
+    }
+    let finished = own.front == own.back;
+    inner.own.unclaim(own.gen, finished);
+    if finished {
+        inner.transport.ring(Bell::Client);
+        *own_slot = None;
+    }
+}
+
+/// Adds the chunk in landing slot `[client][slot]` into its accumulator,
+/// fused with the same range of the own slice when that is next in line.
+fn accumulate(
+    inner: &Inner,
+    reg: &Registered,
+    client: usize,
+    slot: usize,
+    seq: u64,
+    own_slot: &mut Option<Own>,
+) -> Result<(), String> {
     let lay = &reg.ctrl_layout;
     let mut raw = [0u8; HEADER_BYTES];
     // SAFETY: the header lies inside the control region; the client wrote it
@@ -104,22 +251,58 @@ fn accumulate(reg: &Registered, client: usize, slot: usize, seq: u64) -> Result<
         usize::try_from(h.len).unwrap_or(usize::MAX),
     );
     let bytes = len.saturating_mul(h.dtype.size_bytes());
-    if offset.saturating_add(len) > bucket.shard_len() || bytes > lay.chunk_bytes() {
-        return Err(format!(
+    // SAFETY: the server thread, one accumulator slice at a time.
+    let acc = match unsafe { accum_range(reg, b, offset, len) } {
+        Some(acc) if bytes <= lay.chunk_bytes() => acc,
+        _ => {
+            return Err(format!(
             "rank {client}: push of {len} elements at {offset} outside shard of {:?} ({} elements)",
             bucket.name(),
             bucket.shard_len()
-        ));
-    }
-    let (acc_ptr, _) = reg.accum_ptr(b);
-    // SAFETY: in range (checked). The accumulator is written only by this
-    // thread while pushes are in flight; the worker reads or zeroes it only
-    // after finish_minibatch, ordered by the ack/done release-acquire chain.
-    let acc = unsafe { std::slice::from_raw_parts_mut(acc_ptr.add(offset), len) };
+        ))
+        }
+    };
     // SAFETY: the data lies inside the control region (bytes <= chunk) and
     // is stable until we acknowledge, as above.
     let data = unsafe {
         std::slice::from_raw_parts(reg.ctrl.as_ptr().add(lay.slot_data(client, slot)), bytes)
     };
-    accumulate_into_f32(acc, data, h.dtype, h.scale).map_err(|e| format!("rank {client}: {e}"))
+    let pairs = own_slot
+        .as_ref()
+        .is_some_and(|o| o.slice.bucket == b && o.slice.offset + o.front == offset);
+    let Some(own) = own_slot.as_mut().filter(|_| pairs) else {
+        return accumulate_into_f32(acc, data, h.dtype, h.scale)
+            .map_err(|e| format!("rank {client}: {e}"));
+    };
+    if !inner.own.claim(own.gen) {
+        *own_slot = None;
+        return accumulate_into_f32(acc, data, h.dtype, h.scale)
+            .map_err(|e| format!("rank {client}: {e}"));
+    }
+    // The pending front of the own slice may be shorter than the chunk
+    // (its back was added alone): pair what overlaps, add the rest alone.
+    let paired = len.min(own.back - own.front);
+    // SAFETY: claimed above; `front + paired <= back <= slice.len`.
+    let mine = unsafe { own_bytes(own, own.front, paired) };
+    let (ms, ds) = (own.dtype.size_bytes(), h.dtype.size_bytes());
+    let mut result = Ok(());
+    for (i, block) in acc[..paired].chunks_mut(FUSE_BLOCK).enumerate() {
+        let (s, e) = (i * FUSE_BLOCK, i * FUSE_BLOCK + block.len());
+        result = accumulate_into_f32(block, &mine[s * ms..e * ms], own.dtype, own.slice.scale)
+            .and_then(|()| accumulate_into_f32(block, &data[s * ds..e * ds], h.dtype, h.scale));
+        if result.is_err() {
+            break;
+        }
+    }
+    if result.is_ok() && paired < len {
+        result = accumulate_into_f32(&mut acc[paired..], &data[paired * ds..], h.dtype, h.scale);
+    }
+    own.front += paired;
+    let finished = own.front == own.back;
+    inner.own.unclaim(own.gen, finished);
+    if finished {
+        inner.transport.ring(Bell::Client);
+        *own_slot = None;
+    }
+    result.map_err(|e| format!("rank {client}: {e}"))
 }

@@ -5,13 +5,17 @@
 //! ```
 //! Every rank publishes its shard of one bucket per size (version 0), then
 //! each iteration gathers the whole bucket from every owner. `size` is the
-//! gathered buffer; busbw = algbw · (n − 1) / n.
+//! gathered buffer; busbw = algbw · (n − 1) / n. Like nccl-tests it times
+//! an out-of-place run (`gather`: every shard, this rank's too, is copied
+//! into the output) and an in-place one (`gather_remote`: this rank's shard
+//! is already in the output, as in FSDP, whose all-gather input aliases its
+//! output; only the n − 1 remote shards move).
 
 use std::process::ExitCode;
 
 use odc_benches::{
-    decode, encode, make_row, memcpy_gbps, pattern, perf_main, print_row, timed, PerfArgs, RankCtx,
-    Row,
+    decode, encode, make_in_place, make_row, memcpy_gbps, pattern, perf_main, print_row, timed,
+    PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -37,21 +41,37 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
                 .gather(id, 0, &mut out, dtype)
                 .map_err(|e| e.to_string())
         })?;
-        let mut wrong = 0u64;
-        if args.check != 0 {
-            let got = decode(&out, dtype);
-            let sl = layout.shard_len();
-            wrong = got
-                .iter()
-                .enumerate()
-                .filter(|&(i, &v)| v != pattern(i / sl, i))
-                .count() as u64;
-        }
-        page.report(rank, mean, wrong);
+        page.report(rank, mean, count_wrong(args, &layout, &out));
         page.barrier()?;
+        let mut row = None;
         if rank == 0 {
             let moved = (size as usize) * (args.ranks - 1) / args.ranks;
-            let row = make_row(args, size, "none", &page, memcpy_gbps(moved.max(1)));
+            row = Some(make_row(
+                args,
+                size,
+                "none",
+                &page,
+                memcpy_gbps(moved.max(1)),
+            ));
+        }
+        page.barrier()?;
+
+        // In place: this rank's shard already sits in the output; only the
+        // remote shards move.
+        let mut out = vec![0u8; layout.numel() * esz];
+        let own = layout.shard_range(rank);
+        let own = own.start.min(layout.numel())..own.end.min(layout.numel());
+        let mine = encode(&shard[..own.len()], dtype);
+        out[own.start * esz..own.end * esz].copy_from_slice(&mine);
+        let mean = timed(&page, args.warmup, args.iters, |_| {
+            engine
+                .gather_remote(id, 0, &mut out, dtype)
+                .map_err(|e| e.to_string())
+        })?;
+        page.report(rank, mean, count_wrong(args, &layout, &out));
+        page.barrier()?;
+        if let Some(mut row) = row {
+            row.in_place = Some(make_in_place(args, size, &page));
             print_row(&row);
             rows.push(row);
         }
@@ -60,6 +80,19 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
     Ok(rows)
 }
 
+/// Elements of a gathered `out` that differ from the pattern (0 unless `-c 1`).
+fn count_wrong(args: &PerfArgs, layout: &odc_core::BucketLayout, out: &[u8]) -> u64 {
+    if args.check == 0 {
+        return 0;
+    }
+    let sl = layout.shard_len();
+    decode(out, args.dtype)
+        .iter()
+        .enumerate()
+        .filter(|&(i, &v)| v != pattern(i / sl, i))
+        .count() as u64
+}
+
 fn main() -> ExitCode {
-    perf_main("gather_perf", run)
+    perf_main("gather_perf", true, run)
 }

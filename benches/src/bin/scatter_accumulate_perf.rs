@@ -77,5 +77,5 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
 }
 
 fn main() -> ExitCode {
-    perf_main("scatter_accumulate_perf", run)
+    perf_main("scatter_accumulate_perf", false, run)
 }

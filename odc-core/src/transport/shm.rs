@@ -91,10 +91,17 @@ impl Segment {
 
     fn map(name: &str, fd: OwnedFd, owned: bool) -> Result<Segment> {
         let file = File::from(fd);
+        // A peer's segment is populated at connect (MAP_POPULATE): setup
+        // pays its page-table entries once, instead of the first gather or
+        // push paying a minor fault per 4 KiB page.
+        let mut opts = memmap2::MmapOptions::new();
+        if !owned {
+            opts.populate();
+        }
         // SAFETY: the segment is shared memory that peers write concurrently;
         // we never form long-lived references into it, only raw-pointer
         // copies and atomics whose ordering the protocol defines.
-        let mut map = unsafe { MmapMut::map_mut(&file) }
+        let mut map = unsafe { opts.map_mut(&file) }
             .map_err(|e| Error::transport_io("mmap", name.to_owned(), e))?;
         let ptr = NonNull::new(map.as_mut_ptr())
             .ok_or_else(|| Error::transport("mmap", format!("{name}: null mapping")))?;
