@@ -32,7 +32,7 @@ class Block(nn.Module):
 
 
 class Tiny(nn.Module):
-    def __init__(self, dim: int = DIM, layers: int = 3, unused: bool = False) -> None:
+    def __init__(self, dim: int = DIM, layers: int = 2, unused: bool = False) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
@@ -51,7 +51,7 @@ def init_pg(rank, world, store):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
-def build(world, seed=0, mp=None, reshard=True, mesh=None, unused=False, layers=3):
+def build(world, seed=0, mp=None, reshard=True, mesh=None, unused=False, layers=2):
     torch.manual_seed(seed)
     model = Tiny(layers=layers, unused=unused)
     mesh = mesh or init_device_mesh("cpu", (world,))
@@ -194,6 +194,7 @@ def errors_worker(rank, world, store):
             fn()
         except exc as e:
             found[key] = f"{type(e).__name__}: {e}"
+            found[key + "_peer"] = getattr(e, "peer", None)
         else:
             found[key] = "no error"
 
@@ -219,17 +220,11 @@ def errors_worker(rank, world, store):
     model = build(world, unused=True)
     odc.fsdp.enable(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=30)
     expect("unused", odc.LayoutError, lambda: sample_loss(model, data(0, 0, rank)).backward())
+    expect("dead_peer", odc.PeerError, lambda: _die_mid_training(rank, world))
     return found
 
 
-def _push_then_disable(model, rank):
-    with odc.fsdp.minibatch(model):
-        sample_loss(model, data(2, 0, rank)).backward()
-        odc.fsdp.disable(model)
-
-
-def dies_worker(rank, world, store):
-    init_pg(rank, world, store)
+def _die_mid_training(rank, world):
     model = build(world)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     odc.fsdp.enable(model, opt, timeout=20)
@@ -239,4 +234,9 @@ def dies_worker(rank, world, store):
         sample_loss(model, data(s, 0, rank)).backward()
         opt.step()
         opt.zero_grad()
-    return "survived"
+
+
+def _push_then_disable(model, rank):
+    with odc.fsdp.minibatch(model):
+        sample_loss(model, data(2, 0, rank)).backward()
+        odc.fsdp.disable(model)
