@@ -202,7 +202,7 @@ class _Gatherer:
     def _buffer(self, cache: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = cache.get(name)
         if buf is None:
-            buf = cache[name] = torch.empty(numel, dtype=dtype)
+            buf = cache[name] = torch.zeros(numel, dtype=dtype)
         return buf
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -290,6 +290,12 @@ def _scale(op: Any, world: int, what: str, dtype: torch.dtype) -> float:
 def _check_dtype(what: str, dtype: torch.dtype) -> None:
     if dtype not in _DTYPES:
         raise LayoutError(f"{what}: dtype {dtype} is not supported by the odc backend (float32, bfloat16, float16 are)")
+
+
+def _check_cpu(what: str, *tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise LayoutError(f"{what}: tensor on {t.device}; the odc backend moves CPU tensors")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -398,21 +404,20 @@ class ProcessGroupODC(dist.ProcessGroup):
             raise LayoutError(f"{what}: output has {out.numel()} elements, expected {self.size()} x {inp.numel()}")
         if out.dtype != inp.dtype:
             raise LayoutError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
+        _check_cpu(what, out, inp)
         if inp.numel() == 0:
             return
         src = _flat(inp)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
 
-        def body() -> None:
-            self._gatherer.all_gather(dst, src)
-
-        self._run(what, body)
-        if dst.data_ptr() != out.data_ptr() or not out.is_contiguous():
+        self._run(what, lambda: self._gatherer.all_gather(dst, src))
+        if not out.is_contiguous():
             out.copy_(dst.view(out.shape))
 
     def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str) -> None:
         _check_dtype(what, inp.dtype)
         _check_dtype(what, out.dtype)
+        _check_cpu(what, out, inp)
         scale = _scale(op, self.size(), what, inp.dtype)
         if inp.numel() != out.numel() * self.size():
             raise LayoutError(f"{what}: input has {inp.numel()} elements, expected {self.size()} x {out.numel()}")
