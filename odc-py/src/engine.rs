@@ -311,9 +311,9 @@ impl PyEngine {
             .map_err(|e| core_error(py, e))
     }
 
-    /// Pushes `nbytes` of gradients at `ptr`, covering the bucket from
-    /// element `offset`, scaled by `scale`.
-    #[pyo3(signature = (bucket, ptr, nbytes, dtype, scale=1.0, offset=0))]
+    /// Pushes `nbytes` of gradients at `ptr`, scaled by `scale`: the whole
+    /// bucket when `offset` is `None`, else the part from element `offset`.
+    #[pyo3(signature = (bucket, ptr, nbytes, dtype, scale=1.0, offset=None))]
     #[allow(clippy::too_many_arguments)]
     fn scatter_accumulate(
         &self,
@@ -323,19 +323,19 @@ impl PyEngine {
         nbytes: usize,
         dtype: &str,
         scale: f32,
-        offset: usize,
+        offset: Option<usize>,
     ) -> PyResult<()> {
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr, nbytes, dtype.size_bytes())?;
         // SAFETY: as in `publish`.
         let grads = unsafe { bytes(ptr, nbytes) };
-        py.detach(|| {
-            if offset == 0 {
+        py.detach(|| match offset {
+            None => self
+                .engine
+                .scatter_accumulate(BucketId(bucket), grads, dtype, scale),
+            Some(at) => {
                 self.engine
-                    .scatter_accumulate(BucketId(bucket), grads, dtype, scale)
-            } else {
-                self.engine
-                    .scatter_accumulate_at(BucketId(bucket), offset, grads, dtype, scale)
+                    .scatter_accumulate_at(BucketId(bucket), at, grads, dtype, scale)
             }
         })
         .map_err(|e| core_error(py, e))

@@ -54,10 +54,9 @@ capacity is ``ODC_BACKEND_SCRATCH_MB`` MiB (default 16):
   the gathered bucket (``D · shard_len``) is copied out into the output's
   rows (skipped when the op fills its bucket exactly).
 * reduce-scatter engine (store prefix ``odc-rs``): two f32 buckets whose shard
-  holds the capacity in f32. Pieces land one element into each owner's shard
-  (the engine binding reads a push at offset 0 as a whole-bucket push), so a
-  piece holds at most ``shard_len - 1`` elements; the input rows are pushed
-  in place, with no copy. Op piece ``k`` pushes each owner's row into
+  holds the capacity in f32. Each owner's row of a piece is pushed in place
+  (``scatter_accumulate`` with an explicit offset into the owner's shard), with
+  no copy. Op piece ``k`` pushes each owner's row into
   bucket ``k % 2``, calls ``finish_minibatch(k)``, reads its own shard into
   the output (cast to the output dtype: bf16/f16 accumulate in f32) and
   zeroes what it read. Alternating buckets makes this safe without a
@@ -106,8 +105,6 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ALIGN_ELEMS = 64
 _SMALLEST_SHARD_BYTES = 4096
 _CLASS_STEP = 4
-# Reduce-scatter pieces start this many elements into each owner's shard (see _Reducer).
-_PUSH_SKIP = 1
 
 _ReduceOp = dist.ReduceOp
 _SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
@@ -240,10 +237,8 @@ class _Reducer:
         self.world, self.rank = engine.world_size, engine.rank
         self.shard = _capacity(nbytes, 4)
         engine.register([Bucket(f"rs-{i}", self.world * self.shard, torch.float32) for i in range(2)])
-        # The binding reads a push at offset 0 as a whole-bucket push, so every
-        # piece lands one element into its owner's shard and holds at most S - 1.
-        self.piece = self.shard - _PUSH_SKIP
-        self.accum = [engine.grad_shard(i)[_PUSH_SKIP:] for i in range(2)]
+        self.piece = self.shard
+        self.accum = [engine.grad_shard(i) for i in range(2)]
         self.k = 0
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
@@ -259,7 +254,7 @@ class _Reducer:
                 # Start with the next rank so owners are not all hit in the same order.
                 owner = (self.rank + 1 + i) % world
                 self.engine.scatter_accumulate(
-                    bucket, rows[owner, start : start + length], scale=scale, offset=owner * self.shard + _PUSH_SKIP
+                    bucket, rows[owner, start : start + length], scale=scale, offset=owner * self.shard
                 )
             self.engine.finish_minibatch(k)
             acc = self.accum[bucket][:length]

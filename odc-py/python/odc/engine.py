@@ -178,15 +178,20 @@ class Engine:
         """Tells every owner this rank is done reading ``version`` of ``bucket``."""
         self._native.release(self._id(bucket), int(version))
 
-    def scatter_accumulate(self, bucket: BucketRef, grads: "torch.Tensor", scale: float = 1.0, offset: int = 0) -> None:
-        """Pushes ``grads`` (the whole bucket, or the part from element ``offset``) to the owners.
+    def scatter_accumulate(
+        self, bucket: BucketRef, grads: "torch.Tensor", scale: float = 1.0, offset: int | None = None
+    ) -> None:
+        """Pushes ``grads`` to the owners: the whole bucket (``numel`` or padded
+        length) when ``offset`` is None, else the part starting at element ``offset``.
 
         Each owner adds ``scale · grads[its shard]`` into its f32 accumulator.
         Returns once the data is in the owners' landing slots (``grads`` may
         be reused); does not wait for the additions.
         """
         ptr, n, dt = _buffer(grads, "gradient")
-        self._native.scatter_accumulate(self._id(bucket), ptr, n, dt, float(scale), int(offset))
+        self._native.scatter_accumulate(
+            self._id(bucket), ptr, n, dt, float(scale), None if offset is None else int(offset)
+        )
 
     def finish_minibatch(self, k: int) -> None:
         """Ends minibatch ``k``; returns when this rank's own gradient shards are final."""
