@@ -110,6 +110,19 @@ pub enum Error {
         detail: String,
     },
 
+    /// A GPU transport cannot run here: a library or device is missing.
+    #[error("GPU unavailable: {0}")]
+    GpuUnavailable(#[from] crate::gpu::Missing),
+
+    /// An NVSHMEM (or, around it, CUDA) call failed.
+    #[error("NVSHMEM {call} failed: {detail}")]
+    Nvshmem {
+        /// The native call.
+        call: &'static str,
+        /// Its status and context.
+        detail: String,
+    },
+
     /// An operating-system error outside the transport.
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -17,6 +17,7 @@
 //! | [`region`] | registered memory and its plain-data [`RegionDesc`] |
 //! | [`transport`] | the [`Transport`] trait (`get`, `put_signal`, bells) and its `shm` backend |
 //! | [`control`] | where control words and landing slots live; slot header format |
+//! | `gpu` | GPU presence ([`gpu::probe`]) and NVSHMEM bindings (sys / result / safe) |
 //! | `handoff` | a client's own slice of a push, handed to its own server without a copy |
 //! | `engine` | [`Engine`] setup, registration, the daemon's lifetime |
 //! | `client` | the worker API: publish, gather, release, scatter, finish |
@@ -97,6 +98,7 @@
 
 pub mod control;
 pub mod error;
+pub mod gpu;
 mod handoff;
 pub mod layout;
 pub mod store;

@@ -56,6 +56,65 @@ pub enum Error {
     /// A dtype code (from a shared-memory descriptor) that is not assigned.
     #[error("unknown dtype code {0}: expected 0 (f32), 1 (bf16) or 2 (f16)")]
     UnknownDTypeCode(u8),
+
+    /// The CUDA kernels cannot run here: no driver, no device or no NVRTC.
+    /// Expected on machines without a GPU; callers fall back or skip.
+    #[error("CUDA unavailable: {0}")]
+    GpuUnavailable(#[from] Unavailable),
+
+    /// NVRTC rejected the kernel source or an option (a bug, or an NVRTC
+    /// too old for the requested architecture).
+    #[error("NVRTC {call} failed for {arch}: {detail}")]
+    Nvrtc {
+        /// The NVRTC call (`"nvrtcCompileProgram"`, ...).
+        call: &'static str,
+        /// The target architecture (`"compute_90"`, `"sm_80"`).
+        arch: String,
+        /// The NVRTC status and, for compilation, the program log.
+        detail: String,
+    },
+
+    /// A CUDA driver call failed on a present device.
+    #[error("CUDA {call} failed: {detail}")]
+    Cuda {
+        /// The driver operation (`"cuModuleLoadData"`, `"launch odc_cast_f32_to_bf16"`).
+        call: String,
+        /// The driver's error name and message.
+        detail: String,
+    },
+
+    /// An argument the CUDA entry points reject (an unknown architecture).
+    #[error("{op}: {detail}")]
+    InvalidArgument {
+        /// The operation that was called.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
+    },
+}
+
+/// What is missing for the CUDA kernels to run, from the bottom up.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unavailable {
+    /// The system loader finds no CUDA driver library (`libcuda.so.1`):
+    /// no NVIDIA driver is installed.
+    #[error("no CUDA driver library (libcuda.so / libcuda.so.1) on the loader path: no NVIDIA driver here")]
+    NoDriver,
+
+    /// The driver loaded but offers no usable device.
+    #[error("no CUDA device: {reason}")]
+    NoDevice {
+        /// What the driver said (`cuInit: CUDA_ERROR_NO_DEVICE`, an ordinal out of range).
+        reason: String,
+    },
+
+    /// No NVRTC library (CUDA 12, `libnvrtc.so.12`) could be loaded.
+    #[error("no NVRTC library (libnvrtc.so.12): tried {}; run `make setup` (PyPI nvidia-cuda-nvrtc-cu12) or set ODC_NVRTC_LIB", .tried.join(", "))]
+    NoNvrtc {
+        /// Every place tried, in order, each with why it failed.
+        tried: Vec<String>,
+    },
 }
 
 /// `Result` with this crate's [`Error`].

@@ -16,8 +16,10 @@
 //!   (AVX2 + F16C) on x86_64, chosen at run time; a portable path
 //!   elsewhere; [`cpu::reference`] holds the scalar definitions they are
 //!   tested against.
-//! - `cuda` (later) — the same kernels for device memory, compiled at run
-//!   time through NVRTC, so the crate builds on machines without CUDA.
+//! - `cuda` — the same kernels for device memory (`kernels.cu`), compiled
+//!   at run time through NVRTC and launched through cudarc, so the crate
+//!   builds on machines without CUDA; `cuda::probe` names what is missing
+//!   (driver, device, NVRTC) as [`Error::GpuUnavailable`].
 //!
 //! # Quick start
 //!
@@ -58,7 +60,8 @@
 //!
 //! # Cargo features
 //!
-//! None. The instruction set is detected at run time ([`cpu::isa`]); the
+//! `cuda` (default): the `cuda` module. It links nothing: the CUDA driver
+//! and NVRTC are opened at run time. The CPU instruction set is detected at run time ([`cpu::isa`]); the
 //! environment variable [`cpu::ISA_ENV`]` = scalar` forces the portable
 //! path.
 //!
@@ -74,8 +77,10 @@
 //! Kernels never allocate; there is nothing to release.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod dtype;
 mod error;
 
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, Result, Unavailable};

@@ -1,0 +1,85 @@
+//! GPU support for the GPU transports (cuda-ipc, nvshmem): what is present
+//! on this machine ([`probe`]) and the NVSHMEM bindings ([`nvshmem`]).
+//!
+//! Everything loads at run time, so the crate builds and its tests run on
+//! machines without a GPU; there every entry point returns
+//! [`Error::GpuUnavailable`] with a
+//! [`Missing`] that names what is absent. This module owns no transport:
+//! it knows nothing of buckets, regions or the Store.
+
+use std::path::PathBuf;
+
+pub use odc_kernels::cuda::DeviceInfo;
+pub use odc_kernels::Unavailable;
+
+use crate::{Error, Result};
+
+pub mod nvshmem;
+
+/// What a GPU transport needs and this machine lacks.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Missing {
+    /// The CUDA driver, a device or NVRTC (see [`Unavailable`]).
+    #[error(transparent)]
+    Cuda(#[from] Unavailable),
+
+    /// No NVSHMEM host library could be loaded.
+    #[error("no NVSHMEM host library (libnvshmem_host.so.3): tried {}; run `make setup` (PyPI nvidia-nvshmem-cu12) or set ODC_NVSHMEM_LIB", .tried.join(", "))]
+    NvshmemLibrary {
+        /// Every place tried, with why it failed.
+        tried: Vec<String>,
+    },
+
+    /// The library loaded but lacks a function ODC calls (too old).
+    #[error("{library:?} has no symbol {symbol} ({detail}): NVSHMEM 3.x is required")]
+    NvshmemSymbol {
+        /// The missing function.
+        symbol: &'static str,
+        /// The library that was opened.
+        library: PathBuf,
+        /// The loader's message.
+        detail: String,
+    },
+}
+
+/// What [`probe`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// The device, driver and NVRTC.
+    pub cuda: DeviceInfo,
+    /// NVSHMEM's version, `(major, minor, patch)`.
+    pub nvshmem_version: (i32, i32, i32),
+    /// The NVSHMEM library opened (`None`: found by the system loader).
+    pub nvshmem_path: Option<PathBuf>,
+}
+
+/// Checks device 0 can run the GPU transports: driver, device, NVRTC, then
+/// NVSHMEM. Never panics.
+///
+/// Errors: [`Error::GpuUnavailable`] naming the first thing missing.
+pub fn probe() -> Result<GpuInfo> {
+    probe_device(0)
+}
+
+/// [`probe`] for device `ordinal`.
+pub fn probe_device(ordinal: usize) -> Result<GpuInfo> {
+    let cuda = match odc_kernels::cuda::probe_device(ordinal) {
+        Ok(info) => info,
+        Err(odc_kernels::Error::GpuUnavailable(missing)) => {
+            return Err(Missing::Cuda(missing).into())
+        }
+        Err(other) => {
+            return Err(Error::Nvshmem {
+                call: "CUDA probe",
+                detail: other.to_string(),
+            })
+        }
+    };
+    let lib = nvshmem::sys::lib()?;
+    Ok(GpuInfo {
+        cuda,
+        nvshmem_version: nvshmem::version()?,
+        nvshmem_path: lib.path.clone(),
+    })
+}

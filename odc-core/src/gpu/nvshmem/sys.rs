@@ -1,0 +1,306 @@
+//! Raw NVSHMEM host bindings: `#[repr(C)]` types matching NVSHMEM 3.x's
+//! headers (`device_host/nvshmem_types.h`,
+//! `bootstrap_device_host/nvshmem_uniqueid.h`), constants, and the symbol
+//! table of `libnvshmem_host.so.3`, opened with `libloading`.
+//!
+//! Only host-library symbols appear here. `nvshmem_init*` and
+//! `nvshmem_finalize` are header-inline wrappers around `nvshmemi_*`
+//! functions that live in the static device library, so a host-only
+//! program initializes with [`Lib::nvshmemx_hostlib_init_attr`] and ends
+//! with [`Lib::nvshmemx_hostlib_finalize`].
+//!
+//! The layout test (`odc-core/tests/nvshmem_bindings.rs`) compiles a C
+//! program against the wheel's headers and checks every size, offset and
+//! constant below.
+
+#![allow(non_camel_case_types)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use crate::gpu::Missing;
+
+/// `CUstream` / `cudaStream_t`: an opaque stream handle.
+pub type CUstream = *mut c_void;
+
+/// `UNIQUEID_PADDING`.
+pub const UNIQUEID_PADDING: usize = 124;
+/// `INIT_ARGS_V2_PADDING`.
+pub const INIT_ARGS_V2_PADDING: usize = 92;
+/// `UNIQUEID_ARGS_INVALID` / `INIT_ARGS_SCALAR_INVALID`.
+pub const SCALAR_INVALID: c_int = -1;
+
+/// `NVSHMEMX_INIT_WITH_UNIQUEID` (enum `flags`).
+pub const NVSHMEMX_INIT_WITH_UNIQUEID: c_uint = 1 << 3;
+/// `NVSHMEM_SIGNAL_SET` (`nvshmemx_signal_op_t`).
+pub const NVSHMEM_SIGNAL_SET: c_int = 9;
+/// `NVSHMEM_SIGNAL_ADD`.
+pub const NVSHMEM_SIGNAL_ADD: c_int = 10;
+/// `NVSHMEM_CMP_EQ` (`nvshmemx_cmp_type_t`).
+pub const NVSHMEM_CMP_EQ: c_int = 0;
+/// `NVSHMEM_CMP_NE`.
+pub const NVSHMEM_CMP_NE: c_int = 1;
+/// `NVSHMEM_CMP_GT`.
+pub const NVSHMEM_CMP_GT: c_int = 2;
+/// `NVSHMEM_CMP_LE`.
+pub const NVSHMEM_CMP_LE: c_int = 3;
+/// `NVSHMEM_CMP_LT`.
+pub const NVSHMEM_CMP_LT: c_int = 4;
+/// `NVSHMEM_CMP_GE`.
+pub const NVSHMEM_CMP_GE: c_int = 5;
+
+/// `nvshmemx_uniqueid_t` (`nvshmemx_uniqueid_v1`): 128 opaque bytes that
+/// rank 0 creates and every rank passes to init.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvshmemx_uniqueid_t {
+    /// `(1 << 16) + sizeof(nvshmemx_uniqueid_t)`.
+    pub version: c_int,
+    /// Opaque.
+    pub internal: [c_char; UNIQUEID_PADDING],
+}
+
+/// `nvshmemx_uniqueid_args_t` (`nvshmemx_uniqueid_args_v1`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvshmemx_uniqueid_args_t {
+    /// `(1 << 16) + sizeof(nvshmemx_uniqueid_args_t)`.
+    pub version: c_int,
+    /// The unique id; must outlive init.
+    pub id: *mut nvshmemx_uniqueid_t,
+    /// This PE's rank.
+    pub myrank: c_int,
+    /// Number of PEs.
+    pub nranks: c_int,
+}
+
+/// `nvshmemx_init_args_t` (`nvshmemx_init_args_v2`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvshmemx_init_args_t {
+    /// `(2 << 16) + sizeof(nvshmemx_init_args_t)`.
+    pub version: c_int,
+    /// Unique-id bootstrap arguments.
+    pub uid_args: nvshmemx_uniqueid_args_t,
+    /// CUDA device this PE uses (`-1`: the current one).
+    pub cuda_device_id: c_int,
+    /// Reserved.
+    pub content: [c_char; INIT_ARGS_V2_PADDING],
+}
+
+/// `nvshmemx_init_attr_t` (`nvshmemx_init_attr_v2`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct nvshmemx_init_attr_t {
+    /// `(2 << 16) + sizeof(nvshmemx_init_attr_t)`.
+    pub version: c_int,
+    /// `MPI_Comm *` for MPI bootstrap; null here.
+    pub mpi_comm: *mut c_void,
+    /// Bootstrap arguments.
+    pub args: nvshmemx_init_args_t,
+}
+
+/// `NVSHMEMX_UNIQUEID_INITIALIZER`'s version.
+pub const UNIQUEID_VERSION: c_int = (1 << 16) + std::mem::size_of::<nvshmemx_uniqueid_t>() as c_int;
+/// `NVSHMEMX_UNIQUEID_ARGS_INITIALIZER`'s version.
+pub const UNIQUEID_ARGS_VERSION: c_int =
+    (1 << 16) + std::mem::size_of::<nvshmemx_uniqueid_args_t>() as c_int;
+/// `NVSHMEM_INIT_ARGS_V2_IDENTIFIER`.
+pub const INIT_ARGS_VERSION: c_int =
+    (2 << 16) + std::mem::size_of::<nvshmemx_init_args_t>() as c_int;
+/// `NVSHMEM_INIT_ATTR_V2_IDENTIFIER`.
+pub const INIT_ATTR_VERSION: c_int =
+    (2 << 16) + std::mem::size_of::<nvshmemx_init_attr_t>() as c_int;
+
+impl Default for nvshmemx_uniqueid_t {
+    /// `NVSHMEMX_UNIQUEID_INITIALIZER`.
+    fn default() -> Self {
+        nvshmemx_uniqueid_t {
+            version: UNIQUEID_VERSION,
+            internal: [0; UNIQUEID_PADDING],
+        }
+    }
+}
+
+impl Default for nvshmemx_init_attr_t {
+    /// `NVSHMEMX_INIT_ATTR_INITIALIZER`.
+    fn default() -> Self {
+        nvshmemx_init_attr_t {
+            version: INIT_ATTR_VERSION,
+            mpi_comm: std::ptr::null_mut(),
+            args: nvshmemx_init_args_t {
+                version: INIT_ARGS_VERSION,
+                uid_args: nvshmemx_uniqueid_args_t {
+                    version: UNIQUEID_ARGS_VERSION,
+                    id: std::ptr::null_mut(),
+                    myrank: SCALAR_INVALID,
+                    nranks: SCALAR_INVALID,
+                },
+                cuda_device_id: SCALAR_INVALID,
+                content: [0; INIT_ARGS_V2_PADDING],
+            },
+        }
+    }
+}
+
+/// Environment variable naming `libnvshmem_host.so.3` (or its directory).
+pub const NVSHMEM_ENV: &str = "ODC_NVSHMEM_LIB";
+
+/// The host library's soname.
+pub const SONAME: &str = "libnvshmem_host.so.3";
+
+macro_rules! symbols {
+    ($($name:ident: $ty:ty;)*) => {
+        /// The host functions ODC uses, resolved from one library.
+        #[derive(Debug)]
+        pub struct Lib {
+            /// The file opened, or `None` when the system loader found it.
+            pub path: Option<PathBuf>,
+            $(
+                #[doc = concat!("`", stringify!($name), "`.")]
+                pub $name: $ty,
+            )*
+            // Declared last: dropped after the pointers above (never, in
+            // practice: the table lives in a static).
+            _lib: libloading::Library,
+        }
+
+        /// Every symbol [`Lib`] resolves.
+        pub const SYMBOLS: &[&str] = &[$(stringify!($name)),*];
+
+        impl Lib {
+            fn resolve(lib: libloading::Library, path: Option<PathBuf>) -> Result<Lib, Missing> {
+                $(
+                    // SAFETY: the type is the prototype from the NVSHMEM
+                    // headers; the pointer is copied out and stays valid
+                    // while `lib` (moved into the table) is loaded.
+                    let $name: $ty = unsafe {
+                        *lib.get::<$ty>(concat!(stringify!($name), "\0").as_bytes())
+                            .map_err(|e| Missing::NvshmemSymbol {
+                                symbol: stringify!($name),
+                                library: path.clone().unwrap_or_else(|| PathBuf::from(SONAME)),
+                                detail: e.to_string(),
+                            })?
+                    };
+                )*
+                Ok(Lib { path, $($name,)* _lib: lib })
+            }
+        }
+    };
+}
+
+symbols! {
+    nvshmemx_hostlib_init_attr: unsafe extern "C" fn(c_uint, *mut nvshmemx_init_attr_t) -> c_int;
+    nvshmemx_hostlib_finalize: unsafe extern "C" fn();
+    nvshmemx_init_status: unsafe extern "C" fn() -> c_int;
+    nvshmemx_get_uniqueid: unsafe extern "C" fn(*mut nvshmemx_uniqueid_t) -> c_int;
+    nvshmemx_set_attr_uniqueid_args:
+        unsafe extern "C" fn(c_int, c_int, *const nvshmemx_uniqueid_t, *mut nvshmemx_init_attr_t) -> c_int;
+    nvshmemx_vendor_get_version_info: unsafe extern "C" fn(*mut c_int, *mut c_int, *mut c_int);
+    nvshmem_my_pe: unsafe extern "C" fn() -> c_int;
+    nvshmem_n_pes: unsafe extern "C" fn() -> c_int;
+    nvshmem_malloc: unsafe extern "C" fn(usize) -> *mut c_void;
+    nvshmem_align: unsafe extern "C" fn(usize, usize) -> *mut c_void;
+    nvshmem_free: unsafe extern "C" fn(*mut c_void);
+    nvshmem_ptr: unsafe extern "C" fn(*const c_void, c_int) -> *mut c_void;
+    nvshmemx_getmem_on_stream: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, CUstream);
+    nvshmemx_putmem_signal_on_stream:
+        unsafe extern "C" fn(*mut c_void, *const c_void, usize, *mut u64, u64, c_int, c_int, CUstream);
+    nvshmemx_signal_wait_until_on_stream: unsafe extern "C" fn(*mut u64, c_int, u64, CUstream);
+    nvshmemx_quiet_on_stream: unsafe extern "C" fn(CUstream);
+    nvshmem_quiet: unsafe extern "C" fn();
+    nvshmem_barrier_all: unsafe extern "C" fn();
+    nvshmemx_barrier_all_on_stream: unsafe extern "C" fn(CUstream);
+}
+
+// SAFETY: the table holds plain function pointers into a library that is
+// never unloaded; NVSHMEM's host API is callable from any thread (its
+// thread-safety level is NVSHMEM's business, documented on `safe`).
+unsafe impl Send for Lib {}
+// SAFETY: as above; the table is immutable.
+unsafe impl Sync for Lib {}
+
+static LIB: OnceLock<Result<Lib, Missing>> = OnceLock::new();
+
+/// The symbol table, loaded on first call; the same result afterwards.
+pub fn lib() -> Result<&'static Lib, Missing> {
+    LIB.get_or_init(load).as_ref().map_err(Clone::clone)
+}
+
+/// Whether the NVSHMEM host library and every symbol ODC uses load here.
+pub fn is_present() -> bool {
+    lib().is_ok()
+}
+
+/// Files tried, in order, before the system loader: `$ODC_NVSHMEM_LIB`
+/// (a file or a directory), then `nvidia/nvshmem/lib` in `$VIRTUAL_ENV`
+/// and in the workspace's `.venv` (PyPI `nvidia-nvshmem-cu12`).
+pub fn candidates() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Some(p) = std::env::var_os(NVSHMEM_ENV).filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        out.push(if p.is_dir() { p.join(SONAME) } else { p });
+    }
+    let mut venvs = Vec::new();
+    if let Some(v) = std::env::var_os("VIRTUAL_ENV").filter(|p| !p.is_empty()) {
+        venvs.push(PathBuf::from(v));
+    }
+    if let Some(root) = Path::new(env!("CARGO_MANIFEST_DIR")).parent() {
+        venvs.push(root.join(".venv"));
+    }
+    for venv in venvs {
+        let mut sites: Vec<PathBuf> = std::fs::read_dir(venv.join("lib"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+            .map(|e| {
+                e.path()
+                    .join("site-packages/nvidia/nvshmem/lib")
+                    .join(SONAME)
+            })
+            .collect();
+        sites.sort();
+        for p in sites {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// Where the headers of the library [`candidates`] finds first live
+/// (`…/nvidia/nvshmem/include`), for the layout check.
+pub fn include_dir() -> Option<PathBuf> {
+    candidates()
+        .into_iter()
+        .filter(|p| p.exists())
+        .filter_map(|p| Some(p.parent()?.parent()?.join("include")))
+        .find(|inc| inc.join("nvshmem_host.h").exists())
+}
+
+fn load() -> Result<Lib, Missing> {
+    let mut tried = Vec::new();
+    for candidate in candidates() {
+        if !candidate.exists() {
+            tried.push(format!("{} (absent)", candidate.display()));
+            continue;
+        }
+        // SAFETY: opening runs the library's initializers, which only set
+        // up its own state (no device is touched before init).
+        match unsafe { libloading::Library::new(&candidate) } {
+            Ok(lib) => return Lib::resolve(lib, Some(candidate)),
+            Err(e) => tried.push(format!("{} ({e})", candidate.display())),
+        }
+    }
+    // SAFETY: as above, through the system loader's search path.
+    match unsafe { libloading::Library::new(SONAME) } {
+        Ok(lib) => Lib::resolve(lib, None),
+        Err(e) => {
+            tried.push(format!("system loader ({e})"));
+            Err(Missing::NvshmemLibrary { tried })
+        }
+    }
+}

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Builds and runs ODC's GPU tests where a GPU is present.
+#   scripts/gpu-check.sh                 on a machine without a GPU: says so, exits 0
+#   scripts/gpu-check.sh --require-gpu   ... exits 1 instead
+# With a GPU it runs the odc-kernels and odc-core tests with ODC_REQUIRE_GPU=1
+# (a GPU test that cannot find its device fails instead of skipping) and
+# ODC_REQUIRE_NVRTC=1 / ODC_REQUIRE_NVSHMEM=1 (the wheels `make setup` installs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+require=0
+for arg in "$@"; do
+    case "$arg" in
+        --require-gpu) require=1 ;;
+        -h | --help) sed -n '2,7p' "$0"; exit 0 ;;
+        *) echo "gpu-check: unknown argument $arg" >&2; exit 2 ;;
+    esac
+done
+
+log() { printf '[gpu-check] %s\n' "$*"; }
+
+# The driver library is what every GPU test needs first; nvidia-smi is a
+# convenience for the report, not a requirement.
+have_driver() {
+    ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1' && return 0
+    local d
+    for d in ${LD_LIBRARY_PATH:+${LD_LIBRARY_PATH//:/ }} /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/local/nvidia/lib64 /usr/lib/wsl/lib; do
+        [ -e "$d/libcuda.so.1" ] && return 0
+    done
+    return 1
+}
+if ! have_driver; then
+    log "no GPU here: no CUDA driver library (libcuda.so.1) on this machine; GPU tests not run"
+    log "(the CPU-side GPU checks - NVRTC compiles, NVSHMEM symbols and layouts - run under 'make test')"
+    exit $((require))
+fi
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv,noheader | sed 's/^/[gpu-check] GPU: /'
+fi
+
+export ODC_REQUIRE_GPU=1 ODC_REQUIRE_NVRTC=1 ODC_REQUIRE_NVSHMEM=1
+log "running: cargo test -p odc-kernels -p odc-core (GPU tests required to find a device)"
+out=$(mktemp)
+trap 'rm -f "$out"' EXIT
+set +e
+cargo test -p odc-kernels -p odc-core -- --nocapture 2>&1 | tee "$out"
+status=${PIPESTATUS[0]}
+set -e
+log "GPU tests that ran:"
+grep -E '^test (accumulate_matches|cast_matches|bad_device_buffers|kernels_without_a_device|probe_|every_symbol|repr_c_types|gpu::)' "$out" | sed 's/^/[gpu-check]   /' || true
+if grep -q '^SKIPPED' "$out"; then
+    log "skipped:"
+    grep '^SKIPPED' "$out" | sed 's/^/[gpu-check]   /'
+fi
+if [ "$status" -ne 0 ]; then
+    log "FAILED (cargo test exit $status)"
+else
+    log "ok"
+fi
+exit "$status"
