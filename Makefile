@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: help setup demo test lint fmt cargo-test pytest bench clean
+.PHONY: help setup demo test lint fmt cargo-test loom pytest bench clean
 
 help:
 	@echo "make setup | demo | test | lint | bench | clean"
@@ -33,10 +33,14 @@ lint:
 cargo-test:
 	$(CARGO) test --workspace --locked
 
+# The loom model of the landing-slot / signal / acknowledge protocol.
+loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p odc-core --release --locked --lib loom
+
 pytest:
 	$(PY) -m pytest odc-py/tests
 
-test: setup lint cargo-test pytest
+test: setup lint cargo-test loom pytest
 
 fmt:
 	$(CARGO) fmt --all

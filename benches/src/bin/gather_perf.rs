@@ -14,8 +14,8 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    decode, encode, make_in_place, make_row, memcpy_gbps, pattern, perf_main, print_row, timed,
-    PerfArgs, RankCtx, Row,
+    concurrent_ceiling, decode, encode, make_in_place, make_row, memcpy_gbps, pattern, perf_main,
+    print_row, timed, PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -70,8 +70,13 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         })?;
         page.report(rank, mean, count_wrong(args, &layout, &out));
         page.barrier()?;
+        let in_place = (rank == 0).then(|| make_in_place(args, size, &page));
+        page.barrier()?;
+        let moved = (size as usize) * (args.ranks - 1) / args.ranks;
+        let ceiling = concurrent_ceiling(&page, rank, args.iters, moved.max(4), false)?;
         if let Some(mut row) = row {
-            row.in_place = Some(make_in_place(args, size, &page));
+            row.in_place = in_place;
+            row.ceiling_busbw = ceiling;
             print_row(&row);
             rows.push(row);
         }

@@ -13,7 +13,8 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    encode, make_row, memcpy_add_gbps, pattern, perf_main, print_row, timed, PerfArgs, RankCtx, Row,
+    concurrent_ceiling, encode, make_row, memcpy_add_gbps, pattern, perf_main, print_row, timed,
+    PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -65,9 +66,13 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         }
         page.report(rank, mean, wrong);
         page.barrier()?;
-        if rank == 0 {
-            let moved = (size as usize) * (args.ranks - 1) / args.ranks;
-            let row = make_row(args, size, "sum", &page, memcpy_add_gbps(moved.max(4)));
+        let moved = (size as usize) * (args.ranks - 1) / args.ranks;
+        let row =
+            (rank == 0).then(|| make_row(args, size, "sum", &page, memcpy_add_gbps(moved.max(4))));
+        page.barrier()?;
+        let ceiling = concurrent_ceiling(&page, rank, args.iters, moved.max(4), true)?;
+        if let Some(mut row) = row {
+            row.ceiling_busbw = ceiling;
             print_row(&row);
             rows.push(row);
         }
