@@ -81,6 +81,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod dtype;
 mod error;
+pub mod wheels;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result, Unavailable};

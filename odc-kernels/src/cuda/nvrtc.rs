@@ -10,7 +10,7 @@
 //! system loader.
 
 use std::ffi::{c_char, c_int, CStr, CString};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use cudarc::nvrtc::{result, sys};
@@ -55,44 +55,10 @@ pub fn is_present() -> bool {
     nvrtc().is_ok()
 }
 
-/// Every file this process would try, in order, before the system loader.
+/// Every file this process would try, in order, before the system loader
+/// (see [`crate::wheels::candidates`]).
 pub fn candidates() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Some(p) = std::env::var_os(NVRTC_ENV).filter(|p| !p.is_empty()) {
-        let p = PathBuf::from(p);
-        out.push(if p.is_dir() { p.join(SONAME) } else { p });
-    }
-    let mut venvs = Vec::new();
-    if let Some(v) = std::env::var_os("VIRTUAL_ENV").filter(|p| !p.is_empty()) {
-        venvs.push(PathBuf::from(v));
-    }
-    // The workspace this crate was built in (`make setup` puts .venv there).
-    if let Some(root) = Path::new(env!("CARGO_MANIFEST_DIR")).parent() {
-        venvs.push(root.join(".venv"));
-    }
-    for venv in venvs {
-        for site in site_packages(&venv) {
-            let p = site.join("nvidia/cuda_nvrtc/lib").join(SONAME);
-            if !out.contains(&p) {
-                out.push(p);
-            }
-        }
-    }
-    out
-}
-
-/// `venv/lib/python3.*/site-packages`, sorted for a stable order.
-fn site_packages(venv: &Path) -> Vec<PathBuf> {
-    let mut found: Vec<PathBuf> = std::fs::read_dir(venv.join("lib"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-        .map(|e| e.path().join("site-packages"))
-        .filter(|p| p.is_dir())
-        .collect();
-    found.sort();
-    found
+    crate::wheels::candidates(NVRTC_ENV, "nvidia/cuda_nvrtc/lib", SONAME)
 }
 
 fn load() -> std::result::Result<Loaded, Unavailable> {

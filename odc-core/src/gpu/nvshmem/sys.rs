@@ -16,7 +16,7 @@
 #![allow(non_camel_case_types)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use crate::gpu::Missing;
@@ -237,38 +237,7 @@ pub fn is_present() -> bool {
 /// (a file or a directory), then `nvidia/nvshmem/lib` in `$VIRTUAL_ENV`
 /// and in the workspace's `.venv` (PyPI `nvidia-nvshmem-cu12`).
 pub fn candidates() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Some(p) = std::env::var_os(NVSHMEM_ENV).filter(|p| !p.is_empty()) {
-        let p = PathBuf::from(p);
-        out.push(if p.is_dir() { p.join(SONAME) } else { p });
-    }
-    let mut venvs = Vec::new();
-    if let Some(v) = std::env::var_os("VIRTUAL_ENV").filter(|p| !p.is_empty()) {
-        venvs.push(PathBuf::from(v));
-    }
-    if let Some(root) = Path::new(env!("CARGO_MANIFEST_DIR")).parent() {
-        venvs.push(root.join(".venv"));
-    }
-    for venv in venvs {
-        let mut sites: Vec<PathBuf> = std::fs::read_dir(venv.join("lib"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
-            .map(|e| {
-                e.path()
-                    .join("site-packages/nvidia/nvshmem/lib")
-                    .join(SONAME)
-            })
-            .collect();
-        sites.sort();
-        for p in sites {
-            if !out.contains(&p) {
-                out.push(p);
-            }
-        }
-    }
-    out
+    odc_kernels::wheels::candidates(NVSHMEM_ENV, "nvidia/nvshmem/lib", SONAME)
 }
 
 /// Where the headers of the library [`candidates`] finds first live
