@@ -18,13 +18,17 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
-	@$(CARGO) build --release -q -p odc-packing --bin odc-pack
-	@echo "== odc-pack: LongAlign-like lengths (lognormal median 10000, sigma 1.0, max 65536), 8 ranks =="
-	@for m in 1 2 4 8; do \
-	  echo; echo "-- minibatch size $$m --"; \
-	  target/release/odc-pack --synthetic lognormal:n=4096,median=10000,sigma=1.0,max=65536,seed=0 \
-	    --world 8 --minibatch-size $$m --max-tokens 65536 --cost quadratic --compare || exit 1; \
-	done
+	@echo "== odc-pack: predicted bubbles, LongAlign-like lengths (lognormal median 10000, sigma 1.0, max 65536), 8 ranks, minibatch size 8 =="
+	@$(VENV)/bin/odc-pack --synthetic lognormal:n=4096,median=10000,sigma=1.0,max=65536,seed=0 \
+	    --world 8 --minibatch-size 8 --max-tokens 65536 --cost quadratic --compare
+	@echo
+	@echo "== odc-bench primitives: gloo collectives vs ODC, 2 ranks =="
+	@$(PY) -m odc.bench primitives -g 2 -b 64K -e 16M -f 4 -n 10 -w 2 --in-place --plot out/primitives.png
+	@echo
+	@echo "== odc-bench imbalance: 4 ranks, EMULATED compute, measured vs predicted speedup =="
+	@$(PY) -m odc.bench imbalance --world 4 --sweep minibatch-size=1,2,4,8 --run-seconds 4 --minibatches 4 --plot out/imbalance.png
+	@echo
+	@echo "plots: out/primitives.png out/imbalance.png"
 
 lint:
 	$(CARGO) fmt --all --check

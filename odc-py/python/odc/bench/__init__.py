@@ -1,0 +1,460 @@
+"""``odc-bench``: the collective-versus-ODC microbenchmark and the imbalance benchmark.
+
+Subcommands:
+
+- ``primitives`` — torch.distributed all-gather / reduce-scatter (gloo on
+  CPU, nccl on GPU) against ODC gather / scatter-accumulate, nccl-tests
+  style (``-g -b -e -f -n -w -d -c``), with the ODC/collective busbw ratio
+  of every row (:mod:`odc.bench.primitives`).
+- ``imbalance`` — an FSDP-shaped training loop with emulated compute over
+  packed sequence lengths: Collective + LB-Micro / LocalSort against ODC +
+  LB-Micro / LB-Mini / LocalSort, measured speedups beside the packer's
+  predictions (:mod:`odc.bench.imbalance`).
+
+Both launch their own local ranks (spawned processes sharing a TCPStore),
+or run as one rank of a torchrun job when ``RANK``, ``WORLD_SIZE`` and
+``MASTER_ADDR`` are set. Tables go to stdout, ``--json FILE`` writes the
+results, ``--plot FILE.png`` draws them (needs matplotlib).
+
+Exit status: 0 ok, 1 a run failed or a result was wrong, 2 bad arguments.
+
+Example::
+
+    odc-bench primitives -g 2 -b 64K -e 64M -f 4 --json prim.json --plot prim.png
+    odc-bench imbalance --world 4 --sweep minibatch-size=1,2,4,8 --run-seconds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+from typing import Any, Sequence
+
+from .report import UsageError
+
+__all__ = ["main"]
+
+DEFAULT_SYNTHETIC = "lognormal:n=4096,median=10000,sigma=1.0,max=65536,seed=0"
+SWEEPS = ("minibatch-size", "max-length", "packing-ratio", "world")
+DTYPES = ("f32", "bf16", "f16")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _positive(kind: type, flag: str):
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: not a {kind.__name__}") from None
+        if not v > 0 or (isinstance(v, float) and math.isinf(v)):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: must be positive")
+        return v
+
+    return parse
+
+
+def _size(flag: str):
+    def parse(text: str) -> int:
+        from .report import parse_size
+
+        try:
+            return parse_size(text, flag)
+        except UsageError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+def _build_parser() -> _Parser:
+    p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).")
+    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance}", parser_class=_Parser)
+
+    pr = sub.add_parser("primitives", help="all-gather / reduce-scatter against ODC gather / scatter-accumulate",
+                        description="nccl-tests-style sweep: collective baseline against ODC, same run.")
+    pr.add_argument("-g", "--ranks", default="2", help="world sizes to run, comma-separated (default 2)")
+    pr.add_argument("-b", "--minbytes", type=_size("-b"), default=64 << 10, help="smallest size (default 64K)")
+    pr.add_argument("-e", "--maxbytes", type=_size("-e"), default=64 << 20, help="largest size (default 64M)")
+    pr.add_argument("-f", "--stepfactor", type=_positive(int, "-f"), default=4, help="size factor (default 4)")
+    pr.add_argument("-n", "--iters", type=_positive(int, "-n"), default=20, help="timed iterations (default 20)")
+    pr.add_argument("-w", "--warmup_iters", type=int, default=5, help="warm-up iterations (default 5)")
+    pr.add_argument("-d", "--datatype", default="f32", help="f32, bf16, f16, a comma list, or all (default f32)")
+    pr.add_argument("-c", "--check", type=int, default=1, choices=(0, 1), help="check results (default 1)")
+    pr.add_argument("--in-place", action="store_true",
+                    help="also time in-place all-gather (own shard already in the output; ODC gather skip_own)")
+    pr.add_argument("--backend", default="auto", help="collective baseline: auto (nccl if CUDA, else gloo), gloo, nccl")
+    pr.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None, help="ODC push chunk (default: engine's)")
+    _common(pr)
+
+    im = sub.add_parser("imbalance", help="FSDP-shaped loop with emulated compute: collectives against ODC",
+                        description="Measured speedup of ODC and packing strategies against the packer's prediction. "
+                                    "Compute is EMULATED (sleep proportional to the cost model); communication is real.")
+    src = im.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="sequence lengths: one integer per line, or a JSON array")
+    src.add_argument("--synthetic", metavar="SPEC", help=f"synthetic lengths, as odc-pack (default {DEFAULT_SYNTHETIC})")
+    im.add_argument("--world", type=_positive(int, "--world"), default=4, help="ranks D (default 4)")
+    im.add_argument("--minibatch-size", type=_positive(int, "--minibatch-size"), default=4,
+                    help="samples per rank per minibatch M (default 4)")
+    im.add_argument("--max-tokens", type=_positive(int, "--max-tokens"), default=65536,
+                    help="token budget of a microbatch (default 65536)")
+    im.add_argument("--cost", default="quadratic", help="cost model, as odc-pack (default quadratic)")
+    im.add_argument("--minibatches", type=_positive(int, "--minibatches"), default=4,
+                    help="minibatches run (default 4)")
+    im.add_argument("--layers", type=_positive(int, "--layers"), default=2, help="layers L (default 2)")
+    im.add_argument("--layer-bytes", type=_size("--layer-bytes"), default=256 << 10,
+                    help="f32 parameter bytes of one layer (default 256K)")
+    scale = im.add_mutually_exclusive_group()
+    scale.add_argument("--compute-scale", type=_positive(float, "--compute-scale"), default=None,
+                       help="emulated seconds of one layer's forward per unit cost (backward: 2x; default 0.002)")
+    scale.add_argument("--run-seconds", type=_positive(float, "--run-seconds"), default=None,
+                       help="instead: pick the scale so Collective + LB-Micro computes this long (per sweep point)")
+    im.add_argument("--configs", default=",".join(c[0] for c in _configs()),
+                    help="configurations, comma-separated (the baseline collective+lb-micro always runs)")
+    im.add_argument("--repeats", type=_positive(int, "--repeats"), default=1, help="runs per configuration (median)")
+    im.add_argument("--seed", type=int, default=0, help="plan seed (default 0)")
+    im.add_argument("--sweep", metavar="NAME=V1,V2,..", help=f"sweep one of: {', '.join(SWEEPS)}")
+    im.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="FSDP-style overlap: prefetch the next layer's gather, wait for pushes per microbatch "
+                         "(auto: collectives overlap, ODC calls run inline)")
+    im.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None, help="ODC push chunk (default: engine's)")
+    _common(im)
+    return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the results (needs matplotlib)")
+    p.add_argument("--timeout", type=_positive(float, "--timeout"), default=300.0,
+                   help="seconds any wait on a peer may take (default 300)")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress line on stderr (auto: when stderr is a terminal)")
+
+
+def _configs() -> tuple:
+    from .imbalance import CONFIGS
+
+    return CONFIGS
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    for flag in ("json", "plot"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--{flag} {path}: folder {folder} does not exist")
+    if args.plot is not None:
+        from .report import require_matplotlib
+
+        require_matplotlib()
+
+
+def _progress_flag(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[args.progress]
+
+
+def _title(kind: str) -> str:
+    from .report import load_average
+
+    return f"odc-bench {kind} on {socket.gethostname()}, load average {load_average()}"
+
+
+# -- primitives --------------------------------------------------------------------------------------
+
+
+def _primitives(args: argparse.Namespace) -> int:
+    from . import launch, primitives
+    from .report import Progress, write_json
+
+    worlds = []
+    for part in str(args.ranks).split(","):
+        try:
+            g = int(part)
+        except ValueError:
+            raise UsageError(f"-g {args.ranks!r}: not a list of integers") from None
+        if g < 2:
+            raise UsageError(f"-g {g}: need at least 2 ranks")
+        worlds.append(g)
+    if args.minbytes > args.maxbytes:
+        raise UsageError(f"-b {args.minbytes} -e {args.maxbytes}: need minbytes <= maxbytes")
+    if args.stepfactor < 2:
+        raise UsageError(f"-f {args.stepfactor}: the step factor must be at least 2")
+    if args.warmup_iters < 0:
+        raise UsageError(f"-w {args.warmup_iters}: must not be negative")
+    dtypes = list(DTYPES) if args.datatype == "all" else args.datatype.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            raise UsageError(f"-d {d!r}: unknown type (use f32, bf16, f16 or all)")
+    backend = _collective_backend(args.backend, max(worlds))
+    _check_outputs(args)
+    if launch.under_torchrun():
+        worlds = [int(os.environ["WORLD_SIZE"])]
+    leader = int(os.environ.get("RANK", "0")) == 0
+
+    header = [_title("primitives"),
+              f"collective baseline: {backend}; ODC: odc.Engine (shm); {args.warmup_iters} warm-up + {args.iters} "
+              f"timed iterations, each between two barriers; check={args.check}; GB = 1e9 B, "
+              f"busbw = algbw * (n-1)/n"]
+    all_rows: list[dict] = []
+    for world in worlds:
+        steps = (3 if args.in_place else 2) * sum(len(primitives.sweep(args.minbytes, args.maxbytes, args.stepfactor, d, world)) for d in dtypes)
+        bar = Progress(steps, f"primitives {world} ranks", _progress_flag(args))
+        rows = launch.run_ranks(
+            primitives.primitives_rank, world, backend=backend,
+            on_event=lambda kind, payload: bar.step(f"{payload['op']} {payload['size']}") if kind == "row" else None,
+            dtypes=dtypes, min_bytes=args.minbytes, max_bytes=args.maxbytes, factor=args.stepfactor,
+            iters=args.iters, warmup=args.warmup_iters, check=bool(args.check), timeout=args.timeout,
+            chunk_bytes=args.chunk_bytes, in_place=args.in_place)
+        bar.close()
+        if not leader:
+            continue
+        all_rows.extend(rows)
+        print(primitives.render(rows, header if world == worlds[0] else []))
+        print(flush=True)
+    if not leader:
+        return 0
+    doc = {"bench": "primitives", "backend": backend, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+           "args": {"ranks": worlds, "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
+                    "iters": args.iters, "warmup_iters": args.warmup_iters, "datatypes": dtypes, "check": args.check,
+                    "in_place": args.in_place},
+           "rows": all_rows}
+    if args.json:
+        write_json(args.json, doc)
+    if args.plot:
+        primitives.plot(all_rows, args.plot, f"odc-bench primitives ({backend} vs odc), busbw")
+    wrong = sum(r["collective"]["wrong"] + r["odc"]["wrong"] for r in all_rows)
+    if wrong:
+        print(f"odc-bench: error: {wrong} wrong elements (see #wrong)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _collective_backend(choice: str, world: int) -> str:
+    if choice not in ("auto", "gloo", "nccl"):
+        raise UsageError(f"--backend {choice!r}: use auto, gloo or nccl")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "auto":
+        return "nccl" if gpus >= world else "gloo"
+    if choice == "nccl" and gpus == 0:
+        raise UsageError("--backend nccl: no CUDA device is available")
+    return choice
+
+
+# -- imbalance ---------------------------------------------------------------------------------------
+
+
+def _read_lengths(path: str) -> list[int]:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise UsageError(f"--lengths {path}: no such file") from None
+    except OSError as e:
+        raise UsageError(f"--lengths {path}: {e.strerror}") from None
+    try:
+        values = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
+    except ValueError:
+        raise UsageError(f"--lengths {path}: expected one integer per line or a JSON array") from None
+    if not values:
+        raise UsageError(f"--lengths {path}: the file holds no lengths")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise UsageError(f"--lengths {path}: entry {i} is {v!r}; lengths must be positive integers")
+    return values
+
+
+def _with_max(spec: str, max_length: int) -> str:
+    head, _, params = spec.partition(":")
+    kept = [p for p in params.split(",") if p and not p.strip().startswith("max=")]
+    return f"{head}:{','.join([*kept, f'max={max_length}'])}"
+
+
+def _spec_max(spec: str) -> int:
+    for p in spec.partition(":")[2].split(","):
+        if p.strip().startswith("max="):
+            return int(float(p.split("=", 1)[1]))
+    return 65536
+
+
+def _imbalance(args: argparse.Namespace) -> int:
+    from odc import packing
+    from odc.errors import PackingError
+
+    from . import imbalance, launch
+    from .report import Progress, write_json
+
+    if args.world < 2:
+        raise UsageError(f"--world {args.world}: need at least 2 ranks")
+    try:
+        packing.sequence_cost(1, args.cost)
+    except PackingError as e:
+        raise UsageError(f"--cost {args.cost!r}: {e}") from None
+    names = [c[0] for c in imbalance.CONFIGS]
+    chosen = []
+    for c in args.configs.split(","):
+        c = c.strip().lower().replace(" ", "")
+        if c not in names:
+            raise UsageError(f"--configs {c!r}: unknown configuration (choose from {', '.join(names)})")
+        chosen.append(c)
+    configs = tuple(cfg for cfg in imbalance.CONFIGS if cfg[0] == imbalance.BASELINE or cfg[0] in chosen)
+    if args.lengths is not None:
+        base_lengths = _read_lengths(args.lengths)
+        spec = None
+    else:
+        spec = args.synthetic or DEFAULT_SYNTHETIC
+        try:
+            base_lengths = packing.synthetic(spec)
+        except PackingError as e:
+            raise UsageError(f"--synthetic {spec!r}: {e}") from None
+    sweep_name, sweep_values = None, [None]
+    if args.sweep:
+        sweep_name, _, raw = args.sweep.partition("=")
+        sweep_name = sweep_name.strip()
+        if sweep_name not in SWEEPS:
+            raise UsageError(f"--sweep {sweep_name!r}: unknown parameter (choose from {', '.join(SWEEPS)})")
+        if sweep_name == "max-length" and spec is None:
+            raise UsageError("--sweep max-length: needs --synthetic lengths (it sets the distribution's max)")
+        kind = float if sweep_name == "packing-ratio" else int
+        sweep_values = []
+        for v in raw.split(","):
+            try:
+                x = kind(v)
+            except ValueError:
+                raise UsageError(f"--sweep {sweep_name}={v!r}: not a {kind.__name__}") from None
+            if not x > 0 or (sweep_name == "world" and x < 2):
+                need = "at least 2" if sweep_name == "world" else "positive"
+                raise UsageError(f"--sweep {sweep_name}={v}: must be {need}")
+            sweep_values.append(x)
+    _check_outputs(args)
+    settings = imbalance.Settings(layers=args.layers, layer_bytes=args.layer_bytes, cost=args.cost,
+                                  minibatches=args.minibatches, repeats=args.repeats, seed=args.seed, configs=configs)
+    scale = args.compute_scale if (args.compute_scale or args.run_seconds) else 0.002
+    base_max = _spec_max(spec) if spec else max(base_lengths)
+    points = []
+    for v in sweep_values:
+        world, mbs, max_tokens, lengths = args.world, args.minibatch_size, args.max_tokens, base_lengths
+        if sweep_name == "minibatch-size":
+            mbs = v
+        elif sweep_name == "world":
+            world = v
+        elif sweep_name == "max-length":
+            lengths = packing.synthetic(_with_max(spec, v))
+            max_tokens = max(1, round(args.max_tokens / base_max * v))
+        elif sweep_name == "packing-ratio":
+            max_tokens = max(1, round(v * base_max))
+        if launch.under_torchrun():
+            world = int(os.environ["WORLD_SIZE"])
+        try:
+            points.append(imbalance.build_point(lengths, world=world, minibatch_size=mbs, max_tokens=max_tokens,
+                                                settings=settings, compute_scale=scale, run_seconds=args.run_seconds,
+                                                label=v))
+        except PackingError as e:
+            what = f" ({sweep_name}={v})" if sweep_name else ""
+            raise UsageError(f"planning failed{what}: {e}") from None
+    leader = int(os.environ.get("RANK", "0")) == 0
+    results: list[dict] = []
+    worlds = list(dict.fromkeys(p["world"] for p in points))
+    for world in worlds:
+        mine = [p for p in points if p["world"] == world]
+        total = sum(p["num_minibatches"] * len(p["configs"]) for p in mine) * args.repeats
+        bar = Progress(total, f"imbalance {world} ranks", _progress_flag(args))
+        out = launch.run_ranks(
+            imbalance.imbalance_rank, world, backend="gloo",
+            on_event=lambda kind, note: bar.step(note) if kind == "progress" else None,
+            points=mine, layers=args.layers, layer_bytes=args.layer_bytes, repeats=args.repeats,
+            timeout=args.timeout, chunk_bytes=args.chunk_bytes, overlap=args.overlap)
+        bar.close()
+        if leader:
+            index = [i for i, p in enumerate(points) if p["world"] == world]
+            results.extend({**r, "point": index[r["point"]]} for r in out)
+    if not leader:
+        return 0
+    rows = imbalance.summarize(points, results, settings)
+    src = f"--lengths {args.lengths}" if spec is None else f"--synthetic {spec}"
+    scales = sorted({p["compute_scale"] for p in points})
+    scale_txt = (f"{scales[0]:.3g}" if len(scales) == 1 else f"{scales[0]:.3g}..{scales[-1]:.3g}")
+    fixed = [] if sweep_name == "world" else [f"{points[0]['world']} ranks"]
+    if sweep_name != "minibatch-size":
+        fixed.append(f"minibatch size {points[0]['minibatch_size']}")
+    max_tokens = "swept" if sweep_name in ("max-length", "packing-ratio") else points[0]["max_tokens"]
+    title = [
+        _title("imbalance"),
+        f"{', '.join(fixed)}; {args.layers} layers x {args.layer_bytes} B f32; {src}; cost {args.cost}; "
+        f"{args.minibatches} minibatches; max tokens {max_tokens}",
+        f"EMULATED COMPUTE (sleep): {scale_txt} s per unit cost per layer forward, backward 2x; "
+        f"real communication (gloo collectives / odc.Engine); median of {args.repeats} run(s)",
+        f"bubble = 1 - compute / (D * time) measured | predicted by odc.packing; speedup vs {imbalance.BASELINE}; "
+        f"error = measured / predicted - 1",
+    ]
+    print(imbalance.render(rows, title, sweep_name), flush=True)
+    if args.json:
+        doc = {"bench": "imbalance", "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+               "emulated_compute": True,
+               "args": {"world": args.world, "layers": args.layers, "layer_bytes": args.layer_bytes, "lengths": args.lengths,
+                        "synthetic": spec, "minibatch_size": args.minibatch_size, "max_tokens": args.max_tokens,
+                        "cost": args.cost, "minibatches": args.minibatches, "compute_scale": args.compute_scale,
+                        "run_seconds": args.run_seconds, "repeats": args.repeats, "seed": args.seed,
+                        "sweep": args.sweep},
+               "rows": rows}
+        write_json(args.json, doc)
+    if args.plot:
+        from .report import format_size
+
+        where = f"{points[0]['world']} ranks, " if sweep_name != "world" else ""
+        short = (f"odc-bench imbalance: {where}{args.layers} layers x {format_size(args.layer_bytes)} f32, "
+                 f"cost {args.cost}, {args.minibatches} minibatches\n"
+                 f"EMULATED compute (sleep), real communication; measured vs predicted (odc.packing)")
+        imbalance.plot(rows, args.plot, short, sweep_name)
+    wrong = sum(r["wrong"] for r in rows)
+    if wrong:
+        print(f"odc-bench: error: {wrong} wrong results (see #wrong)", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- entry point -------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``odc-bench`` command line; returns (or, from the console script, exits with) its status."""
+    code = _main(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        raise SystemExit(code)
+    return code
+
+
+def _main(argv: list[str]) -> int:
+    from .launch import BenchError
+
+    parser = _build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            raise UsageError("missing subcommand: choose primitives or imbalance")
+        if args.command == "primitives":
+            return _primitives(args)
+        return _imbalance(args)
+    except UsageError as e:
+        print(f"odc-bench: error: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:  # -h / --help
+        return int(e.code or 0)
+    except BenchError as e:
+        print(f"odc-bench: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("odc-bench: interrupted", file=sys.stderr)
+        return 130

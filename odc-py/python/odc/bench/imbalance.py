@@ -1,0 +1,501 @@
+"""``odc-bench imbalance``: an FSDP-shaped training loop under sequence-length imbalance.
+
+A model of ``L`` layers, each one bucket of ``layer_bytes`` f32 parameters
+sharded over the world. Per microbatch of cost ``C`` (the packer's cost
+model), on every layer: forward = gather the layer's parameters, then
+**emulated compute** of ``scale · C`` seconds; backward = gather again,
+emulated compute of ``2 · scale · C``, push the layer's gradients. Compute
+is a sleep (the host has few cores; what is measured is how ranks wait for
+each other), with each sleep's overshoot carried into the next so a rank's
+total emulated compute matches what it asked for. Communication is real.
+
+Overlap (``--overlap``): as FSDP does, the next layer's gather can be
+issued before this layer's compute and gradient pushes waited for only at
+the end of the microbatch (collectives: async gloo work; ODC: one
+communication thread — the engine's calls release the GIL). The default,
+``auto``, overlaps the collectives and runs ODC's calls inline: an ODC
+gather of a layer takes tens of microseconds, less than the thread
+hand-off that would hide it on an oversubscribed host.
+
+- **collective**: ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` per
+  layer per microbatch step; every rank runs the minibatch's largest
+  microbatch count, a rank without a microbatch at a step runs an empty
+  step (the collectives, zero compute) — the collective bubble.
+- **odc**: each rank runs its own microbatches with ``Engine.gather`` /
+  ``Engine.scatter_accumulate``, then ``finish_minibatch(k)``, an optimizer
+  step on its own shards, ``zero_grad`` and ``publish`` of version ``k+1``
+  (which waits for every reader's release of ``k``: the causal edge).
+
+Checks (exact, integer-valued data): a gradient of sample ``i`` is
+``w(i) · pattern`` with ``w(i) = i mod 7 + 1``, so the owner's accumulated
+shard after minibatch ``k`` must equal ``W_k · pattern`` (``W_k`` summed over
+the minibatch's samples) whatever the plan; the step adds ``grad / W_k`` =
+``pattern`` to the parameters, so version ``j`` of a layer is
+``init + j · pattern`` — checked on every gather (checksum) and on the
+final shards.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .report import fmt, table
+
+__all__ = ["CONFIGS", "build_points", "imbalance_rank", "summarize", "render", "plot"]
+
+# (name, mode, strategy); the first is the baseline of every speedup.
+CONFIGS = (
+    ("collective+lb-micro", "collective", "lb-micro"),
+    ("collective+local-sort", "collective", "local-sort"),
+    ("odc+lb-micro", "odc", "lb-micro"),
+    ("odc+lb-mini", "odc", "lb-mini"),
+    ("odc+local-sort", "odc", "local-sort"),
+)
+BASELINE = CONFIGS[0][0]
+
+
+def sample_weight(i: int) -> int:
+    """Integer gradient weight of sample ``i`` (exact in f32 sums)."""
+    return i % 7 + 1
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What does not change over a sweep (the model and the run shape)."""
+
+    layers: int
+    layer_bytes: int
+    cost: str
+    minibatches: int
+    repeats: int
+    seed: int
+    configs: tuple
+
+
+def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_tokens: int, settings: Settings,
+                compute_scale: float | None, run_seconds: float | None, label: Any = None) -> dict:
+    """Plans one benchmark point: every configuration's per-rank microbatches, predictions and the compute scale.
+
+    The lengths are cut to ``minibatches · minibatch_size · world`` samples
+    first, so each prediction covers exactly the minibatches that run.
+    """
+    from odc import packing
+
+    n = settings.minibatches * minibatch_size * world
+    lengths = list(lengths[:n])
+    costs = [packing.sequence_cost(s, settings.cost) for s in lengths]
+    plans = {}
+    configs = {}
+    for name, mode, strategy in settings.configs:
+        if strategy not in plans:
+            plans[strategy] = packing.plan(lengths, world, minibatch_size, strategy, max_tokens, settings.cost,
+                                           settings.seed)
+        p = plans[strategy]
+        per_rank = [[[(sum(costs[i] for i in mb), sum(sample_weight(i) for i in mb)) for mb in minibatch]
+                     for minibatch in p.rank(r)] for r in range(world)]
+        steps = [max(len(per_rank[r][k]) for r in range(world)) for k in range(p.num_minibatches)]
+        weights = [sum(w for r in range(world) for _, w in per_rank[r][k]) for k in range(p.num_minibatches)]
+        # Emulated-compute time of the plan in cost units (one unit = one layer's forward at scale 1).
+        if mode == "collective":
+            units = sum(sum(max((per_rank[r][k][s][0] if s < len(per_rank[r][k]) else 0.0) for r in range(world))
+                            for s in range(steps[k])) for k in range(p.num_minibatches))
+        else:
+            units = sum(max(sum(c for c, _ in per_rank[r][k]) for r in range(world)) for k in range(p.num_minibatches))
+        configs[name] = {
+            "mode": mode,
+            "strategy": strategy,
+            "per_rank": per_rank,
+            "steps": steps,
+            "weights": weights,
+            "bubble_pred": p.bubble_rate(mode),
+            "units": units,
+            "max_microbatches": max(max(len(m) for m in r) for r in per_rank),
+        }
+    base = configs[BASELINE]
+    for c in configs.values():
+        c["speedup_pred"] = _ratio(1.0 - c["bubble_pred"], 1.0 - base["bubble_pred"])
+    if run_seconds is not None:
+        compute_scale = run_seconds / (3 * settings.layers * base["units"]) if base["units"] > 0 else 0.0
+    return {
+        "label": label,
+        "world": world,
+        "minibatch_size": minibatch_size,
+        "max_tokens": max_tokens,
+        "num_minibatches": plans["lb-micro"].num_minibatches,
+        "samples": len(lengths),
+        "work_units": sum(costs),
+        "compute_scale": compute_scale,
+        "configs": configs,
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+# -- rank side ---------------------------------------------------------------------------------------
+
+
+class EmulatedCompute:
+    """Emulated compute: sleeps, carrying each sleep's overshoot into the next request.
+
+    ``time.sleep`` wakes late (scheduler granularity; more on a loaded host).
+    A rank's total emulated compute stays what it asked for: the late part
+    of one sleep is taken off the next. Waiting for peers is never counted.
+    """
+
+    def __init__(self) -> None:
+        self.owed = 0.0
+        self.requested = 0.0
+
+    def reset(self) -> None:
+        self.owed = 0.0
+        self.requested = 0.0
+
+    def run(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        self.requested += seconds
+        self.owed += seconds
+        if self.owed > 0:
+            t0 = time.perf_counter()
+            time.sleep(self.owed)
+            self.owed -= time.perf_counter() - t0
+
+
+class _Model:
+    """This rank's parameter shards, gradient accumulators (collective mode) and the check patterns."""
+
+    def __init__(self, ctx: Any, layers: int, numel: int, shard_len: int) -> None:
+        import torch
+
+        self.layers, self.numel, self.shard_len, self.world = layers, numel, shard_len, ctx.world
+        padded = shard_len * ctx.world
+        idx = torch.arange(padded)
+        live = (idx < numel).to(torch.float32)
+        self.init = [((idx + l) % 11).to(torch.float32) * live for l in range(layers)]
+        self.pattern = [((idx * 3 + l) % 5 + 1).to(torch.float32) * live for l in range(layers)]
+        lo, hi = ctx.rank * shard_len, (ctx.rank + 1) * shard_len
+        self.init_shard = [t[lo:hi].clone() for t in self.init]
+        self.pattern_shard = [t[lo:hi].clone() for t in self.pattern]
+        self.init_sum = [float(t.sum(dtype=torch.float64)) for t in self.init]
+        self.pattern_sum = [float(t.sum(dtype=torch.float64)) for t in self.pattern]
+        self.params = [t.clone() for t in self.init_shard]
+        self.grads = [torch.zeros(shard_len) for _ in range(layers)]
+        self.buffers = [torch.empty(padded) for _ in range(2)]
+
+    def reset(self) -> None:
+        for p, i in zip(self.params, self.init_shard):
+            p.copy_(i)
+        for g in self.grads:
+            g.zero_()
+
+    def gathered_ok(self, layer: int, buf: Any, j: int) -> bool:
+        import torch
+
+        return float(buf.sum(dtype=torch.float64)) == self.init_sum[layer] + j * self.pattern_sum[layer]
+
+    def step(self, grad_shards: Sequence[Any], weight: int) -> int:
+        """Checks the final gradient shards, then param += grad / W; returns wrong elements."""
+        wrong = 0
+        for l, g in enumerate(grad_shards):
+            wrong += int((g != self.pattern_shard[l] * weight).sum())
+            if weight > 0:
+                self.params[l] += g / weight
+        return wrong
+
+    def final_wrong(self, j: int) -> int:
+        return sum(int((p != i + j * pat).sum()) for p, i, pat in zip(self.params, self.init_shard, self.pattern_shard))
+
+    def checksum(self) -> float:
+        import torch
+
+        return sum(float(p.sum(dtype=torch.float64)) for p in self.params)
+
+
+class _CollectiveComm:
+    def __init__(self, ctx: Any, model: _Model, overlap: bool) -> None:
+        self.ctx, self.model, self.overlap = ctx, model, overlap
+
+    def gather(self, layer: int, buf: Any, version_index: int) -> Any:
+        import torch.distributed as dist
+
+        work = dist.all_gather_into_tensor(buf, self.model.params[layer], group=self.ctx.group, async_op=self.overlap)
+        return work if self.overlap else _DONE
+
+    def push(self, layer: int, grads: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        out = torch.empty(self.model.shard_len)
+        work = dist.reduce_scatter_tensor(out, grads, group=self.ctx.group, async_op=self.overlap)
+        return _Pushed(work if self.overlap else _DONE, lambda: self.model.grads[layer].add_(out))
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+
+
+class _Pushed:
+    def __init__(self, work: Any, then: Any) -> None:
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.then()
+
+
+class _OdcComm:
+    def __init__(self, engine: Any, pool: ThreadPoolExecutor | None) -> None:
+        self.engine, self.pool, self.version = engine, pool, 0
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        if self.pool is None:
+            fn(*args)
+            return _DONE
+        return _Future(self.pool.submit(fn, *args))
+
+    def gather(self, layer: int, buf: Any, version_index: int) -> Any:
+        return self._call(self.engine.gather, layer, self.version, buf)
+
+    def push(self, layer: int, grads: Any) -> Any:
+        return self._call(self.engine.scatter_accumulate, layer, grads, 1.0, 0)
+
+
+class _Future:
+    def __init__(self, fut: Any) -> None:
+        self.fut = fut
+
+    def wait(self) -> None:
+        self.fut.result()
+
+
+def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float, weight: int, scale: float,
+                j: int, stats: dict) -> None:
+    """Forward and backward of one microbatch (cost 0 = an empty collective step)."""
+    layers = model.layers
+    order = [(l, 1.0) for l in range(layers)] + [(l, 2.0) for l in reversed(range(layers))]
+    pending = comm.gather(order[0][0], model.buffers[0], j)
+    pushes = []
+    for p, (layer, factor) in enumerate(order):
+        pending.wait()
+        buf = model.buffers[p % 2]
+        if not model.gathered_ok(layer, buf, j):
+            stats["gather_wrong"] += 1
+        if p + 1 < len(order):  # prefetch the next layer's parameters during this layer's compute
+            pending = comm.gather(order[p + 1][0], model.buffers[(p + 1) % 2], j)
+        compute.run(factor * scale * cost)
+        if factor == 2.0:
+            pushes.append((comm.push(layer, model.pattern[layer] * float(weight))))
+    for w in pushes:
+        w.wait()
+
+
+def _run_config(ctx: Any, cfg: dict, scale: float, model: _Model, engine: Any, pool: ThreadPoolExecutor | None,
+                state: dict, progress: Any) -> dict:
+    mine = cfg["per_rank"][ctx.rank]
+    n = len(cfg["weights"])
+    compute = EmulatedCompute()
+    stats = {"gather_wrong": 0, "grad_wrong": 0}
+    model.reset()
+    if cfg["mode"] == "odc":
+        comm: Any = _OdcComm(engine, pool)
+        base = state["next_version"]
+        for l in range(model.layers):
+            engine.publish(l, model.params[l], base)
+    else:
+        comm = _CollectiveComm(ctx, model, overlap=pool is not None)
+    ctx.barrier()
+    t0 = time.perf_counter()
+    ends = []
+    for k in range(n):
+        if cfg["mode"] == "odc":
+            comm.version = base + k
+            for cost, weight in mine[k]:
+                _microbatch(comm, model, compute, cost, weight, scale, k, stats)
+            engine.finish_minibatch(base + k)
+            grads = [engine.grad_shard(l) for l in range(model.layers)]
+            stats["grad_wrong"] += model.step(grads, cfg["weights"][k])
+            engine.zero_grad()
+            if k + 1 < n:
+                for l in range(model.layers):
+                    engine.publish(l, model.params[l], base + k + 1)
+        else:
+            for s in range(cfg["steps"][k]):
+                cost, weight = mine[k][s] if s < len(mine[k]) else (0.0, 0)
+                _microbatch(comm, model, compute, cost, weight, scale, k, stats)
+            stats["grad_wrong"] += model.step(model.grads, cfg["weights"][k])
+            for g in model.grads:
+                g.zero_()
+        ends.append(time.perf_counter())
+        progress()
+    if cfg["mode"] == "odc":
+        state["next_version"] = base + n
+    return {
+        "t0": t0,
+        "ends": ends,
+        "compute_s": compute.requested,
+        "gather_wrong": stats["gather_wrong"],
+        "grad_wrong": stats["grad_wrong"],
+        "param_wrong": model.final_wrong(n),
+        "checksum": model.checksum(),
+        "expected_checksum": sum(model.init_sum[l] + n * model.pattern_sum[l] for l in range(model.layers)),
+    }
+
+
+def imbalance_rank(ctx: Any, *, points: list[dict], layers: int, layer_bytes: int, repeats: int, timeout: float,
+                   chunk_bytes: int | None, overlap: str = "auto") -> list[dict]:
+    """One rank of ``odc-bench imbalance``: runs every configuration of every point; rank 0 returns the results."""
+    import torch
+
+    import odc
+
+    numel = max(1, layer_bytes // 4)
+    engine = ctx.engine(timeout=timeout, chunk_bytes=chunk_bytes)
+    engine.register([odc.Bucket(f"layer{l}", numel, torch.float32) for l in range(layers)])
+    shard_len = engine.bucket(0)["shard_len"]
+    model = _Model(ctx, layers, numel, shard_len)
+    state = {"next_version": 0}
+    results = []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="odc-comm") as executor:
+        for pi, point in enumerate(points):
+            for name, cfg in point["configs"].items():
+                runs = []
+                for rep in range(repeats):
+                    note = f"{point['label'] if point['label'] is not None else ''} {name} #{rep + 1}".strip()
+                    on = overlap == "on" or (overlap == "auto" and cfg["mode"] == "collective")
+                    per_rank = _run_config(ctx, cfg, point["compute_scale"], model, engine, executor if on else None,
+                                           state,
+                                           lambda: ctx.emit("progress", note))
+                    runs.append(_aggregate(ctx.all_gather_object(per_rank)))
+                results.append({"point": pi, "config": name, "runs": runs})
+    return results
+
+
+def _aggregate(per_rank: list[dict]) -> dict:
+    start = min(r["t0"] for r in per_rank)
+    n = len(per_rank[0]["ends"])
+    ends = [max(r["ends"][k] for r in per_rank) for k in range(n)]
+    prev, per_minibatch = start, []
+    for e in ends:
+        per_minibatch.append(e - prev)
+        prev = e
+    return {
+        "total_s": (ends[-1] - start) if ends else 0.0,
+        "minibatch_s": per_minibatch,
+        "compute_s": [r["compute_s"] for r in per_rank],
+        "gather_wrong": sum(r["gather_wrong"] for r in per_rank),
+        "grad_wrong": sum(r["grad_wrong"] for r in per_rank),
+        "param_wrong": sum(r["param_wrong"] for r in per_rank),
+        "param_checksum": sum(r["checksum"] for r in per_rank),
+        "param_checksum_expected": per_rank[0]["expected_checksum"],
+    }
+
+
+# -- report side -------------------------------------------------------------------------------------
+
+
+def summarize(points: list[dict], results: list[dict], settings: Settings) -> list[dict]:
+    """One row per (point, configuration): measured and predicted bubble and speedup, checks."""
+    rows = []
+    for pi, point in enumerate(points):
+        sel = {r["config"]: r for r in results if r["point"] == pi}
+        med = {name: statistics.median(run["total_s"] for run in r["runs"]) for name, r in sel.items()}
+        for name, cfg in point["configs"].items():
+            runs = sel[name]["runs"]
+            total = med[name]
+            world = point["world"]
+            compute = statistics.median(sum(run["compute_s"]) for run in runs)
+            bubble = 1.0 - compute / (world * total) if total > 0 else float("nan")
+            speedup = _ratio(med[BASELINE], total)
+            wrong = sum(run["gather_wrong"] + run["grad_wrong"] + run["param_wrong"] for run in runs)
+            rows.append({
+                "label": point["label"],
+                "world": world,
+                "minibatch_size": point["minibatch_size"],
+                "max_tokens": point["max_tokens"],
+                "minibatches": point["num_minibatches"],
+                "config": name,
+                "mode": cfg["mode"],
+                "strategy": cfg["strategy"],
+                "max_microbatches": cfg["max_microbatches"],
+                "compute_scale": point["compute_scale"],
+                "time_per_minibatch_s": total / max(1, point["num_minibatches"]),
+                "samples_per_s": point["samples"] / total if total > 0 else float("nan"),
+                "bubble_measured": bubble,
+                "bubble_predicted": cfg["bubble_pred"],
+                "speedup_measured": speedup,
+                "speedup_predicted": cfg["speedup_pred"],
+                "error": speedup / cfg["speedup_pred"] - 1.0 if cfg["speedup_pred"] > 0 else float("nan"),
+                "wrong": wrong,
+                "param_checksum": runs[-1]["param_checksum"],
+                "param_checksum_expected": runs[-1]["param_checksum_expected"],
+                "runs": runs,
+            })
+    return rows
+
+
+def render(rows: list[dict], title: list[str], sweep_name: str | None) -> str:
+    header = ["config", "mb/rank", "t/minibatch(s)", "samples/s", "bubble", "pred", "speedup", "pred", "error",
+              "#wrong"]
+    widths = [22, 7, 14, 9, 7, 7, 8, 7, 7, 6]
+    if sweep_name:
+        header.insert(0, sweep_name)
+        widths.insert(0, max(8, len(sweep_name)))
+    body = []
+    for r in rows:
+        cells = [r["config"], r["max_microbatches"], fmt(r["time_per_minibatch_s"], 3), fmt(r["samples_per_s"], 2),
+                 f"{100 * r['bubble_measured']:.1f}%", f"{100 * r['bubble_predicted']:.1f}%",
+                 fmt(r["speedup_measured"], 3) + "x", fmt(r["speedup_predicted"], 3) + "x",
+                 f"{100 * r['error']:+.1f}%" if not math.isnan(r["error"]) else "-", r["wrong"]]
+        if sweep_name:
+            cells.insert(0, r["label"])
+        body.append(cells)
+    return table(header, body, widths, title)
+
+
+def plot(rows: list[dict], path: str, title: str, sweep_name: str | None) -> None:
+    """Measured against predicted speedup per configuration (over the sweep, if any)."""
+    from .report import require_matplotlib
+
+    plt = require_matplotlib()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if sweep_name:
+        labels = list(dict.fromkeys(r["label"] for r in rows))
+        xs = range(len(labels))
+        for i, name in enumerate(names):
+            sel = {r["label"]: r for r in rows if r["config"] == name}
+            c = colors[i % len(colors)]
+            ax.plot(xs, [sel[l]["speedup_measured"] for l in labels], "-o", color=c, label=f"{name} measured")
+            ax.plot(xs, [sel[l]["speedup_predicted"] for l in labels], "--x", color=c, alpha=0.7,
+                    label=f"{name} predicted")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([str(l) for l in labels])
+        ax.set_xlabel(sweep_name)
+    else:
+        width = 0.38
+        xs = range(len(names))
+        sel = {r["config"]: r for r in rows}
+        ax.bar([x - width / 2 for x in xs], [sel[n]["speedup_measured"] for n in names], width, label="measured")
+        ax.bar([x + width / 2 for x in xs], [sel[n]["speedup_predicted"] for n in names], width, label="predicted")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(names, rotation=15, fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel(f"speedup vs {BASELINE}")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,228 @@
+"""Starting the ranks of a benchmark: local spawned processes, or the processes torchrun started.
+
+Owns process management and the per-rank setup (torch process groups and the
+rendezvous store the :class:`odc.Engine` uses). It knows nothing about what a
+benchmark measures: a rank function gets a :class:`RankContext`, returns a
+value (rank 0's value is the result), and may send events (progress, rows)
+that the caller receives while the ranks run.
+
+- **Local** (default): the caller's process hosts a ``TCPStore`` and spawns
+  one process per rank (``multiprocessing`` spawn context).
+- **torchrun**: when ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are set,
+  this process is one rank; the default group's store is the rendezvous.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+__all__ = ["RankContext", "BenchError", "under_torchrun", "run_ranks"]
+
+EventHandler = Callable[[str, Any], None]
+
+
+class BenchError(RuntimeError):
+    """A rank failed or the ranks could not be started; the message names the rank."""
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or another launcher setting the env:// variables)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+@dataclass
+class RankContext:
+    """What a rank function may use.
+
+    Attributes:
+        rank, world: this rank and the number of ranks.
+        store: torch store shared by every rank (the engine's rendezvous).
+        backend: the collective baseline's torch.distributed backend.
+        device: device of the collective baseline's tensors.
+        group: process group of the collective baseline.
+        ctrl: gloo group for barriers and result exchange (never timed).
+        job_key: names this run's shared-memory segments.
+    """
+
+    rank: int
+    world: int
+    store: Any
+    backend: str
+    device: Any
+    group: Any
+    ctrl: Any
+    job_key: str
+    _emit: EventHandler | None = None
+    _engines: list = field(default_factory=list)
+
+    def emit(self, kind: str, payload: Any) -> None:
+        """Sends an event to the caller (rank 0 only; other ranks' events are dropped)."""
+        if self.rank == 0 and self._emit is not None:
+            self._emit(kind, payload)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.ctrl)
+
+    def engine(self, *, timeout: float, chunk_bytes: int | None = None, tag: str = "e") -> Any:
+        """A new :class:`odc.Engine` for this rank, dropped when the rank ends."""
+        import odc
+
+        eng = odc.Engine(
+            self.store,
+            self.rank,
+            self.world,
+            timeout=timeout,
+            chunk_bytes=chunk_bytes,
+            job_key=f"{self.job_key}{tag}",
+            prefix=f"odc-bench/{self.job_key}/{tag}",
+        )
+        self._engines.append(eng)
+        return eng
+
+    def all_gather_object(self, obj: Any) -> list:
+        """Every rank's ``obj``, in rank order (through the gloo control group)."""
+        import torch.distributed as dist
+
+        out: list = [None] * self.world
+        dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def close(self) -> None:
+        # Engines unmap and unlink their shared memory when dropped; drop
+        # them before the process exits (the spawned ranks exit with
+        # os._exit, which runs no finalizers).
+        self._engines.clear()
+        import gc
+
+        gc.collect()
+
+
+def _setup(store: Any, rank: int, world: int, backend: str, job_key: str, emit: EventHandler | None,
+           env_init: bool = False) -> RankContext:
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=600)
+    # Ranks share the host's cores: intra-op thread pools that spin-wait
+    # (OpenMP) on an oversubscribed host turn a 64K-element sum into
+    # milliseconds. Give each rank its share of the cores.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if env_init:
+        dist.init_process_group(backend, timeout=timeout)
+        store = dist.distributed_c10d._get_default_store()
+    else:
+        dist.init_process_group(backend, store=dist.PrefixStore("odc-bench/pg", store), rank=rank,
+                                world_size=world, timeout=timeout)
+    group = dist.group.WORLD
+    ctrl = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    return RankContext(rank, world, store, backend, device, group, ctrl, job_key, emit)
+
+
+def _child(fn, rank, world, port, events, backend, job_key, kwargs):  # pragma: no cover - runs in a subprocess
+    ctx = None
+    try:
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=300))
+        ctx = _setup(store, rank, world, backend, job_key, lambda k, p: events.put(("event", rank, (k, p))))
+        result = fn(ctx, **kwargs)
+        events.put(("result", rank, result if rank == 0 else None))
+    except BaseException as e:  # noqa: BLE001 - every failure goes to the caller
+        events.put(("error", rank, (f"{type(e).__name__}: {e}", traceback.format_exc())))
+    finally:
+        if ctx is not None:
+            ctx.close()
+        events.close()
+        events.join_thread()
+        os._exit(0)
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *, backend: str, on_event: EventHandler | None = None,
+              launch_timeout: float = 24 * 3600.0, **kwargs: Any) -> Any:
+    """Runs ``fn(ctx, **kwargs)`` on ``world`` ranks and returns rank 0's value.
+
+    Under torchrun ``world`` must equal ``WORLD_SIZE`` and this process runs
+    its own rank only (rank 0 returns the value, other ranks return None).
+
+    Raises:
+        BenchError: a rank raised (the message names it and carries its
+            error), died, or reported nothing within ``timeout`` seconds.
+    """
+    if under_torchrun():
+        rank = int(os.environ["RANK"])
+        key = "t" + (os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "0"))[:12]
+        ctx = _setup(None, rank, int(os.environ["WORLD_SIZE"]), backend, key, on_event, env_init=True)
+        try:
+            return fn(ctx, **kwargs)
+        finally:
+            ctx.close()
+
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=300),
+                           wait_for_workers=False)
+    job_key = f"b{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
+    mpctx = mp.get_context("spawn")
+    events = mpctx.Queue()
+    procs = [mpctx.Process(target=_child, args=(fn, r, world, master.port, events, backend, job_key, kwargs), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    reported: dict[int, Any] = {}
+    failure: tuple[int, str, str] | None = None
+    deadline = time.monotonic() + launch_timeout
+    try:
+        while len(reported) < world and failure is None:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(reported))
+                raise BenchError(f"rank {missing[0]} reported nothing within {launch_timeout:.0f} s")
+            try:
+                kind, rank, value = events.get(timeout=0.5)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in reported]
+                if dead:
+                    # Give its last words a moment to arrive through the queue.
+                    try:
+                        kind, rank, value = events.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        raise BenchError(f"rank {dead[0]} died (exit code {procs[dead[0]].exitcode})") from None
+                else:
+                    continue
+            if kind == "event":
+                if on_event is not None:
+                    on_event(*value)
+            elif kind == "result":
+                reported[rank] = value
+            else:
+                failure = (rank, value[0], value[1])
+        if failure is not None:
+            rank, msg, tb = failure
+            if os.environ.get("ODC_BENCH_TRACEBACK"):
+                msg = f"{msg}\n{tb}"
+            raise BenchError(f"rank {rank} failed: {msg}")
+        return reported.get(0)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if failure is None else 1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del master

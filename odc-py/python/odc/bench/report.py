@@ -1,0 +1,144 @@
+"""Output of the benchmarks: argument parsing helpers, the progress line, tables, JSON and plots.
+
+Owns presentation only; nothing here talks to peers. Conventions follow
+nccl-tests (and the Rust ``*_perf`` binaries in ``benches/``): sizes accept
+``K``/``M``/``G`` suffixes (powers of 1024), GB is 10⁹ bytes, and
+``busbw = algbw · (n − 1) / n``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "UsageError",
+    "parse_size",
+    "format_size",
+    "busbw_factor",
+    "Progress",
+    "write_json",
+    "require_matplotlib",
+]
+
+
+class UsageError(ValueError):
+    """A bad command-line value; the message names it. Exit status 2."""
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Parses ``65536``, ``64K``, ``64KiB``, ``64M``, ``1G`` (powers of 1024); must be positive."""
+    t = str(text).strip()
+    digits = len(t) - len(t.lstrip("0123456789"))
+    num, unit = t[:digits], t[digits:].strip().upper()
+    if not num or unit not in _UNITS:
+        raise UsageError(f"{flag} {text!r}: not a size (examples: 65536, 64K, 64M, 1G)")
+    value = int(num) * _UNITS[unit]
+    if value <= 0:
+        raise UsageError(f"{flag} {text!r}: must be positive")
+    return value
+
+
+def format_size(n: float) -> str:
+    """``65536`` → ``64K``; exact multiples of 1024 only, else plain bytes."""
+    for unit, mult in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{int(n // mult)}{unit}"
+    return str(int(n))
+
+
+def busbw_factor(world: int) -> float:
+    """nccl-tests' bus-bandwidth factor for all-gather / reduce-scatter: (n − 1) / n."""
+    return (world - 1) / world
+
+
+class Progress:
+    """A one-line progress indicator on stderr (only when stderr is a terminal, or forced).
+
+    Args:
+        total: number of steps.
+        label: what is running.
+        enabled: ``None`` = when stderr is a TTY.
+    """
+
+    def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
+        self.total = max(1, int(total))
+        self.label = label
+        self.done = 0
+        self.start = time.monotonic()
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._width = 0
+
+    def step(self, note: str = "", n: int = 1) -> None:
+        self.done = min(self.total, self.done + n)
+        if not self.enabled:
+            return
+        frac = self.done / self.total
+        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / frac - elapsed if frac > 0 else 0.0
+        line = f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.0f}s eta {eta:4.0f}s {note}"
+        pad = max(0, self._width - len(line))
+        self._width = len(line)
+        sys.stderr.write(line + " " * pad)
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled and self._width:
+            sys.stderr.write("\r" + " " * self._width + "\r")
+            sys.stderr.flush()
+            self._width = 0
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Writes ``doc`` as indented JSON; the parent folder must exist."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def require_matplotlib() -> Any:
+    """Imports matplotlib (Agg backend) or raises a :class:`UsageError` saying what to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise UsageError(
+            f"--plot needs matplotlib ({e}); install it with `pip install matplotlib` or `pip install 'odc[plot]'`"
+        ) from None
+    return plt
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]], widths: Sequence[int], title: Sequence[str] = ()) -> str:
+    """Fixed-width table, nccl-tests style: ``#`` header lines, right-aligned cells."""
+    out = [f"# {line}" for line in title]
+    out.append("# " + " ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
+    for row in rows:
+        out.append("  " + " ".join(f"{c:>{w}}" for c, w in zip(row, widths)))
+    return "\n".join(out)
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    """A float cell; ``nan`` prints as ``-``."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.{digits}f}"
+
+
+def load_average() -> str:
+    """``uptime``'s load averages (1, 5, 15 min), for reports on shared machines."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:  # pragma: no cover
+        return "unknown"
+    return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cpus)"

@@ -1,0 +1,126 @@
+"""odc-bench: both subcommands at tiny sizes on 2 local ranks, exact checks, and its usage errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from odc.bench import main
+from odc.bench.imbalance import CONFIGS, EmulatedCompute, _Model
+
+
+def test_primitives_every_dtype_is_exact(tmp_path, capsys):
+    out = tmp_path / "prim.json"
+    code = main(["primitives", "-g", "2", "-b", "4K", "-e", "16K", "-n", "2", "-w", "1", "-d", "all", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "#wrong" in text and "ratio" in text
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    # 3 dtypes x 2 sizes (4K, 16K) x 2 ops
+    assert len(rows) == 12
+    assert {r["type"] for r in rows} == {"f32", "bf16", "f16"}
+    for r in rows:
+        for side in ("collective", "odc"):
+            assert r[side]["wrong"] == 0, r
+            assert r[side]["time_us"] > 0 and r[side]["busbw"] > 0
+        assert math.isclose(r["odc"]["busbw"] / r["collective"]["busbw"], r["busbw_ratio"])
+        # nccl-tests: busbw = algbw * (n-1)/n
+        assert math.isclose(r["odc"]["busbw"], r["odc"]["algbw"] / 2)
+        assert r["collective"]["name"].startswith("gloo")
+
+
+def test_imbalance_runs_every_configuration_with_exact_sums(tmp_path, capsys):
+    out = tmp_path / "imb.json"
+    code = main(["imbalance", "--world", "2", "--minibatches", "2", "--minibatch-size", "2", "--layers", "2",
+                 "--layer-bytes", "4K", "--compute-scale", "0.0001", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "EMULATED COMPUTE" in text
+    doc = json.loads(out.read_text())
+    assert doc["emulated_compute"] is True
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert list(rows) == [c[0] for c in CONFIGS]
+    assert rows["collective+lb-micro"]["speedup_measured"] == 1.0
+    assert rows["collective+lb-micro"]["speedup_predicted"] == 1.0
+    for name, r in rows.items():
+        assert r["speedup_measured"] > 0 and r["speedup_predicted"] > 0, r
+        assert 0.0 <= r["bubble_predicted"] < 1.0
+        assert r["minibatches"] == 2
+        run = r["runs"][0]
+        assert run["grad_wrong"] == 0 and run["gather_wrong"] == 0 and run["param_wrong"] == 0, (name, run)
+        # Final parameters are init + minibatches * pattern on every shard.
+        assert r["param_checksum"] == r["param_checksum_expected"], r
+        assert r["wrong"] == 0
+
+
+class _Ctx:
+    rank, world = 1, 2
+
+
+def test_gradient_check_catches_a_wrong_sum():
+    model = _Model(_Ctx(), layers=2, numel=1000, shard_len=512)
+    right = [p * 6 for p in model.pattern_shard]
+    assert model.step(right, 6) == 0
+    assert model.final_wrong(1) == 0
+    # This rank's shard only; the benchmark sums shards over ranks against init_sum + j * pattern_sum.
+    assert model.checksum() == sum(float((i + p).sum()) for i, p in zip(model.init_shard, model.pattern_shard))
+    wrong = [g.clone() for g in right]
+    wrong[1][3] += 1.0  # one lost / duplicated contribution
+    assert model.step(wrong, 6) == 1
+    # Padding past numel (rank 1 holds elements 512..1023 of 1000) stays zero.
+    assert torch.count_nonzero(model.params[0][1000 - 512 :]) == 0
+
+
+def test_emulated_compute_carries_overshoot():
+    c = EmulatedCompute()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        c.run(0.002)
+    elapsed = time.perf_counter() - t0
+    assert c.requested == pytest.approx(0.04)
+    # Overshoot is carried into later sleeps; only the last one's is left.
+    assert 0.04 <= elapsed < 0.04 + 0.05
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["nonsense"], "nonsense"),
+        ([], "missing subcommand"),
+        (["primitives", "-g", "1"], "-g 1"),
+        (["primitives", "-g", "2,x"], "-g"),
+        (["primitives", "-b", "64M", "-e", "64K"], "-b 67108864 -e 65536"),
+        (["primitives", "-b", "12Q"], "12Q"),
+        (["primitives", "-n", "0"], "-n '0'"),
+        (["primitives", "-d", "int8"], "int8"),
+        (["primitives", "--backend", "mpi"], "mpi"),
+        (["imbalance", "--cost", "cubic"], "cubic"),
+        (["imbalance", "--configs", "odc+lb-maxi"], "odc+lb-maxi"),
+        (["imbalance", "--lengths", "/nonexistent/lengths.txt"], "/nonexistent/lengths.txt"),
+        (["imbalance", "--layers", "0"], "--layers '0'"),
+        (["imbalance", "--compute-scale", "-1"], "--compute-scale '-1'"),
+        (["imbalance", "--world", "1"], "--world 1"),
+        (["imbalance", "--sweep", "layers=1,2"], "layers"),
+        (["imbalance", "--sweep", "minibatch-size=2,0"], "minibatch-size=0"),
+        (["imbalance", "--synthetic", "uniform:n=3"], "uniform"),
+        (["imbalance", "--max-tokens", "100"], "planning failed"),
+        (["imbalance", "--json", "/nonexistent/dir/out.json"], "/nonexistent/dir"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_value(argv, named, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("odc-bench: error:") and "\n" not in err, err
+    assert named in err, err
+
+
+def test_bad_lengths_file(tmp_path, capsys):
+    f = tmp_path / "lengths.txt"
+    f.write_text("100\n-3\n")
+    assert main(["imbalance", "--lengths", str(f)]) == 2
+    assert "-3" in capsys.readouterr().err
