@@ -18,6 +18,7 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
+	@mkdir -p out
 	@echo "== odc-pack: predicted bubbles, LongAlign-like lengths (lognormal median 10000, sigma 1.0, max 65536), 8 ranks, minibatch size 8 =="
 	@$(VENV)/bin/odc-pack --synthetic lognormal:n=4096,median=10000,sigma=1.0,max=65536,seed=0 \
 	    --world 8 --minibatch-size 8 --max-tokens 65536 --cost quadratic --compare
