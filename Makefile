@@ -8,6 +8,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
+# The libfabric transport builds against the headers of libfabric-dev (make setup installs it).
+FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
 .PHONY: help setup demo test lint fmt cargo-test loom pytest bench clean
 
@@ -34,9 +36,10 @@ demo: setup
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	$(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings
 
 cargo-test:
-	$(CARGO) test --workspace --locked
+	$(CARGO) test --workspace --locked $(FEATURES)
 
 # The loom model of the landing-slot / signal / acknowledge protocol.
 loom:

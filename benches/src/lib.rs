@@ -76,6 +76,10 @@ pub struct PerfArgs {
     /// Seconds any wait on a peer may take before the run fails.
     #[arg(long = "timeout", default_value_t = 120)]
     pub timeout_s: u64,
+    /// Transport between the ranks: shm, or fabric (libfabric over
+    /// `ODC_FABRIC_PROVIDER`, default tcp; needs the `fabric` feature).
+    #[arg(long = "transport", default_value = "shm", value_parser = parse_transport)]
+    pub transport: odc_core::TransportKind,
     /// Internal: this process is rank N of a launched job.
     #[arg(long = "rank", hide = true)]
     pub rank: Option<usize>,
@@ -107,6 +111,12 @@ impl PerfArgs {
         }
         if self.iters == 0 {
             return Err("-n 0: need at least one timed iteration".into());
+        }
+        if !self.transport.available() {
+            return Err(format!(
+                "--transport {}: this build lacks it (build odc-benches with --features fabric)",
+                transport_name(self.transport)
+            ));
         }
         Ok(())
     }
@@ -149,6 +159,19 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
+    odc_core::TransportKind::parse(s)
+        .ok_or_else(|| format!("unknown transport {s:?}: shm or fabric"))
+}
+
+/// The transport's name as the flag spells it.
+pub fn transport_name(kind: odc_core::TransportKind) -> &'static str {
+    match kind {
+        odc_core::TransportKind::Fabric => "fabric",
+        _ => "shm",
+    }
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -203,8 +226,12 @@ pub struct InPlace {
 /// (nccl-tests prints out-of-place, then in-place).
 pub fn print_header(title: &str, args: &PerfArgs, in_place: bool) {
     println!(
-        "# {title}: {} ranks, {} warm-up + {} timed iterations, check={}",
-        args.ranks, args.warmup, args.iters, args.check
+        "# {title}: {} ranks, {} warm-up + {} timed iterations, check={}, transport={}",
+        args.ranks,
+        args.warmup,
+        args.iters,
+        args.check,
+        transport_name(args.transport)
     );
     let group = format!(
         "{:>10} {:>8} {:>8} {:>7}",
@@ -526,6 +553,7 @@ pub fn write_json(path: &Path, bench: &str, args: &PerfArgs, rows: &[Row]) -> Re
         "benchmark": bench,
         "ranks": args.ranks,
         "dtype": args.dtype.name(),
+        "transport": transport_name(args.transport),
         "iters": args.iters,
         "warmup": args.warmup,
         "rows": rows,
@@ -596,6 +624,7 @@ pub fn join(args: &PerfArgs, rank: usize) -> Result<RankCtx, String> {
     let topo = odc_core::Topology::single_node(rank, args.ranks).map_err(|e| e.to_string())?;
     let mut cfg = odc_core::EngineConfig {
         timeout,
+        transport: args.transport,
         ..Default::default()
     };
     if let Some(c) = args.chunk_bytes {

@@ -91,3 +91,36 @@ fn bad_flags_exit_2_with_a_message() {
     assert_eq!(code, 2);
     assert!(stderr.contains("int8"), "{stderr}");
 }
+
+#[test]
+fn transport_flag_runs_fabric_or_says_it_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("f.json");
+    for bin in [
+        env!("CARGO_BIN_EXE_gather_perf"),
+        env!("CARGO_BIN_EXE_scatter_accumulate_perf"),
+    ] {
+        let (code, stdout, stderr) = run(
+            bin,
+            &["--transport", "fabric", "-J", json.to_str().unwrap()],
+        );
+        if cfg!(feature = "fabric") {
+            assert_eq!(code, 0, "stdout:\n{stdout}\nstderr:\n{stderr}");
+            assert!(stdout.contains("transport=fabric"), "{stdout}");
+            let doc: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+            assert_eq!(doc["transport"], "fabric");
+            assert!(doc["rows"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|r| r["wrong"] == 0));
+        } else {
+            assert_eq!(code, 2, "stdout:\n{stdout}\nstderr:\n{stderr}");
+            assert!(stderr.contains("--transport fabric"), "{stderr}");
+        }
+    }
+    let (code, _, stderr) = run(env!("CARGO_BIN_EXE_gather_perf"), &["--transport", "ucx"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("ucx"), "{stderr}");
+}

@@ -266,6 +266,18 @@ impl Engine {
                     &job_id,
                 )?)
             }
+            #[cfg(feature = "fabric")]
+            TransportKind::Fabric => Box::new(crate::transport::fabric::FabricTransport::new(
+                topology.rank(),
+                topology.world(),
+                config.timeout,
+            )?),
+            #[cfg(not(feature = "fabric"))]
+            TransportKind::Fabric => {
+                return Err(Error::Config(
+                    "the fabric transport needs odc-core built with the `fabric` feature".into(),
+                ))
+            }
         };
         let world = topology.world();
         Ok(Engine {

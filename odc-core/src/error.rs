@@ -123,6 +123,17 @@ pub enum Error {
         detail: String,
     },
 
+    /// A libfabric call failed (the `fabric` transport).
+    #[error("libfabric {call} failed: {detail} (fi errno {code})")]
+    Fabric {
+        /// The libfabric call (`"fi_getinfo"`, `"fi_read"`, ...).
+        call: &'static str,
+        /// Its fi errno (positive; 0 when the failure is ours, not the call's).
+        code: i32,
+        /// `fi_strerror` text and context (peer, region, bytes).
+        detail: String,
+    },
+
     /// An operating-system error outside the transport.
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -38,8 +38,28 @@ pub struct Endpoint {
     pub pid: u32,
     /// Its host name.
     pub host: String,
-    /// Backend-specific address (empty for `shm`).
+    /// Backend-specific address (empty for `shm`; hex `fi_getname` bytes
+    /// for `fabric`).
     pub address: String,
+    /// Every region the backend registered, with where peers address it
+    /// (`fabric`: remote key and base address; the backend's own status
+    /// region included). Empty for `shm`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub regions: Vec<RemoteRegion>,
+}
+
+/// How a peer addresses one registered region over a network transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    /// The owner's region id.
+    pub id: u32,
+    /// Remote address of byte 0 (0 unless the provider wants virtual
+    /// addresses, `FI_MR_VIRT_ADDR`).
+    pub base: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key.
+    pub key: u64,
 }
 
 /// Which of a rank's two sleep words a signal wakes: the server daemon's

@@ -33,7 +33,7 @@ pub(crate) fn core_error(py: Python<'_>, e: odc_core::Error) -> PyErr {
         E::Layout { .. } => "LayoutError",
         E::Protocol { .. } => "ProtocolError",
         E::Config(_) => "ConfigError",
-        E::Transport { .. } => "TransportError",
+        E::Transport { .. } | E::Fabric { .. } => "TransportError",
         E::Store { .. } => "StoreError",
         E::Io(_) => "OdcOSError",
         _ => "OdcError",

@@ -22,6 +22,8 @@ use std::time::Duration;
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, SignalRef};
 use crate::Result;
 
+#[cfg(feature = "fabric")]
+pub mod fabric;
 pub mod shm;
 
 /// What a liveness probe learned about a peer.
@@ -98,4 +100,27 @@ pub enum TransportKind {
     /// POSIX shared memory between processes on one host.
     #[default]
     Shm,
+    /// libfabric one-sided RMA (`tcp`, `verbs`, `efa`), any number of
+    /// nodes. Needs the `fabric` cargo feature; an engine built without it
+    /// refuses this kind with `Error::Config`.
+    Fabric,
+}
+
+impl TransportKind {
+    /// Parses `"shm"` or `"fabric"`.
+    pub fn parse(name: &str) -> Option<TransportKind> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "shm" => Some(TransportKind::Shm),
+            "fabric" => Some(TransportKind::Fabric),
+            _ => None,
+        }
+    }
+
+    /// Whether this build can create the backend.
+    pub fn available(self) -> bool {
+        match self {
+            TransportKind::Shm => true,
+            TransportKind::Fabric => cfg!(feature = "fabric"),
+        }
+    }
 }

@@ -316,6 +316,7 @@ impl Transport for ShmTransport {
                 .map(|h| h.trim().to_owned())
                 .unwrap_or_default(),
             address: String::new(),
+            regions: Vec::new(),
         }
     }
 

@@ -6,6 +6,8 @@
 //!   param dtype), `ODC_NUMELS` (bucket sizes, comma separated),
 //!   `ODC_MINIBATCHES`, `ODC_MICRO` (microbatches per rank, comma separated,
 //!   default 1 each), `ODC_CHUNK` (landing-slot bytes), `ODC_JITTER`;
+//! - `ODC_TRANSPORT` (`shm`, the default, or `fabric`; also `--transport
+//!   <kind>` on the command line);
 //! - faults: `ODC_CRASH_RANK`, `ODC_CRASH_AT` (`after_register`,
 //!   `before_finish`, `before_publish`), `ODC_CRASH_MINIBATCH`,
 //!   `ODC_STALL=1` (the crash rank sleeps `ODC_STALL_S` instead of aborting),
@@ -20,7 +22,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use half::{bf16, f16};
-use odc_core::{BucketId, BucketSpec, DType, Engine, EngineConfig, Error, FileStore, Topology};
+use odc_core::{
+    BucketId, BucketSpec, DType, Engine, EngineConfig, Error, FileStore, Topology, TransportKind,
+};
 
 fn env<T: FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
@@ -104,6 +108,7 @@ fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
 }
 
 struct Ctx {
+    transport: TransportKind,
     rank: usize,
     world: usize,
     store_dir: String,
@@ -114,6 +119,7 @@ impl Ctx {
         let store = Arc::new(FileStore::new(&self.store_dir)?);
         let mut config = EngineConfig::default();
         config.chunk_bytes = env("ODC_CHUNK", config.chunk_bytes);
+        config.transport = self.transport;
         Engine::new(store, Topology::single_node(self.rank, self.world)?, config)
     }
 
@@ -425,8 +431,27 @@ fn segments(ctx: &Ctx) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The transport named by `--transport <kind>` or `ODC_TRANSPORT`.
+fn transport_kind() -> Result<TransportKind, String> {
+    let args: Vec<String> = std::env::args().collect();
+    let flag = args
+        .iter()
+        .position(|a| a == "--transport")
+        .and_then(|i| args.get(i + 1).cloned());
+    let name = flag.unwrap_or_else(|| env("ODC_TRANSPORT", String::from("shm")));
+    TransportKind::parse(&name).ok_or_else(|| format!("unknown transport {name:?}"))
+}
+
 fn main() {
+    let transport = match transport_kind() {
+        Ok(t) => t,
+        Err(msg) => {
+            println!("CHECK FAILED: {msg}");
+            std::process::exit(3);
+        }
+    };
     let ctx = Ctx {
+        transport,
         rank: env("ODC_RANK", 0),
         world: env("ODC_WORLD", 1),
         store_dir: env("ODC_STORE_DIR", String::from("/tmp/odc-store")),
