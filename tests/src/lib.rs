@@ -129,6 +129,34 @@ pub fn assert_all_ok(outcomes: &[RankOutcome]) {
     }
 }
 
+/// Panics unless rank `crashed` aborted (died by a signal, not the watchdog)
+/// and every other rank failed with an error naming it — `PeerDied` or
+/// `PeerTimeout` with `peer=<crashed>` — in less than `within`.
+pub fn assert_survivors_name(outcomes: &[RankOutcome], crashed: usize, within: Duration) {
+    let named = [
+        format!("kind=PeerDied peer={crashed}"),
+        format!("kind=PeerTimeout peer={crashed}"),
+    ];
+    for o in outcomes {
+        if o.rank == crashed {
+            assert!(
+                o.code.is_none() && !o.killed,
+                "rank {crashed} should abort:\n{}",
+                describe(outcomes)
+            );
+            continue;
+        }
+        assert_eq!(o.code, Some(EXIT_EXPECTED_ERROR), "{}", describe(outcomes));
+        assert!(
+            named.iter().any(|n| o.stdout.contains(n.as_str())),
+            "rank {} did not name rank {crashed}:\n{}",
+            o.rank,
+            describe(outcomes)
+        );
+        assert!(o.elapsed < within, "rank {} took {:?}", o.rank, o.elapsed);
+    }
+}
+
 /// Every rank's exit code and output, for failure messages.
 pub fn describe(outcomes: &[RankOutcome]) -> String {
     outcomes

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use odc_tests::{describe, Job, EXIT_EXPECTED_ERROR, EXIT_OK};
+use odc_tests::{assert_survivors_name, describe, Job, EXIT_EXPECTED_ERROR, EXIT_OK};
 
 const WORKER: &str = env!("CARGO_BIN_EXE_odc-rank-worker");
 
@@ -50,30 +50,7 @@ fn crash(at: &str, minibatch: &str) {
         ],
     )
     .run();
-    for o in &out {
-        if o.rank == crash_rank {
-            assert!(
-                o.code.is_none() && !o.killed,
-                "crashing rank should abort:\n{}",
-                describe(&out)
-            );
-            continue;
-        }
-        assert_eq!(o.code, Some(EXIT_EXPECTED_ERROR), "{}", describe(&out));
-        assert!(
-            o.stdout.contains("kind=PeerDied peer=2")
-                || o.stdout.contains("kind=PeerTimeout peer=2"),
-            "rank {} did not name rank 2:\n{}",
-            o.rank,
-            describe(&out)
-        );
-        assert!(
-            o.elapsed < Duration::from_secs(8),
-            "rank {} took {:?}",
-            o.rank,
-            o.elapsed
-        );
-    }
+    assert_survivors_name(&out, crash_rank, Duration::from_secs(8));
     // The crashed rank's segments stay until the next start of the job.
     let dir2 = tempfile::tempdir().unwrap();
     let out = job("train", 2, dir2.path(), &key, &[("ODC_TIMEOUT_S", "10")]).run();
