@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use odc_core::{BucketId, BucketSpec, DType, Engine, EngineConfig, Store, Topology};
+use odc_core::{BucketId, BucketSpec, DType, Engine, EngineConfig, Store, Topology, TransportKind};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -153,7 +153,7 @@ pub(crate) struct PyEngine {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -165,6 +165,7 @@ impl PyEngine {
         timeout: Option<f64>,
         job_key: Option<String>,
         prefix: Option<String>,
+        transport: Option<String>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -188,6 +189,15 @@ impl PyEngine {
         if let Some(p) = prefix {
             cfg.store_prefix = p;
         }
+        if let Some(t) = transport {
+            cfg.transport = TransportKind::parse(&t).ok_or_else(|| {
+                odc_error(
+                    py,
+                    "ConfigError",
+                    format!("unknown transport {t:?}: expected \"shm\" or \"fabric\""),
+                )
+            })?;
+        }
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = py
             .detach(|| Engine::new(store, topo, cfg))
@@ -203,6 +213,14 @@ impl PyEngine {
     #[getter]
     fn world_size(&self) -> usize {
         self.engine.world()
+    }
+
+    #[getter]
+    fn transport(&self) -> &'static str {
+        match self.engine.config().transport {
+            TransportKind::Fabric => "fabric",
+            _ => "shm",
+        }
     }
 
     #[getter]

@@ -13,8 +13,9 @@ from _dist import run_ranks
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _gather_scatter(rank, world, store, numel, minibatches):
-    eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-{os.getppid()}")
+def _gather_scatter(rank, world, store, numel, minibatches, transport="shm"):
+    eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-{os.getppid()}", transport=transport)
+    assert eng.transport == transport
     eng.register([odc.Bucket(f"a-{odc.engine.dtype_name(d)}", numel, d) for d in DTYPES])
     for dtype in DTYPES:
         _check_bucket(eng, rank, world, f"a-{odc.engine.dtype_name(dtype)}", numel, dtype, minibatches)
@@ -59,6 +60,20 @@ def eng_minibatch(eng):
 def test_gather_and_scatter_exact_every_dtype(world):
     res = run_ranks(_gather_scatter, world, numel=1001, minibatches=3)
     assert all(s == "ok" for s, _ in res.values()), res
+
+
+def test_gather_and_scatter_exact_over_libfabric():
+    # The tcp provider over loopback: the same exact sums through fi_read / fi_writemsg.
+    res = run_ranks(_gather_scatter, 2, numel=1001, minibatches=2, transport="fabric")
+    assert all(s == "ok" for s, _ in res.values()), res
+
+
+def test_unknown_transport_is_a_config_error():
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    with pytest.raises(odc.ConfigError, match="carrier-pigeon"):
+        odc.Engine(store, 0, 1, transport="carrier-pigeon")
 
 
 def _bad_input(rank, world, store):

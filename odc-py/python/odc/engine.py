@@ -23,6 +23,7 @@ raises :class:`odc.PeerTimeout` / :class:`odc.PeerDied` naming the peer.
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
@@ -89,6 +90,10 @@ class Engine:
             same job removes a crashed run's leftovers (default
             ``ODC_JOB_KEY`` or ``"default"``).
         prefix: store key prefix, so several engines can share one store.
+        transport: ``"shm"`` (shared memory, one node; the default) or
+            ``"fabric"`` (libfabric RMA; ``ODC_FABRIC_ADDR`` /
+            ``ODC_FABRIC_PROVIDER`` choose the address and provider).
+            Default: ``ODC_TRANSPORT``, else ``"shm"``.
     """
 
     def __init__(
@@ -102,7 +107,10 @@ class Engine:
         timeout: float | None = None,
         job_key: str | None = None,
         prefix: str | None = None,
+        transport: str | None = None,
     ) -> None:
+        if transport is None:
+            transport = os.environ.get("ODC_TRANSPORT") or None
         self._native = _odc.Engine(
             store,
             int(rank),
@@ -112,6 +120,7 @@ class Engine:
             timeout=timeout,
             job_key=job_key,
             prefix=prefix,
+            transport=transport,
         )
         self._ids: dict[str, int] = {}
         self._infos: list[dict] = []
@@ -124,6 +133,11 @@ class Engine:
     @property
     def world_size(self) -> int:
         return self._native.world_size
+
+    @property
+    def transport(self) -> str:
+        """``"shm"`` or ``"fabric"``."""
+        return self._native.transport
 
     @property
     def timeout(self) -> float:
