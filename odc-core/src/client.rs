@@ -80,7 +80,8 @@ impl Engine {
             .publish_lock
             .lock()
             .map_err(|_| Error::protocol(Some(b.name()), "a publish panicked"))?;
-        let (me, world, lay) = (self.rank(), self.world(), &reg.ctrl_layout);
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (me, world) = (gs.me, gs.group.len());
         let current = load(reg.word(lay.seen_version(me, bucket.0)));
         if current >= stamp {
             return Err(Error::protocol(
@@ -101,13 +102,19 @@ impl Engine {
                     )
                 },
                 || {
-                    Ok((0..world).find(|&c| {
-                        load(reg.word(lay.released(c, bucket.0))).max(load(reg.word(lay.done(c))))
-                            < version
-                    }))
+                    Ok((0..world)
+                        .find(|&c| {
+                            load(reg.word(lay.released(c, bucket.0)))
+                                .max(load(reg.word(lay.done(c))))
+                                < version
+                        })
+                        .map(|c| gs.group[c]))
                 },
             )?;
         }
+        // Hybrid: the other nodes read the accumulators this publish lets
+        // the node's clients push into again.
+        self.wait_partials_read(reg, Some(b.name()))?;
         // SAFETY: the shard lies inside the params region (offset and length
         // fixed at registration); every reader released the previous version,
         // so nobody reads this range until the signal below.
@@ -118,7 +125,7 @@ impl Engine {
                 shard.len(),
             )
         };
-        for c in 0..world {
+        for &c in &gs.group {
             let sig = SignalRef {
                 offset: lay.seen_version(me, bucket.0),
                 bell: Bell::Client,
@@ -170,10 +177,13 @@ impl Engine {
         check_dtype(b, dtype, "output")?;
         let elems = b.check_full_len(elems_of(b, out.len(), dtype, "output")?)?;
         let stamp = version.saturating_add(1);
-        let (me, world, lay) = (self.rank(), self.world(), &reg.ctrl_layout);
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (me, world) = (gs.me, gs.group.len());
         let size = dtype.size_bytes();
         for step in 0..world {
+            // `owner` indexes the shard group; `rank` is its global rank.
             let owner = (me + step) % world;
+            let rank = gs.group[owner];
             let word = reg.word(lay.seen_version(owner, bucket.0));
             if load(word) != stamp {
                 self.inner.wait(
@@ -184,11 +194,11 @@ impl Engine {
                         s if s > stamp => Err(Error::protocol(
                             Some(b.name()),
                             format!(
-                                "gather of version {version}, but rank {owner} already published version {}",
+                                "gather of version {version}, but rank {rank} already published version {}",
                                 s - 1
                             ),
                         )),
-                        _ => Ok(Some(owner)),
+                        _ => Ok(Some(rank)),
                     },
                 )?;
             }
@@ -199,8 +209,8 @@ impl Engine {
             }
             let dst = &mut out[start * size..end * size];
             self.inner.transport.get(
-                owner,
-                &reg.peer_params[owner],
+                rank,
+                &reg.peer_params[rank],
                 reg.params_off[bucket.0],
                 dst,
             )?;
@@ -219,8 +229,8 @@ impl Engine {
         if reg.released[bucket.0].fetch_max(stamp, Ordering::AcqRel) >= stamp {
             return Ok(());
         }
-        let (me, lay) = (self.rank(), &reg.ctrl_layout);
-        for o in 0..self.world() {
+        let (me, lay) = (reg.groups.me, &reg.ctrl_layout);
+        for &o in &reg.groups.group {
             let sig = SignalRef {
                 offset: lay.released(me, bucket.0),
                 bell: Bell::Client,
@@ -277,7 +287,8 @@ impl Engine {
             .lock()
             .map_err(|_| Error::protocol(Some(b.name()), "a push panicked"))?;
         let push = &mut *guard;
-        let (me, world) = (self.rank(), self.world());
+        // Owners are indexed by their place in the shard group.
+        let (me, world) = (reg.groups.me, reg.groups.group.len());
         let size = dtype.size_bytes();
         for o in 0..world {
             push.cursor[o] = b.shard_overlap(o, offset, end);
@@ -308,7 +319,7 @@ impl Engine {
         let added = self.inner.wait(
             Some(b.name()),
             &|| "its own server to add this rank's own slice".to_owned(),
-            || Ok((!self.inner.own.is_done(gen)).then_some(me)),
+            || Ok((!self.inner.own.is_done(gen)).then_some(self.rank())),
         );
         if added.is_err() || pushed.is_err() {
             // `grads` is borrowed only for this call.
@@ -331,7 +342,8 @@ impl Engine {
         scale: f32,
     ) -> Result<()> {
         let reg = self.reg()?;
-        let (me, world, lay) = (self.rank(), self.world(), &reg.ctrl_layout);
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (me, world) = (gs.me, gs.group.len());
         let size = dtype.size_bytes();
         let chunk = lay.chunk_bytes() / size;
         let bucket_u32 = u32::try_from(bucket.0).unwrap_or(u32::MAX);
@@ -368,8 +380,8 @@ impl Engine {
                     bell: Bell::Server,
                 };
                 self.inner.transport.put_signal(
-                    o,
-                    &reg.peer_ctrl[o],
+                    gs.group[o],
+                    &reg.peer_ctrl[gs.group[o]],
                     lay.slot_header(me, slot),
                     &[&header, data],
                     sig,
@@ -400,7 +412,7 @@ impl Engine {
                             if load(reg.word(lay.ack(o, slot))) == sent[o][slot] {
                                 return Ok(None);
                             }
-                            lagging.get_or_insert(o);
+                            lagging.get_or_insert(gs.group[o]);
                         }
                         Ok(lagging)
                     },
@@ -418,7 +430,8 @@ impl Engine {
     pub fn finish_minibatch(&self, k: u64) -> Result<()> {
         let reg = self.reg()?;
         let stamp = k.saturating_add(1);
-        let (me, world, lay) = (self.rank(), self.world(), &reg.ctrl_layout);
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (me, world) = (gs.me, gs.group.len());
         {
             let guard = self
                 .push
@@ -430,7 +443,8 @@ impl Engine {
                 &|| format!("acknowledgement of this rank's last pushes of minibatch {k}"),
                 || {
                     Ok((0..world)
-                        .find(|&o| (0..2).any(|s| load(reg.word(lay.ack(o, s))) != sent[o][s])))
+                        .find(|&o| (0..2).any(|s| load(reg.word(lay.ack(o, s))) != sent[o][s]))
+                        .map(|o| gs.group[o]))
                 },
             )?;
             let prev = reg.finished.fetch_max(stamp, Ordering::AcqRel);
@@ -443,7 +457,7 @@ impl Engine {
             for r in &reg.released {
                 r.fetch_max(stamp, Ordering::AcqRel);
             }
-            for o in 0..world {
+            for &o in &gs.group {
                 let sig = SignalRef {
                     offset: lay.done(me),
                     bell: Bell::Client,
@@ -456,15 +470,121 @@ impl Engine {
         self.inner.wait(
             None,
             &|| format!("its gradients of minibatch {k} (done = {k})"),
-            || Ok((0..world).find(|&c| load(reg.word(lay.done(c))) < stamp)),
+            || {
+                Ok((0..world)
+                    .find(|&c| load(reg.word(lay.done(c))) < stamp)
+                    .map(|c| gs.group[c]))
+            },
         )?;
-        match self.inner.take_server_error() {
-            Some(e) => Err(Error::protocol(
+        if let Some(e) = self.inner.take_server_error() {
+            return Err(Error::protocol(
                 None,
                 format!("the shard server rejected a push: {e}"),
-            )),
-            None => Ok(()),
+            ));
         }
+        if reg.cross_node() {
+            self.reduce_across_nodes(reg, k)?;
+        }
+        Ok(())
+    }
+
+    /// Hybrid sharding over several nodes, at the end of minibatch `k`:
+    /// tells the replicas this rank's partial sums are final, sums every
+    /// node's partial sums in node order into `reduced` (reading the
+    /// others' accumulators one chunk at a time), and tells the replicas it
+    /// has read theirs.
+    fn reduce_across_nodes(&self, reg: &Registered, k: u64) -> Result<()> {
+        let stamp = k.saturating_add(1);
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let signal_all = |offset: usize| -> Result<()> {
+            for (n, &r) in gs.replicas.iter().enumerate() {
+                if n != gs.node {
+                    let sig = SignalRef {
+                        offset,
+                        bell: Bell::Client,
+                    };
+                    self.inner
+                        .transport
+                        .put_signal(r, &reg.peer_ctrl[r], 0, &[], sig, stamp)?;
+                }
+            }
+            Ok(())
+        };
+        reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
+        signal_all(lay.partial_ready(gs.node))?;
+        let len = reg.accum_len;
+        // SAFETY: `reduced` holds accum_len f32s that only this call (under
+        // the finish protocol: one finish at a time) writes; readers use it
+        // only after finish_minibatch returns.
+        let sum =
+            unsafe { std::slice::from_raw_parts_mut(reg.reduced.as_ptr().cast::<f32>(), len) };
+        sum.fill(0.0);
+        let chunk = (lay.chunk_bytes() / 4).max(1);
+        let mut scratch = vec![0u8; chunk.min(len) * 4];
+        for (n, &r) in gs.replicas.iter().enumerate() {
+            if n == gs.node {
+                // SAFETY: every push of minibatch k is added (the done wait
+                // above) and none of k + 1 can arrive before this rank
+                // publishes again; the accumulators are stable.
+                let own =
+                    unsafe { std::slice::from_raw_parts(reg.accum.as_ptr().cast::<u8>(), len * 4) };
+                odc_kernels::cpu::accumulate_into_f32(sum, own, DType::F32, 1.0)
+                    .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))?;
+                continue;
+            }
+            let word = reg.word(lay.partial_ready(n));
+            self.inner.wait(
+                None,
+                &|| format!("its partial gradient sums of minibatch {k} (hybrid sharding)"),
+                || Ok((load(word) < stamp).then_some(r)),
+            )?;
+            let remote = reg.peer_accum[r].as_ref().ok_or_else(|| {
+                Error::protocol(None, format!("rank {r} published no accumulators"))
+            })?;
+            let mut at = 0;
+            while at < len {
+                let n_el = chunk.min(len - at);
+                let buf = &mut scratch[..n_el * 4];
+                self.inner.transport.get(r, remote, at * 4, buf)?;
+                odc_kernels::cpu::accumulate_into_f32(
+                    &mut sum[at..at + n_el],
+                    buf,
+                    DType::F32,
+                    1.0,
+                )
+                .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))?;
+                at += n_el;
+            }
+        }
+        signal_all(lay.partial_read(gs.node))
+    }
+
+    /// Hybrid sharding over several nodes: waits until every replica has
+    /// read this rank's partial sums of the last finished minibatch, so the
+    /// accumulators may change. Returns at once otherwise.
+    fn wait_partials_read(&self, reg: &Registered, bucket: Option<&str>) -> Result<()> {
+        let stamp = load(&reg.partials_out);
+        if !reg.cross_node() || stamp == 0 {
+            return Ok(());
+        }
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        self.inner.wait(
+            bucket,
+            &|| {
+                format!(
+                    "the other nodes to read this rank's partial sums of minibatch {}",
+                    stamp - 1
+                )
+            },
+            || {
+                Ok(gs
+                    .replicas
+                    .iter()
+                    .enumerate()
+                    .find(|&(n, _)| n != gs.node && load(reg.word(lay.partial_read(n))) < stamp)
+                    .map(|(_, &r)| r))
+            },
+        )
     }
 
     /// Copies this rank's accumulated gradient shard of `bucket` (f32,
@@ -473,7 +593,7 @@ impl Engine {
     pub fn read_grad_shard(&self, bucket: BucketId, out: &mut [f32]) -> Result<()> {
         let reg = self.reg()?;
         let b = reg.bucket(bucket)?;
-        let (ptr, len) = reg.accum_ptr(bucket.0);
+        let (ptr, len) = reg.grad_ptr(bucket.0);
         if out.len() != len {
             return Err(Error::layout(
                 Some(b.name()),
@@ -495,16 +615,18 @@ impl Engine {
     pub fn grad_shard_ptr(&self, bucket: BucketId) -> Result<(NonNull<f32>, usize)> {
         let reg = self.reg()?;
         reg.bucket(bucket)?;
-        let (ptr, len) = reg.accum_ptr(bucket.0);
+        let (ptr, len) = reg.grad_ptr(bucket.0);
         let ptr = NonNull::new(ptr).ok_or_else(|| Error::protocol(None, "null accumulator"))?;
         Ok((ptr, len))
     }
 
     /// Zeroes the accumulator of `bucket` (after the optimizer step, before
-    /// the next publish).
+    /// the next publish). Under hybrid sharding over several nodes it first
+    /// waits until the other nodes have read this rank's partial sums.
     pub fn zero_grad(&self, bucket: BucketId) -> Result<()> {
         let reg = self.reg()?;
-        reg.bucket(bucket)?;
+        let b = reg.bucket(bucket)?;
+        self.wait_partials_read(reg, Some(b.name()))?;
         let (ptr, len) = reg.accum_ptr(bucket.0);
         // SAFETY: as in `read_grad_shard`; all-zero bits are 0.0f32.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };

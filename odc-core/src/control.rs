@@ -1,9 +1,12 @@
 //! Where every control word and landing slot lives in a rank's control
 //! region, and the landing-slot header's wire format.
 //!
-//! Every rank's control region has the same layout (same D, bucket count B
-//! and chunk size C, checked at registration). All words are written by a
-//! peer with `put_signal` and waited on by the owner of the region, so every
+//! Every rank's control region has the same layout (same shard-group size G
+//! — D under full sharding, the ranks of a node under hybrid sharding —,
+//! node count N, bucket count B and chunk size C, checked at registration).
+//! Ranks are indexed by their place in the shard group (`o`, `c`) or, for
+//! the cross-node words, by node (`n`). All words are written by a peer
+//! with `put_signal` and waited on by the owner of the region, so every
 //! wait is local:
 //!
 //! | words | written by | meaning (stored as value + 1; 0 = never) |
@@ -13,6 +16,8 @@
 //! | `done[c]` | client c at finish | c's pushes for minibatch k are acknowledged |
 //! | `ack[o][s]` | owner o's server | sequence number of the last chunk o added from slot s |
 //! | slot `[c][s]` signal | client c | sequence number of the chunk in the slot |
+//! | `partial_ready[n]` | node n's replica | its node-summed shards of minibatch k are final (hybrid) |
+//! | `partial_read[n]` | node n's replica | it finished reading this rank's partial sums of k (hybrid) |
 //!
 //! A landing slot is a 64-byte signal line, a 64-byte [`SlotHeader`] and C
 //! bytes of data. Sequence numbers per (client, owner) pair start at 1;
@@ -35,6 +40,8 @@ pub struct CtrlLayout {
     off_done: usize,
     off_ack: usize,
     off_slots: usize,
+    off_cross: usize,
+    nodes: usize,
     len: usize,
 }
 
@@ -43,9 +50,10 @@ fn round_line(n: usize) -> usize {
 }
 
 impl CtrlLayout {
-    /// The layout for `world` ranks, `buckets` buckets and chunks of
-    /// `chunk_bytes` (rounded up to 64).
-    pub fn new(world: usize, buckets: usize, chunk_bytes: usize) -> CtrlLayout {
+    /// The layout for a shard group of `world` ranks, `nodes` replicas of it
+    /// (1 unless hybrid), `buckets` buckets and chunks of `chunk_bytes`
+    /// (rounded up to 64).
+    pub fn new(world: usize, nodes: usize, buckets: usize, chunk_bytes: usize) -> CtrlLayout {
         let chunk_bytes = round_line(chunk_bytes.max(LINE));
         let table = round_line(world * buckets * 8);
         let off_seen = LINE;
@@ -53,7 +61,8 @@ impl CtrlLayout {
         let off_done = off_released + table;
         let off_ack = off_done + world * LINE;
         let off_slots = off_ack + world * 2 * LINE;
-        let len = off_slots + world * 2 * (2 * LINE + chunk_bytes);
+        let off_cross = off_slots + world * 2 * (2 * LINE + chunk_bytes);
+        let len = off_cross + nodes * 2 * LINE;
         CtrlLayout {
             world,
             buckets,
@@ -63,6 +72,8 @@ impl CtrlLayout {
             off_done,
             off_ack,
             off_slots,
+            off_cross,
+            nodes,
             len,
         }
     }
@@ -121,7 +132,19 @@ impl CtrlLayout {
         self.slot(client, slot) + 2 * LINE
     }
 
-    /// World size this layout was built for.
+    /// `partial_ready[node]` (hybrid sharding).
+    pub fn partial_ready(&self, node: usize) -> usize {
+        debug_assert!(node < self.nodes);
+        self.off_cross + node * LINE
+    }
+
+    /// `partial_read[node]` (hybrid sharding).
+    pub fn partial_read(&self, node: usize) -> usize {
+        debug_assert!(node < self.nodes);
+        self.off_cross + (self.nodes + node) * LINE
+    }
+
+    /// Shard-group size this layout was built for.
     pub fn world(&self) -> usize {
         self.world
     }
@@ -203,13 +226,15 @@ mod tests {
 
     #[test]
     fn words_do_not_overlap() {
-        let l = CtrlLayout::new(3, 5, 1000);
+        let l = CtrlLayout::new(3, 2, 5, 1000);
         assert_eq!(l.chunk_bytes(), 1024);
         assert!(l.seen_version(2, 4) + 8 <= l.released(0, 0));
         assert!(l.released(2, 4) + 8 <= l.done(0));
         assert!(l.done(2) + 8 <= l.ack(0, 0));
         assert!(l.ack(2, 1) + 8 <= l.slot_signal(0, 0));
-        assert_eq!(l.slot_data(2, 1) + 1024, l.len());
+        assert_eq!(l.slot_data(2, 1) + 1024, l.partial_ready(0));
+        assert!(l.partial_ready(1) + 8 <= l.partial_read(0));
+        assert_eq!(l.partial_read(1) + 64, l.len());
         assert_eq!(l.slot_data(0, 0) % 64, 0);
     }
 }

@@ -28,8 +28,86 @@ use crate::{Error, Result};
 const CTRL_REGION: u32 = 0;
 /// Region id of the published parameter shards.
 const PARAMS_REGION: u32 = 1;
+/// Region id of the gradient accumulators, published only under hybrid
+/// sharding across nodes (the other nodes read the partial sums).
+const ACCUM_REGION: u32 = 2;
 /// How often a sleeping waiter checks that the peer it waits for is alive.
 const LIVENESS_PERIOD: Duration = Duration::from_millis(50);
+
+/// How parameters and gradients are spread over the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Sharding {
+    /// Every bucket is sharded over all D ranks; gathers and pushes reach
+    /// every rank.
+    #[default]
+    Full,
+    /// Every bucket is sharded over the G ranks of a node; gathers and
+    /// pushes stay inside the node, and at the end of each minibatch the
+    /// node-summed gradient shards are summed across the nodes once (each
+    /// rank with the ranks of the same local rank on the other nodes).
+    /// Parameter shards, accumulators and landing slots scale with G, not D;
+    /// each node holds a full replica of the sharded state.
+    Hybrid,
+}
+
+impl Sharding {
+    /// Parses `"full"` or `"hybrid"`.
+    pub fn parse(name: &str) -> Option<Sharding> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "full" => Some(Sharding::Full),
+            "hybrid" => Some(Sharding::Hybrid),
+            _ => None,
+        }
+    }
+
+    /// `"full"` or `"hybrid"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharding::Full => "full",
+            Sharding::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// Who shares this rank's shards (the shard group) and who holds the same
+/// shards on other nodes (the replica group), as global ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Groups {
+    /// Global ranks of the shard group, in shard order.
+    pub(crate) group: Vec<usize>,
+    /// This rank's index in `group`.
+    pub(crate) me: usize,
+    /// Global ranks holding this rank's shards, one per node, in node order
+    /// (just this rank unless hybrid over several nodes).
+    pub(crate) replicas: Vec<usize>,
+    /// This rank's index in `replicas`.
+    pub(crate) node: usize,
+}
+
+impl Groups {
+    pub(crate) fn new(topo: &Topology, sharding: Sharding) -> Groups {
+        let rank = topo.rank();
+        match sharding {
+            Sharding::Full => Groups {
+                group: (0..topo.world()).collect(),
+                me: rank,
+                replicas: vec![rank],
+                node: 0,
+            },
+            Sharding::Hybrid => {
+                let g = topo.local_world();
+                let (node, local) = (topo.node_of(rank), topo.local_rank_of(rank));
+                Groups {
+                    group: (node * g..(node + 1) * g).collect(),
+                    me: local,
+                    replicas: (0..topo.nodes()).map(|n| n * g + local).collect(),
+                    node,
+                }
+            }
+        }
+    }
+}
 
 /// Engine settings. `Default` reads `ODC_TIMEOUT_S` and `ODC_JOB_KEY`.
 #[derive(Clone, Debug)]
@@ -56,6 +134,8 @@ pub struct EngineConfig {
     pub job_key: String,
     /// Store key prefix, so several engines can share one store.
     pub store_prefix: String,
+    /// Full or hybrid (intra-node) sharding; equal on every rank.
+    pub sharding: Sharding,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +152,7 @@ impl Default for EngineConfig {
             transport: TransportKind::Shm,
             job_key: std::env::var("ODC_JOB_KEY").unwrap_or_else(|_| "default".into()),
             store_prefix: "odc".into(),
+            sharding: Sharding::Full,
         }
     }
 }
@@ -83,6 +164,8 @@ pub struct BucketId(pub usize);
 /// Everything that exists after [`Engine::register`].
 #[derive(Debug)]
 pub(crate) struct Registered {
+    /// The shard and replica groups (indices into the control words).
+    pub(crate) groups: Groups,
     pub(crate) buckets: Vec<BucketLayout>,
     pub(crate) names: HashMap<String, usize>,
     pub(crate) ctrl_layout: CtrlLayout,
@@ -92,7 +175,15 @@ pub(crate) struct Registered {
     pub(crate) accum_off: Vec<usize>,
     pub(crate) ctrl: LocalRegion,
     pub(crate) params: LocalRegion,
-    pub(crate) accum: HeapBlock,
+    pub(crate) accum: Accum,
+    /// Hybrid across nodes: the accumulators summed over every node (what
+    /// the optimizer reads); empty otherwise.
+    pub(crate) reduced: HeapBlock,
+    /// Elements in all accumulators together.
+    pub(crate) accum_len: usize,
+    /// Per global rank (indexed by rank, like `peer_ctrl`); `None` unless
+    /// the rank is one of this rank's replicas.
+    pub(crate) peer_accum: Vec<Option<RegionDesc>>,
     pub(crate) peer_ctrl: Vec<RegionDesc>,
     pub(crate) peer_params: Vec<RegionDesc>,
     pub(crate) peer_pid: Vec<u32>,
@@ -100,6 +191,27 @@ pub(crate) struct Registered {
     pub(crate) released: Vec<AtomicU64>,
     /// Highest minibatch + 1 this client finished.
     pub(crate) finished: AtomicU64,
+    /// Highest minibatch + 1 whose partial sums this rank handed to the
+    /// other nodes (hybrid); they must have read them before the
+    /// accumulators change again.
+    pub(crate) partials_out: AtomicU64,
+}
+
+/// Where the accumulators live: plain heap memory, or (hybrid sharding over
+/// several nodes) a registered region the replicas read.
+#[derive(Debug)]
+pub(crate) enum Accum {
+    Heap(HeapBlock),
+    Region(LocalRegion),
+}
+
+impl Accum {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Accum::Heap(h) => h.as_ptr(),
+            Accum::Region(r) => r.as_ptr(),
+        }
+    }
 }
 
 impl Registered {
@@ -122,6 +234,24 @@ impl Registered {
                 ),
             )
         })
+    }
+
+    /// Whether minibatch ends sum the shards across nodes.
+    pub(crate) fn cross_node(&self) -> bool {
+        self.groups.replicas.len() > 1
+    }
+
+    /// The final gradient of bucket `b` (what the optimizer reads): the
+    /// accumulator, or under hybrid sharding over several nodes the
+    /// cross-node sum.
+    pub(crate) fn grad_ptr(&self, b: usize) -> (*mut f32, usize) {
+        if !self.cross_node() {
+            return self.accum_ptr(b);
+        }
+        let len = self.buckets[b].shard_len();
+        // SAFETY: `reduced` has accum_len f32s, the same layout as `accum`.
+        let ptr = unsafe { self.reduced.as_ptr().cast::<f32>().add(self.accum_off[b]) };
+        (ptr, len)
     }
 
     /// The accumulator of bucket `b` as a raw pointer and length.
@@ -182,6 +312,8 @@ pub struct Engine {
 struct RegPost {
     hash: u64,
     chunk_bytes: usize,
+    sharding: String,
+    local_world: usize,
     accum: String,
     specs: Vec<(String, usize, String)>,
 }
@@ -253,19 +385,12 @@ impl Engine {
             String::from_utf8_lossy(&wait_get(store.as_ref(), &key, deadline)?).into_owned()
         };
         let transport: Box<dyn Transport> = match config.transport {
-            TransportKind::Shm => {
-                if topology.nodes() != 1 {
-                    return Err(Error::Config(
-                        "the shm transport needs a single-node topology".into(),
-                    ));
-                }
-                Box::new(ShmTransport::new(
-                    topology.rank(),
-                    topology.world(),
-                    &config.job_key,
-                    &job_id,
-                )?)
-            }
+            TransportKind::Shm => Box::new(ShmTransport::new(
+                topology.rank(),
+                topology.world(),
+                &config.job_key,
+                &job_id,
+            )?),
             #[cfg(feature = "fabric")]
             TransportKind::Fabric => Box::new(crate::transport::fabric::FabricTransport::new(
                 topology.rank(),
@@ -279,7 +404,7 @@ impl Engine {
                 ))
             }
         };
-        let world = topology.world();
+        let world = Groups::new(&topology, config.sharding).group.len();
         Ok(Engine {
             inner: Arc::new(Inner {
                 topo: topology,
@@ -322,6 +447,11 @@ impl Engine {
         &self.inner.config
     }
 
+    /// The transport in use (`"shm"`, `"fabric"`, `"shm+fabric"`, ...).
+    pub fn transport_name(&self) -> &'static str {
+        self.inner.transport.name()
+    }
+
     /// Registers every bucket: eager and collective, in the same order on
     /// every rank. The lists are compared through the store and a mismatch
     /// fails on every rank naming the first differing bucket. Allocates the
@@ -339,6 +469,8 @@ impl Engine {
         let (rank, world) = (inner.topo.rank(), inner.topo.world());
         let deadline = Instant::now() + inner.config.timeout;
         let prefix = &inner.config.store_prefix;
+        let groups = Groups::new(&inner.topo, inner.config.sharding);
+        let cross_node = groups.replicas.len() > 1;
 
         let mut buckets = Vec::with_capacity(specs.len());
         let mut names = HashMap::new();
@@ -346,7 +478,7 @@ impl Engine {
             if names.insert(s.name.clone(), i).is_some() {
                 return Err(Error::layout(Some(&s.name), "bucket name registered twice"));
             }
-            buckets.push(BucketLayout::new(s.clone(), world)?);
+            buckets.push(BucketLayout::new(s.clone(), groups.group.len())?);
         }
         if buckets.is_empty() {
             return Err(Error::layout(None, "register needs at least one bucket"));
@@ -357,10 +489,17 @@ impl Engine {
             .iter()
             .map(|s| (s.name.clone(), s.numel, s.dtype.name().to_owned()))
             .collect();
-        let ctrl_layout = CtrlLayout::new(world, buckets.len(), inner.config.chunk_bytes);
+        let ctrl_layout = CtrlLayout::new(
+            groups.group.len(),
+            groups.replicas.len(),
+            buckets.len(),
+            inner.config.chunk_bytes,
+        );
         let mut post = RegPost {
             hash: 0,
             chunk_bytes: ctrl_layout.chunk_bytes(),
+            sharding: inner.config.sharding.name().into(),
+            local_world: inner.topo.local_world(),
             accum: inner.config.accum_dtype.name().into(),
             specs: spec_list,
         };
@@ -387,6 +526,12 @@ impl Engine {
                     theirs: show(&theirs.specs, i),
                 });
             }
+            if theirs.sharding != post.sharding || theirs.local_world != post.local_world {
+                return Err(Error::Config(format!(
+                    "rank {peer} uses {} sharding with {} ranks per node, this rank {} sharding with {}",
+                    theirs.sharding, theirs.local_world, post.sharding, post.local_world
+                )));
+            }
             if theirs.chunk_bytes != post.chunk_bytes || theirs.accum != post.accum {
                 return Err(Error::Config(format!(
                     "rank {peer} uses chunk_bytes {} / accumulation {}, this rank {} / {}",
@@ -407,16 +552,32 @@ impl Engine {
         }
         let ctrl = inner.transport.register(CTRL_REGION, ctrl_layout.len())?;
         let params = inner.transport.register(PARAMS_REGION, params_len)?;
-        let accum = HeapBlock::zeroed(accum_len * 4)?;
+        let (accum, reduced) = if cross_node {
+            (
+                Accum::Region(inner.transport.register(ACCUM_REGION, accum_len * 4)?),
+                HeapBlock::zeroed(accum_len * 4)?,
+            )
+        } else {
+            (
+                Accum::Heap(HeapBlock::zeroed(accum_len * 4)?),
+                HeapBlock::zeroed(0)?,
+            )
+        };
 
         // 3. Exchange descriptors and connect to every rank (this one too).
         let my_key = format!("{prefix}/ep/{rank}");
+        let mut regions = vec![ctrl.desc(), params.desc()];
+        if let Accum::Region(r) = &accum {
+            regions.push(r.desc());
+        }
         let ep = EndpointPost {
             endpoint: inner.transport.endpoint(),
-            regions: vec![ctrl.desc(), params.desc()],
+            regions,
         };
         inner.store.set(&my_key, &json(&my_key, &ep)?)?;
+        let my_host = ep.endpoint.host.clone();
         let (mut peer_ctrl, mut peer_params, mut peer_pid) = (Vec::new(), Vec::new(), Vec::new());
+        let mut peer_accum = Vec::with_capacity(world);
         for peer in 0..world {
             let key = format!("{prefix}/ep/{peer}");
             let theirs: EndpointPost =
@@ -439,12 +600,31 @@ impl Engine {
                     "rank {peer} registered regions of a different size"
                 )));
             }
+            let a = if cross_node && groups.replicas.contains(&peer) {
+                let a = find(ACCUM_REGION)?;
+                if a.len < (accum_len * 4) as u64 {
+                    return Err(Error::Config(format!(
+                        "rank {peer} registered accumulators of a different size"
+                    )));
+                }
+                Some(a)
+            } else {
+                None
+            };
+            if inner.transport.name() == "shm" && theirs.endpoint.host != my_host {
+                return Err(Error::Config(format!(
+                    "rank {peer} runs on host {:?}, this rank on {my_host:?}: the shm transport \
+                     reaches only ranks on this host (use transport \"auto\" or \"fabric\")",
+                    theirs.endpoint.host
+                )));
+            }
             inner
                 .transport
                 .connect(peer, &theirs.endpoint, &theirs.regions)?;
             peer_ctrl.push(c);
             peer_params.push(p);
             peer_pid.push(theirs.endpoint.pid);
+            peer_accum.push(a);
         }
         // Every rank has mapped every segment before anyone may drop (and
         // unlink) its own: the one barrier, at setup only.
@@ -457,6 +637,7 @@ impl Engine {
         inner.store.wait(&keys, deadline)?;
         let nb = buckets.len();
         let reg = Registered {
+            groups,
             buckets,
             names,
             ctrl_layout,
@@ -465,11 +646,15 @@ impl Engine {
             ctrl,
             params,
             accum,
+            reduced,
+            accum_len,
+            peer_accum,
             peer_ctrl,
             peer_params,
             peer_pid,
             released: (0..nb).map(|_| AtomicU64::new(0)).collect(),
             finished: AtomicU64::new(0),
+            partials_out: AtomicU64::new(0),
         };
         if inner.reg.set(reg).is_err() {
             return Err(Error::protocol(None, "register called twice"));

@@ -181,3 +181,116 @@ fn mismatched_registration_names_bucket() {
         }
     }
 }
+
+/// Four ranks as two nodes of two (all on this host, over `shm`), hybrid
+/// sharding: shards over the node, gradients summed over every rank, with
+/// uneven push counts and several minibatches.
+#[test]
+fn hybrid_two_nodes_sums_every_rank() {
+    use crate::Sharding;
+    let (world, local) = (4usize, 2usize);
+    let dir = tempfile::tempdir().unwrap();
+    let numel = 1003;
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    sharding: Sharding::Hybrid,
+                    transport: crate::TransportKind::Shm,
+                    ..config("unit_hybrid")
+                };
+                let e =
+                    Engine::new(store, Topology::new(rank, world, local).unwrap(), cfg).unwrap();
+                e.register(&[BucketSpec::new("w", numel, DType::F32)])
+                    .unwrap();
+                let w = e.bucket_id("w").unwrap();
+                let lay = e.bucket(w).unwrap().clone();
+                // Sharded over the node's two ranks, not the world's four.
+                assert!(
+                    lay.shard_len() * local >= numel,
+                    "sharded over {} ranks",
+                    numel.div_ceil(lay.shard_len())
+                );
+                assert!(lay.padded_len() >= numel && lay.padded_len() < numel + 64 * local);
+                let me = rank % local;
+                let sl = lay.shard_len();
+                for k in 0..3u64 {
+                    // Every replica publishes the same shard content.
+                    let shard: Vec<f32> =
+                        (0..sl).map(|i| (me * sl + i) as f32 + k as f32).collect();
+                    e.publish(w, bytes_of(&shard), DType::F32, k).unwrap();
+                    let mut full = vec![0f32; numel];
+                    e.gather(w, k, bytes_of_mut(&mut full), DType::F32).unwrap();
+                    for (i, x) in full.iter().enumerate() {
+                        assert_eq!(*x, i as f32 + k as f32, "rank {rank} element {i}");
+                    }
+                    // Rank r pushes r + 1 microbatches of (r + 1) * (i + k).
+                    for _ in 0..=rank {
+                        let g: Vec<f32> = (0..numel)
+                            .map(|i| ((rank + 1) * (i + 1)) as f32 + k as f32)
+                            .collect();
+                        e.scatter_accumulate(w, bytes_of(&g), DType::F32, 1.0)
+                            .unwrap();
+                    }
+                    e.finish_minibatch(k).unwrap();
+                    let mut grad = vec![0f32; sl];
+                    e.read_grad_shard(w, &mut grad).unwrap();
+                    for (j, x) in grad.iter().enumerate() {
+                        let i = me * sl + j;
+                        let want = if i < numel {
+                            (0..world)
+                                .map(|r| {
+                                    ((r + 1) * (((r + 1) * (i + 1)) as usize)
+                                        + (r + 1) * k as usize)
+                                        as f32
+                                })
+                                .sum::<f32>()
+                        } else {
+                            0.0
+                        };
+                        assert_eq!(*x, want, "rank {rank} minibatch {k} shard element {j}");
+                    }
+                    e.zero_grads().unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+#[test]
+fn hybrid_and_full_ranks_refuse_each_other() {
+    use crate::Sharding;
+    let dir = tempfile::tempdir().unwrap();
+    let threads: Vec<_> = (0..2)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    sharding: if rank == 0 {
+                        Sharding::Hybrid
+                    } else {
+                        Sharding::Full
+                    },
+                    transport: crate::TransportKind::Shm,
+                    ..config("unit_hybrid_mix")
+                };
+                let e = Engine::new(store, Topology::new(rank, 2, 1).unwrap(), cfg).unwrap();
+                let err = e
+                    .register(&[BucketSpec::new("w", 10, DType::F32)])
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    err.contains("hybrid sharding") && err.contains("full sharding"),
+                    "{err}"
+                );
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}

@@ -77,6 +77,21 @@
 //! [`EngineConfig::timeout`] with [`Error::PeerTimeout`] (or earlier with
 //! [`Error::PeerDied`]).
 //!
+//! # Hybrid sharding
+//!
+//! With [`Sharding::Hybrid`] a bucket is sharded over the G ranks of a
+//! node (the shard group) and every word above is exchanged only inside
+//! it. At the end of minibatch `k`, once its node-summed shards are final,
+//! a rank tells the ranks holding the same shards on the other nodes (its
+//! replicas) `partial_ready = k`, reads each replica's accumulators, sums
+//! them in node order (so every replica gets bitwise the same result) and
+//! answers `partial_read = k`. The optimizer reads that sum; the
+//! accumulators may change again (zeroing, or the next publish) only once
+//! every replica read them, so `zero_grad` and `publish` wait for the
+//! replicas' `partial_read`. The reduction costs (N − 1) shard reads per
+//! rank per minibatch, against N − 1 chunks per push and gather over the
+//! network under full sharding.
+//!
 //! # Thread safety
 //!
 //! [`Engine`] is `Send + Sync`. Gathers may run from several threads at once
@@ -126,7 +141,7 @@ mod engine_tests;
 mod loom_model;
 
 #[cfg(not(loom))]
-pub use engine::{BucketId, Engine, EngineConfig};
+pub use engine::{BucketId, Engine, EngineConfig, Sharding};
 pub use error::{Error, Result};
 pub use layout::{BucketLayout, BucketSpec};
 #[cfg(not(loom))]

@@ -55,7 +55,8 @@ struct Own {
 /// The daemon's loop; returns when the engine shuts down.
 pub(crate) fn run(inner: &Inner) {
     let Some(reg) = inner.reg.get() else { return };
-    let world = inner.topo.world();
+    // Clients are indexed by their place in the shard group.
+    let world = reg.groups.group.len();
     // Sequence number last processed per (client, slot): allocated once.
     let mut last = vec![[0u64; 2]; world];
     let mut seen_gen = 0u64;
@@ -99,15 +100,16 @@ pub(crate) fn run(inner: &Inner) {
                     // Acknowledge even a rejected chunk so the client never
                     // hangs; the error surfaces at this rank's finish.
                     let ack = SignalRef {
-                        offset: reg.ctrl_layout.ack(inner.topo.rank(), slot),
+                        offset: reg.ctrl_layout.ack(reg.groups.me, slot),
                         bell: Bell::Client,
                     };
+                    let peer = reg.groups.group[client];
                     if let Err(e) =
                         inner
                             .transport
-                            .put_signal(client, &reg.peer_ctrl[client], 0, &[], ack, seq)
+                            .put_signal(peer, &reg.peer_ctrl[peer], 0, &[], ack, seq)
                     {
-                        inner.record_server_error(format!("acknowledging rank {client}: {e}"));
+                        inner.record_server_error(format!("acknowledging rank {peer}: {e}"));
                     }
                 }
             }
@@ -222,6 +224,8 @@ fn accumulate(
     own_slot: &mut Option<Own>,
 ) -> Result<(), String> {
     let lay = &reg.ctrl_layout;
+    // `client` indexes the shard group; messages name the global rank.
+    let rank = reg.groups.group[client];
     let mut raw = [0u8; HEADER_BYTES];
     // SAFETY: the header lies inside the control region; the client wrote it
     // before the signal we observed with acquire and will not touch the slot
@@ -234,10 +238,10 @@ fn accumulate(
         )
     };
     let h = SlotHeader::decode(&raw)
-        .ok_or_else(|| format!("rank {client}: landing slot with an unknown dtype"))?;
+        .ok_or_else(|| format!("rank {rank}: landing slot with an unknown dtype"))?;
     if h.seq != seq {
         return Err(format!(
-            "rank {client}: slot header seq {} but signal {seq}",
+            "rank {rank}: slot header seq {} but signal {seq}",
             h.seq
         ));
     }
@@ -245,7 +249,7 @@ fn accumulate(
     let bucket = reg
         .buckets
         .get(b)
-        .ok_or_else(|| format!("rank {client}: push into unknown bucket {b}"))?;
+        .ok_or_else(|| format!("rank {rank}: push into unknown bucket {b}"))?;
     let (offset, len) = (
         usize::try_from(h.offset).unwrap_or(usize::MAX),
         usize::try_from(h.len).unwrap_or(usize::MAX),
@@ -256,7 +260,7 @@ fn accumulate(
         Some(acc) if bytes <= lay.chunk_bytes() => acc,
         _ => {
             return Err(format!(
-            "rank {client}: push of {len} elements at {offset} outside shard of {:?} ({} elements)",
+            "rank {rank}: push of {len} elements at {offset} outside shard of {:?} ({} elements)",
             bucket.name(),
             bucket.shard_len()
         ))
@@ -272,12 +276,12 @@ fn accumulate(
         .is_some_and(|o| o.slice.bucket == b && o.slice.offset + o.front == offset);
     let Some(own) = own_slot.as_mut().filter(|_| pairs) else {
         return accumulate_into_f32(acc, data, h.dtype, h.scale)
-            .map_err(|e| format!("rank {client}: {e}"));
+            .map_err(|e| format!("rank {rank}: {e}"));
     };
     if !inner.own.claim(own.gen) {
         *own_slot = None;
         return accumulate_into_f32(acc, data, h.dtype, h.scale)
-            .map_err(|e| format!("rank {client}: {e}"));
+            .map_err(|e| format!("rank {rank}: {e}"));
     }
     // The pending front of the own slice may be shorter than the chunk
     // (its back was added alone): pair what overlaps, add the rest alone.
@@ -304,5 +308,5 @@ fn accumulate(
         inner.transport.ring(Bell::Client);
         *own_slot = None;
     }
-    result.map_err(|e| format!("rank {client}: {e}"))
+    result.map_err(|e| format!("rank {rank}: {e}"))
 }

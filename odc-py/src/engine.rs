@@ -13,7 +13,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use odc_core::{BucketId, BucketSpec, DType, Engine, EngineConfig, Store, Topology, TransportKind};
+use odc_core::{
+    BucketId, BucketSpec, DType, Engine, EngineConfig, Sharding, Store, Topology, TransportKind,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -153,7 +155,7 @@ pub(crate) struct PyEngine {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -166,6 +168,7 @@ impl PyEngine {
         job_key: Option<String>,
         prefix: Option<String>,
         transport: Option<String>,
+        sharding: Option<String>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -198,6 +201,15 @@ impl PyEngine {
                 )
             })?;
         }
+        if let Some(s) = sharding {
+            cfg.sharding = Sharding::parse(&s).ok_or_else(|| {
+                odc_error(
+                    py,
+                    "ConfigError",
+                    format!("unknown sharding {s:?}: expected \"full\" or \"hybrid\""),
+                )
+            })?;
+        }
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = py
             .detach(|| Engine::new(store, topo, cfg))
@@ -217,10 +229,17 @@ impl PyEngine {
 
     #[getter]
     fn transport(&self) -> &'static str {
-        match self.engine.config().transport {
-            TransportKind::Fabric => "fabric",
-            _ => "shm",
-        }
+        self.engine.transport_name()
+    }
+
+    #[getter]
+    fn sharding(&self) -> &'static str {
+        self.engine.config().sharding.name()
+    }
+
+    #[getter]
+    fn local_world_size(&self) -> usize {
+        self.engine.topology().local_world()
     }
 
     #[getter]

@@ -68,6 +68,47 @@ def test_gather_and_scatter_exact_over_libfabric():
     assert all(s == "ok" for s, _ in res.values()), res
 
 
+def _hybrid(rank, world, store, local, numel, transport):
+    eng = odc.Engine(
+        store, rank, world, local_world_size=local, timeout=30,
+        job_key=f"pytest-{os.getppid()}", transport=transport, sharding="hybrid",
+    )
+    assert (eng.sharding, eng.local_world_size) == ("hybrid", local)
+    eng.register([odc.Bucket("w", numel, torch.float32)])
+    sl = eng.bucket("w")["shard_len"]
+    assert sl * local >= numel, "hybrid shards span the node, not the world"
+    me = rank % local
+    pattern = torch.arange(numel, dtype=torch.float32) % 13
+    weight = sum((r + 1) * (r % 3) for r in range(world))
+    sums = []
+    for k in range(3):
+        full = torch.arange(sl * local, dtype=torch.float32) % 97 + k
+        eng.publish("w", full[me * sl : (me + 1) * sl].clone(), version=k)
+        out = torch.empty(numel)
+        eng.gather("w", k, out)
+        assert torch.equal(out, full[:numel]), f"rank {rank} minibatch {k}: gathered wrong values"
+        for _ in range(rank % 3):  # uneven microbatch counts, including zero
+            eng.scatter_accumulate("w", pattern * (rank + 1), scale=1.0)
+        eng.finish_minibatch(k)
+        g = eng.grad_shard("w").clone()
+        lo, hi = me * sl, min((me + 1) * sl, numel)
+        want = torch.zeros(sl)
+        want[: hi - lo] = pattern[lo:hi] * weight
+        assert torch.equal(g, want), f"rank {rank} minibatch {k}: the sum over every node is wrong"
+        sums.append(g)
+        eng.zero_grad()
+    return [x.tolist() for x in sums]
+
+
+@pytest.mark.parametrize("world,local,transport", [(4, 2, "shm"), (6, 2, "shm"), (4, 2, "mixed")])
+def test_hybrid_sharding_sums_across_nodes(world, local, transport):
+    res = run_ranks(_hybrid, world, local=local, numel=1001, transport=transport)
+    assert all(s == "ok" for s, _ in res.values()), res
+    # Replicas (same local rank on every node) hold bitwise the same sums.
+    for r in range(world):
+        assert res[r][1] == res[r % local][1], f"rank {r} differs from rank {r % local}"
+
+
 def test_unknown_transport_is_a_config_error():
     import torch.distributed as dist
 

@@ -1,7 +1,8 @@
 """The worker API on torch tensors: :class:`Engine`.
 
 One :class:`Engine` per rank. It owns this rank's shard server daemon (a
-native thread) and talks to peers through shared memory. The rendezvous
+native thread) and talks to peers through shared memory on the same node
+and libfabric RMA across nodes. The rendezvous
 store is torch's own (``dist.TCPStore`` / ``dist.FileStore``, or the default
 group's store after ``init_process_group``).
 
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
 from . import _odc
-from .errors import LayoutError
+from .errors import ConfigError, LayoutError
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +75,44 @@ def _buffer(t: "torch.Tensor", what: str) -> tuple[int, int, str]:
     return t.data_ptr(), t.numel() * t.element_size(), dtype_name(t.dtype)
 
 
+def _local_world_size(store: Any, rank: int, world: int, prefix: str) -> int:
+    """Ranks per node: ``LOCAL_WORLD_SIZE``, else from every rank's host name."""
+    env = os.environ.get("LOCAL_WORLD_SIZE")
+    if env:
+        try:
+            g = int(env)
+        except ValueError:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={env!r} is not an integer") from None
+        if g < 1 or world % g != 0:
+            raise ConfigError(f"LOCAL_WORLD_SIZE={g} does not divide the world size {world}")
+        return g
+    if world == 1:
+        return 1
+    store.set(f"{prefix}/hosts/{rank}", socket.gethostname())
+    hosts = [store.get(f"{prefix}/hosts/{r}").decode() for r in range(world)]
+    g = hosts.count(hosts[0])
+    blocks = [hosts[i : i + g] for i in range(0, world, g)]
+    if world % g != 0 or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
+        raise ConfigError(
+            "ranks are not placed node-major with the same count per host "
+            f"(hosts by rank: {hosts}); pass local_world_size= or set LOCAL_WORLD_SIZE"
+        )
+    return g
+
+
+def _route_to_master() -> str | None:
+    """This host's address on the route to ``MASTER_ADDR`` (no packet is sent)."""
+    master = os.environ.get("MASTER_ADDR")
+    if not master:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
 class Engine:
     """One rank's ODC engine (shard server daemon + worker API).
 
@@ -81,19 +121,32 @@ class Engine:
             or ``dist.distributed_c10d._get_default_store()``).
         rank: this rank.
         world_size: number of ranks D.
-        local_world_size: ranks per node (default: all on one node).
+        local_world_size: ranks per node G; ranks are numbered node-major
+            (node n holds ranks n·G … n·G+G−1). Default: ``LOCAL_WORLD_SIZE``
+            (set by torchrun), else inferred from the ranks' host names
+            through ``store``.
         chunk_bytes: landing-slot size (bytes); landing memory is
-            ``2 · D · chunk_bytes`` per rank. Default: the engine's.
+            ``2 · D · chunk_bytes`` per rank (``2 · G · chunk_bytes`` under
+            hybrid sharding). Default: the engine's.
         timeout: seconds any wait on a peer may take (default 300, or
             ``ODC_TIMEOUT_S``).
         job_key: names this job's shared-memory segments so a restart of the
             same job removes a crashed run's leftovers (default
             ``ODC_JOB_KEY`` or ``"default"``).
         prefix: store key prefix, so several engines can share one store.
-        transport: ``"shm"`` (shared memory, one node; the default) or
-            ``"fabric"`` (libfabric RMA; ``ODC_FABRIC_ADDR`` /
-            ``ODC_FABRIC_PROVIDER`` choose the address and provider).
-            Default: ``ODC_TRANSPORT``, else ``"shm"``.
+        transport: ``"auto"`` (the default: shared memory between ranks of
+            a node, libfabric RMA between nodes), ``"shm"`` (every rank on
+            this host), ``"fabric"`` (libfabric between every pair) or
+            ``"mixed"`` (as auto, also on one node). ``ODC_FABRIC_ADDR`` /
+            ``ODC_FABRIC_PROVIDER`` choose libfabric's address and provider;
+            without ``ODC_FABRIC_ADDR`` a multi-node job binds the address
+            that routes to ``MASTER_ADDR``. Default: ``ODC_TRANSPORT``, else
+            ``"auto"``.
+        sharding: ``"full"`` (shard every bucket over all D ranks; the
+            default) or ``"hybrid"`` (shard over the G ranks of a node;
+            gathers and pushes stay inside the node and
+            :meth:`finish_minibatch` sums the gradient shards across nodes
+            once, so :meth:`grad_shard` holds the sum over every rank).
     """
 
     def __init__(
@@ -108,20 +161,36 @@ class Engine:
         job_key: str | None = None,
         prefix: str | None = None,
         transport: str | None = None,
+        sharding: str | None = None,
     ) -> None:
         if transport is None:
             transport = os.environ.get("ODC_TRANSPORT") or None
-        self._native = _odc.Engine(
-            store,
-            int(rank),
-            int(world_size),
-            local_world_size=local_world_size,
-            chunk_bytes=chunk_bytes,
-            timeout=timeout,
-            job_key=job_key,
-            prefix=prefix,
-            transport=transport,
-        )
+        if local_world_size is None:
+            local_world_size = _local_world_size(store, int(rank), int(world_size), prefix or "odc")
+        # Across nodes libfabric must bind an address the other nodes reach:
+        # unless told, the one on the route to the rendezvous host (set for
+        # this construction only; the transport reads it once).
+        addr = None
+        if int(world_size) > int(local_world_size) and "ODC_FABRIC_ADDR" not in os.environ:
+            addr = _route_to_master()
+        if addr is not None:
+            os.environ["ODC_FABRIC_ADDR"] = addr
+        try:
+            self._native = _odc.Engine(
+                store,
+                int(rank),
+                int(world_size),
+                local_world_size=local_world_size,
+                chunk_bytes=chunk_bytes,
+                timeout=timeout,
+                job_key=job_key,
+                prefix=prefix,
+                transport=transport,
+                sharding=sharding,
+            )
+        finally:
+            if addr is not None:
+                os.environ.pop("ODC_FABRIC_ADDR", None)
         self._ids: dict[str, int] = {}
         self._infos: list[dict] = []
 
@@ -136,8 +205,18 @@ class Engine:
 
     @property
     def transport(self) -> str:
-        """``"shm"`` or ``"fabric"``."""
+        """The transport in use: ``"shm"``, ``"fabric"`` or ``"shm+fabric"``."""
         return self._native.transport
+
+    @property
+    def sharding(self) -> str:
+        """``"full"`` or ``"hybrid"``."""
+        return self._native.sharding
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks per node G."""
+        return self._native.local_world_size
 
     @property
     def timeout(self) -> float:
