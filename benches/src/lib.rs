@@ -80,6 +80,15 @@ pub struct PerfArgs {
     /// `ODC_FABRIC_PROVIDER`, default tcp; needs the `fabric` feature).
     #[arg(long = "transport", default_value = "shm", value_parser = parse_transport)]
     pub transport: odc_core::TransportKind,
+    /// Ranks per node G (ranks are numbered node-major). Default: every
+    /// rank on one node, or ranks / namespaces with `--netns`.
+    #[arg(long = "local-ranks")]
+    pub local_ranks: Option<usize>,
+    /// Runs the ranks in existing network namespaces, `NAME=ADDR,...`
+    /// (ADDR: the namespace's address libfabric binds); rank r runs in
+    /// namespace r / (ranks / namespaces). Needs root.
+    #[arg(long = "netns", value_delimiter = ',', value_parser = parse_netns)]
+    pub netns: Vec<(String, String)>,
     /// Internal: this process is rank N of a launched job.
     #[arg(long = "rank", hide = true)]
     pub rank: Option<usize>,
@@ -112,6 +121,20 @@ impl PerfArgs {
         if self.iters == 0 {
             return Err("-n 0: need at least one timed iteration".into());
         }
+        let local = self.local_world();
+        if local == 0 || self.ranks % local != 0 {
+            return Err(format!(
+                "--local-ranks {local} / --netns: {} ranks do not split into nodes of {local}",
+                self.ranks
+            ));
+        }
+        if !self.netns.is_empty() && self.ranks % self.netns.len() != 0 {
+            return Err(format!(
+                "--netns: {} ranks do not split evenly over {} namespaces",
+                self.ranks,
+                self.netns.len()
+            ));
+        }
         if !self.transport.available() {
             return Err(format!(
                 "--transport {}: this build lacks it (build odc-benches with --features fabric)",
@@ -119,6 +142,21 @@ impl PerfArgs {
             ));
         }
         Ok(())
+    }
+
+    /// Ranks per node.
+    pub fn local_world(&self) -> usize {
+        match (self.local_ranks, self.netns.len()) {
+            (Some(g), _) => g,
+            (None, 0) => self.ranks,
+            (None, n) => self.ranks / n,
+        }
+    }
+
+    /// The namespace (name, address) rank `r` runs in, if any.
+    pub fn netns_of(&self, r: usize) -> Option<&(String, String)> {
+        let n = self.netns.len();
+        (n > 0).then(|| &self.netns[(r / (self.ranks / n).max(1)).min(n - 1)])
     }
 
     /// The sizes of the sweep, each rounded down to whole elements of `dtype`.
@@ -164,6 +202,13 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
     odc_core::TransportKind::parse(s)
         .ok_or_else(|| format!("unknown transport {s:?}: shm or fabric"))
+}
+
+fn parse_netns(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((ns, addr)) if !ns.is_empty() && !addr.is_empty() => Ok((ns.into(), addr.into())),
+        _ => Err(format!("--netns {s:?}: expected NAME=ADDR")),
+    }
 }
 
 /// The transport's name as the flag spells it.
@@ -424,7 +469,17 @@ pub fn launch(args: &PerfArgs) -> ExitCode {
     let passthrough: Vec<String> = std::env::args().skip(1).collect();
     let mut children: Vec<Child> = Vec::new();
     for r in 0..args.ranks {
-        let child = Command::new(&exe)
+        let mut cmd = match args.netns_of(r) {
+            Some((ns, addr)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns.as_str()])
+                    .arg(&exe)
+                    .env("ODC_FABRIC_ADDR", addr);
+                c
+            }
+            None => Command::new(&exe),
+        };
+        let child = cmd
             .args(&passthrough)
             .arg("--rank")
             .arg(r.to_string())
@@ -621,7 +676,8 @@ pub fn join(args: &PerfArgs, rank: usize) -> Result<RankCtx, String> {
     let job = args.job_dir.as_deref().ok_or("--rank needs --job-dir")?;
     let timeout = Duration::from_secs(args.timeout_s.max(1));
     let store = odc_core::FileStore::new(job.join("store")).map_err(|e| e.to_string())?;
-    let topo = odc_core::Topology::single_node(rank, args.ranks).map_err(|e| e.to_string())?;
+    let topo =
+        odc_core::Topology::new(rank, args.ranks, args.local_world()).map_err(|e| e.to_string())?;
     let mut cfg = odc_core::EngineConfig {
         timeout,
         transport: args.transport,
