@@ -3,17 +3,17 @@
 # multi-host runs of the benchmarks (needs root):
 #
 #   scripts/netns.sh up [N]     creates odcns0..odcns{N-1} (default N=2) on
-#                               10.231.0.0/24 (namespace i: 10.231.0.{i+2},
+#                               10.239.0.0/24 (namespace i: 10.239.0.{i+2},
 #                               the bridge odcbr0 in this namespace: .1) and
 #                               prints the --netns argument for the perf binaries
 #   scripts/netns.sh down       removes them
 #
-# Only addresses inside 10.231.0.0/24 are used; nothing is routed outside.
+# Only addresses inside 10.239.0.0/24 are used; nothing is routed outside.
 set -euo pipefail
 cmd=${1:-}
 n=${2:-2}
 BR=odcbr0
-NET=10.231.0
+NET=10.239.0
 
 down() {
     for ns in $(ip netns list | awk '{print $1}' | grep -E '^odcns[0-9]+$' || true); do

@@ -80,11 +80,11 @@ def full_params(model):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().tolist() for k, v in model.state_dict().items()}
 
 
-def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2):
+def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, sharding="full"):
     """AdamW, ``micros`` microbatches per step; returns (losses, norms, params)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if odc_on:
-        odc.fsdp.enable(model, opt, timeout=60)
+        odc.fsdp.enable(model, opt, timeout=60, sharding=sharding)
     losses, norms = [], []
     for s in range(steps):
         total = 0.0
@@ -240,3 +240,137 @@ def _push_then_disable(model, rank):
     with odc.fsdp.minibatch(model):
         sample_loss(model, data(2, 0, rank)).backward()
         odc.fsdp.disable(model)
+
+
+# -- hybrid sharding (test_fsdp_hybrid.py): D ranks as nodes × G on one host --------------------
+
+
+def hsdp_mesh(world, per_node):
+    """FSDP2's HSDP mesh: (replicate, shard) = (nodes, ranks per node)."""
+    return init_device_mesh("cpu", (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+
+
+def as_nodes(per_node, transport=None):
+    """Makes this worker one of ``per_node`` ranks of a node (node-major), as torchrun would say."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    if transport is not None:
+        os.environ["ODC_TRANSPORT"] = transport
+
+
+def local_shards(model):
+    """This rank's parameter shards as nested lists (replicas on other nodes must hold the same)."""
+    return {k: v.to_local().detach().tolist() for k, v in model.state_dict().items()}
+
+
+def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2, clip=0.5):
+    """Hybrid ODC with AdamW and clipping, ranks running table[s][r] microbatches at step s.
+
+    Also counts collectives (CommDebugMode) over the first step, flips
+    ``set_requires_gradient_sync(True)`` before every forward (it turns HSDP's
+    all-reduce back on; ODC must keep it off), and returns this rank's shards.
+    Rank 0 compares with a single-process reference on the same total loss.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    as_nodes(per_node, transport)
+    init_pg(rank, world, store)
+    model = build(world, mesh=hsdp_mesh(world, per_node))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    odc.fsdp.enable(model, opt, sharding="hybrid", timeout=60)
+    engine = model._odc_fsdp.engine
+    info = {"transport": engine.transport, "sharding": engine.sharding, "norms": [], "comms": None}
+    for s, plan in enumerate(table):
+        norm = 27 * sum(plan)  # tokens in the whole minibatch
+        with CommDebugMode() if s == 0 else _null() as cm:
+            for m in range(plan[rank]):
+                model.set_requires_gradient_sync(True)
+                (sample_loss(model, data(s, m, rank)) / norm * world).backward()  # FSDP averages over D
+            info["norms"].append(float(odc.fsdp.clip_grad_norm_(model, clip)))
+            opt.step()
+            opt.zero_grad()
+        if s == 0:
+            info["comms"] = {str(k): v for k, v in cm.get_comm_counts().items()}
+    info["all_reduce_off"] = all(not g.pg.all_reduce_grads for g in model._odc_fsdp.groups)
+    info["shards"] = local_shards(model)
+    odc.fsdp.disable(model)
+    info["all_reduce_restored"] = all(g.pg.all_reduce_grads for g in _groups(model))
+    params = full_params(model)
+    if rank != 0:
+        return info
+    torch.manual_seed(0)
+    ref = Tiny()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+    ref_norms = []
+    for s, plan in enumerate(table):
+        norm = 27 * sum(plan)
+        for r in range(world):
+            for m in range(plan[r]):
+                (sample_loss(ref, data(s, m, r)) / norm).backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        ropt.step()
+        ropt.zero_grad()
+    info["ref_norms"] = ref_norms
+    info["max_diff"] = max((torch.tensor(params[k]) - v.detach()).abs().max().item() for k, v in ref.state_dict().items())
+    return info
+
+
+def _groups(model):
+    state = model._get_fsdp_state()
+    return [pg for st in state._state_ctx.all_states for pg in st._fsdp_param_groups]
+
+
+def hybrid_parity_worker(rank, world, store, per_node, variants, transport):
+    """Hybrid ODC against FSDP2's own HSDP over gloo (same microbatches on every rank)."""
+    as_nodes(per_node, transport)
+    init_pg(rank, world, store)
+    out = {}
+    for name in variants:
+        res = {}
+        for mode in ("gloo", "odc"):
+            model = build(world, mesh=hsdp_mesh(world, per_node), reshard=(name != "forcesum"))
+            if name == "forcesum":
+                model.set_force_sum_reduction_for_comms(True)
+            if name == "divide":
+                model.set_gradient_divide_factor(float(per_node))  # sum over nodes, mean within one
+            res[mode] = train(model, rank, world, steps=4, micros=2, odc_on=(mode == "odc"),
+                              clip=0.5 if name == "fp32" else None, sharding="hybrid")
+        out[name] = res
+    return out
+
+
+def hybrid_errors_worker(rank, world, store, per_node):
+    """Settings that must be refused with a ConfigError naming the problem and the fix."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    as_nodes(per_node)
+    init_pg(rank, world, store)
+    found = {}
+
+    def expect(key, fn):
+        try:
+            fn()
+        except odc.ConfigError as e:
+            found[key] = str(e)
+        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+            found[key] = f"wrong type {type(e).__name__}: {e}"
+        else:
+            found[key] = "no error"
+
+    expect("unknown", lambda: odc.fsdp.enable(build(world), None, sharding="hsdp"))
+    expect("one_d", lambda: odc.fsdp.enable(build(world), None, sharding="hybrid"))
+    expect("full_on_2d", lambda: odc.fsdp.enable(build(world, mesh=hsdp_mesh(world, per_node)), None))
+    wide = init_device_mesh("cpu", (world // (2 * per_node), 2 * per_node), mesh_dim_names=("replicate", "shard"))
+    expect("wide", lambda: odc.fsdp.enable(build(world, mesh=wide), None, sharding="hybrid"))
+    # Shard groups across nodes: ranks {0, G, ...} share shards.
+    across = DeviceMesh("cpu", torch.arange(world).view(world // per_node, per_node).t().contiguous(),
+                        mesh_dim_names=("replicate", "shard"))
+    expect("across", lambda: odc.fsdp.enable(build(world, mesh=across), None, sharding="hybrid"))
+    # HSDP's all-reduce turned back on between forward and backward (no
+    # re-gather in backward, which would switch it off again).
+    model = build(world, mesh=hsdp_mesh(world, per_node), reshard=False)
+    odc.fsdp.enable(model, None, sharding="hybrid", timeout=30)
+    with odc.fsdp.minibatch(model):
+        loss = sample_loss(model, data(0, 0, rank))
+        model.set_requires_all_reduce(True)
+        expect("all_reduce_on", loss.backward)
+    return found

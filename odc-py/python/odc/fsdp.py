@@ -31,8 +31,23 @@ Without an optimizer (``enable(model, None)``) the same two steps run from
 :func:`minibatch`: leaving it finishes the minibatch, entering the next one
 publishes the stepped parameters.
 
+Hybrid sharding (``enable(..., sharding="hybrid")``) runs on FSDP2's HSDP
+layout: the model is ``fully_shard``-ed over a 2-D mesh ``(replicate, shard)``
+= (nodes, ranks per node). A bucket then has G shards, one per rank of a
+node; gathers and pushes stay inside the node and ``finish_minibatch`` sums
+each shard over the N nodes once (the engine's cross-node reduce), so every
+node's replica of the optimizer steps bitwise-identical gradients. FSDP's own
+replicate all-reduce (a direct ``dist.all_reduce`` in ``foreach_reduce``,
+not a seam) is switched off with ``set_requires_all_reduce(False)``; FSDP
+then parks its (zero) reduce-scatter output as a pending partial instead of
+assigning ``.grad``, which :meth:`_Binding.finish` drops. FSDP's divide
+factor under HSDP covers all D = N·G ranks (AVG on both collectives, or
+PREMUL_SUM(1/f) then SUM), so pushes are scaled by 1/D, ``op.factor``, or
+the post-divide computed over both groups.
+
 Settings whose semantics ODC cannot keep are refused with :class:`odc.ConfigError`:
-HSDP (2-D meshes; hybrid sharding comes later), ``reshard_after_forward=int``,
+2-D meshes under ``sharding="full"``, 1-D meshes under ``sharding="hybrid"``,
+shard groups that are not the ranks of one node, ``reshard_after_forward=int``,
 tensor-subclass all-gather extensions, groups whose gradients are packed in
 another order than their parameters (mixed gradient dtypes). A group whose
 reduce-scatter input shrinks because a parameter got no gradient raises
@@ -44,8 +59,10 @@ Private FSDP2 state read here (checked on torch 2.15.0): ``FSDPState``
 (``_lazy_init``, ``_state_ctx.all_states``, ``_fsdp_param_groups``), and per
 group ``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``,
 ``_reduce_scatter_param_indices``, ``gradient_divide_factor``,
-``force_sum_reduction_for_comms``; ``_get_param_all_gather_inputs`` and
-``_get_gradient_divide_factors`` from ``_fsdp_collectives``.
+``force_sum_reduction_for_comms``, ``all_reduce_grads``,
+``_all_reduce_process_group``, ``_partial_reduce_output`` (and its layout);
+``_get_param_all_gather_inputs`` and ``_get_gradient_divide_factors`` from
+``_fsdp_collectives``.
 """
 
 from __future__ import annotations
@@ -53,6 +70,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
+import socket
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
@@ -67,7 +86,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     _get_gradient_divide_factors,
     _get_param_all_gather_inputs,
 )
-from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import DTensor
 
 from .engine import Bucket, Engine
@@ -82,6 +101,7 @@ __all__ = ["enable", "disable", "minibatch", "finish", "clip_grad_norm_", "is_en
 TORCH_VERSIONS_CHECKED = ("2.15.0",)
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
+SHARDINGS = ("full", "hybrid")
 _enables = itertools.count()  # one per enable() in this process; equal on every rank
 _live: "weakref.WeakSet[_Binding]" = weakref.WeakSet()
 
@@ -99,20 +119,35 @@ class _Group:
     shard: torch.Tensor | None = None  # staging buffer for publish (shard_len elements)
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where this rank sits: D ranks in all, a bucket cut into ``shards`` shards."""
+
+    sharding: str
+    world: int  # D: every rank of the mesh (the gradient is the mean over all of them)
+    rank: int  # this rank among the D, node-major
+    shards: int  # shards per bucket: D (full) or G, the ranks of a node (hybrid)
+    index: int  # this rank's shard
+    members: tuple[int, ...]  # global ranks of the mesh, node-major
+
+
 class _Binding:
     """The ODC state of one enabled model (one engine, one bucket per group)."""
 
-    def __init__(self, model: FSDPModule, groups: list[_Group], engine: Engine, world: int, rank: int) -> None:
+    def __init__(self, model: FSDPModule, groups: list[_Group], engine: Engine, layout: _Layout) -> None:
         self.model = model
         self.groups = groups
         self.engine = engine
-        self.world = world
-        self.rank = rank
+        self.layout = layout
+        self.shards = layout.shards
+        self.index = layout.index
+        self.hybrid = layout.sharding == "hybrid"
         self.version = 0  # parameters published; gathers of this minibatch read them
         self.open = True  # minibatch `version` is running (not finished)
         self.pushed = False  # this rank pushed gradients in the running minibatch
         self.clipped = -1  # last minibatch whose gradients were clipped
         self.hooks: list[Any] = []
+        self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
         self.param_ids = {id(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params}
 
     # -- protocol ------------------------------------------------------------
@@ -136,6 +171,13 @@ class _Binding:
             return
         self.engine.finish_minibatch(self.version)
         self.open = False
+        if self.hybrid:
+            # FSDP parked its reduce-scatter outputs (zeros) as HSDP partials
+            # awaiting an all-reduce that never comes; they would stay
+            # allocated, a gradient's worth per group.
+            for g in self.groups:
+                g.pg._partial_reduce_output = None
+                g.pg._partial_reduce_output_layout.clear()
         if install:
             for g in self.groups:
                 acc = self.engine.grad_shard(g.name)
@@ -175,7 +217,11 @@ class _OdcAllGather(AllGather):
     def __call__(self, output_tensor, input_tensor, group=None, async_op: bool = False):
         b, g = self._b, self._g
         b.check_open(f"all-gather of {g.name}")
-        ws, n, sl = b.world, g.n, g.shard_len
+        if b.hybrid:
+            # Re-asserted before every backward: set_requires_gradient_sync(True)
+            # turns HSDP's all-reduce back on.
+            g.pg.all_reduce_grads = False
+        ws, n, sl = b.shards, g.n, g.shard_len
         if output_tensor.numel() != ws * n or output_tensor.dtype != g.dtype:
             raise LayoutError(
                 f"odc.fsdp: all-gather of {g.name} got {output_tensor.numel()} {output_tensor.dtype} elements; "
@@ -186,7 +232,7 @@ class _OdcAllGather(AllGather):
         else:
             # ODC aligns shards to 64 bytes; FSDP packs them densely.
             tmp = torch.empty(ws, sl, dtype=g.dtype)
-            tmp[b.rank, :n].copy_(input_tensor)
+            tmp[b.index, :n].copy_(input_tensor)
             b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
             output_tensor.view(ws, n).copy_(tmp[:, :n])
         return None
@@ -203,19 +249,26 @@ class _OdcReduceScatter(ReduceScatter):
         return torch.empty(size, dtype=dtype, device=device)
 
     def _scale(self, op: Any, dtype: torch.dtype) -> float:
+        # The pushes are summed over every rank (every node too, under hybrid
+        # sharding), so a scale divides by FSDP's whole data-parallel size.
+        pg = self._g.pg
         factor = getattr(op, "factor", None)
         if factor is not None:  # PREMUL_SUM(1 / gradient_divide_factor)
             return float(factor)
         kind = getattr(op, "op", op)
         if kind == dist.ReduceOp.AVG:
-            return 1.0 / self._b.world
+            # AVG: no divide factor (mean over all D ranks; under HSDP FSDP
+            # averages over the shard group, then over the replicas), or one
+            # equal to the shard group's size.
+            f = pg.gradient_divide_factor
+            return 1.0 / (f if f is not None else self._b.layout.world)
         if kind == dist.ReduceOp.SUM:
             # FSDP divides the *output* after a SUM (forced sum, or fp16 with a
             # pre-divide already applied to the input); our output is zeros, so
             # the post-divide moves into the push.
-            pg = self._g.pg
+            replicas = pg._all_reduce_process_group if self._b.hybrid else None
             _, post, _, _ = _get_gradient_divide_factors(
-                pg.mesh_info.shard_process_group, None, dtype, pg.device.type,
+                pg.mesh_info.shard_process_group, replicas, dtype, pg.device.type,
                 pg.gradient_divide_factor, pg.force_sum_reduction_for_comms,
             )
             return 1.0 / post if post else 1.0
@@ -224,7 +277,16 @@ class _OdcReduceScatter(ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op: bool = False):
         b, g = self._b, self._g
         b.check_open(f"reduce-scatter of {g.name}")
-        ws, n, sl = b.world, g.n, g.shard_len
+        if b.hybrid and g.pg.all_reduce_grads:
+            # FSDP's replicate all-reduce follows this call, with this flag
+            # already read: it would pair up with peers' minibatch ends.
+            raise ConfigError(
+                f"odc.fsdp: FSDP's HSDP all-reduce was turned back on for {g.name} after its forward "
+                "(set_requires_all_reduce(True) or set_requires_gradient_sync(True)); under sharding='hybrid' "
+                "ODC reduces across nodes once per minibatch and keeps it off: make those calls before "
+                "the forward, or after odc.fsdp.disable"
+            )
+        ws, n, sl = b.shards, g.n, g.shard_len
         if input_tensor.numel() != ws * n:
             raise LayoutError(
                 f"odc.fsdp: reduce-scatter input of {g.name} holds {input_tensor.numel()} elements, not "
@@ -251,16 +313,29 @@ def _states(model: FSDPModule) -> list[Any]:
     return list(state._state_ctx.all_states)
 
 
-def _describe(model: FSDPModule) -> list[_Group]:
+_HSDP_MESH = (
+    "init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names=('replicate', 'shard'))"
+)
+
+
+def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
     groups: list[_Group] = []
     for state in _states(model):
         for pg in state._fsdp_param_groups:
             mesh = pg.mesh_info
             name = f"fsdp{len(groups)}:{pg._module_fqn or '<root>'}"
-            if isinstance(mesh, DDPMeshInfo) or not isinstance(mesh, FSDPMeshInfo):
+            if sharding == "full" and (isinstance(mesh, DDPMeshInfo) or not isinstance(mesh, FSDPMeshInfo)):
                 raise ConfigError(
-                    f"odc.fsdp: {name} uses a 2-D (HSDP / replicated) mesh; ODC supports 1-D sharding "
-                    "meshes for now (hybrid sharding comes later)"
+                    f"odc.fsdp: {name} uses a 2-D (HSDP / replicated) mesh, but sharding='full' shards "
+                    "over one mesh dimension; pass sharding='hybrid' to odc.fsdp.enable for a "
+                    "(replicate, shard) mesh, or fully_shard over a 1-D mesh"
+                )
+            if sharding == "hybrid" and not isinstance(mesh, HSDPMeshInfo):
+                kind = "a replicate-only" if isinstance(mesh, DDPMeshInfo) else "a 1-D"
+                raise ConfigError(
+                    f"odc.fsdp: sharding='hybrid' needs a model fully_shard-ed over a 2-D mesh "
+                    f"(replicate, shard) = (nodes, ranks per node), but {name} uses {kind} mesh; build it "
+                    f"with {_HSDP_MESH}, or use sharding='full'"
                 )
             if pg.post_forward_mesh_info is not None and pg.post_forward_mesh_info is not mesh:
                 raise ConfigError(
@@ -289,6 +364,68 @@ def _describe(model: FSDPModule) -> list[_Group]:
     return groups
 
 
+def _node_layout(groups: list[_Group], sharding: str) -> _Layout:
+    """This rank's place among the mesh's ranks; under hybrid, checks that each shard group is one node."""
+    info = groups[0].pg.mesh_info
+    grid = info.mesh.mesh.tolist()
+    for g in groups:
+        if g.pg.mesh_info.mesh.mesh.tolist() != grid:
+            raise ConfigError(f"odc.fsdp: {g.name} is sharded over other ranks than {groups[0].name}")
+    if sharding == "full":
+        d, r = info.shard_mesh_size, info.shard_mesh_rank
+        return _Layout("full", world=d, rank=r, shards=d, index=r, members=tuple(grid))
+    # HSDPMeshInfo: dim 0 replicates (nodes), dim 1 shards (the ranks of a node).
+    nodes, per_mesh_row = len(grid), len(grid[0])
+    members = tuple(r for row in grid for r in row)
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(env) if env.isdigit() and int(env) > 0 else None
+    where = f"LOCAL_WORLD_SIZE={per_node}, node-major ranks" if per_node else "by host name"
+
+    def fix(g: int) -> str:
+        return (
+            f"sharding='hybrid' shards within a node: build the mesh with init_device_mesh(device, "
+            f"({len(members) // g}, {g}), mesh_dim_names=('replicate', 'shard')) over node-major ranks"
+        )
+
+    if per_node is not None:
+        if len(members) % per_node:
+            raise ConfigError(
+                f"odc.fsdp: the mesh's {len(members)} ranks are not whole nodes of {per_node} "
+                "(LOCAL_WORLD_SIZE); sharding='hybrid' needs the same number of ranks on every node"
+            )
+        if per_mesh_row != per_node:
+            raise ConfigError(
+                f"odc.fsdp: the mesh's shard dimension has {per_mesh_row} ranks, but a node runs "
+                f"{per_node} (LOCAL_WORLD_SIZE); {fix(per_node)}"
+            )
+        node_of = {r: r // per_node for r in members}
+    else:
+        node_of = _hosts(members)
+    for row in grid:
+        if len({node_of[r] for r in row}) != 1:
+            raise ConfigError(
+                f"odc.fsdp: the mesh's shard dimension groups ranks {row}, which are on different nodes "
+                f"({where}); {fix(per_mesh_row)}"
+            )
+    if per_mesh_row == 1 and nodes > 1:
+        raise ConfigError(
+            "odc.fsdp: sharding='hybrid' with one rank per node shards nothing (FSDP skips its all-gather "
+            "and reduce-scatter on a shard group of 1); use sharding='full' over a 1-D mesh"
+        )
+    node, index = info.replicate_mesh_rank, info.shard_mesh_rank
+    return _Layout("hybrid", world=len(members), rank=node * per_mesh_row + index, shards=per_mesh_row,
+                   index=index, members=members)
+
+
+def _hosts(members: tuple[int, ...]) -> dict[int, str]:
+    """Host name of every rank of the mesh, through the default store (each rank posts its own)."""
+    store = dist.PrefixStore(f"odc-fsdp/hosts/{'-'.join(map(str, members))}/",
+                             dist.distributed_c10d._get_default_store())
+    me = dist.get_rank()
+    store.set(str(me), socket.gethostname())
+    return {r: store.get(str(r)).decode() for r in members}
+
+
 def _binding(model: Any) -> _Binding:
     b = getattr(model, "_odc_fsdp", None)
     if b is None:
@@ -305,6 +442,7 @@ def enable(
     model: Any,
     optimizer: torch.optim.Optimizer | None,
     *,
+    sharding: str = "full",
     chunk_bytes: int | None = None,
     timeout: float | None = None,
 ) -> None:
@@ -314,18 +452,44 @@ def enable(
     Collective once (registration); afterwards no call waits on the slowest
     rank. Ranks may run different numbers of microbatches per minibatch.
 
+    Hybrid sharding keeps parameters and gradients sharded within a node and
+    every gather and push inside it; at the end of a minibatch each gradient
+    shard is summed across the nodes once. Each node keeps a replica of the
+    optimizer state for its shards, stepped on bitwise-identical gradients
+    (as HSDP does). Shard the model over FSDP2's 2-D mesh::
+
+        mesh = init_device_mesh("cuda", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        odc.fsdp.enable(model, optimizer, sharding="hybrid")
+
+    Ranks are node-major (node n runs ranks n·G … n·G + G − 1, as torchrun
+    numbers them); ``LOCAL_WORLD_SIZE``, where set, is the node size G.
+    FSDP's own cross-node all-reduce is switched off
+    (``set_requires_all_reduce(False)``) until :func:`disable`.
+
     Args:
-        model: the root module returned by ``fully_shard`` (1-D mesh).
+        model: the root module returned by ``fully_shard``: over a 1-D mesh
+            (``sharding="full"``) or a 2-D ``(replicate, shard)`` mesh
+            (``sharding="hybrid"``).
         optimizer: its optimizer; a step pre-hook finishes the minibatch and
             installs the gradients, a post-hook publishes the new parameters.
             ``None``: wrap each minibatch in :func:`minibatch` instead.
-        chunk_bytes: landing-slot size (default: the engine's).
+        sharding: ``"full"`` (shard over every rank) or ``"hybrid"`` (shard
+            within a node, reduce gradients across nodes once per minibatch).
+        chunk_bytes: landing-slot size (default: the engine's). Each rank
+            keeps ``2 · clients · chunk_bytes`` of landing slots, clients
+            being every rank (full) or the ranks of its node (hybrid).
         timeout: seconds any wait on a peer may take (default 300 or
             ``ODC_TIMEOUT_S``); past it :class:`odc.PeerTimeout` names the peer.
 
     Raises:
-        ConfigError: the model is not ``fully_shard``-ed, already enabled, or
-            uses a setting ODC cannot keep (see the module doc).
+        ConfigError: the model is not ``fully_shard``-ed, already enabled,
+            ``sharding`` is unknown or does not fit the mesh (a 2-D mesh under
+            ``"full"``, a 1-D mesh under ``"hybrid"``, shard groups that are
+            not the ranks of one node), or it uses a setting ODC cannot keep
+            (see the module doc).
         RegistrationError: ranks built different models.
     """
     if not isinstance(model, FSDPModule):
@@ -335,28 +499,36 @@ def enable(
         )
     if is_enabled(model):
         raise ConfigError("odc.fsdp.enable: this model is already enabled")
-    groups = _describe(model)
+    if sharding not in SHARDINGS:
+        raise ConfigError(
+            f"odc.fsdp.enable: unknown sharding {sharding!r}; use 'full' (shard over every rank, 1-D mesh) "
+            "or 'hybrid' (shard within a node, 2-D (replicate, shard) mesh)"
+        )
+    groups = _describe(model, sharding)
     if not groups:
         raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
-    mesh = groups[0].pg.mesh_info
-    world, rank = mesh.shard_mesh_size, mesh.shard_mesh_rank
-    members = dist.get_process_group_ranks(mesh.shard_process_group)
-    for g in groups:
-        if dist.get_process_group_ranks(g.pg.mesh_info.shard_process_group) != members:
-            raise ConfigError(f"odc.fsdp: {g.name} is sharded over other ranks than {groups[0].name}")
-    if world == 1:
+    layout = _node_layout(groups, sharding)
+    if layout.world == 1:
         return  # FSDP bypasses both seams at world size 1; nothing to replace
     store = dist.PrefixStore(
-        f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, members))}/",
+        f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/",
         dist.distributed_c10d._get_default_store(),
     )
-    engine = Engine(store, rank, world, chunk_bytes=chunk_bytes, timeout=timeout)
-    engine.register([Bucket(g.name, world * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, world, torch.float32)])
+    if layout.sharding == "hybrid":
+        engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid",
+                        chunk_bytes=chunk_bytes, timeout=timeout)
+    else:
+        engine = Engine(store, layout.rank, layout.world, chunk_bytes=chunk_bytes, timeout=timeout)
+    ws = layout.shards
+    engine.register([Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)])
     for g in groups:
         g.shard_len = engine.bucket(g.name)["shard_len"]
         g.shard = torch.zeros(g.shard_len, dtype=g.dtype)
-    b = _Binding(model, groups, engine, world, rank)
+    b = _Binding(model, groups, engine, layout)
     b.publish_all()  # version 0
+    if b.hybrid:
+        b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
+        model.set_requires_all_reduce(False)  # the engine reduces across nodes
     for g in groups:
         g.pg._all_gather_comm = _OdcAllGather(b, g)
         g.pg._reduce_scatter_comm = _OdcReduceScatter(b, g)
@@ -382,9 +554,11 @@ def disable(model: Any) -> None:
     b.finish(install=False)
     for h in b.hooks:
         h.remove()
-    for g in b.groups:
+    for i, g in enumerate(b.groups):
         g.pg._all_gather_comm = DefaultAllGather()
         g.pg._reduce_scatter_comm = DefaultReduceScatter()
+        if b.hybrid:
+            g.pg.all_reduce_grads = b.all_reduce_was[i]
     del model.__dict__["_odc_fsdp"]
     _live.discard(b)
     b.engine = None  # type: ignore[assignment]  # drops the engine (unmaps, joins the daemon)
@@ -437,8 +611,10 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
     torch's, before ``optimizer.step()``). Each rank reduces its own gradient
     shards to one number (sum of ``|g|^p``, or the max for ``inf``) and
     publishes it, split into two float32 words for double precision, in a
-    small registered bucket; every rank gathers the D numbers and combines
-    them in rank order, so all ranks compute the identical norm. The bucket's
+    small registered bucket; every rank gathers the D numbers (under hybrid
+    sharding the G numbers of its node, whose shards make up the whole,
+    identical on every node) and combines them in rank order, so all ranks
+    compute the identical norm. The bucket's
     version is the minibatch number + 1, so it may be called once per
     minibatch, on every rank.
 
@@ -471,7 +647,7 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
     everyone = torch.empty(info["padded_len"], dtype=torch.float32)
     b.engine.gather(_NORM_BUCKET, version, everyone)
     b.engine.release(_NORM_BUCKET, version)
-    parts = everyone.view(b.world, sl)[:, :2].double().sum(dim=1).tolist()
+    parts = everyone.view(b.shards, sl)[:, :2].double().sum(dim=1).tolist()
     total = max(parts) if math.isinf(norm_type) else sum(parts) ** (1.0 / norm_type)
     coef = float(max_norm) / (total + 1e-6)
     if coef < 1.0:

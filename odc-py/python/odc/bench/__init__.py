@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import socket
@@ -92,6 +93,11 @@ def _build_parser() -> _Parser:
                     help="also time in-place all-gather (own shard already in the output; ODC gather skip_own)")
     pr.add_argument("--backend", default="auto", help="collective baseline: auto (nccl if CUDA, else gloo), gloo, nccl")
     pr.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None, help="ODC push chunk (default: engine's)")
+    pr.add_argument("--netns", type=_positive(int, "--netns"), default=None, metavar="N",
+                    help="spread the ranks over N network namespaces joined by a bridge (emulated hosts; needs root "
+                         "and iproute2): rank r runs in namespace r // (g / N), gloo and ODC cross the same links")
+    pr.add_argument("--transport", choices=("auto", "shm", "fabric"), default=None,
+                    help="ODC transport (default: ODC_TRANSPORT, else shm; fabric with --netns)")
     _common(pr)
 
     im = sub.add_parser("imbalance", help="FSDP-shaped loop with emulated compute: collectives against ODC",
@@ -195,20 +201,45 @@ def _primitives(args: argparse.Namespace) -> int:
         if d not in DTYPES:
             raise UsageError(f"-d {d!r}: unknown type (use f32, bf16, f16 or all)")
     backend = _collective_backend(args.backend, max(worlds))
+    transport = args.transport or os.environ.get("ODC_TRANSPORT") or ("fabric" if args.netns else "shm")
+    if args.netns is not None:
+        if launch.under_torchrun():
+            raise UsageError("--netns: launches its own ranks; not under torchrun")
+        if transport == "shm":
+            raise UsageError("--netns with --transport shm: shared memory does not cross hosts (use fabric or auto)")
+        for g in worlds:
+            if g % args.netns != 0:
+                raise UsageError(f"-g {g} --netns {args.netns}: the ranks must split evenly over the namespaces")
+        from .netns import unavailable_reason
+
+        why = unavailable_reason()
+        if why is not None:
+            raise UsageError(f"--netns: {why}")
+    elif args.transport is not None:
+        os.environ["ODC_TRANSPORT"] = args.transport  # the spawned ranks inherit it
     _check_outputs(args)
     if launch.under_torchrun():
         worlds = [int(os.environ["WORLD_SIZE"])]
     leader = int(os.environ.get("RANK", "0")) == 0
 
     header = [_title("primitives"),
-              f"collective baseline: {backend}; ODC: odc.Engine (shm); {args.warmup_iters} warm-up + {args.iters} "
+              f"collective baseline: {backend}; ODC: odc.Engine ({transport}); {args.warmup_iters} warm-up + {args.iters} "
               f"timed iterations, each between two barriers; check={args.check}; GB = 1e9 B, "
               f"busbw = algbw * (n-1)/n"]
+    if args.netns is not None:
+        header.append(f"ranks spread over {args.netns} network namespaces (veth + bridge), consecutive ranks per "
+                      f"namespace; gloo and ODC cross the same links")
     all_rows: list[dict] = []
     for world in worlds:
         steps = (3 if args.in_place else 2) * sum(len(primitives.sweep(args.minbytes, args.maxbytes, args.stepfactor, d, world)) for d in dtypes)
         bar = Progress(steps, f"primitives {world} ranks", _progress_flag(args))
-        rows = launch.run_ranks(
+        if args.netns is not None:
+            from . import netns
+
+            run = functools.partial(netns.run_ranks, netns=args.netns, transport=transport)
+        else:
+            run = launch.run_ranks
+        rows = run(
             primitives.primitives_rank, world, backend=backend,
             on_event=lambda kind, payload: bar.step(f"{payload['op']} {payload['size']}") if kind == "row" else None,
             dtypes=dtypes, min_bytes=args.minbytes, max_bytes=args.maxbytes, factor=args.stepfactor,
@@ -225,7 +256,7 @@ def _primitives(args: argparse.Namespace) -> int:
     doc = {"bench": "primitives", "backend": backend, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
            "args": {"ranks": worlds, "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
                     "iters": args.iters, "warmup_iters": args.warmup_iters, "datatypes": dtypes, "check": args.check,
-                    "in_place": args.in_place},
+                    "in_place": args.in_place, "netns": args.netns, "transport": transport},
            "rows": all_rows}
     if args.json:
         write_json(args.json, doc)
@@ -453,6 +484,13 @@ def _main(argv: list[str]) -> int:
     except SystemExit as e:  # -h / --help
         return int(e.code or 0)
     except BenchError as e:
+        print(f"odc-bench: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        from .netns import NetnsError
+
+        if not isinstance(e, NetnsError):
+            raise
         print(f"odc-bench: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -49,6 +49,8 @@ class RankContext:
         group: process group of the collective baseline.
         ctrl: gloo group for barriers and result exchange (never timed).
         job_key: names this run's shared-memory segments.
+        local_world: ranks per node given to the engine when the ranks are
+            spread over several (emulated) hosts; None: one node.
     """
 
     rank: int
@@ -61,6 +63,7 @@ class RankContext:
     job_key: str
     _emit: EventHandler | None = None
     _engines: list = field(default_factory=list)
+    local_world: int | None = None
 
     def emit(self, kind: str, payload: Any) -> None:
         """Sends an event to the caller (rank 0 only; other ranks' events are dropped)."""
@@ -80,6 +83,7 @@ class RankContext:
             self.store,
             self.rank,
             self.world,
+            local_world_size=self.local_world,
             timeout=timeout,
             chunk_bytes=chunk_bytes,
             job_key=f"{self.job_key}{tag}",
@@ -133,13 +137,22 @@ def _setup(store: Any, rank: int, world: int, backend: str, job_key: str, emit: 
     return RankContext(rank, world, store, backend, device, group, ctrl, job_key, emit)
 
 
-def _child(fn, rank, world, port, events, backend, job_key, kwargs):  # pragma: no cover - runs in a subprocess
+def _child(fn, rank, world, port, events, backend, job_key, kwargs, place=None,
+           store_host="127.0.0.1"):  # pragma: no cover - runs in a subprocess
     ctx = None
     try:
+        if place is not None:
+            # Before any socket or thread: every later one lives in the namespace.
+            from .netns import enter
+
+            enter(place[0])
+            os.environ.update(place[1])
         import torch.distributed as dist
 
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=300))
+        store = dist.TCPStore(store_host, port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=300))
         ctx = _setup(store, rank, world, backend, job_key, lambda k, p: events.put(("event", rank, (k, p))))
+        if place is not None:
+            ctx.local_world = int(place[1]["LOCAL_WORLD_SIZE"])
         result = fn(ctx, **kwargs)
         events.put(("result", rank, result if rank == 0 else None))
     except BaseException as e:  # noqa: BLE001 - every failure goes to the caller
@@ -153,11 +166,16 @@ def _child(fn, rank, world, port, events, backend, job_key, kwargs):  # pragma: 
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *, backend: str, on_event: EventHandler | None = None,
-              launch_timeout: float = 24 * 3600.0, **kwargs: Any) -> Any:
+              launch_timeout: float = 24 * 3600.0, placement: list[tuple[str, dict[str, str]]] | None = None,
+              store_host: str = "127.0.0.1", **kwargs: Any) -> Any:
     """Runs ``fn(ctx, **kwargs)`` on ``world`` ranks and returns rank 0's value.
 
     Under torchrun ``world`` must equal ``WORLD_SIZE`` and this process runs
     its own rank only (rank 0 returns the value, other ranks return None).
+
+    ``placement`` (local ranks only) gives every rank a network namespace
+    to enter and environment variables to set (see :mod:`odc.bench.netns`);
+    the ranks then reach the store at ``store_host``.
 
     Raises:
         BenchError: a rank raised (the message names it and carries its
@@ -181,7 +199,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *, backend: str, on_event: Eve
     job_key = f"b{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
     mpctx = mp.get_context("spawn")
     events = mpctx.Queue()
-    procs = [mpctx.Process(target=_child, args=(fn, r, world, master.port, events, backend, job_key, kwargs), daemon=True)
+    procs = [mpctx.Process(target=_child, args=(fn, r, world, master.port, events, backend, job_key, kwargs,
+                                                None if placement is None else placement[r], store_host), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
