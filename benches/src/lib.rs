@@ -80,6 +80,10 @@ pub struct PerfArgs {
     /// `ODC_FABRIC_PROVIDER`, default tcp; needs the `fabric` feature).
     #[arg(long = "transport", default_value = "shm", value_parser = parse_transport)]
     pub transport: odc_core::TransportKind,
+    /// Sharding: full (every bucket over all ranks) or hybrid (over the
+    /// ranks of a node; finish also sums the shards across nodes).
+    #[arg(long = "sharding", default_value = "full", value_parser = parse_sharding)]
+    pub sharding: odc_core::Sharding,
     /// Ranks per node G (ranks are numbered node-major). Default: every
     /// rank on one node, or ranks / namespaces with `--netns`.
     #[arg(long = "local-ranks")]
@@ -153,6 +157,14 @@ impl PerfArgs {
         }
     }
 
+    /// The index of rank `r`'s shard in its shard group.
+    pub fn shard_index(&self, r: usize) -> usize {
+        match self.sharding {
+            odc_core::Sharding::Hybrid => r % self.local_world(),
+            _ => r,
+        }
+    }
+
     /// The namespace (name, address) rank `r` runs in, if any.
     pub fn netns_of(&self, r: usize) -> Option<&(String, String)> {
         let n = self.netns.len();
@@ -202,6 +214,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
     odc_core::TransportKind::parse(s)
         .ok_or_else(|| format!("unknown transport {s:?}: shm or fabric"))
+}
+
+fn parse_sharding(s: &str) -> Result<odc_core::Sharding, String> {
+    odc_core::Sharding::parse(s).ok_or_else(|| format!("unknown sharding {s:?}: full or hybrid"))
 }
 
 fn parse_netns(s: &str) -> Result<(String, String), String> {
@@ -271,12 +287,14 @@ pub struct InPlace {
 /// (nccl-tests prints out-of-place, then in-place).
 pub fn print_header(title: &str, args: &PerfArgs, in_place: bool) {
     println!(
-        "# {title}: {} ranks, {} warm-up + {} timed iterations, check={}, transport={}",
+        "# {title}: {} ranks ({} per node), {} warm-up + {} timed iterations, check={}, transport={}, sharding={}",
         args.ranks,
+        args.local_world(),
         args.warmup,
         args.iters,
         args.check,
-        transport_name(args.transport)
+        transport_name(args.transport),
+        args.sharding.name()
     );
     let group = format!(
         "{:>10} {:>8} {:>8} {:>7}",
@@ -681,6 +699,7 @@ pub fn join(args: &PerfArgs, rank: usize) -> Result<RankCtx, String> {
     let mut cfg = odc_core::EngineConfig {
         timeout,
         transport: args.transport,
+        sharding: args.sharding,
         ..Default::default()
     };
     if let Some(c) = args.chunk_bytes {

@@ -31,7 +31,9 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
     for (b, &size) in sizes.iter().enumerate() {
         let id = odc_core::BucketId(b);
         let layout = engine.bucket(id).map_err(|e| e.to_string())?.clone();
-        let shard: Vec<f32> = layout.shard_range(rank).map(|i| pattern(rank, i)).collect();
+        // Under hybrid sharding every node holds the same shards.
+        let me = args.shard_index(rank);
+        let shard: Vec<f32> = layout.shard_range(me).map(|i| pattern(me, i)).collect();
         engine
             .publish(id, &encode(&shard, dtype), dtype, 0)
             .map_err(|e| e.to_string())?;
@@ -59,7 +61,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         // In place: this rank's shard already sits in the output; only the
         // remote shards move.
         let mut out = vec![0u8; layout.numel() * esz];
-        let own = layout.shard_range(rank);
+        let own = layout.shard_range(me);
         let own = own.start.min(layout.numel())..own.end.min(layout.numel());
         let mine = encode(&shard[..own.len()], dtype);
         out[own.start * esz..own.end * esz].copy_from_slice(&mine);

@@ -52,7 +52,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
                 .read_grad_shard(id, &mut acc)
                 .map_err(|e| e.to_string())?;
             let reps = (args.warmup + args.iters) as f32;
-            let range = layout.shard_range(rank);
+            let range = layout.shard_range(args.shard_index(rank));
             for (j, i) in range.enumerate() {
                 let want = if i < layout.numel() {
                     reps * (0..args.ranks).map(|r| pattern(r, i)).sum::<f32>()
