@@ -76,10 +76,17 @@ pub struct PerfArgs {
     /// Seconds any wait on a peer may take before the run fails.
     #[arg(long = "timeout", default_value_t = 120)]
     pub timeout_s: u64,
-    /// Transport between the ranks: shm, or fabric (libfabric over
-    /// `ODC_FABRIC_PROVIDER`, default tcp; needs the `fabric` feature).
+    /// Transport between the ranks: shm, fabric (libfabric over
+    /// `ODC_FABRIC_PROVIDER`, default tcp; needs the `fabric` feature),
+    /// mixed (shm within a node, fabric between nodes; see
+    /// `--ranks-per-node`) or auto.
     #[arg(long = "transport", default_value = "shm", value_parser = parse_transport)]
     pub transport: odc_core::TransportKind,
+    /// Ranks per emulated node (default: all ranks on one node); ranks
+    /// `[n*G, (n+1)*G)` form node `n`. Decides which peers `mixed` and
+    /// `auto` reach over fabric.
+    #[arg(long = "ranks-per-node")]
+    pub ranks_per_node: Option<usize>,
     /// Internal: this process is rank N of a launched job.
     #[arg(long = "rank", hide = true)]
     pub rank: Option<usize>,
@@ -163,15 +170,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
     odc_core::TransportKind::parse(s)
-        .ok_or_else(|| format!("unknown transport {s:?}: shm or fabric"))
+        .ok_or_else(|| format!("unknown transport {s:?}: shm, fabric, mixed or auto"))
 }
 
 /// The transport's name as the flag spells it.
 pub fn transport_name(kind: odc_core::TransportKind) -> &'static str {
-    match kind {
-        odc_core::TransportKind::Fabric => "fabric",
-        _ => "shm",
-    }
+    kind.name()
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {
@@ -621,7 +625,8 @@ pub fn join(args: &PerfArgs, rank: usize) -> Result<RankCtx, String> {
     let job = args.job_dir.as_deref().ok_or("--rank needs --job-dir")?;
     let timeout = Duration::from_secs(args.timeout_s.max(1));
     let store = odc_core::FileStore::new(job.join("store")).map_err(|e| e.to_string())?;
-    let topo = odc_core::Topology::single_node(rank, args.ranks).map_err(|e| e.to_string())?;
+    let per_node = args.ranks_per_node.unwrap_or(args.ranks);
+    let topo = odc_core::Topology::new(rank, args.ranks, per_node).map_err(|e| e.to_string())?;
     let mut cfg = odc_core::EngineConfig {
         timeout,
         transport: args.transport,

@@ -194,7 +194,9 @@ impl PyEngine {
                 odc_error(
                     py,
                     "ConfigError",
-                    format!("unknown transport {t:?}: expected \"shm\" or \"fabric\""),
+                    format!(
+                        "unknown transport {t:?}: expected \"auto\", \"shm\", \"fabric\" or \"mixed\""
+                    ),
                 )
             })?;
         }
@@ -217,10 +219,8 @@ impl PyEngine {
 
     #[getter]
     fn transport(&self) -> &'static str {
-        match self.engine.config().transport {
-            TransportKind::Fabric => "fabric",
-            _ => "shm",
-        }
+        let kind = self.engine.config().transport;
+        kind.resolve(&self.engine.topology()).name()
     }
 
     #[getter]

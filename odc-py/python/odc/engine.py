@@ -90,10 +90,13 @@ class Engine:
             same job removes a crashed run's leftovers (default
             ``ODC_JOB_KEY`` or ``"default"``).
         prefix: store key prefix, so several engines can share one store.
-        transport: ``"shm"`` (shared memory, one node; the default) or
-            ``"fabric"`` (libfabric RMA; ``ODC_FABRIC_ADDR`` /
-            ``ODC_FABRIC_PROVIDER`` choose the address and provider).
-            Default: ``ODC_TRANSPORT``, else ``"shm"``.
+        transport: ``"auto"`` (the default: ``"shm"`` on one node, else
+            ``"mixed"``), ``"shm"`` (shared memory, every rank on one
+            host), ``"fabric"`` (libfabric RMA to every peer;
+            ``ODC_FABRIC_ADDR`` / ``ODC_FABRIC_PROVIDER`` choose the address
+            and provider) or ``"mixed"`` (shared memory within a node,
+            libfabric between nodes, as ``local_world_size`` places ranks).
+            Default: ``ODC_TRANSPORT``, else ``"auto"``.
     """
 
     def __init__(
@@ -136,7 +139,7 @@ class Engine:
 
     @property
     def transport(self) -> str:
-        """``"shm"`` or ``"fabric"``."""
+        """The transport in use: ``"shm"``, ``"fabric"`` or ``"shm+fabric"``."""
         return self._native.transport
 
     @property
