@@ -25,8 +25,9 @@
 //! | `fabric` | libfabric | libfabric |
 //! | `mixed` | `shm` | libfabric |
 //!
-//! `mixed` ([`mixed::MixedTransport`]) registers every region with both
-//! and sleeps on the `shm` bell, which the fabric progress thread rings too.
+//! `mixed` (`mixed::MixedTransport`, feature `fabric`) registers every
+//! region with both and sleeps on the `shm` bell, which the fabric progress
+//! thread rings too.
 //!
 //! This module owns the trait and the backend choice; it knows nothing of
 //! buckets, versions or landing slots.
