@@ -76,8 +76,10 @@ pub struct PerfArgs {
     /// Seconds any wait on a peer may take before the run fails.
     #[arg(long = "timeout", default_value_t = 120)]
     pub timeout_s: u64,
-    /// Transport between the ranks: shm, or fabric (libfabric over
-    /// `ODC_FABRIC_PROVIDER`, default tcp; needs the `fabric` feature).
+    /// Transport between the ranks: shm, fabric (libfabric over
+    /// `ODC_FABRIC_PROVIDER`, default tcp; needs the `fabric` feature),
+    /// mixed (shm within a node, fabric between nodes; see
+    /// `--ranks-per-node`) or auto.
     #[arg(long = "transport", default_value = "shm", value_parser = parse_transport)]
     pub transport: odc_core::TransportKind,
     /// Sharding: full (every bucket over all ranks) or hybrid (over the
@@ -86,7 +88,7 @@ pub struct PerfArgs {
     pub sharding: odc_core::Sharding,
     /// Ranks per node G (ranks are numbered node-major). Default: every
     /// rank on one node, or ranks / namespaces with `--netns`.
-    #[arg(long = "local-ranks")]
+    #[arg(long = "local-ranks", visible_alias = "ranks-per-node")]
     pub local_ranks: Option<usize>,
     /// Runs the ranks in existing network namespaces, `NAME=ADDR,...`
     /// (ADDR: the namespace's address libfabric binds); rank r runs in
@@ -213,7 +215,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 
 fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
     odc_core::TransportKind::parse(s)
-        .ok_or_else(|| format!("unknown transport {s:?}: shm or fabric"))
+        .ok_or_else(|| format!("unknown transport {s:?}: shm, fabric, mixed or auto"))
 }
 
 fn parse_sharding(s: &str) -> Result<odc_core::Sharding, String> {
@@ -229,10 +231,7 @@ fn parse_netns(s: &str) -> Result<(String, String), String> {
 
 /// The transport's name as the flag spells it.
 pub fn transport_name(kind: odc_core::TransportKind) -> &'static str {
-    match kind {
-        odc_core::TransportKind::Fabric => "fabric",
-        _ => "shm",
-    }
+    kind.name()
 }
 
 fn parse_dtype(s: &str) -> Result<DType, String> {

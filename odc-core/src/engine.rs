@@ -20,7 +20,6 @@ use crate::region::{Bell, Endpoint, HeapBlock, LocalRegion, RegionDesc};
 use crate::store::{wait_get, Store};
 use crate::sync::{AtomicBool, AtomicU64, Backoff, Ordering};
 use crate::topology::Topology;
-use crate::transport::shm::ShmTransport;
 use crate::transport::{PeerStatus, Transport, TransportKind};
 use crate::{Error, Result};
 
@@ -149,7 +148,7 @@ impl Default for EngineConfig {
             chunk_bytes: 2 << 20,
             timeout,
             accum_dtype: DType::F32,
-            transport: TransportKind::Shm,
+            transport: TransportKind::Auto,
             job_key: std::env::var("ODC_JOB_KEY").unwrap_or_else(|_| "default".into()),
             store_prefix: "odc".into(),
             sharding: Sharding::Full,
@@ -384,26 +383,13 @@ impl Engine {
         } else {
             String::from_utf8_lossy(&wait_get(store.as_ref(), &key, deadline)?).into_owned()
         };
-        let transport: Box<dyn Transport> = match config.transport {
-            TransportKind::Shm => Box::new(ShmTransport::new(
-                topology.rank(),
-                topology.world(),
-                &config.job_key,
-                &job_id,
-            )?),
-            #[cfg(feature = "fabric")]
-            TransportKind::Fabric => Box::new(crate::transport::fabric::FabricTransport::new(
-                topology.rank(),
-                topology.world(),
-                config.timeout,
-            )?),
-            #[cfg(not(feature = "fabric"))]
-            TransportKind::Fabric => {
-                return Err(Error::Config(
-                    "the fabric transport needs odc-core built with the `fabric` feature".into(),
-                ))
-            }
-        };
+        let transport = crate::transport::create(
+            config.transport,
+            topology,
+            &config.job_key,
+            &job_id,
+            config.timeout,
+        )?;
         let world = Groups::new(&topology, config.sharding).group.len();
         Ok(Engine {
             inner: Arc::new(Inner {

@@ -15,8 +15,9 @@
 //! | [`store`] | the rendezvous [`Store`] trait and [`FileStore`] |
 //! | [`sync`] | atomics (std or loom), [`sync::Backoff`], futex sleep/wake |
 //! | [`region`] | registered memory and its plain-data [`RegionDesc`] |
-//! | [`transport`] | the [`Transport`] trait (`get`, `put_signal`, bells) and its `shm` backend |
+//! | [`transport`] | the [`Transport`] trait (`get`, `put_signal`, bells), the backend choice (`create`, [`TransportKind`]) and the `shm` backend |
 //! | `transport::fabric` | libfabric RMA backend (feature `fabric`): C shim, sys / result / safe, progress thread |
+//! | `transport::mixed` | `shm` to peers on this node, `fabric` to the others, in one engine (feature `fabric`) |
 //! | [`control`] | where control words and landing slots live; slot header format |
 //! | `gpu` | GPU presence ([`gpu::probe`]) and NVSHMEM bindings (sys / result / safe) |
 //! | `handoff` | a client's own slice of a push, handed to its own server without a copy |

@@ -197,7 +197,9 @@ impl PyEngine {
                 odc_error(
                     py,
                     "ConfigError",
-                    format!("unknown transport {t:?}: expected \"shm\" or \"fabric\""),
+                    format!(
+                        "unknown transport {t:?}: expected \"auto\", \"shm\", \"fabric\" or \"mixed\""
+                    ),
                 )
             })?;
         }
@@ -229,7 +231,8 @@ impl PyEngine {
 
     #[getter]
     fn transport(&self) -> &'static str {
-        self.engine.transport_name()
+        let kind = self.engine.config().transport;
+        kind.resolve(&self.engine.topology()).name()
     }
 
     #[getter]

@@ -13,6 +13,22 @@
 //! | `put_signal` | memcpy, release store, futex wake | `fi_writedata` / `fi_writemsg` with remote CQ data; the owner's progress thread stores the data word | `putmem_signal` |
 //! | `bell_wait` | futex on the own mapping | blocking `fi_cq_sread` (drives progress) | `signal_wait_until` |
 //!
+//! # Choosing a backend
+//!
+//! One engine may use different backends for different peers
+//! ([`create`], [`TransportKind`]):
+//!
+//! | kind | peers on this node | peers on other nodes |
+//! |---|---|---|
+//! | `auto` (default) | `shm` | libfabric (`shm+fabric`); one node: `shm` alone |
+//! | `shm` | `shm` | — (every rank must share the host) |
+//! | `fabric` | libfabric | libfabric |
+//! | `mixed` | `shm` | libfabric |
+//!
+//! `mixed` (`mixed::MixedTransport`, feature `fabric`) registers every
+//! region with both and sleeps on the `shm` bell, which the fabric progress
+//! thread rings too.
+//!
 //! This module owns the trait and the backend choice; it knows nothing of
 //! buckets, versions or landing slots.
 
@@ -20,10 +36,13 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, SignalRef};
-use crate::Result;
+use crate::topology::Topology;
+use crate::{Error, Result};
 
 #[cfg(feature = "fabric")]
 pub mod fabric;
+#[cfg(feature = "fabric")]
+pub mod mixed;
 pub mod shm;
 
 /// What a liveness probe learned about a peer.
@@ -93,34 +112,105 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn set_blame(&self, peer: usize);
 }
 
-/// Which backend an engine uses.
+/// Which backend an engine uses (see the table in the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum TransportKind {
-    /// POSIX shared memory between processes on one host.
+    /// `Shm` when the topology has one node, else `Mixed`.
     #[default]
+    Auto,
+    /// POSIX shared memory between processes on one host, whatever the
+    /// topology says about nodes.
     Shm,
-    /// libfabric one-sided RMA (`tcp`, `verbs`, `efa`), any number of
-    /// nodes. Needs the `fabric` cargo feature; an engine built without it
-    /// refuses this kind with `Error::Config`.
+    /// libfabric one-sided RMA (`tcp`, `verbs`, `efa`) to every peer, any
+    /// number of nodes. Needs the `fabric` cargo feature; an engine built
+    /// without it refuses this kind with `Error::Config`.
     Fabric,
+    /// `shm` to peers on this rank's node, libfabric to the others. Needs
+    /// the `fabric` feature.
+    Mixed,
 }
 
 impl TransportKind {
-    /// Parses `"shm"` or `"fabric"`.
+    /// Parses `"auto"`, `"shm"`, `"fabric"` or `"mixed"` (also
+    /// `"shm+fabric"`), ignoring case and surrounding blanks.
     pub fn parse(name: &str) -> Option<TransportKind> {
         match name.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(TransportKind::Auto),
             "shm" => Some(TransportKind::Shm),
             "fabric" => Some(TransportKind::Fabric),
+            "mixed" | "shm+fabric" => Some(TransportKind::Mixed),
             _ => None,
         }
     }
 
-    /// Whether this build can create the backend.
+    /// The kind's name, as [`TransportKind::parse`] reads it (`Mixed` is
+    /// `"shm+fabric"`, the name of the transport it creates).
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Auto => "auto",
+            TransportKind::Shm => "shm",
+            TransportKind::Fabric => "fabric",
+            TransportKind::Mixed => "shm+fabric",
+        }
+    }
+
+    /// Whether this build can create the backend (`Auto`: at least for a
+    /// single node).
     pub fn available(self) -> bool {
         match self {
-            TransportKind::Shm => true,
-            TransportKind::Fabric => cfg!(feature = "fabric"),
+            TransportKind::Auto | TransportKind::Shm => true,
+            TransportKind::Fabric | TransportKind::Mixed => cfg!(feature = "fabric"),
+        }
+    }
+
+    /// What `Auto` resolves to for `topo`; other kinds are themselves.
+    pub fn resolve(self, topo: &Topology) -> TransportKind {
+        match self {
+            TransportKind::Auto if topo.nodes() == 1 => TransportKind::Shm,
+            TransportKind::Auto => TransportKind::Mixed,
+            other => other,
+        }
+    }
+}
+
+/// Creates this rank's transport of `kind` for `topo`: `shm` segments are
+/// named after `job_key` and `job_id`, and `timeout` bounds every fabric
+/// operation. A kind that needs the `fabric` feature in a build without it
+/// is an [`Error::Config`] naming the feature.
+pub fn create(
+    kind: TransportKind,
+    topo: Topology,
+    job_key: &str,
+    job_id: &str,
+    timeout: Duration,
+) -> Result<Box<dyn Transport>> {
+    let (rank, world) = (topo.rank(), topo.world());
+    match kind.resolve(&topo) {
+        TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(
+            rank, world, job_key, job_id,
+        )?)),
+        #[cfg(feature = "fabric")]
+        TransportKind::Fabric => Ok(Box::new(fabric::FabricTransport::new(
+            rank, world, timeout,
+        )?)),
+        #[cfg(feature = "fabric")]
+        TransportKind::Mixed => Ok(Box::new(mixed::MixedTransport::new(
+            topo, job_key, job_id, timeout,
+        )?)),
+        other => {
+            let _ = timeout;
+            let why = if kind == TransportKind::Auto {
+                format!(
+                    "{} nodes need the fabric transport between them",
+                    topo.nodes()
+                )
+            } else {
+                format!("the {} transport", other.name())
+            };
+            Err(Error::Config(format!(
+                "{why}: odc-core must be built with the `fabric` feature"
+            )))
         }
     }
 }

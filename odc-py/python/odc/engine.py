@@ -205,7 +205,7 @@ class Engine:
 
     @property
     def transport(self) -> str:
-        """The transport in use: ``"shm"``, ``"fabric"`` or ``"shm+fabric"``."""
+        """The transport in use: ``"shm"``, ``"fabric"`` or ``"shm+fabric"`` (``"auto"`` resolved)."""
         return self._native.transport
 
     @property

@@ -6,8 +6,9 @@
 //!   param dtype), `ODC_NUMELS` (bucket sizes, comma separated),
 //!   `ODC_MINIBATCHES`, `ODC_MICRO` (microbatches per rank, comma separated,
 //!   default 1 each), `ODC_CHUNK` (landing-slot bytes), `ODC_JITTER`;
-//! - `ODC_TRANSPORT` (`shm`, the default, or `fabric`; also `--transport
-//!   <kind>` on the command line);
+//! - `ODC_TRANSPORT` (`shm`, the default, `fabric`, `mixed` or `auto`; also
+//!   `--transport <kind>` on the command line), `ODC_LOCAL_WORLD` (ranks
+//!   per node, default the world: ranks `[n*G, (n+1)*G)` form node `n`);
 //! - faults: `ODC_CRASH_RANK`, `ODC_CRASH_AT` (`after_register`,
 //!   `before_finish`, `before_publish`), `ODC_CRASH_MINIBATCH`,
 //!   `ODC_STALL=1` (the crash rank sleeps `ODC_STALL_S` instead of aborting),
@@ -111,6 +112,7 @@ struct Ctx {
     transport: TransportKind,
     rank: usize,
     world: usize,
+    local_world: usize,
     store_dir: String,
 }
 
@@ -120,7 +122,8 @@ impl Ctx {
         let mut config = EngineConfig::default();
         config.chunk_bytes = env("ODC_CHUNK", config.chunk_bytes);
         config.transport = self.transport;
-        Engine::new(store, Topology::single_node(self.rank, self.world)?, config)
+        let topo = Topology::new(self.rank, self.world, self.local_world)?;
+        Engine::new(store, topo, config)
     }
 
     fn maybe_crash(&self, at: &str, k: u64) {
@@ -450,10 +453,12 @@ fn main() {
             std::process::exit(3);
         }
     };
+    let world = env("ODC_WORLD", 1);
     let ctx = Ctx {
         transport,
         rank: env("ODC_RANK", 0),
-        world: env("ODC_WORLD", 1),
+        world,
+        local_world: env("ODC_LOCAL_WORLD", world),
         store_dir: env("ODC_STORE_DIR", String::from("/tmp/odc-store")),
     };
     let scenario: String = env("ODC_SCENARIO", String::from("train"));

@@ -94,7 +94,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use self::safe::{Av, Cq, Domain, Ep, Fabric, Granted, Info, Mr};
-use self::shared::{bell_index, peer_died, with_peer, Core, OpSlot, Peer, SLOT_FREE};
+pub use self::shared::BellForward;
+use self::shared::{bell_index, peer_died, with_peer, Core, OpSlot, OwnRegion, Peer, SLOT_FREE};
 use super::{PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, RemoteRegion, SignalRef};
 use crate::sync::{EventCount, Ordering};
@@ -272,6 +273,7 @@ impl FabricTransport {
             credits: AtomicUsize::new(config.read_credits.max(1)),
             credit_freed: EventCount::default(),
             bells: [EventCount::default(), EventCount::default()],
+            forward: OnceLock::new(),
             stop: AtomicBool::new(false),
             progress_errors: AtomicU64::new(0),
             local_keys: AtomicU64::new(1 << 32),
@@ -291,6 +293,70 @@ impl FabricTransport {
     pub fn granted(&self) -> &Granted {
         &self.core.granted
     }
+
+    /// Makes every ring of this transport's bells (a signal or close notice
+    /// from a peer, a peer found dead, [`Transport::ring`]) also call
+    /// `forward`, from whichever thread rang: the progress thread, mostly.
+    /// A transport that owns this one and sleeps on bells of its own (the
+    /// mixed transport) uses it so that remote signals wake it. At most
+    /// once per transport; `forward` must not block.
+    pub fn forward_bells(&self, forward: BellForward) -> Result<()> {
+        self.core
+            .forward
+            .set(forward)
+            .map_err(|_| Error::transport("forward_bells", "bells already forwarded"))
+    }
+
+    /// Registers memory that something else allocated (another
+    /// transport's region) as region `id`, so that peers reach it over the
+    /// fabric. The returned region's descriptor carries the fabric key;
+    /// `backing` is dropped only after the memory registration is closed
+    /// and the transport's own region table (which the progress thread
+    /// stores signals through) let go of it, so a late remote write never
+    /// lands in unmapped memory.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, 64-byte
+    /// aligned, and stay valid until `backing` is dropped; nothing but
+    /// `backing` may free it.
+    pub unsafe fn register_foreign(
+        &self,
+        id: u32,
+        ptr: std::ptr::NonNull<u8>,
+        len: usize,
+        backing: Box<dyn Send + Sync>,
+    ) -> Result<LocalRegion> {
+        check_id(id)?;
+        // SAFETY: the caller's contract, passed on.
+        let region = unsafe { self.core.register_memory(id, ptr.as_ptr(), len, backing)? };
+        self.local_region(id, region)
+    }
+
+    fn local_region(&self, id: u32, region: Arc<OwnRegion>) -> Result<LocalRegion> {
+        let c = &self.core;
+        let desc = RegionDesc {
+            owner: u32::try_from(c.rank).unwrap_or(u32::MAX),
+            id,
+            len: region.len as u64,
+            key: region.mr.key(),
+        };
+        let ptr = std::ptr::NonNull::new(region.ptr)
+            .ok_or_else(|| Error::transport("mmap", "null mapping"))?;
+        let len = region.len;
+        // SAFETY: `len` bytes at `ptr`, 64-byte aligned (register_memory's
+        // contract), kept alive by the Arc the region owns.
+        Ok(unsafe { LocalRegion::new(ptr, len, desc, Box::new(region)) })
+    }
+}
+
+fn check_id(id: u32) -> Result<()> {
+    if id >= MAX_REGIONS {
+        return Err(Error::transport(
+            "register",
+            format!("region id {id} >= {MAX_REGIONS}"),
+        ));
+    }
+    Ok(())
 }
 
 impl Transport for FabricTransport {
@@ -315,26 +381,9 @@ impl Transport for FabricTransport {
     }
 
     fn register(&self, id: u32, len: usize) -> Result<LocalRegion> {
-        if id >= MAX_REGIONS {
-            return Err(Error::transport(
-                "register",
-                format!("region id {id} >= {MAX_REGIONS}"),
-            ));
-        }
-        let c = &self.core;
-        let region = c.register(id, len)?;
-        let desc = RegionDesc {
-            owner: u32::try_from(c.rank).unwrap_or(u32::MAX),
-            id,
-            len: region.len as u64,
-            key: region.mr.key(),
-        };
-        let ptr = std::ptr::NonNull::new(region.ptr)
-            .ok_or_else(|| Error::transport("mmap", "null mapping"))?;
-        let len = region.len;
-        // SAFETY: page-aligned anonymous memory of `len` bytes, kept alive by
-        // the Arc the region owns.
-        Ok(unsafe { LocalRegion::new(ptr, len, desc, Box::new(region)) })
+        check_id(id)?;
+        let region = self.core.register(id, len)?;
+        self.local_region(id, region)
     }
 
     fn connect(&self, peer: usize, endpoint: &Endpoint, regions: &[RegionDesc]) -> Result<()> {
@@ -471,7 +520,7 @@ impl Transport for FabricTransport {
                 .word(signal.offset)
                 .ok_or_else(|| Error::transport("put_signal", "signal word out of range"))?;
             word.store(value, Ordering::Release);
-            c.bells[bell_index(signal.bell)].notify();
+            c.ring(signal.bell);
             return Ok(());
         };
         if total as u64 > c.granted.max_msg_size {
@@ -551,7 +600,7 @@ impl Transport for FabricTransport {
     }
 
     fn ring(&self, bell: Bell) {
-        self.core.bells[bell_index(bell)].notify();
+        self.core.ring(bell);
     }
 
     fn peer_status(&self, peer: usize) -> PeerStatus {
@@ -596,7 +645,7 @@ impl Drop for FabricTransport {
         {
             w.store(STATE_CLOSED, Ordering::Release);
         }
-        c.bells[bell_index(Bell::Client)].notify();
+        c.ring(Bell::Client);
         c.send_close_notices();
         c.stop.store(true, Ordering::Release);
         if let Err(e) = c.cq.signal() {

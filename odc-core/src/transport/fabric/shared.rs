@@ -21,15 +21,27 @@ use crate::sync::{Backoff, EventCount, Ordering};
 use crate::transport::PeerStatus;
 use crate::{Error, Result};
 
-/// Memory this rank registered: anonymous pages and their MR. Shared by
-/// the [`LocalRegion`] and the progress thread (which stores signals into
-/// it), so the memory outlives both; the MR closes before the unmap.
-#[derive(Debug)]
+/// Memory this rank registered and its MR. Shared by the [`LocalRegion`]
+/// and the region table the progress thread stores signals through, so the
+/// memory outlives both. `backing` owns the memory (anonymous pages, or a
+/// region another transport mapped); field order closes the MR before the
+/// backing unmaps it.
+///
+/// [`LocalRegion`]: crate::region::LocalRegion
 pub(super) struct OwnRegion {
     pub(super) mr: Mr,
     pub(super) ptr: *mut u8,
     pub(super) len: usize,
-    pub(super) _map: memmap2::MmapMut,
+    pub(super) _backing: Box<dyn Send + Sync>,
+}
+
+impl std::fmt::Debug for OwnRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnRegion")
+            .field("mr", &self.mr)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
 }
 
 // SAFETY: plain memory; access goes through raw pointers and atomics under
@@ -110,6 +122,9 @@ pub(super) struct Core {
     pub(super) credits: AtomicUsize,
     pub(super) credit_freed: EventCount,
     pub(super) bells: [EventCount; 2],
+    /// Rung after `bells` whenever they are (see
+    /// [`FabricTransport::forward_bells`](super::FabricTransport::forward_bells)).
+    pub(super) forward: OnceLock<BellForward>,
     pub(super) stop: AtomicBool,
     pub(super) progress_errors: AtomicU64,
     /// Next key for a per-operation local registration (`FI_MR_LOCAL`).
@@ -136,6 +151,9 @@ impl std::fmt::Debug for Core {
     }
 }
 
+/// A callback that rings another transport's bell.
+pub type BellForward = Arc<dyn Fn(Bell) + Send + Sync>;
+
 pub(super) fn bell_index(bell: Bell) -> usize {
     match bell {
         Bell::Server => 0,
@@ -144,28 +162,62 @@ pub(super) fn bell_index(bell: Bell) -> usize {
 }
 
 impl Core {
+    /// Registers `len` zeroed bytes of fresh anonymous memory as region `id`.
     pub(super) fn register(&self, id: u32, len: usize) -> Result<Arc<OwnRegion>> {
-        let slot = self.regions.get(id as usize).ok_or_else(|| {
-            Error::transport("register", format!("region id {id} >= {MAX_REGIONS}"))
-        })?;
         let len = len.max(64);
         let mut map = memmap2::MmapMut::map_anon(len)
             .map_err(|e| Error::transport_io("mmap", format!("region {id} ({len} bytes)"), e))?;
         let ptr = map.as_mut_ptr();
+        // SAFETY: the anonymous mapping is `len` bytes, page aligned, and
+        // owned by the backing it is moved into.
+        unsafe { self.register_memory(id, ptr, len, Box::new(map)) }
+    }
+
+    /// Registers `len` bytes at `ptr`, owned by `backing`, as region `id`.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, 64-byte
+    /// aligned, and stay valid until `backing` is dropped; nothing but
+    /// `backing` may free it.
+    pub(super) unsafe fn register_memory(
+        &self,
+        id: u32,
+        ptr: *mut u8,
+        len: usize,
+        backing: Box<dyn Send + Sync>,
+    ) -> Result<Arc<OwnRegion>> {
+        let slot = self.regions.get(id as usize).ok_or_else(|| {
+            Error::transport("register", format!("region id {id} >= {MAX_REGIONS}"))
+        })?;
+        if slot.get().is_some() {
+            return Err(Error::transport(
+                "register",
+                format!("region id {id} registered twice"),
+            ));
+        }
         let ep = self.mr_endpoint.then_some(&self.ep);
-        // SAFETY: the mapping lives in the same OwnRegion as the MR and is
-        // dropped after it (field order).
+        // SAFETY: the memory is valid for `len` bytes while `backing` lives
+        // (the caller's contract); the backing lives in the same OwnRegion
+        // as the MR and is dropped after it (field order).
         let mr = unsafe { Mr::register(&self.domain, ptr, len, true, u64::from(id) + 1, ep)? };
         let region = Arc::new(OwnRegion {
             mr,
             ptr,
             len,
-            _map: map,
+            _backing: backing,
         });
         slot.set(Arc::clone(&region)).map_err(|_| {
             Error::transport("register", format!("region id {id} registered twice"))
         })?;
         Ok(region)
+    }
+
+    /// Rings this rank's `bell`, and whatever bell it is forwarded to.
+    pub(super) fn ring(&self, bell: Bell) {
+        self.bells[bell_index(bell)].notify();
+        if let Some(forward) = self.forward.get() {
+            forward(bell);
+        }
     }
 
     pub(super) fn remote(&self, r: &OwnRegion, id: u32) -> RemoteRegion {
@@ -270,7 +322,7 @@ impl Core {
                 // The write's data is in memory (its completion says so);
                 // the release store orders it before the signal.
                 w.store(value, Ordering::Release);
-                self.bells[bell_index(bell)].notify();
+                self.ring(bell);
             }
             None => {
                 if self.progress_errors.fetch_add(1, Ordering::Relaxed) < 5 {
@@ -371,7 +423,7 @@ impl Core {
             p.dead.store(true, Ordering::Release);
         }
         // Waiters on this rank re-check (and probe) at once.
-        self.bells[bell_index(Bell::Client)].notify();
+        self.ring(Bell::Client);
     }
 
     /// Posts one operation with `post(ctx)` (retrying `-FI_EAGAIN`) and
