@@ -293,7 +293,7 @@ def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2
     info["all_reduce_off"] = all(not g.pg.all_reduce_grads for g in model._odc_fsdp.groups)
     info["shards"] = local_shards(model)
     odc.fsdp.disable(model)
-    info["all_reduce_restored"] = all(g.pg.all_reduce_grads for g in _groups(model))
+    info["all_reduce_restored"] = all(pg.all_reduce_grads for pg in _groups(model))
     params = full_params(model)
     if rank != 0:
         return info

@@ -76,9 +76,10 @@ def _buffer(t: "torch.Tensor", what: str) -> tuple[int, int, str]:
 
 
 def _local_world_size(store: Any, rank: int, world: int, prefix: str) -> int:
-    """Ranks per node: ``LOCAL_WORLD_SIZE``, else from every rank's host name."""
+    """Ranks per node: ``LOCAL_WORLD_SIZE`` when this engine spans the whole job
+    (``WORLD_SIZE`` unset or equal to ``world``), else from every rank's host name."""
     env = os.environ.get("LOCAL_WORLD_SIZE")
-    if env:
+    if env and os.environ.get("WORLD_SIZE") in (None, str(world)):
         try:
             g = int(env)
         except ValueError:
@@ -123,8 +124,8 @@ class Engine:
         world_size: number of ranks D.
         local_world_size: ranks per node G; ranks are numbered node-major
             (node n holds ranks n·G … n·G+G−1). Default: ``LOCAL_WORLD_SIZE``
-            (set by torchrun), else inferred from the ranks' host names
-            through ``store``.
+            (set by torchrun) when the engine spans the whole job, else
+            inferred from the ranks' host names through ``store``.
         chunk_bytes: landing-slot size (bytes); landing memory is
             ``2 · D · chunk_bytes`` per rank (``2 · G · chunk_bytes`` under
             hybrid sharding). Default: the engine's.
