@@ -19,9 +19,12 @@
 //! | `partial_ready[n]` | node n's replica | its node-summed shards of minibatch k are final (hybrid) |
 //! | `partial_read[n]` | node n's replica | it finished reading this rank's partial sums of k (hybrid) |
 //!
-//! A landing slot is a 64-byte signal line, a 64-byte [`SlotHeader`] and C
-//! bytes of data. Sequence numbers per (client, owner) pair start at 1;
-//! chunk `seq` goes to slot `seq % 2`.
+//! Every signal word sits in a 64-byte line of its own, and all of them
+//! come before the landing slots' data (so a signal's offset stays small
+//! whatever D and C are: the libfabric transport names it in 24 bits of
+//! remote CQ data). A landing slot is its signal line, and elsewhere a
+//! 64-byte [`SlotHeader`] followed by C bytes of data. Sequence numbers per
+//! (client, owner) pair start at 1; chunk `seq` goes to slot `seq % 2`.
 
 use odc_kernels::DType;
 
@@ -39,8 +42,9 @@ pub struct CtrlLayout {
     off_released: usize,
     off_done: usize,
     off_ack: usize,
-    off_slots: usize,
+    off_slot_signals: usize,
     off_cross: usize,
+    off_slots: usize,
     nodes: usize,
     len: usize,
 }
@@ -60,9 +64,10 @@ impl CtrlLayout {
         let off_released = off_seen + table;
         let off_done = off_released + table;
         let off_ack = off_done + world * LINE;
-        let off_slots = off_ack + world * 2 * LINE;
-        let off_cross = off_slots + world * 2 * (2 * LINE + chunk_bytes);
-        let len = off_cross + nodes * 2 * LINE;
+        let off_slot_signals = off_ack + world * 2 * LINE;
+        let off_cross = off_slot_signals + world * 2 * LINE;
+        let off_slots = off_cross + nodes * 2 * LINE;
+        let len = off_slots + world * 2 * (LINE + chunk_bytes);
         CtrlLayout {
             world,
             buckets,
@@ -71,8 +76,9 @@ impl CtrlLayout {
             off_released,
             off_done,
             off_ack,
-            off_slots,
+            off_slot_signals,
             off_cross,
+            off_slots,
             nodes,
             len,
         }
@@ -113,23 +119,25 @@ impl CtrlLayout {
         self.off_ack + (owner * 2 + slot) * LINE
     }
 
-    fn slot(&self, client: usize, slot: usize) -> usize {
-        self.off_slots + (client * 2 + slot) * (2 * LINE + self.chunk_bytes)
-    }
-
     /// Signal word of landing slot `[client][slot]`.
     pub fn slot_signal(&self, client: usize, slot: usize) -> usize {
-        self.slot(client, slot)
+        self.off_slot_signals + (client * 2 + slot) * LINE
     }
 
     /// Header of landing slot `[client][slot]`; the data follows it.
     pub fn slot_header(&self, client: usize, slot: usize) -> usize {
-        self.slot(client, slot) + LINE
+        self.off_slots + (client * 2 + slot) * (LINE + self.chunk_bytes)
     }
 
     /// Data of landing slot `[client][slot]`.
     pub fn slot_data(&self, client: usize, slot: usize) -> usize {
-        self.slot(client, slot) + 2 * LINE
+        self.slot_header(client, slot) + LINE
+    }
+
+    /// Bytes from the start of the region past the last signal word: every
+    /// signal offset is below this.
+    pub fn signals_end(&self) -> usize {
+        self.off_slots
     }
 
     /// `partial_ready[node]` (hybrid sharding).
@@ -232,9 +240,21 @@ mod tests {
         assert!(l.released(2, 4) + 8 <= l.done(0));
         assert!(l.done(2) + 8 <= l.ack(0, 0));
         assert!(l.ack(2, 1) + 8 <= l.slot_signal(0, 0));
-        assert_eq!(l.slot_data(2, 1) + 1024, l.partial_ready(0));
+        assert!(l.slot_signal(2, 1) + 8 <= l.partial_ready(0));
         assert!(l.partial_ready(1) + 8 <= l.partial_read(0));
-        assert_eq!(l.partial_read(1) + 64, l.len());
+        assert!(l.partial_read(1) + 8 <= l.signals_end());
+        assert_eq!(l.signals_end(), l.slot_header(0, 0));
+        assert_eq!(l.slot_data(2, 1) + 1024, l.len());
+        assert_eq!(l.slot_data(0, 0) % 64, 0);
+    }
+
+    #[test]
+    fn signals_stay_in_the_first_megabyte_at_scale() {
+        // 256 ranks, 2 MiB chunks: 2 GiB of landing slots, yet every signal
+        // word is named by a small offset.
+        let l = CtrlLayout::new(256, 1, 64, 2 << 20);
+        assert!(l.signals_end() < 1 << 20, "{}", l.signals_end());
+        assert!(l.slot_signal(255, 1) < l.signals_end());
         assert_eq!(l.slot_data(0, 0) % 64, 0);
     }
 }

@@ -19,8 +19,9 @@ const BELL_SHIFT: u32 = 63;
 /// Engine signal values are version stamps, done stamps and per
 /// (client, owner) chunk sequence numbers: 2^36 chunks is months of pushes
 /// at thousands per second. Signal words must lie in the region's first
-/// 2^24 words (128 MiB): the engine's control region for D ranks and
-/// chunk C is about 2·D·C bytes (D ≤ 32 at 2 MiB chunks).
+/// 2^24 words (128 MiB): the engine's control region puts every signal
+/// word before the landing slots' data (a few hundred bytes per rank and
+/// bucket), whatever D and the chunk size are.
 pub fn encode_signal(region: u32, offset: usize, bell: Bell, value: u64) -> Result<u64> {
     if offset % 8 != 0 {
         return Err(Error::transport(
