@@ -208,12 +208,10 @@ impl Engine {
                 continue;
             }
             let dst = &mut out[start * size..end * size];
-            self.inner.transport.get(
-                rank,
-                &reg.peer_params[rank],
-                reg.params_off[bucket.0],
-                dst,
-            )?;
+            self.inner
+                .transport
+                .get(rank, &reg.peer_params[rank], reg.params_off[bucket.0], dst)
+                .map_err(|e| self.inner.attribute(Some(b.name()), e))?;
         }
         Ok(())
     }
@@ -379,14 +377,17 @@ impl Engine {
                     offset: lay.slot_signal(me, slot),
                     bell: Bell::Server,
                 };
-                self.inner.transport.put_signal(
-                    gs.group[o],
-                    &reg.peer_ctrl[gs.group[o]],
-                    lay.slot_header(me, slot),
-                    &[&header, data],
-                    sig,
-                    seq,
-                )?;
+                self.inner
+                    .transport
+                    .put_signal(
+                        gs.group[o],
+                        &reg.peer_ctrl[gs.group[o]],
+                        lay.slot_header(me, slot),
+                        &[&header, data],
+                        sig,
+                        seq,
+                    )
+                    .map_err(|e| self.inner.attribute(Some(b.name()), e))?;
                 push.next_seq[o] = seq;
                 push.sent[o][slot] = seq;
                 push.cursor[o].start += len;
@@ -545,7 +546,10 @@ impl Engine {
             while at < len {
                 let n_el = chunk.min(len - at);
                 let buf = &mut scratch[..n_el * 4];
-                self.inner.transport.get(r, remote, at * 4, buf)?;
+                self.inner
+                    .transport
+                    .get(r, remote, at * 4, buf)
+                    .map_err(|e| self.inner.attribute(None, e))?;
                 odc_kernels::cpu::accumulate_into_f32(
                     &mut sum[at..at + n_el],
                     buf,

@@ -715,7 +715,16 @@ impl Inner {
             let now = Instant::now();
             if now >= next_probe {
                 next_probe = now + LIVENESS_PERIOD;
-                self.probe(lagging, bucket, waited_for)?;
+                if let Some((root, err)) = self.probe(lagging, bucket, waited_for) {
+                    // A peer may deliver what we wait for and then close its
+                    // engine between the check above and the probe: it
+                    // signals before it closes, so look once more.
+                    if check()?.is_none() {
+                        return Ok(());
+                    }
+                    self.transport.set_blame(root);
+                    return Err(err);
+                }
             }
             if now >= deadline {
                 self.transport.set_blame(lagging);
@@ -731,14 +740,44 @@ impl Inner {
         }
     }
 
+    /// Resolves an error a transport call returned: a `PeerDied` that names
+    /// the peer the call went to is re-attributed to the root cause that peer
+    /// reported (it may have closed its engine because a third rank died),
+    /// and recorded as this rank's blame, so that every survivor names the
+    /// same rank. Every transport data call goes through here.
+    pub(crate) fn attribute(&self, bucket: Option<&str>, err: Error) -> Error {
+        let Error::PeerDied {
+            peer,
+            reported_by: None,
+            waited_for,
+            ..
+        } = &err
+        else {
+            return err;
+        };
+        let peer = *peer;
+        match self.probe(peer, bucket, &|| waited_for.clone()) {
+            Some((root, resolved)) => {
+                self.transport.set_blame(root);
+                resolved
+            }
+            None => {
+                self.transport.set_blame(peer);
+                err
+            }
+        }
+    }
+
+    /// Checks `peer`'s liveness; for a dead peer returns the rank to blame
+    /// (the root cause it reported, or itself) and the error to raise.
     fn probe(
         &self,
         peer: usize,
         bucket: Option<&str>,
         waited_for: &dyn Fn() -> String,
-    ) -> Result<()> {
+    ) -> Option<(usize, Error)> {
         match self.transport.peer_status(peer) {
-            PeerStatus::Alive => Ok(()),
+            PeerStatus::Alive => None,
             PeerStatus::Dead { pid, blamed } => {
                 let me = self.topo.rank();
                 let (root, pid, reported_by) = match blamed {
@@ -752,14 +791,16 @@ impl Inner {
                     }
                     _ => (peer, pid, None),
                 };
-                self.transport.set_blame(root);
-                Err(Error::PeerDied {
-                    peer: root,
-                    pid,
-                    bucket: bucket.map(str::to_owned),
-                    waited_for: waited_for(),
-                    reported_by,
-                })
+                Some((
+                    root,
+                    Error::PeerDied {
+                        peer: root,
+                        pid,
+                        bucket: bucket.map(str::to_owned),
+                        waited_for: waited_for(),
+                        reported_by,
+                    },
+                ))
             }
         }
     }

@@ -294,3 +294,76 @@ fn hybrid_and_full_ranks_refuse_each_other() {
         t.join().unwrap();
     }
 }
+
+/// A survivor that reads from a rank which closed its engine because a
+/// third rank died names the third rank (the root cause), not the rank it
+/// read from: rank 0 fails because of rank 1 and closes; rank 2's gather
+/// then reads rank 0's shard. Over `fabric`, where that read itself fails.
+#[cfg(feature = "fabric")]
+#[test]
+fn a_read_from_a_rank_that_failed_names_the_root_cause() {
+    use std::sync::Barrier;
+
+    use crate::transport::PeerStatus;
+
+    let world = 3;
+    let dir = tempfile::tempdir().unwrap();
+    let published = Arc::new(Barrier::new(world));
+    let closed = Arc::new(Barrier::new(world));
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            let (published, closed) = (Arc::clone(&published), Arc::clone(&closed));
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    transport: crate::TransportKind::Fabric,
+                    timeout: Duration::from_secs(5),
+                    ..config("unit_root_cause")
+                };
+                let e =
+                    Engine::new(store, Topology::single_node(rank, world).unwrap(), cfg).unwrap();
+                e.register(&[BucketSpec::new("w", 96, DType::F32)]).unwrap();
+                let w = e.bucket_id("w").unwrap();
+                let shard = vec![rank as f32; e.bucket(w).unwrap().shard_len()];
+                e.publish(w, bytes_of(&shard), DType::F32, 0).unwrap();
+                published.wait();
+                if rank == 0 {
+                    // Fails because of rank 1, as a wait on it would record.
+                    e.inner.transport.set_blame(1);
+                    drop(e);
+                    closed.wait();
+                    return None;
+                }
+                closed.wait();
+                // Rank 0's close notice is on its way; wait until it is seen.
+                let t0 = std::time::Instant::now();
+                while e.inner.transport.peer_status(0) == PeerStatus::Alive {
+                    assert!(
+                        t0.elapsed() < Duration::from_secs(5),
+                        "rank 0 never seen closed"
+                    );
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let mut full = vec![0f32; 96];
+                Some(e.gather(w, 0, bytes_of_mut(&mut full), DType::F32))
+            })
+        })
+        .collect();
+    for (rank, t) in threads.into_iter().enumerate() {
+        match t.join().unwrap() {
+            None => assert_eq!(rank, 0),
+            // Rank 0 blamed rank 1 itself: rank 1 names rank 0.
+            Some(Err(Error::PeerDied {
+                peer: 0,
+                reported_by: None,
+                ..
+            })) if rank == 1 => {}
+            Some(Err(Error::PeerDied {
+                peer: 1,
+                reported_by: Some(0),
+                ..
+            })) if rank == 2 => {}
+            Some(other) => panic!("rank {rank}: wrong outcome {other:?}"),
+        }
+    }
+}

@@ -86,15 +86,6 @@ impl MixedTransport {
     pub fn fabric(&self) -> &FabricTransport {
         &self.fabric
     }
-
-    /// Records blame in both transports when a fabric operation found
-    /// `peer` dead (the fabric transport records it only in its own).
-    fn blame_on_death<T>(&self, peer: usize, out: Result<T>) -> Result<T> {
-        if let Err(Error::PeerDied { .. }) = &out {
-            self.shm.set_blame(peer);
-        }
-        out
-    }
 }
 
 impl Transport for MixedTransport {
@@ -129,8 +120,7 @@ impl Transport for MixedTransport {
         if self.is_local(peer) {
             self.shm.get(peer, remote, offset, dst)
         } else {
-            let out = self.fabric.get(peer, remote, offset, dst);
-            self.blame_on_death(peer, out)
+            self.fabric.get(peer, remote, offset, dst)
         }
     }
 
@@ -147,10 +137,8 @@ impl Transport for MixedTransport {
             self.shm
                 .put_signal(peer, remote, offset, src, signal, value)
         } else {
-            let out = self
-                .fabric
-                .put_signal(peer, remote, offset, src, signal, value);
-            self.blame_on_death(peer, out)
+            self.fabric
+                .put_signal(peer, remote, offset, src, signal, value)
         }
     }
 

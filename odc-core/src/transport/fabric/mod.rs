@@ -468,12 +468,9 @@ impl Transport for FabricTransport {
             };
             return Ok(());
         }
-        let out = c.read(peer, p, &r, offset, dst, Instant::now() + c.timeout);
-        if let Err(Error::PeerDied { .. }) = out {
-            // This rank now fails because of `peer`: say so to whoever asks.
-            c.blame(peer);
-        }
-        out
+        // A `PeerDied` is attributed (and blamed) by the engine, which
+        // asks the dead peer whom it blamed in turn.
+        c.read(peer, p, &r, offset, dst, Instant::now() + c.timeout)
     }
 
     fn put_signal(
@@ -581,10 +578,6 @@ impl Transport for FabricTransport {
         match out {
             // The peer's close notice arrived while the write failed.
             Err(_) if c.notice(peer).is_some() => Ok(()),
-            Err(e @ Error::PeerDied { .. }) => {
-                c.blame(peer);
-                Err(e)
-            }
             other => other,
         }
     }
