@@ -2,6 +2,7 @@
 
     python examples/fsdp2_sft.py --nproc 2 --comm both            # spawns local ranks
     torchrun --nproc-per-node 4 examples/fsdp2_sft.py --comm odc --strategy lb-mini
+    python examples/fsdp2_sft.py --nproc 4 --local-world-size 2 --sharding hybrid  # HSDP: 2 "nodes" × 2
 
 Synthetic variable-length sequences are planned with `odc.packing.plan`. lb-mini
 lets ranks run different numbers of microbatches: ODC only (under `--comm both`
@@ -55,13 +56,15 @@ def batch(samples: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 def train(args, comm: str, strategy: str, data: list[torch.Tensor], rank: int, world: int) -> tuple[list, float]:
     torch.manual_seed(0)
     model = TinyLM(args.dim, args.layers)
-    mesh = init_device_mesh("cpu", (world,))
+    g = args.local_world_size  # hybrid: shard within a node, over (replicate, shard) = (nodes, ranks per node)
+    mesh = init_device_mesh("cpu", (world,) if args.sharding == "full" else (world // g, g),
+                            mesh_dim_names=None if args.sharding == "full" else ("replicate", "shard"))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if comm == "odc":
-        odc.fsdp.enable(model, opt)
+        odc.fsdp.enable(model, opt, sharding=args.sharding)
     lengths = [len(s) for s in data]
     plan = odc.packing.plan(lengths, world, args.minibatch, strategy, max_tokens=args.max_tokens)
     losses, times = [], []
@@ -76,7 +79,7 @@ def train(args, comm: str, strategy: str, data: list[torch.Tensor], rank: int, w
             logits = model(tokens[:, :-1], pad[:, :-1])
             target = tokens[:, 1:].masked_fill(pad[:, 1:], -100)
             loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1), reduction="sum")
-            (loss * world / tokens_total).backward()  # FSDP averages over ranks
+            (loss * world / tokens_total).backward()  # FSDP averages over all ranks, nodes too
             local += loss.item() / tokens_total
         (odc.fsdp.clip_grad_norm_ if comm == "odc" else nn.utils.clip_grad_norm_)(model.parameters(), 1.0)
         opt.step()
@@ -105,14 +108,9 @@ def worker(rank: int, world: int, args) -> None:
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     data = [torch.randint(0, VOCAB, (rng.randint(8, args.max_len),)) for _ in range(args.samples)]
-    legs = ["collective", "odc"] if args.comm == "both" else [args.comm]
     per = {}
-    for comm in legs:
-        strategy = args.strategy
-        if comm == "collective" and strategy == "lb-mini":
-            if args.comm != "both":
-                raise SystemExit("lb-mini gives ranks different microbatch counts: it needs --comm odc")
-            strategy = "lb-micro"
+    for comm in ["collective", "odc"] if args.comm == "both" else [args.comm]:
+        strategy = "lb-micro" if comm == "collective" and args.strategy == "lb-mini" else args.strategy
         per[comm] = train(args, comm, strategy, data, rank, world)[1]
     if rank == 0:
         for comm, t in per.items():
@@ -126,23 +124,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])  # flags: see --help
     p.add_argument("--comm", choices=["collective", "odc", "both"], default="both")
     p.add_argument("--strategy", choices=["lb-micro", "lb-mini", "local-sort"], default="lb-micro")
+    p.add_argument("--sharding", choices=["full", "hybrid"], default="full", help="hybrid: shard within a node")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under torchrun")
-    # --minibatch: samples per rank per minibatch; --max-tokens: token budget of a microbatch.
+    # --minibatch: samples per rank per minibatch; --max-tokens: token budget of a microbatch;
+    # --local-world-size: ranks per node (0: LOCAL_WORLD_SIZE, else every rank).
     for flag, default in (("--steps", 6), ("--samples", 256), ("--minibatch", 16), ("--max-len", 256),
-                          ("--max-tokens", 1024), ("--dim", 128), ("--layers", 4), ("--seed", 0)):
+                          ("--max-tokens", 1024), ("--dim", 128), ("--layers", 4), ("--seed", 0), ("--local-world-size", 0)):
         p.add_argument(flag, type=int, default=default)
     args = p.parse_args()
+    if args.comm == "collective" and args.strategy == "lb-mini":
+        p.error("lb-mini gives ranks different microbatch counts: it needs --comm odc (or both)")
+    args.local_world_size = args.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.local_world_size)  # ranks per node, for ODC
     if "RANK" in os.environ:  # torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.multiprocessing.spawn(_spawned, args=(args,), nprocs=args.nproc)
-
-
-def _spawned(rank: int, args) -> None:
-    worker(rank, args.nproc, args)
+    torch.multiprocessing.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)
 
 
 if __name__ == "__main__":

@@ -374,3 +374,91 @@ def hybrid_errors_worker(rank, world, store, per_node):
         model.set_requires_all_reduce(True)
         expect("all_reduce_on", loss.backward)
     return found
+
+
+# -- memory per rank, full vs hybrid, on examples/fsdp2_sft.py's model ----------------------------
+
+
+def _example():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
+    spec = importlib.util.spec_from_file_location("fsdp2_sft", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bytes(t):
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def memory_worker(rank, world, store, comm, sharding, per_node, dim=128, layers=4, steps=3, micros=2):
+    """Bytes per rank by kind after ``steps`` AdamW minibatches of the example's TinyLM."""
+    import resource
+
+    as_nodes(per_node, "shm")
+    init_pg(rank, world, store)
+    ex = _example()
+    torch.manual_seed(0)
+    model = ex.TinyLM(dim, layers)
+    mesh = init_device_mesh("cpu", (world,)) if sharding == "full" else hsdp_mesh(world, per_node)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if comm == "odc":
+        odc.fsdp.enable(model, opt, sharding=sharding, timeout=60)
+    g = torch.Generator().manual_seed(rank)
+    grads = 0
+    for s in range(steps):
+        for m in range(micros):
+            tokens, pad = ex.batch([torch.randint(0, ex.VOCAB, (128,), generator=g) for _ in range(4)])
+            logits = model(tokens[:, :-1], pad[:, :-1])
+            nn.functional.cross_entropy(logits.reshape(-1, ex.VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        grads = sum(_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+        opt.zero_grad()
+    out = {
+        "params": sum(_bytes(p) for p in model.parameters()),
+        "grads": grads,
+        "optim": sum(_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
+    }
+    if comm == "odc":
+        b = model._odc_fsdp
+        eng = b.engine
+        chunk = getattr(eng, "chunk_bytes", None) or eng._native.chunk_bytes
+        infos = [eng.bucket(i) for i in range(len(eng._infos))]
+        nodes = b.layout.world // b.layout.shards
+        out["published"] = sum(i["shard_len"] * (2 if i["dtype"] in ("bf16", "f16") else 4) for i in infos)
+        out["staging"] = sum(_bytes(grp.shard) for grp in b.groups)
+        # f32 accumulators, plus under hybrid across nodes the cross-node sum the optimizer reads.
+        out["accum"] = sum(i["shard_len"] * 4 for i in infos) * (2 if b.hybrid and nodes > 1 else 1)
+        out["landing"] = 2 * b.layout.shards * chunk
+        out["fsdp_partials"] = sum(_bytes(pg._partial_reduce_output) for pg in _groups(model)
+                                   if pg._partial_reduce_output is not None)
+        odc.fsdp.disable(model)
+    out["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def print_memory_table(world=4, per_node=2, **kw):
+    """Markdown table, max over ranks: collective and ODC, full and hybrid sharding."""
+    from _dist import run_ranks
+
+    rows = []
+    for comm, sharding in (("collective", "full"), ("odc", "full"), ("collective", "hybrid"), ("odc", "hybrid")):
+        res = run_ranks(memory_worker, world, timeout=300, comm=comm, sharding=sharding, per_node=per_node, **kw)
+        assert all(s == "ok" for s, _ in res.values()), res
+        vals = [v for _, v in res.values()]
+        rows.append((f"{comm} {sharding}", {k: max(v.get(k, 0) for v in vals) for k in vals[0] | vals[-1]}))
+    keys = ["params", "published", "staging", "grads", "accum", "fsdp_partials", "optim", "landing", "rss_peak"]
+    print("| per rank (max over ranks) | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for name, v in rows:
+        cells = ["–" if k not in v else f"{v[k] / 2**20:,.0f} MiB" if k == "rss_peak" else f"{v[k] / 2**10:,.1f} KiB"
+                 for k in keys]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    return rows

@@ -40,7 +40,7 @@ node's replica of the optimizer steps bitwise-identical gradients. FSDP's own
 replicate all-reduce (a direct ``dist.all_reduce`` in ``foreach_reduce``,
 not a seam) is switched off with ``set_requires_all_reduce(False)``; FSDP
 then parks its (zero) reduce-scatter output as a pending partial instead of
-assigning ``.grad``, which :meth:`_Binding.finish` drops. FSDP's divide
+assigning ``.grad``; ODC drops it when the minibatch finishes. FSDP's divide
 factor under HSDP covers all D = N·G ranks (AVG on both collectives, or
 PREMUL_SUM(1/f) then SUM), so pushes are scaled by 1/D, ``op.factor``, or
 the post-divide computed over both groups.
