@@ -2,8 +2,9 @@
 
 use std::ffi::OsString;
 
-use odc_packing::{CostModel, PlanConfig, Strategy};
+use odc_packing::{CostModel, Error, Location, PlanConfig, Strategy};
 use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt};
 
 use crate::errors::odc_error;
 
@@ -11,44 +12,114 @@ fn packing_error(py: Python<'_>, e: odc_packing::Error) -> PyErr {
     odc_error(py, "PackingError", e.to_string())
 }
 
-/// Converts Python ints to lengths, naming the first one that is not a positive integer.
-fn lengths_from(py: Python<'_>, lengths: Vec<i64>) -> PyResult<Vec<u64>> {
-    lengths
-        .into_iter()
+/// `obj` as a Python int when it is one or converts losslessly through
+/// `__index__` (numpy integers); booleans, floats and strings are not.
+fn as_int<'py>(obj: &Bound<'py, PyAny>) -> Option<Bound<'py, PyInt>> {
+    if obj.is_instance_of::<PyBool>() {
+        return None;
+    }
+    obj.call_method0("__index__")
+        .ok()?
+        .cast_into::<PyInt>()
+        .ok()
+}
+
+/// `repr(obj)`, or a placeholder when even that fails.
+fn show(obj: &Bound<'_, PyAny>) -> String {
+    obj.repr()
+        .map_or_else(|_| "<unprintable>".to_owned(), |r| r.to_string())
+}
+
+/// Converts Python ints to lengths, naming the first value that is not an
+/// integer in `1..=2^64 - 1` and its index. Never an `OverflowError`.
+fn lengths_from(py: Python<'_>, items: &[Bound<'_, PyAny>]) -> PyResult<Vec<u64>> {
+    if items.is_empty() {
+        return Err(odc_error(
+            py,
+            "PackingError",
+            "no sequence lengths given: the input is empty".to_owned(),
+        ));
+    }
+    items
+        .iter()
         .enumerate()
-        .map(|(i, v)| {
-            u64::try_from(v).map_err(|_| {
-                odc_error(
-                    py,
-                    "PackingError",
-                    format!(
-                        "sequence length at index {i} is {v}; lengths must be positive integers"
-                    ),
-                )
-            })
-        })
+        .map(|(i, item)| one_length(item, Location::Index(i)).map_err(|e| packing_error(py, e)))
         .collect()
+}
+
+fn one_length(item: &Bound<'_, PyAny>, at: Location) -> Result<u64, Error> {
+    let Some(int) = as_int(item) else {
+        return Err(Error::NonIntegerLength {
+            at,
+            value: show(item),
+        });
+    };
+    match int.extract::<u64>() {
+        Ok(0) => Err(Error::ZeroLength { at }),
+        Ok(v) => Ok(v),
+        Err(_) if int.lt(0).unwrap_or(false) => Err(Error::NegativeLength {
+            at,
+            value: show(item),
+        }),
+        Err(_) => Err(Error::LengthTooLarge {
+            at,
+            value: show(item),
+        }),
+    }
+}
+
+/// The integer argument `name`, which must lie in `lo..=hi`; anything else
+/// (a negative or huge int, a float, None) is a `PackingError` naming it.
+fn int_arg(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>, lo: u64, hi: u64) -> PyResult<u64> {
+    as_int(obj)
+        .and_then(|int| int.extract::<u64>().ok())
+        .filter(|v| (lo..=hi).contains(v))
+        .ok_or_else(|| {
+            odc_error(
+                py,
+                "PackingError",
+                format!(
+                    "{name} must be an integer in {lo}..={hi}, got {}",
+                    show(obj)
+                ),
+            )
+        })
+}
+
+/// [`int_arg`] for a count that indexes memory.
+fn usize_arg(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    let hi = u64::try_from(usize::MAX).unwrap_or(u64::MAX);
+    let v = int_arg(py, name, obj, 1, hi)?;
+    // In range by construction: hi is usize::MAX or less.
+    usize::try_from(v)
+        .map_err(|_| odc_error(py, "PackingError", format!("{name} is too large: {v}")))
 }
 
 /// Plans microbatches for every rank and minibatch; returns the plan as JSON text.
 #[pyfunction]
-#[pyo3(signature = (lengths, world_size, minibatch_size, strategy, max_tokens, cost, seed))]
+#[pyo3(signature = (lengths, world_size, minibatch_size, strategy, max_tokens, cost, seed=None))]
 #[allow(clippy::too_many_arguments)]
 fn plan_json(
     py: Python<'_>,
-    lengths: Vec<i64>,
-    world_size: usize,
-    minibatch_size: usize,
+    lengths: Vec<Bound<'_, PyAny>>,
+    world_size: Bound<'_, PyAny>,
+    minibatch_size: Bound<'_, PyAny>,
     strategy: &str,
-    max_tokens: u64,
+    max_tokens: Bound<'_, PyAny>,
     cost: &str,
-    seed: u64,
+    seed: Option<Bound<'_, PyAny>>,
 ) -> PyResult<String> {
-    let lengths = lengths_from(py, lengths)?;
+    let lengths = lengths_from(py, &lengths)?;
+    let world = usize_arg(py, "world_size", &world_size)?;
+    let minibatch_size = usize_arg(py, "minibatch_size", &minibatch_size)?;
+    let max_tokens = int_arg(py, "max_tokens", &max_tokens, 1, u64::MAX)?;
+    let seed = seed
+        .map(|s| int_arg(py, "seed", &s, 0, u64::MAX))
+        .transpose()?;
     let strategy: Strategy = strategy.parse().map_err(|e| packing_error(py, e))?;
     let cost: CostModel = cost.parse().map_err(|e| packing_error(py, e))?;
     let cfg = PlanConfig {
-        world: world_size,
+        world,
         minibatch_size,
         strategy,
         max_tokens,
@@ -61,22 +132,25 @@ fn plan_json(
     serde_json::to_string(&plan).map_err(|e| odc_error(py, "OdcError", e.to_string()))
 }
 
-/// Karmarkar–Karp k-way partition of `weights`: lists of indices.
+/// verl-compatible Karmarkar–Karp over sequence lengths: lists of indices.
 #[pyfunction]
-#[pyo3(signature = (weights, k_partitions, equal_size))]
+#[pyo3(signature = (seqlen_list, k_partitions, equal_size))]
 fn karmarkar_karp(
     py: Python<'_>,
-    weights: Vec<f64>,
-    k_partitions: usize,
+    seqlen_list: Vec<Bound<'_, PyAny>>,
+    k_partitions: Bound<'_, PyAny>,
     equal_size: bool,
 ) -> PyResult<Vec<Vec<usize>>> {
-    py.detach(|| odc_packing::karmarkar_karp(&weights, k_partitions, equal_size))
+    let lengths = lengths_from(py, &seqlen_list)?;
+    let k = usize_arg(py, "k_partitions", &k_partitions)?;
+    py.detach(|| odc_packing::karmarkar_karp_u64(&lengths, k, equal_size))
         .map_err(|e| packing_error(py, e))
 }
 
 /// Cost of one sequence of `length` tokens under the cost model `cost`.
 #[pyfunction]
-fn sequence_cost(py: Python<'_>, cost: &str, length: u64) -> PyResult<f64> {
+fn sequence_cost(py: Python<'_>, cost: &str, length: Bound<'_, PyAny>) -> PyResult<f64> {
+    let length = int_arg(py, "length", &length, 1, u64::MAX)?;
     let model: CostModel = cost.parse().map_err(|e| packing_error(py, e))?;
     Ok(model.cost(length))
 }

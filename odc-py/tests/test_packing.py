@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
+import random
 import subprocess
 import sys
 
@@ -42,11 +45,50 @@ def test_lb_micro_equal_counts_and_lb_mini_beats_it():
     assert mini.bubble_rate("odc") < micro.bubble_rate("collective")
 
 
+def minibatch_sets(p: packing.Plan) -> list[list[int]]:
+    return [sorted(i for ranks in mb for micro in ranks for i in micro) for mb in p.minibatches]
+
+
 def test_same_seed_same_plan():
     lengths = packing.synthetic(LONGALIGN)
-    a = packing.plan(lengths, 4, 4, seed=7)
-    b = packing.plan(lengths, 4, 4, seed=7)
-    assert a == b
+    for seed in (None, 0, 7, 2**64 - 1):
+        a = packing.plan(lengths, 4, 4, seed=seed)
+        b = packing.plan(lengths, 4, 4, seed=seed)
+        assert a == b
+
+
+@pytest.mark.parametrize("strategy", packing.STRATEGIES)
+def test_seed_shuffles_which_samples_share_a_minibatch(strategy):
+    lengths = packing.synthetic(LONGALIGN)
+    plans = {seed: packing.plan(lengths, 4, 4, strategy=strategy, seed=seed) for seed in (None, 1, 2)}
+    for p in plans.values():
+        assert all_indices(p) == list(range(len(lengths)))  # original positions, each exactly once
+    if strategy == "verl-native":
+        # verl-native balances the whole batch first: the seed shows in who runs what, where.
+        def composition(p):
+            return [[sorted(i for micro in ranks for i in micro) for ranks in mb] for mb in p.minibatches]
+    else:
+        composition = minibatch_sets
+        assert composition(plans[None]) == [list(range(i, i + 16)) for i in range(0, len(lengths), 16)]
+    assert composition(plans[1]) != composition(plans[None])
+    assert composition(plans[1]) != composition(plans[2])
+
+
+# Plans of this input as odc.packing produced them before seeds shuffled anything.
+TODAY_LENGTHS = [5, 9, 1, 7, 3, 3, 8, 2, 6, 4]
+TODAY_PLANS = {
+    "local-sort": [[[[0], [2]], [[1], [3]]], [[[6], [4]], [[5], [7]]], [[[8]], [[9]]]],
+    "lb-micro": [[[[0, 3]], [[1, 2]]], [[[4, 5, 7]], [[6]]], [[[8]], [[9]]]],
+    "lb-mini": [[[[0, 3]], [[1, 2]]], [[[4, 5, 7]], [[6]]], [[[8]], [[9]]]],
+    "verl-native": [[[[0, 2]], [[1, 4]]], [[[3, 5]], [[7, 8]]], [[[6]], [[9]]]],
+}
+
+
+@pytest.mark.parametrize("strategy", packing.STRATEGIES)
+def test_no_seed_is_todays_plan(strategy):
+    p = packing.plan(TODAY_LENGTHS, 2, 2, strategy=strategy, max_tokens=12)
+    assert p == packing.plan(TODAY_LENGTHS, 2, 2, strategy=strategy, max_tokens=12, seed=None)
+    assert [[list(map(list, ranks)) for ranks in mb] for mb in p.minibatches] == TODAY_PLANS[strategy]
 
 
 def test_json_shape_matches_cli():
@@ -88,6 +130,145 @@ def test_bad_lengths(lengths, needle):
     with pytest.raises(odc.PackingError, match=needle) as e:
         packing.plan(lengths, 2, 2)
     assert isinstance(e.value, ValueError)
+
+
+BIG = 2**70
+
+
+@pytest.mark.parametrize(
+    "call, needles",
+    [
+        (lambda: packing.plan([1, BIG], 2, 2), ["index 1", str(BIG)]),
+        (lambda: packing.plan([1, 2**64], 2, 2), ["index 1", str(2**64)]),
+        (lambda: packing.plan([1, 2], 2, 2, seed=-1), ["seed", "-1"]),
+        (lambda: packing.plan([1, 2], 2, 2, seed=2**64), ["seed", str(2**64)]),
+        (lambda: packing.plan([1, 2], 2, 2, seed=1.5), ["seed", "1.5"]),
+        (lambda: packing.plan([1, 2], 2, 2, seed="3"), ["seed", "'3'"]),
+        (lambda: packing.plan([1, 2], BIG, 2), ["world_size", str(BIG)]),
+        (lambda: packing.plan([1, 2], 2, -3), ["minibatch_size", "-3"]),
+        (lambda: packing.plan([1, 2], 2, 2, max_tokens=BIG), ["max_tokens", str(BIG)]),
+        (lambda: packing.karmarkar_karp([1, BIG, 3], 2, False), ["index 1", str(BIG)]),
+        (lambda: packing.karmarkar_karp([1, 2**1100], 2, False), ["index 1"]),
+        (lambda: packing.karmarkar_karp([1, 2, 3], -1, False), ["k_partitions", "-1"]),
+        (lambda: packing.karmarkar_karp([1, 2, 3], BIG, False), ["k_partitions", str(BIG)]),
+        (lambda: packing.get_seqlen_balanced_partitions([4, 1, BIG], 2, False), ["index 2", str(BIG)]),
+        (lambda: packing.get_seqlen_balanced_partitions([1, 2], -2, True), ["k_partitions", "-2"]),
+        (lambda: packing.sequence_cost(-1), ["length", "-1"]),
+        (lambda: packing.sequence_cost(BIG), ["length", str(BIG)]),
+    ],
+)
+def test_out_of_range_integers_are_packing_errors(call, needles):
+    with pytest.raises(odc.PackingError) as e:
+        call()
+    assert isinstance(e.value, ValueError)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+@pytest.mark.parametrize("fn", [packing.karmarkar_karp, packing.get_seqlen_balanced_partitions])
+@pytest.mark.parametrize(
+    "lengths, needles",
+    [
+        ([1, 0, 3, 4], ["index 1", "zero"]),
+        ([1, 2, 3, -4], ["index 3", "negative", "-4"]),
+        ([1, 2.5, 3, 4], ["index 1", "2.5"]),
+        ([1, True, 3, 4], ["index 1", "True"]),
+        ([], ["empty"]),
+    ],
+)
+def test_verl_helpers_refuse_bad_lengths(fn, lengths, needles):
+    with pytest.raises(odc.PackingError) as e:
+        fn(lengths, 2, equal_size=False)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_native_module_never_overflows():
+    # The private module guards itself too: no OverflowError even without the Python checks.
+    from odc import _odc
+
+    for call, needle in [
+        (lambda: _odc.plan_json([1, BIG], 2, 2, "lb-mini", 100, "linear", None), "index 1"),
+        (lambda: _odc.plan_json([1, 0], 2, 2, "lb-mini", 100, "linear", None), "index 1"),
+        (lambda: _odc.plan_json([1, 2], 2, 2, "lb-mini", 100, "linear", -1), "seed"),
+        (lambda: _odc.plan_json([1, 2], -2, 2, "lb-mini", 100, "linear", None), "world_size"),
+        (lambda: _odc.karmarkar_karp([1, 0, 3, 4], 2, False), "index 1"),
+        (lambda: _odc.karmarkar_karp([1, BIG], 2, False), "index 1"),
+        (lambda: _odc.karmarkar_karp([1, 2], -1, False), "k_partitions"),
+        (lambda: _odc.sequence_cost("linear", -1), "length"),
+    ]:
+        with pytest.raises(odc.PackingError, match=needle):
+            call()
+
+
+def test_numpy_integers_are_lengths():
+    np = pytest.importorskip("numpy")
+    lengths = np.array([5, 9, 1, 7], dtype=np.int64)
+    assert packing.karmarkar_karp(lengths, 2, True) == packing.karmarkar_karp([5, 9, 1, 7], 2, True)
+    assert packing.plan(lengths, 2, 2, seed=np.uint64(3)) == packing.plan([5, 9, 1, 7], 2, 2, seed=3)
+
+
+def verl_reference_karmarkar_karp(seqlens: list[int], k: int, equal_size: bool) -> list[list[int]]:
+    """verl's heapq Karmarkar–Karp, rewritten here as the quality reference.
+
+    A partial partition is k (sum, items) sets sorted by sum, largest first;
+    the heap pops the partial partition of largest spread (max - min sum).
+    The two of largest spread merge by joining the i-th largest set of one
+    with the i-th smallest of the other. Items enter in ascending length
+    order: one item per partial partition, or with ``equal_size`` k
+    consecutive items at a time, one per set.
+    """
+    tie = itertools.count()
+    heap: list = []
+
+    def push(sets):
+        sets = sorted(sets, key=lambda s: (-s[0], s[1]))
+        heapq.heappush(heap, (-(sets[0][0] - sets[-1][0]), next(tie), sets))
+
+    order = sorted(range(len(seqlens)), key=lambda i: (seqlens[i], i))
+    if equal_size:
+        for start in range(0, len(order), k):
+            push([(seqlens[i], [i]) for i in order[start : start + k]])
+    else:
+        for i in order:
+            push([(seqlens[i], [i])] + [(0, []) for _ in range(k - 1)])
+    while len(heap) > 1:
+        a = heapq.heappop(heap)[2]
+        b = heapq.heappop(heap)[2]
+        push([(a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)])
+    return [items for _, items in heap[0][2]]
+
+
+def test_verl_reference_sanity():
+    # Karmarkar–Karp's own textbook example: {8,7,6,5,4} into 2 gives 16/14 by plain differencing.
+    parts = verl_reference_karmarkar_karp([8, 7, 6, 5, 4], 2, False)
+    assert sorted(sum([8, 7, 6, 5, 4][i] for i in p) for p in parts) == [14, 16]
+    parts = verl_reference_karmarkar_karp([1, 2, 3, 4, 5, 6], 3, True)
+    assert sorted(len(p) for p in parts) == [2, 2, 2]
+    assert sorted(i for p in parts for i in p) == list(range(6))
+
+
+def test_karmarkar_karp_at_least_as_good_as_verl():
+    rng = random.Random(20240607)
+    cases = 0
+    for _ in range(400):
+        k = rng.randint(1, 12)
+        equal_size = rng.random() < 0.5
+        per_part = rng.randint(1, 8) if rng.random() < 0.6 else rng.randint(9, 20)
+        n = k * per_part if equal_size else rng.randint(k, k * per_part)
+        top = rng.choice([5, 100, 70000])  # 5: many ties; 70000: LongAlign-like spread
+        seqlens = [rng.randint(1, top) for _ in range(n)]
+        ours = packing.karmarkar_karp(seqlens, k, equal_size)
+        ref = verl_reference_karmarkar_karp(seqlens, k, equal_size)
+        assert len(ours) == k
+        assert sorted(i for p in ours for i in p) == list(range(n))
+        if equal_size:
+            assert {len(p) for p in ours} == {n // k}
+        ours_max = max(sum(seqlens[i] for i in p) for p in ours)
+        ref_max = max(sum(seqlens[i] for i in p) for p in ref)
+        assert ours_max <= ref_max, (seqlens, k, equal_size, ours_max, ref_max)
+        cases += 1
+    assert cases == 400
 
 
 def test_bad_arguments_name_the_value():

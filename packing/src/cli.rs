@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use clap::{ArgGroup, Parser};
 
 use crate::error::{Error, Result};
-use crate::input::{parse_lengths, synthetic_with_seed};
+use crate::input::{parse_lengths, synthetic};
 use crate::kk::{karmarkar_karp, lower_bound, max_part_sum, part_sum};
 use crate::planner::{compare, plan, Plan, PlanConfig};
 
@@ -25,7 +25,8 @@ const AFTER_HELP: &str = "\
 Strategies: local-sort, lb-micro, lb-mini, verl-native.
 Cost models: linear, quadratic (= quadratic:qwen2-7b), quadratic:qwen2-1.5b,
   quadratic:a=A,b=B, verl, flops:hidden=H,layers=L,query=Q.
-Synthetic: lognormal:n=N[,median=10000][,sigma=1.0][,min=1][,max=65536][,seed=S]
+Synthetic: lognormal:n=N[,median=10000][,sigma=1.0][,min=1][,max=65536][,seed=0]
+  (its seed draws the lengths; --seed only shuffles their order).
 
 Bubble rates: collective = 1 - sum(C) / (D * sum_m max_d C[m,d]);
               odc        = 1 - sum(C) / (D * max_d sum_m C[m,d]).
@@ -65,9 +66,12 @@ struct Args {
     #[arg(long, value_name = "NAME", default_value = "quadratic")]
     cost: String,
 
-    /// Seed of the plan; also the seed of --synthetic when its spec has none.
-    #[arg(long, value_name = "S", default_value_t = 0)]
-    seed: u64,
+    /// Shuffle the samples with seed S before cutting minibatches (like a
+    /// data loader's shuffle); without it minibatches take samples in input
+    /// order. Plan indices always name input positions. Independent of the
+    /// seed= of --synthetic, which picks the lengths; --partition ignores it.
+    #[arg(long, value_name = "S")]
+    seed: Option<u64>,
 
     /// Print the plan (or, with --compare, the table) as JSON.
     #[arg(long)]
@@ -131,7 +135,7 @@ pub fn run_with<I: IntoIterator<Item = OsString>>(
 
 fn read_lengths(args: &Args) -> Result<Vec<u64>> {
     if let Some(spec) = &args.synthetic {
-        return synthetic_with_seed(spec, args.seed);
+        return synthetic(spec);
     }
     let path = args.lengths.clone().unwrap_or_else(|| PathBuf::from("-"));
     let shown = path.display().to_string();

@@ -33,7 +33,7 @@ pub enum Error {
     #[error("no sequence lengths in the input")]
     EmptyLengths,
 
-    /// A length was not an integer (text, a fraction, an overflowing number).
+    /// A length was not an integer (text, a fraction, a boolean).
     #[error("sequence length at {at} is not a positive integer: {value:?}")]
     NonIntegerLength {
         /// Where the value was found.
@@ -52,6 +52,15 @@ pub enum Error {
     /// A length was negative.
     #[error("sequence length at {at} is negative: {value}")]
     NegativeLength {
+        /// Where the value was found.
+        at: Location,
+        /// The value as written.
+        value: String,
+    },
+
+    /// A length was a whole number too large for a `u64`.
+    #[error("sequence length at {at} is {value}, more than the largest supported length 2^64 - 1")]
+    LengthTooLarge {
         /// Where the value was found.
         at: Location,
         /// The value as written.

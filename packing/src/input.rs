@@ -21,7 +21,8 @@ use crate::spec::Params;
 /// # Errors
 ///
 /// [`Error::EmptyLengths`] when there is no value; [`Error::ZeroLength`],
-/// [`Error::NegativeLength`] or [`Error::NonIntegerLength`] naming the line
+/// [`Error::NegativeLength`], [`Error::LengthTooLarge`] or
+/// [`Error::NonIntegerLength`] naming the line
 /// (1-based) or array index (0-based) and the value;
 /// [`Error::InvalidJson`] for a malformed array.
 pub fn parse_lengths(text: &str) -> Result<Vec<u64>> {
@@ -75,6 +76,10 @@ fn one_length(value: &str, at: Location) -> Result<u64> {
                 })
             }
         }
+        Err(_) if value.bytes().all(|b| b.is_ascii_digit()) => Err(Error::LengthTooLarge {
+            at,
+            value: value.to_owned(),
+        }),
         Err(_) => Err(Error::NonIntegerLength {
             at,
             value: value.to_owned(),
@@ -202,6 +207,13 @@ mod tests {
         assert!(e.contains("index 1"), "{e}");
         let e = parse_lengths("[1, -3]").unwrap_err().to_string();
         assert!(e.contains("index 1") && e.contains("-3"), "{e}");
+        let e = parse_lengths("5\n18446744073709551616\n").unwrap_err();
+        assert!(matches!(e, Error::LengthTooLarge { .. }), "{e}");
+        let e = e.to_string();
+        assert!(
+            e.contains("line 2") && e.contains("18446744073709551616"),
+            "{e}"
+        );
         assert!(matches!(parse_lengths("\n \n"), Err(Error::EmptyLengths)));
         assert!(matches!(parse_lengths("[]"), Err(Error::EmptyLengths)));
         assert!(matches!(

@@ -35,7 +35,7 @@
 //!     strategy: Strategy::LbMini,
 //!     max_tokens: 65_536,
 //!     cost: "quadratic".parse()?,
-//!     seed: 0,
+//!     seed: None, // dataset order; Some(s) shuffles samples before batching
 //! };
 //! let p = plan(&lengths, &cfg)?;
 //! assert_eq!(p.minibatches.len(), 8); // 256 samples / (4 · 8)
@@ -50,9 +50,10 @@
 //!
 //! # Determinism
 //!
-//! Every algorithm breaks ties by index and synthetic data comes from a
-//! fixed SplitMix64 stream, so the same input and configuration give the
-//! same plan on every machine.
+//! Every algorithm breaks ties by index, and synthetic data and the
+//! optional sample shuffle ([`PlanConfig::seed`]) come from fixed SplitMix64
+//! streams, so the same input and configuration give the same plan on
+//! every machine.
 //!
 //! # Errors
 //!
@@ -76,6 +77,7 @@ pub use error::{Error, Location, Result};
 pub use input::{parse_lengths, synthetic};
 pub use kk::{karmarkar_karp, karmarkar_karp_u64, lpt};
 pub use planner::{
-    compare, plan, Comparison, ComparisonRow, MinibatchPlan, Mode, Plan, PlanConfig, RankPlan,
+    compare, plan, sample_order, Comparison, ComparisonRow, MinibatchPlan, Mode, Plan, PlanConfig,
+    RankPlan,
 };
 pub use strategy::Strategy;

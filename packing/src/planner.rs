@@ -7,8 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::cost::CostModel;
 use crate::error::Result;
+use crate::input::SplitMix64;
 use crate::sim::{speedup, Timing};
-use crate::strategy::{assign, Batching, Strategy};
+use crate::strategy::{assign_ordered, Batching, Strategy};
 
 /// Everything [`plan`] needs besides the lengths.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -16,7 +17,7 @@ pub struct PlanConfig {
     /// Number of data-parallel ranks `D`.
     pub world: usize,
     /// Samples per rank per minibatch `M`; a global minibatch is `M·D`
-    /// consecutive samples.
+    /// consecutive samples (of the shuffled order when `seed` is set).
     pub minibatch_size: usize,
     /// Packing strategy.
     pub strategy: Strategy,
@@ -24,16 +25,18 @@ pub struct PlanConfig {
     pub max_tokens: u64,
     /// Per-sample cost model.
     pub cost: CostModel,
-    /// Seed for any randomised choice. Every current strategy is fully
-    /// deterministic (ties are broken by index), so plans do not depend on
-    /// it; it is part of the configuration so that a plan stays
-    /// reproducible if a randomised strategy is added.
-    pub seed: u64,
+    /// Shuffle seed of the sample order, like a data loader's. `None`
+    /// forms minibatches from consecutive samples in dataset order;
+    /// `Some(s)` first shuffles the samples with a permutation fixed by `s`
+    /// (see [`sample_order`]), so which samples share a minibatch depends
+    /// on `s`. Indices in the plan always name positions in the input, and
+    /// the same seed gives the same plan.
+    pub seed: Option<u64>,
 }
 
 impl Default for PlanConfig {
     /// 8 ranks, 4 samples per rank per minibatch, LB-Mini, 65 536 tokens,
-    /// the Qwen2-7B quadratic cost model, seed 0.
+    /// the Qwen2-7B quadratic cost model, dataset order (no shuffle).
     fn default() -> Self {
         Self {
             world: 8,
@@ -41,7 +44,7 @@ impl Default for PlanConfig {
             strategy: Strategy::LbMini,
             max_tokens: 65_536,
             cost: CostModel::default(),
-            seed: 0,
+            seed: None,
         }
     }
 }
@@ -91,6 +94,36 @@ impl Plan {
     }
 }
 
+/// Keeps shuffle permutations apart from a synthetic data set drawn with
+/// the same seed (`lognormal:...,seed=s` together with `seed: Some(s)`).
+const SHUFFLE_STREAM: u64 = 0x5348_5546_464C_4531;
+
+/// The order in which [`plan`] takes `n` samples: `0..n` for `None`, a
+/// uniformly random permutation fixed by the seed for `Some(seed)`
+/// (Fisher–Yates over a SplitMix64 stream, identical on every machine).
+///
+/// ```
+/// let order = odc_packing::sample_order(6, Some(1));
+/// assert_eq!(order, odc_packing::sample_order(6, Some(1)));
+/// let mut sorted = order.clone();
+/// sorted.sort_unstable();
+/// assert_eq!(sorted, (0..6).collect::<Vec<_>>());
+/// assert_eq!(odc_packing::sample_order(3, None), vec![0, 1, 2]);
+/// ```
+pub fn sample_order(n: usize, seed: Option<u64>) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    if let Some(seed) = seed {
+        let mut rng = SplitMix64::new(seed ^ SHUFFLE_STREAM);
+        for i in (1..n).rev() {
+            // Multiply-shift maps 64 random bits onto 0..=i; the bias,
+            // below i / 2⁶⁴, is far beneath anything a plan could show.
+            let j = ((u128::from(rng.next_u64()) * (i as u128 + 1)) >> 64) as usize;
+            order.swap(i, j);
+        }
+    }
+    order
+}
+
 /// Plans `lengths` (tokens per sample, in input order) under `cfg`.
 ///
 /// ```
@@ -105,7 +138,8 @@ impl Plan {
 /// # Errors
 ///
 /// As [`crate::strategy::assign`]: bad settings, empty input, a zero
-/// length, or a sample longer than `max_tokens`.
+/// length, or a sample longer than `max_tokens` (indices in errors, as in
+/// the plan, are positions in `lengths`, shuffled or not).
 pub fn plan(lengths: &[u64], cfg: &PlanConfig) -> Result<Plan> {
     let costs: Vec<f64> = lengths.iter().map(|&s| cfg.cost.cost(s)).collect();
     plan_with_costs(lengths, &costs, cfg)
@@ -117,7 +151,8 @@ fn plan_with_costs(lengths: &[u64], costs: &[f64], cfg: &PlanConfig) -> Result<P
         minibatch_size: cfg.minibatch_size,
         max_tokens: cfg.max_tokens,
     };
-    let assignment = assign(cfg.strategy, lengths, costs, &batching)?;
+    let order = sample_order(lengths.len(), cfg.seed);
+    let assignment = assign_ordered(cfg.strategy, lengths, costs, &batching, &order)?;
     let mut total = Timing {
         world: cfg.world,
         ..Timing::default()

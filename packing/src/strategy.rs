@@ -5,7 +5,8 @@
 //! sample indices. It does not judge assignments — that is
 //! [`crate::sim`] — and it sees costs only as numbers handed in.
 //!
-//! Common rules. The input is cut into global minibatches of
+//! Common rules. The input, in dataset order or in the order given to
+//! [`assign_ordered`], is cut into global minibatches of
 //! `minibatch_size · world` consecutive samples (the last may be partial
 //! and is kept). Every sample lands in exactly one microbatch; no
 //! microbatch holds more than `max_tokens` tokens.
@@ -216,7 +217,28 @@ pub fn assign(
     costs: &[f64],
     batching: &Batching,
 ) -> Result<Vec<MinibatchAssignment>> {
+    let order: Vec<usize> = (0..lengths.len()).collect();
+    assign_ordered(strategy, lengths, costs, batching, &order)
+}
+
+/// [`assign`] with the samples taken in `order` rather than dataset order:
+/// minibatches are cut from `order` (a permutation of `0..lengths.len()`,
+/// a shuffled epoch say), while every index in the result still names a
+/// position in `lengths`.
+///
+/// # Errors
+///
+/// As [`assign`], and [`Error::InvalidConfig`] when `order` is not a
+/// permutation of `0..lengths.len()`.
+pub fn assign_ordered(
+    strategy: Strategy,
+    lengths: &[u64],
+    costs: &[f64],
+    batching: &Batching,
+    order: &[usize],
+) -> Result<Vec<MinibatchAssignment>> {
     batching.validate(lengths, costs)?;
+    check_permutation(order, lengths.len())?;
     let packer = Packer {
         lengths,
         costs,
@@ -224,7 +246,7 @@ pub fn assign(
     };
     let d = batching.world;
     let global = batching.minibatch_size.saturating_mul(d);
-    let indices: Vec<usize> = (0..lengths.len()).collect();
+    let indices = order;
     match strategy {
         Strategy::LocalSort => Ok(indices
             .chunks(global)
@@ -238,7 +260,7 @@ pub fn assign(
             .chunks(global)
             .map(|mb| lb_mini(mb, d, &packer))
             .collect(),
-        Strategy::VerlNative => verl_native(&indices, d, batching.minibatch_size, &packer),
+        Strategy::VerlNative => verl_native(indices, d, batching.minibatch_size, &packer),
     }
 }
 
@@ -287,12 +309,14 @@ fn verl_native(
 ) -> Result<Vec<MinibatchAssignment>> {
     let n = all.len();
     let padded = n.div_ceil(d) * d;
-    let mut weights: Vec<f64> = packer.costs.to_vec();
+    // Position j of the partition is sample all[j]; positions ≥ n are the
+    // zero-cost padding.
+    let mut weights: Vec<f64> = all.iter().map(|&i| packer.costs[i]).collect();
     weights.resize(padded, 0.0);
     let parts = karmarkar_karp(&weights, d, true)?;
     let per_rank: Vec<Vec<usize>> = parts
         .into_iter()
-        .map(|p| p.into_iter().filter(|&i| i < n).collect())
+        .map(|p| p.into_iter().filter(|&j| j < n).map(|j| all[j]).collect())
         .collect();
     let longest = per_rank.iter().map(Vec::len).max().unwrap_or(0);
     (0..longest.div_ceil(m))
@@ -317,6 +341,30 @@ fn verl_native(
             Ok(ranks)
         })
         .collect()
+}
+
+/// `order` must hold every index below `n` exactly once.
+fn check_permutation(order: &[usize], n: usize) -> Result<()> {
+    let bad = |value: String, reason| Error::InvalidConfig {
+        field: "order",
+        value,
+        reason,
+    };
+    if order.len() != n {
+        return Err(bad(
+            format!("{} indices", order.len()),
+            "need one index per sequence length",
+        ));
+    }
+    let mut seen = vec![false; n];
+    for &i in order {
+        match seen.get_mut(i) {
+            Some(s) if !*s => *s = true,
+            Some(_) => return Err(bad(i.to_string(), "index appears twice")),
+            None => return Err(bad(i.to_string(), "index past the last sample")),
+        }
+    }
+    Ok(())
 }
 
 /// Packs samples into microbatch bins under the token budget.
@@ -576,6 +624,30 @@ mod tests {
                 max_tokens: 10
             }
         ));
+    }
+
+    #[test]
+    fn order_decides_minibatches_and_must_be_a_permutation() {
+        let lengths = [10, 20, 30, 40];
+        let costs = [10.0, 20.0, 30.0, 40.0];
+        let b = Batching {
+            world: 1,
+            minibatch_size: 2,
+            max_tokens: 100,
+        };
+        let plan =
+            assign_ordered(Strategy::LocalSort, &lengths, &costs, &b, &[3, 0, 2, 1]).unwrap();
+        assert_eq!(
+            plan,
+            vec![vec![vec![vec![3], vec![0]]], vec![vec![vec![2], vec![1]]]]
+        );
+        for bad in [&[0, 1, 2][..], &[0, 1, 1, 2], &[0, 1, 2, 4]] {
+            let e = assign_ordered(Strategy::LbMini, &lengths, &costs, &b, bad).unwrap_err();
+            assert!(
+                matches!(e, Error::InvalidConfig { field: "order", .. }),
+                "{e}"
+            );
+        }
     }
 
     #[test]

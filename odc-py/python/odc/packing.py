@@ -57,15 +57,37 @@ COST_MODELS = ("linear", "quadratic", "qwen2-1.5b", "qwen2-7b", "verl", "flops:h
 DEFAULT_MAX_TOKENS = 65536
 
 
+U64_MAX = 2**64 - 1
+
+
 def _check_lengths(lengths: Sequence[int], what: str = "sequence length") -> list[int]:
+    """Lengths as ints, or a PackingError naming the first bad value and its index.
+
+    Every length must be an integer in ``1..=2**64 - 1``: zero, negative,
+    oversized, boolean and non-integer values are all refused here, so no
+    ``OverflowError`` or ``TypeError`` escapes from the native module.
+    """
     out = []
     for i, v in enumerate(lengths):
         if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise PackingError(f"{what} at index {i} is {v!r}; lengths must be positive integers")
-        out.append(int(v))
+        n = int(v)
+        if n <= 0:
+            kind = "zero" if n == 0 else "negative"
+            raise PackingError(f"{what} at index {i} is {kind} ({v!r}); lengths must be positive integers")
+        if n > U64_MAX:
+            raise PackingError(f"{what} at index {i} is {v!r}, more than the largest supported length 2**64 - 1")
+        out.append(n)
     if not out:
         raise PackingError(f"no {what}s given: the input is empty")
     return out
+
+
+def _check_int(name: str, v: object, lo: int, hi: int = U64_MAX) -> int:
+    """``v`` as an int in ``lo..=hi``, or a PackingError naming ``name`` and the value."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= int(v) <= hi:
+        raise PackingError(f"{name} must be an integer in {lo}..={hi}, got {v!r}")
+    return int(v)
 
 
 @dataclass(frozen=True)
@@ -140,7 +162,7 @@ def plan(
     strategy: str = "lb-mini",
     max_tokens: int = DEFAULT_MAX_TOKENS,
     cost: str = "linear",
-    seed: int = 0,
+    seed: int | None = None,
 ) -> Plan:
     """Plans microbatches for every rank and minibatch.
 
@@ -148,21 +170,30 @@ def plan(
         lengths: token count of every sample, in dataset order.
         world_size: number of ranks D.
         minibatch_size: samples per rank per minibatch M (a global minibatch
-            is M·D consecutive samples; the last one may be partial).
+            is M·D samples; the last one may be partial).
         strategy: one of :data:`STRATEGIES`.
         max_tokens: token budget of one microbatch; a longer sample is an error.
         cost: cost model name (:data:`COST_MODELS`).
-        seed: makes tie-breaking deterministic; same seed, same plan.
+        seed: shuffle seed of the sample order, like a DataLoader's. ``None``
+            (the default) cuts minibatches from consecutive samples in dataset
+            order; an integer in ``0..=2**64 - 1`` first shuffles the samples
+            with a permutation fixed by the seed, so it decides which samples
+            share a minibatch. Either way the plan's indices are positions in
+            ``lengths``, and the same seed gives the same plan.
 
     Raises:
-        PackingError: bad lengths, unknown strategy or cost, a sample over budget.
+        PackingError: bad lengths (naming the value and its index), an
+            out-of-range size or seed, unknown strategy or cost, a sample over
+            budget.
     """
     checked = _check_lengths(lengths)
-    for name, v in (("world_size", world_size), ("minibatch_size", minibatch_size), ("max_tokens", max_tokens)):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
-            raise PackingError(f"{name} must be a positive integer, got {v!r}")
+    world_size = _check_int("world_size", world_size, 1, sys.maxsize)
+    minibatch_size = _check_int("minibatch_size", minibatch_size, 1, sys.maxsize)
+    max_tokens = _check_int("max_tokens", max_tokens, 1)
+    if seed is not None:
+        seed = _check_int("seed", seed, 0)
     raw = json.loads(
-        _odc.plan_json(checked, int(world_size), int(minibatch_size), str(strategy), int(max_tokens), str(cost), int(seed))
+        _odc.plan_json(checked, world_size, minibatch_size, str(strategy), max_tokens, str(cost), seed)
     )
     mbs = raw["minibatches"]
     return Plan(
@@ -171,7 +202,7 @@ def plan(
         bubble_collective=raw["bubble_collective"],
         bubble_odc=raw["bubble_odc"],
         minibatch_bubbles=tuple((m["bubble_collective"], m["bubble_odc"]) for m in mbs),
-        world_size=int(world_size),
+        world_size=world_size,
         strategy=str(strategy),
     )
 
@@ -182,13 +213,24 @@ def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bo
     Each set's sum of lengths is balanced (largest differencing plus a local
     refinement that never makes the result worse). With ``equal_size`` every
     set has the same number of items.
+
+    Raises:
+        PackingError: a length that is not an integer in ``1..=2**64 - 1``
+            (zero included: every sequence holds at least one token), naming
+            the value and its index; ``k_partitions`` not a positive integer,
+            larger than the item count, or (with ``equal_size``) not dividing it.
     """
     weights = _check_lengths(seqlen_list, "sequence length")
-    return _odc.karmarkar_karp([float(w) for w in weights], int(k_partitions), bool(equal_size))
+    k = _check_int("k_partitions", k_partitions, 1, sys.maxsize)
+    return _odc.karmarkar_karp(weights, k, bool(equal_size))
 
 
 def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
-    """verl-compatible: balanced partitions, each non-empty and sorted by index."""
+    """verl-compatible: balanced partitions, each non-empty and sorted by index.
+
+    Raises:
+        PackingError: as :func:`karmarkar_karp`.
+    """
     parts = karmarkar_karp(seqlen_list, k_partitions, equal_size)
     for i, p in enumerate(parts):
         if not p:
@@ -197,8 +239,8 @@ def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int
 
 
 def sequence_cost(length: int, cost: str = "linear") -> float:
-    """Cost of one sequence of ``length`` tokens under the cost model ``cost``."""
-    return _odc.sequence_cost(str(cost), int(length))
+    """Cost of one sequence of ``length`` tokens (an integer in ``1..=2**64 - 1``) under the cost model ``cost``."""
+    return _odc.sequence_cost(str(cost), _check_int("length", length, 1))
 
 
 def synthetic(spec: str) -> list[int]:

@@ -125,7 +125,8 @@ def _build_parser() -> _Parser:
     im.add_argument("--configs", default=",".join(c[0] for c in _configs()),
                     help="configurations, comma-separated (the baseline collective+lb-micro always runs)")
     im.add_argument("--repeats", type=_positive(int, "--repeats"), default=1, help="runs per configuration (median)")
-    im.add_argument("--seed", type=int, default=0, help="plan seed (default 0)")
+    im.add_argument("--seed", type=int, default=None,
+                    help="shuffle seed of the sample order before minibatches are cut (default: dataset order)")
     im.add_argument("--sweep", metavar="NAME=V1,V2,..", help=f"sweep one of: {', '.join(SWEEPS)}")
     im.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="FSDP-style overlap: prefetch the next layer's gather, wait for pushes per microbatch "

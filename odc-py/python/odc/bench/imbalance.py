@@ -73,7 +73,7 @@ class Settings:
     cost: str
     minibatches: int
     repeats: int
-    seed: int
+    seed: int | None
     configs: tuple
 
 
