@@ -1,7 +1,7 @@
 //! Raising the classes of `odc.errors` from Rust.
 
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::types::{PyDict, PyType};
 
 fn class<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyType>> {
     py.import("odc.errors")?
@@ -22,26 +22,138 @@ pub(crate) fn odc_error(py: Python<'_>, name: &str, message: String) -> PyErr {
     }
 }
 
-/// Maps an engine error one-to-one to its Python class; peer errors carry
-/// the peer's rank as `.peer`.
-pub(crate) fn core_error(py: Python<'_>, e: odc_core::Error) -> PyErr {
+/// The `odc.errors` class of each engine error variant: one class per variant.
+fn class_name(e: &odc_core::Error) -> &'static str {
     use odc_core::Error as E;
-    let name = match &e {
+    match e {
         E::PeerTimeout { .. } => "PeerTimeout",
         E::PeerDied { .. } => "PeerDied",
         E::Registration { .. } => "RegistrationError",
         E::Layout { .. } => "LayoutError",
         E::Protocol { .. } => "ProtocolError",
         E::Config(_) => "ConfigError",
-        E::Transport { .. } | E::Fabric { .. } => "TransportError",
+        E::Transport { .. } => "TransportError",
         E::Store { .. } => "StoreError",
+        E::GpuUnavailable(_) => "GpuUnavailable",
+        E::Nvshmem { .. } => "NvshmemError",
+        E::Fabric { .. } => "FabricError",
         E::Io(_) => "OdcOSError",
+        // `odc_core::Error` is non-exhaustive: a variant added there and not
+        // yet here still raises an `OdcError`, with its message.
         _ => "OdcError",
-    };
+    }
+}
+
+/// Maps an engine error one-to-one to its Python class; peer errors carry
+/// the peer's rank as `.peer`.
+pub(crate) fn core_error(py: Python<'_>, e: odc_core::Error) -> PyErr {
     let message = e.to_string();
-    match (class(py, name), e.blamed_peer()) {
+    match (class(py, class_name(&e)), e.blamed_peer()) {
         (Ok(cls), Some(peer)) => PyErr::from_type(cls, (message, peer)),
         (Ok(cls), None) => PyErr::from_type(cls, message),
         (Err(err), _) => err,
     }
+}
+
+/// One example of every `odc_core::Error` variant, by variant name.
+fn examples() -> Vec<(&'static str, odc_core::Error)> {
+    use odc_core::Error as E;
+    let bucket = Some("b".to_string());
+    vec![
+        (
+            "PeerTimeout",
+            E::PeerTimeout {
+                peer: 1,
+                bucket: bucket.clone(),
+                waited_for: "version 0 of the shard".into(),
+                after: std::time::Duration::from_secs(1),
+            },
+        ),
+        (
+            "PeerDied",
+            E::PeerDied {
+                peer: 1,
+                pid: 0,
+                bucket: bucket.clone(),
+                waited_for: "its landing slot".into(),
+                reported_by: None,
+            },
+        ),
+        (
+            "Registration",
+            E::Registration {
+                peer: 1,
+                first_differing_bucket: 0,
+                ours: "a 1 f32".into(),
+                theirs: "<none>".into(),
+            },
+        ),
+        (
+            "Layout",
+            E::Layout {
+                bucket: bucket.clone(),
+                detail: "example".into(),
+            },
+        ),
+        (
+            "Protocol",
+            E::Protocol {
+                bucket,
+                detail: "example".into(),
+            },
+        ),
+        ("Config", E::Config("example".into())),
+        (
+            "Transport",
+            E::Transport {
+                op: "get",
+                detail: "example".into(),
+                source: None,
+            },
+        ),
+        (
+            "Store",
+            E::Store {
+                op: "get",
+                key: "k".into(),
+                detail: "example".into(),
+            },
+        ),
+        (
+            "GpuUnavailable",
+            E::GpuUnavailable(odc_core::gpu::Missing::NvshmemLibrary { tried: Vec::new() }),
+        ),
+        (
+            "Nvshmem",
+            E::Nvshmem {
+                call: "nvshmemx_init_attr",
+                detail: "example".into(),
+            },
+        ),
+        (
+            "Fabric",
+            E::Fabric {
+                call: "fi_getinfo",
+                code: 61,
+                detail: "example".into(),
+            },
+        ),
+        ("Io", E::Io(std::io::Error::other("example"))),
+    ]
+}
+
+/// `{variant: exception}`: every `odc_core::Error` variant raised through
+/// [`core_error`], so tests can check the mapping is one-to-one (most
+/// variants cannot be provoked on a machine without a GPU).
+#[pyfunction]
+fn _core_error_examples<'py>(py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    let out = PyDict::new(py);
+    for (variant, e) in examples() {
+        out.set_item(variant, core_error(py, e).into_value(py))?;
+    }
+    Ok(out)
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_core_error_examples, m)?)
 }

@@ -22,5 +22,6 @@ fn _odc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     packing::register(m)?;
     engine::register(m)?;
+    errors::register(m)?;
     Ok(())
 }

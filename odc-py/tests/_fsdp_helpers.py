@@ -80,11 +80,19 @@ def full_params(model):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().tolist() for k, v in model.state_dict().items()}
 
 
+def bucket_dtypes(model):
+    """dtype of the ODC bucket behind each FSDP group (what gathers read), as the engine registered it."""
+    b = model._odc_fsdp
+    return [b.engine.bucket(g.name)["dtype"] for g in b.groups]
+
+
 def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, sharding="full"):
-    """AdamW, ``micros`` microbatches per step; returns (losses, norms, params)."""
+    """AdamW, ``micros`` microbatches per step; returns (losses, norms, params, ODC bucket dtypes or None)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    dtypes = None
     if odc_on:
         odc.fsdp.enable(model, opt, timeout=60, sharding=sharding)
+        dtypes = bucket_dtypes(model)
     losses, norms = [], []
     for s in range(steps):
         total = 0.0
@@ -102,7 +110,7 @@ def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, shar
     if odc_on:
         odc.fsdp.disable(model)
         params = full_params(model)  # full_tensor() is a gloo collective: after disable is fine
-    return losses, norms, params
+    return losses, norms, params, dtypes
 
 
 def parity_worker(rank, world, store, variants):
@@ -217,11 +225,64 @@ def errors_worker(rank, world, store):
     expect("stale_forward", odc.ProtocolError, lambda: model(data(1, 0, rank)))
     odc.fsdp.disable(model)
 
+    found["installs"] = _installs_through_public_setters(world)
+    expect("per_param_mesh", odc.ConfigError, lambda: odc.fsdp.enable(_per_param_mesh_model(world), None))
+
     model = build(world, unused=True)
     odc.fsdp.enable(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=30)
     expect("unused", odc.LayoutError, lambda: sample_loss(model, data(0, 0, rank)).backward())
     expect("dead_peer", odc.PeerError, lambda: _die_mid_training(rank, world))
     return found
+
+
+def _installs_through_public_setters(world):
+    """Which comm classes FSDPModule.set_custom_all_gather / set_custom_reduce_scatter got, per module.
+
+    Returns ``{"enable": [...], "disable": [...], "groups": G}`` with one
+    ``(module class, all-gather class, reduce-scatter class)`` per call; after
+    ``enable`` every group's comm must be the ODC object installed for it.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    calls = []
+    orig_ag, orig_rs = FSDPModule.set_custom_all_gather, FSDPModule.set_custom_reduce_scatter
+
+    def spy_ag(self, comm):
+        calls.append(("ag", type(self).__name__, type(comm).__name__))
+        return orig_ag(self, comm)
+
+    def spy_rs(self, comm):
+        calls.append(("rs", type(self).__name__, type(comm).__name__))
+        return orig_rs(self, comm)
+
+    model = build(world)
+    FSDPModule.set_custom_all_gather, FSDPModule.set_custom_reduce_scatter = spy_ag, spy_rs
+    try:
+        odc.fsdp.enable(model, None, timeout=30)
+        enabled, calls[:] = list(calls), []
+        b = model._odc_fsdp
+        own = all(g.pg._all_gather_comm._g is g and g.pg._reduce_scatter_comm._g is g for g in b.groups)
+        with odc.fsdp.minibatch(model):
+            sample_loss(model, data(0, 0, 0)).backward()
+        odc.fsdp.disable(model)
+        disabled = list(calls)
+    finally:
+        FSDPModule.set_custom_all_gather, FSDPModule.set_custom_reduce_scatter = orig_ag, orig_rs
+    return {"enable": enabled, "disable": disabled, "groups": len(b.groups), "own": own}
+
+
+def _per_param_mesh_model(world):
+    """A block whose fully_shard puts one weight on another mesh: FSDP makes two groups for it."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu"), shard_mesh_dim=0)
+    torch.manual_seed(0)
+    model = Tiny()
+    fully_shard(model.blocks[0], shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p.ndim == 2 else None)
+    fully_shard(model)
+    return model
 
 
 def _die_mid_training(rank, world):

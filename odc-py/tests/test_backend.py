@@ -41,6 +41,105 @@ def _close(got, want, dtype, what):
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2, msg=what)
 
 
+# PREMUL_SUM factors: 0.375 is exact in every dtype (ODC must then equal the reference bit for bit), 1/3 is not.
+_PREMUL_FACTORS = (0.375, 1 / 3)
+
+
+def _ops_vs_gloo():
+    """(name, odc op, premul factor or None) for every sum-like reduction the backend runs."""
+    return [("SUM", dist.ReduceOp.SUM, None), ("AVG", dist.ReduceOp.AVG, None)] + [
+        (f"PREMUL_SUM({f:.3g})", dist._make_nccl_premul_sum(f), f) for f in _PREMUL_FACTORS
+    ]
+
+
+def _gloo_reduce_scatter(gloo, inp, n, dtype, op, factor):
+    """Gloo's reduce-scatter of ``inp`` (world rows of ``n``) into ``dtype``, the reference for ODC's.
+
+    Gloo (torch 2.15, CPU) runs SUM and AVG on f32 / bf16 / f16 itself but
+    refuses PREMUL_SUM ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): for that
+    one the reference is gloo's f32 SUM of the input premultiplied by the
+    factor in f32 (what PREMUL_SUM means, and how ODC accumulates), cast to
+    ``dtype``.
+    """
+    if factor is None:
+        ref = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(ref, inp.reshape(-1), op=op, group=gloo)
+        return ref
+    ref = torch.empty(n, dtype=torch.float32)
+    dist.reduce_scatter_tensor(ref, (inp.float() * factor).reshape(-1), op=dist.ReduceOp.SUM, group=gloo)
+    return ref.to(dtype)
+
+
+def _same_as_gloo(got, ref, factor, what):
+    """Bit-equal where the arithmetic is exact (integer data, dyadic scales); else within one ulp of the dtype."""
+    if factor is None or (factor * 1024).is_integer():
+        assert torch.equal(got, ref), f"{what}: odc {got} != gloo {ref}"
+    else:
+        eps = torch.finfo(got.dtype).eps
+        torch.testing.assert_close(got.float(), ref.float(), rtol=eps, atol=eps, msg=what)
+
+
+def _against_gloo(pg, gloo, rank, world):
+    """ODC's all-gather and reduce-scatter (single and coalesced) against gloo in the same workers.
+
+    Every dtype (f32 / bf16 / f16), every reduction (SUM, AVG, PREMUL_SUM),
+    odd sizes. The all-gather data is random (gathers must be bit-exact for any
+    value); the reduce-scatter data is integer-valued, so sums are exact in
+    every dtype and ODC's f32 accumulation must equal gloo's. Returns how many
+    comparisons ran; checks that every ODC op ran on ODC, not on gloo.
+    """
+    before = dict(pg.op_counts)
+    checked = 0
+    gen = torch.Generator().manual_seed(7 + rank)
+    for dtype in DTYPES:
+        for n in SIZES:
+            tag = f"{dtype} n={n} world={world}"
+            x = torch.randn(n, generator=gen).to(dtype)
+            got, ref = torch.empty(world * n, dtype=dtype), torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(got, x)
+            dist.all_gather_into_tensor(ref, x, group=gloo)
+            assert torch.equal(got, ref), f"all_gather_into_tensor {tag}"
+            checked += 1
+            inp = torch.stack([_data(rank, n, dtype, salt=r) for r in range(world)])
+            for name, op, factor in _ops_vs_gloo():
+                got = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(got, inp.reshape(-1), op=op)
+                ref = _gloo_reduce_scatter(gloo, inp, n, dtype, op, factor)
+                _same_as_gloo(got, ref, factor, f"reduce_scatter_tensor {name} {tag}")
+                checked += 1
+
+    # Coalesced forms (one op per dtype and odd size, one reduction per batch), against gloo one by one.
+    shapes = [(n, d) for d in DTYPES for n in SIZES]
+    ins = [torch.randn(n, generator=gen).to(d) for n, d in shapes]
+    outs = [torch.empty(world * n, dtype=d) for n, d in shapes]
+    with dist._coalescing_manager():
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    for o, i in zip(outs, ins):
+        ref = torch.empty_like(o)
+        dist.all_gather_into_tensor(ref, i, group=gloo)
+        assert torch.equal(o, ref), f"coalesced all_gather_into_tensor {i.dtype} n={i.numel()}"
+        checked += 1
+    rs_in = [torch.stack([_data(rank, n, d, salt=r) for r in range(world)]) for n, d in shapes]
+    for name, op, factor in _ops_vs_gloo():
+        rs_out = [torch.empty(n, dtype=d) for n, d in shapes]
+        with dist._coalescing_manager():
+            for o, i in zip(rs_out, rs_in):
+                dist.reduce_scatter_tensor(o, i.reshape(-1), op=op)
+        for o, i, (n, d) in zip(rs_out, rs_in, shapes):
+            ref = _gloo_reduce_scatter(gloo, i, n, d, op, factor)
+            _same_as_gloo(o, ref, factor, f"coalesced reduce_scatter_tensor {name} {d} n={n}")
+            checked += 1
+
+    ran = {k: pg.op_counts[k] - before.get(k, 0) for k in pg.op_counts}
+    ops = len(_ops_vs_gloo())
+    assert ran.get("odc:all_gather_single", 0) == len(shapes) * 2, ran
+    assert ran.get("odc:reduce_scatter_single", 0) == len(shapes) * ops, ran
+    assert ran.get("odc:reduce_scatter_single_coalesced", 0) == len(shapes) * ops, ran
+    assert not any(k.startswith("gloo:") and v for k, v in ran.items()), ran
+    return checked
+
+
 def _ops(rank, world, store, scratch_mb):
     gloo = _init(rank, world, store, scratch_mb)
     pg = odc.backend.get_process_group()
@@ -176,6 +275,13 @@ def _ops(rank, world, store, scratch_mb):
     dist.all_gather_into_tensor(out, torch.full((5,), float(rank)))
     assert out.tolist() == [float(r) for r in range(world) for _ in range(5)]
     counts = dict(pg.op_counts)
+    checked = _against_gloo(pg, gloo, rank, world)
+    try:
+        odc.backend.get_process_group(gloo)
+    except odc.backend.NotAnOdcGroup as e:
+        assert isinstance(e, odc.ConfigError) and isinstance(e, RuntimeError) and "'gloo'" in str(e), e
+    else:
+        raise AssertionError("get_process_group accepted a gloo group")
 
     # A second odc group (ranks 0 and 1) beside the default one: its own store prefix and engines.
     sub = dist.new_group([0, 1], backend="odc")
@@ -189,7 +295,7 @@ def _ops(rank, world, store, scratch_mb):
         assert got.tolist() == [3.0] * 7
     dist.all_reduce(torch.ones(3))
     dist.destroy_process_group()
-    return errors, counts
+    return errors, counts, checked
 
 
 @pytest.mark.parametrize(("world", "scratch_mb"), [(2, None), (4, "0.0005")])
@@ -198,7 +304,9 @@ def test_every_op_every_dtype_matches_gloo(world, scratch_mb):
     res = run_ranks(_ops, world, timeout=150, scratch_mb=scratch_mb)
     for rank, (status, value) in res.items():
         assert status == "ok", (rank, value)
-        ((c1, m1), (c2, m2), (c3, _)), counts = value
+        ((c1, m1), (c2, m2), (c3, _)), counts, checked = value
+        # all-gather and 4 reductions per dtype and size, single and coalesced.
+        assert checked == 2 * len(DTYPES) * len(SIZES) * (1 + len(_ops_vs_gloo())), checked
         # Float gathers, reductions and all-reduces ran on ODC; the rest on gloo.
         assert counts["odc:all_gather_single"] >= 2 * len(DTYPES) * len(SIZES) + 4, counts
         assert counts["odc:reduce_scatter_single"] >= 3 * len(DTYPES) * len(SIZES), counts
@@ -237,8 +345,10 @@ def test_register_is_idempotent_and_helpers_need_a_group():
     odc.register()
     assert dist.Backend("odc") == "odc" and "odc" in dist.Backend.backend_list
     assert dist.is_backend_available("odc")
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    with pytest.raises(odc.backend.NotInitialized, match="init_process_group") as info:
         odc.backend.get_process_group()
+    # Typed (ODC's hierarchy) and still a RuntimeError, as it was before.
+    assert isinstance(info.value, odc.ProtocolError) and isinstance(info.value, RuntimeError)
     assert issubclass(odc.backend.UnsupportedCollective, (odc.OdcError, RuntimeError))
 
 

@@ -184,10 +184,49 @@ def test_dead_peer_is_named_not_a_hang():
     assert peer == 1 and "rank 1" in msg
 
 
+# Each odc_core::Error variant -> its own class of odc.errors, and that class's parent.
+CORE_ERROR_CLASSES = {
+    "PeerTimeout": (odc.PeerTimeout, odc.PeerError),
+    "PeerDied": (odc.PeerDied, odc.PeerError),
+    "Registration": (odc.RegistrationError, odc.OdcError),
+    "Layout": (odc.LayoutError, odc.OdcError),
+    "Protocol": (odc.ProtocolError, odc.OdcError),
+    "Config": (odc.ConfigError, odc.OdcError),
+    "Transport": (odc.TransportError, odc.OdcError),
+    "Store": (odc.StoreError, odc.OdcError),
+    "GpuUnavailable": (odc.GpuUnavailable, odc.OdcError),
+    "Nvshmem": (odc.NvshmemError, odc.TransportError),
+    "Fabric": (odc.FabricError, odc.TransportError),
+    "Io": (odc.OdcOSError, odc.OdcError),
+}
+
+
 def test_error_hierarchy():
     assert issubclass(odc.PeerDied, odc.OdcError)
     assert issubclass(odc.LayoutError, ValueError)
+    # One class per Rust variant; subclasses keep `except TransportError` catching transport failures.
+    for cls, parent in CORE_ERROR_CLASSES.values():
+        assert cls.__bases__[0] is parent and issubclass(cls, odc.OdcError), cls
+        assert getattr(odc, cls.__name__) is cls and getattr(odc.errors, cls.__name__) is cls
+        assert cls.__name__ in odc.__all__ and cls.__name__ in odc.errors.__all__
+    assert len({cls for cls, _ in CORE_ERROR_CLASSES.values()}) == len(CORE_ERROR_CLASSES)
+    raised = odc._odc._core_error_examples()
+    assert raised.keys() == CORE_ERROR_CLASSES.keys(), sorted(raised)
+    for variant, exc in raised.items():
+        assert type(exc) is CORE_ERROR_CLASSES[variant][0], (variant, type(exc), exc)
+    assert raised["PeerDied"].peer == 1 and "rank 1" in str(raised["PeerDied"])
+    assert "fi_getinfo" in str(raised["Fabric"]) and "nvshmemx_init_attr" in str(raised["Nvshmem"])
     with pytest.raises(odc.LayoutError):
         odc.Bucket("x", 0, torch.float32).spec()
     with pytest.raises(odc.LayoutError, match="int64"):
         odc.engine.dtype_name(torch.int64)
+
+
+def test_a_failing_libfabric_call_raises_fabric_error(monkeypatch):
+    """A real engine error from libfabric (a provider that does not exist) arrives as odc.FabricError."""
+    monkeypatch.setenv("ODC_FABRIC_PROVIDER", "no-such-provider")
+    with pytest.raises(odc.FabricError, match="fi_getinfo") as info:
+        eng = odc.Engine(torch.distributed.HashStore(), 0, 1, timeout=5, transport="fabric",
+                         job_key=f"pytest-fabric-err-{os.getpid()}")
+        eng.register([odc.Bucket("a", 16, torch.float32)])
+    assert isinstance(info.value, odc.TransportError)

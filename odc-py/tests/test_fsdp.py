@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import _fsdp_helpers as H
+import odc
+import odc.fsdp
 from _dist import run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
@@ -33,6 +35,9 @@ def test_parity_with_gloo_collectives(world, variants):
     for rank, res in out.items():
         for name in variants:
             gloo, odc_ = res[name]["gloo"], res[name]["odc"]
+            # Gathers read buckets in FSDP's all-gather dtype: bf16 under MixedPrecisionPolicy(param_dtype=bf16).
+            # 3 groups: two blocks and the root (embedding, head).
+            assert odc_[3] == ["bf16" if name == "bf16" else "f32"] * 3, (name, odc_[3])
             if name == "bf16":
                 # bf16 gathers round the same way in both; only summation order differs.
                 assert max(abs(x - y) for x, y in zip(gloo[0], odc_[0])) < 2e-2, (name, gloo[0], odc_[0])
@@ -67,9 +72,31 @@ def test_errors_are_typed_and_clear_and_a_dead_peer_is_named():
     assert "pending" in found["pending"], found
     assert "ProtocolError" in found["stale_forward"] and "step the optimizer" in found["stale_forward"], found
     assert "LayoutError" in found["unused"] and "set_reduce_scatter_unused_params" in found["unused"], found
+    # Comms go in through FSDP2's public setters, one call per FSDP module (= group), each its own object.
+    inst = found["installs"]
+    assert inst["groups"] == 3 and inst["own"], inst  # two blocks and the root
+    assert sorted(c[0] for c in inst["enable"]) == ["ag"] * inst["groups"] + ["rs"] * inst["groups"], inst
+    assert {c[2] for c in inst["enable"]} == {"_OdcAllGather", "_OdcReduceScatter"}, inst
+    assert {c[2] for c in inst["disable"]} == {"DefaultAllGather", "DefaultReduceScatter"}, inst
+    assert len(inst["disable"]) == len(inst["enable"]), inst
+    assert "ConfigError" in found["per_param_mesh"] and "set_custom_all_gather" in found["per_param_mesh"], found
     # The survivor gets the typed error naming the peer, never a hang.
     assert found["dead_peer"].startswith(("PeerDied", "PeerTimeout")) and "rank 1" in found["dead_peer"], found
     assert found["dead_peer_peer"] == 1, found
+
+
+def test_enable_warns_on_an_unchecked_torch_version(monkeypatch):
+    # The suite's own torch (2.15.0+cu…) is checked: no warning (warnings are errors here).
+    with pytest.raises(odc.ConfigError, match="fully_shard"):
+        odc.fsdp.enable(torch.nn.Linear(2, 2), None)
+    monkeypatch.setattr(torch, "__version__", "2.99.1+cu999")
+    with pytest.warns(UserWarning) as record, pytest.raises(odc.ConfigError, match="fully_shard"):
+        odc.fsdp.enable(torch.nn.Linear(2, 2), None)
+    assert len(record) == 1, [str(w.message) for w in record]
+    msg = str(record[0].message)
+    assert "torch 2.99.1 " in msg and "cu999" not in msg, msg
+    assert all(v in msg for v in odc.fsdp.TORCH_VERSIONS_CHECKED), msg
+    assert record[0].filename == __file__  # points at the caller of enable
 
 
 def test_example_runs_in_both_comm_modes():

@@ -21,7 +21,10 @@ from .engine import Bucket, Engine
 from ._odc import __version__
 from .errors import (
     ConfigError,
+    FabricError,
+    GpuUnavailable,
     LayoutError,
+    NvshmemError,
     OdcOSError,
     OdcError,
     PackingError,
@@ -33,7 +36,6 @@ from .errors import (
     StoreError,
     TransportError,
 )
-
 
 
 def register() -> None:
@@ -58,6 +60,9 @@ __all__ = [
     "LayoutError",
     "RegistrationError",
     "TransportError",
+    "FabricError",
+    "NvshmemError",
+    "GpuUnavailable",
     "StoreError",
     "PeerError",
     "PeerTimeout",

@@ -83,10 +83,12 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .engine import Bucket, Engine, dtype_name
-from .errors import ConfigError, LayoutError, OdcError
+from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 
 __all__ = [
     "BACKEND_NAME",
+    "NotAnOdcGroup",
+    "NotInitialized",
     "ProcessGroupODC",
     "UnsupportedCollective",
     "get_process_group",
@@ -112,6 +114,20 @@ _SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
 
 class UnsupportedCollective(OdcError, NotImplementedError):
     """The ``odc`` backend has no implementation of this collective / reduce op / dtype."""
+
+
+class NotInitialized(ProtocolError, RuntimeError):
+    """An ``odc`` backend helper was called before ``init_process_group``.
+
+    Also a :class:`RuntimeError`, which this used to be.
+    """
+
+
+class NotAnOdcGroup(ConfigError, RuntimeError):
+    """A process group passed to an ``odc`` backend helper uses another backend.
+
+    Also a :class:`RuntimeError`, which this used to be.
+    """
 
 
 def scratch_bytes() -> int:
@@ -607,17 +623,19 @@ def get_process_group(group: dist.ProcessGroup | None = None) -> ProcessGroupODC
     """The :class:`ProcessGroupODC` behind ``group`` (default: the default group).
 
     Raises:
-        RuntimeError: torch.distributed is not initialized, or ``group`` is
-            not an ``odc`` group; the message says what to call.
+        NotInitialized: torch.distributed is not initialized; the message
+            says what to call.
+        NotAnOdcGroup: ``group`` (or the default group) is not an ``odc``
+            group.
     """
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise NotInitialized(
             "odc.backend: torch.distributed is not initialized; "
             'call torch.distributed.init_process_group("odc") first'
         )
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
     if not isinstance(pg, ProcessGroupODC):
-        raise RuntimeError(
+        raise NotAnOdcGroup(
             f"odc.backend: group {pg!r} uses backend {dist.get_backend(pg)!r}, not 'odc'; "
             'create it with init_process_group("odc") or new_group(backend="odc")'
         )

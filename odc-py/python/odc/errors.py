@@ -15,6 +15,9 @@ __all__ = [
     "ProtocolError",
     "ConfigError",
     "TransportError",
+    "FabricError",
+    "NvshmemError",
+    "GpuUnavailable",
     "OdcOSError",
     "StoreError",
     "PeerError",
@@ -53,6 +56,18 @@ class OdcOSError(OdcError, OSError):
 
 class TransportError(OdcError):
     """A transport operation failed (mapping, reading or writing a peer's region)."""
+
+
+class FabricError(TransportError):
+    """A libfabric call failed (the ``fabric`` transport); the message names the call and its fi errno."""
+
+
+class NvshmemError(TransportError):
+    """An NVSHMEM (or, around it, CUDA) call failed; the message names the call."""
+
+
+class GpuUnavailable(OdcError):
+    """A GPU transport cannot run here: the CUDA driver, a device, NVRTC or the NVSHMEM library is missing."""
 
 
 class StoreError(OdcError):

@@ -55,7 +55,14 @@ reduce-scatter input shrinks because a parameter got no gradient raises
 ``set_force_sum_reduction_for_comms(True)`` and fp16 reduce dtypes are
 handled: ODC applies FSDP's post-divide itself.
 
-Private FSDP2 state read here (checked on torch 2.15.0): ``FSDPState``
+The comms are installed with the public ``FSDPModule.set_custom_all_gather``
+/ ``set_custom_reduce_scatter`` of the module that owns each group (one call
+per module; torch refuses a module whose ``fully_shard`` made several groups,
+from per-parameter meshes, and so does :func:`enable`).
+
+Private FSDP2 state read here (checked on the torch versions in
+:data:`TORCH_VERSIONS_CHECKED`; :func:`enable` warns on any other):
+``FSDPModule._get_fsdp_state``, ``FSDPState``
 (``_lazy_init``, ``_state_ctx.all_states``, ``_fsdp_param_groups``), and per
 group ``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``,
 ``_reduce_scatter_param_indices``, ``gradient_divide_factor``,
@@ -72,6 +79,7 @@ import itertools
 import math
 import os
 import socket
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
@@ -97,7 +105,8 @@ if TYPE_CHECKING:
 
 __all__ = ["enable", "disable", "minibatch", "finish", "clip_grad_norm_", "is_enabled"]
 
-#: torch versions this module was checked against (private FSDP2 state).
+#: torch versions this module was checked against (private FSDP2 state);
+#: :func:`enable` warns on any other.
 TORCH_VERSIONS_CHECKED = ("2.15.0",)
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
@@ -112,6 +121,7 @@ class _Group:
 
     name: str
     pg: "FSDPParamGroup"
+    module: FSDPModule  # the fully_shard-ed module that owns the group (its comm setters)
     n: int  # FSDP's padded shard length (the all-gather input numel)
     dtype: torch.dtype  # all-gather dtype
     shard_len: int = 0  # ODC's shard length (n rounded up to the engine's alignment)
@@ -320,7 +330,16 @@ _HSDP_MESH = (
 
 def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
     groups: list[_Group] = []
+    owners = {id(m._get_fsdp_state()): m for m in model.modules() if isinstance(m, FSDPModule)}
     for state in _states(model):
+        if len(state._fsdp_param_groups) > 1:
+            fqn = state._fsdp_param_groups[0]._module_fqn or "<root>"
+            raise ConfigError(
+                f"odc.fsdp: fully_shard({fqn}) made {len(state._fsdp_param_groups)} parameter groups "
+                "(per-parameter meshes from shard_placement_fn); ODC installs its comms with "
+                "FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, which take one group "
+                "per module: give every parameter of a fully_shard call the same mesh"
+            )
         for pg in state._fsdp_param_groups:
             mesh = pg.mesh_info
             name = f"fsdp{len(groups)}:{pg._module_fqn or '<root>'}"
@@ -360,7 +379,9 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                     raise ConfigError(f"odc.fsdp: {name} has an all-gather input that is not its padded shard")
                 offsets.append(off)
                 off += t.numel()
-            groups.append(_Group(name=name, pg=pg, n=off, dtype=dtypes.pop(), offsets=offsets))
+            groups.append(
+                _Group(name=name, pg=pg, module=owners[id(state)], n=off, dtype=dtypes.pop(), offsets=offsets)
+            )
     return groups
 
 
@@ -426,6 +447,31 @@ def _hosts(members: tuple[int, ...]) -> dict[int, str]:
     return {r: store.get(str(r)).decode() for r in members}
 
 
+def _install_comms(groups: list[_Group], comms: list[tuple[AllGather, ReduceScatter]]) -> None:
+    """Installs each group's all-gather and reduce-scatter through FSDP2's public seams.
+
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` set one comm on
+    every group of the module they are called on; :func:`_describe` made sure
+    each module owns exactly one group, so each group gets its own objects.
+    """
+    for g, (all_gather, reduce_scatter) in zip(groups, comms, strict=True):
+        g.module.set_custom_all_gather(all_gather)
+        g.module.set_custom_reduce_scatter(reduce_scatter)
+
+
+def _check_torch_version() -> None:
+    """Warns (once per :func:`enable`) when the running torch is not in :data:`TORCH_VERSIONS_CHECKED`."""
+    running = str(torch.__version__).split("+", 1)[0]  # 2.15.0+cu132 -> 2.15.0
+    if running not in TORCH_VERSIONS_CHECKED:
+        warnings.warn(
+            f"odc.fsdp: torch {running} is not a version odc.fsdp was checked on "
+            f"({', '.join(TORCH_VERSIONS_CHECKED)}); it reads private FSDP2 state that may have changed, "
+            "so compare a few steps against FSDP's own collectives before relying on it",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
 def _binding(model: Any) -> _Binding:
     b = getattr(model, "_odc_fsdp", None)
     if b is None:
@@ -484,6 +530,9 @@ def enable(
         timeout: seconds any wait on a peer may take (default 300 or
             ``ODC_TIMEOUT_S``); past it :class:`odc.PeerTimeout` names the peer.
 
+    Warns:
+        UserWarning: the running torch is not in :data:`TORCH_VERSIONS_CHECKED`.
+
     Raises:
         ConfigError: the model is not ``fully_shard``-ed, already enabled,
             ``sharding`` is unknown or does not fit the mesh (a 2-D mesh under
@@ -492,6 +541,7 @@ def enable(
             (see the module doc).
         RegistrationError: ranks built different models.
     """
+    _check_torch_version()
     if not isinstance(model, FSDPModule):
         raise ConfigError(
             f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard; "
@@ -529,9 +579,7 @@ def enable(
     if b.hybrid:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
-    for g in groups:
-        g.pg._all_gather_comm = _OdcAllGather(b, g)
-        g.pg._reduce_scatter_comm = _OdcReduceScatter(b, g)
+    _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
     if optimizer is not None:
         b.hooks.append(optimizer.register_step_pre_hook(lambda *_: b.finish()))
         b.hooks.append(optimizer.register_step_post_hook(lambda *_: b.advance()))
@@ -554,11 +602,10 @@ def disable(model: Any) -> None:
     b.finish(install=False)
     for h in b.hooks:
         h.remove()
-    for i, g in enumerate(b.groups):
-        g.pg._all_gather_comm = DefaultAllGather()
-        g.pg._reduce_scatter_comm = DefaultReduceScatter()
-        if b.hybrid:
-            g.pg.all_reduce_grads = b.all_reduce_was[i]
+    _install_comms(b.groups, [(DefaultAllGather(), DefaultReduceScatter()) for _ in b.groups])
+    if b.hybrid:
+        for g, was in zip(b.groups, b.all_reduce_was, strict=True):
+            g.pg.all_reduce_grads = was
     del model.__dict__["_odc_fsdp"]
     _live.discard(b)
     b.engine = None  # type: ignore[assignment]  # drops the engine (unmaps, joins the daemon)
