@@ -437,6 +437,22 @@ def hybrid_errors_worker(rank, world, store, per_node):
     return found
 
 
+# -- assertions shared by the FSDP test files ------------------------------------------------------
+
+
+def all_ok(res):
+    """The value every rank returned, asserting that every rank succeeded."""
+    assert all(s == "ok" for s, _ in res.values()), res
+    return {r: v for r, (_, v) in res.items()}
+
+
+def assert_params_close(a, b, tol):
+    """Two ``{name: nested list}`` parameter sets agree within ``tol`` (max absolute difference)."""
+    assert a.keys() == b.keys()
+    worst = max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
+    assert worst <= tol, f"max parameter difference {worst} > {tol}"
+
+
 # -- memory per rank, full vs hybrid, on examples/fsdp2_sft.py's model ----------------------------
 
 

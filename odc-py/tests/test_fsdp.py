@@ -18,20 +18,9 @@ from _dist import run_ranks
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
 
 
-def _ok(res):
-    assert all(s == "ok" for s, _ in res.values()), res
-    return {r: v for r, (_, v) in res.items()}
-
-
-def _close(a, b, tol):
-    assert a.keys() == b.keys()
-    worst = max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
-    assert worst <= tol, f"max parameter difference {worst} > {tol}"
-
-
 @pytest.mark.parametrize("world,variants", [(2, ("fp32", "bf16", "forcesum")), (4, ("fp32",))])
 def test_parity_with_gloo_collectives(world, variants):
-    out = _ok(run_ranks(H.parity_worker, world, timeout=200, variants=variants))
+    out = H.all_ok(run_ranks(H.parity_worker, world, timeout=200, variants=variants))
     for rank, res in out.items():
         for name in variants:
             gloo, odc_ = res[name]["gloo"], res[name]["odc"]
@@ -41,11 +30,11 @@ def test_parity_with_gloo_collectives(world, variants):
             if name == "bf16":
                 # bf16 gathers round the same way in both; only summation order differs.
                 assert max(abs(x - y) for x, y in zip(gloo[0], odc_[0])) < 2e-2, (name, gloo[0], odc_[0])
-                _close(gloo[2], odc_[2], 2e-2)
+                H.assert_params_close(gloo[2], odc_[2], 2e-2)
             else:
                 assert gloo[0] == pytest.approx(odc_[0], rel=1e-5, abs=1e-6), (name, rank)
                 assert gloo[1] == pytest.approx(odc_[1], rel=1e-5), (name, rank)  # clipped norms
-                _close(gloo[2], odc_[2], 1e-5)
+                H.assert_params_close(gloo[2], odc_[2], 1e-5)
             assert len(gloo[0]) == 10
     if world == 4:
         assert all("reshard_after_forward" in res["reshard_int_error"] for res in out.values())
@@ -53,7 +42,7 @@ def test_parity_with_gloo_collectives(world, variants):
 
 def test_lb_mini_uneven_microbatches_match_single_process():
     counts = (2, 0, 1)
-    out = _ok(run_ranks(H.lbmini_worker, 3, timeout=180, counts=counts, steps=4))
+    out = H.all_ok(run_ranks(H.lbmini_worker, 3, timeout=180, counts=counts, steps=4))
     for s in range(4):
         assert sorted(out[r]["counts"][s] for r in range(3)) == [0, 1, 2]  # one rank idles every step
     # False: optimizer hooks; True: odc.fsdp.minibatch without hooks.

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import _fsdp_helpers as H
 from _dist import run_ranks
@@ -26,21 +25,10 @@ WORLD, PER_NODE = 4, 2
 TABLE = ((2, 0, 1, 3), (0, 0, 2, 1), (1, 2, 0, 0), (3, 1, 1, 0))
 
 
-def _ok(res):
-    assert all(s == "ok" for s, _ in res.values()), res
-    return {r: v for r, (_, v) in res.items()}
-
-
-def _close(a, b, tol):
-    assert a.keys() == b.keys()
-    worst = max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
-    assert worst <= tol, f"max parameter difference {worst} > {tol}"
-
-
 def test_uneven_microbatches_match_single_process():
     # transport "auto": shared memory inside a node, libfabric between the two
     # (test_parity_with_fsdp2_hsdp_over_gloo runs on shared memory alone).
-    out = _ok(run_ranks(H.hybrid_uneven_worker, WORLD, timeout=240, per_node=PER_NODE, table=TABLE,
+    out = H.all_ok(run_ranks(H.hybrid_uneven_worker, WORLD, timeout=240, per_node=PER_NODE, table=TABLE,
                         transport="auto"))
     for r, info in out.items():
         assert info["sharding"] == "hybrid", info["sharding"]
@@ -58,18 +46,18 @@ def test_uneven_microbatches_match_single_process():
 
 def test_parity_with_fsdp2_hsdp_over_gloo():
     variants = ("fp32", "forcesum", "divide")
-    out = _ok(run_ranks(H.hybrid_parity_worker, WORLD, timeout=300, per_node=PER_NODE, variants=variants,
+    out = H.all_ok(run_ranks(H.hybrid_parity_worker, WORLD, timeout=300, per_node=PER_NODE, variants=variants,
                         transport="shm"))
     for rank, res in out.items():
         for name in variants:
             gloo, odc_ = res[name]["gloo"], res[name]["odc"]
             assert gloo[0] == pytest.approx(odc_[0], rel=1e-5, abs=1e-6), (name, rank)
             assert gloo[1] == pytest.approx(odc_[1], rel=1e-5), (name, rank)  # clipped norms
-            _close(gloo[2], odc_[2], 1e-5)
+            H.assert_params_close(gloo[2], odc_[2], 1e-5)
 
 
 def test_wrong_meshes_are_refused_clearly():
-    found = _ok(run_ranks(H.hybrid_errors_worker, WORLD, timeout=180, per_node=PER_NODE))[0]
+    found = H.all_ok(run_ranks(H.hybrid_errors_worker, WORLD, timeout=180, per_node=PER_NODE))[0]
     assert "unknown sharding 'hsdp'" in found["unknown"] and "'hybrid'" in found["unknown"], found
     assert "2-D mesh" in found["one_d"] and "init_device_mesh" in found["one_d"], found
     assert "sharding='hybrid'" in found["full_on_2d"], found
