@@ -245,16 +245,21 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     from .report import require_matplotlib
 
     plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     lines: dict[tuple, list] = {}
     for r in rows:
         for side, style in (("collective", "--"), ("odc", "-")):
             label = f"{r['odc' if side == 'odc' else 'collective']['name']} ({r['world']} ranks, {r['type']})"
             lines.setdefault((label, style, r["op"]), []).append((r["size"], r[side]["busbw"]))
-    markers = {"all_gather": "o", "all_gather_in_place": "^", "reduce_scatter": "s"}
+    # Colour: the operation; line: dashed collective, solid ODC; marker: the world size.
+    colours = {"all_gather": "tab:blue", "all_gather_in_place": "tab:green", "reduce_scatter": "tab:red"}
+    worlds = sorted({r["world"] for r in rows})
+    markers = dict(zip(worlds, "os^Dv<>p*h"))
     for (label, style, op), pts in lines.items():
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker=markers[op], label=label)
+        world = int(label.rsplit("(", 1)[1].split()[0])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, color=colours[op], marker=markers.get(world, "o"),
+                label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     sizes = sorted({r["size"] for r in rows})
@@ -264,7 +269,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("busbw (GB/s)")
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
