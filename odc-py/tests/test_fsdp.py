@@ -88,6 +88,17 @@ def test_enable_warns_on_an_unchecked_torch_version(monkeypatch):
     assert record[0].filename == __file__  # points at the caller of enable
 
 
+def test_gpu_models_are_refused_before_registration():
+    # No GPU here: the check enable() runs on every parameter group, fed groups that say they are on cuda:0.
+    from types import SimpleNamespace
+
+    cpu = SimpleNamespace(name="fsdp0:layers.0", pg=SimpleNamespace(device=torch.device("cpu")))
+    odc.fsdp._check_cpu([cpu])
+    gpu = SimpleNamespace(name="fsdp1:<root>", pg=SimpleNamespace(device=torch.device("cuda", 0)))
+    with pytest.raises(odc.ConfigError, match=r"fsdp1:<root> is on cuda:0.*not built yet"):
+        odc.fsdp._check_cpu([cpu, gpu])
+
+
 def test_example_runs_in_both_comm_modes():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     cmd = [sys.executable, str(EXAMPLE), "--nproc", "2", "--comm", "both", "--steps", "2", "--dim", "32",

@@ -459,6 +459,17 @@ def _install_comms(groups: list[_Group], comms: list[tuple[AllGather, ReduceScat
         g.module.set_custom_reduce_scatter(reduce_scatter)
 
 
+def _check_cpu(groups: list[_Group]) -> None:
+    """Refuses, before anything is registered, parameter groups that live off the CPU."""
+    for g in groups:
+        if g.pg.device.type != "cpu":
+            raise ConfigError(
+                f"odc.fsdp.enable: {g.name} is on {g.pg.device}; ODC moves CPU tensors today (shared memory "
+                "within a node, libfabric between nodes), its CUDA-IPC and NVSHMEM transports are not built yet: "
+                "keep FSDP2's own collectives (nccl) for GPU models"
+            )
+
+
 def _check_torch_version() -> None:
     """Warns (once per :func:`enable`) when the running torch is not in :data:`TORCH_VERSIONS_CHECKED`."""
     running = str(torch.__version__).split("+", 1)[0]  # 2.15.0+cu132 -> 2.15.0
@@ -557,6 +568,7 @@ def enable(
     groups = _describe(model, sharding)
     if not groups:
         raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
+    _check_cpu(groups)
     layout = _node_layout(groups, sharding)
     if layout.world == 1:
         return  # FSDP bypasses both seams at world size 1; nothing to replace
