@@ -31,7 +31,6 @@ functions of the same names in ``verl.utils.seqlen_balancing``.
 from __future__ import annotations
 
 import json
-import numbers
 import sys
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -57,37 +56,15 @@ COST_MODELS = ("linear", "quadratic", "qwen2-1.5b", "qwen2-7b", "verl", "flops:h
 DEFAULT_MAX_TOKENS = 65536
 
 
-U64_MAX = 2**64 - 1
+def _lengths(lengths: Sequence[int]) -> list:
+    """The lengths as a list for the native module, which checks every value.
 
-
-def _check_lengths(lengths: Sequence[int], what: str = "sequence length") -> list[int]:
-    """Lengths as ints, or a PackingError naming the first bad value and its index.
-
-    Every length must be an integer in ``1..=2**64 - 1``: zero, negative,
-    oversized, boolean and non-integer values are all refused here, so no
-    ``OverflowError`` or ``TypeError`` escapes from the native module.
+    The native bindings are the one place lengths and integer arguments are
+    validated: a value that is not an integer in ``1..=2**64 - 1`` (zero,
+    negative, oversized, boolean, float, string) is a :class:`PackingError`
+    naming it and its index, never an ``OverflowError`` or ``TypeError``.
     """
-    out = []
-    for i, v in enumerate(lengths):
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise PackingError(f"{what} at index {i} is {v!r}; lengths must be positive integers")
-        n = int(v)
-        if n <= 0:
-            kind = "zero" if n == 0 else "negative"
-            raise PackingError(f"{what} at index {i} is {kind} ({v!r}); lengths must be positive integers")
-        if n > U64_MAX:
-            raise PackingError(f"{what} at index {i} is {v!r}, more than the largest supported length 2**64 - 1")
-        out.append(n)
-    if not out:
-        raise PackingError(f"no {what}s given: the input is empty")
-    return out
-
-
-def _check_int(name: str, v: object, lo: int, hi: int = U64_MAX) -> int:
-    """``v`` as an int in ``lo..=hi``, or a PackingError naming ``name`` and the value."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not lo <= int(v) <= hi:
-        raise PackingError(f"{name} must be an integer in {lo}..={hi}, got {v!r}")
-    return int(v)
+    return list(lengths)
 
 
 @dataclass(frozen=True)
@@ -186,14 +163,8 @@ def plan(
             out-of-range size or seed, unknown strategy or cost, a sample over
             budget.
     """
-    checked = _check_lengths(lengths)
-    world_size = _check_int("world_size", world_size, 1, sys.maxsize)
-    minibatch_size = _check_int("minibatch_size", minibatch_size, 1, sys.maxsize)
-    max_tokens = _check_int("max_tokens", max_tokens, 1)
-    if seed is not None:
-        seed = _check_int("seed", seed, 0)
     raw = json.loads(
-        _odc.plan_json(checked, world_size, minibatch_size, str(strategy), max_tokens, str(cost), seed)
+        _odc.plan_json(_lengths(lengths), world_size, minibatch_size, str(strategy), max_tokens, str(cost), seed)
     )
     mbs = raw["minibatches"]
     return Plan(
@@ -202,7 +173,7 @@ def plan(
         bubble_collective=raw["bubble_collective"],
         bubble_odc=raw["bubble_odc"],
         minibatch_bubbles=tuple((m["bubble_collective"], m["bubble_odc"]) for m in mbs),
-        world_size=world_size,
+        world_size=int(world_size),
         strategy=str(strategy),
     )
 
@@ -220,9 +191,7 @@ def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bo
             the value and its index; ``k_partitions`` not a positive integer,
             larger than the item count, or (with ``equal_size``) not dividing it.
     """
-    weights = _check_lengths(seqlen_list, "sequence length")
-    k = _check_int("k_partitions", k_partitions, 1, sys.maxsize)
-    return _odc.karmarkar_karp(weights, k, bool(equal_size))
+    return _odc.karmarkar_karp(_lengths(seqlen_list), k_partitions, bool(equal_size))
 
 
 def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
@@ -240,7 +209,7 @@ def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int
 
 def sequence_cost(length: int, cost: str = "linear") -> float:
     """Cost of one sequence of ``length`` tokens (an integer in ``1..=2**64 - 1``) under the cost model ``cost``."""
-    return _odc.sequence_cost(str(cost), _check_int("length", length, 1))
+    return _odc.sequence_cost(str(cost), length)
 
 
 def synthetic(spec: str) -> list[int]:
