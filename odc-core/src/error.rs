@@ -114,7 +114,16 @@ pub enum Error {
     #[error("GPU unavailable: {0}")]
     GpuUnavailable(#[from] crate::gpu::Missing),
 
-    /// An NVSHMEM (or, around it, CUDA) call failed.
+    /// A CUDA driver call failed (device memory, streams, kernels).
+    #[error("CUDA {call} failed: {detail}")]
+    Cuda {
+        /// The driver call (`"cuMemCreate"`, `"cuMemcpyDtoDAsync"`, ...).
+        call: &'static str,
+        /// Its status and context.
+        detail: String,
+    },
+
+    /// An NVSHMEM call failed.
     #[error("NVSHMEM {call} failed: {detail}")]
     Nvshmem {
         /// The native call.

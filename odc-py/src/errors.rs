@@ -35,6 +35,7 @@ fn class_name(e: &odc_core::Error) -> &'static str {
         E::Transport { .. } => "TransportError",
         E::Store { .. } => "StoreError",
         E::GpuUnavailable(_) => "GpuUnavailable",
+        E::Cuda { .. } => "CudaError",
         E::Nvshmem { .. } => "NvshmemError",
         E::Fabric { .. } => "FabricError",
         E::Io(_) => "OdcOSError",
@@ -122,6 +123,13 @@ fn examples() -> Vec<(&'static str, odc_core::Error)> {
         (
             "GpuUnavailable",
             E::GpuUnavailable(odc_core::gpu::Missing::NvshmemLibrary { tried: Vec::new() }),
+        ),
+        (
+            "Cuda",
+            E::Cuda {
+                call: "cuMemCreate",
+                detail: "example".into(),
+            },
         ),
         (
             "Nvshmem",

@@ -195,6 +195,7 @@ CORE_ERROR_CLASSES = {
     "Transport": (odc.TransportError, odc.OdcError),
     "Store": (odc.StoreError, odc.OdcError),
     "GpuUnavailable": (odc.GpuUnavailable, odc.OdcError),
+    "Cuda": (odc.CudaError, odc.TransportError),
     "Nvshmem": (odc.NvshmemError, odc.TransportError),
     "Fabric": (odc.FabricError, odc.TransportError),
     "Io": (odc.OdcOSError, odc.OdcError),
@@ -216,6 +217,7 @@ def test_error_hierarchy():
         assert type(exc) is CORE_ERROR_CLASSES[variant][0], (variant, type(exc), exc)
     assert raised["PeerDied"].peer == 1 and "rank 1" in str(raised["PeerDied"])
     assert "fi_getinfo" in str(raised["Fabric"]) and "nvshmemx_init_attr" in str(raised["Nvshmem"])
+    assert "cuMemCreate" in str(raised["Cuda"])
     with pytest.raises(odc.LayoutError):
         odc.Bucket("x", 0, torch.float32).spec()
     with pytest.raises(odc.LayoutError, match="int64"):

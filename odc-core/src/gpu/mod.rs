@@ -1,5 +1,6 @@
 //! GPU support for the GPU transports (cuda-ipc, nvshmem): what is present
-//! on this machine ([`probe`]) and the NVSHMEM bindings ([`nvshmem`]).
+//! on this machine ([`probe`]), device memory shared between the processes
+//! of a node ([`device`]) and the NVSHMEM bindings ([`nvshmem`]).
 //!
 //! Everything loads at run time, so the crate builds and its tests run on
 //! machines without a GPU; there every entry point returns
@@ -14,6 +15,7 @@ pub use odc_kernels::Unavailable;
 
 use crate::{Error, Result};
 
+pub mod device;
 pub mod nvshmem;
 
 /// What a GPU transport needs and this machine lacks.
@@ -29,6 +31,26 @@ pub enum Missing {
     NvshmemLibrary {
         /// Every place tried, with why it failed.
         tried: Vec<String>,
+    },
+
+    /// The CUDA driver loaded but lacks a function ODC calls (too old).
+    #[error("the CUDA driver ({library}) has no {symbol} ({detail}): update the NVIDIA driver (CUDA 12 or newer)")]
+    DriverSymbol {
+        /// The missing function.
+        symbol: String,
+        /// The library that was opened.
+        library: String,
+        /// The loader's message.
+        detail: String,
+    },
+
+    /// The device lacks a capability a GPU transport needs.
+    #[error("CUDA device {ordinal} lacks {what}")]
+    DeviceCapability {
+        /// The device.
+        ordinal: usize,
+        /// What it lacks.
+        what: String,
     },
 
     /// The library loaded but lacks a function ODC calls (too old).
@@ -70,8 +92,8 @@ pub fn probe_device(ordinal: usize) -> Result<GpuInfo> {
             return Err(Missing::Cuda(missing).into())
         }
         Err(other) => {
-            return Err(Error::Nvshmem {
-                call: "CUDA probe",
+            return Err(Error::Cuda {
+                call: "probe",
                 detail: other.to_string(),
             })
         }

@@ -21,6 +21,7 @@ from .engine import Bucket, Engine
 from ._odc import __version__
 from .errors import (
     ConfigError,
+    CudaError,
     FabricError,
     GpuUnavailable,
     LayoutError,
@@ -61,6 +62,7 @@ __all__ = [
     "RegistrationError",
     "TransportError",
     "FabricError",
+    "CudaError",
     "NvshmemError",
     "GpuUnavailable",
     "StoreError",

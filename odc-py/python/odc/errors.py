@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "TransportError",
     "FabricError",
+    "CudaError",
     "NvshmemError",
     "GpuUnavailable",
     "OdcOSError",
@@ -62,8 +63,12 @@ class FabricError(TransportError):
     """A libfabric call failed (the ``fabric`` transport); the message names the call and its fi errno."""
 
 
+class CudaError(TransportError):
+    """A CUDA driver call failed (device memory, streams, kernels); the message names the call."""
+
+
 class NvshmemError(TransportError):
-    """An NVSHMEM (or, around it, CUDA) call failed; the message names the call."""
+    """An NVSHMEM call failed; the message names the call."""
 
 
 class GpuUnavailable(OdcError):
