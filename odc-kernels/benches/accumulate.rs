@@ -5,6 +5,9 @@
 //! regime. GB/s counts bytes of `x` (10⁹ B/s), so a kernel at the memcpy
 //! ratio 1.0 drains a landing slot as fast as it could copy it out.
 //!
+//! `copy_bytes` is the transport's bulk copy: a plain memcpy below
+//! `cpu::STREAM_COPY_MIN` (so 1.0 there), streaming stores from it on.
+//!
 //! After criterion's report, `cargo bench` prints a table with the ratio of
 //! each kernel to memcpy, measured here in the same process.
 
@@ -27,13 +30,21 @@ const SIZES: [(usize, &str); 4] = [
 /// One benchmarked operation, owning its buffers.
 enum Op {
     Memcpy { src: Vec<u8>, dst: Vec<u8> },
+    CopyBytes { src: Vec<u8>, dst: Vec<u8> },
     F32F32 { acc: Vec<f32>, x: Vec<f32> },
     F32Bf16 { acc: Vec<f32>, x: Vec<bf16> },
     F32F16 { acc: Vec<f32>, x: Vec<f16> },
     Bf16Bf16 { acc: Vec<bf16>, x: Vec<bf16> },
 }
 
-const NAMES: [&str; 5] = ["memcpy", "f32+=f32", "f32+=bf16", "f32+=f16", "bf16+=bf16"];
+const NAMES: [&str; 6] = [
+    "memcpy",
+    "copy_bytes",
+    "f32+=f32",
+    "f32+=bf16",
+    "f32+=f16",
+    "bf16+=bf16",
+];
 
 /// Small integers: no subnormals (which would trap to microcode) and no
 /// overflow however many times a bench repeats.
@@ -45,6 +56,10 @@ impl Op {
     fn new(name: &str, x_bytes: usize) -> Op {
         match name {
             "memcpy" => Op::Memcpy {
+                src: vec![7u8; x_bytes],
+                dst: vec![1u8; x_bytes],
+            },
+            "copy_bytes" => Op::CopyBytes {
                 src: vec![7u8; x_bytes],
                 dst: vec![1u8; x_bytes],
             },
@@ -73,6 +88,7 @@ impl Op {
                 dst.copy_from_slice(src);
                 Ok(())
             }
+            Op::CopyBytes { src, dst } => cpu::copy_bytes(dst, src),
             // A scale of 1.0 keeps accumulators finite across repetitions.
             Op::F32F32 { acc, x } => cpu::accumulate_f32(acc, x, 1.0),
             Op::F32Bf16 { acc, x } => cpu::accumulate_f32(acc, x, 1.0),
@@ -86,7 +102,7 @@ impl Op {
     /// Bytes of memory traffic per call: reads and writes of both buffers.
     fn traffic(&self, x_bytes: usize) -> usize {
         match self {
-            Op::Memcpy { .. } => 2 * x_bytes,
+            Op::Memcpy { .. } | Op::CopyBytes { .. } => 2 * x_bytes,
             Op::F32F32 { .. } | Op::Bf16Bf16 { .. } => 3 * x_bytes,
             Op::F32Bf16 { .. } | Op::F32F16 { .. } => 5 * x_bytes,
         }

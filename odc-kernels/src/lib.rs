@@ -12,7 +12,8 @@
 //!   shared-memory descriptors, and [`Element`], the typed side
 //!   (`f32`, [`half::bf16`], [`half::f16`]).
 //! - [`cpu`] — host kernels: accumulate (f32 accumulator with any input,
-//!   or same-dtype), cast between every pair of dtypes, scale, zero. SIMD
+//!   or same-dtype), cast between every pair of dtypes, scale, zero, and
+//!   a bulk copy that streams large copies past the cache. SIMD
 //!   (AVX2 + F16C) on x86_64, chosen at run time; a portable path
 //!   elsewhere; [`cpu::reference`] holds the scalar definitions they are
 //!   tested against.

@@ -165,6 +165,19 @@ proptest! {
     }
 
     #[test]
+    fn copy_levels_agree(
+        bytes in vec(any::<u8>(), 0..20_000),
+        src_off in 0usize..64,
+        dst_off in 0usize..64,
+    ) {
+        let src_off = src_off.min(bytes.len());
+        let len = bytes.len() - src_off;
+        for level in Level::all() {
+            check_copy(level, &bytes, src_off, dst_off, len, 0);
+        }
+    }
+
+    #[test]
     fn bf16_narrowing_matches_half(bits in any::<u32>()) {
         let x = f32::from_bits(bits);
         prop_assert!(same(reference::f32_to_bf16(x), bf16::from_f32(x)), "{x:e} ({bits:#x})");
@@ -206,6 +219,78 @@ fn every_short_length_and_tail() {
         for_all_pairs!(check_accumulate, &a, &b, 0.75, true);
         for_all_pairs!(check_accumulate, &a, &b, 1.0, false);
         for_all_pairs!(check_cast, &a);
+    }
+}
+
+/// Copies `src[src_off..src_off + len]` to `dst_off` of a buffer filled
+/// with a guard byte through `level`, streaming from `stream_min` bytes on,
+/// and checks the copy and that no byte around it changed.
+fn check_copy(
+    level: Level,
+    src: &[u8],
+    src_off: usize,
+    dst_off: usize,
+    len: usize,
+    stream_min: usize,
+) {
+    const GUARD: u8 = 0xa5;
+    let mut dst = vec![GUARD; dst_off + len + 64];
+    let from = &src[src_off..src_off + len];
+    // SAFETY: both ranges are in bounds of distinct buffers.
+    unsafe {
+        level.copy(
+            dst.as_mut_ptr().add(dst_off),
+            from.as_ptr(),
+            len,
+            stream_min,
+        )
+    };
+    let what = format!(
+        "copy of {len} bytes on {}, offsets {src_off}/{dst_off}",
+        level.isa()
+    );
+    assert!(
+        dst[..dst_off].iter().all(|&b| b == GUARD),
+        "{what}: head guard"
+    );
+    assert!(dst[dst_off..dst_off + len] == *from, "{what}: data");
+    assert!(
+        dst[dst_off + len..].iter().all(|&b| b == GUARD),
+        "{what}: tail guard"
+    );
+}
+
+#[test]
+fn copy_every_short_length_and_alignment() {
+    // 0..=300 bytes covers an empty copy, copies shorter than one vector,
+    // and heads, 128-byte blocks and tails of every length, at every
+    // source and destination offset within a 32-byte vector.
+    let src: Vec<u8> = (0..400u32)
+        .map(|i| (i.wrapping_mul(151) >> 2) as u8)
+        .collect();
+    for level in Level::all() {
+        for len in 0..=300 {
+            for src_off in 0..32 {
+                for dst_off in [0, 1, 7, 8, 15, 16, 17, 31] {
+                    check_copy(level, &src, src_off, dst_off, len, 0);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn copy_bytes_streams_large_copies_exactly() {
+    // Just above the threshold, odd length, odd offsets: the public entry
+    // point on its streaming path (on AVX2 machines).
+    let len = STREAM_COPY_MIN + 4097;
+    let src: Vec<u8> = (0..len + 3).map(|i| (i % 251) as u8).collect();
+    let mut dst = vec![0u8; len + 5];
+    copy_bytes(&mut dst[5..], &src[3..]).unwrap();
+    assert!(dst[5..] == src[3..]);
+    assert!(dst[..5].iter().all(|&b| b == 0));
+    for level in Level::all() {
+        check_copy(level, &src, 1, 3, len - 4, STREAM_COPY_MIN);
     }
 }
 
@@ -465,6 +550,21 @@ fn bad_arguments_are_errors() {
         .unwrap_err()
         .to_string();
     assert!(msg.contains("31 bytes") && msg.contains("f32"), "{msg}");
+}
+
+#[test]
+fn copy_length_mismatch_is_an_error() {
+    let mut dst = vec![0u8; 8];
+    assert!(matches!(
+        copy_bytes(&mut dst, &[1u8; 9]),
+        Err(Error::LengthMismatch {
+            op: "copy_bytes",
+            dst: 8,
+            src: 9
+        })
+    ));
+    assert!(dst.iter().all(|&b| b == 0));
+    copy_bytes(&mut [], &[]).unwrap();
 }
 
 #[test]
