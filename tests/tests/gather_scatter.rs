@@ -141,3 +141,21 @@ fn publish_waits_for_releases_so_reads_never_tear() {
         ],
     );
 }
+
+#[test]
+fn large_shards_stream_and_never_tear() {
+    // Shards just over 16 MiB: every read of one is a streaming copy
+    // (odc_kernels::cpu::STREAM_COPY_MIN), of a length no vector divides.
+    let numel = (1usize << 23) + 3;
+    assert!(numel / 2 * 4 >= odc_kernels::cpu::STREAM_COPY_MIN);
+    run(
+        "publish_gather",
+        "pubgather_large",
+        2,
+        &[
+            ("ODC_VERSIONS", "3"),
+            ("ODC_JITTER", "1"),
+            ("ODC_NUMEL", &numel.to_string()),
+        ],
+    );
+}

@@ -1,6 +1,7 @@
 //! `shm`: the transport between processes on one host, over POSIX shared
-//! memory. A read is a memcpy out of the peer's mapping; a signal is a
-//! release store into it followed by a futex wake on the peer's bell page.
+//! memory. A read is a copy out of the peer's mapping (streaming stores
+//! when large, [`odc_kernels::cpu::copy_raw`]); a signal is a release store
+//! into it followed by a futex wake on the peer's bell page.
 //!
 //! Segments are named `/odc-<jobkey>-<jobid>-r<rank>-p<pid>-<id>`, created
 //! with `O_EXCL` and mode 0600, and unlinked when the rank's transport and
@@ -391,9 +392,12 @@ impl Transport for ShmTransport {
 
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()> {
         let src = self.remote(peer, remote, offset, dst.len())?;
-        // SAFETY: `src` is valid for dst.len() bytes (bounds checked), and a
-        // mapping never overlaps a caller's buffer.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        // A large read (a gathered shard) streams past the cache: on a
+        // memory-bound host that is up to twice as fast as memcpy.
+        // SAFETY: `src` is valid for dst.len() bytes (bounds checked), a
+        // mapping never overlaps a caller's buffer, and the protocol keeps
+        // the owner from writing the range while it is read.
+        unsafe { odc_kernels::cpu::copy_raw(dst.as_mut_ptr(), src, dst.len()) };
         Ok(())
     }
 
@@ -415,6 +419,11 @@ impl Transport for ShmTransport {
                 format!("signal offset {} unaligned", signal.offset),
             ));
         }
+        // A landing-slot chunk is a plain (cached) copy, never streamed: the
+        // owner's daemon reads it right after, and streaming it to memory
+        // made 64 MiB scatter-accumulates slower (3.1 against 3.9 GB/s
+        // busbw, 2 ranks). Were it streamed, the fence `copy_raw` ends with
+        // would order the chunk before the release store of the signal.
         for part in src {
             // SAFETY: the destination range was bounds checked for the total
             // length; source buffers never overlap a shared mapping.
