@@ -14,13 +14,15 @@
 //! the gathered (output) buffer; for scatter-accumulate, the pushed (input)
 //! buffer; `algbw = size / time`, `busbw = algbw · (n − 1) / n`, GB = 10⁹ B.
 //! Two baselines come from the same run, in busbw-equivalent GB/s of the
-//! bytes one rank moves: `limit`, a single-thread `memcpy` (gather) or
+//! bytes one rank moves: `limit`, a single-thread copy (gather) or
 //! `memcpy` + add (scatter) on rank 0 alone, and `ceiling`, the same work done
-//! by every rank at once on private memory (slowest rank) — what plain
-//! copies reach when all ranks compete for the memory system, as they do in
-//! the operation. `%ceil` is the operation's busbw against `ceiling`.
-//! The `limit` column is a single-thread `memcpy` (gather) or `memcpy` + add
-//! (scatter) of the bytes one rank moves, timed in the same run on rank 0.
+//! by every rank at once on private memory (slowest rank) — what copies
+//! reach when all ranks compete for the memory system, as they do in the
+//! operation. `%ceil` is the operation's busbw against `ceiling`. Gather's
+//! copy is the one the shm transport reads with,
+//! [`odc_kernels::cpu::copy_bytes`] (streaming stores from
+//! `STREAM_COPY_MIN` bytes on); scatter's is a `memcpy`, as a landing-slot
+//! write is.
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
@@ -579,12 +581,14 @@ where
     Ok(total / iters as u32)
 }
 
-/// GB/s of a single-thread copy of `bytes` (best of a few runs).
-pub fn memcpy_gbps(bytes: usize) -> f64 {
+/// GB/s of a single-thread [`copy_bytes`](odc_kernels::cpu::copy_bytes)
+/// of `bytes`, the shm transport's read (best of a few runs).
+pub fn copy_gbps(bytes: usize) -> f64 {
     let src = vec![1u8; bytes];
     let mut dst = vec![0u8; bytes];
     best_gbps(bytes, || {
-        dst.copy_from_slice(&src);
+        // Equal lengths: cannot fail.
+        let _ = odc_kernels::cpu::copy_bytes(&mut dst, &src);
         std::hint::black_box(&mut dst);
     })
 }
@@ -830,9 +834,11 @@ pub fn make_in_place(args: &PerfArgs, size: u64, page: &BenchPage) -> InPlace {
     }
 }
 
-/// Every rank copies (`add == false`) or copies and adds (`add == true`)
-/// `bytes` of private memory at the same time, framed by barriers like the
-/// operation; returns the slowest rank's throughput in GB/s (on every rank).
+/// Every rank copies (`add == false`, with the shm transport's
+/// [`copy_bytes`](odc_kernels::cpu::copy_bytes)) or `memcpy`s and adds
+/// (`add == true`) `bytes` of private memory at the same time, framed by
+/// barriers like the operation; returns the slowest rank's throughput in
+/// GB/s (on every rank).
 pub fn concurrent_ceiling(
     page: &BenchPage,
     rank: usize,
@@ -845,11 +851,17 @@ pub fn concurrent_ceiling(
     let mut dst = vec![0.0f32; n];
     let mut acc = vec![0.0f32; n];
     let mean = timed(page, 2, iters.clamp(1, 10), |_| {
-        dst.copy_from_slice(&src);
         if add {
+            dst.copy_from_slice(&src);
             for (a, d) in acc.iter_mut().zip(&dst) {
                 *a += *d;
             }
+        } else {
+            let (to, from) = (
+                bytemuck::cast_slice_mut(&mut dst),
+                bytemuck::cast_slice(&src),
+            );
+            odc_kernels::cpu::copy_bytes(to, from).map_err(|e| e.to_string())?;
         }
         std::hint::black_box((&mut dst, &mut acc));
         Ok(())

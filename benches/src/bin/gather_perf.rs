@@ -14,7 +14,7 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    concurrent_ceiling, decode, encode, make_in_place, make_row, memcpy_gbps, pattern, perf_main,
+    concurrent_ceiling, copy_gbps, decode, encode, make_in_place, make_row, pattern, perf_main,
     print_row, timed, PerfArgs, RankCtx, Row,
 };
 
@@ -48,13 +48,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         let mut row = None;
         if rank == 0 {
             let moved = (size as usize) * (args.ranks - 1) / args.ranks;
-            row = Some(make_row(
-                args,
-                size,
-                "none",
-                &page,
-                memcpy_gbps(moved.max(1)),
-            ));
+            row = Some(make_row(args, size, "none", &page, copy_gbps(moved.max(1))));
         }
         page.barrier()?;
 
