@@ -16,6 +16,7 @@ pub use odc_kernels::Unavailable;
 use crate::{Error, Result};
 
 pub mod device;
+pub mod fdshare;
 pub mod nvshmem;
 
 /// What a GPU transport needs and this machine lacks.
