@@ -19,7 +19,7 @@
 //! | `transport::fabric` | libfabric RMA backend (feature `fabric`): C shim, sys / result / safe, progress thread |
 //! | `transport::mixed` | `shm` to peers on this node, `fabric` to the others, in one engine (feature `fabric`) |
 //! | [`control`] | where control words and landing slots live; slot header format |
-//! | `gpu` | GPU presence ([`gpu::probe`]) and NVSHMEM bindings (sys / result / safe) |
+//! | `gpu` | GPU presence ([`gpu::probe`]), device memory shared within a node ([`gpu::device`]), descriptor passing ([`gpu::fdshare`]), NVSHMEM bindings (sys / result / safe) |
 //! | `handoff` | a client's own slice of a push, handed to its own server without a copy |
 //! | `engine` | [`Engine`] setup, registration, the daemon's lifetime |
 //! | `client` | the worker API: publish, gather, release, scatter, finish |

@@ -1,6 +1,7 @@
 //! GPU support for the GPU transports (cuda-ipc, nvshmem): what is present
 //! on this machine ([`probe`]), device memory shared between the processes
-//! of a node ([`device`]) and the NVSHMEM bindings ([`nvshmem`]).
+//! of a node ([`device`]), passing their file descriptors between ranks
+//! ([`fdshare`]) and the NVSHMEM bindings ([`nvshmem`]).
 //!
 //! Everything loads at run time, so the crate builds and its tests run on
 //! machines without a GPU; there every entry point returns
