@@ -89,7 +89,14 @@ pub(crate) fn run(inner: &Inner) {
         }
         let mut progressed = false;
         for (client, seen) in last.iter_mut().enumerate() {
-            for (slot, seen_seq) in seen.iter_mut().enumerate() {
+            // A client's chunks carry consecutive sequence numbers in
+            // alternate slots: take the older slot first, so chunks are added
+            // in push order and the own slice pairs with them front to back
+            // (slot order alone took the second chunk before the first
+            // whenever both had landed, and no later chunk paired).
+            let older = (seen[0].max(seen[1]).wrapping_add(1) % 2) as usize;
+            for slot in [older, 1 - older] {
+                let seen_seq = &mut seen[slot];
                 let seq = load(reg.word(reg.ctrl_layout.slot_signal(client, slot)));
                 if seq != *seen_seq {
                     *seen_seq = seq;
