@@ -17,6 +17,8 @@ pub use odc_kernels::Unavailable;
 use crate::{Error, Result};
 
 pub mod device;
+// Uses the shm transport's helpers, which loom builds leave out.
+#[cfg(not(loom))]
 pub mod fdshare;
 pub mod nvshmem;
 
