@@ -58,6 +58,35 @@ def test_imbalance_runs_every_configuration_with_exact_sums(tmp_path, capsys):
         assert r["wrong"] == 0
 
 
+@pytest.mark.parametrize(
+    "sweep, labels, field, values",
+    [
+        # max-length redraws the lengths with that max and scales the token budget with it (ratio kept).
+        ("max-length=32768,65536", [32768, 65536], "max_tokens", [32768, 65536]),
+        ("packing-ratio=1,2", [1.0, 2.0], "max_tokens", [65536, 131072]),
+        ("world=2,3", [2, 3], "world", [2, 3]),
+    ],
+)
+def test_imbalance_sweep_gives_one_table_and_one_plot(sweep, labels, field, values, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "imb.json", tmp_path / "imb.png"
+    code = main(["imbalance", "--world", "2", "--minibatches", "1", "--minibatch-size", "2", "--layers", "1",
+                 "--layer-bytes", "4K", "--compute-scale", "0.00001", "--configs", "odc+lb-mini", "--sweep", sweep,
+                 "--json", str(out), "--plot", str(png)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    name = sweep.partition("=")[0]
+    headers = [line for line in text.splitlines() if line.startswith("#") and "config" in line]
+    assert len(headers) == 1 and headers[0].split()[1] == name, text
+    assert text.count("EMULATED COMPUTE") == 1, text
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["label"], r["config"]) for r in rows] == [(v, c) for v in labels
+                                                         for c in ("collective+lb-micro", "odc+lb-mini")]
+    assert [r[field] for r in rows[::2]] == values
+    assert all(r["wrong"] == 0 for r in rows)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 class _Ctx:
     rank, world = 1, 2
 

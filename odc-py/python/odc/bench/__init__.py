@@ -127,7 +127,10 @@ def _build_parser() -> _Parser:
     im.add_argument("--repeats", type=_positive(int, "--repeats"), default=1, help="runs per configuration (median)")
     im.add_argument("--seed", type=int, default=None,
                     help="shuffle seed of the sample order before minibatches are cut (default: dataset order)")
-    im.add_argument("--sweep", metavar="NAME=V1,V2,..", help=f"sweep one of: {', '.join(SWEEPS)}")
+    im.add_argument("--sweep", metavar="NAME=V1,V2,..",
+                    help=f"sweep one of: {', '.join(SWEEPS)} (max-length redraws the synthetic lengths with that max "
+                         f"and scales --max-tokens with it; packing-ratio sets the token budget to ratio x max length; "
+                         f"one table and one plot either way)")
     im.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="FSDP-style overlap: prefetch the next layer's gather, wait for pushes per microbatch "
                          "(auto: collectives overlap, ODC calls run inline)")
@@ -421,7 +424,12 @@ def _imbalance(args: argparse.Namespace) -> int:
     fixed = [] if sweep_name == "world" else [f"{points[0]['world']} ranks"]
     if sweep_name != "minibatch-size":
         fixed.append(f"minibatch size {points[0]['minibatch_size']}")
-    max_tokens = "swept" if sweep_name in ("max-length", "packing-ratio") else points[0]["max_tokens"]
+    max_tokens = points[0]["max_tokens"]
+    if sweep_name == "max-length":
+        src += " (max swept)"
+        max_tokens = f"{args.max_tokens / base_max:g} x max length"
+    elif sweep_name == "packing-ratio":
+        max_tokens = f"packing ratio x {base_max}"
     title = [
         _title("imbalance"),
         f"{', '.join(fixed)}; {args.layers} layers x {args.layer_bytes} B f32; {src}; cost {args.cost}; "
@@ -445,7 +453,7 @@ def _imbalance(args: argparse.Namespace) -> int:
     if args.plot:
         from .report import format_size
 
-        where = f"{points[0]['world']} ranks, " if sweep_name != "world" else ""
+        where = "".join(f"{text}, " for text in fixed)
         short = (f"odc-bench imbalance: {where}{args.layers} layers x {format_size(args.layer_bytes)} f32, "
                  f"cost {args.cost}, {args.minibatches} minibatches\n"
                  f"EMULATED compute (sleep), real communication; measured vs predicted (odc.packing)")

@@ -474,9 +474,11 @@ def plot(rows: list[dict], path: str, title: str, sweep_name: str | None) -> Non
     if sweep_name:
         labels = list(dict.fromkeys(r["label"] for r in rows))
         xs = range(len(labels))
-        for i, name in enumerate(names):
+        order = [c[0] for c in CONFIGS]
+        for name in names:
             sel = {r["label"]: r for r in rows if r["config"] == name}
-            c = colors[i % len(colors)]
+            # One colour per configuration, the same in every plot whatever --configs leaves out.
+            c = colors[order.index(name) % len(colors)] if name in order else "black"
             ax.plot(xs, [sel[l]["speedup_measured"] for l in labels], "-o", color=c, label=f"{name} measured")
             ax.plot(xs, [sel[l]["speedup_predicted"] for l in labels], "--x", color=c, alpha=0.7,
                     label=f"{name} predicted")
