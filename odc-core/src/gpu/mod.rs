@@ -1,7 +1,8 @@
 //! GPU support for the GPU transports (cuda-ipc, nvshmem): what is present
 //! on this machine ([`probe`]), device memory shared between the processes
 //! of a node ([`device`]), passing their file descriptors between ranks
-//! ([`fdshare`]) and the NVSHMEM bindings ([`nvshmem`]).
+//! ([`fdshare`]), exchanging every rank's regions ([`ipc`]) and the NVSHMEM
+//! bindings ([`nvshmem`]).
 //!
 //! Everything loads at run time, so the crate builds and its tests run on
 //! machines without a GPU; there every entry point returns
@@ -20,6 +21,8 @@ pub mod device;
 // Uses the shm transport's helpers, which loom builds leave out.
 #[cfg(not(loom))]
 pub mod fdshare;
+#[cfg(not(loom))]
+pub mod ipc;
 pub mod nvshmem;
 
 /// What a GPU transport needs and this machine lacks.
