@@ -537,26 +537,44 @@ impl DeviceRegion {
     }
 }
 
-impl Drop for DeviceRegion {
-    fn drop(&mut self) {
-        // Errors here leave nothing to do: the process keeps the memory.
-        if self.gpu.bind().is_err() {
-            return;
-        }
-        // SAFETY: this region owns the mapping / allocation; nothing of ours
-        // uses it after drop.
-        unsafe {
-            match self.kind {
-                Kind::Vmm(handle) => {
-                    sys::cuMemUnmap(self.ptr, self.size);
-                    sys::cuMemAddressFree(self.ptr, self.size);
-                    sys::cuMemRelease(handle);
-                }
-                Kind::Legacy => {
-                    sys::cuMemFree_v2(self.ptr);
-                }
+/// Unmaps and releases a `cuMemCreate` mapping, or ends a legacy one with
+/// `legacy` (`cuMemFree` for an owner, `cuIpcCloseMemHandle` for a peer).
+/// Errors leave nothing to do (the process keeps the memory), so they are
+/// ignored.
+///
+/// # Safety
+/// Nothing may use the memory afterwards; called once per mapping.
+unsafe fn release(
+    gpu: &Gpu,
+    ptr: u64,
+    size: usize,
+    kind: Kind,
+    legacy: unsafe fn(sys::CUdeviceptr) -> sys::CUresult,
+) {
+    if gpu.bind().is_err() {
+        return;
+    }
+    // SAFETY: the caller's contract; `ptr`, `size` and `kind` describe one
+    // live mapping.
+    unsafe {
+        match kind {
+            Kind::Vmm(handle) => {
+                sys::cuMemUnmap(ptr, size);
+                sys::cuMemAddressFree(ptr, size);
+                sys::cuMemRelease(handle);
+            }
+            Kind::Legacy => {
+                legacy(ptr);
             }
         }
+    }
+}
+
+impl Drop for DeviceRegion {
+    fn drop(&mut self) {
+        // SAFETY: this region owns the allocation; nothing of ours uses it
+        // after drop.
+        unsafe { release(&self.gpu, self.ptr, self.size, self.kind, sys::cuMemFree_v2) }
     }
 }
 
@@ -592,21 +610,15 @@ impl PeerRegion {
 
 impl Drop for PeerRegion {
     fn drop(&mut self) {
-        if self.gpu.bind().is_err() {
-            return;
-        }
         // SAFETY: this value owns the mapping of the peer's memory.
         unsafe {
-            match self.kind {
-                Kind::Vmm(handle) => {
-                    sys::cuMemUnmap(self.ptr, self.size);
-                    sys::cuMemAddressFree(self.ptr, self.size);
-                    sys::cuMemRelease(handle);
-                }
-                Kind::Legacy => {
-                    sys::cuIpcCloseMemHandle(self.ptr);
-                }
-            }
+            release(
+                &self.gpu,
+                self.ptr,
+                self.size,
+                self.kind,
+                sys::cuIpcCloseMemHandle,
+            )
         }
     }
 }
