@@ -16,6 +16,7 @@ use odc_kernels::cuda::CudaStream;
 
 use super::result::{self, init, mem, pe, rma, sync};
 use super::sys;
+use crate::store::{wait_get, Store};
 use crate::{Error, Result};
 
 /// The unique id that bootstraps a job: rank 0 creates it, the Store
@@ -165,7 +166,7 @@ impl Nvshmem {
             // NVSHMEM binds to the calling thread's current context.
             let ctx = odc_kernels::cuda::CudaContext::new(info.cuda.ordinal)
                 .and_then(|ctx| ctx.bind_to_thread().map(|()| ctx))
-                .map_err(|e| Error::Nvshmem {
+                .map_err(|e| Error::Cuda {
                     call: "cuDevicePrimaryCtxRetain",
                     detail: e.to_string(),
                 })?;
@@ -202,6 +203,39 @@ impl Nvshmem {
             )));
         }
         Ok(session)
+    }
+
+    /// [`Nvshmem::init`] with the unique id exchanged through `store`
+    /// under `key`: rank 0 creates it and publishes its bytes, every other
+    /// rank waits for them until `deadline`. The device is probed first, so
+    /// a machine without a GPU fails with [`Error::GpuUnavailable`] before
+    /// anything is published or awaited.
+    ///
+    /// Errors: as [`Nvshmem::init`]; a Store error naming `key` when rank 0
+    /// never publishes; [`Error::Protocol`] for a malformed id.
+    pub fn join(
+        store: &dyn Store,
+        key: &str,
+        rank: usize,
+        world: usize,
+        device: usize,
+        plan: HeapPlan,
+        deadline: std::time::Instant,
+    ) -> Result<Nvshmem> {
+        if world == 0 || rank >= world {
+            return Err(Error::Config(format!(
+                "NVSHMEM rank {rank} of world {world}"
+            )));
+        }
+        crate::gpu::probe_device(device)?;
+        let id = if rank == 0 {
+            let id = UniqueId::new()?;
+            store.set(key, &id.to_bytes())?;
+            id
+        } else {
+            UniqueId::from_bytes(&wait_get(store, key, deadline)?)?
+        };
+        Nvshmem::init(&id, rank, world, device, plan)
     }
 
     /// This PE.
@@ -495,6 +529,42 @@ mod tests {
         }
         assert!(matches!(
             Nvshmem::init(&id, 2, 2, 0, HeapPlan::default()),
+            Err(Error::Config(_))
+        ));
+    }
+
+    #[test]
+    fn join_without_a_gpu_publishes_and_awaits_nothing() {
+        if crate::gpu::probe_device(0).is_ok() {
+            // A 2-PE join would wait for a second process.
+            eprintln!("SKIPPED: a GPU is present (join is exercised by the GPU tests)");
+            return;
+        }
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = crate::FileStore::new(dir.path()).expect("store");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(200);
+        for rank in [0, 1] {
+            match Nvshmem::join(
+                &store,
+                "nvshmem/id",
+                rank,
+                2,
+                0,
+                HeapPlan::default(),
+                deadline,
+            ) {
+                Err(Error::GpuUnavailable(missing)) => {
+                    // Checked before the Store is touched.
+                    assert_eq!(store.get("nvshmem/id").ok().flatten(), None, "{missing}");
+                }
+                other => panic!(
+                    "rank {rank}: expected GpuUnavailable, got {:?}",
+                    other.err()
+                ),
+            }
+        }
+        assert!(matches!(
+            Nvshmem::join(&store, "k", 2, 2, 0, HeapPlan::default(), deadline),
             Err(Error::Config(_))
         ));
     }
