@@ -74,6 +74,8 @@ fn rust_values() -> BTreeMap<String, i64> {
         size_of::<sys::CUmemGenericAllocationHandle>() as i64,
     );
     put("size CUdeviceptr", size_of::<sys::CUdeviceptr>() as i64);
+    put("size CUstream", size_of::<sys::CUstream>() as i64);
+    put("size CUevent", size_of::<sys::CUevent>() as i64);
     use sys::CUdevice_attribute as A;
     put(
         "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
@@ -118,6 +120,14 @@ fn rust_values() -> BTreeMap<String, i64> {
     put(
         "CU_STREAM_WRITE_VALUE_DEFAULT",
         sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as i64,
+    );
+    put(
+        "CU_EVENT_DISABLE_TIMING",
+        sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as i64,
+    );
+    put(
+        "CU_EVENT_WAIT_DEFAULT",
+        sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT as i64,
     );
     put(
         "CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS",

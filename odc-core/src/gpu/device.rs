@@ -14,9 +14,11 @@
 //! - [`HostRegistration`] makes host memory (a peer's `shm` control
 //!   segment) addressable by this device, so that a stream can write a
 //!   signal word into it after the data (`cuStreamWriteValue64`).
-//! - [`Stream`] wraps a caller's `CUstream` with the three stream
-//!   operations a one-sided put needs: an async copy, a 64-bit value write
-//!   ordered after it, and a host callback (to ring the owner's bell).
+//! - [`Stream`] wraps a caller's `CUstream` with the stream operations a
+//!   one-sided put needs (an async copy, a 64-bit value write ordered after
+//!   it, and a host callback to ring the owner's bell) and those of the
+//!   device data plane (`crate::plane`): zeroing, and ordering one stream
+//!   after another with an event ([`Stream::wait_for`]).
 //!
 //! The descriptor of a `cuMemCreate` region travels to peers through
 //! [`fdshare`](super::fdshare); the legacy handle is 64 plain bytes that
@@ -39,8 +41,10 @@ use super::Missing;
 use crate::{Error, Result};
 
 /// Every driver function this module (and the kernels it launches) calls,
-/// checked by [`check_driver`] before the first call. The `_v2` names are
-/// the symbols `cuda.h` maps the plain names to.
+/// with those the `cuda-ipc` data plane (`plane::cuda`) adds: the stream it
+/// creates through cudarc (`cuStreamCreate`, `cuStreamDestroy_v2`). Checked
+/// by [`check_driver`] before the first call. The `_v2` names are the
+/// symbols `cuda.h` maps the plain names to.
 pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuInit",
     "cuDriverGetVersion",
@@ -66,13 +70,21 @@ pub const DRIVER_SYMBOLS: &[&str] = &[
     "cuIpcOpenMemHandle_v2",
     "cuIpcCloseMemHandle",
     "cuMemsetD8_v2",
+    "cuMemsetD8Async",
     "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyDtoH_v2",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemHostGetDevicePointer_v2",
     "cuStreamWriteValue64_v2",
     "cuLaunchHostFunc",
     "cuStreamSynchronize",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuStreamWaitEvent",
+    "cuEventDestroy_v2",
 ];
 
 /// The driver library names tried, in order (what cudarc loads).
@@ -243,10 +255,36 @@ impl Gpu {
         &self.ctx
     }
 
-    fn bind(&self) -> Result<()> {
+    /// Makes the device's primary context current on the calling thread.
+    ///
+    /// [`Stream`] operations run in the calling thread's current context:
+    /// call this first on a thread that has not used the device yet (every
+    /// method of [`Gpu`] does it itself).
+    pub fn bind(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda("cuCtxSetCurrent", e))
+    }
+
+    /// Copies `dst.len()` bytes at device address `src` into host memory;
+    /// returns once they are there. Synchronous with respect to the legacy
+    /// default stream only: work on a non-blocking stream that writes `src`
+    /// must be waited for first ([`Stream::synchronize`]).
+    ///
+    /// # Safety
+    /// `src` must address `dst.len()` readable bytes of device memory (or
+    /// mapped peer memory) of this device's context.
+    pub unsafe fn copy_to_host(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: `dst` is `dst.len()` writable host bytes borrowed for the
+        // call (the copy is complete when it returns); the caller vouches
+        // for `src`.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len())
+        })
     }
 
     /// Allocates `len` zeroed bytes of device memory that peers on this
@@ -660,7 +698,9 @@ impl Drop for HostRegistration {
 
 /// A caller's CUDA stream (a `CUstream` from torch's
 /// `torch.cuda.current_stream().cuda_stream`), with the operations of a
-/// one-sided put. Every operation is enqueued and returns before it runs.
+/// one-sided put and of the device data plane. Every operation is enqueued
+/// and returns before it runs, unless it says otherwise, and runs in the
+/// calling thread's current context ([`Gpu::bind`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Stream {
     raw: sys::CUstream,
@@ -701,6 +741,62 @@ impl Stream {
         check("cuMemcpyDtoDAsync", unsafe {
             sys::cuMemcpyDtoDAsync_v2(dst, src, len, self.raw)
         })
+    }
+
+    /// Enqueues setting `len` bytes at device address `dst` to zero.
+    ///
+    /// # Safety
+    /// `dst` must address `len` writable bytes of device memory (or mapped
+    /// peer memory) that stays mapped until the work has run.
+    pub unsafe fn zero(&self, dst: u64, len: usize) -> Result<()> {
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
+        check("cuMemsetD8Async", unsafe {
+            sys::cuMemsetD8Async(dst, 0, len, self.raw)
+        })
+    }
+
+    /// Makes this stream wait, before any work enqueued on it later, until
+    /// the work enqueued on `other` so far has completed; returns at once.
+    ///
+    /// An event (without timing) is recorded on `other`, this stream is made
+    /// to wait for it, and the event is destroyed at once: the driver keeps
+    /// what the wait needs until it has completed. A stream waiting for
+    /// itself is already ordered, and nothing is enqueued.
+    pub fn wait_for(&self, other: &Stream) -> Result<()> {
+        if self.raw == other.raw {
+            return Ok(());
+        }
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer.
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(
+                &mut event,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+            )
+        })?;
+        // SAFETY: `event` was just created in the current context; both
+        // streams are valid (constructor contract).
+        let r = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(event, other.raw)
+        })
+        .and_then(|()| {
+            // SAFETY: as above; the event has been recorded.
+            check("cuStreamWaitEvent", unsafe {
+                sys::cuStreamWaitEvent(
+                    self.raw,
+                    event,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT as u32,
+                )
+            })
+        });
+        // SAFETY: created above and used by no one else; destroying an
+        // event a wait is enqueued on is legal (its resources are released
+        // once the wait has completed).
+        let destroyed = check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(event) });
+        r.and(destroyed)
     }
 
     /// Enqueues the store of `value` into the 8-byte word at device address
