@@ -125,6 +125,8 @@ pub mod topology;
 // Under `--cfg loom` only the pure modules and the protocol model build:
 // loom's atomics cannot live in shared mappings.
 #[cfg(not(loom))]
+pub mod plane;
+#[cfg(not(loom))]
 pub mod region;
 #[cfg(not(loom))]
 pub mod transport;

@@ -131,7 +131,8 @@ pub fn check_symbols(libraries: &[&str], symbols: &[&str]) -> std::result::Resul
     Ok(())
 }
 
-fn cuda(call: &'static str, e: DriverError) -> Error {
+/// A failed driver call as [`Error::Cuda`], with the status's name.
+pub(crate) fn cuda(call: &'static str, e: DriverError) -> Error {
     let name = e
         .error_name()
         .map(|s| s.to_string_lossy().into_owned())

@@ -129,6 +129,16 @@ pub enum TransportKind {
     /// `shm` to peers on this rank's node, libfabric to the others. Needs
     /// the `fabric` feature.
     Mixed,
+    /// One node of GPUs: control words over `shm`, published shards,
+    /// landing slots and accumulators in device memory shared with CUDA IPC
+    /// ([`crate::plane`]); data moves on the caller's CUDA stream. Needs a
+    /// CUDA driver and device; without one, creating the engine is
+    /// [`Error::GpuUnavailable`] naming what is missing.
+    CudaIpc,
+    /// `cuda-ipc`'s data path with host memory for device memory and host
+    /// threads for streams ([`crate::plane::emu`]): runs, and tests, the
+    /// device path on machines without a GPU.
+    EmuIpc,
 }
 
 impl TransportKind {
@@ -140,6 +150,8 @@ impl TransportKind {
             "shm" => Some(TransportKind::Shm),
             "fabric" => Some(TransportKind::Fabric),
             "mixed" | "shm+fabric" => Some(TransportKind::Mixed),
+            "cuda-ipc" | "cuda_ipc" => Some(TransportKind::CudaIpc),
+            "emu-ipc" | "emu_ipc" => Some(TransportKind::EmuIpc),
             _ => None,
         }
     }
@@ -152,16 +164,27 @@ impl TransportKind {
             TransportKind::Shm => "shm",
             TransportKind::Fabric => "fabric",
             TransportKind::Mixed => "shm+fabric",
+            TransportKind::CudaIpc => "cuda-ipc",
+            TransportKind::EmuIpc => "emu-ipc",
         }
     }
 
     /// Whether this build can create the backend (`Auto`: at least for a
-    /// single node).
+    /// single node; `CudaIpc`: the code is built, whether a GPU is present
+    /// is found at creation).
     pub fn available(self) -> bool {
         match self {
-            TransportKind::Auto | TransportKind::Shm => true,
+            TransportKind::Auto
+            | TransportKind::Shm
+            | TransportKind::CudaIpc
+            | TransportKind::EmuIpc => true,
             TransportKind::Fabric | TransportKind::Mixed => cfg!(feature = "fabric"),
         }
+    }
+
+    /// Whether the data lives in device memory ([`crate::plane`]).
+    pub fn is_device(self) -> bool {
+        matches!(self, TransportKind::CudaIpc | TransportKind::EmuIpc)
     }
 
     /// What `Auto` resolves to for `topo`; other kinds are themselves.
@@ -190,6 +213,21 @@ pub fn create(
         TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(
             rank, world, job_key, job_id,
         )?)),
+        device @ (TransportKind::CudaIpc | TransportKind::EmuIpc) => {
+            if topo.nodes() > 1 {
+                return Err(Error::Config(format!(
+                    "the {} transport reaches only the ranks of one node, and this job has {} \
+                     nodes (the nvshmem transport for several nodes is not built yet)",
+                    device.name(),
+                    topo.nodes()
+                )));
+            }
+            // Control words stay in host shared memory (every wait is a
+            // futex wait); the data regions come from the device plane.
+            Ok(Box::new(shm::ShmTransport::new(
+                rank, world, job_key, job_id,
+            )?))
+        }
         #[cfg(feature = "fabric")]
         TransportKind::Fabric => Ok(Box::new(fabric::FabricTransport::new(
             rank, world, timeout,

@@ -1,0 +1,463 @@
+//! `emu-ipc`: the device data plane in host memory, with streams emulated
+//! by host threads.
+//!
+//! Memory is `memfd` files exchanged exactly as `cuda-ipc` exchanges device
+//! memory ([`MemfdMemory`], [`crate::gpu::ipc::exchange`]); every stream is
+//! a thread that runs its operations in order, each after an optional
+//! random sleep of up to `jitter`. Copies, adds and signals therefore run
+//! later than the call that enqueued them, and in an order only the stream
+//! fixes, which is what a GPU does to them: the engine's device path is
+//! tested here with the same asynchrony (`ODC_EMU_JITTER_US`, default 0).
+//!
+//! Stream handles are small integers naming an [`EmuStream`] in a
+//! process-wide table; 0 names no stream.
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use odc_kernels::DType;
+
+use super::{DeviceBackend, HostWork, StreamHandle};
+use crate::gpu::ipc::MemfdMemory;
+use crate::{Error, Result};
+
+/// Environment variable: the most an emulated stream sleeps before each
+/// operation, in microseconds.
+pub const JITTER_ENV: &str = "ODC_EMU_JITTER_US";
+
+type Op = Box<dyn FnOnce() -> std::result::Result<(), String> + Send + 'static>;
+
+#[derive(Default)]
+struct State {
+    queue: VecDeque<Op>,
+    enqueued: u64,
+    completed: u64,
+    error: Option<String>,
+    closed: bool,
+}
+
+struct Shared {
+    id: usize,
+    state: Mutex<State>,
+    cond: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        // Ops run outside the lock, so a poisoned lock only means a panic
+        // between two plain field updates; the state is still consistent.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(&self, op: Op) -> Result<u64> {
+        let mut s = self.lock();
+        if s.closed {
+            return Err(Error::Config(format!(
+                "emulated stream {} is closed",
+                self.id
+            )));
+        }
+        s.queue.push_back(op);
+        s.enqueued += 1;
+        let n = s.enqueued;
+        drop(s);
+        self.cond.notify_all();
+        Ok(n)
+    }
+
+    /// Blocks until `target` operations have completed.
+    fn wait_completed(&self, target: u64) {
+        let mut s = self.lock();
+        while s.completed < target {
+            s = self.cond.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+fn table() -> &'static Mutex<HashMap<usize, Arc<Shared>>> {
+    static TABLE: OnceLock<Mutex<HashMap<usize, Arc<Shared>>>> = OnceLock::new();
+    TABLE.get_or_init(Default::default)
+}
+
+fn lookup(handle: StreamHandle) -> Result<Arc<Shared>> {
+    table()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&handle)
+        .cloned()
+        .ok_or_else(|| Error::Config(format!("emu-ipc: no emulated stream {handle}")))
+}
+
+/// An emulated stream: a thread running enqueued operations in order. Drop
+/// runs what is queued, then stops the thread.
+pub struct EmuStream {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for EmuStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmuStream")
+            .field("handle", &self.shared.id)
+            .finish()
+    }
+}
+
+/// A small xorshift generator for the jitter (no dependency, no lock).
+fn next_random(state: &mut u64) -> u64 {
+    let mut x = *state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    x
+}
+
+impl EmuStream {
+    /// A new stream whose operations each wait up to `jitter` first.
+    pub fn new(jitter: Duration) -> Result<EmuStream> {
+        static NEXT: AtomicUsize = AtomicUsize::new(1);
+        let id = NEXT.fetch_add(1, Ordering::Relaxed);
+        let shared = Arc::new(Shared {
+            id,
+            state: Mutex::new(State::default()),
+            cond: Condvar::new(),
+        });
+        let worker = Arc::clone(&shared);
+        let jitter_ns = u64::try_from(jitter.as_nanos()).unwrap_or(u64::MAX);
+        let thread = std::thread::Builder::new()
+            .name(format!("odc-emu-stream-{id}"))
+            .spawn(move || run(&worker, jitter_ns))?;
+        table()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, Arc::clone(&shared));
+        Ok(EmuStream {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// The handle the engine's `*_device` calls take.
+    pub fn handle(&self) -> StreamHandle {
+        self.shared.id
+    }
+
+    /// Enqueues `work` as an operation of this stream (what a kernel
+    /// launch is to a CUDA stream: tests produce data on a stream with it).
+    pub fn enqueue(&self, work: HostWork) -> Result<()> {
+        self.shared.push(Box::new(move || {
+            work();
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    /// Blocks until everything enqueued so far has run; returns the first
+    /// error an operation reported, if any.
+    pub fn synchronize(&self) -> Result<()> {
+        synchronize(&self.shared)
+    }
+}
+
+impl Drop for EmuStream {
+    fn drop(&mut self) {
+        table()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.shared.id);
+        self.shared.lock().closed = true;
+        self.shared.cond.notify_all();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn run(shared: &Shared, jitter_ns: u64) {
+    static SEED: AtomicU64 = AtomicU64::new(0x9e37_79b9_7f4a_7c15);
+    let mut rng = SEED.fetch_add(0x6a09_e667_f3bc_c909, Ordering::Relaxed) | 1;
+    loop {
+        let op = {
+            let mut s = shared.lock();
+            loop {
+                if let Some(op) = s.queue.pop_front() {
+                    break op;
+                }
+                if s.closed {
+                    return;
+                }
+                s = shared.cond.wait(s).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        if jitter_ns > 0 {
+            std::thread::sleep(Duration::from_nanos(next_random(&mut rng) % jitter_ns));
+        }
+        let result = std::panic::catch_unwind(AssertUnwindSafe(op))
+            .unwrap_or_else(|_| Err("an operation panicked".to_owned()));
+        let mut s = shared.lock();
+        if let Err(e) = result {
+            s.error.get_or_insert(e);
+        }
+        s.completed += 1;
+        drop(s);
+        shared.cond.notify_all();
+    }
+}
+
+fn synchronize(shared: &Shared) -> Result<()> {
+    let target = shared.lock().enqueued;
+    shared.wait_completed(target);
+    match shared.lock().error.clone() {
+        None => Ok(()),
+        Some(e) => Err(Error::protocol(
+            None,
+            format!("emulated stream {}: {e}", shared.id),
+        )),
+    }
+}
+
+/// The emulated backend: `memfd` memory and a server stream.
+#[derive(Debug)]
+pub struct EmuBackend {
+    memory: MemfdMemory,
+    server: EmuStream,
+}
+
+impl EmuBackend {
+    /// A backend whose server stream waits up to `jitter` before each
+    /// operation.
+    pub fn new(jitter: Duration) -> Result<Arc<EmuBackend>> {
+        Ok(Arc::new(EmuBackend {
+            memory: MemfdMemory,
+            server: EmuStream::new(jitter)?,
+        }))
+    }
+
+    /// The jitter [`JITTER_ENV`] asks for (zero when unset).
+    ///
+    /// Errors: [`Error::Config`] for a value that is not a whole number.
+    pub fn jitter_from_env() -> Result<Duration> {
+        match std::env::var(JITTER_ENV) {
+            Err(_) => Ok(Duration::ZERO),
+            Ok(v) => v
+                .trim()
+                .parse::<u64>()
+                .map(Duration::from_micros)
+                .map_err(|_| {
+                    Error::Config(format!(
+                        "{JITTER_ENV}={v:?}: expected a whole number of microseconds"
+                    ))
+                }),
+        }
+    }
+}
+
+impl DeviceBackend for EmuBackend {
+    type Memory = MemfdMemory;
+
+    fn name(&self) -> &'static str {
+        "emu-ipc"
+    }
+
+    fn memory(&self) -> &MemfdMemory {
+        &self.memory
+    }
+
+    fn server_stream(&self) -> StreamHandle {
+        self.server.handle()
+    }
+
+    unsafe fn copy(&self, stream: StreamHandle, dst: u64, src: u64, len: usize) -> Result<()> {
+        lookup(stream)?.push(Box::new(move || {
+            // SAFETY: the caller vouched that both ranges stay valid until
+            // the copy has run; backend regions never overlap.
+            unsafe { odc_kernels::cpu::copy_raw(dst as *mut u8, src as *const u8, len) };
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    unsafe fn accumulate_on_server(
+        &self,
+        acc: u64,
+        x: u64,
+        x_dtype: DType,
+        n: usize,
+        scale: f32,
+    ) -> Result<()> {
+        self.server.shared.push(Box::new(move || {
+            // SAFETY: the caller vouched for `n` f32s at `acc` and `n`
+            // elements at `x`, valid until this has run and not overlapping.
+            let (acc, x) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(acc as *mut f32, n),
+                    std::slice::from_raw_parts(x as *const u8, n * x_dtype.size_bytes()),
+                )
+            };
+            odc_kernels::cpu::accumulate_into_f32(acc, x, x_dtype, scale).map_err(|e| e.to_string())
+        }))?;
+        Ok(())
+    }
+
+    unsafe fn zero_on_server(&self, dst: u64, len: usize) -> Result<()> {
+        self.server.shared.push(Box::new(move || {
+            // SAFETY: the caller vouched for `len` writable bytes at `dst`.
+            unsafe { std::ptr::write_bytes(dst as *mut u8, 0, len) };
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    fn then(&self, stream: StreamHandle, work: HostWork) -> Result<()> {
+        lookup(stream)?.push(Box::new(move || {
+            work();
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    fn order(&self, waiter: StreamHandle, after: StreamHandle) -> Result<()> {
+        let after = lookup(after)?;
+        let target = after.lock().enqueued;
+        lookup(waiter)?.push(Box::new(move || {
+            after.wait_completed(target);
+            Ok(())
+        }))?;
+        Ok(())
+    }
+
+    fn synchronize(&self, stream: StreamHandle) -> Result<()> {
+        synchronize(&*lookup(stream)?)
+    }
+
+    unsafe fn read_to_host(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        self.server.synchronize()?;
+        // SAFETY: the caller vouched for `dst.len()` readable bytes at
+        // `src`; the server stream has run everything that writes them.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    #[test]
+    fn operations_run_in_order_and_after_the_call() {
+        let b = EmuBackend::new(Duration::from_micros(200)).unwrap();
+        let s = EmuStream::new(Duration::from_micros(200)).unwrap();
+        let src: Vec<u8> = (0..=255).collect();
+        let mut dst = vec![0u8; 256];
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..8u8 {
+            let seen = Arc::clone(&seen);
+            b.then(s.handle(), Box::new(move || seen.lock().unwrap().push(i)))
+                .unwrap();
+        }
+        // SAFETY: both buffers outlive the synchronize below.
+        unsafe {
+            b.copy(
+                s.handle(),
+                dst.as_mut_ptr() as u64,
+                src.as_ptr() as u64,
+                256,
+            )
+            .unwrap()
+        };
+        let copied = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&copied);
+        let (d, n) = (dst.as_ptr() as u64, dst.len());
+        b.then(
+            s.handle(),
+            Box::new(move || {
+                // SAFETY: `dst` lives until synchronize returns.
+                let v = unsafe { std::slice::from_raw_parts(d as *const u8, n) };
+                flag.store(v[255] == 255, Ordering::SeqCst);
+            }),
+        )
+        .unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(*seen.lock().unwrap(), (0..8).collect::<Vec<u8>>());
+        assert!(copied.load(Ordering::SeqCst), "work after a copy saw it");
+        assert_eq!(dst, src);
+    }
+
+    #[test]
+    fn order_makes_one_stream_wait_for_another() {
+        let b = EmuBackend::new(Duration::ZERO).unwrap();
+        let (a, w) = (
+            EmuStream::new(Duration::from_millis(2)).unwrap(),
+            EmuStream::new(Duration::ZERO).unwrap(),
+        );
+        let log = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..5 {
+            let log = Arc::clone(&log);
+            b.then(a.handle(), Box::new(move || log.lock().unwrap().push(i)))
+                .unwrap();
+        }
+        b.order(w.handle(), a.handle()).unwrap();
+        let l = Arc::clone(&log);
+        b.then(w.handle(), Box::new(move || l.lock().unwrap().push(99)))
+            .unwrap();
+        w.synchronize().unwrap();
+        assert_eq!(*log.lock().unwrap(), vec![0, 1, 2, 3, 4, 99]);
+    }
+
+    #[test]
+    fn server_adds_and_zeroes_and_reports_bad_input() {
+        let b = EmuBackend::new(Duration::from_micros(50)).unwrap();
+        let mut acc = vec![1.0f32; 100];
+        let x: Vec<f32> = (0..100).map(|i| i as f32).collect();
+        // SAFETY: the buffers outlive read_to_host, which drains the stream.
+        unsafe {
+            b.accumulate_on_server(
+                acc.as_mut_ptr() as u64,
+                x.as_ptr() as u64,
+                DType::F32,
+                100,
+                2.0,
+            )
+            .unwrap();
+            let mut out = vec![0u8; 400];
+            b.read_to_host(acc.as_ptr() as u64, &mut out).unwrap();
+            let got: Vec<f32> = out
+                .chunks(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            assert_eq!(
+                got,
+                (0..100).map(|i| 1.0 + 2.0 * i as f32).collect::<Vec<_>>()
+            );
+            b.zero_on_server(acc.as_mut_ptr() as u64, 400).unwrap();
+            b.read_to_host(acc.as_ptr() as u64, &mut out).unwrap();
+            assert!(out.iter().all(|&v| v == 0));
+            // A misaligned f32 source is reported, not a crash.
+            let bytes = vec![0u8; 404];
+            b.accumulate_on_server(
+                acc.as_mut_ptr() as u64,
+                bytes.as_ptr() as u64 + 1,
+                DType::F32,
+                100,
+                1.0,
+            )
+            .unwrap();
+            let e = b.synchronize(b.server_stream()).unwrap_err().to_string();
+            assert!(e.contains("emulated stream"), "{e}");
+        }
+    }
+
+    #[test]
+    fn unknown_streams_and_bad_jitter_are_named() {
+        let b = EmuBackend::new(Duration::ZERO).unwrap();
+        let e = b.then(0, Box::new(|| {})).unwrap_err().to_string();
+        assert!(e.contains("no emulated stream 0"), "{e}");
+        assert!(b.synchronize(123_456_789).is_err());
+    }
+}
