@@ -5,19 +5,22 @@
 //! peer sets with `put_signal` (see [`crate::control`]); every wait is a
 //! causal edge, never a barrier.
 
+use std::ops::Range;
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use odc_kernels::DType;
 
-use crate::control::SlotHeader;
-use crate::engine::{load, BucketId, Engine, PushState, Registered};
+use crate::control::{SlotHeader, HEADER_BYTES};
+use crate::engine::{load, BucketId, Engine, Inner, PushState, Registered};
 use crate::handoff::OwnSlice;
 use crate::layout::BucketLayout;
-use crate::region::{Bell, SignalRef};
+use crate::region::{Bell, RegionDesc, SignalRef};
 use crate::sync::Ordering;
+use crate::transport::Transport;
 use crate::{Error, Result};
 
-fn check_dtype(bucket: &BucketLayout, dtype: DType, what: &str) -> Result<()> {
+pub(crate) fn check_dtype(bucket: &BucketLayout, dtype: DType, what: &str) -> Result<()> {
     if dtype != bucket.dtype() {
         return Err(Error::layout(
             Some(bucket.name()),
@@ -30,7 +33,12 @@ fn check_dtype(bucket: &BucketLayout, dtype: DType, what: &str) -> Result<()> {
     Ok(())
 }
 
-fn elems_of(bucket: &BucketLayout, bytes: usize, dtype: DType, what: &str) -> Result<usize> {
+pub(crate) fn elems_of(
+    bucket: &BucketLayout,
+    bytes: usize,
+    dtype: DType,
+    what: &str,
+) -> Result<usize> {
     if bytes % dtype.size_bytes() != 0 {
         return Err(Error::layout(
             Some(bucket.name()),
@@ -40,9 +48,71 @@ fn elems_of(bucket: &BucketLayout, bytes: usize, dtype: DType, what: &str) -> Re
     Ok(bytes / dtype.size_bytes())
 }
 
+pub(crate) fn check_shard_len(bucket: &BucketLayout, bytes: usize) -> Result<()> {
+    if bytes != bucket.shard_bytes() {
+        return Err(Error::layout(
+            Some(bucket.name()),
+            format!(
+                "shard is {bytes} bytes; expected {} ({} {} elements)",
+                bucket.shard_bytes(),
+                bucket.shard_len(),
+                bucket.dtype()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Pure signals (no data) of one value into one word of several ranks'
+/// control regions, sent now or later by work on a stream.
+pub(crate) struct Signals {
+    transport: Arc<dyn Transport>,
+    targets: Vec<(usize, RegionDesc)>,
+    sig: SignalRef,
+    value: u64,
+}
+
+impl Signals {
+    pub(crate) fn new(
+        inner: &Inner,
+        reg: &Registered,
+        ranks: impl Iterator<Item = usize>,
+        offset: usize,
+        value: u64,
+    ) -> Signals {
+        Signals {
+            transport: Arc::clone(&inner.transport),
+            targets: ranks.map(|r| (r, reg.peer_ctrl[r])).collect(),
+            sig: SignalRef {
+                offset,
+                bell: Bell::Client,
+            },
+            value,
+        }
+    }
+
+    pub(crate) fn send(&self) -> Result<()> {
+        for (rank, desc) in &self.targets {
+            self.transport
+                .put_signal(*rank, desc, 0, &[], self.sig, self.value)?;
+        }
+        Ok(())
+    }
+}
+
 impl Engine {
+    /// The registered state of a host engine; a device engine's data is not
+    /// host memory, so its host calls are refused naming the device call.
     fn reg(&self) -> Result<&Registered> {
-        self.inner.registered()
+        let reg = self.inner.registered()?;
+        if reg.plane.is_some() {
+            return Err(Error::Config(format!(
+                "this engine's data lives in device memory ({}): use the *_device calls \
+                 (publish_device, gather_device, scatter_accumulate_device, ...)",
+                self.transport_name()
+            )));
+        }
+        Ok(reg)
     }
 
     /// Publishes this rank's shard of `bucket` as `version` (param dtype,
@@ -61,25 +131,52 @@ impl Engine {
         let reg = self.reg()?;
         let b = reg.bucket(bucket)?;
         check_dtype(b, dtype, "shard")?;
-        if shard.len() != b.shard_bytes() {
-            return Err(Error::layout(
-                Some(b.name()),
-                format!(
-                    "shard is {} bytes; expected {} ({} {} elements)",
-                    shard.len(),
-                    b.shard_bytes(),
-                    b.shard_len(),
-                    b.dtype()
-                ),
-            ));
-        }
-        let stamp = version
-            .checked_add(1)
-            .ok_or_else(|| Error::protocol(Some(b.name()), "version u64::MAX is reserved"))?;
+        check_shard_len(b, shard.len())?;
         let _guard = self
             .publish_lock
             .lock()
             .map_err(|_| Error::protocol(Some(b.name()), "a publish panicked"))?;
+        let stamp = self.publish_wait(reg, b, bucket, version)?;
+        // SAFETY: the shard lies inside the params region (offset and length
+        // fixed at registration); every reader released the previous version,
+        // so nobody reads this range until the signal below.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                shard.as_ptr(),
+                reg.params.as_ptr().add(reg.params_off[bucket.0]),
+                shard.len(),
+            )
+        };
+        self.version_signals(reg, bucket, stamp).send()
+    }
+
+    /// The signals that announce `stamp` of this rank's shard of `bucket` to
+    /// every client.
+    pub(crate) fn version_signals(
+        &self,
+        reg: &Registered,
+        bucket: BucketId,
+        stamp: u64,
+    ) -> Signals {
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let offset = lay.seen_version(gs.me, bucket.0);
+        Signals::new(&self.inner, reg, gs.group.iter().copied(), offset, stamp)
+    }
+
+    /// The part of a publish before the copy: checks that `version`
+    /// increases, and waits until every reader released `version - 1` (and,
+    /// hybrid, the other nodes read the partial sums). Returns the stamp to
+    /// signal. The caller holds `publish_lock`.
+    pub(crate) fn publish_wait(
+        &self,
+        reg: &Registered,
+        b: &BucketLayout,
+        bucket: BucketId,
+        version: u64,
+    ) -> Result<u64> {
+        let stamp = version
+            .checked_add(1)
+            .ok_or_else(|| Error::protocol(Some(b.name()), "version u64::MAX is reserved"))?;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let (me, world) = (gs.me, gs.group.len());
         let current = load(reg.word(lay.seen_version(me, bucket.0)));
@@ -115,26 +212,7 @@ impl Engine {
         // Hybrid: the other nodes read the accumulators this publish lets
         // the node's clients push into again.
         self.wait_partials_read(reg, Some(b.name()))?;
-        // SAFETY: the shard lies inside the params region (offset and length
-        // fixed at registration); every reader released the previous version,
-        // so nobody reads this range until the signal below.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                shard.as_ptr(),
-                reg.params.as_ptr().add(reg.params_off[bucket.0]),
-                shard.len(),
-            )
-        };
-        for &c in &gs.group {
-            let sig = SignalRef {
-                offset: lay.seen_version(me, bucket.0),
-                bell: Bell::Client,
-            };
-            self.inner
-                .transport
-                .put_signal(c, &reg.peer_ctrl[c], 0, &[], sig, stamp)?;
-        }
-        Ok(())
+        Ok(stamp)
     }
 
     /// Gathers `version` of the full `bucket` into `out` (param dtype; either
@@ -176,44 +254,86 @@ impl Engine {
         let b = reg.bucket(bucket)?;
         check_dtype(b, dtype, "output")?;
         let elems = b.check_full_len(elems_of(b, out.len(), dtype, "output")?)?;
-        let stamp = version.saturating_add(1);
-        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
-        let (me, world) = (gs.me, gs.group.len());
         let size = dtype.size_bytes();
+        let off = reg.params_off[bucket.0];
+        self.gather_with(
+            reg,
+            b,
+            bucket,
+            version,
+            elems,
+            skip_own,
+            &mut |rank, range| {
+                let dst = &mut out[range.start * size..range.end * size];
+                self.inner
+                    .transport
+                    .get(rank, &reg.peer_params[rank], off, dst)
+            },
+        )
+    }
+
+    /// The loop of a gather of `elems` elements: for every owner, from this
+    /// rank on, waits until its shard holds `version`, then calls
+    /// `read(rank, elements)` for the part of the output it owns.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gather_with(
+        &self,
+        reg: &Registered,
+        b: &BucketLayout,
+        bucket: BucketId,
+        version: u64,
+        elems: usize,
+        skip_own: bool,
+        read: &mut dyn FnMut(usize, Range<usize>) -> Result<()>,
+    ) -> Result<()> {
+        let (me, world) = (reg.groups.me, reg.groups.group.len());
         for step in 0..world {
             // `owner` indexes the shard group; `rank` is its global rank.
             let owner = (me + step) % world;
-            let rank = gs.group[owner];
-            let word = reg.word(lay.seen_version(owner, bucket.0));
-            if load(word) != stamp {
-                self.inner.wait(
-                    Some(b.name()),
-                    &|| format!("version {version} of its shard"),
-                    || match load(word) {
-                        s if s == stamp => Ok(None),
-                        s if s > stamp => Err(Error::protocol(
-                            Some(b.name()),
-                            format!(
-                                "gather of version {version}, but rank {rank} already published version {}",
-                                s - 1
-                            ),
-                        )),
-                        _ => Ok(Some(rank)),
-                    },
-                )?;
-            }
+            let rank = reg.groups.group[owner];
+            self.wait_shard(reg, b, bucket, owner, version)?;
             let range = b.shard_range(owner);
             let (start, end) = (range.start.min(elems), range.end.min(elems));
             if start == end || (skip_own && owner == me) {
                 continue;
             }
-            let dst = &mut out[start * size..end * size];
-            self.inner
-                .transport
-                .get(rank, &reg.peer_params[rank], reg.params_off[bucket.0], dst)
-                .map_err(|e| self.inner.attribute(Some(b.name()), e))?;
+            read(rank, start..end).map_err(|e| self.inner.attribute(Some(b.name()), e))?;
         }
         Ok(())
+    }
+
+    /// Waits until `owner`'s (index in the shard group) shard of `bucket`
+    /// holds `version`; a newer version there is a protocol error (this
+    /// reader missed a release).
+    pub(crate) fn wait_shard(
+        &self,
+        reg: &Registered,
+        b: &BucketLayout,
+        bucket: BucketId,
+        owner: usize,
+        version: u64,
+    ) -> Result<()> {
+        let stamp = version.saturating_add(1);
+        let rank = reg.groups.group[owner];
+        let word = reg.word(reg.ctrl_layout.seen_version(owner, bucket.0));
+        if load(word) == stamp {
+            return Ok(());
+        }
+        self.inner.wait(
+            Some(b.name()),
+            &|| format!("version {version} of its shard"),
+            || match load(word) {
+                s if s == stamp => Ok(None),
+                s if s > stamp => Err(Error::protocol(
+                    Some(b.name()),
+                    format!(
+                        "gather of version {version}, but rank {rank} already published version {}",
+                        s - 1
+                    ),
+                )),
+                _ => Ok(Some(rank)),
+            },
+        )
     }
 
     /// Declares that this client is done reading `version` of `bucket`, so
@@ -222,22 +342,29 @@ impl Engine {
     /// for every bucket.
     pub fn release(&self, bucket: BucketId, version: u64) -> Result<()> {
         let reg = self.reg()?;
+        match self.release_signals(reg, bucket, version)? {
+            Some(signals) => signals.send(),
+            None => Ok(()),
+        }
+    }
+
+    /// The signals that release `version` of `bucket` to every owner, or
+    /// `None` when this client already released it.
+    pub(crate) fn release_signals(
+        &self,
+        reg: &Registered,
+        bucket: BucketId,
+        version: u64,
+    ) -> Result<Option<Signals>> {
         reg.bucket(bucket)?;
         let stamp = version.saturating_add(1);
         if reg.released[bucket.0].fetch_max(stamp, Ordering::AcqRel) >= stamp {
-            return Ok(());
+            return Ok(None);
         }
         let (me, lay) = (reg.groups.me, &reg.ctrl_layout);
-        for &o in &reg.groups.group {
-            let sig = SignalRef {
-                offset: lay.released(me, bucket.0),
-                bell: Bell::Client,
-            };
-            self.inner
-                .transport
-                .put_signal(o, &reg.peer_ctrl[o], 0, &[], sig, stamp)?;
-        }
-        Ok(())
+        let offset = lay.released(me, bucket.0);
+        let owners = reg.groups.group.iter().copied();
+        Ok(Some(Signals::new(&self.inner, reg, owners, offset, stamp)))
     }
 
     /// Pushes the full-bucket gradient `grads` (`numel` or `D * shard_len`
@@ -274,12 +401,7 @@ impl Engine {
         let reg = self.reg()?;
         let b = reg.bucket(bucket)?;
         let elems = elems_of(b, grads.len(), dtype, "gradient")?;
-        let end = offset.checked_add(elems).filter(|&e| e <= b.padded_len()).ok_or_else(|| {
-            Error::layout(
-                Some(b.name()),
-                format!("{elems} elements at offset {offset} overrun the padded bucket of {} elements", b.padded_len()),
-            )
-        })?;
+        let end = crate::client_device::check_range(b, offset, elems)?;
         let mut guard = self
             .push
             .lock()
@@ -294,8 +416,24 @@ impl Engine {
         // This rank's own slice goes to its own server as a pointer into
         // `grads` (see `handoff`), not through a landing slot.
         let own = std::mem::replace(&mut push.cursor[me], 0..0);
+        let mut put =
+            |rank: usize, slot: usize, seq: u64, header: [u8; HEADER_BYTES], data: Range<usize>| {
+                let lay = &reg.ctrl_layout;
+                let sig = SignalRef {
+                    offset: lay.slot_signal(me, slot),
+                    bell: Bell::Server,
+                };
+                self.inner.transport.put_signal(
+                    rank,
+                    &reg.peer_ctrl[rank],
+                    lay.slot_header(me, slot),
+                    &[&header, &grads[data]],
+                    sig,
+                    seq,
+                )
+            };
         if own.is_empty() {
-            return self.push_chunks(push, b, bucket, offset, grads, dtype, scale);
+            return self.push_chunks(push, b, bucket, offset, dtype, scale, &mut put);
         }
         let first = b.shard_range(me).start + own.start - offset;
         let bytes = &grads[first * size..(first + own.len()) * size];
@@ -313,7 +451,7 @@ impl Engine {
             },
         );
         self.inner.transport.ring(Bell::Server);
-        let pushed = self.push_chunks(push, b, bucket, offset, grads, dtype, scale);
+        let pushed = self.push_chunks(push, b, bucket, offset, dtype, scale, &mut put);
         let added = self.inner.wait(
             Some(b.name()),
             &|| "its own server to add this rank's own slice".to_owned(),
@@ -326,20 +464,23 @@ impl Engine {
         pushed.and(added)
     }
 
-    /// Pushes every peer's part of `grads` (per `push.cursor`) through the
-    /// landing slots. Returns once every chunk is written into a slot.
+    /// Pushes every peer's part of a gradient (per `push.cursor`) through
+    /// the landing slots: `put(rank, slot, seq, header, bytes)` writes the
+    /// chunk at `bytes` of the caller's gradient buffer and the encoded
+    /// header into slot `slot` of `rank`, then `seq` into the slot's signal.
+    /// Returns once every chunk is put.
     #[allow(clippy::too_many_arguments)]
-    fn push_chunks(
+    pub(crate) fn push_chunks(
         &self,
         push: &mut PushState,
         b: &BucketLayout,
         bucket: BucketId,
         offset: usize,
-        grads: &[u8],
         dtype: DType,
         scale: f32,
+        put: &mut dyn FnMut(usize, usize, u64, [u8; HEADER_BYTES], Range<usize>) -> Result<()>,
     ) -> Result<()> {
-        let reg = self.reg()?;
+        let reg = self.inner.registered()?;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let (me, world) = (gs.me, gs.group.len());
         let size = dtype.size_bytes();
@@ -363,7 +504,7 @@ impl Engine {
                 }
                 let len = range.len().min(chunk);
                 let first = b.shard_range(o).start + range.start - offset;
-                let data = &grads[first * size..(first + len) * size];
+                let data = first * size..(first + len) * size;
                 let header = SlotHeader {
                     seq,
                     bucket: bucket_u32,
@@ -373,20 +514,7 @@ impl Engine {
                     scale,
                 }
                 .encode();
-                let sig = SignalRef {
-                    offset: lay.slot_signal(me, slot),
-                    bell: Bell::Server,
-                };
-                self.inner
-                    .transport
-                    .put_signal(
-                        gs.group[o],
-                        &reg.peer_ctrl[gs.group[o]],
-                        lay.slot_header(me, slot),
-                        &[&header, data],
-                        sig,
-                        seq,
-                    )
+                put(gs.group[o], slot, seq, header, data)
                     .map_err(|e| self.inner.attribute(Some(b.name()), e))?;
                 push.next_seq[o] = seq;
                 push.sent[o][slot] = seq;
@@ -430,6 +558,11 @@ impl Engine {
     /// its own shards are complete.
     pub fn finish_minibatch(&self, k: u64) -> Result<()> {
         let reg = self.reg()?;
+        self.finish_impl(reg, k)
+    }
+
+    /// [`finish_minibatch`](Self::finish_minibatch) on `reg`.
+    pub(crate) fn finish_impl(&self, reg: &Registered, k: u64) -> Result<()> {
         let stamp = k.saturating_add(1);
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let (me, world) = (gs.me, gs.group.len());
@@ -458,15 +591,14 @@ impl Engine {
             for r in &reg.released {
                 r.fetch_max(stamp, Ordering::AcqRel);
             }
-            for &o in &gs.group {
-                let sig = SignalRef {
-                    offset: lay.done(me),
-                    bell: Bell::Client,
-                };
-                self.inner
-                    .transport
-                    .put_signal(o, &reg.peer_ctrl[o], 0, &[], sig, stamp)?;
-            }
+            Signals::new(
+                &self.inner,
+                reg,
+                gs.group.iter().copied(),
+                lay.done(me),
+                stamp,
+            )
+            .send()?;
         }
         self.inner.wait(
             None,

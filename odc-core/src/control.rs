@@ -134,6 +134,17 @@ impl CtrlLayout {
         self.slot_header(client, slot) + LINE
     }
 
+    /// Data of landing slot `[client][slot]` in a separate landing region
+    /// (device transports keep landing data out of the control region).
+    pub fn landing_data(&self, client: usize, slot: usize) -> usize {
+        (client * 2 + slot) * self.chunk_bytes
+    }
+
+    /// Bytes of a separate landing region: two slots per client.
+    pub fn landing_len(&self) -> usize {
+        self.world * 2 * self.chunk_bytes
+    }
+
     /// Bytes from the start of the region past the last signal word: every
     /// signal offset is below this.
     pub fn signals_end(&self) -> usize {

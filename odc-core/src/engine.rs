@@ -16,6 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::control::CtrlLayout;
 use crate::handoff::OwnPush;
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
+use crate::plane::{Connect, DataSizes, Plane};
 use crate::region::{Bell, Endpoint, HeapBlock, LocalRegion, RegionDesc};
 use crate::store::{wait_get, Store};
 use crate::sync::{AtomicBool, AtomicU64, Backoff, Ordering};
@@ -135,6 +136,9 @@ pub struct EngineConfig {
     pub store_prefix: String,
     /// Full or hybrid (intra-node) sharding; equal on every rank.
     pub sharding: Sharding,
+    /// The CUDA device a `cuda-ipc` engine uses (default: the rank's local
+    /// rank). Ignored by the other transports.
+    pub device: Option<usize>,
 }
 
 impl Default for EngineConfig {
@@ -152,6 +156,7 @@ impl Default for EngineConfig {
             job_key: std::env::var("ODC_JOB_KEY").unwrap_or_else(|_| "default".into()),
             store_prefix: "odc".into(),
             sharding: Sharding::Full,
+            device: None,
         }
     }
 }
@@ -186,6 +191,9 @@ pub(crate) struct Registered {
     pub(crate) peer_ctrl: Vec<RegionDesc>,
     pub(crate) peer_params: Vec<RegionDesc>,
     pub(crate) peer_pid: Vec<u32>,
+    /// Device transports: every rank's data regions (the host `params`,
+    /// `accum` and landing data are then unused).
+    pub(crate) plane: Option<Box<dyn Plane>>,
     /// Highest version + 1 this client released per bucket (local only).
     pub(crate) released: Vec<AtomicU64>,
     /// Highest minibatch + 1 this client finished.
@@ -267,10 +275,13 @@ pub(crate) struct Inner {
     pub(crate) topo: Topology,
     pub(crate) config: EngineConfig,
     pub(crate) store: Arc<dyn Store>,
-    pub(crate) transport: Box<dyn Transport>,
+    pub(crate) transport: Arc<dyn Transport>,
+    /// Device transports: the backend, until `register` connects it.
+    pub(crate) device: Option<Box<dyn Connect>>,
     pub(crate) reg: OnceLock<Registered>,
     pub(crate) shutdown: AtomicBool,
-    pub(crate) server_error: Mutex<Option<String>>,
+    /// Shared with work enqueued on streams, which may report late.
+    pub(crate) server_error: Arc<Mutex<Option<String>>>,
     /// This client's own slice of the push in progress, for its server.
     pub(crate) own: OwnPush,
 }
@@ -390,16 +401,18 @@ impl Engine {
             &job_id,
             config.timeout,
         )?;
+        let device = crate::plane::create(config.transport, &topology, config.device)?;
         let world = Groups::new(&topology, config.sharding).group.len();
         Ok(Engine {
             inner: Arc::new(Inner {
                 topo: topology,
                 config,
                 store,
-                transport,
+                transport: Arc::from(transport),
+                device,
                 reg: OnceLock::new(),
                 shutdown: AtomicBool::new(false),
-                server_error: Mutex::new(None),
+                server_error: Arc::new(Mutex::new(None)),
                 own: OwnPush::new(),
             }),
             push: Mutex::new(PushState {
@@ -433,9 +446,19 @@ impl Engine {
         &self.inner.config
     }
 
-    /// The transport in use (`"shm"`, `"fabric"`, `"shm+fabric"`, ...).
+    /// The transport in use (`"shm"`, `"fabric"`, `"shm+fabric"`,
+    /// `"cuda-ipc"`, `"emu-ipc"`).
     pub fn transport_name(&self) -> &'static str {
-        self.inner.transport.name()
+        match &self.inner.device {
+            Some(d) => d.name(),
+            None => self.inner.transport.name(),
+        }
+    }
+
+    /// Whether this engine's data lives in device memory (a device
+    /// transport): its worker calls are then the `*_device` ones.
+    pub fn is_device(&self) -> bool {
+        self.inner.device.is_some()
     }
 
     /// Registers every bucket: eager and collective, in the same order on
@@ -536,9 +559,14 @@ impl Engine {
             accum_off.push(accum_len);
             accum_len += b.shard_len();
         }
+        // A device engine keeps only its control words in host memory.
+        let on_device = inner.device.is_some();
+        let host_params_len = if on_device { 0 } else { params_len };
         let ctrl = inner.transport.register(CTRL_REGION, ctrl_layout.len())?;
-        let params = inner.transport.register(PARAMS_REGION, params_len)?;
-        let (accum, reduced) = if cross_node {
+        let params = inner.transport.register(PARAMS_REGION, host_params_len)?;
+        let (accum, reduced) = if on_device {
+            (Accum::Heap(HeapBlock::zeroed(0)?), HeapBlock::zeroed(0)?)
+        } else if cross_node {
             (
                 Accum::Region(inner.transport.register(ACCUM_REGION, accum_len * 4)?),
                 HeapBlock::zeroed(accum_len * 4)?,
@@ -581,7 +609,7 @@ impl Engine {
                     })
             };
             let (c, p) = (find(CTRL_REGION)?, find(PARAMS_REGION)?);
-            if c.len < ctrl_layout.len() as u64 || p.len < params_len as u64 {
+            if c.len < ctrl_layout.len() as u64 || p.len < host_params_len as u64 {
                 return Err(Error::Config(format!(
                     "rank {peer} registered regions of a different size"
                 )));
@@ -621,6 +649,26 @@ impl Engine {
             .collect();
         let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
         inner.store.wait(&keys, deadline)?;
+        let plane = match &inner.device {
+            None => None,
+            Some(device) => {
+                let sizes = DataSizes {
+                    params: params_len,
+                    landing: ctrl_layout.landing_len(),
+                    accum: accum_len * 4,
+                };
+                let left = deadline.saturating_duration_since(Instant::now());
+                Some(device.connect(
+                    inner.store.as_ref(),
+                    prefix,
+                    &inner.config.job_key,
+                    rank,
+                    &groups.group,
+                    sizes,
+                    left,
+                )?)
+            }
+        };
         let nb = buckets.len();
         let reg = Registered {
             groups,
@@ -638,6 +686,7 @@ impl Engine {
             peer_ctrl,
             peer_params,
             peer_pid,
+            plane,
             released: (0..nb).map(|_| AtomicU64::new(0)).collect(),
             finished: AtomicU64::new(0),
             partials_out: AtomicU64::new(0),
@@ -806,11 +855,7 @@ impl Inner {
     }
 
     pub(crate) fn record_server_error(&self, msg: String) {
-        if let Ok(mut slot) = self.server_error.lock() {
-            if slot.is_none() {
-                *slot = Some(msg);
-            }
-        }
+        record_error(&self.server_error, msg);
     }
 
     pub(crate) fn take_server_error(&self) -> Option<String> {
@@ -836,6 +881,16 @@ impl Drop for Engine {
         }
         if let Some(e) = self.inner.take_server_error() {
             eprintln!("odc: rank {}: server reported: {e}", self.inner.topo.rank());
+        }
+    }
+}
+
+/// Keeps the first error reported into `slot` (by the daemon, or by work
+/// on a stream that runs after the call that enqueued it returned).
+pub(crate) fn record_error(slot: &Mutex<Option<String>>, msg: String) {
+    if let Ok(mut slot) = slot.lock() {
+        if slot.is_none() {
+            *slot = Some(msg);
         }
     }
 }

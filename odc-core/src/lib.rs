@@ -134,6 +134,8 @@ pub mod transport;
 #[cfg(not(loom))]
 mod client;
 #[cfg(not(loom))]
+mod client_device;
+#[cfg(not(loom))]
 mod engine;
 #[cfg(not(loom))]
 mod server;

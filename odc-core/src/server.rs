@@ -18,14 +18,16 @@
 //! It touches only the landing slots, the hand-off and accumulators; it
 //! never reads or writes published shards or version words.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use odc_kernels::cpu::accumulate_into_f32;
 use odc_kernels::DType;
 
 use crate::control::{SlotHeader, HEADER_BYTES};
-use crate::engine::{load, Inner, Registered};
+use crate::engine::{load, record_error, Inner, Registered};
 use crate::handoff::OwnSlice;
+use crate::plane::Plane;
 use crate::region::{Bell, SignalRef};
 use crate::sync::{Backoff, Ordering};
 
@@ -101,23 +103,16 @@ pub(crate) fn run(inner: &Inner) {
                 if seq != *seen_seq {
                     *seen_seq = seq;
                     progressed = true;
+                    if let Some(plane) = &reg.plane {
+                        add_on_device(inner, reg, plane.as_ref(), client, slot, seq);
+                        continue;
+                    }
                     if let Err(msg) = accumulate(inner, reg, client, slot, seq, &mut own) {
                         inner.record_server_error(msg);
                     }
                     // Acknowledge even a rejected chunk so the client never
                     // hangs; the error surfaces at this rank's finish.
-                    let ack = SignalRef {
-                        offset: reg.ctrl_layout.ack(reg.groups.me, slot),
-                        bell: Bell::Client,
-                    };
-                    let peer = reg.groups.group[client];
-                    if let Err(e) =
-                        inner
-                            .transport
-                            .put_signal(peer, &reg.peer_ctrl[peer], 0, &[], ack, seq)
-                    {
-                        inner.record_server_error(format!("acknowledging rank {peer}: {e}"));
-                    }
+                    acknowledge(inner, reg, client, slot, seq);
                 }
             }
         }
@@ -142,6 +137,70 @@ pub(crate) fn run(inner: &Inner) {
             // A failed wait only means "scan again".
             let _ = inner.transport.bell_wait(Bell::Server, epoch, NAP);
         }
+    }
+}
+
+/// Acknowledges chunk `seq` in slot `[client][slot]` now.
+fn acknowledge(inner: &Inner, reg: &Registered, client: usize, slot: usize, seq: u64) {
+    let ack = SignalRef {
+        offset: reg.ctrl_layout.ack(reg.groups.me, slot),
+        bell: Bell::Client,
+    };
+    let peer = reg.groups.group[client];
+    if let Err(e) = inner
+        .transport
+        .put_signal(peer, &reg.peer_ctrl[peer], 0, &[], ack, seq)
+    {
+        inner.record_server_error(format!("acknowledging rank {peer}: {e}"));
+    }
+}
+
+/// A device engine's landing chunk: enqueues its add on the daemon's
+/// stream, and the acknowledgement after it (the client reuses the slot only
+/// once the add has read it). A rejected chunk is acknowledged at once.
+fn add_on_device(
+    inner: &Inner,
+    reg: &Registered,
+    plane: &dyn Plane,
+    client: usize,
+    slot: usize,
+    seq: u64,
+) {
+    let peer = reg.groups.group[client];
+    let lay = &reg.ctrl_layout;
+    let enqueued = checked_header(reg, client, slot, seq).and_then(|(h, b)| {
+        let me = reg.groups.group[reg.groups.me];
+        let landing = plane
+            .landing(me)
+            .ok_or_else(|| format!("rank {me} has no landing region"))?;
+        let x = landing + lay.landing_data(client, slot) as u64;
+        let acc = plane.accum() + ((reg.accum_off[b] + h.offset as usize) * 4) as u64;
+        // SAFETY: `checked_header` put the range inside the bucket's
+        // accumulator and the data inside the slot; the client leaves the
+        // slot alone until the acknowledgement, enqueued after the add.
+        unsafe { plane.accumulate_on_server(acc, x, h.dtype, h.len as usize, h.scale) }
+            .map_err(|e| format!("rank {peer}: {e}"))?;
+        let (transport, errors) = (
+            Arc::clone(&inner.transport),
+            Arc::clone(&inner.server_error),
+        );
+        let desc = reg.peer_ctrl[peer];
+        let ack = SignalRef {
+            offset: lay.ack(reg.groups.me, slot),
+            bell: Bell::Client,
+        };
+        let work = Box::new(move || {
+            if let Err(e) = transport.put_signal(peer, &desc, 0, &[], ack, seq) {
+                record_error(&errors, format!("acknowledging rank {peer}: {e}"));
+            }
+        });
+        plane
+            .then(plane.server_stream(), work)
+            .map_err(|e| format!("acknowledging rank {peer}: {e}"))
+    });
+    if let Err(msg) = enqueued {
+        inner.record_server_error(msg);
+        acknowledge(inner, reg, client, slot, seq);
     }
 }
 
@@ -230,53 +289,22 @@ fn accumulate(
     seq: u64,
     own_slot: &mut Option<Own>,
 ) -> Result<(), String> {
-    let lay = &reg.ctrl_layout;
-    // `client` indexes the shard group; messages name the global rank.
+    let (h, b) = checked_header(reg, client, slot, seq)?;
     let rank = reg.groups.group[client];
-    let mut raw = [0u8; HEADER_BYTES];
-    // SAFETY: the header lies inside the control region; the client wrote it
-    // before the signal we observed with acquire and will not touch the slot
-    // again until we acknowledge.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            reg.ctrl.as_ptr().add(lay.slot_header(client, slot)),
-            raw.as_mut_ptr(),
-            HEADER_BYTES,
-        )
-    };
-    let h = SlotHeader::decode(&raw)
-        .ok_or_else(|| format!("rank {rank}: landing slot with an unknown dtype"))?;
-    if h.seq != seq {
-        return Err(format!(
-            "rank {rank}: slot header seq {} but signal {seq}",
-            h.seq
-        ));
-    }
-    let b = usize::try_from(h.bucket).unwrap_or(usize::MAX);
-    let bucket = reg
-        .buckets
-        .get(b)
-        .ok_or_else(|| format!("rank {rank}: push into unknown bucket {b}"))?;
-    let (offset, len) = (
-        usize::try_from(h.offset).unwrap_or(usize::MAX),
-        usize::try_from(h.len).unwrap_or(usize::MAX),
-    );
-    let bytes = len.saturating_mul(h.dtype.size_bytes());
+    let (offset, len) = (h.offset as usize, h.len as usize);
+    let bytes = len * h.dtype.size_bytes();
     // SAFETY: the server thread, one accumulator slice at a time.
-    let acc = match unsafe { accum_range(reg, b, offset, len) } {
-        Some(acc) if bytes <= lay.chunk_bytes() => acc,
-        _ => {
-            return Err(format!(
-            "rank {rank}: push of {len} elements at {offset} outside shard of {:?} ({} elements)",
-            bucket.name(),
-            bucket.shard_len()
-        ))
-        }
-    };
+    let acc = unsafe { accum_range(reg, b, offset, len) }
+        .ok_or_else(|| format!("rank {rank}: push outside the shard"))?;
     // SAFETY: the data lies inside the control region (bytes <= chunk) and
-    // is stable until we acknowledge, as above.
+    // is stable until we acknowledge, as in `checked_header`.
     let data = unsafe {
-        std::slice::from_raw_parts(reg.ctrl.as_ptr().add(lay.slot_data(client, slot)), bytes)
+        std::slice::from_raw_parts(
+            reg.ctrl
+                .as_ptr()
+                .add(reg.ctrl_layout.slot_data(client, slot)),
+            bytes,
+        )
     };
     let pairs = own_slot
         .as_ref()
@@ -316,4 +344,59 @@ fn accumulate(
         *own_slot = None;
     }
     result.map_err(|e| format!("rank {rank}: {e}"))
+}
+
+/// Reads and checks the header of landing slot `[client][slot]`, whose
+/// signal reads `seq`: the sequence number matches, the bucket exists, the
+/// range lies inside its shard and the data fits a slot. Returns the header
+/// and the bucket index.
+fn checked_header(
+    reg: &Registered,
+    client: usize,
+    slot: usize,
+    seq: u64,
+) -> Result<(SlotHeader, usize), String> {
+    let lay = &reg.ctrl_layout;
+    // `client` indexes the shard group; messages name the global rank.
+    let rank = reg.groups.group[client];
+    let mut raw = [0u8; HEADER_BYTES];
+    // SAFETY: the header lies inside the control region; the client wrote it
+    // before the signal we observed with acquire and will not touch the slot
+    // again until we acknowledge.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            reg.ctrl.as_ptr().add(lay.slot_header(client, slot)),
+            raw.as_mut_ptr(),
+            HEADER_BYTES,
+        )
+    };
+    let h = SlotHeader::decode(&raw)
+        .ok_or_else(|| format!("rank {rank}: landing slot with an unknown dtype"))?;
+    if h.seq != seq {
+        return Err(format!(
+            "rank {rank}: slot header seq {} but signal {seq}",
+            h.seq
+        ));
+    }
+    let b = usize::try_from(h.bucket).unwrap_or(usize::MAX);
+    let bucket = reg
+        .buckets
+        .get(b)
+        .ok_or_else(|| format!("rank {rank}: push into unknown bucket {b}"))?;
+    let (offset, len) = (
+        usize::try_from(h.offset).unwrap_or(usize::MAX),
+        usize::try_from(h.len).unwrap_or(usize::MAX),
+    );
+    let bytes = len.saturating_mul(h.dtype.size_bytes());
+    let inside = offset
+        .checked_add(len)
+        .is_some_and(|end| end <= bucket.shard_len());
+    if !inside || bytes > lay.chunk_bytes() {
+        return Err(format!(
+            "rank {rank}: push of {len} elements at {offset} outside shard of {:?} ({} elements)",
+            bucket.name(),
+            bucket.shard_len()
+        ));
+    }
+    Ok((h, b))
 }

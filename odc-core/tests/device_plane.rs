@@ -1,0 +1,332 @@
+//! The device data path (`*_device` calls) on the `emu-ipc` transport: the
+//! protocol `cuda-ipc` runs, with host memory for device memory and
+//! threads for streams that sleep a random while before every operation.
+//! Every copy, add and stream-sent signal therefore runs after the call
+//! that enqueued it returned, in an order only the streams fix; a signal
+//! sent ahead of its data would let a peer read stale bytes, and the
+//! exactness checks here fail.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use odc_core::plane::emu::EmuStream;
+use odc_core::{
+    bytes_of, BucketId, BucketSpec, DType, Engine, EngineConfig, Error, FileStore, Topology,
+    TransportKind,
+};
+
+fn config(key: &str, transport: TransportKind) -> EngineConfig {
+    EngineConfig {
+        chunk_bytes: 512,
+        timeout: Duration::from_secs(20),
+        job_key: key.into(),
+        transport,
+        ..EngineConfig::default()
+    }
+}
+
+/// Runs `f(engine)` on `world` thread-ranks of one node.
+fn run_ranks<F>(world: usize, key: &str, transport: TransportKind, f: F)
+where
+    F: Fn(Engine) + Send + Sync + 'static,
+{
+    // The daemons' streams sleep too (read at engine creation; the same
+    // value for every test of this file).
+    std::env::set_var("ODC_EMU_JITTER_US", "300");
+    let dir = tempfile::tempdir().unwrap();
+    let f = Arc::new(f);
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            let (f, key) = (Arc::clone(&f), key.to_owned());
+            std::thread::spawn(move || {
+                let topo = Topology::single_node(rank, world).unwrap();
+                f(Engine::new(store, topo, config(&key, transport)).unwrap())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+fn addr<T>(v: &[T]) -> u64 {
+    v.as_ptr() as u64
+}
+
+fn to_bf16(x: f32) -> u16 {
+    (x.to_bits() >> 16) as u16
+}
+
+#[test]
+fn gather_and_scatter_are_exact_with_asynchronous_streams() {
+    run_ranks(3, "dev_exact", TransportKind::EmuIpc, |e| {
+        assert_eq!(e.transport_name(), "emu-ipc");
+        assert!(e.is_device());
+        let (rank, world) = (e.rank(), e.world());
+        let stream = EmuStream::new(Duration::from_micros(400)).unwrap();
+        let s = stream.handle();
+        let numel = 1001;
+        e.register(&[
+            BucketSpec::new("w", numel, DType::F32),
+            BucketSpec::new("h", 333, DType::BF16),
+        ])
+        .unwrap();
+        let (w, h) = (BucketId(0), BucketId(1));
+        let (sl, hl) = (
+            e.bucket(w).unwrap().shard_len(),
+            e.bucket(h).unwrap().shard_len(),
+        );
+        for k in 0..4u64 {
+            let shard: Vec<f32> = (0..sl)
+                .map(|i| (rank * sl + i) as f32 + 1000.0 * k as f32)
+                .collect();
+            let hshard: Vec<u16> = (0..hl).map(|i| to_bf16((rank * hl + i) as f32)).collect();
+            let full = vec![0f32; numel];
+            let hfull = vec![0u16; world * hl];
+            // Uneven microbatches: rank r pushes r + 1 of them, the last one
+            // as two partial pushes.
+            let grads: Vec<f32> = (0..numel).map(|i| (i % 7) as f32 + rank as f32).collect();
+            let hgrads: Vec<u16> = (0..world * hl).map(|i| to_bf16((i % 5) as f32)).collect();
+            // SAFETY: every buffer outlives finish_minibatch_device, which
+            // waits for the stream.
+            unsafe {
+                e.publish_device(w, addr(&shard), sl * 4, DType::F32, k, s)
+                    .unwrap();
+                e.publish_device(h, addr(&hshard), hl * 2, DType::BF16, k, s)
+                    .unwrap();
+                e.gather_device(w, k, addr(&full), numel * 4, DType::F32, s, false)
+                    .unwrap();
+                e.gather_device(h, k, addr(&hfull), hfull.len() * 2, DType::BF16, s, false)
+                    .unwrap();
+                e.release_device(w, k, s).unwrap();
+                e.release_device(h, k, s).unwrap();
+                for _ in 0..rank {
+                    e.scatter_accumulate_device(w, 0, addr(&grads), numel * 4, DType::F32, 0.5, s)
+                        .unwrap();
+                }
+                let cut = 400;
+                e.scatter_accumulate_device(w, 0, addr(&grads), cut * 4, DType::F32, 0.5, s)
+                    .unwrap();
+                e.scatter_accumulate_device(
+                    w,
+                    cut,
+                    addr(&grads) + (cut * 4) as u64,
+                    (numel - cut) * 4,
+                    DType::F32,
+                    0.5,
+                    s,
+                )
+                .unwrap();
+                e.scatter_accumulate_device(
+                    h,
+                    0,
+                    addr(&hgrads),
+                    hgrads.len() * 2,
+                    DType::BF16,
+                    1.0,
+                    s,
+                )
+                .unwrap();
+            }
+            e.finish_minibatch_device(k, s).unwrap();
+            for (i, x) in full.iter().enumerate() {
+                assert_eq!(
+                    *x,
+                    i as f32 + 1000.0 * k as f32,
+                    "rank {rank} k {k} elem {i}"
+                );
+            }
+            for (i, x) in hfull.iter().enumerate() {
+                assert_eq!(*x, to_bf16(i as f32), "rank {rank} k {k} bf16 elem {i}");
+            }
+            let mut g = vec![0f32; sl];
+            e.read_grad_shard_device(w, &mut g).unwrap();
+            for (j, x) in g.iter().enumerate() {
+                let i = rank * sl + j;
+                // Rank r pushed r + 1 times with scale 0.5.
+                let want: f32 = if i < numel {
+                    (0..world)
+                        .map(|r| 0.5 * (r + 1) as f32 * ((i % 7) as f32 + r as f32))
+                        .sum()
+                } else {
+                    0.0
+                };
+                assert_eq!(*x, want, "rank {rank} k {k} grad {i}");
+            }
+            let mut hg = vec![0f32; hl];
+            e.read_grad_shard_device(h, &mut hg).unwrap();
+            for (j, x) in hg.iter().enumerate() {
+                let i = rank * hl + j;
+                assert_eq!(
+                    *x,
+                    world as f32 * (i % 5) as f32,
+                    "rank {rank} k {k} bf16 grad {i}"
+                );
+            }
+            e.zero_grads_device(s).unwrap();
+            stream.synchronize().unwrap();
+        }
+    });
+}
+
+#[test]
+fn the_own_slice_waits_for_the_callers_stream() {
+    // The caller's stream writes the gradient late (a copy after a long
+    // sleep); the daemon must add what that copy wrote, not what was there
+    // when scatter_accumulate_device was called.
+    run_ranks(2, "dev_own", TransportKind::EmuIpc, |e| {
+        let stream = EmuStream::new(Duration::from_millis(3)).unwrap();
+        let s = stream.handle();
+        e.register(&[BucketSpec::new("w", 256, DType::F32)])
+            .unwrap();
+        let w = BucketId(0);
+        let sl = e.bucket(w).unwrap().shard_len();
+        let shard = vec![0f32; sl];
+        let late = vec![2.0f32; 256];
+        let grads = vec![0f32; 256];
+        // SAFETY: buffers outlive the finish below.
+        unsafe {
+            e.publish_device(w, addr(&shard), sl * 4, DType::F32, 0, s)
+                .unwrap();
+            e.gather_device(w, 0, addr(&grads), 256 * 4, DType::F32, s, false)
+                .unwrap();
+            // "Produce" the gradient on the stream, as a kernel would: a
+            // copy of 2.0s over it that runs only after the stream's sleeps.
+            let (d, src) = (addr(&grads) as usize, addr(&late) as usize);
+            stream
+                .enqueue(Box::new(move || {
+                    std::ptr::copy_nonoverlapping(src as *const u8, d as *mut u8, 256 * 4)
+                }))
+                .unwrap();
+            e.scatter_accumulate_device(w, 0, addr(&grads), 256 * 4, DType::F32, 1.0, s)
+                .unwrap();
+        }
+        e.release_device(w, 0, s).unwrap();
+        e.finish_minibatch_device(0, s).unwrap();
+        let mut g = vec![0f32; sl];
+        e.read_grad_shard_device(w, &mut g).unwrap();
+        assert!(
+            g.iter().all(|&x| x == 4.0),
+            "rank {}: {:?}",
+            e.rank(),
+            &g[..4]
+        );
+    });
+}
+
+#[test]
+fn host_and_device_calls_are_not_mixed() {
+    run_ranks(2, "dev_mixed", TransportKind::EmuIpc, |e| {
+        e.register(&[BucketSpec::new("w", 100, DType::F32)])
+            .unwrap();
+        let shard = vec![0f32; e.bucket(BucketId(0)).unwrap().shard_len()];
+        let err = e
+            .publish(BucketId(0), bytes_of(&shard), DType::F32, 0)
+            .unwrap_err();
+        assert!(matches!(err, Error::Config(_)), "{err}");
+        assert!(err.to_string().contains("publish_device"), "{err}");
+        assert!(matches!(e.finish_minibatch(0), Err(Error::Config(_))));
+        // A bad length names the bucket, like the host call.
+        let stream = EmuStream::new(Duration::ZERO).unwrap();
+        // SAFETY: the call is refused before anything is enqueued.
+        let err = unsafe {
+            e.publish_device(
+                BucketId(0),
+                addr(&shard),
+                12,
+                DType::F32,
+                0,
+                stream.handle(),
+            )
+        }
+        .unwrap_err();
+        assert!(err.to_string().contains("shard is 12 bytes"), "{err}");
+    });
+    run_ranks(2, "dev_host", TransportKind::Shm, |e| {
+        e.register(&[BucketSpec::new("w", 100, DType::F32)])
+            .unwrap();
+        let err = e.release_device(BucketId(0), 0, 1).unwrap_err();
+        assert!(err.to_string().contains("device transport"), "{err}");
+    });
+}
+
+#[test]
+fn device_transports_reach_one_node_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(FileStore::new(dir.path()).unwrap());
+    let topo = Topology::new(0, 4, 2).unwrap();
+    let err = Engine::new(store, topo, config("dev_nodes", TransportKind::EmuIpc)).unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert!(err.to_string().contains("one node"), "{err}");
+}
+
+#[test]
+fn a_release_on_the_stream_holds_the_owner_until_the_copies_ran() {
+    // Versions follow each other with no finish between them: an owner may
+    // overwrite its shard as soon as every reader released the previous
+    // version. The readers' copies run late (their streams sleep), so a
+    // release sent ahead of them would let version v + 1 land in the shard
+    // before version v was copied out.
+    run_ranks(2, "dev_release", TransportKind::EmuIpc, |e| {
+        let rank = e.rank();
+        let stream = EmuStream::new(Duration::from_millis(1)).unwrap();
+        let s = stream.handle();
+        e.register(&[BucketSpec::new("w", 4096, DType::F32)])
+            .unwrap();
+        let w = BucketId(0);
+        let sl = e.bucket(w).unwrap().shard_len();
+        let versions = 12u64;
+        let shards: Vec<Vec<f32>> = (0..versions)
+            .map(|v| {
+                (0..sl)
+                    .map(|i| (v * 100_000) as f32 + (rank * sl + i) as f32)
+                    .collect()
+            })
+            .collect();
+        let outs: Vec<Vec<f32>> = (0..versions).map(|_| vec![0f32; 4096]).collect();
+        for v in 0..versions {
+            let (shard, out) = (&shards[v as usize], &outs[v as usize]);
+            // SAFETY: all buffers outlive the synchronize below.
+            unsafe {
+                e.publish_device(w, addr(shard), sl * 4, DType::F32, v, s)
+                    .unwrap();
+                e.gather_device(w, v, addr(out), 4096 * 4, DType::F32, s, false)
+                    .unwrap();
+            }
+            e.release_device(w, v, s).unwrap();
+        }
+        e.finish_minibatch_device(0, s).unwrap();
+        for (v, out) in outs.iter().enumerate() {
+            for (i, x) in out.iter().enumerate() {
+                assert_eq!(
+                    *x,
+                    (v * 100_000) as f32 + i as f32,
+                    "rank {rank} version {v} elem {i}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn cuda_ipc_without_a_gpu_names_what_is_missing() {
+    if odc_kernels::cuda::driver_is_present() {
+        eprintln!("SKIPPED: a CUDA driver is present here (scripts/gpu-check.sh runs cuda-ipc)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(FileStore::new(dir.path()).unwrap());
+    let topo = Topology::single_node(0, 2).unwrap();
+    let err = Engine::new(store, topo, config("dev_nogpu", TransportKind::CudaIpc)).unwrap_err();
+    assert!(matches!(err, Error::GpuUnavailable(_)), "{err:?}");
+    assert!(err.to_string().contains("libcuda"), "{err}");
+    assert_eq!(
+        TransportKind::parse("cuda-ipc"),
+        Some(TransportKind::CudaIpc)
+    );
+    assert_eq!(TransportKind::parse("EMU-IPC"), Some(TransportKind::EmuIpc));
+    assert!(TransportKind::CudaIpc.is_device() && !TransportKind::Shm.is_device());
+}
