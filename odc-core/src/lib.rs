@@ -19,6 +19,7 @@
 //! | `transport::fabric` | libfabric RMA backend (feature `fabric`): C shim, sys / result / safe, progress thread |
 //! | `transport::mixed` | `shm` to peers on this node, `fabric` to the others, in one engine (feature `fabric`) |
 //! | [`control`] | where control words and landing slots live; slot header format |
+//! | [`plane`] | the device data plane: `DeviceBackend` (memory + stream operations), `cuda-ipc` (`plane::cuda`) and its host emulation `emu-ipc` (`plane::emu`); the engine's `*_device` calls use it |
 //! | `gpu` | GPU presence ([`gpu::probe`]), device memory shared within a node ([`gpu::device`]), descriptor passing ([`gpu::fdshare`]), NVSHMEM bindings (sys / result / safe) |
 //! | `handoff` | a client's own slice of a push, handed to its own server without a copy |
 //! | `engine` | [`Engine`] setup, registration, the daemon's lifetime |

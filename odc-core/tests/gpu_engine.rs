@@ -1,0 +1,203 @@
+//! GPU-only: the engine on the `cuda-ipc` transport, two ranks (threads of
+//! this process) sharing device 0. Publish, gather, release, uneven
+//! scatter-accumulates (f32 and bf16) and finish over several minibatches,
+//! every buffer in device memory and every call on a stream of its rank;
+//! the gathered values and the accumulators are checked exactly.
+//!
+//! Without a driver or a device it prints what is missing and passes
+//! (skips); `scripts/gpu-check.sh` sets `ODC_REQUIRE_GPU=1`, which makes a
+//! missing GPU a failure.
+
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use odc_core::gpu::device::{DeviceRegion, Gpu};
+use odc_core::{
+    bytes_of, BucketId, BucketSpec, DType, Engine, EngineConfig, Error, FileStore, Topology,
+    TransportKind,
+};
+use odc_kernels::cuda::cudarc::driver::result as cu;
+
+fn gpu_or_skip() -> Option<Arc<Gpu>> {
+    match Gpu::open(0) {
+        Ok(g) => Some(g),
+        Err(Error::GpuUnavailable(missing)) => {
+            assert!(
+                std::env::var_os("ODC_REQUIRE_GPU").is_none(),
+                "ODC_REQUIRE_GPU is set but {missing}"
+            );
+            eprintln!("SKIPPED gpu_engine: needs a GPU: {missing}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// A device buffer holding `bytes`.
+fn upload(gpu: &Arc<Gpu>, bytes: &[u8]) -> DeviceRegion {
+    let r = gpu.alloc(bytes.len().max(1)).unwrap();
+    gpu.bind().unwrap();
+    // SAFETY: the region holds at least `bytes.len()` bytes.
+    unsafe { cu::memcpy_htod_sync(r.ptr(), bytes) }.unwrap();
+    r
+}
+
+fn download(gpu: &Arc<Gpu>, src: &DeviceRegion, len: usize) -> Vec<u8> {
+    gpu.bind().unwrap();
+    let mut out = vec![0u8; len];
+    // SAFETY: the region holds at least `len` bytes.
+    unsafe { cu::memcpy_dtoh_sync(&mut out, src.ptr()) }.unwrap();
+    out
+}
+
+fn floats(b: &[u8]) -> Vec<f32> {
+    b.chunks(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn u16_bytes(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn to_bf16(x: f32) -> u16 {
+    (x.to_bits() >> 16) as u16
+}
+
+#[test]
+fn gpu_engine_cuda_ipc_two_ranks_exact() {
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let world = 2;
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    chunk_bytes: 64 << 10,
+                    timeout: Duration::from_secs(60),
+                    job_key: "gpu_engine".into(),
+                    transport: TransportKind::CudaIpc,
+                    device: Some(0),
+                    ..EngineConfig::default()
+                };
+                let e =
+                    Engine::new(store, Topology::single_node(rank, world).unwrap(), cfg).unwrap();
+                assert_eq!(e.transport_name(), "cuda-ipc");
+                run_rank(&e);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+fn run_rank(e: &Engine) {
+    let gpu = Gpu::open(0).unwrap();
+    let stream = gpu.context().new_stream().unwrap();
+    let s = stream.cu_stream() as usize;
+    let (rank, world) = (e.rank(), e.world());
+    let numel = 300_001;
+    e.register(&[
+        BucketSpec::new("w", numel, DType::F32),
+        BucketSpec::new("h", 70_001, DType::BF16),
+    ])
+    .unwrap();
+    let (w, h) = (BucketId(0), BucketId(1));
+    let (sl, hl) = (
+        e.bucket(w).unwrap().shard_len(),
+        e.bucket(h).unwrap().shard_len(),
+    );
+    for k in 0..3u64 {
+        let shard: Vec<f32> = (0..sl)
+            .map(|i| (rank * sl + i) as f32 + 1000.0 * k as f32)
+            .collect();
+        let hshard: Vec<u16> = (0..hl)
+            .map(|i| to_bf16(((rank * hl + i) % 256) as f32))
+            .collect();
+        let grads: Vec<f32> = (0..numel).map(|i| (i % 7) as f32 + rank as f32).collect();
+        let hgrads: Vec<u16> = (0..world * hl).map(|i| to_bf16((i % 5) as f32)).collect();
+        let d_shard = upload(&gpu, bytes_of(&shard));
+        let d_hshard = upload(&gpu, &u16_bytes(&hshard));
+        let d_grads = upload(&gpu, bytes_of(&grads));
+        let d_hgrads = upload(&gpu, &u16_bytes(&hgrads));
+        let d_full = gpu.alloc(numel * 4).unwrap();
+        let d_hfull = gpu.alloc(world * hl * 2).unwrap();
+        // SAFETY: every buffer lives until after finish_minibatch_device,
+        // which waits for the stream.
+        unsafe {
+            e.publish_device(w, d_shard.ptr(), sl * 4, DType::F32, k, s)
+                .unwrap();
+            e.publish_device(h, d_hshard.ptr(), hl * 2, DType::BF16, k, s)
+                .unwrap();
+            e.gather_device(w, k, d_full.ptr(), numel * 4, DType::F32, s, false)
+                .unwrap();
+            e.gather_device(h, k, d_hfull.ptr(), world * hl * 2, DType::BF16, s, false)
+                .unwrap();
+            e.release_device(w, k, s).unwrap();
+            e.release_device(h, k, s).unwrap();
+            for _ in 0..=rank {
+                e.scatter_accumulate_device(w, 0, d_grads.ptr(), numel * 4, DType::F32, 0.5, s)
+                    .unwrap();
+            }
+            e.scatter_accumulate_device(
+                h,
+                0,
+                d_hgrads.ptr(),
+                hgrads.len() * 2,
+                DType::BF16,
+                1.0,
+                s,
+            )
+            .unwrap();
+        }
+        e.finish_minibatch_device(k, s).unwrap();
+        let full = floats(&download(&gpu, &d_full, numel * 4));
+        for (i, x) in full.iter().enumerate() {
+            assert_eq!(
+                *x,
+                i as f32 + 1000.0 * k as f32,
+                "rank {rank} k {k} elem {i}"
+            );
+        }
+        let hfull = download(&gpu, &d_hfull, world * hl * 2);
+        for (i, c) in hfull.chunks(2).enumerate() {
+            let got = u16::from_le_bytes([c[0], c[1]]);
+            assert_eq!(
+                got,
+                to_bf16((i % 256) as f32),
+                "rank {rank} k {k} bf16 elem {i}"
+            );
+        }
+        let mut g = vec![0f32; sl];
+        e.read_grad_shard_device(w, &mut g).unwrap();
+        for (j, x) in g.iter().enumerate() {
+            let i = rank * sl + j;
+            let want: f32 = if i < numel {
+                (0..world)
+                    .map(|r| 0.5 * (r + 1) as f32 * ((i % 7) as f32 + r as f32))
+                    .sum()
+            } else {
+                0.0
+            };
+            assert_eq!(*x, want, "rank {rank} k {k} grad {i}");
+        }
+        let mut hg = vec![0f32; hl];
+        e.read_grad_shard_device(h, &mut hg).unwrap();
+        for (j, x) in hg.iter().enumerate() {
+            let i = rank * hl + j;
+            assert_eq!(
+                *x,
+                world as f32 * (i % 5) as f32,
+                "rank {rank} k {k} bf16 grad {i}"
+            );
+        }
+        e.zero_grads_device(s).unwrap();
+        stream.synchronize().unwrap();
+    }
+}
