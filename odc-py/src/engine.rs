@@ -1,9 +1,17 @@
-//! Bindings for the `odc-core` engine: `odc._odc.Engine`.
+//! Bindings for the `odc-core` engine: `odc._odc.Engine`, and
+//! `odc._odc.EmuStream` (an emulated stream for the `emu-ipc` transport).
 //!
 //! Tensors cross the boundary as raw pointers with byte lengths: the Python
 //! layer (`odc.engine`) checks device, contiguity and dtype and passes
 //! `tensor.data_ptr()` / `nbytes`. No copy happens on the Python side, and
 //! every call that may block releases the GIL.
+//!
+//! A device engine (`cuda-ipc`, `emu-ipc`) takes the `*_device` methods:
+//! the same arguments plus a trailing stream handle (a `CUstream` as torch's
+//! `torch.cuda.current_stream().cuda_stream` gives it, or an
+//! [`PyEmuStream`]'s `handle`). Their pointers are device addresses: they
+//! are checked for null and alignment here and never dereferenced on the
+//! host; the data moves on the stream after the call returns.
 //!
 //! The rendezvous store is any Python object with torch's `dist.Store`
 //! methods (`set`, `get`, `check`, `add`): [`PyStore`] adapts it to
@@ -13,6 +21,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use odc_core::plane::emu::EmuStream;
 use odc_core::{
     BucketId, BucketSpec, DType, Engine, EngineConfig, Sharding, Store, Topology, TransportKind,
 };
@@ -134,6 +143,19 @@ unsafe fn bytes_mut<'a>(ptr: usize, nbytes: usize) -> &'a mut [u8] {
     unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, nbytes) }
 }
 
+/// A mutable f32 view of caller memory.
+///
+/// # Safety
+/// `ptr` must point to `numel` writable, 4-byte aligned f32s that stay valid
+/// and are not accessed by anyone else for the returned lifetime.
+unsafe fn f32s_mut<'a>(ptr: usize, numel: usize) -> &'a mut [f32] {
+    if numel == 0 {
+        return &mut [];
+    }
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts_mut(ptr as *mut f32, numel) }
+}
+
 fn check_ptr(py: Python<'_>, ptr: usize, nbytes: usize, align: usize) -> PyResult<()> {
     if nbytes > 0 && (ptr == 0 || ptr % align != 0) {
         return Err(odc_error(
@@ -145,6 +167,9 @@ fn check_ptr(py: Python<'_>, ptr: usize, nbytes: usize, align: usize) -> PyResul
     Ok(())
 }
 
+/// Every transport name `Engine(transport=...)` accepts.
+const TRANSPORT_NAMES: [&str; 6] = ["auto", "shm", "fabric", "mixed", "cuda-ipc", "emu-ipc"];
+
 /// One rank's ODC engine (private: use `odc.Engine`).
 #[pyclass(module = "odc._odc", name = "Engine", frozen)]
 pub(crate) struct PyEngine {
@@ -155,7 +180,7 @@ pub(crate) struct PyEngine {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -169,6 +194,7 @@ impl PyEngine {
         prefix: Option<String>,
         transport: Option<String>,
         sharding: Option<String>,
+        device: Option<usize>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -198,7 +224,8 @@ impl PyEngine {
                     py,
                     "ConfigError",
                     format!(
-                        "unknown transport {t:?}: expected \"auto\", \"shm\", \"fabric\" or \"mixed\""
+                        "unknown transport {t:?}: expected one of {}",
+                        TRANSPORT_NAMES.join(", ")
                     ),
                 )
             })?;
@@ -212,6 +239,7 @@ impl PyEngine {
                 )
             })?;
         }
+        cfg.device = device;
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = py
             .detach(|| Engine::new(store, topo, cfg))
@@ -229,10 +257,29 @@ impl PyEngine {
         self.engine.world()
     }
 
+    /// The transport in use (`"auto"` resolved); a device engine's is
+    /// `"cuda-ipc"` or `"emu-ipc"`.
     #[getter]
     fn transport(&self) -> &'static str {
+        if self.engine.is_device() {
+            return self.engine.transport_name();
+        }
         let kind = self.engine.config().transport;
         kind.resolve(&self.engine.topology()).name()
+    }
+
+    /// Whether the engine's data lives in device memory: its data calls are
+    /// then the `*_device` methods.
+    #[getter]
+    fn is_device(&self) -> bool {
+        self.engine.is_device()
+    }
+
+    /// The CUDA ordinal asked for (`None`: the local rank's); only
+    /// `cuda-ipc` uses it.
+    #[getter]
+    fn device(&self) -> Option<usize> {
+        self.engine.config().device
     }
 
     #[getter]
@@ -408,6 +455,180 @@ impl PyEngine {
         self.engine.zero_grads().map_err(|e| core_error(py, e))
     }
 
+    // -- device engines (cuda-ipc, emu-ipc) ---------------------------------
+    //
+    // Pointers are device addresses (host addresses under emu-ipc); every
+    // call enqueues its data movement on `stream` and returns before it runs.
+
+    /// [`Engine::publish_device`]: waits on the host for every reader's
+    /// release of `version - 1`, then enqueues the copy of the shard at
+    /// `ptr` and the version signal on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    fn publish_device(
+        &self,
+        py: Python<'_>,
+        bucket: usize,
+        ptr: u64,
+        nbytes: usize,
+        dtype: &str,
+        version: u64,
+        stream: usize,
+    ) -> PyResult<()> {
+        let dtype = parse_dtype(py, dtype)?;
+        check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
+        py.detach(|| {
+            // SAFETY: the Python layer passes a live, contiguous tensor of
+            // `nbytes` on the engine's device, allocated on (or recorded to)
+            // `stream`, so it stays valid until the enqueued copy has run.
+            unsafe {
+                self.engine
+                    .publish_device(BucketId(bucket), ptr, nbytes, dtype, version, stream)
+            }
+        })
+        .map_err(|e| core_error(py, e))
+    }
+
+    /// [`Engine::gather_device`]: enqueues on `stream` the copies of every
+    /// owner's shard of `version` into `nbytes` at `ptr`.
+    #[pyo3(signature = (bucket, version, ptr, nbytes, dtype, skip_own, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn gather_device(
+        &self,
+        py: Python<'_>,
+        bucket: usize,
+        version: u64,
+        ptr: u64,
+        nbytes: usize,
+        dtype: &str,
+        skip_own: bool,
+        stream: usize,
+    ) -> PyResult<()> {
+        let dtype = parse_dtype(py, dtype)?;
+        check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
+        py.detach(|| {
+            // SAFETY: as in `publish_device`; nothing else writes the
+            // output on `stream` between the copies.
+            unsafe {
+                self.engine.gather_device(
+                    BucketId(bucket),
+                    version,
+                    ptr,
+                    nbytes,
+                    dtype,
+                    stream,
+                    skip_own,
+                )
+            }
+        })
+        .map_err(|e| core_error(py, e))
+    }
+
+    /// [`Engine::release_device`]: the release signal, enqueued on `stream`.
+    fn release_device(
+        &self,
+        py: Python<'_>,
+        bucket: usize,
+        version: u64,
+        stream: usize,
+    ) -> PyResult<()> {
+        py.detach(|| {
+            self.engine
+                .release_device(BucketId(bucket), version, stream)
+        })
+        .map_err(|e| core_error(py, e))
+    }
+
+    /// [`Engine::scatter_accumulate_device`]: pushes `nbytes` of gradients
+    /// at `ptr` on `stream`, the whole bucket when `offset` is `None`
+    /// (`numel` or padded length, as the host call checks), else the part
+    /// from element `offset`.
+    #[pyo3(signature = (bucket, ptr, nbytes, dtype, scale, offset, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn scatter_accumulate_device(
+        &self,
+        py: Python<'_>,
+        bucket: usize,
+        ptr: u64,
+        nbytes: usize,
+        dtype: &str,
+        scale: f32,
+        offset: Option<usize>,
+        stream: usize,
+    ) -> PyResult<()> {
+        let dtype = parse_dtype(py, dtype)?;
+        check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
+        if offset.is_none() && nbytes % dtype.size_bytes() == 0 {
+            // The whole-bucket form accepts exactly the lengths the host
+            // call does (an uneven length is named by the device call).
+            self.engine
+                .bucket(BucketId(bucket))
+                .and_then(|b| b.check_full_len(nbytes / dtype.size_bytes()))
+                .map_err(|e| core_error(py, e))?;
+        }
+        py.detach(|| {
+            // SAFETY: as in `publish_device`; the gradient stays unchanged
+            // until the work enqueued on `stream` has run (stream order).
+            unsafe {
+                self.engine.scatter_accumulate_device(
+                    BucketId(bucket),
+                    offset.unwrap_or(0),
+                    ptr,
+                    nbytes,
+                    dtype,
+                    scale,
+                    stream,
+                )
+            }
+        })
+        .map_err(|e| core_error(py, e))
+    }
+
+    /// [`Engine::finish_minibatch_device`]: waits for `stream`, finishes
+    /// minibatch `k`; on return the accumulators are final in device memory.
+    fn finish_minibatch_device(&self, py: Python<'_>, k: u64, stream: usize) -> PyResult<()> {
+        py.detach(|| self.engine.finish_minibatch_device(k, stream))
+            .map_err(|e| core_error(py, e))
+    }
+
+    /// `(device address, numel)` of this rank's f32 accumulator of `bucket`
+    /// (a host address under emu-ipc).
+    fn grad_shard_device(&self, py: Python<'_>, bucket: usize) -> PyResult<(u64, usize)> {
+        self.engine
+            .grad_shard_device(BucketId(bucket))
+            .map_err(|e| core_error(py, e))
+    }
+
+    /// Copies this rank's accumulator of `bucket` into the host buffer of
+    /// `numel` f32s at `ptr` (after the daemon's stream has run).
+    fn read_grad_shard_device(
+        &self,
+        py: Python<'_>,
+        bucket: usize,
+        ptr: usize,
+        numel: usize,
+    ) -> PyResult<()> {
+        check_ptr(py, ptr, numel * 4, 4)?;
+        // SAFETY: the Python layer passes a live, contiguous host f32 tensor
+        // of `numel` elements (aligned, checked above) that Python does not
+        // touch while the GIL is released.
+        let out = unsafe { f32s_mut(ptr, numel) };
+        py.detach(|| self.engine.read_grad_shard_device(BucketId(bucket), out))
+            .map_err(|e| core_error(py, e))
+    }
+
+    /// [`Engine::zero_grad_device`]: zeroes the accumulator of `bucket` on
+    /// the daemon's stream after `stream`'s work so far.
+    fn zero_grad_device(&self, py: Python<'_>, bucket: usize, stream: usize) -> PyResult<()> {
+        py.detach(|| self.engine.zero_grad_device(BucketId(bucket), stream))
+            .map_err(|e| core_error(py, e))
+    }
+
+    /// [`Engine::zero_grads_device`]: every accumulator.
+    fn zero_grads_device(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        py.detach(|| self.engine.zero_grads_device(stream))
+            .map_err(|e| core_error(py, e))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Engine(rank={}, world_size={})",
@@ -417,6 +638,43 @@ impl PyEngine {
     }
 }
 
+/// An emulated stream for `emu-ipc` engines: a host thread that runs the
+/// operations enqueued on it in order, each after a random sleep of up to
+/// `jitter_us` microseconds (private: `odc.Engine` owns one).
+#[pyclass(module = "odc._odc", name = "EmuStream", frozen)]
+pub(crate) struct PyEmuStream {
+    stream: EmuStream,
+}
+
+#[pymethods]
+impl PyEmuStream {
+    #[new]
+    #[pyo3(signature = (jitter_us=0))]
+    fn new(py: Python<'_>, jitter_us: u64) -> PyResult<Self> {
+        EmuStream::new(Duration::from_micros(jitter_us))
+            .map(|stream| PyEmuStream { stream })
+            .map_err(|e| core_error(py, e))
+    }
+
+    /// The handle the `*_device` methods take.
+    #[getter]
+    fn handle(&self) -> usize {
+        self.stream.handle()
+    }
+
+    /// Blocks until everything enqueued so far has run; raises the first
+    /// error an operation reported.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.stream.synchronize())
+            .map_err(|e| core_error(py, e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("EmuStream(handle={})", self.stream.handle())
+    }
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<PyEngine>()
+    m.add_class::<PyEngine>()?;
+    m.add_class::<PyEmuStream>()
 }

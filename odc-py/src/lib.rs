@@ -6,7 +6,8 @@
 //!
 //! Modules:
 //! - [`packing`] — `odc-packing`: plans, Karmarkar–Karp, the `odc-pack` CLI.
-//! - [`engine`] — `odc-core`: the worker API (`odc._odc.Engine`).
+//! - [`engine`] — `odc-core`: the worker API (`odc._odc.Engine`) and the
+//!   emulated stream of the `emu-ipc` transport (`odc._odc.EmuStream`).
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
