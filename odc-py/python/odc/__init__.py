@@ -10,7 +10,10 @@ Modules:
     odc.packing: microbatch plans (LocalSort, LB-Micro, LB-Mini, verl-native),
         Karmarkar–Karp, bubble-rate predictions.
     odc.engine: :class:`Engine`, the worker API (gather, scatter_accumulate,
-        finish_minibatch) on torch tensors.
+        finish_minibatch) on torch tensors: CPU tensors over shared memory and
+        libfabric, CUDA tensors over ``cuda-ipc`` (one node).
+    odc.fsdp: ``odc.fsdp.enable(model, optimizer)``, FSDP2 on ODC (picks
+        ``cuda-ipc`` for CUDA parameters).
     odc.errors: the exception hierarchy rooted at :class:`OdcError`.
 """
 

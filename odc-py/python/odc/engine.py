@@ -19,10 +19,23 @@ Typical minibatch, on every rank::
 
 Every call that may block releases the GIL; every wait has a deadline and
 raises :class:`odc.PeerTimeout` / :class:`odc.PeerDied` naming the peer.
+
+Device transports. With ``transport="cuda-ipc"`` (one node of GPUs) the
+published shards, landing slots and accumulators live in CUDA memory shared
+between the node's processes, and the same calls take CUDA tensors on the
+engine's device: each one enqueues its copies (and the signals that announce
+them) on ``torch.cuda.current_stream(tensor.device)`` and returns before they
+run, as a torch kernel launch does, so the data is ready for later work on
+that stream. :meth:`Engine.finish_minibatch` first makes the current stream
+wait for every stream the engine enqueued on since the previous finish, then
+waits for it on the host. ``transport="emu-ipc"`` runs the same device code
+path on CPU tensors (host memory for device memory, host threads for
+streams; see :class:`Engine`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import socket
@@ -30,12 +43,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
 from . import _odc
-from .errors import ConfigError, LayoutError
+from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Bucket", "Engine", "dtype_name"]
+__all__ = ["Bucket", "Engine", "dtype_name", "TRANSPORTS", "DEVICE_TRANSPORTS"]
 
 _DTYPE_NAMES = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
 
@@ -73,6 +86,50 @@ def _buffer(t: "torch.Tensor", what: str) -> tuple[int, int, str]:
     if not t.is_contiguous():
         raise LayoutError(f"{what} is not contiguous")
     return t.data_ptr(), t.numel() * t.element_size(), dtype_name(t.dtype)
+
+
+#: The transport names :class:`Engine` accepts.
+TRANSPORTS = ("auto", "shm", "fabric", "mixed", "cuda-ipc", "emu-ipc")
+#: Transports whose data lives in device memory (their calls take a stream).
+DEVICE_TRANSPORTS = ("cuda-ipc", "emu-ipc")
+
+
+def transport_name(name: str | None) -> str | None:
+    """A transport name as the engine reads it (``CUDA_IPC`` → ``cuda-ipc``, ``shm+fabric`` → ``mixed``)."""
+    if name is None:
+        return None
+    key = str(name).strip().lower().replace("_", "-")
+    return "mixed" if key == "shm+fabric" else key
+
+
+def _emu_jitter_us() -> int:
+    raw = os.environ.get("ODC_EMU_JITTER_US", "").strip()
+    if not raw:
+        return 0
+    try:
+        jitter = int(raw)
+    except ValueError:
+        raise ConfigError(f"ODC_EMU_JITTER_US={raw!r}: expected a whole number of microseconds") from None
+    if jitter < 0:
+        raise ConfigError(f"ODC_EMU_JITTER_US={raw!r}: expected a whole number of microseconds")
+    return jitter
+
+
+class _CudaArray:
+    """A CUDA buffer for ``torch.as_tensor`` (``__cuda_array_interface__`` v3), keeping its owner alive."""
+
+    def __init__(self, ptr: int, numel: int, owner: Any) -> None:
+        self._owner = owner
+        # stream None: no synchronization on import (the engine's finish
+        # already waited for every add into the accumulator).
+        self.__cuda_array_interface__ = {
+            "shape": (numel,),
+            "typestr": "<f4",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
 
 
 def _local_world_size(store: Any, rank: int, world: int, prefix: str) -> int:
@@ -138,16 +195,34 @@ class Engine:
         transport: ``"auto"`` (the default: shared memory between ranks of
             a node, libfabric RMA between nodes), ``"shm"`` (every rank on
             this host), ``"fabric"`` (libfabric between every pair) or
-            ``"mixed"`` (as auto, also on one node). ``ODC_FABRIC_ADDR`` /
-            ``ODC_FABRIC_PROVIDER`` choose libfabric's address and provider;
-            without ``ODC_FABRIC_ADDR`` a multi-node job binds the address
-            that routes to ``MASTER_ADDR``. Default: ``ODC_TRANSPORT``, else
-            ``"auto"``.
+            ``"mixed"`` (as auto, also on one node), all on CPU tensors;
+            ``"cuda-ipc"`` (one node of GPUs: data in CUDA memory shared
+            between the node's processes; calls take CUDA tensors on
+            ``device`` and run on the current CUDA stream) or ``"emu-ipc"``
+            (cuda-ipc's code path on CPU tensors: see below).
+            ``ODC_FABRIC_ADDR`` / ``ODC_FABRIC_PROVIDER`` choose libfabric's
+            address and provider; without ``ODC_FABRIC_ADDR`` a multi-node
+            job binds the address that routes to ``MASTER_ADDR``. Default:
+            ``ODC_TRANSPORT``, else ``"auto"``.
         sharding: ``"full"`` (shard every bucket over all D ranks; the
             default) or ``"hybrid"`` (shard over the G ranks of a node;
             gathers and pushes stay inside the node and
             :meth:`finish_minibatch` sums the gradient shards across nodes
             once, so :meth:`grad_shard` holds the sum over every rank).
+        device: the CUDA device of a ``cuda-ipc`` engine (an ordinal or a
+            ``torch.device``). Default: ``torch.cuda.current_device()``
+            where CUDA is available, else the local rank (and creating the
+            engine raises :class:`odc.GpuUnavailable`). Ignored by the other
+            transports.
+
+    ``emu-ipc`` runs every call through the device data path (a separate
+    landing region, adds on the daemon's own stream, signals sent by work on
+    the stream after the data) with host memory for device memory and host
+    threads for streams; ``ODC_EMU_JITTER_US`` makes each emulated stream
+    sleep up to that long before every operation. The engine owns one
+    emulated stream and, because torch's CPU tensors have no stream to order
+    later work on, each call enqueues its work there and waits for it before
+    returning: the calls then mean what they mean on a host transport.
     """
 
     def __init__(
@@ -163,9 +238,11 @@ class Engine:
         prefix: str | None = None,
         transport: str | None = None,
         sharding: str | None = None,
+        device: Any = None,
     ) -> None:
         if transport is None:
             transport = os.environ.get("ODC_TRANSPORT") or None
+        ordinal = self._cuda_ordinal(transport, device)
         if local_world_size is None:
             local_world_size = _local_world_size(store, int(rank), int(world_size), prefix or "odc")
         # Across nodes libfabric must bind an address the other nodes reach:
@@ -188,12 +265,49 @@ class Engine:
                 prefix=prefix,
                 transport=transport,
                 sharding=sharding,
+                device=ordinal,
             )
         finally:
             if addr is not None:
                 os.environ.pop("ODC_FABRIC_ADDR", None)
         self._ids: dict[str, int] = {}
         self._infos: list[dict] = []
+        # Device engines: the CUDA device (cuda-ipc), the emulated stream
+        # (emu-ipc), and the streams enqueued on since the last finish.
+        self._cuda: Any = None
+        self._emu: Any = None
+        self._streams: dict[int, Any] = {}
+        if self._native.is_device:
+            if self._native.transport == "cuda-ipc":
+                import torch
+
+                index = self._native.device
+                if index is None:  # the engine opened the local rank's device
+                    index = self.rank % self.local_world_size
+                self._cuda = torch.device("cuda", index)
+            else:
+                self._emu = _odc.EmuStream(_emu_jitter_us())
+
+    @staticmethod
+    def _cuda_ordinal(transport: str | None, device: Any) -> int | None:
+        """The CUDA ordinal a cuda-ipc engine opens (None: the engine's default, the local rank)."""
+        cuda_ipc = transport_name(transport) == "cuda-ipc"
+        if device is None and not cuda_ipc:
+            return None
+        import torch
+
+        if device is None:
+            return torch.cuda.current_device() if torch.cuda.is_available() else None
+        if isinstance(device, int):
+            return device
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            if cuda_ipc:
+                raise ConfigError(f"device={device!r}: a cuda-ipc engine needs a CUDA device")
+            return None  # ignored by the other transports
+        if dev.index is None:
+            return torch.cuda.current_device() if torch.cuda.is_available() else None
+        return dev.index
 
     # -- setup ---------------------------------------------------------------
     @property
@@ -206,8 +320,21 @@ class Engine:
 
     @property
     def transport(self) -> str:
-        """The transport in use: ``"shm"``, ``"fabric"`` or ``"shm+fabric"`` (``"auto"`` resolved)."""
+        """The transport in use: ``"shm"``, ``"fabric"`` or ``"shm+fabric"`` (``"auto"`` resolved),
+        ``"cuda-ipc"`` or ``"emu-ipc"``."""
         return self._native.transport
+
+    @property
+    def is_device(self) -> bool:
+        """Whether the engine's data lives in device memory (``cuda-ipc``, ``emu-ipc``)."""
+        return self._native.is_device
+
+    @property
+    def device(self) -> "torch.device":
+        """Where the tensors passed to this engine live: ``cuda:<i>`` for ``cuda-ipc``, else ``cpu``."""
+        import torch
+
+        return self._cuda if self._cuda is not None else torch.device("cpu")
 
     @property
     def sharding(self) -> str:
@@ -253,8 +380,13 @@ class Engine:
     def publish(self, bucket: BucketRef, shard: "torch.Tensor", version: int) -> None:
         """Publishes this rank's shard (``shard_len`` elements, parameter dtype) as ``version``.
 
-        Waits until every reader released ``version - 1``.
+        Waits until every reader released ``version - 1``. On ``cuda-ipc`` the
+        copy out of ``shard`` is enqueued on the current stream of its device.
         """
+        if self._native.is_device:
+            ptr, n, dt, stream = self._device_buffer(shard, "shard")
+            self._device_call(self._native.publish_device, self._id(bucket), ptr, n, dt, int(version), stream)
+            return
         ptr, n, dt = _buffer(shard, "shard")
         self._native.publish(self._id(bucket), ptr, n, dt, int(version))
 
@@ -262,14 +394,26 @@ class Engine:
         """Reads ``version`` of every owner's shard into ``out`` (``numel`` or padded length).
 
         With ``skip_own`` this rank's own range of ``out`` is left untouched
-        (for callers that already copied their shard in).
+        (for callers that already copied their shard in). On ``cuda-ipc`` it
+        waits on the host until every owner published ``version`` and
+        enqueues the copies on the current stream of ``out``'s device.
         """
+        if self._native.is_device:
+            ptr, n, dt, stream = self._device_buffer(out, "output")
+            self._device_call(self._native.gather_device, self._id(bucket), int(version), ptr, n, dt, skip_own, stream)
+            return out
         ptr, n, dt = _buffer(out, "output")
         self._native.gather(self._id(bucket), int(version), ptr, n, dt, skip_own)
         return out
 
     def release(self, bucket: BucketRef, version: int) -> None:
-        """Tells every owner this rank is done reading ``version`` of ``bucket``."""
+        """Tells every owner this rank is done reading ``version`` of ``bucket``.
+
+        On ``cuda-ipc`` the signal follows the work already on the current stream (the gather's copies).
+        """
+        if self._native.is_device:
+            self._device_call(self._native.release_device, self._id(bucket), int(version), self._stream())
+            return
         self._native.release(self._id(bucket), int(version))
 
     def scatter_accumulate(
@@ -280,35 +424,128 @@ class Engine:
 
         Each owner adds ``scale · grads[its shard]`` into its f32 accumulator.
         Returns once the data is in the owners' landing slots (``grads`` may
-        be reused); does not wait for the additions.
+        be reused); does not wait for the additions. On ``cuda-ipc`` the
+        copies are enqueued on the current stream of ``grads``' device and
+        later work on that stream may overwrite ``grads``.
         """
+        at = None if offset is None else int(offset)
+        if self._native.is_device:
+            ptr, n, dt, stream = self._device_buffer(grads, "gradient")
+            self._device_call(
+                self._native.scatter_accumulate_device, self._id(bucket), ptr, n, dt, float(scale), at, stream
+            )
+            return
         ptr, n, dt = _buffer(grads, "gradient")
-        self._native.scatter_accumulate(
-            self._id(bucket), ptr, n, dt, float(scale), None if offset is None else int(offset)
-        )
+        self._native.scatter_accumulate(self._id(bucket), ptr, n, dt, float(scale), at)
 
     def finish_minibatch(self, k: int) -> None:
-        """Ends minibatch ``k``; returns when this rank's own gradient shards are final."""
+        """Ends minibatch ``k``; returns when this rank's own gradient shards are final.
+
+        On ``cuda-ipc`` the current stream first waits for every stream this
+        engine enqueued work on since the previous finish (FSDP runs its
+        comms on streams of its own), and the host then waits for it.
+        """
+        if self._native.is_device:
+            stream = self._stream()
+            if self._cuda is not None:
+                import torch
+
+                current = torch.cuda.current_stream(self._cuda)
+                for other in self._streams.values():
+                    if other.cuda_stream != current.cuda_stream:
+                        current.wait_stream(other)
+                self._streams.clear()
+            self._device_call(self._native.finish_minibatch_device, int(k), stream)
+            return
         self._native.finish_minibatch(int(k))
 
     def grad_shard(self, bucket: BucketRef) -> "torch.Tensor":
         """This rank's f32 gradient accumulator of ``bucket``, as a tensor view (no copy).
 
         Valid between :meth:`finish_minibatch` and the next publish; it
-        aliases engine memory, so copy it if you need it later.
+        aliases engine memory, so copy it if you need it later. On
+        ``cuda-ipc`` it is a CUDA tensor on the engine's device.
         """
         import torch
 
-        ptr, numel = self._native.grad_shard_ptr(self._id(bucket))
+        if self._cuda is not None:
+            ptr, numel = self._native.grad_shard_device(self._id(bucket))
+            view = torch.as_tensor(_CudaArray(ptr, numel, self._native), device=self._cuda)
+            if view.data_ptr() != ptr or view.dtype != torch.float32:
+                raise ProtocolError(
+                    f"grad_shard({bucket!r}): torch copied the accumulator at {ptr:#x} instead of viewing it"
+                )
+            return view
+        if self._emu is not None:
+            # emu-ipc's device memory is host memory: the address is a host pointer.
+            ptr, numel = self._native.grad_shard_device(self._id(bucket))
+        else:
+            ptr, numel = self._native.grad_shard_ptr(self._id(bucket))
         buf = (ctypes.c_float * numel).from_address(ptr)
         return torch.frombuffer(buf, dtype=torch.float32, count=numel)
 
     def zero_grad(self, bucket: BucketRef | None = None) -> None:
-        """Zeroes one accumulator, or all of them."""
+        """Zeroes one accumulator, or all of them.
+
+        On ``cuda-ipc`` the zeroing runs after the work already on the
+        current stream (the optimizer step that read the accumulator).
+        """
+        if self._native.is_device:
+            stream = self._stream()
+            if bucket is None:
+                self._device_call(self._native.zero_grads_device, stream)
+            else:
+                self._device_call(self._native.zero_grad_device, self._id(bucket), stream)
+            return
         if bucket is None:
             self._native.zero_grads()
         else:
             self._native.zero_grad(self._id(bucket))
+
+    # -- device engines --------------------------------------------------------
+    def _stream(self) -> int:
+        """The stream handle of a device call: the emulated stream, or the
+        current CUDA stream (remembered until the next finish)."""
+        if self._emu is not None:
+            return self._emu.handle
+        import torch
+
+        stream = torch.cuda.current_stream(self._cuda)
+        self._streams.setdefault(stream.cuda_stream, stream)
+        return stream.cuda_stream
+
+    def _device_buffer(self, t: "torch.Tensor", what: str) -> tuple[int, int, str, int]:
+        """``(pointer, bytes, dtype, stream)`` of a tensor for a device call."""
+        if self._cuda is not None:
+            if t.device != self._cuda:
+                raise LayoutError(
+                    f"{what} is on {t.device}; this engine's transport cuda-ipc moves CUDA tensors on {self._cuda}"
+                )
+        elif t.device.type != "cpu":
+            raise LayoutError(
+                f"{what} is on {t.device}; the emu-ipc transport emulates device memory with CPU tensors"
+            )
+        if not t.is_contiguous():
+            raise LayoutError(f"{what} is not contiguous")
+        dt = dtype_name(t.dtype)
+        stream = self._stream()
+        if self._cuda is not None:
+            # The copies run later on this stream: the caching allocator must
+            # not hand the memory to another stream before they have.
+            t.record_stream(self._streams[stream])
+        return t.data_ptr(), t.numel() * t.element_size(), dt, stream
+
+    def _device_call(self, fn: Any, *args: Any) -> None:
+        """Runs a ``*_device`` call; on emu-ipc, waits for the emulated stream (see the class doc)."""
+        try:
+            fn(*args)
+        except BaseException:
+            if self._emu is not None:
+                with contextlib.suppress(OdcError):
+                    self._emu.synchronize()  # nothing of this call stays in flight
+            raise
+        if self._emu is not None:
+            self._emu.synchronize()
 
     def __repr__(self) -> str:
         return f"odc.Engine(rank={self.rank}, world_size={self.world_size}, buckets={len(self._infos)})"

@@ -1,0 +1,217 @@
+"""odc.Engine on the device transports: emu-ipc across real processes, cuda-ipc errors, GPU runs.
+
+``emu-ipc`` runs the device data path (``*_device`` calls: data in a separate
+landing region, adds on the daemon's stream, signals sent by stream work)
+with host memory and host-thread streams; ``ODC_EMU_JITTER_US`` makes every
+emulated stream sleep before each operation, so a signal that overtook its
+data would show up here as a wrong gather or sum. The GPU tests skip where
+torch sees no CUDA device, and fail instead under ``ODC_REQUIRE_GPU=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import _fsdp_helpers as H
+import odc
+from _dist import run_ranks
+
+JITTER_US = "200"
+
+
+def _need_gpu() -> None:
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("ODC_REQUIRE_GPU") == "1":
+        pytest.fail("ODC_REQUIRE_GPU=1, but torch.cuda.is_available() is False")
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); ODC_REQUIRE_GPU=1 makes this a failure")
+
+
+# -- emu-ipc across processes -------------------------------------------------------------------
+
+
+def _exact(rank, world, store, transport, device, numel=1001, hnumel=333, minibatches=3):
+    """publish / gather / release / scatter_accumulate (offsets, uneven counts) / finish / grad_shard / zero_grad,
+    f32 and bf16, checked exactly on every rank. Returns what the caller checks about the engine."""
+    os.environ["ODC_EMU_JITTER_US"] = JITTER_US
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-dev-{os.getppid()}", transport=transport,
+                     device=dev.index if dev.type == "cuda" else None)
+    eng.register([odc.Bucket("w", numel, torch.float32), odc.Bucket("h", hnumel, torch.bfloat16)])
+    sl, hl = eng.bucket("w")["shard_len"], eng.bucket("h")["shard_len"]
+    pattern = torch.arange(world * sl, dtype=torch.float32, device=dev) % 7
+    hpattern = (torch.arange(world * hl, dtype=torch.float32, device=dev) % 5).to(torch.bfloat16)
+    for k in range(minibatches):
+        full = torch.arange(world * sl, dtype=torch.float32, device=dev) % 97 + 1000 * k
+        hfull = (torch.arange(world * hl, dtype=torch.float32, device=dev) % 61 + k).to(torch.bfloat16)
+        eng.publish("w", full[rank * sl : (rank + 1) * sl].clone(), version=k)
+        eng.publish("h", hfull[rank * hl : (rank + 1) * hl].clone(), version=k)
+        out = torch.empty(numel, device=dev)
+        eng.gather("w", k, out)
+        assert torch.equal(out, full[:numel]), f"rank {rank} minibatch {k}: gathered wrong f32 values"
+        # skip_own leaves this rank's range alone (FSDP's copy-in).
+        hout = torch.full((world * hl,), -1.0, dtype=torch.bfloat16, device=dev)
+        eng.gather("h", k, hout, skip_own=True)
+        want = hfull.clone()
+        want[rank * hl : (rank + 1) * hl] = -1.0
+        assert torch.equal(hout, want), f"rank {rank} minibatch {k}: gathered wrong bf16 values"
+        eng.release("w", k)
+        eng.release("h", k)
+        # Rank r pushes r + 1 microbatches: r whole ones at scale 0.5, then one in two parts (offsets).
+        grads = pattern[:numel] + rank
+        for _ in range(rank):
+            eng.scatter_accumulate("w", grads, scale=0.5)
+        cut = 400
+        eng.scatter_accumulate("w", grads[:cut].clone(), scale=0.5, offset=0)
+        eng.scatter_accumulate("w", grads[cut:].clone(), scale=0.5, offset=cut)
+        eng.scatter_accumulate("h", hpattern, scale=1.0)  # padded length
+        eng.finish_minibatch(k)
+        g = eng.grad_shard("w")
+        assert g.device == dev and g.dtype == torch.float32 and g.numel() == sl, (g.device, g.dtype, g.numel())
+        idx = torch.arange(rank * sl, (rank + 1) * sl, device=dev)
+        want_g = sum(0.5 * (r + 1) * ((idx % 7).float() + r) for r in range(world))
+        want_g[idx >= numel] = 0.0
+        assert torch.equal(g, want_g), f"rank {rank} minibatch {k}: wrong f32 gradient sums"
+        hg = eng.grad_shard("h")
+        want_h = world * hpattern[rank * hl : (rank + 1) * hl].float()
+        assert torch.equal(hg, want_h), f"rank {rank} minibatch {k}: wrong bf16 gradient sums"
+        # The native copy to host agrees with the view.
+        host = torch.empty(sl, dtype=torch.float32)
+        eng._native.read_grad_shard_device(eng._id("w"), host.data_ptr(), sl)
+        assert torch.equal(host, g.cpu())
+        if k % 2:
+            eng.zero_grad()
+        else:
+            eng.zero_grad("w")
+            eng.zero_grad("h")
+        assert not eng.grad_shard("w").any() and not eng.grad_shard("h").any(), f"rank {rank}: zero_grad"
+    return {"transport": eng.transport, "is_device": eng.is_device, "device": str(eng.device)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_emu_ipc_engine_is_exact_with_jittered_streams(world):
+    res = H.all_ok(run_ranks(_exact, world, timeout=120, transport="emu-ipc", device="cpu"))
+    for info in res.values():
+        assert info == {"transport": "emu-ipc", "is_device": True, "device": "cpu"}, info
+
+
+def test_emu_ipc_refuses_wrong_tensors_and_host_calls(monkeypatch):
+    # One rank in this process: the device path, its input checks and the host / device call split.
+    monkeypatch.setenv("ODC_EMU_JITTER_US", "50")
+    store = torch.distributed.HashStore()
+    eng = odc.Engine(store, 0, 1, timeout=10, transport="EMU_IPC", job_key=f"pytest-emu1-{os.getpid()}")
+    assert (eng.transport, eng.is_device, eng.device) == ("emu-ipc", True, torch.device("cpu"))
+    eng.register([odc.Bucket("a", 100, torch.float32)])
+    sl = eng.bucket("a")["shard_len"]
+    with pytest.raises(odc.LayoutError, match="shard is on meta"):
+        eng.publish("a", torch.empty(sl, device="meta"), 0)
+    with pytest.raises(odc.LayoutError, match="not contiguous"):
+        eng.gather("a", 0, torch.zeros(200)[::2])
+    with pytest.raises(odc.LayoutError, match="full bucket"):
+        eng.scatter_accumulate("a", torch.zeros(99))  # neither numel nor padded length
+    with pytest.raises(odc.LayoutError, match="overrun"):
+        eng.scatter_accumulate("a", torch.zeros(4), offset=sl)
+    shard = torch.full((sl,), 3.0)
+    with pytest.raises(odc.ConfigError, match="publish_device"):
+        eng._native.publish(0, shard.data_ptr(), shard.nbytes, "f32", 0)  # a host call on a device engine
+    # Nothing was corrupted: the engine still works.
+    eng.publish("a", shard, 0)
+    out = torch.zeros(100)
+    eng.gather("a", 0, out)
+    assert torch.equal(out, torch.full((100,), 3.0))
+    eng.scatter_accumulate("a", torch.arange(100.0), scale=2.0)
+    eng.finish_minibatch(0)
+    assert torch.equal(eng.grad_shard("a")[:100], 2 * torch.arange(100.0))
+    # A device call on a host engine.
+    host = odc.Engine(store, 0, 1, timeout=10, transport="shm", prefix="host", job_key=f"pytest-emu1h-{os.getpid()}")
+    host.register([odc.Bucket("a", 100, torch.float32)])
+    assert not host.is_device and host.device == torch.device("cpu")
+    with pytest.raises(odc.ConfigError, match="host memory"):
+        host._native.publish_device(0, shard.data_ptr(), shard.nbytes, "f32", 0, eng._emu.handle)
+    stream = odc._odc.EmuStream(10)
+    assert stream.handle > 0 and stream.handle != eng._emu.handle
+    stream.synchronize()
+
+
+def test_bad_emu_jitter_is_a_config_error(monkeypatch):
+    monkeypatch.setenv("ODC_EMU_JITTER_US", "soon")
+    with pytest.raises(odc.ConfigError, match="ODC_EMU_JITTER_US"):
+        odc.Engine(torch.distributed.HashStore(), 0, 1, transport="emu-ipc")
+
+
+# -- cuda-ipc without a GPU, and errors that need none ---------------------------------------------
+
+
+def test_cuda_ipc_without_a_gpu_names_libcuda():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: cuda-ipc engines are created, see the GPU tests")
+    for device in (None, 0):
+        with pytest.raises(odc.GpuUnavailable, match="libcuda"):
+            odc.Engine(torch.distributed.HashStore(), 0, 1, transport="cuda-ipc", device=device)
+
+
+def test_unknown_transport_lists_every_name():
+    with pytest.raises(odc.ConfigError) as info:
+        odc.Engine(torch.distributed.HashStore(), 0, 1, transport="carrier-pigeon")
+    for name in ("carrier-pigeon", *odc.engine.TRANSPORTS):
+        assert name in str(info.value), str(info.value)
+
+
+def test_cuda_ipc_engine_refuses_cpu_tensors_naming_them():
+    # The check runs before any CUDA call: an engine that believes it is on cuda:0 (no GPU needed).
+    eng = odc.Engine.__new__(odc.Engine)
+    eng._cuda, eng._emu, eng._streams = torch.device("cuda", 0), None, {}
+    for what in ("shard", "gradient"):
+        with pytest.raises(odc.LayoutError, match=rf"{what} is on cpu; .*cuda-ipc moves CUDA tensors on cuda:0"):
+            eng._device_buffer(torch.zeros(4), what)
+
+
+# -- on a GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_engine_is_exact_on_cuda_tensors():
+    _need_gpu()
+    # Two processes share device 0 where there is only one GPU.
+    device = "cuda:0"
+    res = H.all_ok(run_ranks(_exact, 2, timeout=180, transport="cuda-ipc", device=device))
+    for info in res.values():
+        assert info == {"transport": "cuda-ipc", "is_device": True, "device": device}, info
+
+
+def _cuda_mixing(rank, world, store):
+    eng = odc.Engine(store, rank, world, timeout=30, transport="cuda-ipc", device=0,
+                     job_key=f"pytest-cudamix-{os.getppid()}")
+    eng.register([odc.Bucket("a", 64, torch.float32)])
+    found = {}
+    for key, call in (
+        ("cpu_shard", lambda: eng.publish("a", torch.zeros(eng.bucket("a")["shard_len"]), 0)),
+        ("cpu_out", lambda: eng.gather("a", 0, torch.zeros(64))),
+        ("strided", lambda: eng.scatter_accumulate("a", torch.zeros(128, device="cuda:0")[::2])),
+    ):
+        try:
+            call()
+        except odc.LayoutError as e:
+            found[key] = str(e)
+    if torch.cuda.device_count() > 1:
+        try:
+            eng.gather("a", 0, torch.zeros(64, device="cuda:1"))
+        except odc.LayoutError as e:
+            found["other_gpu"] = str(e)
+    return found
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_engine_refuses_cpu_and_other_device_tensors():
+    _need_gpu()
+    for found in H.all_ok(run_ranks(_cuda_mixing, 2, timeout=120)).values():
+        assert "shard is on cpu" in found["cpu_shard"] and "cuda:0" in found["cpu_shard"], found
+        assert "output is on cpu" in found["cpu_out"], found
+        assert "not contiguous" in found["strided"], found
+        if "other_gpu" in found:
+            assert "cuda:1" in found["other_gpu"] and "cuda:0" in found["other_gpu"], found
