@@ -87,12 +87,14 @@ def bucket_dtypes(model):
 
 
 def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, sharding="full"):
-    """AdamW, ``micros`` microbatches per step; returns (losses, norms, params, ODC bucket dtypes or None)."""
+    """AdamW, ``micros`` microbatches per step; returns (losses, norms, params, ODC bucket dtypes or None,
+    ODC transport or None)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    dtypes = None
+    dtypes = transport = None
     if odc_on:
         odc.fsdp.enable(model, opt, timeout=60, sharding=sharding)
         dtypes = bucket_dtypes(model)
+        transport = model._odc_fsdp.engine.transport
     losses, norms = [], []
     for s in range(steps):
         total = 0.0
@@ -110,12 +112,23 @@ def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, shar
     if odc_on:
         odc.fsdp.disable(model)
         params = full_params(model)  # full_tensor() is a gloo collective: after disable is fine
-    return losses, norms, params, dtypes
+    return losses, norms, params, dtypes, transport
 
 
-def parity_worker(rank, world, store, variants):
+def parity_worker(rank, world, store, variants, transport=None):
+    """FSDP2 over gloo, then over ODC, per variant. ``transport`` goes in ``ODC_TRANSPORT`` (emu-ipc runs
+    with jittered emulated streams) and is checked to be one that carries CPU tensors."""
+    if transport is not None:
+        os.environ["ODC_TRANSPORT"] = transport
+        os.environ["ODC_EMU_JITTER_US"] = "50"
     init_pg(rank, world, store)
     out = {}
+    if transport is not None:
+        # cuda-ipc cannot carry a CPU model: refused before anything is registered.
+        try:
+            odc.fsdp.enable(build(world), None, transport="cuda-ipc")
+        except odc.ConfigError as e:
+            out["cuda_ipc_on_cpu"] = str(e)
     for name in variants:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if name == "bf16" else None
         res = {}
@@ -539,3 +552,48 @@ def print_memory_table(world=4, per_node=2, **kw):
                  for k in keys]
         print(f"| {name} | " + " | ".join(cells) + " |")
     return rows
+
+
+# -- CUDA parameters (test_device.py, GPU only) --------------------------------------------------
+
+
+def cuda_fsdp_worker(rank, world, store, steps, micros=2, lr=1e-2):
+    """ODC on CUDA parameters (cuda-ipc picked by odc.fsdp.enable) against a single-process reference on
+    the same GPU. Ranks share GPUs when there are fewer than ranks. Returns this rank's max difference."""
+    os.environ.pop("ODC_TRANSPORT", None)
+    dev = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    init_pg(rank, world, store)  # gloo: ODC replaces FSDP's collectives, the group only builds the mesh
+    torch.manual_seed(0)
+    model = Tiny().to(dev)
+    mesh = init_device_mesh("cuda", (world,))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    odc.fsdp.enable(model, opt, timeout=60)
+    info = {"transport": model._odc_fsdp.engine.transport}
+    for s in range(steps):
+        for m in range(micros):
+            (sample_loss(model, data(s, m, rank).to(dev)) / (27 * micros)).backward()  # FSDP averages over ranks
+        opt.step()
+        info["grad_device"] = str(next(p.grad for p in model.parameters() if p.grad is not None).device)
+        opt.zero_grad()
+    odc.fsdp.disable(model)
+    shards = {k: v.to_local().detach() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    ref = Tiny().to(dev)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+    for s in range(steps):
+        for r in range(world):
+            for m in range(micros):
+                (sample_loss(ref, data(s, m, r).to(dev)) / (27 * micros * world)).backward()
+        ropt.step()
+        ropt.zero_grad()
+    diff = 0.0
+    for k, v in ref.state_dict().items():
+        chunks = torch.chunk(v.detach(), world, dim=0)  # FSDP2's Shard(0) split
+        want = chunks[rank] if rank < len(chunks) else v[:0]
+        diff = max(diff, (shards[k] - want).abs().max().item() if want.numel() else 0.0)
+    info["max_diff"] = diff
+    return info

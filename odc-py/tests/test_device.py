@@ -17,6 +17,7 @@ import torch
 
 import _fsdp_helpers as H
 import odc
+import odc.fsdp
 from _dist import run_ranks
 
 JITTER_US = "200"
@@ -171,6 +172,33 @@ def test_cuda_ipc_engine_refuses_cpu_tensors_naming_them():
             eng._device_buffer(torch.zeros(4), what)
 
 
+def test_fsdp_picks_a_transport_that_carries_the_parameters():
+    from types import SimpleNamespace
+
+    def group(name, device):
+        return SimpleNamespace(name=name, pg=SimpleNamespace(device=torch.device(device)))
+
+    pick = odc.fsdp._pick_transport
+    cpu, gpu = [group("fsdp0:blocks.0", "cpu")], [group("fsdp1:<root>", "cuda:0")]
+    assert pick(cpu, None, "ODC_TRANSPORT", nodes=None) is None  # the engine's default (auto)
+    assert pick(cpu, "emu-ipc", "ODC_TRANSPORT", nodes=1) == "emu-ipc"
+    assert pick(cpu, "shm", "the transport argument", nodes=2) == "shm"
+    with pytest.raises(odc.ConfigError, match=r"'cuda-ipc' \(from ODC_TRANSPORT\) moves CUDA tensors, but fsdp0"):
+        pick(cpu, "cuda-ipc", "ODC_TRANSPORT", nodes=1)
+    for requested in (None, "auto", "cuda-ipc", "CUDA_IPC"):
+        assert pick(gpu, requested, "ODC_TRANSPORT", nodes=1) == "cuda-ipc"
+    assert pick(gpu, None, "ODC_TRANSPORT", nodes=None) == "cuda-ipc"
+    for requested in ("shm", "emu-ipc", "fabric"):
+        with pytest.raises(odc.ConfigError, match=rf"'{requested}' \(from .*\) cannot carry CUDA.*cuda:0"):
+            pick(gpu, requested, "the transport argument", nodes=1)
+    with pytest.raises(odc.ConfigError, match=r"2 nodes.*nvshmem transport for several nodes is not built yet"):
+        pick(gpu, None, "ODC_TRANSPORT", nodes=2)
+    with pytest.raises(odc.ConfigError, match=r"several devices.*fsdp0:blocks.0 on cpu.*fsdp1:<root> on cuda:0"):
+        pick(cpu + gpu, None, "ODC_TRANSPORT", nodes=1)
+    with pytest.raises(odc.ConfigError, match="unknown transport 'nvlink'.*cuda-ipc, emu-ipc"):
+        pick(gpu, "nvlink", "ODC_TRANSPORT", nodes=1)
+
+
 # -- on a GPU ----------------------------------------------------------------------------------------
 
 
@@ -215,3 +243,13 @@ def test_cuda_ipc_engine_refuses_cpu_and_other_device_tensors():
         assert "not contiguous" in found["strided"], found
         if "other_gpu" in found:
             assert "cuda:1" in found["other_gpu"] and "cuda:0" in found["other_gpu"], found
+
+
+@pytest.mark.gpu
+def test_fsdp_on_cuda_parameters_matches_single_process():
+    _need_gpu()
+    out = H.all_ok(run_ranks(H.cuda_fsdp_worker, 2, timeout=300, steps=4))
+    for rank, info in out.items():
+        assert info["transport"] == "cuda-ipc", info["transport"]
+        assert info["grad_device"].startswith("cuda"), info["grad_device"]
+        assert info["max_diff"] < 1e-5, (rank, info["max_diff"])

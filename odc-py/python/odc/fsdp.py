@@ -45,6 +45,18 @@ factor under HSDP covers all D = N·G ranks (AVG on both collectives, or
 PREMUL_SUM(1/f) then SUM), so pushes are scaled by 1/D, ``op.factor``, or
 the post-divide computed over both groups.
 
+Transports. CPU parameters use the engine's default (``shm`` within a node,
+libfabric between nodes) unless told otherwise; CUDA parameters use
+``cuda-ipc`` (published shards, landing slots and accumulators in device
+memory shared between the node's processes; every copy runs on the stream
+FSDP made current for the comm, and the optimizer reads the accumulators in
+place), on one node only: the nvshmem transport for several nodes is not
+built yet. The ``transport=`` argument of :func:`enable`, else
+``ODC_TRANSPORT``, overrides the choice; a transport that cannot carry the
+parameters' tensors (``shm`` for CUDA parameters, ``cuda-ipc`` for CPU ones)
+is refused before anything is registered. ``emu-ipc`` runs CPU parameters
+through cuda-ipc's device code path (host memory and host-thread streams).
+
 Settings whose semantics ODC cannot keep are refused with :class:`odc.ConfigError`:
 2-D meshes under ``sharding="full"``, 1-D meshes under ``sharding="hybrid"``,
 shard groups that are not the ranks of one node, ``reshard_after_forward=int``,
@@ -97,7 +109,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import DTensor
 
-from .engine import Bucket, Engine
+from .engine import TRANSPORTS, Bucket, Engine, _local_world_size, transport_name
 from .errors import ConfigError, LayoutError, ProtocolError
 
 if TYPE_CHECKING:
@@ -159,6 +171,7 @@ class _Binding:
         self.hooks: list[Any] = []
         self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
         self.param_ids = {id(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params}
+        self.device = engine.device  # where the engine's tensors live (the parameters' device)
 
     # -- protocol ------------------------------------------------------------
     def check_open(self, what: str) -> None:
@@ -241,7 +254,7 @@ class _OdcAllGather(AllGather):
             b.engine.gather(g.name, b.version, output_tensor, skip_own=True)
         else:
             # ODC aligns shards to 64 bytes; FSDP packs them densely.
-            tmp = torch.empty(ws, sl, dtype=g.dtype)
+            tmp = torch.empty(ws, sl, dtype=g.dtype, device=output_tensor.device)
             tmp[b.index, :n].copy_(input_tensor)
             b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
             output_tensor.view(ws, n).copy_(tmp[:, :n])
@@ -307,7 +320,7 @@ class _OdcReduceScatter(ReduceScatter):
         if sl == n:
             b.engine.scatter_accumulate(g.name, input_tensor, scale=scale)
         else:
-            tmp = torch.zeros(ws, sl, dtype=input_tensor.dtype)
+            tmp = torch.zeros(ws, sl, dtype=input_tensor.dtype, device=input_tensor.device)
             tmp[:, :n].copy_(input_tensor.view(ws, n))
             b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
         b.pushed = True
@@ -459,15 +472,61 @@ def _install_comms(groups: list[_Group], comms: list[tuple[AllGather, ReduceScat
         g.module.set_custom_reduce_scatter(reduce_scatter)
 
 
-def _check_cpu(groups: list[_Group]) -> None:
-    """Refuses, before anything is registered, parameter groups that live off the CPU."""
-    for g in groups:
-        if g.pg.device.type != "cpu":
+def _param_device(groups: list[_Group]) -> torch.device:
+    """The one device every parameter group lives on (CPU or CUDA)."""
+    devices = {g.pg.device: g.name for g in groups}
+    if len(devices) > 1:
+        where = ", ".join(f"{name} on {dev}" for dev, name in devices.items())
+        raise ConfigError(f"odc.fsdp.enable: the parameter groups live on several devices ({where}); ODC needs one")
+    (device,) = devices
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"odc.fsdp.enable: {groups[0].name} is on {device}; ODC moves CPU tensors (shm, libfabric, emu-ipc) "
+            "and CUDA tensors (cuda-ipc)"
+        )
+    return device
+
+
+def _pick_transport(groups: list[_Group], requested: str | None, source: str, nodes: int | None) -> str | None:
+    """The transport the engine gets for these parameter groups, checked before anything is registered.
+
+    Args:
+        groups: the parameter groups (all on one device).
+        requested: the ``transport=`` argument, else ``ODC_TRANSPORT``, else None.
+        source: where ``requested`` came from (for messages).
+        nodes: how many nodes the ranks span (None: not known yet, not checked).
+
+    Returns:
+        ``"cuda-ipc"`` for CUDA parameters; for CPU ones ``requested`` (None:
+        the engine's default).
+    """
+    device = _param_device(groups)
+    name = transport_name(requested)
+    if name is not None and name not in TRANSPORTS:
+        raise ConfigError(
+            f"odc.fsdp.enable: unknown transport {requested!r} (from {source}); "
+            f"expected one of {', '.join(TRANSPORTS)}"
+        )
+    where = f"{groups[0].name} is on {device}"
+    if device.type == "cuda":
+        if name not in (None, "auto", "cuda-ipc"):
             raise ConfigError(
-                f"odc.fsdp.enable: {g.name} is on {g.pg.device}; ODC moves CPU tensors today (shared memory "
-                "within a node, libfabric between nodes), its CUDA-IPC and NVSHMEM transports are not built yet: "
-                "keep FSDP2's own collectives (nccl) for GPU models"
+                f"odc.fsdp.enable: transport {requested!r} (from {source}) cannot carry CUDA tensors and {where}; "
+                "CUDA parameters take 'cuda-ipc' (the default for them on one node)"
             )
+        if nodes is not None and nodes > 1:
+            raise ConfigError(
+                f"odc.fsdp.enable: {where} and the job spans {nodes} nodes; ODC's cuda-ipc transport serves one "
+                "node, and the nvshmem transport for several nodes is not built yet: keep FSDP2's own "
+                "collectives (nccl) for multi-node GPU models"
+            )
+        return "cuda-ipc"
+    if name == "cuda-ipc":
+        raise ConfigError(
+            f"odc.fsdp.enable: transport {requested!r} (from {source}) moves CUDA tensors, but {where}; "
+            "use 'shm' / 'auto' for CPU parameters ('emu-ipc' runs cuda-ipc's device code path on them)"
+        )
+    return requested
 
 
 def _check_torch_version() -> None:
@@ -502,6 +561,7 @@ def enable(
     sharding: str = "full",
     chunk_bytes: int | None = None,
     timeout: float | None = None,
+    transport: str | None = None,
 ) -> None:
     """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
 
@@ -540,6 +600,10 @@ def enable(
             being every rank (full) or the ranks of its node (hybrid).
         timeout: seconds any wait on a peer may take (default 300 or
             ``ODC_TIMEOUT_S``); past it :class:`odc.PeerTimeout` names the peer.
+        transport: the engine's transport (default ``ODC_TRANSPORT``, else
+            picked by device): CPU parameters get the engine's default
+            (``"auto"``: shm within a node, libfabric between nodes), CUDA
+            parameters ``"cuda-ipc"`` (one node). See :class:`odc.Engine`.
 
     Warns:
         UserWarning: the running torch is not in :data:`TORCH_VERSIONS_CHECKED`.
@@ -549,7 +613,10 @@ def enable(
             ``sharding`` is unknown or does not fit the mesh (a 2-D mesh under
             ``"full"``, a 1-D mesh under ``"hybrid"``, shard groups that are
             not the ranks of one node), or it uses a setting ODC cannot keep
-            (see the module doc).
+            (see the module doc); the parameters live on several devices, on
+            CUDA across several nodes (the nvshmem transport is not built
+            yet), or ``transport`` cannot carry their tensors (``shm`` for
+            CUDA, ``cuda-ipc`` for CPU).
         RegistrationError: ranks built different models.
     """
     _check_torch_version()
@@ -568,7 +635,12 @@ def enable(
     groups = _describe(model, sharding)
     if not groups:
         raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
-    _check_cpu(groups)
+    if transport is not None:
+        requested, source = transport, "the transport argument"
+    else:
+        requested, source = os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT"
+    device = _param_device(groups)
+    _pick_transport(groups, requested, source, nodes=None)
     layout = _node_layout(groups, sharding)
     if layout.world == 1:
         return  # FSDP bypasses both seams at world size 1; nothing to replace
@@ -576,16 +648,25 @@ def enable(
         f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/",
         dist.distributed_c10d._get_default_store(),
     )
+    # Ranks per node: the shard group under hybrid sharding; under full
+    # sharding only CUDA parameters need it now (cuda-ipc serves one node).
+    local = layout.shards if layout.sharding == "hybrid" else None
+    if local is None and device.type == "cuda":
+        local = _local_world_size(store, layout.rank, layout.world, "odc")
+    nodes = layout.world // local if local else None
+    chosen = _pick_transport(groups, requested, source, nodes)
+    kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": timeout, "transport": chosen}
+    if device.type == "cuda":
+        kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":
-        engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid",
-                        chunk_bytes=chunk_bytes, timeout=timeout)
+        engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid", **kw)
     else:
-        engine = Engine(store, layout.rank, layout.world, chunk_bytes=chunk_bytes, timeout=timeout)
+        engine = Engine(store, layout.rank, layout.world, local_world_size=local, **kw)
     ws = layout.shards
     engine.register([Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)])
     for g in groups:
         g.shard_len = engine.bucket(g.name)["shard_len"]
-        g.shard = torch.zeros(g.shard_len, dtype=g.dtype)
+        g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
     b = _Binding(model, groups, engine, layout)
     b.publish_all()  # version 0
     if b.hybrid:
@@ -698,12 +779,13 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
             local += g.abs().pow(norm_type).sum().item()
     info = b.engine.bucket(_NORM_BUCKET)
     sl = info["shard_len"]
-    shard = torch.zeros(sl, dtype=torch.float32)
     hi = torch.tensor(local, dtype=torch.float32)
-    shard[0], shard[1] = hi, torch.tensor(local - hi.double().item(), dtype=torch.float32)
+    words = torch.zeros(sl, dtype=torch.float32)
+    words[0], words[1] = hi, torch.tensor(local - hi.double().item(), dtype=torch.float32)
+    shard = words.to(b.device)  # the engine's device (cuda-ipc: the parameters' GPU)
     version = b.version + 1  # above every version the done words of minibatches <= k imply
     b.engine.publish(_NORM_BUCKET, shard, version)
-    everyone = torch.empty(info["padded_len"], dtype=torch.float32)
+    everyone = torch.empty(info["padded_len"], dtype=torch.float32, device=b.device)
     b.engine.gather(_NORM_BUCKET, version, everyone)
     b.engine.release(_NORM_BUCKET, version)
     parts = everyone.view(b.shards, sl)[:, :2].double().sum(dim=1).tolist()
