@@ -67,6 +67,18 @@ capacity is ``ODC_BACKEND_SCRATCH_MB`` MiB (default 16):
 
 Two engines, because ``finish_minibatch(k)`` releases every bucket at version
 ``k``: on one engine that release would run ahead of the all-gather versions.
+
+CPU tensors only. The group is registered for ``devices=["cpu"]``; CUDA
+models use :func:`odc.fsdp.enable`, whose engine runs on ``cuda-ipc``. Taking
+CUDA tensors here is not a matter of dispatching like :class:`odc.Engine`:
+the scratch buckets are registered eagerly when the group is created, so a
+``cuda`` group would hold a second pair of ``cuda-ipc`` engines (device
+memory on a GPU picked at creation); every reduce-scatter piece ends in a
+``finish_minibatch``, which on a device engine blocks the host until the
+stream drains, so each CUDA reduce-scatter would synchronize the host with
+the GPU once per piece; and the operations delegated to the internal gloo
+backend would need NCCL for CUDA tensors (gloo runs only some collectives on
+them).
 """
 
 from __future__ import annotations
