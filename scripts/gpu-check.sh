@@ -2,7 +2,8 @@
 # Builds and runs ODC's GPU tests where a GPU is present.
 #   scripts/gpu-check.sh                 on a machine without a GPU: says so, exits 0
 #   scripts/gpu-check.sh --require-gpu   ... exits 1 instead
-# With a GPU it runs the odc-kernels and odc-core tests with ODC_REQUIRE_GPU=1
+# With a GPU it runs the odc-kernels and odc-core tests, then the Python
+# device tests (odc-py/tests/test_device.py, test_fsdp.py), with ODC_REQUIRE_GPU=1
 # (a GPU test that cannot find its device fails instead of skipping) and
 # ODC_REQUIRE_NVRTC=1 / ODC_REQUIRE_NVSHMEM=1 (the wheels `make setup` installs).
 set -euo pipefail
@@ -54,7 +55,21 @@ if grep -q '^SKIPPED' "$out"; then
 fi
 if [ "$status" -ne 0 ]; then
     log "FAILED (cargo test exit $status)"
-else
-    log "ok"
+    exit "$status"
 fi
-exit "$status"
+# The Python side of cuda-ipc (odc.Engine and odc.fsdp on CUDA tensors),
+# where the venv exists (make setup).
+if [ -x .venv/bin/python ]; then
+    log "running: pytest odc-py/tests/test_device.py odc-py/tests/test_fsdp.py (GPU tests required)"
+    set +e
+    .venv/bin/python -m pytest -q -rs odc-py/tests/test_device.py odc-py/tests/test_fsdp.py
+    status=$?
+    set -e
+    if [ "$status" -ne 0 ]; then
+        log "FAILED (pytest exit $status)"
+        exit "$status"
+    fi
+else
+    log "no .venv: run make setup for the Python GPU tests"
+fi
+log "ok"
