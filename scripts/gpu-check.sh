@@ -13,7 +13,7 @@ require=0
 for arg in "$@"; do
     case "$arg" in
         --require-gpu) require=1 ;;
-        -h | --help) sed -n '2,7p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,8p' "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument $arg" >&2; exit 2 ;;
     esac
 done
