@@ -37,7 +37,7 @@ impl Engine {
     /// failure is reported at this rank's next finish.
     fn send_after(&self, plane: &dyn Plane, stream: StreamHandle, signals: Signals) -> Result<()> {
         let errors = Arc::clone(&self.inner.server_error);
-        plane.then(
+        plane.ops().then(
             stream,
             Box::new(move || {
                 if let Err(e) = signals.send() {
@@ -80,7 +80,7 @@ impl Engine {
         // SAFETY: the destination is this rank's shard (inside its params
         // region, sized at registration) and every reader released the
         // previous version; the caller vouches for `src`.
-        unsafe { plane.copy(stream, dst, src, bytes)? };
+        unsafe { plane.ops().copy(stream, dst, src, bytes)? };
         self.send_after(plane, stream, self.version_signals(reg, bucket, stamp))
     }
 
@@ -125,7 +125,7 @@ impl Engine {
                 // SAFETY: the owner's shard holds `version` and stays unchanged
                 // until this client's release, which is enqueued after this copy;
                 // the caller vouches for `out`, which covers `elems` elements.
-                unsafe { plane.copy(stream, dst, src, range.len() * size) }
+                unsafe { plane.ops().copy(stream, dst, src, range.len() * size) }
             },
         )
     }
@@ -187,14 +187,14 @@ impl Engine {
         let own = std::mem::replace(&mut push.cursor[me], 0..0);
         if !own.is_empty() {
             let first = b.shard_range(me).start + own.start - offset;
-            let server = plane.server_stream();
+            let server = plane.ops().server_stream();
             let acc = plane.accum() + ((reg.accum_off[bucket.0] + own.start) * 4) as u64;
-            plane.order(server, stream)?;
+            plane.ops().order(server, stream)?;
             // SAFETY: the range lies inside the bucket's accumulator (the
             // overlap of its shard); the daemon's stream runs it after the
             // caller's work so far, and the caller's stream waits for it.
             unsafe {
-                plane.accumulate_on_server(
+                plane.ops().accumulate_on_server(
                     acc,
                     grads + (first * size) as u64,
                     dtype,
@@ -202,7 +202,7 @@ impl Engine {
                     scale,
                 )?
             };
-            plane.order(stream, server)?;
+            plane.ops().order(stream, server)?;
         }
         let lay = &reg.ctrl_layout;
         let mut put = |rank: usize,
@@ -216,7 +216,11 @@ impl Engine {
             // SAFETY: the slot is free (its last chunk was acknowledged) and
             // holds `chunk_bytes`, at least `data.len()`; the caller vouches
             // for `grads`.
-            unsafe { plane.copy(stream, dst, grads + data.start as u64, data.len())? };
+            unsafe {
+                plane
+                    .ops()
+                    .copy(stream, dst, grads + data.start as u64, data.len())?
+            };
             let (transport, errors) = (
                 Arc::clone(&self.inner.transport),
                 Arc::clone(&self.inner.server_error),
@@ -229,7 +233,7 @@ impl Engine {
                     bell: Bell::Server,
                 },
             );
-            plane.then(
+            plane.ops().then(
                 stream,
                 Box::new(move || {
                     if let Err(e) = transport.put_signal(rank, &desc, at, &[&header], sig, seq) {
@@ -247,9 +251,9 @@ impl Engine {
     /// does. On return this rank's accumulators are final in device memory.
     pub fn finish_minibatch_device(&self, k: u64, stream: StreamHandle) -> Result<()> {
         let (reg, plane) = self.device()?;
-        plane.synchronize(stream)?;
+        plane.ops().synchronize(stream)?;
         self.finish_impl(reg, k)?;
-        plane.synchronize(plane.server_stream())
+        plane.ops().synchronize(plane.ops().server_stream())
     }
 
     /// This rank's accumulator of `bucket`: its device address and length
@@ -279,7 +283,7 @@ impl Engine {
             ));
         }
         // SAFETY: `addr` holds `len` f32s of this rank's accumulators.
-        unsafe { plane.read_to_host(addr, crate::bytes_of_mut(out)) }
+        unsafe { plane.ops().read_to_host(addr, crate::bytes_of_mut(out)) }
     }
 
     /// Zeroes the accumulator of `bucket` on the daemon's stream, after the
@@ -288,13 +292,13 @@ impl Engine {
     pub fn zero_grad_device(&self, bucket: BucketId, stream: StreamHandle) -> Result<()> {
         let (addr, len) = self.grad_shard_device(bucket)?;
         let (_, plane) = self.device()?;
-        let server = plane.server_stream();
-        plane.order(server, stream)?;
+        let server = plane.ops().server_stream();
+        plane.ops().order(server, stream)?;
         // SAFETY: `addr` holds `len` f32s of this rank's accumulators; no
         // push adds into them before this rank's next publish, which comes
         // after this on `stream`.
-        unsafe { plane.zero_on_server(addr, len * 4)? };
-        plane.order(stream, server)
+        unsafe { plane.ops().zero_on_server(addr, len * 4)? };
+        plane.ops().order(stream, server)
     }
 
     /// [`zero_grad_device`](Self::zero_grad_device) for every bucket.

@@ -178,8 +178,12 @@ fn add_on_device(
         // SAFETY: `checked_header` put the range inside the bucket's
         // accumulator and the data inside the slot; the client leaves the
         // slot alone until the acknowledgement, enqueued after the add.
-        unsafe { plane.accumulate_on_server(acc, x, h.dtype, h.len as usize, h.scale) }
-            .map_err(|e| format!("rank {peer}: {e}"))?;
+        unsafe {
+            plane
+                .ops()
+                .accumulate_on_server(acc, x, h.dtype, h.len as usize, h.scale)
+        }
+        .map_err(|e| format!("rank {peer}: {e}"))?;
         let (transport, errors) = (
             Arc::clone(&inner.transport),
             Arc::clone(&inner.server_error),
@@ -195,7 +199,8 @@ fn add_on_device(
             }
         });
         plane
-            .then(plane.server_stream(), work)
+            .ops()
+            .then(plane.ops().server_stream(), work)
             .map_err(|e| format!("acknowledging rank {peer}: {e}"))
     });
     if let Err(msg) = enqueued {

@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use half::bf16;
 use odc_core::plane::cuda::CudaBackend;
-use odc_core::plane::{DeviceBackend, StreamHandle};
+use odc_core::plane::{DeviceBackend, DeviceOps, StreamHandle};
 use odc_core::{bytes_of, bytes_of_mut, DType, Error};
 use odc_kernels::cpu::reference;
 use odc_kernels::cuda::cudarc::driver::result as cu;

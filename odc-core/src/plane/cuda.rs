@@ -14,13 +14,13 @@
 //!
 //! | operation | driver call |
 //! |---|---|
-//! | [`copy`](DeviceBackend::copy) | `cuMemcpyDtoDAsync` on the given stream |
-//! | [`accumulate_on_server`](DeviceBackend::accumulate_on_server) | the `accumulate` kernel (f32 accumulator) on the server stream |
-//! | [`zero_on_server`](DeviceBackend::zero_on_server) | `cuMemsetD8Async` on the server stream |
-//! | [`then`](DeviceBackend::then) | `cuLaunchHostFunc` |
-//! | [`order`](DeviceBackend::order) | `cuEventRecord` + `cuStreamWaitEvent` |
-//! | [`synchronize`](DeviceBackend::synchronize) | `cuStreamSynchronize` (blocks) |
-//! | [`read_to_host`](DeviceBackend::read_to_host) | server stream synchronized, then `cuMemcpyDtoH` (blocks) |
+//! | [`copy`](DeviceOps::copy) | `cuMemcpyDtoDAsync` on the given stream |
+//! | [`accumulate_on_server`](DeviceOps::accumulate_on_server) | the `accumulate` kernel (f32 accumulator) on the server stream |
+//! | [`zero_on_server`](DeviceOps::zero_on_server) | `cuMemsetD8Async` on the server stream |
+//! | [`then`](DeviceOps::then) | `cuLaunchHostFunc` |
+//! | [`order`](DeviceOps::order) | `cuEventRecord` + `cuStreamWaitEvent` |
+//! | [`synchronize`](DeviceOps::synchronize) | `cuStreamSynchronize` (blocks) |
+//! | [`read_to_host`](DeviceOps::read_to_host) | server stream synchronized, then `cuMemcpyDtoH` (blocks) |
 //!
 //! Without a driver, a device, a driver function or NVRTC,
 //! [`CudaBackend::open`] returns [`Error::GpuUnavailable`] naming what is
@@ -36,7 +36,7 @@ use std::sync::Arc;
 use odc_kernels::cuda::{CudaKernels, CudaStream};
 use odc_kernels::DType;
 
-use super::{DeviceBackend, HostWork, StreamHandle};
+use super::{DeviceBackend, DeviceOps, HostWork, StreamHandle};
 use crate::gpu::device::{cuda, Gpu, Stream};
 use crate::gpu::Missing;
 use crate::{Error, Result};
@@ -47,7 +47,7 @@ use crate::{Error, Result};
 /// trainer's thread both call it, concurrently. Dropping the last reference
 /// waits for the server stream and releases the stream, the kernels and
 /// the context: driver calls, so it must not happen inside a host function
-/// ([`DeviceBackend::then`]).
+/// ([`DeviceOps::then`]).
 pub struct CudaBackend {
     // Fields drop in this order: the stream (synchronized in `Drop` first),
     // then the kernels' module, then the context.
@@ -182,12 +182,14 @@ unsafe extern "C" fn run_host_work(data: *mut c_void) {
 impl DeviceBackend for CudaBackend {
     type Memory = Arc<Gpu>;
 
-    fn name(&self) -> &'static str {
-        "cuda-ipc"
-    }
-
     fn memory(&self) -> &Arc<Gpu> {
         &self.gpu
+    }
+}
+
+impl DeviceOps for CudaBackend {
+    fn name(&self) -> &'static str {
+        "cuda-ipc"
     }
 
     fn server_stream(&self) -> StreamHandle {

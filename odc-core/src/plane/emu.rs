@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use odc_kernels::DType;
 
-use super::{DeviceBackend, HostWork, StreamHandle};
+use super::{DeviceBackend, DeviceOps, HostWork, StreamHandle};
 use crate::gpu::ipc::MemfdMemory;
 use crate::{Error, Result};
 
@@ -260,12 +260,14 @@ impl EmuBackend {
 impl DeviceBackend for EmuBackend {
     type Memory = MemfdMemory;
 
-    fn name(&self) -> &'static str {
-        "emu-ipc"
-    }
-
     fn memory(&self) -> &MemfdMemory {
         &self.memory
+    }
+}
+
+impl DeviceOps for EmuBackend {
+    fn name(&self) -> &'static str {
+        "emu-ipc"
     }
 
     fn server_stream(&self) -> StreamHandle {

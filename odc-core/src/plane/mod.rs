@@ -12,7 +12,7 @@
 //!
 //! Every data operation is enqueued on a **stream** and returns before it
 //! runs. A signal that tells a peer the data is there is enqueued on the same
-//! stream after the data ([`DeviceBackend::then`], a host function that
+//! stream after the data ([`DeviceOps::then`], a host function that
 //! runs once the work before it has completed), so no signal can overtake
 //! the bytes it announces and no thread waits for a copy:
 //!
@@ -54,20 +54,24 @@ pub type StreamHandle = usize;
 /// A host function enqueued on a stream.
 pub type HostWork = Box<dyn FnOnce() + Send + 'static>;
 
-/// What a device backend provides: shareable memory and stream operations.
+/// What a device backend provides: shareable memory ([`DeviceBackend`])
+/// and the stream operations the engine runs on it ([`DeviceOps`]).
+pub trait DeviceBackend: DeviceOps + 'static {
+    /// The memory provider regions are allocated from and exchanged with.
+    type Memory: SharedMemory;
+
+    /// The memory provider.
+    fn memory(&self) -> &Self::Memory;
+}
+
+/// A device backend's stream operations (object safe).
 ///
 /// Addresses are the backend's (device addresses for CUDA); every
 /// operation is enqueued on a stream and returns before it runs, unless it
 /// says otherwise.
-pub trait DeviceBackend: Send + Sync + fmt::Debug + 'static {
-    /// The memory provider regions are allocated from and exchanged with.
-    type Memory: SharedMemory;
-
+pub trait DeviceOps: Send + Sync + fmt::Debug {
     /// Transport name (`"cuda-ipc"`, `"emu-ipc"`).
     fn name(&self) -> &'static str;
-
-    /// The memory provider.
-    fn memory(&self) -> &Self::Memory;
 
     /// The stream the shard server daemon enqueues on (the backend owns it).
     fn server_stream(&self) -> StreamHandle;
@@ -136,51 +140,16 @@ pub struct DataSizes {
 const DATA_REGIONS: [u32; 3] = [1, 3, 2];
 
 /// What the engine uses: the data regions of every rank of the shard group,
-/// mapped here, and the backend's operations (object safe).
+/// mapped here, and the backend's operations.
 pub trait Plane: Send + Sync + fmt::Debug {
-    /// Transport name.
-    fn name(&self) -> &'static str;
+    /// The backend's stream operations.
+    fn ops(&self) -> &dyn DeviceOps;
     /// Address of byte 0 of `rank`'s params region (`rank` global).
     fn params(&self, rank: usize) -> Option<u64>;
     /// Address of byte 0 of `rank`'s landing region.
     fn landing(&self, rank: usize) -> Option<u64>;
     /// Address of byte 0 of this rank's accumulators.
     fn accum(&self) -> u64;
-    /// See [`DeviceBackend::server_stream`].
-    fn server_stream(&self) -> StreamHandle;
-    /// See [`DeviceBackend::copy`].
-    ///
-    /// # Safety
-    /// As [`DeviceBackend::copy`].
-    unsafe fn copy(&self, stream: StreamHandle, dst: u64, src: u64, len: usize) -> Result<()>;
-    /// See [`DeviceBackend::accumulate_on_server`].
-    ///
-    /// # Safety
-    /// As [`DeviceBackend::accumulate_on_server`].
-    unsafe fn accumulate_on_server(
-        &self,
-        acc: u64,
-        x: u64,
-        x_dtype: DType,
-        n: usize,
-        scale: f32,
-    ) -> Result<()>;
-    /// See [`DeviceBackend::zero_on_server`].
-    ///
-    /// # Safety
-    /// As [`DeviceBackend::zero_on_server`].
-    unsafe fn zero_on_server(&self, dst: u64, len: usize) -> Result<()>;
-    /// See [`DeviceBackend::then`].
-    fn then(&self, stream: StreamHandle, work: HostWork) -> Result<()>;
-    /// See [`DeviceBackend::order`].
-    fn order(&self, waiter: StreamHandle, after: StreamHandle) -> Result<()>;
-    /// See [`DeviceBackend::synchronize`].
-    fn synchronize(&self, stream: StreamHandle) -> Result<()>;
-    /// See [`DeviceBackend::read_to_host`].
-    ///
-    /// # Safety
-    /// As [`DeviceBackend::read_to_host`].
-    unsafe fn read_to_host(&self, src: u64, dst: &mut [u8]) -> Result<()>;
 }
 
 /// A backend before registration: connects the data regions once their
@@ -223,7 +192,7 @@ impl<B: DeviceBackend> fmt::Debug for IpcPlane<B> {
 
 impl<B: DeviceBackend> Connect for std::sync::Arc<B> {
     fn name(&self) -> &'static str {
-        B::name(self)
+        DeviceOps::name(self.as_ref())
     }
 
     fn connect(
@@ -271,8 +240,8 @@ impl<B: DeviceBackend> Drop for IpcPlane<B> {
 }
 
 impl<B: DeviceBackend> Plane for IpcPlane<B> {
-    fn name(&self) -> &'static str {
-        self.backend.name()
+    fn ops(&self) -> &dyn DeviceOps {
+        self.backend.as_ref()
     }
     fn params(&self, rank: usize) -> Option<u64> {
         self.regions.addr(self.rank, rank, 0)
@@ -282,41 +251,6 @@ impl<B: DeviceBackend> Plane for IpcPlane<B> {
     }
     fn accum(&self) -> u64 {
         B::Memory::region_addr(&self.regions.local[2])
-    }
-    fn server_stream(&self) -> StreamHandle {
-        self.backend.server_stream()
-    }
-    unsafe fn copy(&self, stream: StreamHandle, dst: u64, src: u64, len: usize) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.backend.copy(stream, dst, src, len) }
-    }
-    unsafe fn accumulate_on_server(
-        &self,
-        acc: u64,
-        x: u64,
-        x_dtype: DType,
-        n: usize,
-        scale: f32,
-    ) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.backend.accumulate_on_server(acc, x, x_dtype, n, scale) }
-    }
-    unsafe fn zero_on_server(&self, dst: u64, len: usize) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.backend.zero_on_server(dst, len) }
-    }
-    fn then(&self, stream: StreamHandle, work: HostWork) -> Result<()> {
-        self.backend.then(stream, work)
-    }
-    fn order(&self, waiter: StreamHandle, after: StreamHandle) -> Result<()> {
-        self.backend.order(waiter, after)
-    }
-    fn synchronize(&self, stream: StreamHandle) -> Result<()> {
-        self.backend.synchronize(stream)
-    }
-    unsafe fn read_to_host(&self, src: u64, dst: &mut [u8]) -> Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.backend.read_to_host(src, dst) }
     }
 }
 
