@@ -7,7 +7,7 @@
 
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 
 use odc_kernels::DType;
 
@@ -63,26 +63,21 @@ pub(crate) fn check_shard_len(bucket: &BucketLayout, bytes: usize) -> Result<()>
     Ok(())
 }
 
-/// Pure signals (no data) of one value into one word of several ranks'
-/// control regions, sent now or later by work on a stream.
+/// Pure signals (no data) of one value into one word of every shard-group
+/// rank's control region, sent now or later by work on a stream. Building
+/// one allocates nothing (two reference counts).
 pub(crate) struct Signals {
     transport: Arc<dyn Transport>,
-    targets: Vec<(usize, RegionDesc)>,
+    targets: Arc<[(usize, RegionDesc)]>,
     sig: SignalRef,
     value: u64,
 }
 
 impl Signals {
-    pub(crate) fn new(
-        inner: &Inner,
-        reg: &Registered,
-        ranks: impl Iterator<Item = usize>,
-        offset: usize,
-        value: u64,
-    ) -> Signals {
+    pub(crate) fn new(inner: &Inner, reg: &Registered, offset: usize, value: u64) -> Signals {
         Signals {
             transport: Arc::clone(&inner.transport),
-            targets: ranks.map(|r| (r, reg.peer_ctrl[r])).collect(),
+            targets: Arc::clone(&reg.group_ctrl),
             sig: SignalRef {
                 offset,
                 bell: Bell::Client,
@@ -92,7 +87,7 @@ impl Signals {
     }
 
     pub(crate) fn send(&self) -> Result<()> {
-        for (rank, desc) in &self.targets {
+        for (rank, desc) in self.targets.iter() {
             self.transport
                 .put_signal(*rank, desc, 0, &[], self.sig, self.value)?;
         }
@@ -158,9 +153,8 @@ impl Engine {
         bucket: BucketId,
         stamp: u64,
     ) -> Signals {
-        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
-        let offset = lay.seen_version(gs.me, bucket.0);
-        Signals::new(&self.inner, reg, gs.group.iter().copied(), offset, stamp)
+        let offset = reg.ctrl_layout.seen_version(reg.groups.me, bucket.0);
+        Signals::new(&self.inner, reg, offset, stamp)
     }
 
     /// The part of a publish before the copy: checks that `version`
@@ -363,8 +357,7 @@ impl Engine {
         }
         let (me, lay) = (reg.groups.me, &reg.ctrl_layout);
         let offset = lay.released(me, bucket.0);
-        let owners = reg.groups.group.iter().copied();
-        Ok(Some(Signals::new(&self.inner, reg, owners, offset, stamp)))
+        Ok(Some(Signals::new(&self.inner, reg, offset, stamp)))
     }
 
     /// Pushes the full-bucket gradient `grads` (`numel` or `D * shard_len`
@@ -400,22 +393,12 @@ impl Engine {
     ) -> Result<()> {
         let reg = self.reg()?;
         let b = reg.bucket(bucket)?;
-        let elems = elems_of(b, grads.len(), dtype, "gradient")?;
-        let end = crate::client_device::check_range(b, offset, elems)?;
-        let mut guard = self
-            .push
-            .lock()
-            .map_err(|_| Error::protocol(Some(b.name()), "a push panicked"))?;
-        let push = &mut *guard;
-        // Owners are indexed by their place in the shard group.
-        let (me, world) = (reg.groups.me, reg.groups.group.len());
-        let size = dtype.size_bytes();
-        for o in 0..world {
-            push.cursor[o] = b.shard_overlap(o, offset, end);
-        }
         // This rank's own slice goes to its own server as a pointer into
         // `grads` (see `handoff`), not through a landing slot.
-        let own = std::mem::replace(&mut push.cursor[me], 0..0);
+        let (mut guard, own) = self.start_push(reg, b, offset, grads.len(), dtype)?;
+        let push = &mut *guard;
+        let me = reg.groups.me;
+        let size = dtype.size_bytes();
         let mut put =
             |rank: usize, slot: usize, seq: u64, header: [u8; HEADER_BYTES], data: Range<usize>| {
                 let lay = &reg.ctrl_layout;
@@ -462,6 +445,33 @@ impl Engine {
             self.inner.own.revoke(gen);
         }
         pushed.and(added)
+    }
+
+    /// The start of a push of `bytes` of `dtype` from element `offset` of
+    /// bucket `b`: checks the range, takes the push lock, points every
+    /// owner's cursor at its part, and takes this rank's own part out of
+    /// them (it never goes through a landing slot). Returns the lock and the
+    /// own part, in elements of this rank's shard.
+    pub(crate) fn start_push(
+        &self,
+        reg: &Registered,
+        b: &BucketLayout,
+        offset: usize,
+        bytes: usize,
+        dtype: DType,
+    ) -> Result<(MutexGuard<'_, PushState>, Range<usize>)> {
+        let elems = elems_of(b, bytes, dtype, "gradient")?;
+        let end = b.check_range(offset, elems)?;
+        let mut push = self
+            .push
+            .lock()
+            .map_err(|_| Error::protocol(Some(b.name()), "a push panicked"))?;
+        // Owners are indexed by their place in the shard group.
+        for o in 0..reg.groups.group.len() {
+            push.cursor[o] = b.shard_overlap(o, offset, end);
+        }
+        let own = std::mem::replace(&mut push.cursor[reg.groups.me], 0..0);
+        Ok((push, own))
     }
 
     /// Pushes every peer's part of a gradient (per `push.cursor`) through
@@ -591,14 +601,7 @@ impl Engine {
             for r in &reg.released {
                 r.fetch_max(stamp, Ordering::AcqRel);
             }
-            Signals::new(
-                &self.inner,
-                reg,
-                gs.group.iter().copied(),
-                lay.done(me),
-                stamp,
-            )
-            .send()?;
+            Signals::new(&self.inner, reg, lay.done(me), stamp).send()?;
         }
         self.inner.wait(
             None,

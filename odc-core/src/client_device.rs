@@ -14,7 +14,6 @@ use odc_kernels::DType;
 use crate::client::Signals;
 use crate::control::HEADER_BYTES;
 use crate::engine::{record_error, BucketId, Engine, Registered};
-use crate::layout::BucketLayout;
 use crate::plane::{Plane, StreamHandle};
 use crate::region::{Bell, SignalRef};
 use crate::{Error, Result};
@@ -172,23 +171,14 @@ impl Engine {
     ) -> Result<()> {
         let (reg, plane) = self.device()?;
         let b = reg.bucket(bucket)?;
-        let elems = crate::client::elems_of(b, bytes, dtype, "gradient")?;
-        let end = check_range(b, offset, elems)?;
-        let mut guard = self
-            .push
-            .lock()
-            .map_err(|_| Error::protocol(Some(b.name()), "a push panicked"))?;
+        let (mut guard, own) = self.start_push(reg, b, offset, bytes, dtype)?;
         let push = &mut *guard;
-        let (me, world) = (reg.groups.me, reg.groups.group.len());
+        let me = reg.groups.me;
         let size = dtype.size_bytes();
-        for o in 0..world {
-            push.cursor[o] = b.shard_overlap(o, offset, end);
-        }
-        let own = std::mem::replace(&mut push.cursor[me], 0..0);
         if !own.is_empty() {
             let first = b.shard_range(me).start + own.start - offset;
             let server = plane.ops().server_stream();
-            let acc = plane.accum() + ((reg.accum_off[bucket.0] + own.start) * 4) as u64;
+            let acc = accum_addr(reg, plane, bucket.0, own.start);
             plane.ops().order(server, stream)?;
             // SAFETY: the range lies inside the bucket's accumulator (the
             // overlap of its shard); the daemon's stream runs it after the
@@ -260,19 +250,21 @@ impl Engine {
     /// in f32 elements, valid for the engine's lifetime (the optimizer step
     /// reads it between a finish and the next publish).
     pub fn grad_shard_device(&self, bucket: BucketId) -> Result<(u64, usize)> {
+        let (_, addr, len) = self.device_grad(bucket)?;
+        Ok((addr, len))
+    }
+
+    /// The plane, and the address and length of `bucket`'s accumulator.
+    fn device_grad(&self, bucket: BucketId) -> Result<(&dyn Plane, u64, usize)> {
         let (reg, plane) = self.device()?;
-        let b = reg.bucket(bucket)?;
-        Ok((
-            plane.accum() + (reg.accum_off[bucket.0] * 4) as u64,
-            b.shard_len(),
-        ))
+        let len = reg.bucket(bucket)?.shard_len();
+        Ok((plane, accum_addr(reg, plane, bucket.0, 0), len))
     }
 
     /// Copies this rank's accumulator of `bucket` into host memory (after
     /// the daemon's stream has run everything enqueued on it).
     pub fn read_grad_shard_device(&self, bucket: BucketId, out: &mut [f32]) -> Result<()> {
-        let (addr, len) = self.grad_shard_device(bucket)?;
-        let (_, plane) = self.device()?;
+        let (plane, addr, len) = self.device_grad(bucket)?;
         if out.len() != len {
             return Err(Error::layout(
                 Some(self.bucket(bucket)?.name()),
@@ -290,15 +282,15 @@ impl Engine {
     /// work enqueued on `stream` so far (the optimizer step that read it);
     /// `stream`'s later work sees the zeros.
     pub fn zero_grad_device(&self, bucket: BucketId, stream: StreamHandle) -> Result<()> {
-        let (addr, len) = self.grad_shard_device(bucket)?;
-        let (_, plane) = self.device()?;
-        let server = plane.ops().server_stream();
-        plane.ops().order(server, stream)?;
+        let (plane, addr, len) = self.device_grad(bucket)?;
+        let ops = plane.ops();
+        let server = ops.server_stream();
+        ops.order(server, stream)?;
         // SAFETY: `addr` holds `len` f32s of this rank's accumulators; no
         // push adds into them before this rank's next publish, which comes
         // after this on `stream`.
-        unsafe { plane.ops().zero_on_server(addr, len * 4)? };
-        plane.ops().order(stream, server)
+        unsafe { ops.zero_on_server(addr, len * 4)? };
+        ops.order(stream, server)
     }
 
     /// [`zero_grad_device`](Self::zero_grad_device) for every bucket.
@@ -308,24 +300,12 @@ impl Engine {
     }
 }
 
+/// Device address of element `elem` of bucket `bucket`'s f32 accumulator.
+pub(crate) fn accum_addr(reg: &Registered, plane: &dyn Plane, bucket: usize, elem: usize) -> u64 {
+    plane.accum() + ((reg.accum_off[bucket] + elem) * 4) as u64
+}
+
 /// A region address the plane must have.
 fn plane_addr(addr: Option<u64>, rank: usize, what: &str) -> Result<u64> {
     addr.ok_or_else(|| Error::protocol(None, format!("rank {rank} has no mapped {what} region")))
-}
-
-/// Checks that `elems` elements at `offset` fit the padded bucket; returns
-/// the end.
-pub(crate) fn check_range(b: &BucketLayout, offset: usize, elems: usize) -> Result<usize> {
-    offset
-        .checked_add(elems)
-        .filter(|&e| e <= b.padded_len())
-        .ok_or_else(|| {
-            Error::layout(
-                Some(b.name()),
-                format!(
-                    "{elems} elements at offset {offset} overrun the padded bucket of {} elements",
-                    b.padded_len()
-                ),
-            )
-        })
 }

@@ -189,6 +189,9 @@ pub(crate) struct Registered {
     /// the rank is one of this rank's replicas.
     pub(crate) peer_accum: Vec<Option<RegionDesc>>,
     pub(crate) peer_ctrl: Vec<RegionDesc>,
+    /// Every shard-group rank with its control region's descriptor: where
+    /// version, release and done signals go ([`crate::client::Signals`]).
+    pub(crate) group_ctrl: Arc<[(usize, RegionDesc)]>,
     pub(crate) peer_params: Vec<RegionDesc>,
     pub(crate) peer_pid: Vec<u32>,
     /// Device transports: every rank's data regions (the host `params`,
@@ -670,6 +673,7 @@ impl Engine {
             }
         };
         let nb = buckets.len();
+        let group_ctrl = groups.group.iter().map(|&r| (r, peer_ctrl[r])).collect();
         let reg = Registered {
             groups,
             buckets,
@@ -684,6 +688,7 @@ impl Engine {
             accum_len,
             peer_accum,
             peer_ctrl,
+            group_ctrl,
             peer_params,
             peer_pid,
             plane,

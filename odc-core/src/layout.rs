@@ -132,6 +132,23 @@ impl BucketLayout {
         }
     }
 
+    /// Checks that `elems` elements starting at element `offset` fit the
+    /// padded bucket; returns the end.
+    pub fn check_range(&self, offset: usize, elems: usize) -> Result<usize> {
+        offset
+            .checked_add(elems)
+            .filter(|&e| e <= self.padded_len())
+            .ok_or_else(|| {
+                Error::layout(
+                    Some(self.name()),
+                    format!(
+                        "{elems} elements at offset {offset} overrun the padded bucket of {} elements",
+                        self.padded_len()
+                    ),
+                )
+            })
+    }
+
     /// The part of shard `rank` covered by `[start, end)` of the bucket, as a
     /// range relative to the shard's first element; empty when they miss.
     pub fn shard_overlap(&self, rank: usize, start: usize, end: usize) -> Range<usize> {

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use odc_kernels::cpu::accumulate_into_f32;
 use odc_kernels::DType;
 
+use crate::client_device::accum_addr;
 use crate::control::{SlotHeader, HEADER_BYTES};
 use crate::engine::{load, record_error, Inner, Registered};
 use crate::handoff::OwnSlice;
@@ -174,7 +175,7 @@ fn add_on_device(
             .landing(me)
             .ok_or_else(|| format!("rank {me} has no landing region"))?;
         let x = landing + lay.landing_data(client, slot) as u64;
-        let acc = plane.accum() + ((reg.accum_off[b] + h.offset as usize) * 4) as u64;
+        let acc = accum_addr(reg, plane, b, h.offset as usize);
         // SAFETY: `checked_header` put the range inside the bucket's
         // accumulator and the data inside the slot; the client leaves the
         // slot alone until the acknowledgement, enqueued after the add.
