@@ -48,7 +48,7 @@ cargo test -p odc-kernels -p odc-core -- --nocapture 2>&1 | tee "$out"
 status=${PIPESTATUS[0]}
 set -e
 log "GPU tests that ran:"
-grep -E '^test (accumulate_matches|cast_matches|bad_device_buffers|kernels_without_a_device|probe_|every_symbol|repr_c_types|gpu::|gpu_device_|plane::cuda::|cuda_plane_|gpu_engine_|driver_calls_match)' "$out" | sed 's/^/[gpu-check]   /' || true
+grep -E '^test (accumulate_matches|cast_matches|bad_device_buffers|kernels_without_a_device|probe_|every_symbol|repr_c_types|gpu::|gpu_device_|plane::cuda::|plane::nvshmem::|cuda_plane_|gpu_engine_|driver_calls_match)' "$out" | sed 's/^/[gpu-check]   /' || true
 if grep -q '^SKIPPED' "$out"; then
     log "skipped:"
     grep '^SKIPPED' "$out" | sed 's/^/[gpu-check]   /'

@@ -74,8 +74,7 @@ impl Engine {
             .lock()
             .map_err(|_| Error::protocol(Some(b.name()), "a publish panicked"))?;
         let stamp = self.publish_wait(reg, b, bucket, version)?;
-        let dst = plane_addr(plane.params(self.rank()), self.rank(), "params")?
-            + reg.params_off[bucket.0] as u64;
+        let dst = plane.local_params() + reg.params_off[bucket.0] as u64;
         // SAFETY: the destination is this rank's shard (inside its params
         // region, sized at registration) and every reader released the
         // previous version; the caller vouches for `src`.
@@ -110,7 +109,7 @@ impl Engine {
         crate::client::check_dtype(b, dtype, "output")?;
         let elems = b.check_full_len(crate::client::elems_of(b, bytes, dtype, "output")?)?;
         let size = dtype.size_bytes();
-        let off = reg.params_off[bucket.0] as u64;
+        let off = reg.params_off[bucket.0];
         self.gather_with(
             reg,
             b,
@@ -119,12 +118,11 @@ impl Engine {
             elems,
             skip_own,
             &mut |rank, range| {
-                let src = plane_addr(plane.params(rank), rank, "params")? + off;
                 let dst = out + (range.start * size) as u64;
                 // SAFETY: the owner's shard holds `version` and stays unchanged
-                // until this client's release, which is enqueued after this copy;
+                // until this client's release, which is enqueued after this read;
                 // the caller vouches for `out`, which covers `elems` elements.
-                unsafe { plane.ops().copy(stream, dst, src, range.len() * size) }
+                unsafe { plane.get_params(stream, dst, rank, off, range.len() * size) }
             },
         )
     }
@@ -201,16 +199,20 @@ impl Engine {
                        header: [u8; HEADER_BYTES],
                        data: std::ops::Range<usize>|
          -> Result<()> {
-            let dst = plane_addr(plane.landing(rank), rank, "landing")?
-                + lay.landing_data(me, slot) as u64;
             // SAFETY: the slot is free (its last chunk was acknowledged) and
             // holds `chunk_bytes`, at least `data.len()`; the caller vouches
             // for `grads`.
             unsafe {
-                plane
-                    .ops()
-                    .copy(stream, dst, grads + data.start as u64, data.len())?
+                plane.put_landing(
+                    stream,
+                    rank,
+                    lay.landing_data(me, slot),
+                    grads + data.start as u64,
+                    data.len(),
+                )?
             };
+            // The signal below announces the chunk: it must have arrived.
+            plane.deliver(stream)?;
             let (transport, errors) = (
                 Arc::clone(&self.inner.transport),
                 Arc::clone(&self.inner.server_error),
@@ -303,9 +305,4 @@ impl Engine {
 /// Device address of element `elem` of bucket `bucket`'s f32 accumulator.
 pub(crate) fn accum_addr(reg: &Registered, plane: &dyn Plane, bucket: usize, elem: usize) -> u64 {
     plane.accum() + ((reg.accum_off[bucket] + elem) * 4) as u64
-}
-
-/// A region address the plane must have.
-fn plane_addr(addr: Option<u64>, rank: usize, what: &str) -> Result<u64> {
-    addr.ok_or_else(|| Error::protocol(None, format!("rank {rank} has no mapped {what} region")))
 }

@@ -404,8 +404,18 @@ impl Engine {
             &job_id,
             config.timeout,
         )?;
+        let groups = Groups::new(&topology, config.sharding);
+        if config.transport.is_device() && groups.replicas.len() > 1 {
+            return Err(Error::Config(format!(
+                "{} sharding over {} nodes reduces the replicas' accumulators in host memory, \
+                 which the {} transport does not keep: use full sharding (or a host transport)",
+                config.sharding.name(),
+                topology.nodes(),
+                config.transport.name()
+            )));
+        }
         let device = crate::plane::create(config.transport, &topology, config.device)?;
-        let world = Groups::new(&topology, config.sharding).group.len();
+        let world = groups.group.len();
         Ok(Engine {
             inner: Arc::new(Inner {
                 topo: topology,

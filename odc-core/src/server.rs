@@ -170,11 +170,7 @@ fn add_on_device(
     let peer = reg.groups.group[client];
     let lay = &reg.ctrl_layout;
     let enqueued = checked_header(reg, client, slot, seq).and_then(|(h, b)| {
-        let me = reg.groups.group[reg.groups.me];
-        let landing = plane
-            .landing(me)
-            .ok_or_else(|| format!("rank {me} has no landing region"))?;
-        let x = landing + lay.landing_data(client, slot) as u64;
+        let x = plane.local_landing() + lay.landing_data(client, slot) as u64;
         let acc = accum_addr(reg, plane, b, h.offset as usize);
         // SAFETY: `checked_header` put the range inside the bucket's
         // accumulator and the data inside the slot; the client leaves the

@@ -1,6 +1,8 @@
-//! The device data path (`*_device` calls) on the `emu-ipc` transport: the
-//! protocol `cuda-ipc` runs, with host memory for device memory and
-//! threads for streams that sleep a random while before every operation.
+//! The device data path (`*_device` calls) on the `emu-ipc` and `emu-shmem`
+//! transports: the protocol `cuda-ipc` and `nvshmem` run, with host memory
+//! for device memory and threads for streams that sleep a random while
+//! before every operation (and, for `emu-shmem`, puts to another node that
+//! arrive only at the stream's next deliver).
 //! Every copy, add and stream-sent signal therefore runs after the call
 //! that enqueued it returned, in an order only the streams fix; a signal
 //! sent ahead of its data would let a peer read stale bytes, and the
@@ -32,6 +34,15 @@ fn run_ranks<F>(world: usize, key: &str, transport: TransportKind, f: F)
 where
     F: Fn(Engine) + Send + Sync + 'static,
 {
+    run_nodes(world, world, key, transport, f)
+}
+
+/// Runs `f(engine)` on `world` thread-ranks, `local_world` per (emulated)
+/// node.
+fn run_nodes<F>(world: usize, local_world: usize, key: &str, transport: TransportKind, f: F)
+where
+    F: Fn(Engine) + Send + Sync + 'static,
+{
     // The daemons' streams sleep too (read at engine creation; the same
     // value for every test of this file).
     std::env::set_var("ODC_EMU_JITTER_US", "300");
@@ -42,7 +53,7 @@ where
             let store = Arc::new(FileStore::new(dir.path()).unwrap());
             let (f, key) = (Arc::clone(&f), key.to_owned());
             std::thread::spawn(move || {
-                let topo = Topology::single_node(rank, world).unwrap();
+                let topo = Topology::new(rank, world, local_world).unwrap();
                 f(Engine::new(store, topo, config(&key, transport)).unwrap())
             })
         })
@@ -64,6 +75,34 @@ fn to_bf16(x: f32) -> u16 {
 fn gather_and_scatter_are_exact_with_asynchronous_streams() {
     run_ranks(3, "dev_exact", TransportKind::EmuIpc, |e| {
         assert_eq!(e.transport_name(), "emu-ipc");
+        exact(e)
+    });
+}
+
+#[test]
+fn emu_shmem_on_one_node_is_exact() {
+    run_ranks(2, "shmem_one", TransportKind::EmuShmem, |e| {
+        assert_eq!(e.transport_name(), "emu-shmem");
+        exact(e)
+    });
+}
+
+/// Two emulated nodes of two ranks: control words over shm within a node
+/// and libfabric (tcp, loopback) across; puts to the other node land only
+/// at a deliver.
+#[cfg(feature = "fabric")]
+#[test]
+fn emu_shmem_across_nodes_is_exact() {
+    run_nodes(4, 2, "shmem_nodes", TransportKind::EmuShmem, |e| {
+        assert_eq!(e.transport_name(), "emu-shmem");
+        exact(e)
+    });
+}
+
+/// Four minibatches of gathers and uneven, partial pushes (f32 and bf16),
+/// checked element for element.
+fn exact(e: Engine) {
+    {
         assert!(e.is_device());
         let (rank, world) = (e.rank(), e.world());
         let stream = EmuStream::new(Duration::from_micros(400)).unwrap();
@@ -169,7 +208,7 @@ fn gather_and_scatter_are_exact_with_asynchronous_streams() {
             e.zero_grads_device(s).unwrap();
             stream.synchronize().unwrap();
         }
-    });
+    }
 }
 
 #[test]
@@ -254,13 +293,28 @@ fn host_and_device_calls_are_not_mixed() {
 }
 
 #[test]
-fn device_transports_reach_one_node_only() {
+fn ipc_transports_reach_one_node_only() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(FileStore::new(dir.path()).unwrap());
     let topo = Topology::new(0, 4, 2).unwrap();
     let err = Engine::new(store, topo, config("dev_nodes", TransportKind::EmuIpc)).unwrap_err();
     assert!(matches!(err, Error::Config(_)), "{err}");
     assert!(err.to_string().contains("one node"), "{err}");
+    assert!(err.to_string().contains("nvshmem"), "{err}");
+}
+
+#[test]
+fn hybrid_sharding_across_nodes_is_refused_on_device_transports() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(FileStore::new(dir.path()).unwrap());
+    let topo = Topology::new(0, 4, 2).unwrap();
+    let cfg = EngineConfig {
+        sharding: odc_core::Sharding::Hybrid,
+        ..config("dev_hybrid", TransportKind::EmuShmem)
+    };
+    let err = Engine::new(store, topo, cfg).unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert!(err.to_string().contains("full sharding"), "{err}");
 }
 
 #[test]
@@ -270,7 +324,29 @@ fn a_release_on_the_stream_holds_the_owner_until_the_copies_ran() {
     // version. The readers' copies run late (their streams sleep), so a
     // release sent ahead of them would let version v + 1 land in the shard
     // before version v was copied out.
-    run_ranks(2, "dev_release", TransportKind::EmuIpc, |e| {
+    run_ranks(
+        2,
+        "dev_release",
+        TransportKind::EmuIpc,
+        release_holds_the_owner,
+    );
+}
+
+/// As above, with every reader on the other node.
+#[cfg(feature = "fabric")]
+#[test]
+fn a_release_across_nodes_holds_the_owner_until_the_reads_ran() {
+    run_nodes(
+        2,
+        1,
+        "shmem_release",
+        TransportKind::EmuShmem,
+        release_holds_the_owner,
+    );
+}
+
+fn release_holds_the_owner(e: Engine) {
+    {
         let rank = e.rank();
         let stream = EmuStream::new(Duration::from_millis(1)).unwrap();
         let s = stream.handle();
@@ -308,7 +384,7 @@ fn a_release_on_the_stream_holds_the_owner_until_the_copies_ran() {
                 );
             }
         }
-    });
+    }
 }
 
 #[test]
@@ -328,5 +404,20 @@ fn cuda_ipc_without_a_gpu_names_what_is_missing() {
         Some(TransportKind::CudaIpc)
     );
     assert_eq!(TransportKind::parse("EMU-IPC"), Some(TransportKind::EmuIpc));
+    assert_eq!(
+        TransportKind::parse("nvshmem"),
+        Some(TransportKind::Nvshmem)
+    );
+    assert_eq!(
+        TransportKind::parse("emu_shmem"),
+        Some(TransportKind::EmuShmem)
+    );
+    let err = Engine::new(
+        Arc::new(FileStore::new(dir.path()).unwrap()),
+        Topology::single_node(0, 2).unwrap(),
+        config("dev_nogpu_shmem", TransportKind::Nvshmem),
+    )
+    .unwrap_err();
+    assert!(matches!(err, Error::GpuUnavailable(_)), "{err:?}");
     assert!(TransportKind::CudaIpc.is_device() && !TransportKind::Shm.is_device());
 }

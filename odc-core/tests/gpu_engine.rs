@@ -1,5 +1,7 @@
 //! GPU-only: the engine on the `cuda-ipc` transport, two ranks (threads of
-//! this process) sharing device 0. Publish, gather, release, uneven
+//! this process) sharing device 0; on the `nvshmem` transport, one PE in
+//! this process, and two PEs in two child processes where there are two
+//! GPUs (NVSHMEM places one PE per GPU). Publish, gather, release, uneven
 //! scatter-accumulates (f32 and bf16) and finish over several minibatches,
 //! every buffer in device memory and every call on a stream of its rank;
 //! the gathered values and the accumulators are checked exactly.
@@ -68,7 +70,7 @@ fn to_bf16(x: f32) -> u16 {
 
 #[test]
 fn gpu_engine_cuda_ipc_two_ranks_exact() {
-    if gpu_or_skip().is_none() {
+    if gpu_or_skip().is_none() || std::env::var_os(CHILD_PE).is_some() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -88,7 +90,7 @@ fn gpu_engine_cuda_ipc_two_ranks_exact() {
                 let e =
                     Engine::new(store, Topology::single_node(rank, world).unwrap(), cfg).unwrap();
                 assert_eq!(e.transport_name(), "cuda-ipc");
-                run_rank(&e);
+                run_rank(&e, 0);
             })
         })
         .collect();
@@ -97,8 +99,89 @@ fn gpu_engine_cuda_ipc_two_ranks_exact() {
     }
 }
 
-fn run_rank(e: &Engine) {
-    let gpu = Gpu::open(0).unwrap();
+fn nvshmem_config(key: &str, device: usize) -> EngineConfig {
+    EngineConfig {
+        chunk_bytes: 64 << 10,
+        timeout: Duration::from_secs(120),
+        job_key: key.into(),
+        transport: TransportKind::Nvshmem,
+        device: Some(device),
+        ..EngineConfig::default()
+    }
+}
+
+#[test]
+fn gpu_engine_nvshmem_one_pe_exact() {
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    if std::env::var_os(CHILD_PE).is_some() {
+        return; // a child of the two-process test runs only that test
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(FileStore::new(dir.path()).unwrap());
+    let e = Engine::new(
+        store,
+        Topology::single_node(0, 1).unwrap(),
+        nvshmem_config("gpu_nvshmem_1", 0),
+    )
+    .unwrap();
+    assert_eq!(e.transport_name(), "nvshmem");
+    run_rank(&e, 0);
+}
+
+/// Set in the children of [`gpu_engine_nvshmem_two_processes_exact`]: this
+/// process's PE, and the Store directory.
+const CHILD_PE: &str = "ODC_TEST_NVSHMEM_PE";
+const CHILD_STORE: &str = "ODC_TEST_NVSHMEM_STORE";
+
+#[test]
+fn gpu_engine_nvshmem_two_processes_exact() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    if let Some(pe) = std::env::var_os(CHILD_PE) {
+        // A child: one PE of the job, on its own GPU.
+        let pe: usize = pe.to_str().unwrap().parse().unwrap();
+        let store = Arc::new(FileStore::new(std::env::var(CHILD_STORE).unwrap()).unwrap());
+        let e = Engine::new(
+            store,
+            Topology::single_node(pe, 2).unwrap(),
+            nvshmem_config("gpu_nvshmem_2", pe),
+        )
+        .unwrap();
+        run_rank(&e, pe);
+        return;
+    }
+    let devices = odc_kernels::cuda::probe_device(0).map_or(0, |i| i.device_count);
+    if devices < 2 {
+        eprintln!(
+            "SKIPPED gpu_engine_nvshmem_two_processes_exact: {devices} GPU(s), needs 2 ({gpu:?})"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|pe| {
+            std::process::Command::new(&exe)
+                .args([
+                    "--exact",
+                    "gpu_engine_nvshmem_two_processes_exact",
+                    "--nocapture",
+                ])
+                .env(CHILD_PE, pe.to_string())
+                .env(CHILD_STORE, dir.path())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (pe, mut c) in children.into_iter().enumerate() {
+        let status = c.wait().unwrap();
+        assert!(status.success(), "PE {pe}: {status}");
+    }
+}
+
+fn run_rank(e: &Engine, device: usize) {
+    let gpu = Gpu::open(device).unwrap();
     let stream = gpu.context().new_stream().unwrap();
     let s = stream.cu_stream() as usize;
     let (rank, world) = (e.rank(), e.world());

@@ -37,7 +37,7 @@ fn every_symbol_resolves_in_the_host_library() {
         Ok(lib) => {
             eprintln!("NVSHMEM host library: {:?}", lib.path);
             assert!(nvshmem::is_present());
-            assert!(sys::SYMBOLS.len() >= 19);
+            assert!(sys::SYMBOLS.len() >= 20);
             for required in [
                 "nvshmemx_hostlib_init_attr",
                 "nvshmemx_get_uniqueid",
@@ -46,7 +46,9 @@ fn every_symbol_resolves_in_the_host_library() {
                 "nvshmem_free",
                 "nvshmem_ptr",
                 "nvshmemx_getmem_on_stream",
+                "nvshmemx_putmem_on_stream",
                 "nvshmemx_putmem_signal_on_stream",
+                "nvshmemx_quiet_on_stream",
                 "nvshmemx_signal_wait_until_on_stream",
                 "nvshmemx_barrier_all_on_stream",
                 "nvshmemx_hostlib_finalize",

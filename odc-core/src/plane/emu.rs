@@ -11,6 +11,12 @@
 //!
 //! Stream handles are small integers naming an [`EmuStream`] in a
 //! process-wide table; 0 names no stream.
+//!
+//! `emu-shmem` ([`EmuShmem`]) is the same plane with NVSHMEM's put
+//! semantics towards ranks on other nodes: such a put is staged when the
+//! stream reaches it and written to its target only by the stream's next
+//! [`Plane::deliver`] (NVSHMEM's quiet). A signal enqueued before that
+//! deliver announces bytes that are not there, and the tests see it.
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
@@ -21,8 +27,9 @@ use std::time::Duration;
 
 use odc_kernels::DType;
 
-use super::{DeviceBackend, DeviceOps, HostWork, StreamHandle};
+use super::{Connect, DataSizes, DeviceBackend, DeviceOps, HostWork, Plane, StreamHandle};
 use crate::gpu::ipc::MemfdMemory;
+use crate::store::Store;
 use crate::{Error, Result};
 
 /// Environment variable: the most an emulated stream sleeps before each
@@ -343,6 +350,162 @@ impl DeviceOps for EmuBackend {
         // `src`; the server stream has run everything that writes them.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
+    }
+}
+
+/// The `emu-shmem` backend: [`EmuBackend`]'s memory and streams, every
+/// rank of the shard group mapped (all run on this machine), and puts to
+/// ranks on other nodes of the topology delayed until a deliver.
+#[derive(Debug)]
+pub struct EmuShmem {
+    emu: Arc<EmuBackend>,
+    local_world: usize,
+}
+
+impl EmuShmem {
+    /// A backend for a topology with `local_world` ranks per node, whose
+    /// streams wait up to `jitter` before each operation.
+    pub fn new(local_world: usize, jitter: Duration) -> Result<Arc<EmuShmem>> {
+        Ok(Arc::new(EmuShmem {
+            emu: EmuBackend::new(jitter)?,
+            local_world: local_world.max(1),
+        }))
+    }
+}
+
+impl Connect for Arc<EmuShmem> {
+    fn name(&self) -> &'static str {
+        "emu-shmem"
+    }
+
+    fn connect(
+        &self,
+        store: &dyn Store,
+        prefix: &str,
+        job_key: &str,
+        rank: usize,
+        group: &[usize],
+        sizes: DataSizes,
+        timeout: Duration,
+    ) -> Result<Box<dyn Plane>> {
+        let mapped = self
+            .emu
+            .connect(store, prefix, job_key, rank, group, sizes, timeout)?;
+        Ok(Box::new(ShmemPlane {
+            mapped,
+            node: rank / self.local_world,
+            local_world: self.local_world,
+            pending: Mutex::new(HashMap::new()),
+        }))
+    }
+}
+
+/// A put to another node, staged and not yet delivered.
+struct Staged {
+    rank: usize,
+    offset: usize,
+    bytes: Box<[u8]>,
+}
+
+/// [`EmuShmem`]'s plane.
+struct ShmemPlane {
+    /// Every rank's regions, mapped.
+    mapped: Box<dyn Plane>,
+    node: usize,
+    local_world: usize,
+    /// Per stream, the puts to other nodes enqueued since its last deliver.
+    pending: Mutex<HashMap<StreamHandle, Vec<Staged>>>,
+}
+
+impl std::fmt::Debug for ShmemPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmemPlane")
+            .field("mapped", &self.mapped)
+            .field("node", &self.node)
+            .finish()
+    }
+}
+
+impl ShmemPlane {
+    fn pending(&self) -> Result<std::sync::MutexGuard<'_, HashMap<StreamHandle, Vec<Staged>>>> {
+        self.pending
+            .lock()
+            .map_err(|_| Error::protocol(None, "an emu-shmem put panicked"))
+    }
+}
+
+impl Plane for ShmemPlane {
+    fn ops(&self) -> &dyn DeviceOps {
+        self.mapped.ops()
+    }
+    fn local_params(&self) -> u64 {
+        self.mapped.local_params()
+    }
+    fn local_landing(&self) -> u64 {
+        self.mapped.local_landing()
+    }
+    fn accum(&self) -> u64 {
+        self.mapped.accum()
+    }
+
+    unsafe fn get_params(
+        &self,
+        stream: StreamHandle,
+        dst: u64,
+        rank: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        // A get is complete when the stream passes it, on any node.
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.mapped.get_params(stream, dst, rank, offset, len) }
+    }
+
+    unsafe fn put_landing(
+        &self,
+        stream: StreamHandle,
+        rank: usize,
+        offset: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<()> {
+        if rank / self.local_world == self.node {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { self.mapped.put_landing(stream, rank, offset, src, len) };
+        }
+        let mut bytes = vec![0u8; len].into_boxed_slice();
+        let staging = bytes.as_mut_ptr() as u64;
+        // SAFETY: `staging` holds `len` bytes, kept in `pending` until the
+        // deliver that writes them out has run; the caller vouches for `src`.
+        unsafe { self.ops().copy(stream, staging, src, len)? };
+        self.pending()?.entry(stream).or_default().push(Staged {
+            rank,
+            offset,
+            bytes,
+        });
+        Ok(())
+    }
+
+    fn deliver(&self, stream: StreamHandle) -> Result<()> {
+        let staged = self.pending()?.remove(&stream).unwrap_or_default();
+        if staged.is_empty() {
+            return Ok(());
+        }
+        for s in &staged {
+            // SAFETY: the staging bytes stay alive until the work below
+            // (enqueued after this copy) has run; the target slot is the
+            // one the caller's put named, still reserved for it.
+            unsafe {
+                self.mapped.put_landing(
+                    stream,
+                    s.rank,
+                    s.offset,
+                    s.bytes.as_ptr() as u64,
+                    s.bytes.len(),
+                )?
+            };
+        }
+        self.ops().then(stream, Box::new(move || drop(staged)))
     }
 }
 

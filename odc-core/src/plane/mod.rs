@@ -1,14 +1,18 @@
 //! The device data plane: where an engine's data lives when it is not host
 //! memory, and how bytes move and add there.
 //!
-//! An engine built with a device transport (`cuda-ipc`, or its host
-//! emulation `emu-ipc`) keeps its **control words** exactly where the host
-//! transports keep them (the `shm` control region, so every wait is still a
-//! futex wait and the protocol is the one `loom` checks), and moves its
+//! An engine built with a device transport keeps its **control words**
+//! where the host transports keep them (host memory: the `shm` control
+//! region, reached over libfabric from other nodes, so every wait is still
+//! a host wait and the protocol is the one `loom` checks), and moves its
 //! **data** — published shards, landing-slot data, accumulators — into
-//! memory of a [`DeviceBackend`]: device memory shared within a node
-//! (`cuMemCreate` regions exchanged by [`crate::gpu::ipc::exchange`]), or
-//! `memfd` host memory for the emulation.
+//! device memory:
+//!
+//! | transport | data regions | peers reached by |
+//! |---|---|---|
+//! | `cuda-ipc` (one node) | `cuMemCreate` regions exchanged by [`crate::gpu::ipc::exchange`] | copies into / out of their mappings |
+//! | `nvshmem` (any nodes) | the NVSHMEM symmetric heap ([`nvshmem`]) | copies where NVSHMEM maps the peer, else `getmem` / `putmem` + quiet |
+//! | `emu-ipc`, `emu-shmem` | `memfd` host memory ([`emu`]) | as `cuda-ipc`; `emu-shmem` delays puts to other nodes until a deliver |
 //!
 //! Every data operation is enqueued on a **stream** and returns before it
 //! runs. A signal that tells a peer the data is there is enqueued on the same
@@ -21,7 +25,7 @@
 //! | publish | copy the shard into this rank's params region | version signal to every reader |
 //! | gather | copy every owner's shard out of its mapping | — (release enqueues its signal) |
 //! | release | — | released signal to every owner |
-//! | scatter-accumulate, peer chunk | copy the chunk into the owner's landing slot | slot header and signal |
+//! | scatter-accumulate, peer chunk | put the chunk into the owner's landing slot, then deliver it | slot header and signal |
 //! | scatter-accumulate, own slice | the daemon's stream waits for the caller's, adds the slice; the caller's waits for the daemon's | — |
 //! | daemon, landing chunk | add the chunk on the daemon's stream | acknowledgement |
 //!
@@ -45,6 +49,8 @@ use crate::Result;
 #[cfg(not(loom))]
 pub mod cuda;
 pub mod emu;
+#[cfg(not(loom))]
+pub mod nvshmem;
 
 /// A stream handle: a `CUstream` for CUDA (what torch's
 /// `torch.cuda.current_stream().cuda_stream` returns), an emulated
@@ -139,17 +145,62 @@ pub struct DataSizes {
 /// Region ids of the data regions (distinct from the control region's).
 const DATA_REGIONS: [u32; 3] = [1, 3, 2];
 
-/// What the engine uses: the data regions of every rank of the shard group,
-/// mapped here, and the backend's operations.
+/// What the engine uses: this rank's data regions, access to every peer's,
+/// and the backend's operations.
+///
+/// Peers are reached with [`get_params`](Plane::get_params) and
+/// [`put_landing`](Plane::put_landing). A put need not have reached its
+/// target when the stream passes it (NVSHMEM's puts to another node complete
+/// only at a quiet): [`deliver`](Plane::deliver) is what orders the puts
+/// before the signal that announces them.
 pub trait Plane: Send + Sync + fmt::Debug {
     /// The backend's stream operations.
     fn ops(&self) -> &dyn DeviceOps;
-    /// Address of byte 0 of `rank`'s params region (`rank` global).
-    fn params(&self, rank: usize) -> Option<u64>;
-    /// Address of byte 0 of `rank`'s landing region.
-    fn landing(&self, rank: usize) -> Option<u64>;
+    /// Address of byte 0 of this rank's params region (published shards).
+    fn local_params(&self) -> u64;
+    /// Address of byte 0 of this rank's landing region.
+    fn local_landing(&self) -> u64;
     /// Address of byte 0 of this rank's accumulators.
     fn accum(&self) -> u64;
+
+    /// Enqueues on `stream` a read of `len` bytes at `offset` of `rank`'s
+    /// params region into `dst`; when the stream passes it, the bytes are
+    /// in `dst`. `rank` is global.
+    ///
+    /// # Safety
+    /// `dst` must address `len` writable bytes of the backend's device,
+    /// valid until the read has run; the range of `rank`'s params must not
+    /// change until then (the protocol's versions).
+    unsafe fn get_params(
+        &self,
+        stream: StreamHandle,
+        dst: u64,
+        rank: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<()>;
+
+    /// Enqueues on `stream` a write of `len` bytes from `src` into `rank`'s
+    /// landing region at `offset`. It is complete at `rank` once a later
+    /// [`deliver`](Plane::deliver) on `stream` has run.
+    ///
+    /// # Safety
+    /// `src` must address `len` readable bytes of the backend's device,
+    /// valid until the write has run; the target range must be free (the
+    /// protocol's acknowledgements).
+    unsafe fn put_landing(
+        &self,
+        stream: StreamHandle,
+        rank: usize,
+        offset: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<()>;
+
+    /// Enqueues on `stream` the completion of every put enqueued on it so
+    /// far: work enqueued later runs after they have reached their
+    /// targets (`nvshmemx_quiet_on_stream`; nothing for mapped memory).
+    fn deliver(&self, stream: StreamHandle) -> Result<()>;
 }
 
 /// A backend before registration: connects the data regions once their
@@ -239,18 +290,60 @@ impl<B: DeviceBackend> Drop for IpcPlane<B> {
     }
 }
 
+impl<B: DeviceBackend> IpcPlane<B> {
+    /// `rank`'s region `index`, mapped here.
+    fn region(&self, rank: usize, index: usize, what: &str) -> Result<u64> {
+        self.regions.addr(self.rank, rank, index).ok_or_else(|| {
+            crate::Error::protocol(None, format!("rank {rank} has no mapped {what} region"))
+        })
+    }
+}
+
 impl<B: DeviceBackend> Plane for IpcPlane<B> {
     fn ops(&self) -> &dyn DeviceOps {
         self.backend.as_ref()
     }
-    fn params(&self, rank: usize) -> Option<u64> {
-        self.regions.addr(self.rank, rank, 0)
+    fn local_params(&self) -> u64 {
+        B::Memory::region_addr(&self.regions.local[0])
     }
-    fn landing(&self, rank: usize) -> Option<u64> {
-        self.regions.addr(self.rank, rank, 1)
+    fn local_landing(&self) -> u64 {
+        B::Memory::region_addr(&self.regions.local[1])
     }
     fn accum(&self) -> u64 {
         B::Memory::region_addr(&self.regions.local[2])
+    }
+
+    unsafe fn get_params(
+        &self,
+        stream: StreamHandle,
+        dst: u64,
+        rank: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let src = self.region(rank, 0, "params")? + offset as u64;
+        // SAFETY: `src` lies in `rank`'s params region, mapped here; the
+        // caller vouches for `dst` and for the range staying unchanged.
+        unsafe { self.backend.copy(stream, dst, src, len) }
+    }
+
+    unsafe fn put_landing(
+        &self,
+        stream: StreamHandle,
+        rank: usize,
+        offset: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<()> {
+        let dst = self.region(rank, 1, "landing")? + offset as u64;
+        // SAFETY: `dst` lies in `rank`'s landing region, mapped here; the
+        // caller vouches for `src` and for the range being free.
+        unsafe { self.backend.copy(stream, dst, src, len) }
+    }
+
+    fn deliver(&self, _stream: StreamHandle) -> Result<()> {
+        // A copy into mapped memory is complete when the stream passes it.
+        Ok(())
     }
 }
 
@@ -269,9 +362,20 @@ pub fn create(
             let backend = emu::EmuBackend::new(emu::EmuBackend::jitter_from_env()?)?;
             Ok(Some(Box::new(backend)))
         }
+        TransportKind::EmuShmem => {
+            let jitter = emu::EmuBackend::jitter_from_env()?;
+            Ok(Some(Box::new(emu::EmuShmem::new(
+                topo.local_world(),
+                jitter,
+            )?)))
+        }
         TransportKind::CudaIpc => {
             let ordinal = ordinal.unwrap_or_else(|| topo.local_rank_of(topo.rank()));
             Ok(Some(Box::new(cuda::CudaBackend::open(ordinal)?)))
+        }
+        TransportKind::Nvshmem => {
+            let ordinal = ordinal.unwrap_or_else(|| topo.local_rank_of(topo.rank()));
+            Ok(Some(Box::new(nvshmem::NvshmemBackend::open(ordinal)?)))
         }
         _ => Ok(None),
     }

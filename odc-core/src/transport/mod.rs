@@ -24,6 +24,8 @@
 //! | `shm` | `shm` | — (every rank must share the host) |
 //! | `fabric` | libfabric | libfabric |
 //! | `mixed` | `shm` | libfabric |
+//! | `cuda-ipc`, `emu-ipc` | control `shm`, data [`crate::plane`] | — (one node) |
+//! | `nvshmem`, `emu-shmem` | control `shm`, data [`crate::plane`] | control libfabric, data [`crate::plane`] |
 //!
 //! `mixed` (`mixed::MixedTransport`, feature `fabric`) registers every
 //! region with both and sleeps on the `shm` bell, which the fabric progress
@@ -139,6 +141,20 @@ pub enum TransportKind {
     /// threads for streams ([`crate::plane::emu`]): runs, and tests, the
     /// device path on machines without a GPU.
     EmuIpc,
+    /// GPUs on any number of nodes: published shards, landing slots and
+    /// accumulators on the NVSHMEM symmetric heap ([`crate::plane::nvshmem`]),
+    /// sized from the registered buckets; data moves on the caller's CUDA
+    /// stream (`nvshmemx_getmem_on_stream`, `nvshmemx_putmem_on_stream`,
+    /// load/store for peers NVSHMEM maps). Control words go over `shm`
+    /// within a node and libfabric across nodes (as `mixed`; several nodes
+    /// need the `fabric` feature). Without a GPU or the NVSHMEM library,
+    /// creating the engine is [`Error::GpuUnavailable`].
+    Nvshmem,
+    /// `nvshmem`'s data path emulated in host memory ([`crate::plane::emu`]):
+    /// a put to a rank on another node reaches it only at the stream's next
+    /// `deliver` (NVSHMEM's quiet), so a signal that overtakes its data
+    /// fails the tests. For machines without a GPU.
+    EmuShmem,
 }
 
 impl TransportKind {
@@ -152,6 +168,8 @@ impl TransportKind {
             "mixed" | "shm+fabric" => Some(TransportKind::Mixed),
             "cuda-ipc" | "cuda_ipc" => Some(TransportKind::CudaIpc),
             "emu-ipc" | "emu_ipc" => Some(TransportKind::EmuIpc),
+            "nvshmem" => Some(TransportKind::Nvshmem),
+            "emu-shmem" | "emu_shmem" => Some(TransportKind::EmuShmem),
             _ => None,
         }
     }
@@ -166,6 +184,8 @@ impl TransportKind {
             TransportKind::Mixed => "shm+fabric",
             TransportKind::CudaIpc => "cuda-ipc",
             TransportKind::EmuIpc => "emu-ipc",
+            TransportKind::Nvshmem => "nvshmem",
+            TransportKind::EmuShmem => "emu-shmem",
         }
     }
 
@@ -177,14 +197,22 @@ impl TransportKind {
             TransportKind::Auto
             | TransportKind::Shm
             | TransportKind::CudaIpc
-            | TransportKind::EmuIpc => true,
+            | TransportKind::EmuIpc
+            | TransportKind::Nvshmem
+            | TransportKind::EmuShmem => true,
             TransportKind::Fabric | TransportKind::Mixed => cfg!(feature = "fabric"),
         }
     }
 
     /// Whether the data lives in device memory ([`crate::plane`]).
     pub fn is_device(self) -> bool {
-        matches!(self, TransportKind::CudaIpc | TransportKind::EmuIpc)
+        matches!(
+            self,
+            TransportKind::CudaIpc
+                | TransportKind::EmuIpc
+                | TransportKind::Nvshmem
+                | TransportKind::EmuShmem
+        )
     }
 
     /// What `Auto` resolves to for `topo`; other kinds are themselves.
@@ -217,7 +245,7 @@ pub fn create(
             if topo.nodes() > 1 {
                 return Err(Error::Config(format!(
                     "the {} transport reaches only the ranks of one node, and this job has {} \
-                     nodes (the nvshmem transport for several nodes is not built yet)",
+                     nodes: use the nvshmem transport for GPUs on several nodes",
                     device.name(),
                     topo.nodes()
                 )));
@@ -228,6 +256,14 @@ pub fn create(
                 rank, world, job_key, job_id,
             )?))
         }
+        // Control words: shm on one node, shm + libfabric across nodes.
+        TransportKind::Nvshmem | TransportKind::EmuShmem if topo.nodes() == 1 => Ok(Box::new(
+            shm::ShmTransport::new(rank, world, job_key, job_id)?,
+        )),
+        #[cfg(feature = "fabric")]
+        TransportKind::Nvshmem | TransportKind::EmuShmem => Ok(Box::new(
+            mixed::MixedTransport::new(topo, job_key, job_id, timeout)?,
+        )),
         #[cfg(feature = "fabric")]
         TransportKind::Fabric => Ok(Box::new(fabric::FabricTransport::new(
             rank, world, timeout,
@@ -238,7 +274,7 @@ pub fn create(
         )?)),
         other => {
             let _ = timeout;
-            let why = if kind == TransportKind::Auto {
+            let why = if kind == TransportKind::Auto || kind.is_device() {
                 format!(
                     "{} nodes need the fabric transport between them",
                     topo.nodes()

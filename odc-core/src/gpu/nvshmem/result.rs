@@ -199,6 +199,26 @@ pub mod rma {
         Ok(())
     }
 
+    /// `nvshmemx_putmem_on_stream`: `bytes` from local `src` into `pe`'s
+    /// `dst`; complete at `pe` after a later quiet on the stream.
+    ///
+    /// # Safety
+    ///
+    /// `dst` is symmetric, `src` valid for `bytes` until the stream passes
+    /// this point.
+    pub unsafe fn put_on_stream(
+        dst: *mut c_void,
+        src: *const c_void,
+        bytes: usize,
+        pe: c_int,
+        stream: CUstream,
+    ) -> Result<()> {
+        let lib = lib()?;
+        // SAFETY: as the caller vouches.
+        unsafe { (lib.nvshmemx_putmem_on_stream)(dst, src, bytes, pe, stream) };
+        Ok(())
+    }
+
     /// `nvshmemx_putmem_signal_on_stream`: `bytes` into `pe`'s `dst`, then
     /// `sig_op` (set or add) of `signal` on `pe`'s `sig_addr`, ordered
     /// after the data.

@@ -10,9 +10,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
-
-use odc_kernels::cuda::CudaStream;
+use std::sync::{Arc, Mutex};
 
 use super::result::{self, init, mem, pe, rma, sync};
 use super::sys;
@@ -112,9 +110,9 @@ static ACTIVE: AtomicBool = AtomicBool::new(false);
 
 /// An initialized NVSHMEM job membership. Dropping it finalizes NVSHMEM.
 ///
-/// Thread safety: initialized with NVSHMEM's default (serialized) support,
-/// so callers serialize NVSHMEM calls; the transport calls from its daemon
-/// thread and client threads under its own lock.
+/// Thread safety: initialized with NVSHMEM's default (serialized) support;
+/// the session serializes its own stream calls under a lock, so the
+/// daemon's and the clients' threads may share it.
 #[derive(Debug)]
 pub struct Nvshmem {
     rank: usize,
@@ -123,6 +121,8 @@ pub struct Nvshmem {
     heap_bytes: usize,
     /// Bytes handed out so far.
     used: Mutex<usize>,
+    /// Held across every NVSHMEM call on a stream (serialized support).
+    calls: Mutex<()>,
     /// The device's primary context, retained until after finalize (a
     /// field drops after `Drop::drop` runs).
     _ctx: std::sync::Arc<odc_kernels::cuda::CudaContext>,
@@ -194,6 +194,7 @@ impl Nvshmem {
             plan,
             heap_bytes,
             used: Mutex::new(0),
+            calls: Mutex::new(()),
             _ctx: ctx,
         };
         let (me, n) = (pe::my()?, pe::count()?);
@@ -259,7 +260,7 @@ impl Nvshmem {
     /// Errors: [`Error::Config`] when the allocation is not in the plan the
     /// session was created with (the heap cannot grow), naming requested,
     /// planned and used bytes; [`Error::Nvshmem`] if NVSHMEM refuses.
-    pub fn alloc(&self, bytes: usize) -> Result<SymmetricBuffer<'_>> {
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<SymmetricBuffer> {
         let footprint = HeapPlan::footprint(bytes);
         let mut used = self
             .used
@@ -278,7 +279,7 @@ impl Nvshmem {
         let ptr = unsafe { mem::align(HeapPlan::ALIGN, bytes.max(1))? };
         *used += footprint;
         Ok(SymmetricBuffer {
-            session: self,
+            session: Arc::clone(self),
             ptr,
             len: bytes,
         })
@@ -291,14 +292,16 @@ impl Nvshmem {
         unsafe { sync::barrier_all() }
     }
 
-    /// Enqueues a whole-job barrier on `stream`.
-    pub fn barrier_all_on_stream(&self, stream: &CudaStream) -> Result<()> {
-        // SAFETY: as above; the stream is live for the call.
-        unsafe { sync::barrier_all_on_stream(stream.cu_stream().cast()) }
+    /// Enqueues a whole-job barrier on `stream` (a `CUstream`).
+    pub fn barrier_all_on_stream(&self, stream: usize) -> Result<()> {
+        let _serial = self.serialize()?;
+        // SAFETY: as above; the caller's stream is live for the call.
+        unsafe { sync::barrier_all_on_stream(stream as sys::CUstream) }
     }
 
-    /// Enqueues a read of `bytes` at `offset` of `pe`'s copy of `src` into
-    /// local device memory `dst`.
+    /// Enqueues on `stream` (a `CUstream`) a read of `bytes` at `offset`
+    /// of `pe`'s copy of `src` into local device memory `dst`; the bytes
+    /// are there when the stream passes it.
     ///
     /// # Safety
     ///
@@ -307,21 +310,56 @@ impl Nvshmem {
     pub unsafe fn get_on_stream(
         &self,
         dst: u64,
-        src: &SymmetricBuffer<'_>,
+        src: &SymmetricBuffer,
         offset: usize,
         bytes: usize,
         pe: usize,
-        stream: &CudaStream,
+        stream: usize,
     ) -> Result<()> {
         let remote = src.range(offset, bytes)?;
+        let pe = self.pe(pe)?;
+        let _serial = self.serialize()?;
         // SAFETY: `remote` is in a live symmetric buffer; the caller vouches for `dst`.
         unsafe {
             rma::get_on_stream(
                 dst as *mut c_void,
                 remote,
                 bytes,
-                self.pe(pe)?,
-                stream.cu_stream().cast(),
+                pe,
+                stream as sys::CUstream,
+            )
+        }
+    }
+
+    /// Enqueues on `stream` a write of `bytes` from local device memory
+    /// `src` into `pe`'s `dst` at `offset`. It is complete at `pe` after a
+    /// later [`quiet_on_stream`](Self::quiet_on_stream).
+    ///
+    /// # Safety
+    ///
+    /// `src` is device memory valid for `bytes` until `stream` passes this
+    /// point; nobody reads or writes the target range meanwhile.
+    pub unsafe fn put_on_stream(
+        &self,
+        dst: &SymmetricBuffer,
+        offset: usize,
+        src: u64,
+        bytes: usize,
+        pe: usize,
+        stream: usize,
+    ) -> Result<()> {
+        let remote = dst.range(offset, bytes)?;
+        let pe = self.pe(pe)?;
+        let _serial = self.serialize()?;
+        // SAFETY: `remote` lies in a live symmetric buffer; the caller
+        // vouches for `src`.
+        unsafe {
+            rma::put_on_stream(
+                remote.cast_mut(),
+                src as *const c_void,
+                bytes,
+                pe,
+                stream as sys::CUstream,
             )
         }
     }
@@ -337,18 +375,20 @@ impl Nvshmem {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn put_signal_on_stream(
         &self,
-        dst: &SymmetricBuffer<'_>,
+        dst: &SymmetricBuffer,
         offset: usize,
         src: u64,
         bytes: usize,
-        signals: &SymmetricBuffer<'_>,
+        signals: &SymmetricBuffer,
         signal_offset: usize,
         value: u64,
         pe: usize,
-        stream: &CudaStream,
+        stream: usize,
     ) -> Result<()> {
         let remote = dst.range(offset, bytes)?;
         let sig = signals.signal(signal_offset)?;
+        let pe = self.pe(pe)?;
+        let _serial = self.serialize()?;
         // SAFETY: both remote addresses lie in live symmetric buffers; the
         // caller vouches for `src`.
         unsafe {
@@ -359,31 +399,46 @@ impl Nvshmem {
                 sig,
                 value,
                 sys::NVSHMEM_SIGNAL_SET,
-                self.pe(pe)?,
-                stream.cu_stream().cast(),
+                pe,
+                stream as sys::CUstream,
             )
         }
+    }
+
+    /// Enqueues on `stream` the completion of this PE's puts issued on it
+    /// so far: later work on `stream` runs after they reached their targets.
+    pub fn quiet_on_stream(&self, stream: usize) -> Result<()> {
+        let _serial = self.serialize()?;
+        // SAFETY: initialized; the caller's stream is live for the call.
+        unsafe { rma::quiet_on_stream(stream as sys::CUstream) }
     }
 
     /// Makes `stream` wait until this PE's signal word (at `signal_offset`
     /// of `signals`) is at least `value`.
     pub fn signal_wait_until_on_stream(
         &self,
-        signals: &SymmetricBuffer<'_>,
+        signals: &SymmetricBuffer,
         signal_offset: usize,
         value: u64,
-        stream: &CudaStream,
+        stream: usize,
     ) -> Result<()> {
         let sig = signals.signal(signal_offset)?;
+        let _serial = self.serialize()?;
         // SAFETY: `sig` is an aligned word of a live symmetric buffer.
         unsafe {
             rma::signal_wait_until_on_stream(
                 sig,
                 sys::NVSHMEM_CMP_GE,
                 value,
-                stream.cu_stream().cast(),
+                stream as sys::CUstream,
             )
         }
+    }
+
+    fn serialize(&self) -> Result<std::sync::MutexGuard<'_, ()>> {
+        self.calls
+            .lock()
+            .map_err(|_| Error::Config("an NVSHMEM call panicked".into()))
     }
 
     fn pe(&self, pe: usize) -> Result<c_int> {
@@ -412,19 +467,19 @@ impl Drop for Nvshmem {
 /// A region of the symmetric heap: the same offset on every PE. Freed
 /// (collectively) on drop.
 #[derive(Debug)]
-pub struct SymmetricBuffer<'a> {
-    session: &'a Nvshmem,
+pub struct SymmetricBuffer {
+    session: Arc<Nvshmem>,
     ptr: *mut c_void,
     len: usize,
 }
 
 // SAFETY: the buffer is a device address plus a length; NVSHMEM calls on it
 // go through the session, whose serialization the caller provides.
-unsafe impl Send for SymmetricBuffer<'_> {}
+unsafe impl Send for SymmetricBuffer {}
 // SAFETY: as above; `&self` methods only compute addresses.
-unsafe impl Sync for SymmetricBuffer<'_> {}
+unsafe impl Sync for SymmetricBuffer {}
 
-impl SymmetricBuffer<'_> {
+impl SymmetricBuffer {
     /// Its device address on this PE.
     pub fn device_ptr(&self) -> u64 {
         self.ptr as u64
@@ -472,10 +527,10 @@ impl SymmetricBuffer<'_> {
     }
 }
 
-impl Drop for SymmetricBuffer<'_> {
+impl Drop for SymmetricBuffer {
     fn drop(&mut self) {
-        // SAFETY: allocated by `Nvshmem::alloc` of a live session (the
-        // borrow proves it), freed once, here.
+        // SAFETY: allocated by `Nvshmem::alloc` of a session kept alive by
+        // the `Arc` this buffer holds, freed once, here.
         if let Err(e) = unsafe { mem::free(self.ptr) } {
             eprintln!("odc: nvshmem_free of {} bytes failed: {e}", self.len);
         }

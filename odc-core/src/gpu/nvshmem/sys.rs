@@ -205,6 +205,7 @@ symbols! {
     nvshmem_free: unsafe extern "C" fn(*mut c_void);
     nvshmem_ptr: unsafe extern "C" fn(*const c_void, c_int) -> *mut c_void;
     nvshmemx_getmem_on_stream: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, CUstream);
+    nvshmemx_putmem_on_stream: unsafe extern "C" fn(*mut c_void, *const c_void, usize, c_int, CUstream);
     nvshmemx_putmem_signal_on_stream:
         unsafe extern "C" fn(*mut c_void, *const c_void, usize, *mut u64, u64, c_int, c_int, CUstream);
     nvshmemx_signal_wait_until_on_stream: unsafe extern "C" fn(*mut u64, c_int, u64, CUstream);

@@ -1,0 +1,258 @@
+//! `nvshmem`: the device data plane on NVSHMEM's symmetric heap, for GPUs
+//! on any number of nodes.
+//!
+//! [`NvshmemBackend`] is a [`CudaBackend`] (streams, kernels, the daemon's
+//! stream) plus an NVSHMEM session that [`Connect::connect`] starts once the
+//! registered buckets are known: the shard group's ranks join as PEs (the
+//! unique id travels through the Store), and the symmetric heap is sized
+//! from the three data regions ([`HeapPlan`]), never from a hand-set
+//! `NVSHMEM_SYMMETRIC_SIZE`.
+//!
+//! | plane call | peer NVSHMEM maps (same node, NVLink) | other peers |
+//! |---|---|---|
+//! | [`get_params`](Plane::get_params) | `cuMemcpyDtoDAsync` from `nvshmem_ptr` | `nvshmemx_getmem_on_stream` |
+//! | [`put_landing`](Plane::put_landing) | `cuMemcpyDtoDAsync` to `nvshmem_ptr` | `nvshmemx_putmem_on_stream` |
+//! | [`deliver`](Plane::deliver) | nothing | `nvshmemx_quiet_on_stream` |
+//!
+//! Control words stay host words (`shm` within a node, libfabric across
+//! nodes), written by host work on the stream after the data, as for
+//! `cuda-ipc` (see [`crate::plane`]).
+//!
+//! Teardown is collective, as NVSHMEM's is: dropping the plane frees the
+//! symmetric buffers (`nvshmem_free`) and finalizes the session, and both
+//! wait for every PE.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::cuda::CudaBackend;
+use super::{Connect, DataSizes, DeviceOps, Plane, StreamHandle};
+use crate::gpu::nvshmem::{HeapPlan, Nvshmem, SymmetricBuffer};
+use crate::store::Store;
+use crate::{Error, Result};
+
+/// The `nvshmem` backend before registration: a CUDA device, with the
+/// NVSHMEM library checked to be loadable.
+#[derive(Debug)]
+pub struct NvshmemBackend {
+    cuda: Arc<CudaBackend>,
+    ordinal: usize,
+}
+
+impl NvshmemBackend {
+    /// Opens device `ordinal` ([`CudaBackend::open`]) after checking the
+    /// driver, the device, NVRTC and the NVSHMEM host library.
+    ///
+    /// Errors: [`Error::GpuUnavailable`] naming the first thing missing;
+    /// [`Error::Cuda`] when a present driver fails.
+    pub fn open(ordinal: usize) -> Result<Arc<NvshmemBackend>> {
+        crate::gpu::probe_device(ordinal)?;
+        Ok(Arc::new(NvshmemBackend {
+            cuda: CudaBackend::open(ordinal)?,
+            ordinal,
+        }))
+    }
+}
+
+impl Connect for Arc<NvshmemBackend> {
+    fn name(&self) -> &'static str {
+        "nvshmem"
+    }
+
+    fn connect(
+        &self,
+        store: &dyn Store,
+        prefix: &str,
+        _job_key: &str,
+        rank: usize,
+        group: &[usize],
+        sizes: DataSizes,
+        timeout: Duration,
+    ) -> Result<Box<dyn Plane>> {
+        let me = group.iter().position(|&r| r == rank).ok_or_else(|| {
+            Error::Config(format!("rank {rank} is not in its shard group {group:?}"))
+        })?;
+        let plan = HeapPlan::new([sizes.params, sizes.landing, sizes.accum]);
+        let session = Arc::new(Nvshmem::join(
+            store,
+            &format!("{prefix}/nvshmem/id"),
+            me,
+            group.len(),
+            self.ordinal,
+            plan,
+            Instant::now() + timeout,
+        )?);
+        // Collective, in the same order on every PE.
+        let params = session.alloc(sizes.params)?;
+        let landing = session.alloc(sizes.landing)?;
+        let accum = session.alloc(sizes.accum)?;
+        let mapped = |buf: &SymmetricBuffer| {
+            (0..group.len())
+                .map(|pe| buf.peer_ptr(pe))
+                .collect::<Result<Vec<_>>>()
+        };
+        let (peer_params, peer_landing) = (mapped(&params)?, mapped(&landing)?);
+        // Accumulators start at zero; the heap does not promise it.
+        // SAFETY: `accum` is this PE's symmetric buffer of `sizes.accum` bytes.
+        unsafe { self.cuda.zero_on_server(accum.device_ptr(), sizes.accum)? };
+        self.cuda.synchronize(self.cuda.server_stream())?;
+        let unmapped = peer_params.iter().chain(&peer_landing).any(Option::is_none);
+        Ok(Box::new(NvshmemPlane {
+            cuda: Arc::clone(&self.cuda),
+            group: group.to_vec(),
+            peer_params,
+            peer_landing,
+            unmapped,
+            params,
+            landing,
+            accum,
+            session,
+        }))
+    }
+}
+
+/// The shard group's data regions on the symmetric heap.
+struct NvshmemPlane {
+    cuda: Arc<CudaBackend>,
+    /// PE `i` is global rank `group[i]`.
+    group: Vec<usize>,
+    /// Load/store addresses of every PE's params / landing region, where
+    /// NVSHMEM maps them into this process.
+    peer_params: Vec<Option<u64>>,
+    peer_landing: Vec<Option<u64>>,
+    /// Whether some peer is reached only through NVSHMEM's network path
+    /// (then [`Plane::deliver`] has puts to complete).
+    unmapped: bool,
+    // Fields drop in order: the buffers (collective frees), then the
+    // session (collective finalize) once they were its last users.
+    params: SymmetricBuffer,
+    landing: SymmetricBuffer,
+    accum: SymmetricBuffer,
+    session: Arc<Nvshmem>,
+}
+
+impl fmt::Debug for NvshmemPlane {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NvshmemPlane")
+            .field("group", &self.group)
+            .field("pe", &self.session.rank())
+            .field("heap_bytes", &self.session.heap_bytes())
+            .field("unmapped", &self.unmapped)
+            .finish()
+    }
+}
+
+impl NvshmemPlane {
+    /// The PE of global rank `rank`.
+    fn pe(&self, rank: usize) -> Result<usize> {
+        self.group.iter().position(|&r| r == rank).ok_or_else(|| {
+            Error::protocol(
+                None,
+                format!("rank {rank} is not in this shard group {:?}", self.group),
+            )
+        })
+    }
+
+    /// NVSHMEM's stream calls need the device's context on this thread.
+    fn bind(&self) -> Result<()> {
+        self.cuda.gpu().bind()
+    }
+}
+
+impl Drop for NvshmemPlane {
+    fn drop(&mut self) {
+        // Work still queued on the daemon's stream reads and writes these
+        // buffers: let it finish before they are freed.
+        if let Err(e) = self.cuda.synchronize(self.cuda.server_stream()) {
+            eprintln!("odc: PE {}: nvshmem: {e}", self.session.rank());
+        }
+    }
+}
+
+impl Plane for NvshmemPlane {
+    fn ops(&self) -> &dyn DeviceOps {
+        self.cuda.as_ref()
+    }
+    fn local_params(&self) -> u64 {
+        self.params.device_ptr()
+    }
+    fn local_landing(&self) -> u64 {
+        self.landing.device_ptr()
+    }
+    fn accum(&self) -> u64 {
+        self.accum.device_ptr()
+    }
+
+    unsafe fn get_params(
+        &self,
+        stream: StreamHandle,
+        dst: u64,
+        rank: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        let pe = self.pe(rank)?;
+        match self.peer_params[pe] {
+            // SAFETY: NVSHMEM maps `pe`'s params here; the caller vouches
+            // for `dst` and the range staying unchanged.
+            Some(base) => unsafe { self.cuda.copy(stream, dst, base + offset as u64, len) },
+            None => {
+                self.bind()?;
+                // SAFETY: as above; `get_on_stream` checks the range.
+                unsafe {
+                    self.session
+                        .get_on_stream(dst, &self.params, offset, len, pe, stream)
+                }
+            }
+        }
+    }
+
+    unsafe fn put_landing(
+        &self,
+        stream: StreamHandle,
+        rank: usize,
+        offset: usize,
+        src: u64,
+        len: usize,
+    ) -> Result<()> {
+        let pe = self.pe(rank)?;
+        match self.peer_landing[pe] {
+            // SAFETY: NVSHMEM maps `pe`'s landing region here; the caller
+            // vouches for `src` and the slot being free.
+            Some(base) => unsafe { self.cuda.copy(stream, base + offset as u64, src, len) },
+            None => {
+                self.bind()?;
+                // SAFETY: as above; `put_on_stream` checks the range.
+                unsafe {
+                    self.session
+                        .put_on_stream(&self.landing, offset, src, len, pe, stream)
+                }
+            }
+        }
+    }
+
+    fn deliver(&self, stream: StreamHandle) -> Result<()> {
+        if !self.unmapped {
+            // Every put was a copy into mapped memory, complete when the
+            // stream passes it.
+            return Ok(());
+        }
+        self.bind()?;
+        self.session.quiet_on_stream(stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_gpu_open_names_what_is_missing() {
+        match NvshmemBackend::open(0) {
+            Err(Error::GpuUnavailable(missing)) => eprintln!("nvshmem: {missing}"),
+            Err(other) => panic!("expected GpuUnavailable, got {other}"),
+            Ok(backend) => eprintln!("a GPU is present: {backend:?}"),
+        }
+    }
+}
