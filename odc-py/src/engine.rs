@@ -168,7 +168,16 @@ fn check_ptr(py: Python<'_>, ptr: usize, nbytes: usize, align: usize) -> PyResul
 }
 
 /// Every transport name `Engine(transport=...)` accepts.
-const TRANSPORT_NAMES: [&str; 6] = ["auto", "shm", "fabric", "mixed", "cuda-ipc", "emu-ipc"];
+const TRANSPORT_NAMES: [&str; 8] = [
+    "auto",
+    "shm",
+    "fabric",
+    "mixed",
+    "cuda-ipc",
+    "emu-ipc",
+    "nvshmem",
+    "emu-shmem",
+];
 
 /// One rank's ODC engine (private: use `odc.Engine`).
 #[pyclass(module = "odc._odc", name = "Engine", frozen)]
@@ -258,7 +267,7 @@ impl PyEngine {
     }
 
     /// The transport in use (`"auto"` resolved); a device engine's is
-    /// `"cuda-ipc"` or `"emu-ipc"`.
+    /// `"cuda-ipc"`, `"nvshmem"`, `"emu-ipc"` or `"emu-shmem"`.
     #[getter]
     fn transport(&self) -> &'static str {
         if self.engine.is_device() {
@@ -276,7 +285,7 @@ impl PyEngine {
     }
 
     /// The CUDA ordinal asked for (`None`: the local rank's); only
-    /// `cuda-ipc` uses it.
+    /// `cuda-ipc` and `nvshmem` use it.
     #[getter]
     fn device(&self) -> Option<usize> {
         self.engine.config().device

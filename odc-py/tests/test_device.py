@@ -34,15 +34,15 @@ def _need_gpu() -> None:
 # -- emu-ipc across processes -------------------------------------------------------------------
 
 
-def _exact(rank, world, store, transport, device, numel=1001, hnumel=333, minibatches=3):
+def _exact(rank, world, store, transport, device, numel=1001, hnumel=333, minibatches=3, local_world_size=None):
     """publish / gather / release / scatter_accumulate (offsets, uneven counts) / finish / grad_shard / zero_grad,
     f32 and bf16, checked exactly on every rank. Returns what the caller checks about the engine."""
     os.environ["ODC_EMU_JITTER_US"] = JITTER_US
-    dev = torch.device(device)
+    dev = torch.device(f"cuda:{rank}" if device == "cuda:rank" else device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-dev-{os.getppid()}", transport=transport,
-                     device=dev.index if dev.type == "cuda" else None)
+                     device=dev.index if dev.type == "cuda" else None, local_world_size=local_world_size)
     eng.register([odc.Bucket("w", numel, torch.float32), odc.Bucket("h", hnumel, torch.bfloat16)])
     sl, hl = eng.bucket("w")["shard_len"], eng.bucket("h")["shard_len"]
     pattern = torch.arange(world * sl, dtype=torch.float32, device=dev) % 7
@@ -101,6 +101,15 @@ def test_emu_ipc_engine_is_exact_with_jittered_streams(world):
         assert info == {"transport": "emu-ipc", "is_device": True, "device": "cpu"}, info
 
 
+def test_emu_shmem_engine_is_exact_across_two_emulated_nodes():
+    # 4 processes, 2 per node: control words over shm within a node and libfabric (tcp, loopback) across;
+    # a push to the other node reaches it only at the stream's deliver (NVSHMEM's quiet).
+    res = H.all_ok(run_ranks(_exact, 4, timeout=180, transport="emu-shmem", device="cpu", local_world_size=2,
+                             minibatches=2))
+    for info in res.values():
+        assert info == {"transport": "emu-shmem", "is_device": True, "device": "cpu"}, info
+
+
 def test_emu_ipc_refuses_wrong_tensors_and_host_calls(monkeypatch):
     # One rank in this process: the device path, its input checks and the host / device call split.
     monkeypatch.setenv("ODC_EMU_JITTER_US", "50")
@@ -151,9 +160,10 @@ def test_bad_emu_jitter_is_a_config_error(monkeypatch):
 def test_cuda_ipc_without_a_gpu_names_libcuda():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: cuda-ipc engines are created, see the GPU tests")
-    for device in (None, 0):
-        with pytest.raises(odc.GpuUnavailable, match="libcuda"):
-            odc.Engine(torch.distributed.HashStore(), 0, 1, transport="cuda-ipc", device=device)
+    for transport in ("cuda-ipc", "nvshmem"):
+        for device in (None, 0):
+            with pytest.raises(odc.GpuUnavailable, match="libcuda"):
+                odc.Engine(torch.distributed.HashStore(), 0, 1, transport=transport, device=device)
 
 
 def test_unknown_transport_lists_every_name():
@@ -166,10 +176,14 @@ def test_unknown_transport_lists_every_name():
 def test_cuda_ipc_engine_refuses_cpu_tensors_naming_them():
     # The check runs before any CUDA call: an engine that believes it is on cuda:0 (no GPU needed).
     eng = odc.Engine.__new__(odc.Engine)
+    from types import SimpleNamespace
+
     eng._cuda, eng._emu, eng._streams = torch.device("cuda", 0), None, {}
-    for what in ("shard", "gradient"):
-        with pytest.raises(odc.LayoutError, match=rf"{what} is on cpu; .*cuda-ipc moves CUDA tensors on cuda:0"):
-            eng._device_buffer(torch.zeros(4), what)
+    for transport in odc.engine.CUDA_TRANSPORTS:
+        eng._native = SimpleNamespace(transport=transport)
+        for what in ("shard", "gradient"):
+            with pytest.raises(odc.LayoutError, match=rf"{what} is on cpu; .*{transport} moves CUDA tensors on cuda:0"):
+                eng._device_buffer(torch.zeros(4), what)
 
 
 def test_fsdp_picks_a_transport_that_carries_the_parameters():
@@ -188,18 +202,37 @@ def test_fsdp_picks_a_transport_that_carries_the_parameters():
     for requested in (None, "auto", "cuda-ipc", "CUDA_IPC"):
         assert pick(gpu, requested, "ODC_TRANSPORT", nodes=1) == "cuda-ipc"
     assert pick(gpu, None, "ODC_TRANSPORT", nodes=None) == "cuda-ipc"
-    for requested in ("shm", "emu-ipc", "fabric"):
+    assert pick(gpu, "nvshmem", "ODC_TRANSPORT", nodes=1) == "nvshmem"
+    for requested in ("shm", "emu-ipc", "emu-shmem", "fabric"):
         with pytest.raises(odc.ConfigError, match=rf"'{requested}' \(from .*\) cannot carry CUDA.*cuda:0"):
             pick(gpu, requested, "the transport argument", nodes=1)
-    with pytest.raises(odc.ConfigError, match=r"2 nodes.*nvshmem transport for several nodes is not built yet"):
-        pick(gpu, None, "ODC_TRANSPORT", nodes=2)
+    # Across nodes: nvshmem, full sharding only.
+    for requested in (None, "auto", "nvshmem"):
+        assert pick(gpu, requested, "ODC_TRANSPORT", nodes=2) == "nvshmem"
+    with pytest.raises(odc.ConfigError, match=r"'cuda-ipc' \(from ODC_TRANSPORT\) serves one node.*2 nodes.*nvshmem"):
+        pick(gpu, "cuda-ipc", "ODC_TRANSPORT", nodes=2)
+    with pytest.raises(odc.ConfigError, match=r"2 nodes and sharding is 'hybrid'.*sharding='full'"):
+        pick(gpu, None, "ODC_TRANSPORT", nodes=2, sharding="hybrid")
+    assert pick(cpu, "emu-shmem", "ODC_TRANSPORT", nodes=2) == "emu-shmem"
+    with pytest.raises(odc.ConfigError, match=r"'nvshmem' \(from ODC_TRANSPORT\) moves CUDA tensors, but fsdp0"):
+        pick(cpu, "nvshmem", "ODC_TRANSPORT", nodes=2)
     with pytest.raises(odc.ConfigError, match=r"several devices.*fsdp0:blocks.0 on cpu.*fsdp1:<root> on cuda:0"):
         pick(cpu + gpu, None, "ODC_TRANSPORT", nodes=1)
-    with pytest.raises(odc.ConfigError, match="unknown transport 'nvlink'.*cuda-ipc, emu-ipc"):
+    with pytest.raises(odc.ConfigError, match="unknown transport 'nvlink'.*cuda-ipc, emu-ipc, nvshmem, emu-shmem"):
         pick(gpu, "nvlink", "ODC_TRANSPORT", nodes=1)
 
 
 # -- on a GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_nvshmem_engine_is_exact_on_two_gpus():
+    _need_gpu()
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"nvshmem places one PE per GPU: needs 2 GPUs, this machine has {torch.cuda.device_count()}")
+    res = H.all_ok(run_ranks(_exact, 2, timeout=300, transport="nvshmem", device="cuda:rank"))
+    for rank, info in res.items():
+        assert info == {"transport": "nvshmem", "is_device": True, "device": f"cuda:{rank}"}, info
 
 
 @pytest.mark.gpu

@@ -11,9 +11,10 @@ Modules:
         Karmarkar–Karp, bubble-rate predictions.
     odc.engine: :class:`Engine`, the worker API (gather, scatter_accumulate,
         finish_minibatch) on torch tensors: CPU tensors over shared memory and
-        libfabric, CUDA tensors over ``cuda-ipc`` (one node).
+        libfabric, CUDA tensors over ``cuda-ipc`` (one node) or ``nvshmem``
+        (several nodes).
     odc.fsdp: ``odc.fsdp.enable(model, optimizer)``, FSDP2 on ODC (picks
-        ``cuda-ipc`` for CUDA parameters).
+        ``cuda-ipc`` / ``nvshmem`` for CUDA parameters).
     odc.errors: the exception hierarchy rooted at :class:`OdcError`.
 """
 

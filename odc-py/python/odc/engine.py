@@ -28,9 +28,11 @@ them) on ``torch.cuda.current_stream(tensor.device)`` and returns before they
 run, as a torch kernel launch does, so the data is ready for later work on
 that stream. :meth:`Engine.finish_minibatch` first makes the current stream
 wait for every stream the engine enqueued on since the previous finish, then
-waits for it on the host. ``transport="emu-ipc"`` runs the same device code
-path on CPU tensors (host memory for device memory, host threads for
-streams; see :class:`Engine`).
+waits for it on the host. ``transport="nvshmem"`` does the same for GPUs on
+several nodes, with the data on NVSHMEM's symmetric heap.
+``transport="emu-ipc"`` / ``"emu-shmem"`` run the same device code paths on
+CPU tensors (host memory for device memory, host threads for streams; see
+:class:`Engine`).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Bucket", "Engine", "dtype_name", "TRANSPORTS", "DEVICE_TRANSPORTS"]
+__all__ = ["Bucket", "Engine", "dtype_name", "TRANSPORTS", "DEVICE_TRANSPORTS", "CUDA_TRANSPORTS"]
 
 _DTYPE_NAMES = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
 
@@ -89,9 +91,11 @@ def _buffer(t: "torch.Tensor", what: str) -> tuple[int, int, str]:
 
 
 #: The transport names :class:`Engine` accepts.
-TRANSPORTS = ("auto", "shm", "fabric", "mixed", "cuda-ipc", "emu-ipc")
+TRANSPORTS = ("auto", "shm", "fabric", "mixed", "cuda-ipc", "emu-ipc", "nvshmem", "emu-shmem")
 #: Transports whose data lives in device memory (their calls take a stream).
-DEVICE_TRANSPORTS = ("cuda-ipc", "emu-ipc")
+DEVICE_TRANSPORTS = ("cuda-ipc", "emu-ipc", "nvshmem", "emu-shmem")
+#: Transports whose calls take CUDA tensors (the others' take CPU tensors).
+CUDA_TRANSPORTS = ("cuda-ipc", "nvshmem")
 
 
 def transport_name(name: str | None) -> str | None:
@@ -198,8 +202,11 @@ class Engine:
             ``"mixed"`` (as auto, also on one node), all on CPU tensors;
             ``"cuda-ipc"`` (one node of GPUs: data in CUDA memory shared
             between the node's processes; calls take CUDA tensors on
-            ``device`` and run on the current CUDA stream) or ``"emu-ipc"``
-            (cuda-ipc's code path on CPU tensors: see below).
+            ``device`` and run on the current CUDA stream), ``"nvshmem"``
+            (GPUs on any number of nodes: the same, with data on NVSHMEM's
+            symmetric heap; full sharding only across nodes), or
+            ``"emu-ipc"`` / ``"emu-shmem"`` (their code paths on CPU
+            tensors: see below).
             ``ODC_FABRIC_ADDR`` / ``ODC_FABRIC_PROVIDER`` choose libfabric's
             address and provider; without ``ODC_FABRIC_ADDR`` a multi-node
             job binds the address that routes to ``MASTER_ADDR``. Default:
@@ -209,13 +216,15 @@ class Engine:
             gathers and pushes stay inside the node and
             :meth:`finish_minibatch` sums the gradient shards across nodes
             once, so :meth:`grad_shard` holds the sum over every rank).
-        device: the CUDA device of a ``cuda-ipc`` engine (an ordinal or a
+        device: the CUDA device of a ``cuda-ipc`` / ``nvshmem`` engine (an ordinal or a
             ``torch.device``). Default: ``torch.cuda.current_device()``
             where CUDA is available, else the local rank (and creating the
             engine raises :class:`odc.GpuUnavailable`). Ignored by the other
             transports.
 
-    ``emu-ipc`` runs every call through the device data path (a separate
+    ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
+    at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
+    call through the device data path (a separate
     landing region, adds on the daemon's own stream, signals sent by work on
     the stream after the data) with host memory for device memory and host
     threads for streams; ``ODC_EMU_JITTER_US`` makes each emulated stream
@@ -278,7 +287,7 @@ class Engine:
         self._emu: Any = None
         self._streams: dict[int, Any] = {}
         if self._native.is_device:
-            if self._native.transport == "cuda-ipc":
+            if self._native.transport in CUDA_TRANSPORTS:
                 import torch
 
                 index = self._native.device
@@ -290,8 +299,8 @@ class Engine:
 
     @staticmethod
     def _cuda_ordinal(transport: str | None, device: Any) -> int | None:
-        """The CUDA ordinal a cuda-ipc engine opens (None: the engine's default, the local rank)."""
-        cuda_ipc = transport_name(transport) == "cuda-ipc"
+        """The CUDA ordinal a cuda-ipc / nvshmem engine opens (None: the engine's default, the local rank)."""
+        cuda_ipc = transport_name(transport) in CUDA_TRANSPORTS
         if device is None and not cuda_ipc:
             return None
         import torch
@@ -303,7 +312,7 @@ class Engine:
         dev = torch.device(device)
         if dev.type != "cuda":
             if cuda_ipc:
-                raise ConfigError(f"device={device!r}: a cuda-ipc engine needs a CUDA device")
+                raise ConfigError(f"device={device!r}: a {transport_name(transport)} engine needs a CUDA device")
             return None  # ignored by the other transports
         if dev.index is None:
             return torch.cuda.current_device() if torch.cuda.is_available() else None
@@ -321,17 +330,17 @@ class Engine:
     @property
     def transport(self) -> str:
         """The transport in use: ``"shm"``, ``"fabric"`` or ``"shm+fabric"`` (``"auto"`` resolved),
-        ``"cuda-ipc"`` or ``"emu-ipc"``."""
+        ``"cuda-ipc"``, ``"nvshmem"``, ``"emu-ipc"`` or ``"emu-shmem"``."""
         return self._native.transport
 
     @property
     def is_device(self) -> bool:
-        """Whether the engine's data lives in device memory (``cuda-ipc``, ``emu-ipc``)."""
+        """Whether the engine's data lives in device memory (one of :data:`DEVICE_TRANSPORTS`)."""
         return self._native.is_device
 
     @property
     def device(self) -> "torch.device":
-        """Where the tensors passed to this engine live: ``cuda:<i>`` for ``cuda-ipc``, else ``cpu``."""
+        """Where the tensors passed to this engine live: ``cuda:<i>`` for ``cuda-ipc`` / ``nvshmem``, else ``cpu``."""
         import torch
 
         return self._cuda if self._cuda is not None else torch.device("cpu")
@@ -519,11 +528,12 @@ class Engine:
         if self._cuda is not None:
             if t.device != self._cuda:
                 raise LayoutError(
-                    f"{what} is on {t.device}; this engine's transport cuda-ipc moves CUDA tensors on {self._cuda}"
+                    f"{what} is on {t.device}; this engine's transport {self.transport} moves CUDA tensors on "
+                    f"{self._cuda}"
                 )
         elif t.device.type != "cpu":
             raise LayoutError(
-                f"{what} is on {t.device}; the emu-ipc transport emulates device memory with CPU tensors"
+                f"{what} is on {t.device}; the {self.transport} transport emulates device memory with CPU tensors"
             )
         if not t.is_contiguous():
             raise LayoutError(f"{what} is not contiguous")

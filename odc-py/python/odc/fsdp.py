@@ -47,15 +47,17 @@ the post-divide computed over both groups.
 
 Transports. CPU parameters use the engine's default (``shm`` within a node,
 libfabric between nodes) unless told otherwise; CUDA parameters use
-``cuda-ipc`` (published shards, landing slots and accumulators in device
-memory shared between the node's processes; every copy runs on the stream
-FSDP made current for the comm, and the optimizer reads the accumulators in
-place), on one node only: the nvshmem transport for several nodes is not
-built yet. The ``transport=`` argument of :func:`enable`, else
+``cuda-ipc`` on one node (published shards, landing slots and accumulators
+in device memory shared between the node's processes; every copy runs on the
+stream FSDP made current for the comm, and the optimizer reads the
+accumulators in place) and ``nvshmem`` across nodes (the same regions on
+NVSHMEM's symmetric heap; full sharding only: hybrid sharding across nodes
+on CUDA is refused). The ``transport=`` argument of :func:`enable`, else
 ``ODC_TRANSPORT``, overrides the choice; a transport that cannot carry the
 parameters' tensors (``shm`` for CUDA parameters, ``cuda-ipc`` for CPU ones)
-is refused before anything is registered. ``emu-ipc`` runs CPU parameters
-through cuda-ipc's device code path (host memory and host-thread streams).
+is refused before anything is registered. ``emu-ipc`` and ``emu-shmem`` run
+CPU parameters through cuda-ipc's and nvshmem's device code paths (host
+memory and host-thread streams).
 
 Settings whose semantics ODC cannot keep are refused with :class:`odc.ConfigError`:
 2-D meshes under ``sharding="full"``, 1-D meshes under ``sharding="hybrid"``,
@@ -109,7 +111,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import DTensor
 
-from .engine import TRANSPORTS, Bucket, Engine, _local_world_size, transport_name
+from .engine import CUDA_TRANSPORTS, TRANSPORTS, Bucket, Engine, _local_world_size, transport_name
 from .errors import ConfigError, LayoutError, ProtocolError
 
 if TYPE_CHECKING:
@@ -481,13 +483,15 @@ def _param_device(groups: list[_Group]) -> torch.device:
     (device,) = devices
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(
-            f"odc.fsdp.enable: {groups[0].name} is on {device}; ODC moves CPU tensors (shm, libfabric, emu-ipc) "
-            "and CUDA tensors (cuda-ipc)"
+            f"odc.fsdp.enable: {groups[0].name} is on {device}; ODC moves CPU tensors (shm, libfabric, emu-ipc, "
+            "emu-shmem) and CUDA tensors (cuda-ipc, nvshmem)"
         )
     return device
 
 
-def _pick_transport(groups: list[_Group], requested: str | None, source: str, nodes: int | None) -> str | None:
+def _pick_transport(
+    groups: list[_Group], requested: str | None, source: str, nodes: int | None, sharding: str = "full"
+) -> str | None:
     """The transport the engine gets for these parameter groups, checked before anything is registered.
 
     Args:
@@ -495,10 +499,12 @@ def _pick_transport(groups: list[_Group], requested: str | None, source: str, no
         requested: the ``transport=`` argument, else ``ODC_TRANSPORT``, else None.
         source: where ``requested`` came from (for messages).
         nodes: how many nodes the ranks span (None: not known yet, not checked).
+        sharding: ``"full"`` or ``"hybrid"``.
 
     Returns:
-        ``"cuda-ipc"`` for CUDA parameters; for CPU ones ``requested`` (None:
-        the engine's default).
+        For CUDA parameters ``"cuda-ipc"`` on one node, ``"nvshmem"``
+        across nodes (or ``requested`` when it names one of them); for CPU
+        ones ``requested`` (None: the engine's default).
     """
     device = _param_device(groups)
     name = transport_name(requested)
@@ -509,22 +515,30 @@ def _pick_transport(groups: list[_Group], requested: str | None, source: str, no
         )
     where = f"{groups[0].name} is on {device}"
     if device.type == "cuda":
-        if name not in (None, "auto", "cuda-ipc"):
+        if name not in (None, "auto", *CUDA_TRANSPORTS):
             raise ConfigError(
                 f"odc.fsdp.enable: transport {requested!r} (from {source}) cannot carry CUDA tensors and {where}; "
-                "CUDA parameters take 'cuda-ipc' (the default for them on one node)"
+                "CUDA parameters take 'cuda-ipc' (the default on one node) or 'nvshmem' (the default across nodes)"
             )
-        if nodes is not None and nodes > 1:
+        if nodes is None or nodes == 1:
+            return name if name in CUDA_TRANSPORTS else "cuda-ipc"
+        if sharding == "hybrid":
             raise ConfigError(
-                f"odc.fsdp.enable: {where} and the job spans {nodes} nodes; ODC's cuda-ipc transport serves one "
-                "node, and the nvshmem transport for several nodes is not built yet: keep FSDP2's own "
-                "collectives (nccl) for multi-node GPU models"
+                f"odc.fsdp.enable: {where}, the job spans {nodes} nodes and sharding is 'hybrid': ODC sums "
+                "the replicas' gradient shards across nodes in host memory, which its GPU transports do not "
+                "keep; use sharding='full' (nvshmem) or keep FSDP2's own collectives for this model"
             )
-        return "cuda-ipc"
-    if name == "cuda-ipc":
+        if name == "cuda-ipc":
+            raise ConfigError(
+                f"odc.fsdp.enable: transport {requested!r} (from {source}) serves one node and the job spans "
+                f"{nodes} nodes; use 'nvshmem' (the default for CUDA parameters across nodes)"
+            )
+        return "nvshmem"
+    if name in CUDA_TRANSPORTS:
         raise ConfigError(
             f"odc.fsdp.enable: transport {requested!r} (from {source}) moves CUDA tensors, but {where}; "
-            "use 'shm' / 'auto' for CPU parameters ('emu-ipc' runs cuda-ipc's device code path on them)"
+            "use 'shm' / 'auto' for CPU parameters ('emu-ipc' / 'emu-shmem' run the GPU transports' device "
+            "code paths on them)"
         )
     return requested
 
@@ -603,7 +617,8 @@ def enable(
         transport: the engine's transport (default ``ODC_TRANSPORT``, else
             picked by device): CPU parameters get the engine's default
             (``"auto"``: shm within a node, libfabric between nodes), CUDA
-            parameters ``"cuda-ipc"`` (one node). See :class:`odc.Engine`.
+            parameters ``"cuda-ipc"`` (one node) or ``"nvshmem"`` (several
+            nodes). See :class:`odc.Engine`.
 
     Warns:
         UserWarning: the running torch is not in :data:`TORCH_VERSIONS_CHECKED`.
@@ -614,9 +629,9 @@ def enable(
             ``"full"``, a 1-D mesh under ``"hybrid"``, shard groups that are
             not the ranks of one node), or it uses a setting ODC cannot keep
             (see the module doc); the parameters live on several devices, on
-            CUDA across several nodes (the nvshmem transport is not built
-            yet), or ``transport`` cannot carry their tensors (``shm`` for
-            CUDA, ``cuda-ipc`` for CPU).
+            CUDA across several nodes with hybrid sharding, or ``transport``
+            cannot carry their tensors (``shm`` for CUDA, ``cuda-ipc`` /
+            ``nvshmem`` for CPU, ``cuda-ipc`` across nodes).
         RegistrationError: ranks built different models.
     """
     _check_torch_version()
@@ -649,12 +664,12 @@ def enable(
         dist.distributed_c10d._get_default_store(),
     )
     # Ranks per node: the shard group under hybrid sharding; under full
-    # sharding only CUDA parameters need it now (cuda-ipc serves one node).
+    # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
     local = layout.shards if layout.sharding == "hybrid" else None
     if local is None and device.type == "cuda":
         local = _local_world_size(store, layout.rank, layout.world, "odc")
     nodes = layout.world // local if local else None
-    chosen = _pick_transport(groups, requested, source, nodes)
+    chosen = _pick_transport(groups, requested, source, nodes, layout.sharding)
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": timeout, "transport": chosen}
     if device.type == "cuda":
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
