@@ -96,8 +96,10 @@ def _build_parser() -> _Parser:
     pr.add_argument("--netns", type=_positive(int, "--netns"), default=None, metavar="N",
                     help="spread the ranks over N network namespaces joined by a bridge (emulated hosts; needs root "
                          "and iproute2): rank r runs in namespace r // (g / N), gloo and ODC cross the same links")
-    pr.add_argument("--transport", choices=("auto", "shm", "fabric"), default=None,
-                    help="ODC transport (default: ODC_TRANSPORT, else shm; fabric with --netns)")
+    pr.add_argument("--transport", choices=("auto", "shm", "fabric", "emu-ipc", "emu-shmem", "cuda-ipc", "nvshmem"),
+                    default=None,
+                    help="ODC transport (default: ODC_TRANSPORT, else shm; fabric with --netns; against nccl "
+                         "cuda-ipc, or nvshmem across nodes)")
     _common(pr)
 
     im = sub.add_parser("imbalance", help="FSDP-shaped loop with emulated compute: collectives against ODC",
@@ -206,6 +208,16 @@ def _primitives(args: argparse.Namespace) -> int:
             raise UsageError(f"-d {d!r}: unknown type (use f32, bf16, f16 or all)")
     backend = _collective_backend(args.backend, max(worlds))
     transport = args.transport or os.environ.get("ODC_TRANSPORT") or ("fabric" if args.netns else "shm")
+    if backend == "nccl":
+        # ODC runs on the same GPUs as the baseline (primitives._device_engine).
+        if args.transport is not None and args.transport not in ("cuda-ipc", "nvshmem"):
+            raise UsageError(f"--transport {args.transport} with --backend nccl: ODC then runs on the GPUs; "
+                             "use cuda-ipc or nvshmem")
+        if transport not in ("cuda-ipc", "nvshmem"):
+            transport = "cuda-ipc"
+    elif args.transport in ("cuda-ipc", "nvshmem"):
+        raise UsageError(f"--transport {args.transport} moves CUDA tensors; the {backend} baseline runs on CPU "
+                         "(use --backend nccl)")
     if args.netns is not None:
         if launch.under_torchrun():
             raise UsageError("--netns: launches its own ranks; not under torchrun")

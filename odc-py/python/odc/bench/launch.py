@@ -75,8 +75,8 @@ class RankContext:
 
         dist.barrier(group=self.ctrl)
 
-    def engine(self, *, timeout: float, chunk_bytes: int | None = None, tag: str = "e") -> Any:
-        """A new :class:`odc.Engine` for this rank, dropped when the rank ends."""
+    def engine(self, *, timeout: float, chunk_bytes: int | None = None, tag: str = "e", **kw: Any) -> Any:
+        """A new :class:`odc.Engine` for this rank (``kw``: more engine arguments), dropped when the rank ends."""
         import odc
 
         eng = odc.Engine(
@@ -88,6 +88,7 @@ class RankContext:
             chunk_bytes=chunk_bytes,
             job_key=f"{self.job_key}{tag}",
             prefix=f"odc-bench/{self.job_key}/{tag}",
+            **kw,
         )
         self._engines.append(eng)
         return eng

@@ -4,6 +4,10 @@ For every size of the sweep, on every rank, in one run:
 
 - **all-gather**: torch.distributed ``all_gather_into_tensor`` (gloo on CPU,
   nccl on GPU) against ``Engine.gather`` of a version published once;
+  against nccl, ODC runs on the same GPUs (``cuda-ipc`` within a node,
+  ``nvshmem`` across nodes, or ``ODC_TRANSPORT``) on CUDA tensors, and each
+  timed operation ends with a ``torch.cuda.synchronize`` as the collective's
+  does;
 - **reduce-scatter**: ``reduce_scatter_tensor`` (sum) against
   ``Engine.scatter_accumulate`` + ``Engine.finish_minibatch(k)`` — the
   latter returns when this rank's shard is final, which is reduce-scatter's
@@ -121,7 +125,8 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
 
     rank, world, dev = ctx.rank, ctx.world, ctx.device
     plan = [(d, size, count) for d in dtypes for size, count in sweep(min_bytes, max_bytes, factor, d, world)]
-    eng = ctx.engine(timeout=timeout, chunk_bytes=chunk_bytes)
+    eng = ctx.engine(timeout=timeout, chunk_bytes=chunk_bytes, **_device_engine(ctx))
+    edev = eng.device  # where ODC's tensors live: the GPU against nccl, else host memory
     eng.register([odc.Bucket(f"{d}-{count}", count, torch_dtype(d)) for d, _, count in plan])
     # Publish every bucket's shard once (version 0): gathers read it from then on.
     for d, _, count in plan:
@@ -130,8 +135,9 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
         shard = torch.zeros(sl, dtype=torch_dtype(d))
         lo, hi = min(rank * sl, count), min((rank + 1) * sl, count)
         shard[: hi - lo] = _gather_pattern(count, sl)[lo:hi].to(shard.dtype)
-        eng.publish(info["name"], shard, version=0)
+        eng.publish(info["name"], shard.to(edev), version=0)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    odc_sync = torch.cuda.synchronize if edev.type == "cuda" else (lambda: None)
     minibatch = 0
     rows = []
     for d, size, count in plan:
@@ -149,9 +155,9 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
         coll = _result(f"{ctx.backend} all_gather_into_tensor", size, world, *_slowest(ctx, t, wrong))
         del inp, out
 
-        out = torch.empty(count, dtype=dt)
-        t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out), lambda: None)
-        wrong = int((out != _gather_pattern(count, sl).to(dt)).sum()) if check else 0
+        out = torch.empty(count, dtype=dt, device=edev)
+        t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out), odc_sync)
+        wrong = int((out.cpu() != _gather_pattern(count, sl).to(dt)).sum()) if check else 0
         odc_res = _result("odc gather", size, world, *_slowest(ctx, t, wrong))
         del out
         rows.append(_row(row_base, "all_gather", "none", coll, odc_res))
@@ -168,11 +174,11 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
             coll = _result(f"{ctx.backend} all_gather_into_tensor in-place", size, world, *_slowest(ctx, t, wrong))
             del out, view
             want = _gather_pattern(count, sl).to(dt)
-            out = torch.empty(count, dtype=dt)
+            out = torch.empty(count, dtype=dt, device=edev)
             lo, hi = min(rank * sl, count), min((rank + 1) * sl, count)
-            out[lo:hi] = want[lo:hi]
-            t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out, skip_own=True), lambda: None)
-            wrong = int((out != want).sum()) if check else 0
+            out[lo:hi] = want[lo:hi].to(edev)
+            t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out, skip_own=True), odc_sync)
+            wrong = int((out.cpu() != want).sum()) if check else 0
             odc_res = _result("odc gather skip_own", size, world, *_slowest(ctx, t, wrong))
             del out
             rows.append(_row(row_base, "all_gather_in_place", "none", coll, odc_res))
@@ -185,7 +191,7 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
         wrong = int((out.cpu() != _sum_pattern(count, world)[rank * part : (rank + 1) * part].to(dt)).sum()) if check else 0
         coll = _result(f"{ctx.backend} reduce_scatter_tensor", size, world, *_slowest(ctx, t, wrong))
         del out
-        inp = inp.cpu()
+        inp = inp.to(edev)
 
         def push() -> None:
             nonlocal minibatch
@@ -193,19 +199,34 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
             eng.finish_minibatch(minibatch)
             minibatch += 1
 
-        t = _timed(ctx, warmup, iters, push, lambda: None)
+        t = _timed(ctx, warmup, iters, push, odc_sync)
         wrong = 0
         if check:
             lo, hi = min(rank * sl, count), min((rank + 1) * sl, count)
             want = torch.zeros(sl, dtype=torch.float32)
             want[: hi - lo] = _sum_pattern(count, world)[lo:hi].to(torch.float32) * (warmup + iters)
-            wrong = int((eng.grad_shard(name) != want).sum())
+            wrong = int((eng.grad_shard(name).cpu() != want).sum())
         odc_res = _result("odc scatter_accumulate", size, world, *_slowest(ctx, t, wrong))
         ctx.barrier()  # every owner has checked its sums before any zeroing
         eng.zero_grad(name)
         rows.append(_row(row_base, "reduce_scatter", "sum", coll, odc_res))
         ctx.emit("row", rows[-1])
     return rows
+
+
+def _device_engine(ctx: Any) -> dict:
+    """Engine arguments that put ODC on the baseline's GPU (nccl): ``ODC_TRANSPORT`` when it names a CUDA
+    transport, else ``cuda-ipc`` on one node and ``nvshmem`` across nodes. Nothing for a CPU baseline."""
+    import os
+
+    from odc.engine import CUDA_TRANSPORTS, transport_name
+
+    if ctx.device.type != "cuda":
+        return {}
+    requested = transport_name(os.environ.get("ODC_TRANSPORT") or None)
+    one_node = ctx.local_world is None or ctx.local_world >= ctx.world
+    transport = requested if requested in CUDA_TRANSPORTS else ("cuda-ipc" if one_node else "nvshmem")
+    return {"transport": transport, "device": ctx.device}
 
 
 def _row(base: dict, op: str, redop: str, coll: dict, odc_res: dict) -> dict:
