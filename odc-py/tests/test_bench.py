@@ -128,6 +128,7 @@ def test_emulated_compute_carries_overshoot():
         (["primitives", "-n", "0"], "-n '0'"),
         (["primitives", "-d", "int8"], "int8"),
         (["primitives", "--backend", "mpi"], "mpi"),
+        (["primitives", "--backend", "gloo", "--transport", "nvshmem"], "--transport nvshmem moves CUDA tensors"),
         (["imbalance", "--cost", "cubic"], "cubic"),
         (["imbalance", "--configs", "odc+lb-maxi"], "odc+lb-maxi"),
         (["imbalance", "--lengths", "/nonexistent/lengths.txt"], "/nonexistent/lengths.txt"),
