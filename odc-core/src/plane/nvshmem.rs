@@ -167,6 +167,11 @@ impl Drop for NvshmemPlane {
         if let Err(e) = self.cuda.synchronize(self.cuda.server_stream()) {
             eprintln!("odc: PE {}: nvshmem: {e}", self.session.rank());
         }
+        // The frees and the finalize that follow are NVSHMEM calls: they
+        // need the device's context on this (any) thread.
+        if let Err(e) = self.bind() {
+            eprintln!("odc: PE {}: nvshmem teardown: {e}", self.session.rank());
+        }
     }
 }
 
