@@ -3,13 +3,16 @@
 ``dist.init_process_group("odc")`` works without importing ``odc``: torch
 finds the backend through the ``torch.distributed.backends`` entry point,
 which calls :func:`register`. :func:`odc.register` does the same explicitly
-(it is idempotent).
+(it is idempotent). The backend is registered for CPU and CUDA tensors
+(``devices=["cpu", "cuda"]``), so ``"odc"`` and ``"cpu:odc,cuda:odc"`` both
+name it.
 
-The group is a Python ``ProcessGroup`` (:class:`ProcessGroupODC`). It owns
-two :class:`odc.Engine` instances, created and registered eagerly and
-collectively when the group is created, plus an internal gloo backend on the
-same store (under its own ``PrefixStore``) for the operations ODC has no
-verb for:
+The group is a Python ``ProcessGroup`` (:class:`ProcessGroupODC`). It owns a
+pair of :class:`odc.Engine` instances for CPU tensors, created and registered
+eagerly and collectively when the group is created, a second pair for CUDA
+tensors created on first use (see *CUDA tensors* below), and an internal
+gloo backend on the same store (under its own ``PrefixStore``) for the
+operations ODC has no verb for:
 
 +------------------------------------------+---------------------------------------------+
 | operation                                | runs on                                     |
@@ -30,36 +33,41 @@ verb for:
 |                                          | AVG / PREMUL_SUM on f32 / bf16 / f16;       |
 |                                          | other ops and dtypes: gloo                  |
 +------------------------------------------+---------------------------------------------+
-| ``broadcast``, ``barrier``, ``reduce``,  | gloo                                        |
+| ``broadcast``, ``barrier``, ``reduce``,  | gloo (CUDA tensors: on host copies)         |
 | ``gather``, ``scatter``, ``alltoall``,   |                                             |
 | ``all_to_all_single``, ``send``,         |                                             |
 | ``recv``, ``recv_anysource``             |                                             |
 +------------------------------------------+---------------------------------------------+
 
-ODC collectives complete before they return (the returned Work is already
-done); delegated ones return gloo's own Work. ``ProcessGroupODC.op_counts``
+ODC collectives on CPU tensors complete before they return (the returned
+Work is already done); on CUDA tensors they are enqueued on the current
+stream (see below). Delegated ones return gloo's own Work (on CUDA tensors, a
+Work that copies the results back). Every tensor of one operation must be on
+one device, else :class:`odc.LayoutError`. ``ProcessGroupODC.op_counts``
 counts which ran where.
 
 Scratch buckets. Registration is eager and collective, but a process group
 does not know its op sizes in advance, so each engine registers fixed scratch
 buckets and every op is cut into pieces that fit them. The per-rank shard
-capacity is ``ODC_BACKEND_SCRATCH_MB`` MiB (default 16):
+capacity is ``ODC_BACKEND_SCRATCH_MB`` MiB (default 16), in each pair:
 
-* all-gather engine (store prefix ``odc-ag``): per dtype, buckets whose shard
-  is 4 KiB, 16 KiB, ... (×4) up to the capacity, so a small op does not copy a
-  16 MiB bucket. Op piece ``i`` on a bucket publishes version ``i``, gathers
+* all-gather engine (store prefix ``odc-ag``, ``odc-ag-cuda``): per dtype,
+  buckets whose shard is 4 KiB, 16 KiB, ... (×4) up to the capacity, so a
+  small op does not copy a 16 MiB bucket. Op piece ``i`` on a bucket publishes version ``i``, gathers
   it and releases it; ``publish`` itself waits until every reader released
   ``i - 1``. ``publish`` needs exactly ``shard_len`` elements, so a piece
   shorter than its bucket's shard is first copied into a staging shard, and
   the gathered bucket (``D · shard_len``) is copied out into the output's
   rows (skipped when the op fills its bucket exactly).
-* reduce-scatter engine (store prefix ``odc-rs``): two f32 buckets whose shard
-  holds the capacity in f32. Each owner's row of a piece is pushed in place
-  (``scatter_accumulate`` with an explicit offset into the owner's shard), with
-  no copy. Op piece ``k`` pushes each owner's row into
+* reduce-scatter engine (store prefix ``odc-rs``, ``odc-rs-cuda``): two f32
+  buckets whose shard holds the capacity in f32. Each owner's row of a piece
+  is pushed in place (``scatter_accumulate`` with an explicit offset into the
+  owner's shard), with no copy. Op piece ``k`` pushes each owner's row into
   bucket ``k % 2``, calls ``finish_minibatch(k)``, reads its own shard into
   the output (cast to the output dtype: bf16/f16 accumulate in f32) and
-  zeroes what it read. Alternating buckets makes this safe without a
+  zeroes it (a host engine zeroes what it read; a device engine zeroes the
+  shard with ``zero_grad``, on its daemon's stream after the read, so later
+  additions queue behind it). Alternating buckets makes this safe without a
   barrier: a peer pushes into the same bucket again only for piece ``k + 2``,
   after its ``finish_minibatch(k + 1)`` returned, which needs this rank's
   ``finish_minibatch(k + 1)``, which this rank calls only after it read and
@@ -68,17 +76,37 @@ capacity is ``ODC_BACKEND_SCRATCH_MB`` MiB (default 16):
 Two engines, because ``finish_minibatch(k)`` releases every bucket at version
 ``k``: on one engine that release would run ahead of the all-gather versions.
 
-CPU tensors only. The group is registered for ``devices=["cpu"]``; CUDA
-models use :func:`odc.fsdp.enable`, whose engine runs on ``cuda-ipc``. Taking
-CUDA tensors here is not a matter of dispatching like :class:`odc.Engine`:
-the scratch buckets are registered eagerly when the group is created, so a
-``cuda`` group would hold a second pair of ``cuda-ipc`` engines (device
-memory on a GPU picked at creation); every reduce-scatter piece ends in a
-``finish_minibatch``, which on a device engine blocks the host until the
-stream drains, so each CUDA reduce-scatter would synchronize the host with
-the GPU once per piece; and the operations delegated to the internal gloo
-backend would need NCCL for CUDA tensors (gloo runs only some collectives on
-them).
+CUDA tensors. The first ODC operation on a CUDA tensor creates the CUDA
+pair on that tensor's device, collectively: every rank issues the group's
+collectives in the same order, so every rank creates it in the same call.
+It holds the same scratch buckets in device memory. Its transport is
+``cuda-ipc`` when the group's ranks are on one node and ``nvshmem`` when they
+span several; ``ODC_TRANSPORT`` naming either one overrides that choice (the
+CPU pair then stays on ``auto``), and any other name sets the CPU pair's
+transport. ``nvshmem`` cannot serve the pair yet: a process holds one NVSHMEM
+session, and the pair is two engines, so that first operation raises
+:class:`odc.ConfigError` saying so (the group stays usable for CPU
+tensors). The pair stays on its device: an operation on another CUDA device
+raises :class:`odc.LayoutError` naming both.
+
+An ODC operation on CUDA tensors is enqueued on the current stream of their
+device, as a kernel launch is, and its Work's ``wait()`` makes the caller's
+current stream wait for that stream. An operation issued on another stream
+than the previous one first makes its stream wait for the previous one (the
+scratch buffers are reused). The cost: every reduce-scatter piece (so every
+reduce-scatter and all-reduce) ends in ``finish_minibatch``, which on a
+device engine blocks the host until the stream has drained, so each piece
+synchronizes the host with the GPU once. The operations delegated to gloo run
+on host copies of CUDA tensors: the inputs are copied to host memory (which
+waits for the stream), gloo runs there, and the Work's ``wait()`` copies the
+outputs back. Every delegated operation thus works on CUDA tensors without
+NCCL, at the price of a copy each way.
+
+With ``ODC_TRANSPORT=emu-ipc`` (or ``emu-shmem``) the CPU pair is made of
+engines that emulate cuda-ipc (nvshmem) on CPU tensors, and CPU tensors take
+the CUDA pair's code path (operations on the engine's stream, the finish on
+the device, accumulator reads and zeroing through the engine): that is how a
+machine without a GPU runs it.
 """
 
 from __future__ import annotations
@@ -92,9 +120,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 from torch.futures import Future
 
-from .engine import Bucket, Engine, dtype_name
+from .engine import CUDA_TRANSPORTS, Bucket, Engine, _local_world_size, dtype_name, transport_name
 from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 
 __all__ = [
@@ -171,13 +200,20 @@ def _shard_classes(nbytes: int, elem_size: int) -> list[int]:
 
 # -- Work ------------------------------------------------------------------------
 class _CompletedWork(dist.Work):
-    """The Work of an ODC collective: it completed before the call returned."""
+    """The Work of an ODC collective: it completed before the call returned, or,
+    on CUDA tensors, it is enqueued on the stream that was current then."""
 
-    def __init__(self, result: list[torch.Tensor]) -> None:
+    def __init__(self, result: list[torch.Tensor], device: torch.device | None = None) -> None:
         super().__init__()
         self._result = result
+        self._stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
 
     def wait(self, timeout: Any = None) -> bool:
+        # As NCCL's Work: later work on the caller's stream runs after the op.
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self._stream.device)
+            if current.cuda_stream != self._stream.cuda_stream:
+                current.wait_stream(self._stream)
         return True
 
     def is_completed(self) -> bool:
@@ -193,15 +229,93 @@ class _CompletedWork(dist.Work):
         return self._result
 
     def synchronize(self) -> None:
-        pass
+        self.wait()
 
     def get_future(self) -> Future:
-        fut: Future = Future()
+        # A CUDA future records an event on the current streams at set_result
+        # and makes its waiters' streams wait for it.
+        fut: Future = Future(devices=[self._stream.device]) if self._stream is not None else Future()
         fut.set_result(self._result)
         return fut
 
 
-# -- the two engines ---------------------------------------------------------------
+class _StagedWork(dist.Work):
+    """The Work of a gloo operation run on host copies of CUDA tensors: waiting copies the results back."""
+
+    def __init__(self, work: dist.Work, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        super().__init__()
+        self._work = work
+        self._copies = copies
+        self._result = [t for t, _ in copies]
+        self._lock = threading.Lock()
+
+    def _copy_back(self) -> None:
+        with self._lock:
+            copies, self._copies = self._copies, []
+            for device_tensor, host in copies:
+                device_tensor.copy_(host)
+
+    def wait(self, timeout: Any = None) -> bool:
+        if timeout is None:
+            self._work.wait()
+        else:
+            self._work.wait(timeout)
+        self._copy_back()
+        return True
+
+    def is_completed(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        if self._work.exception() is None:
+            self._copy_back()
+        return True
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def _source_rank(self) -> int:
+        return self._work._source_rank()  # recv_anysource: the rank that sent
+
+    def get_future(self) -> Future:
+        def done(fut: Future) -> list[torch.Tensor]:
+            fut.value()  # raises gloo's error
+            self._copy_back()
+            return self._result
+
+        return self._work.get_future().then(done)
+
+
+def _to_host(arg: Any, copies: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Any:
+    """``arg`` (a tensor, or lists of them) with every tensor replaced by a host copy;
+    each (tensor, copy) pair is appended to ``copies`` unless it is None."""
+    if isinstance(arg, torch.Tensor):
+        host = arg.to("cpu", copy=True)
+        if copies is not None:
+            copies.append((arg, host))
+        return host
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_to_host(a, copies) for a in arg)
+    return arg
+
+
+def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
+    """Every tensor in ``args`` (tensors, lists of them, lists of lists)."""
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(_tensors(a))
+    return out
+
+
+# -- the engine pairs ----------------------------------------------------------------
 class _Gatherer:
     """All-gather through versions of per-dtype scratch buckets (engine prefix ``odc-ag``)."""
 
@@ -227,7 +341,7 @@ class _Gatherer:
     def _buffer(self, cache: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         buf = cache.get(name)
         if buf is None:
-            buf = cache[name] = torch.zeros(numel, dtype=dtype)
+            buf = cache[name] = torch.zeros(numel, dtype=dtype, device=self.engine.device)
         return buf
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -287,7 +401,71 @@ class _Reducer:
             self.engine.finish_minibatch(k)
             acc = self.accum[bucket][:length]
             out[start : start + length].copy_(acc)
-            acc.zero_()
+            if self.engine.is_device:
+                # On the daemon's stream after the read: the additions of piece k + 2 queue behind it.
+                self.engine.zero_grad(bucket)
+            else:
+                acc.zero_()
+
+
+class _Pair:
+    """The all-gather and reduce-scatter engines of one device (store prefixes ``odc-ag<suffix>``, ``odc-rs<suffix>``).
+
+    Args:
+        make: creates the engine of a store prefix (collective).
+        suffix: appended to both prefixes.
+        nbytes: per-rank shard capacity of the scratch buckets.
+    """
+
+    def __init__(self, make: Callable[[str], Engine], suffix: str, nbytes: int) -> None:
+        self.gatherer = _Gatherer(make(f"odc-ag{suffix}"), nbytes)
+        self.reducer = _Reducer(make(f"odc-rs{suffix}"), nbytes)
+        #: Where the tensors of this pair's ops live (``cpu`` for the host and emulated transports).
+        self.device: torch.device = self.gatherer.engine.device
+        self.transport: str = self.gatherer.engine.transport
+        self._last_stream: Any = None
+
+    def begin(self) -> None:
+        """Orders a CUDA op after the previous one when the caller switched streams.
+
+        The engines order an op's work on the current stream only, and the
+        scratch buffers and accumulators are reused from op to op.
+        """
+        if self.device.type != "cuda":
+            return
+        current = torch.cuda.current_stream(self.device)
+        last = self._last_stream
+        if last is not None and last.cuda_stream != current.cuda_stream:
+            current.wait_stream(last)
+        self._last_stream = current
+
+
+def _transports(requested: str | None) -> tuple[str, str | None]:
+    """The transports of the CPU pair and of the CUDA pair for ``ODC_TRANSPORT`` (None: picked by node count).
+
+    A transport that moves CUDA tensors goes to the CUDA pair; any other name
+    (``emu-ipc`` and ``emu-shmem`` included: device transports on CPU
+    tensors) goes to the CPU pair, an unknown one too: its engine raises
+    :class:`odc.ConfigError` listing the names it knows.
+    """
+    name = transport_name(requested)
+    if name is None:
+        return "auto", None
+    if name in CUDA_TRANSPORTS:
+        return "auto", name
+    return str(requested), None
+
+
+def _cuda_transport(requested: str | None, nodes: int) -> str:
+    """The CUDA pair's transport: ``requested``, else ``cuda-ipc`` on one node and ``nvshmem`` across nodes."""
+    if requested == "cuda-ipc" and nodes > 1:
+        raise ConfigError(
+            f"odc backend: ODC_TRANSPORT={requested!r} serves one node and the group spans {nodes} nodes; "
+            "use 'nvshmem' (the default for CUDA tensors across nodes)"
+        )
+    if requested is not None:
+        return requested
+    return "cuda-ipc" if nodes == 1 else "nvshmem"
 
 
 # -- helpers ---------------------------------------------------------------------
@@ -315,10 +493,20 @@ def _check_dtype(what: str, dtype: torch.dtype) -> None:
         raise LayoutError(f"{what}: dtype {dtype} is not supported by the odc backend (float32, bfloat16, float16 are)")
 
 
-def _check_cpu(what: str, *tensors: torch.Tensor) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise LayoutError(f"{what}: tensor on {t.device}; the odc backend moves CPU tensors")
+def _op_device(what: str, tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The one device of an operation's tensors (``cpu`` when it has none), or a LayoutError naming them."""
+    devices = sorted({t.device for t in tensors}, key=str)
+    if not devices:
+        return torch.device("cpu")
+    if len(devices) > 1:
+        raise LayoutError(
+            f"{what}: tensors on {' and '.join(map(str, devices))}; "
+            "the odc backend needs every tensor of one operation on one device"
+        )
+    device = devices[0]
+    if device.type not in ("cpu", "cuda"):
+        raise LayoutError(f"{what}: tensor on {device}; the odc backend moves CPU and CUDA tensors")
+    return device
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -344,10 +532,10 @@ def _job_key(store: dist.Store, rank: int) -> str:
 
 # -- the process group -------------------------------------------------------------
 class ProcessGroupODC(dist.ProcessGroup):
-    """A torch.distributed process group whose all-gather and reduce-scatter run on ODC.
+    """A torch.distributed process group whose all-gather and reduce-scatter run on ODC, on CPU and CUDA tensors.
 
     Created by torch for ``init_process_group("odc")`` / ``new_group(backend="odc")``;
-    see the module doc for which operations run where.
+    see the module doc for which operations run where and on which engines.
 
     Args:
         store: the group's store (torch passes a ``PrefixStore`` unique to the group).
@@ -364,17 +552,44 @@ class ProcessGroupODC(dist.ProcessGroup):
         self._failure: BaseException | None = None
         #: How many operations ran on ODC (``odc:<op>``) and on gloo (``gloo:<op>``).
         self.op_counts: collections.Counter[str] = collections.Counter()
-        seconds = _timeout_s(timeout)
-        nbytes = scratch_bytes()
-        job_key = _job_key(store, rank)
-
-        def engine(prefix: str) -> Engine:
-            return Engine(store, rank, world_size, timeout=seconds, job_key=job_key, prefix=prefix)
-
-        self._gatherer = _Gatherer(engine("odc-ag"), nbytes)
-        self._reducer = _Reducer(engine("odc-rs"), nbytes)
-        gloo_timeout = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=seconds)
+        self._store = store
+        self._seconds = _timeout_s(timeout)
+        self._nbytes = scratch_bytes()
+        self._job_key = _job_key(store, rank)
+        cpu_transport, self._cuda_requested = _transports(os.environ.get("ODC_TRANSPORT") or None)
+        self._cpu = _Pair(lambda prefix: self._engine(prefix, transport=cpu_transport), "", self._nbytes)
+        self._cuda: _Pair | None = None  # created by the first ODC op on CUDA tensors
+        gloo_timeout = (
+            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=self._seconds)
+        )
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("odc-gloo/", store), rank, world_size, gloo_timeout)
+
+    def _engine(self, prefix: str, **kw: Any) -> Engine:
+        return Engine(
+            self._store, self.rank(), self.size(), timeout=self._seconds, job_key=self._job_key, prefix=prefix, **kw
+        )
+
+    def _cuda_engines(self, device: torch.device) -> Callable[[str], Engine]:
+        """How the CUDA pair's engines are made on ``device``: the node count and transport, decided alike on
+        every rank (collective: every rank is in its first ODC op on CUDA tensors), before any engine exists."""
+        rank, world = self.rank(), self.size()
+        local = _local_world_size(self._store, rank, world, "odc-cuda")
+        nodes = world // local
+        transport = _cuda_transport(self._cuda_requested, nodes)
+        if transport == "nvshmem":
+            # The second engine would fail after the first one joined and registered.
+            why = "ODC_TRANSPORT names it" if self._cuda_requested else f"the group spans {nodes} nodes"
+            raise ConfigError(
+                f"odc backend: CUDA tensors on this group take the nvshmem transport ({why}), but a process "
+                "holds one NVSHMEM session and the group's CUDA engines are two (all-gather and reduce-scatter, "
+                "each with its own symmetric heap); use a nccl group for these tensors, or odc.fsdp.enable for "
+                "an FSDP2 model (one engine)"
+            )
+
+        def make(prefix: str) -> Engine:
+            return self._engine(prefix, transport=transport, device=device.index, local_world_size=local)
+
+        return make
 
     # -- identity (a Python group keeps its own name; torch sets it after creation)
     def getBackendName(self) -> str:
@@ -395,9 +610,14 @@ class ProcessGroupODC(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupODC(rank={self.rank()}, world_size={self.size()}, name={self._group_name!r})"
 
+    @property
+    def transports(self) -> dict[str, str]:
+        """The transport of each engine pair created so far, by device: ``{"cpu": "shm", "cuda:0": "cuda-ipc"}``."""
+        return {str(p.device): p.transport for p in (self._cpu, self._cuda) if p is not None}
+
     # -- ODC core ------------------------------------------------------------------
-    def _run(self, what: str, body: Callable[[], None]) -> None:
-        """Runs one ODC collective (arguments already checked).
+    def _run(self, what: str, device: torch.device, body: Callable[[_Pair], None]) -> None:
+        """Runs one ODC collective on the engine pair of ``device`` (arguments already checked).
 
         A failure inside leaves the engines' version and minibatch counters
         out of step with the peers, so the group refuses ODC work afterwards.
@@ -408,49 +628,75 @@ class ProcessGroupODC(dist.ProcessGroup):
                     f"{what}: this odc process group is unusable after an earlier failure "
                     f"({type(self._failure).__name__}: {self._failure}); destroy and re-create it"
                 )
+            if device.type == "cuda" and self._cuda is not None and self._cuda.device != device:
+                raise LayoutError(
+                    f"{what}: tensors on {device}, but this odc process group's CUDA engines are on "
+                    f"{self._cuda.device} (created by its first operation on CUDA tensors); "
+                    "use one CUDA device per group"
+                )
+            # Errors before an engine exists leave the group usable (every rank raises them alike).
+            make_cuda = self._cuda_engines(device) if device.type == "cuda" and self._cuda is None else None
             self.op_counts[f"odc:{what}"] += 1
             try:
-                body()
+                if make_cuda is not None:
+                    self._cuda = _Pair(make_cuda, "-cuda", self._nbytes)
+                pair = self._cuda if device.type == "cuda" else self._cpu
+                pair.begin()
+                body(pair)
             except BaseException as e:
                 self._failure = e
                 raise
 
     def _delegate(self, op: str, *args: Any) -> dist.Work:
-        """Runs ``op`` on the internal gloo backend (an operation ODC does not run)."""
+        """Runs ``op`` on the internal gloo backend (an operation ODC does not run); CUDA tensors on host copies."""
         if self._gloo is None:
             raise OdcError(f"{op}: this odc process group was shut down")
+        device = _op_device(op, _tensors(args))
         self.op_counts[f"gloo:{op}"] += 1
-        return getattr(self._gloo, op)(*args)
+        if device.type == "cpu":
+            return getattr(self._gloo, op)(*args)
+        return self._staged(op, *args)
 
-    def _all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> None:
+    def _staged(self, op: str, *args: Any) -> dist.Work:
+        """Runs ``op`` on gloo on host copies of its tensors.
+
+        Every operation's output is its first argument (``send`` has none):
+        the returned Work copies that argument's tensors back when waited on.
+        """
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        host = [_to_host(a, copies if i == 0 and op != "send" else None) for i, a in enumerate(args)]
+        return _StagedWork(getattr(self._gloo, op)(*host), copies)
+
+    def _all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> torch.device:
         if out.numel() != inp.numel() * self.size():
             raise LayoutError(f"{what}: output has {out.numel()} elements, expected {self.size()} x {inp.numel()}")
         if out.dtype != inp.dtype:
             raise LayoutError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
-        _check_cpu(what, out, inp)
+        device = _op_device(what, (out, inp))
         if inp.numel() == 0:
-            return
+            return device
         src = _flat(inp)
-        dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
-
-        self._run(what, lambda: self._gatherer.all_gather(dst, src))
+        dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=device)
+        self._run(what, device, lambda pair: pair.gatherer.all_gather(dst, src))
         if not out.is_contiguous():
             out.copy_(dst.view(out.shape))
+        return device
 
-    def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str) -> None:
+    def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str) -> torch.device:
         _check_dtype(what, inp.dtype)
         _check_dtype(what, out.dtype)
-        _check_cpu(what, out, inp)
+        device = _op_device(what, (out, inp))
         scale = _scale(op, self.size(), what, inp.dtype)
         if inp.numel() != out.numel() * self.size():
             raise LayoutError(f"{what}: input has {inp.numel()} elements, expected {self.size()} x {out.numel()}")
         if out.numel() == 0:
-            return
+            return device
         src = _flat(inp)
-        dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
-        self._run(what, lambda: self._reducer.reduce_scatter(dst, src, scale))
+        dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=device)
+        self._run(what, device, lambda pair: pair.reducer.reduce_scatter(dst, src, scale))
         if not out.is_contiguous():
             out.copy_(dst.view(out.shape))
+        return device
 
     def _odc_allreduce(self, t: torch.Tensor, scale: float) -> None:
         """All-reduce as an ODC reduce-scatter of a padded copy, then a gather of the reduced shards."""
@@ -458,56 +704,58 @@ class ProcessGroupODC(dist.ProcessGroup):
         if n == 0:
             return
         per = -(-n // world)
-        padded = torch.zeros(world * per, dtype=t.dtype)
+        padded = torch.zeros(world * per, dtype=t.dtype, device=t.device)
         padded[:n].copy_(t.reshape(-1))
-        shard = torch.empty(per, dtype=t.dtype)
-        full = torch.empty(world * per, dtype=t.dtype)
+        shard = torch.empty(per, dtype=t.dtype, device=t.device)
+        full = torch.empty(world * per, dtype=t.dtype, device=t.device)
 
-        def body() -> None:
-            self._reducer.reduce_scatter(shard, padded, scale)
-            self._gatherer.all_gather(full, shard)
+        def body(pair: _Pair) -> None:
+            pair.reducer.reduce_scatter(shard, padded, scale)
+            pair.gatherer.all_gather(full, shard)
 
-        self._run("allreduce", body)
+        self._run("allreduce", t.device, body)
         t.copy_(full[:n].view(t.shape))
 
     def _odc_reduce_ok(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
         red = getattr(op, "op", op)
-        return red in _SUM_LIKE and all(t.dtype in _DTYPES and t.device.type == "cpu" for t in tensors)
+        return red in _SUM_LIKE and len(tensors) > 0 and all(t.dtype in _DTYPES for t in tensors)
 
     # -- all-gather ----------------------------------------------------------------
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         if input.dtype not in _DTYPES:
-            return self._delegate("all_gather_single", output, input, opts or dist.AllgatherOptions())
-        self._all_gather_into(output, input, "all_gather_single")
-        return _CompletedWork([output])
+            return self._delegate("all_gather_single", output, input, opts or AllgatherOptions())
+        device = self._all_gather_into(output, input, "all_gather_single")
+        return _CompletedWork([output], device)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
+        device = _op_device("all_gather_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
             self.all_gather_single(out, inp).wait()
-        return _CompletedWork(list(outputs))
+        return _CompletedWork(list(outputs), device)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        device = _op_device("allgather", _tensors((outputs, inputs)))
         for outs, inp in zip(outputs, inputs, strict=True):
             if inp.dtype in _DTYPES and all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs):
-                full = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype)
+                full = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=device)
                 self._all_gather_into(full, inp, "allgather")
                 for o, row in zip(outs, full.view(len(outs), -1)):
                     o.copy_(row.view(o.shape))
             else:
-                self._delegate("allgather", [outs], [inp], opts or dist.AllgatherOptions()).wait()
-        return _CompletedWork([o for outs in outputs for o in outs])
+                self._delegate("allgather", [outs], [inp], opts or AllgatherOptions()).wait()
+        return _CompletedWork([o for outs in outputs for o in outs], device)
 
     # -- reduce-scatter ------------------------------------------------------------
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
-        self._reduce_scatter_into(output, input, op, "reduce_scatter_single")
-        return _CompletedWork([output])
+        device = self._reduce_scatter_into(output, input, op, "reduce_scatter_single")
+        return _CompletedWork([output], device)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -515,9 +763,10 @@ class ProcessGroupODC(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        device = _op_device("reduce_scatter_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
             self._reduce_scatter_into(out, inp, op, "reduce_scatter_single_coalesced")
-        return _CompletedWork(list(outputs))
+        return _CompletedWork(list(outputs), device)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -525,6 +774,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        device = _op_device("reduce_scatter", _tensors((outputs, inputs)))
         for out, ins in zip(outputs, inputs, strict=True):
             if len(ins) != self.size() or any(i.numel() != out.numel() for i in ins):
                 raise LayoutError(f"reduce_scatter: needs {self.size()} inputs of {out.numel()} elements each")
@@ -532,24 +782,26 @@ class ProcessGroupODC(dist.ProcessGroup):
                 _check_dtype("reduce_scatter", t.dtype)
             stacked = torch.cat([i.reshape(-1).to(out.dtype) for i in ins])
             self._reduce_scatter_into(out, stacked, op, "reduce_scatter")
-        return _CompletedWork(list(outputs))
+        return _CompletedWork(list(outputs), device)
 
     # -- all-reduce ----------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.AllreduceOptions()
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce", tensors, opts)
+        device = _op_device("allreduce", tensors)
         for t in tensors:
             self._odc_allreduce(t, _scale(opts.reduceOp, self.size(), "allreduce", t.dtype))
-        return _CompletedWork(list(tensors))
+        return _CompletedWork(list(tensors), device)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         opts = opts or dist.AllreduceCoalescedOptions()
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce_coalesced", tensors, opts)
+        device = _op_device("allreduce_coalesced", tensors)
         for t in tensors:
             self._odc_allreduce(t, _scale(opts.reduceOp, self.size(), "allreduce_coalesced", t.dtype))
-        return _CompletedWork(list(tensors))
+        return _CompletedWork(list(tensors), device)
 
     # -- delegated to gloo ---------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -596,9 +848,9 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     # -- teardown ------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stops both engines' server daemons and drops the gloo backend."""
+        """Stops every engine's server daemon and drops the gloo backend."""
         with self._lock:
-            self._gatherer = self._reducer = None  # type: ignore[assignment]
+            self._cpu = self._cuda = None  # type: ignore[assignment]
             self._gloo = None  # type: ignore[assignment]
             if self._failure is None:
                 self._failure = OdcError("the process group was shut down")
@@ -627,7 +879,7 @@ def register() -> None:
         return
     plugins = getattr(dist.Backend, "_plugins", {})
     if BACKEND_NAME.upper() not in plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
     _registered = True
 
 
