@@ -11,10 +11,11 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import odc
+import odc.backend
 import odc.fsdp
 
 DIM, VOCAB = 24, 37  # odd sizes: FSDP's shards are not 64-byte aligned
@@ -557,29 +558,41 @@ def print_memory_table(world=4, per_node=2, **kw):
 # -- CUDA parameters (test_device.py, GPU only) --------------------------------------------------
 
 
-def cuda_fsdp_worker(rank, world, store, steps, micros=2, lr=1e-2):
-    """ODC on CUDA parameters (cuda-ipc picked by odc.fsdp.enable) against a single-process reference on
-    the same GPU. Ranks share GPUs when there are fewer than ranks. Returns this rank's max difference."""
+def cuda_fsdp_worker(rank, world, store, steps, micros=2, lr=1e-2, comm="odc.fsdp"):
+    """ODC on CUDA parameters against a single-process reference on the same GPU. ``comm``: ``"odc.fsdp"``
+    (cuda-ipc picked by odc.fsdp.enable) or ``"backend"`` (FSDP2's own collectives on an ``"odc"`` process
+    group). Ranks share GPUs when there are fewer than ranks. Returns this rank's max difference."""
     os.environ.pop("ODC_TRANSPORT", None)
     dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(dev)
-    init_pg(rank, world, store)  # gloo: ODC replaces FSDP's collectives, the group only builds the mesh
+    if comm == "backend":
+        odc.register()
+        dist.init_process_group("odc", store=store, rank=rank, world_size=world)
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+    else:
+        init_pg(rank, world, store)  # gloo: ODC replaces FSDP's collectives, the group only builds the mesh
+        mesh = init_device_mesh("cuda", (world,))
     torch.manual_seed(0)
     model = Tiny().to(dev)
-    mesh = init_device_mesh("cuda", (world,))
     for b in model.blocks:
         fully_shard(b, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    odc.fsdp.enable(model, opt, timeout=60)
-    info = {"transport": model._odc_fsdp.engine.transport}
+    if comm != "backend":
+        odc.fsdp.enable(model, opt, timeout=60)
+    info = {}
     for s in range(steps):
         for m in range(micros):
             (sample_loss(model, data(s, m, rank).to(dev)) / (27 * micros)).backward()  # FSDP averages over ranks
         opt.step()
         info["grad_device"] = str(next(p.grad for p in model.parameters() if p.grad is not None).device)
         opt.zero_grad()
-    odc.fsdp.disable(model)
+    if comm == "backend":
+        pg = odc.backend.get_process_group()
+        info["transport"], info["counts"] = pg.transports.get(str(dev)), dict(pg.op_counts)
+    else:
+        info["transport"] = model._odc_fsdp.engine.transport
+        odc.fsdp.disable(model)
     shards = {k: v.to_local().detach() for k, v in model.state_dict().items()}
     torch.manual_seed(0)
     ref = Tiny().to(dev)

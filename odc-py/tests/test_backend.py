@@ -140,7 +140,10 @@ def _against_gloo(pg, gloo, rank, world):
     return checked
 
 
-def _ops(rank, world, store, scratch_mb):
+def _ops(rank, world, store, scratch_mb, transport=None):
+    if transport is not None:
+        os.environ["ODC_TRANSPORT"] = transport
+        os.environ["ODC_EMU_JITTER_US"] = "100"  # emu-ipc: streams that lag behind the host
     gloo = _init(rank, world, store, scratch_mb)
     pg = odc.backend.get_process_group()
     assert type(pg).__name__ == "ProcessGroupODC" and dist.get_backend() == "odc"
@@ -294,17 +297,27 @@ def _ops(rank, world, store, scratch_mb):
         dist.reduce_scatter_tensor(got, torch.ones(14) * (rank + 1), group=sub)
         assert got.tolist() == [3.0] * 7
     dist.all_reduce(torch.ones(3))
+    transports = pg.transports
     dist.destroy_process_group()
-    return errors, counts, checked
+    return errors, counts, checked, transports
 
 
-@pytest.mark.parametrize(("world", "scratch_mb"), [(2, None), (4, "0.0005")])
-def test_every_op_every_dtype_matches_gloo(world, scratch_mb):
-    """Default scratch (each op fits one bucket) and a tiny one (64-element pieces: 1001 elements chunk)."""
-    res = run_ranks(_ops, world, timeout=150, scratch_mb=scratch_mb)
+@pytest.mark.parametrize(
+    ("world", "scratch_mb", "transport"), [(2, None, None), (4, "0.0005", None), (2, "0.0005", "emu-ipc")]
+)
+def test_every_op_every_dtype_matches_gloo(world, scratch_mb, transport):
+    """Default scratch (each op fits one bucket) and a tiny one (64-element pieces: 1001 elements chunk).
+
+    With ``emu-ipc`` the group's engines are device engines on CPU tensors:
+    every op takes the code path of CUDA tensors (see test_backend_device.py).
+    """
+    res = run_ranks(_ops, world, timeout=150, scratch_mb=scratch_mb, transport=transport)
     for rank, (status, value) in res.items():
         assert status == "ok", (rank, value)
-        ((c1, m1), (c2, m2), (c3, _)), counts, checked = value
+        ((c1, m1), (c2, m2), (c3, _)), counts, checked, transports = value
+        assert list(transports) == ["cpu"], transports  # no CUDA tensor: no CUDA engines
+        if transport is not None:
+            assert transports["cpu"] == transport, transports
         # all-gather and 4 reductions per dtype and size, single and coalesced.
         assert checked == 2 * len(DTYPES) * len(SIZES) * (1 + len(_ops_vs_gloo())), checked
         # Float gathers, reductions and all-reduces ran on ODC; the rest on gloo.
