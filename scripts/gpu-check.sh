@@ -2,9 +2,9 @@
 # Builds and runs ODC's GPU tests where a GPU is present.
 #   scripts/gpu-check.sh                 on a machine without a GPU: says so, exits 0
 #   scripts/gpu-check.sh --require-gpu   ... exits 1 instead
-# With a GPU it runs the odc-kernels and odc-core tests, then the Python
-# device tests (odc-py/tests/test_device.py, test_fsdp.py), with ODC_REQUIRE_GPU=1
-# (a GPU test that cannot find its device fails instead of skipping) and
+# With a GPU it runs the odc-kernels and odc-core tests, then the Python device
+# tests (odc-py/tests/test_device.py, test_fsdp.py, test_backend_device.py) with
+# ODC_REQUIRE_GPU=1 (a GPU test that cannot find its device fails, not skips) and
 # ODC_REQUIRE_NVRTC=1 / ODC_REQUIRE_NVSHMEM=1 (the wheels `make setup` installs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,12 +57,13 @@ if [ "$status" -ne 0 ]; then
     log "FAILED (cargo test exit $status)"
     exit "$status"
 fi
-# The Python side of cuda-ipc (odc.Engine and odc.fsdp on CUDA tensors),
-# where the venv exists (make setup).
+# The Python side of cuda-ipc (odc.Engine, odc.fsdp and the "odc" backend on
+# CUDA tensors), where the venv exists (make setup).
 if [ -x .venv/bin/python ]; then
-    log "running: pytest odc-py/tests/test_device.py odc-py/tests/test_fsdp.py (GPU tests required)"
+    log "running: pytest odc-py/tests/test_device.py test_fsdp.py test_backend_device.py (GPU tests required)"
     set +e
-    .venv/bin/python -m pytest -q -rs odc-py/tests/test_device.py odc-py/tests/test_fsdp.py
+    .venv/bin/python -m pytest -q -rs odc-py/tests/test_device.py odc-py/tests/test_fsdp.py \
+        odc-py/tests/test_backend_device.py
     status=$?
     set -e
     if [ "$status" -ne 0 ]; then
