@@ -5,7 +5,9 @@
 # With a GPU it runs the odc-kernels and odc-core tests, then the Python device
 # tests (odc-py/tests/test_device.py, test_fsdp.py, test_backend_device.py) with
 # ODC_REQUIRE_GPU=1 (a GPU test that cannot find its device fails, not skips) and
-# ODC_REQUIRE_NVRTC=1 / ODC_REQUIRE_NVSHMEM=1 (the wheels `make setup` installs).
+# ODC_REQUIRE_NVRTC=1 / ODC_REQUIRE_NVSHMEM=1 (the wheels `make setup` installs),
+# then `odc-bench primitives` against nccl on every GPU of the machine (one rank
+# per GPU, so it needs two; tables in out/gpu-primitives.{json,png}).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,7 +15,7 @@ require=0
 for arg in "$@"; do
     case "$arg" in
         --require-gpu) require=1 ;;
-        -h | --help) sed -n '2,8p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,10p' "$0"; exit 0 ;;
         *) echo "gpu-check: unknown argument $arg" >&2; exit 2 ;;
     esac
 done
@@ -69,6 +71,16 @@ if [ -x .venv/bin/python ]; then
     if [ "$status" -ne 0 ]; then
         log "FAILED (pytest exit $status)"
         exit "$status"
+    fi
+    # nccl takes one GPU per rank: the baseline needs two GPUs.
+    gpus=$(.venv/bin/python -c 'import torch; print(torch.cuda.device_count())')
+    if [ "$gpus" -ge 2 ]; then
+        log "running: odc-bench primitives --backend nccl -g $gpus (ODC on cuda-ipc, same GPUs)"
+        mkdir -p out
+        .venv/bin/python -m odc.bench primitives --backend nccl -g "$gpus" -b 64K -e 256M -d f32,bf16 \
+            --in-place --json out/gpu-primitives.json --plot out/gpu-primitives.png
+    else
+        log "odc-bench primitives against nccl: skipped, $gpus GPU(s) (nccl needs one per rank, so two)"
     fi
 else
     log "no .venv: run make setup for the Python GPU tests"
