@@ -139,6 +139,12 @@ pub struct EngineConfig {
     /// The CUDA device a `cuda-ipc` engine uses (default: the rank's local
     /// rank). Ignored by the other transports.
     pub device: Option<usize>,
+    /// `nvshmem` only: bytes of symmetric heap to plan beyond this engine's
+    /// own data regions, for the engines this process creates later in the
+    /// same job, which share this engine's NVSHMEM session (one per
+    /// process; its heap is fixed when it starts). Compute it with
+    /// [`Engine::heap_bytes`] of those engines (default 0).
+    pub heap_reserve: usize,
 }
 
 impl Default for EngineConfig {
@@ -157,6 +163,7 @@ impl Default for EngineConfig {
             store_prefix: "odc".into(),
             sharding: Sharding::Full,
             device: None,
+            heap_reserve: 0,
         }
     }
 }
@@ -414,7 +421,12 @@ impl Engine {
                 config.transport.name()
             )));
         }
-        let device = crate::plane::create(config.transport, &topology, config.device)?;
+        let device = crate::plane::create(
+            config.transport,
+            &topology,
+            config.device,
+            config.heap_reserve,
+        )?;
         let world = groups.group.len();
         Ok(Engine {
             inner: Arc::new(Inner {
@@ -563,15 +575,7 @@ impl Engine {
         }
 
         // 2. Allocate.
-        let mut params_off = Vec::with_capacity(buckets.len());
-        let mut accum_off = Vec::with_capacity(buckets.len());
-        let (mut params_len, mut accum_len) = (0usize, 0usize);
-        for b in &buckets {
-            params_off.push(params_len);
-            params_len += b.shard_bytes().div_ceil(ALIGN_BYTES) * ALIGN_BYTES;
-            accum_off.push(accum_len);
-            accum_len += b.shard_len();
-        }
+        let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
         // A device engine keeps only its control words in host memory.
         let on_device = inner.device.is_some();
         let host_params_len = if on_device { 0 } else { params_len };
@@ -670,6 +674,10 @@ impl Engine {
                     landing: ctrl_layout.landing_len(),
                     accum: accum_len * 4,
                 };
+                debug_assert_eq!(
+                    Some(sizes),
+                    Engine::data_sizes(specs, &inner.topo, &inner.config).ok()
+                );
                 let left = deadline.saturating_duration_since(Instant::now());
                 Some(device.connect(
                     inner.store.as_ref(),
@@ -717,6 +725,50 @@ impl Engine {
             .spawn(move || crate::server::run(&daemon))?;
         *server = Some(handle);
         Ok(())
+    }
+
+    /// The data regions an engine with `config` on `topology` allocates
+    /// for `specs` on a device transport: published shards, landing slots,
+    /// f32 accumulators (the figures `register` gives the plane).
+    ///
+    /// Errors: as [`register`](Self::register) for a bad bucket list.
+    pub fn data_sizes(
+        specs: &[BucketSpec],
+        topology: &Topology,
+        config: &EngineConfig,
+    ) -> Result<DataSizes> {
+        let groups = Groups::new(topology, config.sharding);
+        let buckets = specs
+            .iter()
+            .map(|s| BucketLayout::new(s.clone(), groups.group.len()))
+            .collect::<Result<Vec<_>>>()?;
+        let (_, _, params, accum) = offsets(&buckets);
+        let ctrl = CtrlLayout::new(
+            groups.group.len(),
+            groups.replicas.len(),
+            buckets.len(),
+            config.chunk_bytes,
+        );
+        Ok(DataSizes {
+            params,
+            landing: ctrl.landing_len(),
+            accum: accum * 4,
+        })
+    }
+
+    /// The symmetric-heap bytes an `nvshmem` engine with `config` on
+    /// `topology` takes for `specs`: what an earlier engine of the same
+    /// process reserves ([`EngineConfig::heap_reserve`]) for it.
+    pub fn heap_bytes(
+        specs: &[BucketSpec],
+        topology: &Topology,
+        config: &EngineConfig,
+    ) -> Result<usize> {
+        let sizes = Engine::data_sizes(specs, topology, config)?;
+        Ok(
+            crate::gpu::nvshmem::HeapPlan::new([sizes.params, sizes.landing, sizes.accum])
+                .used_bytes(),
+        )
     }
 
     /// The id of the bucket named `name`.
@@ -902,6 +954,21 @@ impl Drop for Engine {
 
 /// Keeps the first error reported into `slot` (by the daemon, or by work
 /// on a stream that runs after the call that enqueued it returned).
+/// Byte offsets of every bucket's published shard (aligned) and element
+/// offsets of its f32 accumulator, and the two totals.
+fn offsets(buckets: &[BucketLayout]) -> (Vec<usize>, Vec<usize>, usize, usize) {
+    let mut params_off = Vec::with_capacity(buckets.len());
+    let mut accum_off = Vec::with_capacity(buckets.len());
+    let (mut params_len, mut accum_len) = (0usize, 0usize);
+    for b in buckets {
+        params_off.push(params_len);
+        params_len += b.shard_bytes().div_ceil(ALIGN_BYTES) * ALIGN_BYTES;
+        accum_off.push(accum_len);
+        accum_len += b.shard_len();
+    }
+    (params_off, accum_off, params_len, accum_len)
+}
+
 pub(crate) fn record_error(slot: &Mutex<Option<String>>, msg: String) {
     if let Ok(mut slot) = slot.lock() {
         if slot.is_none() {

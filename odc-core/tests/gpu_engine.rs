@@ -120,14 +120,55 @@ fn gpu_engine_nvshmem_one_pe_exact() {
     }
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(FileStore::new(dir.path()).unwrap());
-    let e = Engine::new(
-        store,
-        Topology::single_node(0, 1).unwrap(),
-        nvshmem_config("gpu_nvshmem_1", 0),
-    )
-    .unwrap();
+    let topo = Topology::single_node(0, 1).unwrap();
+    // A second engine of this process shares the first one's NVSHMEM
+    // session, whose heap the first one planned for it.
+    let second = [BucketSpec::new("x", 4096, DType::F32)];
+    let cfg2 = EngineConfig {
+        store_prefix: "odc2".into(),
+        ..nvshmem_config("gpu_nvshmem_1b", 0)
+    };
+    let cfg = EngineConfig {
+        heap_reserve: Engine::heap_bytes(&second, &topo, &cfg2).unwrap(),
+        ..nvshmem_config("gpu_nvshmem_1", 0)
+    };
+    let e = Engine::new(Arc::clone(&store) as _, topo, cfg).unwrap();
+    let e2 = Engine::new(Arc::clone(&store) as _, topo, cfg2).unwrap();
     assert_eq!(e.transport_name(), "nvshmem");
     run_rank(&e, 0);
+    e2.register(&second).unwrap();
+    let gpu = Gpu::open(0).unwrap();
+    let stream = gpu.context().new_stream().unwrap();
+    let s = stream.cu_stream() as usize;
+    let x: Vec<f32> = (0..4096).map(|i| i as f32).collect();
+    let (d_x, d_out) = (upload(&gpu, bytes_of(&x)), gpu.alloc(4096 * 4).unwrap());
+    // SAFETY: the buffers outlive the finish, which waits for the stream.
+    unsafe {
+        e2.publish_device(BucketId(0), d_x.ptr(), 4096 * 4, DType::F32, 0, s)
+            .unwrap();
+        e2.gather_device(BucketId(0), 0, d_out.ptr(), 4096 * 4, DType::F32, s, false)
+            .unwrap();
+        e2.scatter_accumulate_device(BucketId(0), 0, d_x.ptr(), 4096 * 4, DType::F32, 2.0, s)
+            .unwrap();
+    }
+    e2.release_device(BucketId(0), 0, s).unwrap();
+    e2.finish_minibatch_device(0, s).unwrap();
+    assert_eq!(floats(&download(&gpu, &d_out, 4096 * 4)), x);
+    let mut g = vec![0f32; 4096];
+    e2.read_grad_shard_device(BucketId(0), &mut g).unwrap();
+    assert!(g.iter().zip(&x).all(|(a, b)| *a == 2.0 * b));
+    // A third engine finds no room left in the session's heap.
+    let e3 = Engine::new(
+        store,
+        topo,
+        EngineConfig {
+            store_prefix: "odc3".into(),
+            ..nvshmem_config("gpu_nvshmem_1c", 0)
+        },
+    )
+    .unwrap();
+    let err = e3.register(&second).unwrap_err();
+    assert!(err.to_string().contains("heap plan exceeded"), "{err}");
 }
 
 /// Set in the children of [`gpu_engine_nvshmem_two_processes_exact`]: this

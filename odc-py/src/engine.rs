@@ -189,7 +189,7 @@ pub(crate) struct PyEngine {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -204,6 +204,7 @@ impl PyEngine {
         transport: Option<String>,
         sharding: Option<String>,
         device: Option<usize>,
+        heap_reserve: Option<usize>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -240,15 +241,10 @@ impl PyEngine {
             })?;
         }
         if let Some(s) = sharding {
-            cfg.sharding = Sharding::parse(&s).ok_or_else(|| {
-                odc_error(
-                    py,
-                    "ConfigError",
-                    format!("unknown sharding {s:?}: expected \"full\" or \"hybrid\""),
-                )
-            })?;
+            cfg.sharding = parse_sharding(py, &s)?;
         }
         cfg.device = device;
+        cfg.heap_reserve = heap_reserve.unwrap_or(0);
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = py
             .detach(|| Engine::new(store, topo, cfg))
@@ -683,7 +679,47 @@ impl PyEmuStream {
     }
 }
 
+fn parse_sharding(py: Python<'_>, s: &str) -> PyResult<Sharding> {
+    Sharding::parse(s).ok_or_else(|| {
+        odc_error(
+            py,
+            "ConfigError",
+            format!("unknown sharding {s:?}: expected \"full\" or \"hybrid\""),
+        )
+    })
+}
+
+/// The symmetric-heap bytes an `nvshmem` engine of `world_size` ranks takes
+/// for `buckets` (`(name, numel, dtype)`): what an earlier engine of the
+/// same process reserves for it (`heap_reserve`).
+#[pyfunction]
+#[pyo3(signature = (buckets, world_size, *, local_world_size=None, chunk_bytes=None, sharding=None))]
+fn heap_bytes(
+    py: Python<'_>,
+    buckets: Vec<(String, usize, String)>,
+    world_size: usize,
+    local_world_size: Option<usize>,
+    chunk_bytes: Option<usize>,
+    sharding: Option<String>,
+) -> PyResult<usize> {
+    let topo = Topology::new(0, world_size, local_world_size.unwrap_or(world_size))
+        .map_err(|e| core_error(py, e))?;
+    let mut cfg = EngineConfig::default();
+    if let Some(c) = chunk_bytes {
+        cfg.chunk_bytes = c;
+    }
+    if let Some(s) = sharding {
+        cfg.sharding = parse_sharding(py, &s)?;
+    }
+    let mut specs = Vec::with_capacity(buckets.len());
+    for (name, numel, dtype) in buckets {
+        specs.push(BucketSpec::new(name, numel, parse_dtype(py, &dtype)?));
+    }
+    Engine::heap_bytes(&specs, &topo, &cfg).map_err(|e| core_error(py, e))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
-    m.add_class::<PyEmuStream>()
+    m.add_class::<PyEmuStream>()?;
+    m.add_function(wrap_pyfunction!(heap_bytes, m)?)
 }

@@ -281,18 +281,33 @@ def test_a_cuda_transport_leaves_cpu_tensors_on_the_host_engines(monkeypatch):
         pg.shutdown()
 
 
-def test_nvshmem_for_cuda_tensors_is_a_config_error_that_leaves_the_group_usable(monkeypatch):
-    # Checked before any engine exists, so no GPU is needed to reach it.
+def test_nvshmem_plans_the_reduce_scatter_engine_into_the_all_gather_engines_heap(monkeypatch):
+    # A process holds one NVSHMEM session: the pair's first engine starts it with the second one's regions
+    # planned in (heap_reserve), and the second shares it. Checked on the arguments (no GPU needed).
     pg = _one_rank_group(monkeypatch, "nvshmem")
     try:
-        with pytest.raises(odc.ConfigError, match=r"nvshmem transport \(ODC_TRANSPORT names it\).*one NVSHMEM session"):
-            pg._run("all_gather_single", torch.device("cuda", 0), lambda pair: None)
-        assert pg._failure is None and pg.transports == {"cpu": "shm"}
-        out = torch.empty(2)
-        pg.all_gather_single(out, torch.ones(2)).wait()
-        assert out.tolist() == [1.0, 1.0]
+        made = []
+        monkeypatch.setattr(pg, "_engine", lambda prefix, **kw: made.append((prefix, kw)))
+        make = pg._cuda_engines(torch.device("cuda", 0))
+        make("odc-ag-cuda")
+        make("odc-rs-cuda")
+        (ag, ag_kw), (rs, rs_kw) = made
+        want = odc.engine.heap_bytes(odc._backend_parts._Reducer.buckets(1, pg._nbytes), 1, local_world_size=1)
+        assert want >= 2 * 4 * odc._backend_parts._capacity(pg._nbytes, 4), want  # both f32 accumulators
+        assert (ag, ag_kw["transport"], ag_kw["heap_reserve"]) == ("odc-ag-cuda", "nvshmem", want)
+        assert (rs, rs_kw["transport"], rs_kw["heap_reserve"]) == ("odc-rs-cuda", "nvshmem", 0)
     finally:
         pg.shutdown()
+
+
+def test_heap_bytes_counts_what_an_engine_allocates():
+    # One f32 bucket of 1000 elements over 2 ranks: a 500-element shard (2000 bytes, 2048 aligned), two
+    # landing slots per client (2 · 2 · 4096), the f32 accumulator (2000); each rounded up to 512 bytes.
+    b = [odc.Bucket("w", 1000, torch.float32)]
+    assert odc.engine.heap_bytes(b, 2, chunk_bytes=4096) == 2048 + 16384 + 2048
+    assert odc.engine.heap_bytes(b, 2, chunk_bytes=8192) == 2048 + 32768 + 2048
+    with pytest.raises(odc.ConfigError, match="hybrid"):
+        odc.engine.heap_bytes(b, 2, sharding="hybrid-ish")
 
 
 def test_unknown_transport_is_a_config_error(monkeypatch):

@@ -348,7 +348,9 @@ impl<B: DeviceBackend> Plane for IpcPlane<B> {
 }
 
 /// The device backend `kind` needs, or `None` for a host transport.
-/// `ordinal` picks the CUDA device (default: the local rank).
+/// `ordinal` picks the CUDA device (default: the local rank);
+/// `heap_reserve` is `nvshmem`'s symmetric heap planned for later engines
+/// ([`crate::EngineConfig::heap_reserve`]).
 ///
 /// Errors: for `cuda-ipc` without a usable GPU, [`crate::Error::GpuUnavailable`]
 /// naming what is missing (driver, device, NVRTC, a driver function).
@@ -356,6 +358,7 @@ pub fn create(
     kind: TransportKind,
     topo: &Topology,
     ordinal: Option<usize>,
+    heap_reserve: usize,
 ) -> Result<Option<Box<dyn Connect>>> {
     match kind {
         TransportKind::EmuIpc => {
@@ -375,7 +378,10 @@ pub fn create(
         }
         TransportKind::Nvshmem => {
             let ordinal = ordinal.unwrap_or_else(|| topo.local_rank_of(topo.rank()));
-            Ok(Some(Box::new(nvshmem::NvshmemBackend::open(ordinal)?)))
+            Ok(Some(Box::new(nvshmem::NvshmemBackend::open(
+                ordinal,
+                heap_reserve,
+            )?)))
         }
         _ => Ok(None),
     }

@@ -18,6 +18,13 @@
 //! nodes), written by host work on the stream after the data, as for
 //! `cuda-ipc` (see [`crate::plane`]).
 //!
+//! A process holds one NVSHMEM session, whose heap is fixed when it starts:
+//! engines created later in the same process (the `odc` backend's second
+//! engine) share the first one's session, which must have planned their
+//! regions ([`crate::EngineConfig::heap_reserve`], computed with
+//! [`crate::Engine::heap_bytes`]); an allocation outside the plan is a
+//! [`Error::Config`] naming the numbers.
+//!
 //! Teardown is collective, as NVSHMEM's is: dropping the plane frees the
 //! symmetric buffers (`nvshmem_free`) and finalizes the session, and both
 //! wait for every PE.
@@ -38,19 +45,24 @@ use crate::{Error, Result};
 pub struct NvshmemBackend {
     cuda: Arc<CudaBackend>,
     ordinal: usize,
+    /// Heap planned beyond this engine's regions, for later engines of this
+    /// process that share its session.
+    heap_reserve: usize,
 }
 
 impl NvshmemBackend {
     /// Opens device `ordinal` ([`CudaBackend::open`]) after checking the
-    /// driver, the device, NVRTC and the NVSHMEM host library.
+    /// driver, the device, NVRTC and the NVSHMEM host library. A session this
+    /// backend starts plans `heap_reserve` bytes beyond its own regions.
     ///
     /// Errors: [`Error::GpuUnavailable`] naming the first thing missing;
     /// [`Error::Cuda`] when a present driver fails.
-    pub fn open(ordinal: usize) -> Result<Arc<NvshmemBackend>> {
+    pub fn open(ordinal: usize, heap_reserve: usize) -> Result<Arc<NvshmemBackend>> {
         crate::gpu::probe_device(ordinal)?;
         Ok(Arc::new(NvshmemBackend {
             cuda: CudaBackend::open(ordinal)?,
             ordinal,
+            heap_reserve,
         }))
     }
 }
@@ -73,8 +85,13 @@ impl Connect for Arc<NvshmemBackend> {
         let me = group.iter().position(|&r| r == rank).ok_or_else(|| {
             Error::Config(format!("rank {rank} is not in its shard group {group:?}"))
         })?;
-        let plan = HeapPlan::new([sizes.params, sizes.landing, sizes.accum]);
-        let session = Arc::new(Nvshmem::join(
+        let mut plan = HeapPlan::new([sizes.params, sizes.landing, sizes.accum]);
+        if self.heap_reserve > 0 {
+            plan.push(self.heap_reserve);
+        }
+        // The process's session when an earlier engine of this job started
+        // one (its plan must hold these regions), else a new one.
+        let session = Nvshmem::join_shared(
             store,
             &format!("{prefix}/nvshmem/id"),
             me,
@@ -82,7 +99,7 @@ impl Connect for Arc<NvshmemBackend> {
             self.ordinal,
             plan,
             Instant::now() + timeout,
-        )?);
+        )?;
         // Collective, in the same order on every PE.
         let params = session.alloc(sizes.params)?;
         let landing = session.alloc(sizes.landing)?;
@@ -254,7 +271,7 @@ mod tests {
 
     #[test]
     fn without_a_gpu_open_names_what_is_missing() {
-        match NvshmemBackend::open(0) {
+        match NvshmemBackend::open(0, 0) {
             Err(Error::GpuUnavailable(missing)) => eprintln!("nvshmem: {missing}"),
             Err(other) => panic!("expected GpuUnavailable, got {other}"),
             Ok(backend) => eprintln!("a GPU is present: {backend:?}"),

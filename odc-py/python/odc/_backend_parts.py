@@ -220,10 +220,15 @@ class _Reducer:
         self.engine = engine
         self.world, self.rank = engine.world_size, engine.rank
         self.shard = _capacity(nbytes, 4)
-        engine.register([Bucket(f"rs-{i}", self.world * self.shard, torch.float32) for i in range(2)])
+        engine.register(self.buckets(self.world, nbytes))
         self.piece = self.shard
         self.accum = [engine.grad_shard(i) for i in range(2)]
         self.k = 0
+
+    @staticmethod
+    def buckets(world: int, nbytes: int) -> list[Bucket]:
+        """The two f32 scratch buckets a reduce-scatter engine of ``world`` ranks registers."""
+        return [Bucket(f"rs-{i}", world * _capacity(nbytes, 4), torch.float32) for i in range(2)]
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         """``out`` (n) gets ``scale · Σ_ranks inp.view(D, n)[rank]``, accumulated in f32."""

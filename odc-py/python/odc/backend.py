@@ -83,10 +83,13 @@ It holds the same scratch buckets in device memory. Its transport is
 ``cuda-ipc`` when the group's ranks are on one node and ``nvshmem`` when they
 span several; ``ODC_TRANSPORT`` naming either one overrides that choice (the
 CPU pair then stays on ``auto``), and any other name sets the CPU pair's
-transport. ``nvshmem`` cannot serve the pair yet: a process holds one NVSHMEM
-session, and the pair is two engines, so that first operation raises
-:class:`odc.ConfigError` saying so (the group stays usable for CPU
-tensors). The pair stays on its device: an operation on another CUDA device
+transport. Under ``nvshmem`` both engines share the process's one NVSHMEM
+session, whose heap is fixed when it starts: the all-gather engine starts it
+with the reduce-scatter engine's regions planned in (``heap_reserve``,
+computed by :func:`odc.engine.heap_bytes`). Another ``nvshmem`` engine of
+the process created before the pair (``odc.fsdp.enable``'s) leaves no room
+for it, and the pair's creation raises :class:`odc.ConfigError` naming the
+numbers. The pair stays on its device: an operation on another CUDA device
 raises :class:`odc.LayoutError` naming both.
 
 An ODC operation on CUDA tensors is enqueued on the current stream of their
@@ -122,8 +125,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
-from ._backend_parts import _DTYPES, _CompletedWork, _Pair, _StagedWork, _tensors, _to_host
-from .engine import CUDA_TRANSPORTS, Engine, _local_world_size, transport_name
+from ._backend_parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWork, _tensors, _to_host
+from .engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
 from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 
 __all__ = [
@@ -311,18 +314,17 @@ class ProcessGroupODC(dist.ProcessGroup):
         local = _local_world_size(self._store, rank, world, "odc-cuda")
         nodes = world // local
         transport = _cuda_transport(self._cuda_requested, nodes)
+        # nvshmem: a process holds one NVSHMEM session, whose heap is fixed when the first engine (all-gather)
+        # starts it; that engine plans the reduce-scatter engine's regions too, and the second one shares it.
+        reserve = 0
         if transport == "nvshmem":
-            # The second engine would fail after the first one joined and registered.
-            why = "ODC_TRANSPORT names it" if self._cuda_requested else f"the group spans {nodes} nodes"
-            raise ConfigError(
-                f"odc backend: CUDA tensors on this group take the nvshmem transport ({why}), but a process "
-                "holds one NVSHMEM session and the group's CUDA engines are two (all-gather and reduce-scatter, "
-                "each with its own symmetric heap); use a nccl group for these tensors, or odc.fsdp.enable for "
-                "an FSDP2 model (one engine)"
-            )
+            reserve = heap_bytes(_Reducer.buckets(world, self._nbytes), world, local_world_size=local)
 
         def make(prefix: str) -> Engine:
-            return self._engine(prefix, transport=transport, device=device.index, local_world_size=local)
+            extra = reserve if prefix.startswith("odc-ag") else 0
+            return self._engine(
+                prefix, transport=transport, device=device.index, local_world_size=local, heap_reserve=extra
+            )
 
         return make
 

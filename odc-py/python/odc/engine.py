@@ -50,7 +50,7 @@ from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Bucket", "Engine", "dtype_name", "TRANSPORTS", "DEVICE_TRANSPORTS", "CUDA_TRANSPORTS"]
+__all__ = ["Bucket", "Engine", "dtype_name", "heap_bytes", "TRANSPORTS", "DEVICE_TRANSPORTS", "CUDA_TRANSPORTS"]
 
 _DTYPE_NAMES = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
 
@@ -104,6 +104,25 @@ def transport_name(name: str | None) -> str | None:
         return None
     key = str(name).strip().lower().replace("_", "-")
     return "mixed" if key == "shm+fabric" else key
+
+
+def heap_bytes(
+    buckets: Iterable[Bucket],
+    world_size: int,
+    *,
+    local_world_size: int | None = None,
+    chunk_bytes: int | None = None,
+    sharding: str | None = None,
+) -> int:
+    """Symmetric-heap bytes an ``nvshmem`` engine with these arguments takes for ``buckets``: what an earlier
+    engine of the same process reserves for it (``Engine(..., heap_reserve=...)``)."""
+    return _odc.heap_bytes(
+        [b.spec() for b in buckets],
+        int(world_size),
+        local_world_size=local_world_size,
+        chunk_bytes=chunk_bytes,
+        sharding=sharding,
+    )
 
 
 def _emu_jitter_us() -> int:
@@ -221,6 +240,11 @@ class Engine:
             where CUDA is available, else the local rank (and creating the
             engine raises :class:`odc.GpuUnavailable`). Ignored by the other
             transports.
+        heap_reserve: ``nvshmem`` only: symmetric-heap bytes to plan beyond
+            this engine's regions for the engines this process creates later
+            in the job, which share its NVSHMEM session (a process holds one,
+            its heap fixed when it starts): the sum of :func:`heap_bytes` of
+            those engines. Default 0.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
@@ -248,6 +272,7 @@ class Engine:
         transport: str | None = None,
         sharding: str | None = None,
         device: Any = None,
+        heap_reserve: int | None = None,
     ) -> None:
         if transport is None:
             transport = os.environ.get("ODC_TRANSPORT") or None
@@ -275,6 +300,7 @@ class Engine:
                 transport=transport,
                 sharding=sharding,
                 device=ordinal,
+                heap_reserve=heap_reserve,
             )
         finally:
             if addr is not None:

@@ -108,6 +108,9 @@ impl HeapPlan {
 /// One process can hold one NVSHMEM session at a time.
 static ACTIVE: AtomicBool = AtomicBool::new(false);
 
+/// The session [`Nvshmem::join_shared`] hands to the engines of this process.
+static SHARED: Mutex<std::sync::Weak<Nvshmem>> = Mutex::new(std::sync::Weak::new());
+
 /// An initialized NVSHMEM job membership. Dropping it finalizes NVSHMEM.
 ///
 /// Thread safety: initialized with NVSHMEM's default (serialized) support;
@@ -237,6 +240,44 @@ impl Nvshmem {
             UniqueId::from_bytes(&wait_get(store, key, deadline)?)?
         };
         Nvshmem::init(&id, rank, world, device, plan)
+    }
+
+    /// The session of this process when one is active, else a new one
+    /// ([`Nvshmem::join`]). A second engine of the same job shares the first
+    /// one's session: every process creates its engines in the same order,
+    /// so either every rank finds a session or none does. The shared
+    /// session's heap is the first engine's plan; allocations outside it
+    /// fail in [`Nvshmem::alloc`].
+    ///
+    /// Errors: as [`Nvshmem::join`]; [`Error::Config`] when the active
+    /// session places this process differently (another job's PEs).
+    pub fn join_shared(
+        store: &dyn Store,
+        key: &str,
+        rank: usize,
+        world: usize,
+        device: usize,
+        plan: HeapPlan,
+        deadline: std::time::Instant,
+    ) -> Result<Arc<Nvshmem>> {
+        let mut current = SHARED
+            .lock()
+            .map_err(|_| Error::Config("the NVSHMEM session registry lock is poisoned".into()))?;
+        if let Some(session) = current.upgrade() {
+            if (session.rank, session.world) != (rank, world) {
+                return Err(Error::Config(format!(
+                    "this process's NVSHMEM session is PE {} of {}; an engine here needs PE {rank} of \
+                     {world} (one NVSHMEM session per process: its engines must span the same ranks)",
+                    session.rank, session.world
+                )));
+            }
+            return Ok(session);
+        }
+        let session = Arc::new(Nvshmem::join(
+            store, key, rank, world, device, plan, deadline,
+        )?);
+        *current = Arc::downgrade(&session);
+        Ok(session)
     }
 
     /// This PE.
