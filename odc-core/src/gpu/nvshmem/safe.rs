@@ -311,7 +311,8 @@ impl Nvshmem {
         if *used + footprint > planned {
             return Err(Error::Config(format!(
                 "symmetric heap plan exceeded: {bytes} bytes requested with {} of {planned} planned bytes in use \
-                 (heap {} bytes); put every region in the HeapPlan given to Nvshmem::init",
+                 (heap {} bytes); a process holds one NVSHMEM session, fixed when its first nvshmem engine \
+                 starts it: reserve the later engines' regions there (heap_reserve = their heap_bytes)",
                 *used, self.heap_bytes
             )));
         }
