@@ -117,7 +117,7 @@ impl Connect for Arc<NvshmemBackend> {
         let unmapped = peer_params.iter().chain(&peer_landing).any(Option::is_none);
         Ok(Box::new(NvshmemPlane {
             cuda: Arc::clone(&self.cuda),
-            group: group.to_vec(),
+            pe_of: pe_of(group),
             peer_params,
             peer_landing,
             unmapped,
@@ -129,11 +129,21 @@ impl Connect for Arc<NvshmemBackend> {
     }
 }
 
+/// `pe_of[rank]` for the global ranks up to the group's largest.
+fn pe_of(group: &[usize]) -> Vec<Option<usize>> {
+    let mut out = vec![None; group.iter().max().map_or(0, |&r| r + 1)];
+    for (pe, &rank) in group.iter().enumerate() {
+        out[rank] = Some(pe);
+    }
+    out
+}
+
 /// The shard group's data regions on the symmetric heap.
 struct NvshmemPlane {
     cuda: Arc<CudaBackend>,
-    /// PE `i` is global rank `group[i]`.
-    group: Vec<usize>,
+    /// The PE of each global rank (`None`: not in the shard group); PE `i`
+    /// is the group's `i`-th rank. Looked up on every get and put.
+    pe_of: Vec<Option<usize>>,
     /// Load/store addresses of every PE's params / landing region, where
     /// NVSHMEM maps them into this process.
     peer_params: Vec<Option<u64>>,
@@ -152,7 +162,7 @@ struct NvshmemPlane {
 impl fmt::Debug for NvshmemPlane {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("NvshmemPlane")
-            .field("group", &self.group)
+            .field("pe_of", &self.pe_of)
             .field("pe", &self.session.rank())
             .field("heap_bytes", &self.session.heap_bytes())
             .field("unmapped", &self.unmapped)
@@ -163,10 +173,10 @@ impl fmt::Debug for NvshmemPlane {
 impl NvshmemPlane {
     /// The PE of global rank `rank`.
     fn pe(&self, rank: usize) -> Result<usize> {
-        self.group.iter().position(|&r| r == rank).ok_or_else(|| {
+        self.pe_of.get(rank).copied().flatten().ok_or_else(|| {
             Error::protocol(
                 None,
-                format!("rank {rank} is not in this shard group {:?}", self.group),
+                format!("rank {rank} is not in this engine's shard group"),
             )
         })
     }
@@ -268,6 +278,13 @@ impl Plane for NvshmemPlane {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pe_of_maps_the_group_in_order() {
+        assert_eq!(pe_of(&[0, 1, 2]), [Some(0), Some(1), Some(2)]);
+        assert_eq!(pe_of(&[1, 3]), [None, Some(0), None, Some(1)]);
+        assert!(pe_of(&[]).is_empty());
+    }
 
     #[test]
     fn without_a_gpu_open_names_what_is_missing() {
