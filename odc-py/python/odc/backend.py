@@ -314,16 +314,16 @@ class ProcessGroupODC(dist.ProcessGroup):
         local = _local_world_size(self._store, rank, world, "odc-cuda")
         nodes = world // local
         transport = _cuda_transport(self._cuda_requested, nodes)
-        # nvshmem: a process holds one NVSHMEM session, whose heap is fixed when the first engine (all-gather)
-        # starts it; that engine plans the reduce-scatter engine's regions too, and the second one shares it.
-        reserve = 0
+        # nvshmem: a process holds one NVSHMEM session, whose heap is fixed when the pair's first engine
+        # (all-gather) starts it; that engine plans the second one's (reduce-scatter) regions, which shares it.
+        unplanned: list[int] = []  # taken by the first engine made
         if transport == "nvshmem":
-            reserve = heap_bytes(_Reducer.buckets(world, self._nbytes), world, local_world_size=local)
+            unplanned.append(heap_bytes(_Reducer.buckets(world, self._nbytes), world, local_world_size=local))
 
         def make(prefix: str) -> Engine:
-            extra = reserve if prefix.startswith("odc-ag") else 0
+            reserve = unplanned.pop() if unplanned else 0
             return self._engine(
-                prefix, transport=transport, device=device.index, local_world_size=local, heap_reserve=extra
+                prefix, transport=transport, device=device.index, local_world_size=local, heap_reserve=reserve
             )
 
         return make
