@@ -245,41 +245,41 @@ impl Engine {
         skip_own: bool,
     ) -> Result<()> {
         let reg = self.reg()?;
-        let b = reg.bucket(bucket)?;
-        check_dtype(b, dtype, "output")?;
-        let elems = b.check_full_len(elems_of(b, out.len(), dtype, "output")?)?;
         let size = dtype.size_bytes();
-        let off = reg.params_off[bucket.0];
         self.gather_with(
             reg,
-            b,
             bucket,
             version,
-            elems,
+            (out.len(), dtype),
             skip_own,
             &mut |rank, range| {
                 let dst = &mut out[range.start * size..range.end * size];
-                self.inner
-                    .transport
-                    .get(rank, &reg.peer_params[rank], off, dst)
+                self.inner.transport.get(
+                    rank,
+                    &reg.peer_params[rank],
+                    reg.params_off[bucket.0],
+                    dst,
+                )
             },
         )
     }
 
-    /// The loop of a gather of `elems` elements: for every owner, from this
-    /// rank on, waits until its shard holds `version`, then calls
-    /// `read(rank, elements)` for the part of the output it owns.
-    #[allow(clippy::too_many_arguments)]
+    /// A gather into an output of `bytes` bytes of `dtype` (checked against
+    /// the bucket: its dtype, and `numel` or the padded length): for every
+    /// owner, from this rank on, waits until its shard holds `version`, then
+    /// calls `read(rank, elements)` for the part of the output it owns.
     pub(crate) fn gather_with(
         &self,
         reg: &Registered,
-        b: &BucketLayout,
         bucket: BucketId,
         version: u64,
-        elems: usize,
+        (bytes, dtype): (usize, DType),
         skip_own: bool,
         read: &mut dyn FnMut(usize, Range<usize>) -> Result<()>,
     ) -> Result<()> {
+        let b = reg.bucket(bucket)?;
+        check_dtype(b, dtype, "output")?;
+        let elems = b.check_full_len(elems_of(b, bytes, dtype, "output")?)?;
         let (me, world) = (reg.groups.me, reg.groups.group.len());
         for step in 0..world {
             // `owner` indexes the shard group; `rank` is its global rank.

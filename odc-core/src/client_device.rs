@@ -105,24 +105,20 @@ impl Engine {
         skip_own: bool,
     ) -> Result<()> {
         let (reg, plane) = self.device()?;
-        let b = reg.bucket(bucket)?;
-        crate::client::check_dtype(b, dtype, "output")?;
-        let elems = b.check_full_len(crate::client::elems_of(b, bytes, dtype, "output")?)?;
         let size = dtype.size_bytes();
-        let off = reg.params_off[bucket.0];
         self.gather_with(
             reg,
-            b,
             bucket,
             version,
-            elems,
+            (bytes, dtype),
             skip_own,
             &mut |rank, range| {
                 let dst = out + (range.start * size) as u64;
+                let (off, len) = (reg.params_off[bucket.0], range.len() * size);
                 // SAFETY: the owner's shard holds `version` and stays unchanged
                 // until this client's release, which is enqueued after this read;
-                // the caller vouches for `out`, which covers `elems` elements.
-                unsafe { plane.get_params(stream, dst, rank, off, range.len() * size) }
+                // the caller vouches for `out`, which the checked length covers.
+                unsafe { plane.get_params(stream, dst, rank, off, len) }
             },
         )
     }
