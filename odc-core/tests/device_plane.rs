@@ -10,6 +10,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,10 +69,6 @@ fn addr<T>(v: &[T]) -> u64 {
     v.as_ptr() as u64
 }
 
-fn to_bf16(x: f32) -> u16 {
-    (x.to_bits() >> 16) as u16
-}
-
 #[test]
 fn gather_and_scatter_are_exact_with_asynchronous_streams() {
     run_ranks(3, "dev_exact", TransportKind::EmuIpc, |e| {
@@ -122,13 +120,17 @@ fn exact(e: Engine) {
             let shard: Vec<f32> = (0..sl)
                 .map(|i| (rank * sl + i) as f32 + 1000.0 * k as f32)
                 .collect();
-            let hshard: Vec<u16> = (0..hl).map(|i| to_bf16((rank * hl + i) as f32)).collect();
+            let hshard: Vec<u16> = (0..hl)
+                .map(|i| common::to_bf16((rank * hl + i) as f32))
+                .collect();
             let full = vec![0f32; numel];
             let hfull = vec![0u16; world * hl];
             // Uneven microbatches: rank r pushes r + 1 of them, the last one
             // as two partial pushes.
             let grads: Vec<f32> = (0..numel).map(|i| (i % 7) as f32 + rank as f32).collect();
-            let hgrads: Vec<u16> = (0..world * hl).map(|i| to_bf16((i % 5) as f32)).collect();
+            let hgrads: Vec<u16> = (0..world * hl)
+                .map(|i| common::to_bf16((i % 5) as f32))
+                .collect();
             // SAFETY: every buffer outlives finish_minibatch_device, which
             // waits for the stream.
             unsafe {
@@ -179,32 +181,13 @@ fn exact(e: Engine) {
                 );
             }
             for (i, x) in hfull.iter().enumerate() {
-                assert_eq!(*x, to_bf16(i as f32), "rank {rank} k {k} bf16 elem {i}");
-            }
-            let mut g = vec![0f32; sl];
-            e.read_grad_shard_device(w, &mut g).unwrap();
-            for (j, x) in g.iter().enumerate() {
-                let i = rank * sl + j;
-                // Rank r pushed r + 1 times with scale 0.5.
-                let want: f32 = if i < numel {
-                    (0..world)
-                        .map(|r| 0.5 * (r + 1) as f32 * ((i % 7) as f32 + r as f32))
-                        .sum()
-                } else {
-                    0.0
-                };
-                assert_eq!(*x, want, "rank {rank} k {k} grad {i}");
-            }
-            let mut hg = vec![0f32; hl];
-            e.read_grad_shard_device(h, &mut hg).unwrap();
-            for (j, x) in hg.iter().enumerate() {
-                let i = rank * hl + j;
                 assert_eq!(
                     *x,
-                    world as f32 * (i % 5) as f32,
-                    "rank {rank} k {k} bf16 grad {i}"
+                    common::to_bf16(i as f32),
+                    "rank {rank} k {k} bf16 elem {i}"
                 );
             }
+            common::check_grad_sums(&e, (w, numel), h, k);
             e.zero_grads_device(s).unwrap();
             stream.synchronize().unwrap();
         }

@@ -6,30 +6,17 @@
 //! (skips); `scripts/gpu-check.sh` sets `ODC_REQUIRE_GPU=1`, which makes a
 //! missing GPU a failure.
 
+mod common;
+
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use odc_core::gpu::device::{Gpu, Shareable, Stream};
-use odc_core::Error;
 use odc_kernels::cuda::cudarc::driver::result as cu;
 
 fn gpu_or_skip(test: &str) -> Option<Arc<Gpu>> {
-    match Gpu::open(0) {
-        Ok(g) => {
-            eprintln!("{test}: device {} {:?}", g.ordinal(), g.caps());
-            Some(g)
-        }
-        Err(Error::GpuUnavailable(missing)) => {
-            assert!(
-                std::env::var_os("ODC_REQUIRE_GPU").is_none(),
-                "{test}: ODC_REQUIRE_GPU is set but {missing}"
-            );
-            eprintln!("SKIPPED {test}: needs a GPU: {missing}");
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    common::or_skip(test, Gpu::open(0))
 }
 
 static CALLBACK_SAW: AtomicU64 = AtomicU64::new(0);

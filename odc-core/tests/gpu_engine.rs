@@ -12,29 +12,19 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use odc_core::gpu::device::{DeviceRegion, Gpu};
 use odc_core::{
-    bytes_of, BucketId, BucketSpec, DType, Engine, EngineConfig, Error, FileStore, Topology,
-    TransportKind,
+    bytes_of, BucketId, BucketSpec, DType, Engine, EngineConfig, FileStore, Topology, TransportKind,
 };
 use odc_kernels::cuda::cudarc::driver::result as cu;
 
 fn gpu_or_skip() -> Option<Arc<Gpu>> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(Error::GpuUnavailable(missing)) => {
-            assert!(
-                std::env::var_os("ODC_REQUIRE_GPU").is_none(),
-                "ODC_REQUIRE_GPU is set but {missing}"
-            );
-            eprintln!("SKIPPED gpu_engine: needs a GPU: {missing}");
-            None
-        }
-        Err(e) => panic!("{e}"),
-    }
+    common::or_skip("gpu_engine", Gpu::open(0))
 }
 
 /// A device buffer holding `bytes`.
@@ -62,10 +52,6 @@ fn floats(b: &[u8]) -> Vec<f32> {
 
 fn u16_bytes(v: &[u16]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-fn to_bf16(x: f32) -> u16 {
-    (x.to_bits() >> 16) as u16
 }
 
 #[test]
@@ -242,10 +228,12 @@ fn run_rank(e: &Engine, device: usize) {
             .map(|i| (rank * sl + i) as f32 + 1000.0 * k as f32)
             .collect();
         let hshard: Vec<u16> = (0..hl)
-            .map(|i| to_bf16(((rank * hl + i) % 256) as f32))
+            .map(|i| common::to_bf16(((rank * hl + i) % 256) as f32))
             .collect();
         let grads: Vec<f32> = (0..numel).map(|i| (i % 7) as f32 + rank as f32).collect();
-        let hgrads: Vec<u16> = (0..world * hl).map(|i| to_bf16((i % 5) as f32)).collect();
+        let hgrads: Vec<u16> = (0..world * hl)
+            .map(|i| common::to_bf16((i % 5) as f32))
+            .collect();
         let d_shard = upload(&gpu, bytes_of(&shard));
         let d_hshard = upload(&gpu, &u16_bytes(&hshard));
         let d_grads = upload(&gpu, bytes_of(&grads));
@@ -294,33 +282,11 @@ fn run_rank(e: &Engine, device: usize) {
             let got = u16::from_le_bytes([c[0], c[1]]);
             assert_eq!(
                 got,
-                to_bf16((i % 256) as f32),
+                common::to_bf16((i % 256) as f32),
                 "rank {rank} k {k} bf16 elem {i}"
             );
         }
-        let mut g = vec![0f32; sl];
-        e.read_grad_shard_device(w, &mut g).unwrap();
-        for (j, x) in g.iter().enumerate() {
-            let i = rank * sl + j;
-            let want: f32 = if i < numel {
-                (0..world)
-                    .map(|r| 0.5 * (r + 1) as f32 * ((i % 7) as f32 + r as f32))
-                    .sum()
-            } else {
-                0.0
-            };
-            assert_eq!(*x, want, "rank {rank} k {k} grad {i}");
-        }
-        let mut hg = vec![0f32; hl];
-        e.read_grad_shard_device(h, &mut hg).unwrap();
-        for (j, x) in hg.iter().enumerate() {
-            let i = rank * hl + j;
-            assert_eq!(
-                *x,
-                world as f32 * (i % 5) as f32,
-                "rank {rank} k {k} bf16 grad {i}"
-            );
-        }
+        common::check_grad_sums(e, (w, numel), h, k);
         e.zero_grads_device(s).unwrap();
         stream.synchronize().unwrap();
     }

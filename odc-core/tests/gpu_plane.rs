@@ -9,6 +9,8 @@
 //! passes (skips); `scripts/gpu-check.sh` sets `ODC_REQUIRE_GPU=1`, which
 //! makes a missing GPU a failure.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -22,21 +24,7 @@ use odc_kernels::cuda::cudarc::driver::result as cu;
 use odc_kernels::cuda::CudaStream;
 
 fn backend_or_skip(test: &str) -> Option<Arc<CudaBackend>> {
-    match CudaBackend::open(0) {
-        Ok(b) => {
-            eprintln!("{test}: {b:?}");
-            Some(b)
-        }
-        Err(Error::GpuUnavailable(missing)) => {
-            assert!(
-                std::env::var_os("ODC_REQUIRE_GPU").is_none(),
-                "{test}: ODC_REQUIRE_GPU is set but {missing}"
-            );
-            eprintln!("SKIPPED {test}: needs a GPU: {missing}");
-            None
-        }
-        Err(e) => panic!("{test}: {e}"),
-    }
+    common::or_skip(test, CudaBackend::open(0))
 }
 
 /// A caller's stream (what a trainer's `torch.cuda.current_stream()` is):
