@@ -1,4 +1,4 @@
-"""Helpers to run a function on N local ranks (spawned processes) with a shared torch TCPStore."""
+"""Helpers to run a function on N local ranks (spawned processes) with a shared torch TCPStore, and the GPU skip."""
 
 from __future__ import annotations
 
@@ -8,6 +8,18 @@ import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
+
+
+def need_gpu() -> None:
+    """Skips the calling test where torch sees no CUDA device; under ``ODC_REQUIRE_GPU=1`` fails it instead."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("ODC_REQUIRE_GPU") == "1":
+        pytest.fail("ODC_REQUIRE_GPU=1, but torch.cuda.is_available() is False")
+    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); ODC_REQUIRE_GPU=1 makes this a failure")
 
 
 def _entry(fn, rank, world, port, queue, kwargs):

@@ -23,19 +23,11 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 import _fsdp_helpers as H
 import odc
 import odc.backend
-from _dist import run_ranks
+from _dist import need_gpu, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TIMEOUT = datetime.timedelta(seconds=60)
 JITTER_US = "100"
-
-
-def _need_gpu() -> None:
-    if torch.cuda.is_available():
-        return
-    if os.environ.get("ODC_REQUIRE_GPU") == "1":
-        pytest.fail("ODC_REQUIRE_GPU=1, but torch.cuda.is_available() is False")
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); ODC_REQUIRE_GPU=1 makes this a failure")
 
 
 def _data(rank, n, dtype, salt=0):
@@ -345,7 +337,7 @@ def test_tensors_on_other_devices_are_layout_errors_naming_them(monkeypatch):
 
 @pytest.mark.gpu
 def test_cuda_tensors_run_on_cuda_ipc_engines_exactly():
-    _need_gpu()
+    need_gpu()
     # Two processes share device 0 where there is only one GPU.
     res = H.all_ok(run_ranks(_device_ops, 2, timeout=240, device="cuda:0"))
     for info in res.values():
@@ -358,7 +350,7 @@ def test_cuda_tensors_run_on_cuda_ipc_engines_exactly():
 
 @pytest.mark.gpu
 def test_fsdp2_on_an_odc_group_with_cuda_parameters_matches_single_process():
-    _need_gpu()
+    need_gpu()
     out = H.all_ok(run_ranks(H.cuda_fsdp_worker, 2, timeout=300, steps=4, comm="backend"))
     for rank, info in out.items():
         assert info["transport"] == "cuda-ipc", info["transport"]

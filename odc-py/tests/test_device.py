@@ -18,17 +18,9 @@ import torch
 import _fsdp_helpers as H
 import odc
 import odc.fsdp
-from _dist import run_ranks
+from _dist import need_gpu, run_ranks
 
 JITTER_US = "200"
-
-
-def _need_gpu() -> None:
-    if torch.cuda.is_available():
-        return
-    if os.environ.get("ODC_REQUIRE_GPU") == "1":
-        pytest.fail("ODC_REQUIRE_GPU=1, but torch.cuda.is_available() is False")
-    pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); ODC_REQUIRE_GPU=1 makes this a failure")
 
 
 # -- emu-ipc across processes -------------------------------------------------------------------
@@ -227,7 +219,7 @@ def test_fsdp_picks_a_transport_that_carries_the_parameters():
 
 @pytest.mark.gpu
 def test_nvshmem_engine_is_exact_on_two_gpus():
-    _need_gpu()
+    need_gpu()
     if torch.cuda.device_count() < 2:
         pytest.skip(f"nvshmem places one PE per GPU: needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     res = H.all_ok(run_ranks(_exact, 2, timeout=300, transport="nvshmem", device="cuda:rank"))
@@ -237,7 +229,7 @@ def test_nvshmem_engine_is_exact_on_two_gpus():
 
 @pytest.mark.gpu
 def test_cuda_ipc_engine_is_exact_on_cuda_tensors():
-    _need_gpu()
+    need_gpu()
     # Two processes share device 0 where there is only one GPU.
     device = "cuda:0"
     res = H.all_ok(run_ranks(_exact, 2, timeout=180, transport="cuda-ipc", device=device))
@@ -269,7 +261,7 @@ def _cuda_mixing(rank, world, store):
 
 @pytest.mark.gpu
 def test_cuda_ipc_engine_refuses_cpu_and_other_device_tensors():
-    _need_gpu()
+    need_gpu()
     for found in H.all_ok(run_ranks(_cuda_mixing, 2, timeout=120)).values():
         assert "shard is on cpu" in found["cpu_shard"] and "cuda:0" in found["cpu_shard"], found
         assert "output is on cpu" in found["cpu_out"], found
@@ -280,7 +272,7 @@ def test_cuda_ipc_engine_refuses_cpu_and_other_device_tensors():
 
 @pytest.mark.gpu
 def test_fsdp_on_cuda_parameters_matches_single_process():
-    _need_gpu()
+    need_gpu()
     out = H.all_ok(run_ranks(H.cuda_fsdp_worker, 2, timeout=300, steps=4))
     for rank, info in out.items():
         assert info["transport"] == "cuda-ipc", info["transport"]
