@@ -30,6 +30,7 @@ use odc_kernels::DType;
 use super::{Connect, DataSizes, DeviceBackend, DeviceOps, HostWork, Plane, StreamHandle};
 use crate::gpu::ipc::MemfdMemory;
 use crate::store::Store;
+use crate::topology::Topology;
 use crate::{Error, Result};
 
 /// Environment variable: the most an emulated stream sleeps before each
@@ -359,16 +360,17 @@ impl DeviceOps for EmuBackend {
 #[derive(Debug)]
 pub struct EmuShmem {
     emu: Arc<EmuBackend>,
-    local_world: usize,
+    /// Which ranks share this rank's node.
+    topo: Topology,
 }
 
 impl EmuShmem {
-    /// A backend for a topology with `local_world` ranks per node, whose
-    /// streams wait up to `jitter` before each operation.
-    pub fn new(local_world: usize, jitter: Duration) -> Result<Arc<EmuShmem>> {
+    /// A backend for this rank of `topo`, whose streams wait up to
+    /// `jitter` before each operation.
+    pub fn new(topo: Topology, jitter: Duration) -> Result<Arc<EmuShmem>> {
         Ok(Arc::new(EmuShmem {
             emu: EmuBackend::new(jitter)?,
-            local_world: local_world.max(1),
+            topo,
         }))
     }
 }
@@ -393,8 +395,7 @@ impl Connect for Arc<EmuShmem> {
             .connect(store, prefix, job_key, rank, group, sizes, timeout)?;
         Ok(Box::new(ShmemPlane {
             mapped,
-            node: rank / self.local_world,
-            local_world: self.local_world,
+            topo: self.topo,
             pending: Mutex::new(HashMap::new()),
         }))
     }
@@ -411,8 +412,7 @@ struct Staged {
 struct ShmemPlane {
     /// Every rank's regions, mapped.
     mapped: Box<dyn Plane>,
-    node: usize,
-    local_world: usize,
+    topo: Topology,
     /// Per stream, the puts to other nodes enqueued since its last deliver.
     pending: Mutex<HashMap<StreamHandle, Vec<Staged>>>,
 }
@@ -421,7 +421,7 @@ impl std::fmt::Debug for ShmemPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ShmemPlane")
             .field("mapped", &self.mapped)
-            .field("node", &self.node)
+            .field("node", &self.topo.node_of(self.topo.rank()))
             .finish()
     }
 }
@@ -469,7 +469,7 @@ impl Plane for ShmemPlane {
         src: u64,
         len: usize,
     ) -> Result<()> {
-        if rank / self.local_world == self.node {
+        if self.topo.is_local(rank) {
             // SAFETY: the caller's contract, passed on.
             return unsafe { self.mapped.put_landing(stream, rank, offset, src, len) };
         }

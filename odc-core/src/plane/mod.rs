@@ -367,10 +367,7 @@ pub fn create(
         }
         TransportKind::EmuShmem => {
             let jitter = emu::EmuBackend::jitter_from_env()?;
-            Ok(Some(Box::new(emu::EmuShmem::new(
-                topo.local_world(),
-                jitter,
-            )?)))
+            Ok(Some(Box::new(emu::EmuShmem::new(*topo, jitter)?)))
         }
         TransportKind::CudaIpc => {
             let ordinal = ordinal.unwrap_or_else(|| topo.local_rank_of(topo.rank()));
