@@ -395,6 +395,16 @@ impl Engine {
         if config.timeout.is_zero() {
             return Err(Error::Config("timeout must be positive".into()));
         }
+        let groups = Groups::new(&topology, config.sharding);
+        if config.transport.is_device() && groups.replicas.len() > 1 {
+            return Err(Error::Config(format!(
+                "{} sharding over {} nodes reduces the replicas' accumulators in host memory, \
+                 which the {} transport does not keep: use full sharding (or a host transport)",
+                config.sharding.name(),
+                topology.nodes(),
+                config.transport.name()
+            )));
+        }
         let deadline = Instant::now() + config.timeout;
         let key = format!("{}/job_id", config.store_prefix);
         let job_id = if topology.rank() == 0 {
@@ -411,16 +421,6 @@ impl Engine {
             &job_id,
             config.timeout,
         )?;
-        let groups = Groups::new(&topology, config.sharding);
-        if config.transport.is_device() && groups.replicas.len() > 1 {
-            return Err(Error::Config(format!(
-                "{} sharding over {} nodes reduces the replicas' accumulators in host memory, \
-                 which the {} transport does not keep: use full sharding (or a host transport)",
-                config.sharding.name(),
-                topology.nodes(),
-                config.transport.name()
-            )));
-        }
         let device = crate::plane::create(
             config.transport,
             &topology,

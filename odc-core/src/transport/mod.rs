@@ -225,6 +225,20 @@ impl TransportKind {
     }
 }
 
+/// The host transport that carries an engine's control words (and, for a
+/// host transport, its data): `Auto` resolved; a device transport's control
+/// words stay in host shared memory within a node (every wait a futex wait)
+/// and go over libfabric between nodes (`nvshmem`, `emu-shmem`), while
+/// [`crate::plane`] moves the data.
+fn control_kind(kind: TransportKind, topo: &Topology) -> TransportKind {
+    match kind.resolve(topo) {
+        TransportKind::CudaIpc | TransportKind::EmuIpc => TransportKind::Shm,
+        TransportKind::Nvshmem | TransportKind::EmuShmem if topo.nodes() == 1 => TransportKind::Shm,
+        TransportKind::Nvshmem | TransportKind::EmuShmem => TransportKind::Mixed,
+        other => other,
+    }
+}
+
 /// Creates this rank's transport of `kind` for `topo`: `shm` segments are
 /// named after `job_key` and `job_id`, and `timeout` bounds every fabric
 /// operation. A kind that needs the `fabric` feature in a build without it
@@ -237,33 +251,18 @@ pub fn create(
     timeout: Duration,
 ) -> Result<Box<dyn Transport>> {
     let (rank, world) = (topo.rank(), topo.world());
-    match kind.resolve(&topo) {
+    if matches!(kind, TransportKind::CudaIpc | TransportKind::EmuIpc) && topo.nodes() > 1 {
+        return Err(Error::Config(format!(
+            "the {} transport reaches only the ranks of one node, and this job has {} \
+             nodes: use the nvshmem transport for GPUs on several nodes",
+            kind.name(),
+            topo.nodes()
+        )));
+    }
+    match control_kind(kind, &topo) {
         TransportKind::Shm => Ok(Box::new(shm::ShmTransport::new(
             rank, world, job_key, job_id,
         )?)),
-        device @ (TransportKind::CudaIpc | TransportKind::EmuIpc) => {
-            if topo.nodes() > 1 {
-                return Err(Error::Config(format!(
-                    "the {} transport reaches only the ranks of one node, and this job has {} \
-                     nodes: use the nvshmem transport for GPUs on several nodes",
-                    device.name(),
-                    topo.nodes()
-                )));
-            }
-            // Control words stay in host shared memory (every wait is a
-            // futex wait); the data regions come from the device plane.
-            Ok(Box::new(shm::ShmTransport::new(
-                rank, world, job_key, job_id,
-            )?))
-        }
-        // Control words: shm on one node, shm + libfabric across nodes.
-        TransportKind::Nvshmem | TransportKind::EmuShmem if topo.nodes() == 1 => Ok(Box::new(
-            shm::ShmTransport::new(rank, world, job_key, job_id)?,
-        )),
-        #[cfg(feature = "fabric")]
-        TransportKind::Nvshmem | TransportKind::EmuShmem => Ok(Box::new(
-            mixed::MixedTransport::new(topo, job_key, job_id, timeout)?,
-        )),
         #[cfg(feature = "fabric")]
         TransportKind::Fabric => Ok(Box::new(fabric::FabricTransport::new(
             rank, world, timeout,
