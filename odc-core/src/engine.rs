@@ -764,11 +764,9 @@ impl Engine {
         topology: &Topology,
         config: &EngineConfig,
     ) -> Result<usize> {
-        let sizes = Engine::data_sizes(specs, topology, config)?;
-        Ok(
-            crate::gpu::nvshmem::HeapPlan::new([sizes.params, sizes.landing, sizes.accum])
-                .used_bytes(),
-        )
+        Ok(Engine::data_sizes(specs, topology, config)?
+            .heap_plan()
+            .used_bytes())
     }
 
     /// The id of the bucket named `name`.

@@ -142,6 +142,13 @@ pub struct DataSizes {
     pub accum: usize,
 }
 
+impl DataSizes {
+    /// The three regions as NVSHMEM symmetric-heap buffers.
+    pub fn heap_plan(&self) -> crate::gpu::nvshmem::HeapPlan {
+        crate::gpu::nvshmem::HeapPlan::new([self.params, self.landing, self.accum])
+    }
+}
+
 /// Region ids of the data regions (distinct from the control region's).
 const DATA_REGIONS: [u32; 3] = [1, 3, 2];
 

@@ -5,7 +5,7 @@
 //! stream) plus an NVSHMEM session that [`Connect::connect`] starts once the
 //! registered buckets are known: the shard group's ranks join as PEs (the
 //! unique id travels through the Store), and the symmetric heap is sized
-//! from the three data regions ([`HeapPlan`]), never from a hand-set
+//! from the three data regions ([`HeapPlan`](crate::gpu::nvshmem::HeapPlan)), never from a hand-set
 //! `NVSHMEM_SYMMETRIC_SIZE`.
 //!
 //! | plane call | peer NVSHMEM maps (same node, NVLink) | other peers |
@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use super::cuda::CudaBackend;
 use super::{Connect, DataSizes, DeviceOps, Plane, StreamHandle};
-use crate::gpu::nvshmem::{HeapPlan, Nvshmem, SymmetricBuffer};
+use crate::gpu::nvshmem::{Nvshmem, SymmetricBuffer};
 use crate::store::Store;
 use crate::{Error, Result};
 
@@ -85,7 +85,7 @@ impl Connect for Arc<NvshmemBackend> {
         let me = group.iter().position(|&r| r == rank).ok_or_else(|| {
             Error::Config(format!("rank {rank} is not in its shard group {group:?}"))
         })?;
-        let mut plan = HeapPlan::new([sizes.params, sizes.landing, sizes.accum]);
+        let mut plan = sizes.heap_plan();
         if self.heap_reserve > 0 {
             plan.push(self.heap_reserve);
         }
