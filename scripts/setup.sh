@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.15.0
 VENV=.venv
-PY_PKGS=("torch==${TORCH_VERSION}" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2" "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12")
+PY_PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2" "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12")
 DEB_PKGS=(build-essential pkg-config libfabric-dev iproute2)
 
 log() { printf '[setup] %s\n' "$*" >&2; }

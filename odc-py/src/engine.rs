@@ -360,8 +360,13 @@ impl PyEngine {
     ) -> PyResult<()> {
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr, nbytes, dtype.size_bytes())?;
-        // SAFETY: the Python layer passes a live, contiguous tensor of
-        // `nbytes` bytes and keeps it alive for the call.
+        // SAFETY: `odc.engine` passes a live, contiguous tensor of `nbytes`
+        // bytes and holds a reference to it until this call returns, so the
+        // memory stays allocated. The GIL is released below, so nothing stops
+        // another Python thread from touching the tensor meanwhile: the
+        // contract of `odc.engine` (its module doc, "Threads") is that a
+        // tensor handed to a call is not written by anyone until it returns,
+        // as for torch's own kernels, which also run without the GIL.
         let shard = unsafe { bytes(ptr, nbytes) };
         py.detach(|| self.engine.publish(BucketId(bucket), shard, dtype, version))
             .map_err(|e| core_error(py, e))
@@ -383,8 +388,8 @@ impl PyEngine {
     ) -> PyResult<()> {
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr, nbytes, dtype.size_bytes())?;
-        // SAFETY: as in `publish`, and the tensor is not read or written by
-        // Python while the GIL is released here.
+        // SAFETY: as in `publish`; for an output the same contract forbids
+        // reading it too until the call returns.
         let out = unsafe { bytes_mut(ptr, nbytes) };
         py.detach(|| {
             if skip_own {
@@ -448,16 +453,18 @@ impl PyEngine {
         Ok((p.as_ptr() as usize, n))
     }
 
-    /// Zeroes the accumulator of `bucket`.
+    /// Zeroes the accumulator of `bucket`. Under hybrid sharding across
+    /// nodes it first waits for the other nodes to read this rank's partial
+    /// sums, so the GIL is released.
     fn zero_grad(&self, py: Python<'_>, bucket: usize) -> PyResult<()> {
-        self.engine
-            .zero_grad(BucketId(bucket))
+        py.detach(|| self.engine.zero_grad(BucketId(bucket)))
             .map_err(|e| core_error(py, e))
     }
 
-    /// Zeroes every accumulator.
+    /// Zeroes every accumulator (the same wait, without the GIL).
     fn zero_grads(&self, py: Python<'_>) -> PyResult<()> {
-        self.engine.zero_grads().map_err(|e| core_error(py, e))
+        py.detach(|| self.engine.zero_grads())
+            .map_err(|e| core_error(py, e))
     }
 
     // -- device engines (cuda-ipc, emu-ipc) ---------------------------------
@@ -613,9 +620,10 @@ impl PyEngine {
         numel: usize,
     ) -> PyResult<()> {
         check_ptr(py, ptr, numel * 4, 4)?;
-        // SAFETY: the Python layer passes a live, contiguous host f32 tensor
-        // of `numel` elements (aligned, checked above) that Python does not
-        // touch while the GIL is released.
+        // SAFETY: as in `gather`: a live, contiguous host f32 tensor of
+        // `numel` elements (aligned, checked above) that `odc.engine` holds
+        // for the call and that, by its contract, nobody touches until it
+        // returns.
         let out = unsafe { f32s_mut(ptr, numel) };
         py.detach(|| self.engine.read_grad_shard_device(BucketId(bucket), out))
             .map_err(|e| core_error(py, e))

@@ -232,3 +232,26 @@ def test_a_failing_libfabric_call_raises_fabric_error(monkeypatch):
                          job_key=f"pytest-fabric-err-{os.getpid()}")
         eng.register([odc.Bucket("a", 16, torch.float32)])
     assert isinstance(info.value, odc.TransportError)
+
+
+def _grad_view_outlives_engine(rank, world, store, numel):
+    import gc
+
+    eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-view-{os.getppid()}")
+    eng.register([odc.Bucket("w", numel, torch.float32)])
+    eng.publish("w", torch.zeros(eng.bucket("w")["shard_len"]), version=0)
+    eng.scatter_accumulate("w", torch.full((numel,), float(rank + 1)), scale=1.0)
+    eng.finish_minibatch(0)
+    view = eng.grad_shard("w")
+    want = view.clone()
+    del eng
+    gc.collect()
+    # A large accumulator is its own mapping: were it freed, this read would fault or see other data.
+    return torch.equal(view, want), float(want[0])
+
+
+def test_grad_shard_view_keeps_the_engine_memory_alive():
+    out = run_ranks(_grad_view_outlives_engine, 2, timeout=60, numel=1 << 22)
+    assert all(s == "ok" for s, _ in out.values()), out
+    for rank, (_, (same, first)) in out.items():
+        assert same and first == 3.0, (rank, same, first)  # ranks pushed 1 and 2

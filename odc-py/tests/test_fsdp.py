@@ -106,3 +106,31 @@ def test_example_runs_in_both_comm_modes():
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "collective" in p.stdout and "odc" in p.stdout and "overhead" in p.stdout, p.stdout
+
+
+def test_a_torch_without_the_private_fsdp2_state_imports_and_enable_says_why():
+    """On a torch whose private FSDP2 module lacks a name odc.fsdp reads, importing odc.fsdp and odc.backend
+    still works, and enable raises a ConfigError naming the running torch and the versions checked."""
+    code = """
+import torch
+import torch.distributed.fsdp._fully_shard._fsdp_collectives as c
+del c._get_gradient_divide_factors          # as a later torch might rename it
+torch.__version__ = "2.99.0+cu999"
+import odc.backend, odc.fsdp                # must not raise ImportError
+try:
+    odc.fsdp.enable(torch.nn.Linear(2, 2), None)
+except odc.ConfigError as e:
+    print("CONFIG", e)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    msg = p.stdout
+    assert msg.startswith("CONFIG") and "torch 2.99.0" in msg and "_get_gradient_divide_factors" in msg, msg
+    assert all(v in msg for v in odc.fsdp.TORCH_VERSIONS_CHECKED), msg
+
+
+def test_missing_private_state_on_an_fsdp2_object_is_a_config_error():
+    from odc._torch_private import check_state
+
+    with pytest.raises(odc.ConfigError, match=r"torch \d.*has no '_reduce_scatter_param_indices'"):
+        check_state(object(), ("_reduce_scatter_param_indices",), "parameter group (FSDPParamGroup)")

@@ -123,9 +123,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 
 from ._backend_parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWork, _tensors, _to_host
+from ._torch_private import AllgatherOptions
 from .engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
 from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 

@@ -20,6 +20,11 @@ Typical minibatch, on every rank::
 Every call that may block releases the GIL; every wait has a deadline and
 raises :class:`odc.PeerTimeout` / :class:`odc.PeerDied` naming the peer.
 
+Threads. Because calls run without the GIL, a tensor handed to a call must
+not be written (nor, for an output such as ``gather``'s, read) by another
+thread until the call returns, as with torch's own kernels. The engine keeps
+every tensor it was handed alive for the call.
+
 Device transports. With ``transport="cuda-ipc"`` (one node of GPUs) the
 published shards, landing slots and accumulators live in CUDA memory shared
 between the node's processes, and the same calls take CUDA tensors on the
@@ -497,9 +502,11 @@ class Engine:
     def grad_shard(self, bucket: BucketRef) -> "torch.Tensor":
         """This rank's f32 gradient accumulator of ``bucket``, as a tensor view (no copy).
 
-        Valid between :meth:`finish_minibatch` and the next publish; it
-        aliases engine memory, so copy it if you need it later. On
-        ``cuda-ipc`` it is a CUDA tensor on the engine's device.
+        Its values are this minibatch's between :meth:`finish_minibatch` and
+        the next :meth:`zero_grad`; it aliases engine memory (copy it to keep
+        them). The view keeps the engine's memory alive: dropping the engine
+        while holding it is safe. On ``cuda-ipc`` it is a CUDA tensor on the
+        engine's device.
         """
         import torch
 
@@ -517,6 +524,9 @@ class Engine:
         else:
             ptr, numel = self._native.grad_shard_ptr(self._id(bucket))
         buf = (ctypes.c_float * numel).from_address(ptr)
+        # The tensor holds `buf` (torch.frombuffer keeps its exporter alive) and `buf` holds the
+        # native engine, so the accumulator outlives every view of it, whoever drops the engine.
+        buf._odc_owner = self._native
         return torch.frombuffer(buf, dtype=torch.float32, count=numel)
 
     def zero_grad(self, bucket: BucketRef | None = None) -> None:

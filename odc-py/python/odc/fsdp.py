@@ -19,17 +19,34 @@ version of the parameters it reads):
   D − 1 other owners' shards of version ``k``.
 - reduce-scatter (post-backward): pushes each owner's rows with
   scatter-accumulate (scale 1/D for AVG, ``op.factor`` for PREMUL_SUM, the
-  lost post-divide for SUM), writes zeros into the output (which FSDP turns
-  into the sharded ``.grad``) and does not wait.
-- optimizer step pre-hook: ``finish_minibatch(k)`` (waits only for this
-  rank's own gradient shards), copies them into each parameter's ``.grad``
-  (also on ranks that ran no microbatch), zeroes the accumulators.
+  lost post-divide for SUM), writes zeros into the output and does not wait.
+- the gradient contract (``odc._fsdp_grads``): while minibatch ``k`` runs,
+  every sharded ``.grad`` is a pending gradient; the first read of its values
+  (torch's ``clip_grad_norm_``, ``GradScaler.unscale_``, a norm for the logs,
+  the optimizer) finishes the minibatch: ``finish_minibatch(k)`` (this rank
+  waits only for its own gradient shards), the final shards installed as
+  ``.grad`` (also on ranks that ran no microbatch), the accumulators zeroed.
+  The optimizer's step pre-hook does the same where nothing read them.
 - optimizer step post-hook: publishes version ``k + 1`` from the updated
-  parameters. There is no barrier: each wait is a causal edge.
+  parameters. There is no barrier: each wait is a causal edge. A loop that
+  clears the gradients of a finished minibatch without stepping (a skipped
+  step) starts minibatch ``k + 1`` on the unchanged parameters.
+
+The loop contract: read gradients (clip, unscale, log) only after the
+minibatch's last backward; step once per minibatch (or skip the step and
+call ``optimizer.zero_grad()``); clear gradients only between minibatches.
+A loop that breaks it gets an :class:`odc.ProtocolError` naming the group
+and what to call instead; optimizer-in-backward hooks (post-accumulate-grad
+hooks) are refused at :func:`enable`. :func:`enable` wraps
+``optimizer.zero_grad`` and ``model.zero_grad`` (on the instances) so a rank
+with no microbatch still holds pending gradients; :func:`disable` restores
+them.
 
 Without an optimizer (``enable(model, None)``) the same two steps run from
 :func:`minibatch`: leaving it finishes the minibatch, entering the next one
-publishes the stepped parameters.
+publishes the stepped parameters (or a read finishes it, and
+``model.zero_grad()`` after a step made by hand publishes it at the next
+forward).
 
 Hybrid sharding (``enable(..., sharding="hybrid")``) runs on FSDP2's HSDP
 layout: the model is ``fully_shard``-ed over a 2-D mesh ``(replicate, shard)``
@@ -74,15 +91,15 @@ The comms are installed with the public ``FSDPModule.set_custom_all_gather``
 per module; torch refuses a module whose ``fully_shard`` made several groups,
 from per-parameter meshes, and so does :func:`enable`).
 
-Private FSDP2 state read here (checked on the torch versions in
-:data:`TORCH_VERSIONS_CHECKED`; :func:`enable` warns on any other):
-``FSDPModule._get_fsdp_state``, ``FSDPState``
-(``_lazy_init``, ``_state_ctx.all_states``, ``_fsdp_param_groups``), and per
-group ``fsdp_params``, ``mesh_info``, ``post_forward_mesh_info``,
-``_reduce_scatter_param_indices``, ``gradient_divide_factor``,
-``force_sum_reduction_for_comms``, ``all_reduce_grads``,
-``_all_reduce_process_group``, ``_partial_reduce_output`` (and its layout);
-``_get_param_all_gather_inputs`` and ``_get_gradient_divide_factors`` from
+Private FSDP2 state is imported and checked in one module,
+``odc._torch_private`` (torch versions in :data:`TORCH_VERSIONS_CHECKED`):
+importing ``odc.fsdp`` never fails on another torch; :func:`enable` raises
+:class:`odc.ConfigError` naming the running torch where a name it reads is
+missing, and warns where all are present but the version was not checked.
+Read here: ``FSDPModule._get_fsdp_state``, ``FSDPState`` (``_lazy_init``,
+``_state_ctx.all_states``, ``_fsdp_param_groups``), per group the names in
+``_torch_private.GROUP_STATE``, per parameter ``PARAM_STATE``, and
+``_get_param_all_gather_inputs`` / ``_get_gradient_divide_factors`` from
 ``_fsdp_collectives``.
 """
 
@@ -93,7 +110,6 @@ import itertools
 import math
 import os
 import socket
-import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
@@ -101,27 +117,32 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
-    DefaultAllGather,
-    DefaultReduceScatter,
-    _get_gradient_divide_factors,
-    _get_param_all_gather_inputs,
-)
-from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
 from torch.distributed.tensor import DTensor
 
+from ._fsdp_grads import GradContract, wrap_zero_grad
+from ._torch_private import (
+    GROUP_STATE,
+    PARAM_STATE,
+    TORCH_VERSIONS_CHECKED,
+    AllGather,
+    DDPMeshInfo,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+    ReduceScatter,
+    _get_gradient_divide_factors,
+    _get_param_all_gather_inputs,
+    check_fsdp2,
+    check_state,
+)
 from .engine import CUDA_TRANSPORTS, TRANSPORTS, Bucket, Engine, _local_world_size, transport_name
 from .errors import ConfigError, LayoutError, ProtocolError
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-__all__ = ["enable", "disable", "minibatch", "finish", "clip_grad_norm_", "is_enabled"]
-
-#: torch versions this module was checked against (private FSDP2 state);
-#: :func:`enable` warns on any other.
-TORCH_VERSIONS_CHECKED = ("2.15.0",)
+__all__ = ["enable", "disable", "minibatch", "finish", "clip_grad_norm_", "is_enabled", "TORCH_VERSIONS_CHECKED"]
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
 SHARDINGS = ("full", "hybrid")
@@ -141,6 +162,8 @@ class _Group:
     shard_len: int = 0  # ODC's shard length (n rounded up to the engine's alignment)
     offsets: list[int] = field(default_factory=list)  # each parameter's offset in the shard
     shard: torch.Tensor | None = None  # staging buffer for publish (shard_len elements)
+    index: int = 0  # position in the binding's group list (= bucket order)
+    pushed_in: int = -1  # last minibatch in which this rank pushed the group's gradients
 
 
 @dataclass(frozen=True)
@@ -156,7 +179,13 @@ class _Layout:
 
 
 class _Binding:
-    """The ODC state of one enabled model (one engine, one bucket per group)."""
+    """The ODC state of one enabled model (one engine, one bucket per group).
+
+    The minibatch protocol, in the order a loop drives it: :meth:`begin`
+    (every gather and push), :meth:`finish` (a gradient read, the
+    optimizer's step pre-hook, :func:`finish`), :meth:`advance` (the step
+    post-hook, or the first forward after a skipped step).
+    """
 
     def __init__(self, model: FSDPModule, groups: list[_Group], engine: Engine, layout: _Layout) -> None:
         self.model = model
@@ -169,19 +198,35 @@ class _Binding:
         self.version = 0  # parameters published; gathers of this minibatch read them
         self.open = True  # minibatch `version` is running (not finished)
         self.pushed = False  # this rank pushed gradients in the running minibatch
+        self.finished_by = ""  # what finished the last minibatch (for errors)
+        self.cleared = False  # gradients cleared after a finish without a step hook (a skipped or hand-made step)
         self.clipped = -1  # last minibatch whose gradients were clipped
-        self.hooks: list[Any] = []
+        self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
         self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
         self.param_ids = {id(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params}
         self.device = engine.device  # where the engine's tensors live (the parameters' device)
+        self.grads = GradContract(self, groups)
 
     # -- protocol ------------------------------------------------------------
-    def check_open(self, what: str) -> None:
-        if not self.open:
-            raise ProtocolError(
-                f"odc.fsdp: {what} after minibatch {self.version} finished; step the optimizer "
-                "(or enter odc.fsdp.minibatch) before the next forward"
-            )
+    def begin(self, what: str) -> None:
+        """A gather, a push or a gradient read of the running minibatch.
+
+        After a finished minibatch whose gradients were then cleared without
+        an optimizer step hook (a skipped step, or a step the loop made by
+        hand), starts the next minibatch: the current parameters are its
+        version.
+        """
+        if self.open:
+            return
+        if self.cleared:
+            self.advance()
+            return
+        raise ProtocolError(
+            f"odc.fsdp: {what}, but minibatch {self.version}'s gradients are final already ({self.finished_by} "
+            "finished it); read gradients only after the minibatch's last backward, step the optimizer before "
+            "the next minibatch (to skip a step, call optimizer.zero_grad() instead), or, without an optimizer "
+            "hook, enter odc.fsdp.minibatch"
+        )
 
     def publish_all(self) -> None:
         for g in self.groups:
@@ -190,12 +235,13 @@ class _Binding:
             torch.cat(flat, out=g.shard[: g.n])
             self.engine.publish(g.name, g.shard, self.version)
 
-    def finish(self, install: bool = True) -> None:
-        """Ends the running minibatch: own gradient shards final, copied into ``.grad``."""
+    def finish(self, reason: str, install: bool = True) -> None:
+        """Ends the running minibatch: own gradient shards final, installed as ``.grad``."""
         if not self.open:
             return
         self.engine.finish_minibatch(self.version)
         self.open = False
+        self.finished_by = reason
         if self.hybrid:
             # FSDP parked its reduce-scatter outputs (zeros) as HSDP partials
             # awaiting an all-reduce that never comes; they would stay
@@ -204,19 +250,7 @@ class _Binding:
                 g.pg._partial_reduce_output = None
                 g.pg._partial_reduce_output_layout.clear()
         if install:
-            for g in self.groups:
-                acc = self.engine.grad_shard(g.name)
-                for fp, off in zip(g.pg.fsdp_params, g.offsets):
-                    p = fp.sharded_param
-                    if not p.requires_grad:
-                        continue
-                    shape = fp.sharded_size
-                    dtype = getattr(fp, "sharded_grad_dtype", None) or p.dtype
-                    # A copy: the accumulator is zeroed below and refilled by the next minibatch.
-                    local = acc[off : off + math.prod(shape)].view(shape).to(device=p.device, dtype=dtype, copy=True)
-                    p.grad = DTensor.from_local(
-                        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-                    )
+            self.grads.install([self.engine.grad_shard(g.name) for g in self.groups])
         self.engine.zero_grad()
         self.pushed = False
 
@@ -227,6 +261,35 @@ class _Binding:
         self.version += 1
         self.publish_all()
         self.open = True
+        self.cleared = False
+
+    # -- optimizer and zero_grad hooks -----------------------------------------
+    def before_step(self) -> None:
+        if self.open and not self.pushed and self.grads.stepped_twice():
+            raise ProtocolError(
+                f"odc.fsdp: optimizer.step() again in minibatch {self.version}: every gradient is still the one "
+                "the previous step used (no backward and no zero_grad since). Step once per minibatch; a rank "
+                "that runs no microbatch in a minibatch must still call optimizer.zero_grad() after each step, "
+                "so that ODC installs the new minibatch's gradients"
+            )
+        self.finish("optimizer.step()")
+
+    def after_step(self) -> None:
+        self.advance()
+
+    def check_zero_grad(self) -> None:
+        if self.open and self.pushed:
+            raise ProtocolError(
+                f"odc.fsdp: zero_grad() in the middle of minibatch {self.version}, after this rank had pushed "
+                "gradients to their owners, which ODC cannot take back; clear gradients only between minibatches "
+                "(after optimizer.step(), or before the minibatch's first backward)"
+            )
+
+    def after_zero_grad(self) -> None:
+        if not self.open:
+            self.cleared = True
+        # Pending again, so that a rank with no microbatch in the next minibatch reads final gradients.
+        self.grads.pend(self.version if self.open else self.version + 1)
 
 
 class _OdcAllGather(AllGather):
@@ -241,7 +304,7 @@ class _OdcAllGather(AllGather):
 
     def __call__(self, output_tensor, input_tensor, group=None, async_op: bool = False):
         b, g = self._b, self._g
-        b.check_open(f"all-gather of {g.name}")
+        b.begin(f"all-gather of {g.name}")
         if b.hybrid:
             # Re-asserted before every backward: set_requires_gradient_sync(True)
             # turns HSDP's all-reduce back on.
@@ -301,7 +364,7 @@ class _OdcReduceScatter(ReduceScatter):
 
     def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op: bool = False):
         b, g = self._b, self._g
-        b.check_open(f"reduce-scatter of {g.name}")
+        b.begin(f"reduce-scatter of {g.name}")
         if b.hybrid and g.pg.all_reduce_grads:
             # FSDP's replicate all-reduce follows this call, with this flag
             # already read: it would pair up with peers' minibatch ends.
@@ -319,12 +382,20 @@ class _OdcReduceScatter(ReduceScatter):
                 "model.set_reduce_scatter_unused_params(True) before odc.fsdp.enable"
             )
         scale = self._scale(op, input_tensor.dtype)
+        # .grad back to what FSDP adds onto (full sharding; it then calls our post-accumulate-grad
+        # hook), or pending now (hybrid: FSDP parks its output and leaves .grad alone).
+        pushed_before = g.pushed_in == b.version
+        if b.hybrid:
+            b.grads.pend_group(g.index, pushed_before, f"reduce-scatter of {g.name}")
+        else:
+            b.grads.hand_to_fsdp(g.index, pushed_before, f"reduce-scatter of {g.name}")
         if sl == n:
             b.engine.scatter_accumulate(g.name, input_tensor, scale=scale)
         else:
             tmp = torch.zeros(ws, sl, dtype=input_tensor.dtype, device=input_tensor.device)
             tmp[:, :n].copy_(input_tensor.view(ws, n))
             b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
+        g.pushed_in = b.version
         b.pushed = True
         output_tensor.zero_()
         return None
@@ -356,6 +427,9 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                 "per module: give every parameter of a fully_shard call the same mesh"
             )
         for pg in state._fsdp_param_groups:
+            check_state(pg, GROUP_STATE, "parameter group (FSDPParamGroup)")
+            for fp in pg.fsdp_params:
+                check_state(fp, PARAM_STATE, "parameter (FSDPParam)")
             mesh = pg.mesh_info
             name = f"fsdp{len(groups)}:{pg._module_fqn or '<root>'}"
             if sharding == "full" and (isinstance(mesh, DDPMeshInfo) or not isinstance(mesh, FSDPMeshInfo)):
@@ -395,7 +469,8 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                 offsets.append(off)
                 off += t.numel()
             groups.append(
-                _Group(name=name, pg=pg, module=owners[id(state)], n=off, dtype=dtypes.pop(), offsets=offsets)
+                _Group(name=name, pg=pg, module=owners[id(state)], n=off, dtype=dtypes.pop(), offsets=offsets,
+                       index=len(groups))
             )
     return groups
 
@@ -543,17 +618,11 @@ def _pick_transport(
     return requested
 
 
-def _check_torch_version() -> None:
-    """Warns (once per :func:`enable`) when the running torch is not in :data:`TORCH_VERSIONS_CHECKED`."""
-    running = str(torch.__version__).split("+", 1)[0]  # 2.15.0+cu132 -> 2.15.0
-    if running not in TORCH_VERSIONS_CHECKED:
-        warnings.warn(
-            f"odc.fsdp: torch {running} is not a version odc.fsdp was checked on "
-            f"({', '.join(TORCH_VERSIONS_CHECKED)}); it reads private FSDP2 state that may have changed, "
-            "so compare a few steps against FSDP's own collectives before relying on it",
-            UserWarning,
-            stacklevel=3,
-        )
+class _Undo:
+    """A removable handle (like torch's hook handles) around an undo function."""
+
+    def __init__(self, undo: Any) -> None:
+        self.remove = undo
 
 
 def _binding(model: Any) -> _Binding:
@@ -634,7 +703,7 @@ def enable(
             ``nvshmem`` for CPU, ``cuda-ipc`` across nodes).
         RegistrationError: ranks built different models.
     """
-    _check_torch_version()
+    check_fsdp2()
     if not isinstance(model, FSDPModule):
         raise ConfigError(
             f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard; "
@@ -688,9 +757,14 @@ def enable(
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
     _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
+    b.grads.refuse_foreign_hooks()
+    b.grads.ensure_hooked(b.grads.params)
+    b.grads.pend(0)  # a rank with no microbatch in minibatch 0 reads final gradients too
     if optimizer is not None:
-        b.hooks.append(optimizer.register_step_pre_hook(lambda *_: b.finish()))
-        b.hooks.append(optimizer.register_step_post_hook(lambda *_: b.advance()))
+        b.hooks.append(optimizer.register_step_pre_hook(lambda *_: b.before_step()))
+        b.hooks.append(optimizer.register_step_post_hook(lambda *_: b.after_step()))
+        b.hooks.append(_Undo(wrap_zero_grad(optimizer, b.after_zero_grad, b.check_zero_grad)))
+    b.hooks.append(_Undo(wrap_zero_grad(model, b.after_zero_grad, b.check_zero_grad)))
     model.__dict__["_odc_fsdp"] = b
     _live.add(b)
 
@@ -707,7 +781,8 @@ def disable(model: Any) -> None:
             f"odc.fsdp.disable: gradients of minibatch {b.version} are pending; step the optimizer first"
         )
     # A teardown fence: once every peer finished, nobody reads this rank's shards.
-    b.finish(install=False)
+    b.finish("odc.fsdp.disable", install=False)
+    b.grads.release()
     for h in b.hooks:
         h.remove()
     _install_comms(b.groups, [(DefaultAllGather(), DefaultReduceScatter()) for _ in b.groups])
@@ -735,7 +810,7 @@ def minibatch(model: Any) -> Iterator[None]:
     b = _binding(model)
     b.advance()
     yield
-    b.finish()
+    b.finish("leaving odc.fsdp.minibatch")
 
 
 def finish(model: Any) -> None:
@@ -744,7 +819,7 @@ def finish(model: Any) -> None:
     The optimizer pre-hook does this too; call it to read gradients before
     ``optimizer.step()``.
     """
-    _binding(model).finish()
+    _binding(model).finish("odc.fsdp.finish")
 
 
 def _binding_of(model_or_params: Any) -> tuple[_Binding, list[torch.Tensor]]:
@@ -777,7 +852,7 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
         The total norm (a float64 scalar tensor), as torch's does.
     """
     b, params = _binding_of(model_or_params)
-    b.finish()
+    b.finish("odc.fsdp.clip_grad_norm_")
     if b.clipped == b.version:
         raise ProtocolError(f"odc.fsdp.clip_grad_norm_: already called in minibatch {b.version}")
     b.clipped = b.version

@@ -1,0 +1,391 @@
+"""The gradient contract of ``odc.fsdp``: a sharded ``.grad`` holds what FSDP2 would hold whenever a loop reads it.
+
+Under ODC a rank's gradient shards are final only once every rank has
+finished the minibatch, and no rank knows when its own loop has run its last
+microbatch: counts differ per rank, and the loop does not say. The first
+read of a gradient's values tells it. While a minibatch runs, every sharded
+parameter's ``.grad`` is a DTensor whose local tensor is a
+:class:`PendingGrad`: it carries the gradient's shape, dtype, device and
+placement, so metadata reads (``p.grad is None``, ``.shape``, grouping by
+device and dtype) cost nothing, and the first operation that reads values
+(torch's ``clip_grad_norm_`` / ``get_total_norm``, ``GradScaler.unscale_``,
+a norm for the logs, an optimizer) finishes the minibatch: this rank waits
+for its own shards only, the final gradients are installed as ordinary
+DTensors, and every pending tensor of the minibatch resolves to them (an
+in-place op through an old reference lands in the installed gradient). The
+optimizer's step pre-hook finishes the minibatch too, so a loop that reads
+nothing pays nothing.
+
+A parameter's ``.grad`` through minibatch ``k``:
+
+- from ``odc.fsdp.enable`` and from ``optimizer.zero_grad()`` /
+  ``model.zero_grad()`` (which ``enable`` wraps): pending for ``k``, so a
+  rank that runs no microbatch still reads final gradients (and makes the
+  same norm all-reduce as its peers);
+- in each reduce-scatter (full sharding) the pending gradient is taken out
+  first (``.grad`` goes back to what it accumulates onto, usually None), so
+  FSDP2 assigns or adds its reduce-scatter output as it always does; the
+  parameter's post-accumulate-grad hook then makes ``.grad`` pending again.
+  Under hybrid sharding FSDP2 parks its outputs and leaves ``.grad`` alone;
+- a read, ``optimizer.step()``, ``odc.fsdp.finish`` or leaving
+  ``odc.fsdp.minibatch``: final.
+
+Gradients a loop did not clear before the minibatch are accumulated onto,
+as FSDP2 does. ``zero_()`` on a pending gradient before this rank pushed
+anything in the minibatch drops what it would accumulate onto, without
+finishing anything; after a push, clearing a gradient is a
+:class:`odc.ProtocolError` (ODC cannot take pushed gradients back).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .errors import ProtocolError
+
+if TYPE_CHECKING:
+    from .fsdp import _Binding
+
+aten = torch.ops.aten
+_ALIASES = (aten.detach.default, aten.alias.default)
+
+
+class _Cell:
+    """One parameter's gradient in one minibatch: what it accumulates onto, and its final value once known."""
+
+    __slots__ = ("grads", "rec", "version", "base", "real")
+
+    def __init__(self, grads: "GradContract", rec: "_Param", version: int, base: torch.Tensor | None) -> None:
+        self.grads = grads
+        self.rec = rec
+        self.version = version
+        self.base = base  # local tensor the minibatch's gradient is added onto (None: zeros)
+        self.real: torch.Tensor | None = None  # the installed final local gradient
+
+    def resolve(self, reason: str) -> torch.Tensor:
+        if self.real is None:
+            self.grads.finish_for(self, reason)
+        if self.real is None:  # pragma: no cover - finish resolves every current cell
+            raise ProtocolError(
+                f"odc.fsdp: the pending gradient of {self.rec.fqn} (minibatch {self.version}) was not "
+                "resolved by finishing its minibatch"
+            )
+        return self.real
+
+
+class PendingGrad(torch.Tensor):
+    """The local tensor of a sharded ``.grad`` whose minibatch has not finished.
+
+    Any operation that reads its values finishes the minibatch first (see the
+    module doc) and then runs on the final gradient. Views that keep the
+    shape (``detach``, ``view_as``, ``to_local``) stay pending.
+    """
+
+    _cell: _Cell
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, cell: _Cell) -> "PendingGrad":
+        rec = cell.rec
+        shape = tuple(rec.fp.sharded_size)
+        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, shape, dtype=rec.dtype, device=rec.device, requires_grad=False
+        )
+        t._cell = cell
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        # No side effect here: a repr (a debugger, a log line) must not finish a minibatch.
+        c = self._cell
+        state = "final" if c.real is not None else "final once read"
+        return f"PendingGrad({c.rec.fqn}, minibatch {c.version}, {state}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    # Reads that torch does not route through __torch_dispatch__: the final gradient answers them.
+    def _final(self, what: str) -> torch.Tensor:
+        return self._cell.resolve(f"{what} on the gradient of {self._cell.rec.fqn}")
+
+    def tolist(self) -> Any:  # type: ignore[override]
+        return self._final("tolist()").tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+        return self._final("numpy()").numpy(force=force)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        return self._final("numpy conversion").__array__(dtype)
+
+    def data_ptr(self) -> int:  # type: ignore[override]
+        return self._final("data_ptr()").data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+        return self._final("untyped_storage()").untyped_storage()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        if func in _ALIASES or (func is aten.view.default and list(args[1]) == list(args[0].shape)):
+            cell = args[0]._cell
+            return PendingGrad(cell) if cell.real is None else func(cell.real, *args[1:], **kwargs)
+        if func is aten.zero_.default and args[0]._cell.real is None:
+            args[0]._cell.grads.drop_base(args[0]._cell)
+            return args[0]
+        if func is aten._foreach_zero_.default:
+            rest = []
+            for t in args[0]:
+                if isinstance(t, PendingGrad) and t._cell.real is None:
+                    t._cell.grads.drop_base(t._cell)
+                else:
+                    rest.append(t._cell.real if isinstance(t, PendingGrad) else t)
+            if rest:
+                func(rest)
+            return None
+        first = next(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, PendingGrad))
+        reason = f"{func} on the gradient of {first._cell.rec.fqn}"
+
+        def real(x: Any) -> Any:
+            return x._cell.resolve(reason) if isinstance(x, PendingGrad) else x
+
+        return func(*tree_map(real, args), **tree_map(real, kwargs))
+
+
+def _pending_cell(g: Any) -> _Cell | None:
+    if isinstance(g, DTensor) and isinstance(g._local_tensor, PendingGrad):
+        return g._local_tensor._cell
+    return None
+
+
+def _local(g: Any) -> torch.Tensor | None:
+    """The local tensor of a real (not pending) ``.grad``, or None."""
+    if g is None:
+        return None
+    cell = _pending_cell(g)
+    if cell is not None:
+        return cell.real if cell.real is not None else cell.base
+    return g._local_tensor if isinstance(g, DTensor) else g
+
+
+@dataclass(eq=False)
+class _Param:
+    """A sharded parameter of one FSDP group, where its gradient sits in the group's accumulator."""
+
+    fp: Any  # FSDPParam
+    group: int  # index of its group (bucket)
+    offset: int  # into the group's accumulator
+    dtype: torch.dtype  # the gradient's dtype (FSDP's sharded grad dtype)
+    device: torch.device
+    fqn: str
+    cell: _Cell | None = None  # this minibatch's cell, once one was made
+    pending: DTensor | None = None  # the pending ``.grad`` of ``cell`` (made once per cell)
+    restored: torch.Tensor | None = None  # what the reduce-scatter handed back to FSDP to add onto
+    installed: torch.Tensor | None = None  # the local gradient the last finish installed
+    hooked: Any = None  # the parameter object our post-accumulate-grad hook is on
+    hook: Any = None  # its handle
+
+    @property
+    def param(self) -> Any:
+        return self.fp.sharded_param
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.fp.sharded_size)
+
+
+class GradContract:
+    """Keeps every sharded ``.grad`` of an enabled model final-on-read (see the module doc)."""
+
+    def __init__(self, binding: "_Binding", groups: list[Any]) -> None:
+        self.b = binding
+        self.params: list[_Param] = []
+        self.by_group: list[list[_Param]] = []
+        for gi, g in enumerate(groups):
+            recs = []
+            for fp, off in zip(g.pg.fsdp_params, g.offsets):
+                p = fp.sharded_param
+                if not p.requires_grad:
+                    continue
+                dtype = getattr(fp, "sharded_grad_dtype", None) or p.dtype
+                recs.append(_Param(fp, gi, off, dtype, p.device, fp._param_fqn or "<root>"))
+            self.by_group.append(recs)
+            self.params.extend(recs)
+        self.by_id: dict[int, _Param] = {}
+
+    # -- hooks -------------------------------------------------------------------
+    def refuse_foreign_hooks(self) -> None:
+        """Optimizer-in-backward hooks would read gradients before they are final: refused."""
+        from .errors import ConfigError
+
+        for rec in self.params:
+            if getattr(rec.param, "_post_accumulate_grad_hooks", None):
+                raise ConfigError(
+                    f"odc.fsdp.enable: {rec.fqn} has a post-accumulate-grad hook (an optimizer in backward?); "
+                    "FSDP2 runs it after every microbatch's reduce-scatter, but under ODC a gradient is final "
+                    "only when the minibatch ends; step the optimizer after the last microbatch instead"
+                )
+
+    def ensure_hooked(self, recs: list[_Param]) -> None:
+        """Our post-accumulate-grad hook is on each parameter object FSDP holds now."""
+        for rec in recs:
+            p = rec.param
+            if rec.hooked is p:
+                continue
+            if rec.hook is not None:
+                rec.hook.remove()
+            self.by_id.pop(id(rec.hooked), None)
+            rec.hook = p.register_post_accumulate_grad_hook(self._after_fsdp)
+            rec.hooked = p
+            self.by_id[id(p)] = rec
+
+    def remove_hooks(self) -> None:
+        for rec in self.params:
+            if rec.hook is not None:
+                rec.hook.remove()
+            rec.hook = rec.hooked = None
+        self.by_id.clear()
+
+    def _after_fsdp(self, p: Any) -> None:
+        """FSDP2 assigned (or added) its reduce-scatter output: ``.grad`` becomes pending again."""
+        rec = self.by_id.get(id(p))
+        if rec is None:
+            return
+        base = rec.restored if rec.restored is not None and _local(p.grad) is rec.restored else None
+        rec.restored = None
+        self._pend(rec, self.b.version, base)
+
+    # -- states ------------------------------------------------------------------
+    def _pend(self, rec: _Param, version: int, base: torch.Tensor | None) -> None:
+        cell = rec.cell
+        if cell is None or cell.version != version or cell.real is not None:
+            cell = rec.cell = _Cell(self, rec, version, base)
+            rec.pending = None
+        cell.base = base
+        if rec.pending is None:
+            rec.pending = rec.fp.to_sharded_dtensor(PendingGrad(cell))
+        rec.param.grad = rec.pending
+
+    def pend(self, version: int, recs: list[_Param] | None = None) -> None:
+        """Makes each ``.grad`` pending for ``version``, accumulating onto what it holds."""
+        for rec in self.params if recs is None else recs:
+            g = rec.param.grad
+            cell = _pending_cell(g)
+            if cell is not None and cell.version == version and cell.real is None:
+                continue
+            self._pend(rec, version, _local(g))
+
+    def hand_to_fsdp(self, group: int, pushed_before: bool, what: str) -> None:
+        """Before FSDP2 assigns or adds a reduce-scatter output: ``.grad`` back to what it adds onto."""
+        recs = self.by_group[group]
+        self.ensure_hooked(recs)
+        for rec in recs:
+            g = rec.param.grad
+            self._check_not_cleared(rec, g, pushed_before, what)
+            base = _local(g)
+            if _pending_cell(g) is not None:
+                rec.param.grad = None if base is None else rec.fp.to_sharded_dtensor(base)
+            rec.restored = base
+
+    def pend_group(self, group: int, pushed_before: bool, what: str) -> None:
+        """Hybrid sharding: FSDP2 leaves ``.grad`` alone, so it is made pending here."""
+        recs = self.by_group[group]
+        for rec in recs:
+            self._check_not_cleared(rec, rec.param.grad, pushed_before, what)
+        self.pend(self.b.version, recs)
+
+    def _check_not_cleared(self, rec: _Param, g: Any, pushed_before: bool, what: str) -> None:
+        if g is None and pushed_before:
+            raise ProtocolError(
+                f"odc.fsdp: {what}: the gradient of {rec.fqn} was set to None in the middle of minibatch "
+                f"{self.b.version}, after this rank had pushed earlier microbatches' gradients of "
+                f"{self.b.groups[rec.group].name} to their owners, which ODC cannot take back; clear gradients "
+                "only between minibatches (optimizer.zero_grad() after optimizer.step())"
+            )
+
+    def drop_base(self, cell: _Cell) -> None:
+        """``zero_()`` on a pending gradient: forget what it accumulates onto (before any push)."""
+        b = self.b
+        if cell.version == b.version and b.open and b.pushed:
+            raise ProtocolError(
+                f"odc.fsdp: the gradient of {cell.rec.fqn} was zeroed in the middle of minibatch {cell.version}, "
+                "after this rank had pushed gradients to their owners, which ODC cannot take back; zero "
+                "gradients only between minibatches (optimizer.zero_grad() after optimizer.step())"
+            )
+        cell.base = None
+
+    def finish_for(self, cell: _Cell, reason: str) -> None:
+        """A read of a pending gradient: finishes its minibatch if it is the running one (or the next one,
+        once the previous minibatch's gradients were cleared without a step hook)."""
+        b = self.b
+        if cell.version == b.version + 1 and not b.open and b.cleared:
+            b.begin(reason)
+        if cell.version == b.version and b.open:
+            b.finish(reason)
+            return
+        raise ProtocolError(
+            f"odc.fsdp: {reason} read a gradient of minibatch {cell.version}, which is not the running one (this "
+            f"rank's minibatch {b.version} {'runs' if b.open else 'finished'}); read gradients after the "
+            "minibatch's last backward"
+        )
+
+    def install(self, accums: list[torch.Tensor]) -> None:
+        """The minibatch finished: each ``.grad`` becomes the final gradient (accumulator slice + base)."""
+        version = self.b.version
+        for rec in self.params:
+            p = rec.param
+            g = p.grad
+            cell = _pending_cell(g)
+            base = cell.base if cell is not None and cell.real is None else _local(g)
+            shape = rec.fp.sharded_size
+            src = accums[rec.group][rec.offset : rec.offset + rec.numel].view(shape)
+            if base is not None:
+                final = base.add_(src)
+            else:
+                # A copy: the accumulator is zeroed next and refilled by the next minibatch.
+                final = src.to(device=rec.device, dtype=rec.dtype, copy=True)
+            p.grad = rec.fp.to_sharded_dtensor(final)
+            rec.installed = final
+            for c in (cell, rec.cell):
+                if c is not None and c.real is None and c.version == version:
+                    c.real = final
+            rec.pending = None
+
+    def stepped_twice(self) -> bool:
+        """Every ``.grad`` is still what the last finish installed (no backward, no zero_grad since)."""
+        return bool(self.params) and all(
+            rec.installed is not None and _pending_cell(rec.param.grad) is None and _local(rec.param.grad) is rec.installed
+            for rec in self.params
+        )
+
+    def release(self) -> None:
+        """``odc.fsdp.disable``: pending gradients go back to what they held; the hooks are removed."""
+        for rec in self.params:
+            g = rec.param.grad
+            cell = _pending_cell(g)
+            if cell is not None:
+                real = _local(g)
+                rec.param.grad = None if real is None else rec.fp.to_sharded_dtensor(real)
+        self.remove_hooks()
+
+
+def wrap_zero_grad(owner: Any, on_zero_grad: Callable[[], None], check: Callable[[], None]) -> Callable[[], None]:
+    """Wraps ``owner.zero_grad`` (an optimizer or the root module) on the instance; returns the undo."""
+    orig = owner.zero_grad
+
+    def zero_grad(*args: Any, **kwargs: Any) -> Any:
+        check()
+        out = orig(*args, **kwargs)
+        on_zero_grad()
+        return out
+
+    zero_grad.__wrapped__ = orig  # type: ignore[attr-defined]
+    zero_grad.__doc__ = orig.__doc__
+    owner.__dict__["zero_grad"] = zero_grad
+
+    def undo() -> None:
+        if owner.__dict__.get("zero_grad") is zero_grad:
+            del owner.__dict__["zero_grad"]
+
+    return undo
