@@ -104,8 +104,8 @@ def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, shar
             loss.backward()
             total += loss.item()
         if clip is not None:
-            clip_fn = odc.fsdp.clip_grad_norm_ if odc_on else torch.nn.utils.clip_grad_norm_
-            norms.append(float(clip_fn(model.parameters(), clip)))
+            # The users' clip under both: torch's own, on the gradients ODC installs when it reads them.
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
         losses.append(total)
@@ -337,8 +337,9 @@ def local_shards(model):
     return {k: v.to_local().detach().tolist() for k, v in model.state_dict().items()}
 
 
-def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2, clip=0.5):
-    """Hybrid ODC with AdamW and clipping, ranks running table[s][r] microbatches at step s.
+def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2, clip=0.5, torch_clip=False):
+    """Hybrid ODC with AdamW and clipping (odc.fsdp.clip_grad_norm_, or torch's), ranks running
+    table[s][r] microbatches at step s.
 
     Also counts collectives (CommDebugMode) over the first step, flips
     ``set_requires_gradient_sync(True)`` before every forward (it turns HSDP's
@@ -360,7 +361,8 @@ def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2
             for m in range(plan[rank]):
                 model.set_requires_gradient_sync(True)
                 (sample_loss(model, data(s, m, rank)) / norm * world).backward()  # FSDP averages over D
-            info["norms"].append(float(odc.fsdp.clip_grad_norm_(model, clip)))
+            clip_fn = torch.nn.utils.clip_grad_norm_ if torch_clip else odc.fsdp.clip_grad_norm_
+            info["norms"].append(float(clip_fn(model.parameters(), clip)))
             opt.step()
             opt.zero_grad()
         if s == 0:
