@@ -5,7 +5,7 @@ random weights (tied embeddings, grouped-query attention, rotary buffers),
 ``fully_shard`` per decoder layer and the root, trained on packed
 variable-length rows (one row per microbatch, ``position_ids`` restarting per
 sample) through a registered varlen attention (per-sample causal sdpa, what
-flash-attention's varlen kernel computes). Loops, each as its trainer writes
+flash-attention's varlen kernel computes; examples/hf_sft.py's). Loops, each as its trainer writes
 it: a torchtitan-shaped step (global token count summed once per minibatch,
 loss divided by it, divide factor 1.0, torch's ``clip_grad_norm_`` pieces as
 torchtitan calls them), a verl-shaped actor update (uneven microbatch
@@ -24,6 +24,7 @@ microbatches' gradients in f32, which is what FSDP2 does.
 from __future__ import annotations
 
 import contextlib
+import functools
 import copy
 import math
 import os
@@ -44,23 +45,24 @@ ATTN = "odc_cpu_varlen"
 # -- models ------------------------------------------------------------------------------------------
 
 
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, **_):
-    """Per-sample causal attention over one packed row: samples start where ``position_ids`` is 0."""
-    s = query.shape[2]
-    starts = (position_ids.view(-1) == 0).nonzero().view(-1).tolist() + [s]
-    parts = [
-        F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                       scale=scaling, enable_gqa=True)
-        for a, b in zip(starts[:-1], starts[1:])
-    ]
-    return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
+@functools.lru_cache(maxsize=None)
+def _example():
+    """examples/hf_sft.py as a module: its varlen attention is the one the tests register."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "hf_sft.py"
+    spec = importlib.util.spec_from_file_location("hf_sft", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def hf_model(kind, ckpt=False, layers=2):
     """A tiny random ``Qwen2ForCausalLM`` or ``LlamaForCausalLM`` (same seed on every rank)."""
     from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    AttentionInterface.register(ATTN, varlen_attention)
+    AttentionInterface.register(ATTN, _example().varlen_attention)
     config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[kind]
     cfg = config_cls(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
@@ -149,6 +151,8 @@ def step_titan(model, opt, mbs, world, clip, scaler=None):
     opt.zero_grad()
     count = torch.tensor(float(sum(tokens(mb) for mb in mbs)), dtype=torch.float64)
     dist.all_reduce(count)  # once per minibatch, on every rank
+    if scaler is not None and not mbs:
+        scaler.scale(torch.zeros(()))  # GradScaler makes its scale on the first scale() call
     for mb in mbs:
         loss = loss_sum(model, mb) / count.item()
         (scaler.scale(loss) if scaler else loss).backward()

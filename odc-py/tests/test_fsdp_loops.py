@@ -32,10 +32,10 @@ def test_the_loop_a_new_user_writes_matches_gloo():
         assert_params_close(gloo["logged"], odc_["logged"], 1e-6)
 
 
-# Uneven plans: plan[s][r] microbatches for rank r at step s, zero included (not at step 0 under
-# GradScaler, which initializes its scale on the first scaler.scale call of each rank).
+# Uneven plans: plan[s][r] microbatches for rank r at step s, zero included (under GradScaler, a rank
+# idle in the first minibatch calls scaler.scale once itself: the scale is made on the first call).
 UNEVEN = {
-    2: [(2, 1), (0, 3), (1, 0)],
+    2: [(2, 0), (1, 3), (0, 1)],
     3: [(2, 1, 1), (1, 3, 0), (0, 1, 2)],
 }
 EVEN = [(2, 2, 2), (1, 1, 1), (2, 2, 2)]
@@ -137,3 +137,23 @@ def test_optimizers_and_logging_read_the_gradients_fsdp2_holds():
             assert_params_close(r["gloo"]["params"], r["odc"]["params"], 1e-5)
             for s, (g, o) in enumerate(zip(r["gloo"]["logs"], r["odc"]["logs"], strict=True)):
                 assert o == pytest.approx(g, rel=1e-5, abs=1e-7), (rank, name, s)
+
+
+def test_hf_example_prints_equal_losses_and_norms_in_both_comm_modes():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_sft.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TRANSFORMERS_VERBOSITY="error")
+    cmd = [sys.executable, str(example), "--nproc", "2", "--comm", "both", "--steps", "3", "--layers", "2",
+           "--samples", "96", "--minibatch", "8", "--max-len", "96", "--max-tokens", "256", "--ckpt"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split("|")[1:] for line in p.stdout.splitlines() if line.strip()[:1].isdigit() and "|" in line]
+    assert len(rows) == 3, p.stdout
+    for collective, odc_ in rows:
+        (lc, nc, _), (lo, no, _) = (map(float, c.split(",")) for c in (collective, odc_))
+        assert lc == pytest.approx(lo, rel=1e-5) and nc == pytest.approx(no, rel=1e-5), p.stdout
+        assert nc > 0.0, p.stdout
