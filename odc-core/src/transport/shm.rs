@@ -435,7 +435,12 @@ impl Transport for ShmTransport {
         // SAFETY: `sig` is in range and 8-aligned (checked); signal words are
         // accessed only atomically.
         let word = unsafe { &*sig.cast::<AtomicU64>() };
-        word.store(value, Ordering::Release);
+        if total == 0 {
+            word.fetch_max(value, Ordering::Release);
+        } else {
+            // A count (the trait's contract): its one writer stores it.
+            word.store(value, Ordering::Release);
+        }
         self.peer(peer)?
             .bell
             .event_count(bell_offset(signal.bell))
