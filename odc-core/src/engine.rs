@@ -344,6 +344,65 @@ struct EndpointPost {
     regions: Vec<RegionDesc>,
 }
 
+/// What a rank posts instead of its registration or endpoint when it
+/// cannot register, so that its peers fail at once naming it.
+#[derive(Serialize, Deserialize)]
+struct FailedPost {
+    failed: String,
+}
+
+fn post_failure(store: &dyn Store, key: &str, e: &Error) {
+    let post = FailedPost {
+        failed: e.to_string(),
+    };
+    if let Ok(bytes) = serde_json::to_vec(&post) {
+        // Best effort: a store that fails here fails the peers' waits too.
+        let _ = store.set(key, &bytes);
+    }
+}
+
+/// Parses `peer`'s post at `key`, or the failure it posted instead.
+fn parse_post<T: for<'de> Deserialize<'de>>(key: &str, peer: usize, v: &[u8]) -> Result<T> {
+    if let Ok(FailedPost { failed }) = serde_json::from_slice::<FailedPost>(v) {
+        return Err(Error::transport(
+            "register",
+            format!("rank {peer} could not register its memory: {failed}"),
+        ));
+    }
+    parse(key, v)
+}
+
+/// Whether `/dev/shm` has room for the regions (`lens`, in bytes) of every
+/// rank of this host that shares it, on a transport that keeps them there
+/// (`shm`: every rank of the job; `shm+fabric`: the ranks of the node).
+fn check_shm_room(transport: &str, topo: &Topology, lens: [usize; 3]) -> Result<()> {
+    let ranks = match transport {
+        "shm" => topo.world(),
+        "shm+fabric" => topo.local_world(),
+        _ => return Ok(()),
+    };
+    let page = 4096;
+    let per_rank: u64 = lens
+        .iter()
+        .filter(|&&l| l > 0)
+        .map(|&l| l.max(64).div_ceil(page) as u64 * page as u64)
+        .sum();
+    let needed = per_rank.saturating_mul(ranks as u64);
+    match crate::transport::shm::shm_free() {
+        Some(free) if free < needed => Err(Error::ShmSpace {
+            dir: crate::transport::shm::SHM_DIR.into(),
+            needed,
+            free,
+            what: format!(
+                "the {ranks} ranks on this host ({per_rank} bytes each: control words and \
+                 landing slots {}, published shards {}, accumulators {})",
+                lens[0], lens[1], lens[2]
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn fnv1a(data: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in data {
@@ -539,10 +598,30 @@ impl Engine {
         };
         post.hash = fnv1a(&json("reg", &post.specs)?);
         let my_key = format!("{prefix}/reg/{rank}");
+        // Shared memory for every rank of this host, checked before any
+        // rank of the job allocates (each waits for every post below): a
+        // /dev/shm too small fails here, on every rank, naming the bytes.
+        let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
+        let on_device = inner.device.is_some();
+        let host_params_len = if on_device { 0 } else { params_len };
+        let accum_region = if cross_node && !on_device {
+            accum_len * 4
+        } else {
+            0
+        };
+        if let Err(e) = check_shm_room(
+            inner.transport.name(),
+            &inner.topo,
+            [ctrl_layout.len(), host_params_len, accum_region],
+        ) {
+            post_failure(inner.store.as_ref(), &my_key, &e);
+            return Err(e);
+        }
         inner.store.set(&my_key, &json(&my_key, &post)?)?;
         for peer in 0..world {
             let key = format!("{prefix}/reg/{peer}");
-            let theirs: RegPost = parse(&key, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
+            let theirs: RegPost =
+                parse_post(&key, peer, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
             if theirs.hash != post.hash || theirs.specs != post.specs {
                 let n = post.specs.len().max(theirs.specs.len());
                 let show = |l: &[(String, usize, String)], i: usize| {
@@ -574,29 +653,37 @@ impl Engine {
             }
         }
 
-        // 2. Allocate.
-        let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
-        // A device engine keeps only its control words in host memory.
-        let on_device = inner.device.is_some();
-        let host_params_len = if on_device { 0 } else { params_len };
-        let ctrl = inner.transport.register(CTRL_REGION, ctrl_layout.len())?;
-        let params = inner.transport.register(PARAMS_REGION, host_params_len)?;
-        let (accum, reduced) = if on_device {
-            (Accum::Heap(HeapBlock::zeroed(0)?), HeapBlock::zeroed(0)?)
-        } else if cross_node {
-            (
-                Accum::Region(inner.transport.register(ACCUM_REGION, accum_len * 4)?),
-                HeapBlock::zeroed(accum_len * 4)?,
-            )
-        } else {
-            (
-                Accum::Heap(HeapBlock::zeroed(accum_len * 4)?),
-                HeapBlock::zeroed(0)?,
-            )
+        // 2. Allocate (a device engine keeps only its control words in host
+        // memory). A failure is posted where the peers wait for this
+        // rank's endpoint, so they fail at once naming it.
+        let my_key = format!("{prefix}/ep/{rank}");
+        let allocated = (|| -> Result<_> {
+            let ctrl = inner.transport.register(CTRL_REGION, ctrl_layout.len())?;
+            let params = inner.transport.register(PARAMS_REGION, host_params_len)?;
+            let (accum, reduced) = if on_device {
+                (Accum::Heap(HeapBlock::zeroed(0)?), HeapBlock::zeroed(0)?)
+            } else if cross_node {
+                (
+                    Accum::Region(inner.transport.register(ACCUM_REGION, accum_region)?),
+                    HeapBlock::zeroed(accum_len * 4)?,
+                )
+            } else {
+                (
+                    Accum::Heap(HeapBlock::zeroed(accum_len * 4)?),
+                    HeapBlock::zeroed(0)?,
+                )
+            };
+            Ok((ctrl, params, accum, reduced))
+        })();
+        let (ctrl, params, accum, reduced) = match allocated {
+            Ok(a) => a,
+            Err(e) => {
+                post_failure(inner.store.as_ref(), &my_key, &e);
+                return Err(e);
+            }
         };
 
         // 3. Exchange descriptors and connect to every rank (this one too).
-        let my_key = format!("{prefix}/ep/{rank}");
         let mut regions = vec![ctrl.desc(), params.desc()];
         if let Accum::Region(r) = &accum {
             regions.push(r.desc());
@@ -612,7 +699,7 @@ impl Engine {
         for peer in 0..world {
             let key = format!("{prefix}/ep/{peer}");
             let theirs: EndpointPost =
-                parse(&key, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
+                parse_post(&key, peer, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
             let find = |id: u32| {
                 theirs
                     .regions

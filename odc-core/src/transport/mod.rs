@@ -46,6 +46,7 @@ pub mod fabric;
 #[cfg(feature = "fabric")]
 pub mod mixed;
 pub mod shm;
+mod shm_lock;
 
 /// What a liveness probe learned about a peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
