@@ -36,11 +36,48 @@
 
 use odc_kernels::DType;
 
+use crate::{Error, Result};
+
 /// Bytes of slot header on the wire.
 pub const HEADER_BYTES: usize = 64;
 const LINE: usize = 64;
 /// Bytes of a signal cell: the word and the transport's mailbox.
 pub const CELL: usize = 16;
+
+/// The smallest landing chunk the budget may shrink to (64 KiB). Every
+/// chunk costs one network operation and one client → server hand-off,
+/// about 7–20 µs here (FABRIC_NOTES: a 64 KiB read takes 6.6–22 µs over
+/// tcp); 64 KiB take about as long on the wire at the 5–8 GB/s a tcp
+/// link streams, so a push keeps at least half its bandwidth. Below that
+/// the overhead dominates.
+pub const MIN_CHUNK: usize = 64 << 10;
+
+/// Default landing budget per rank (`ODC_LANDING_MB`, 256 MiB).
+pub const DEFAULT_LANDING_BUDGET: usize = 256 << 20;
+
+/// The landing chunk for a shard group of `group` ranks: the asked
+/// `chunk_bytes`, shrunk so that the landing slots (`2 · group · chunk`)
+/// fit `budget` bytes, in 64-byte lines, never below [`MIN_CHUNK`] (nor
+/// above what was asked). A group too large for the budget even at the
+/// floor is an [`Error::Config`] naming the budget it needs.
+pub fn landing_chunk(chunk_bytes: usize, group: usize, budget: usize) -> Result<usize> {
+    let slots = 2 * group.max(1);
+    let fit = (budget / slots) / LINE * LINE;
+    let asked = chunk_bytes.div_ceil(LINE) * LINE;
+    let floor = MIN_CHUNK.min(asked);
+    if fit < floor {
+        let need_mb = (slots * floor).div_ceil(1 << 20);
+        return Err(Error::Config(format!(
+            "landing slots for {group} ranks do not fit the landing budget of {} MiB per rank \
+             (ODC_LANDING_MB): 2 slots x {group} ranks x the smallest chunk ({} KiB) need \
+             {need_mb} MiB; raise ODC_LANDING_MB to at least {need_mb}, or shard over fewer \
+             ranks (hybrid sharding keeps landing slots within a node)",
+            budget >> 20,
+            floor >> 10
+        )));
+    }
+    Ok(asked.min(fit).max(floor))
+}
 
 /// The count of slot `seq % 2` once chunk `seq` (from 1) is in it.
 pub fn slot_count(seq: u64) -> u64 {
@@ -282,6 +319,38 @@ mod tests {
         assert_eq!(l.signals_end(), l.slot_header(0, 0));
         assert_eq!(l.slot_data(2, 1) + 1024, l.len());
         assert_eq!(l.slot_data(0, 0) % 64, 0);
+    }
+
+    #[test]
+    fn landing_memory_stays_within_the_budget_at_any_world_size() {
+        let mib = 1usize << 20;
+        let budget = DEFAULT_LANDING_BUDGET;
+        // Small worlds keep the asked 2 MiB chunk.
+        assert_eq!(landing_chunk(2 * mib, 8, budget).unwrap(), 2 * mib);
+        assert_eq!(landing_chunk(2 * mib, 64, budget).unwrap(), 2 * mib);
+        // D = 1024: the chunk shrinks to 128 KiB, 256 MiB of slots.
+        let c = landing_chunk(2 * mib, 1024, budget).unwrap();
+        assert_eq!(c, 128 << 10);
+        assert!(2 * 1024 * c <= budget);
+        assert_eq!(CtrlLayout::new(1024, 1, 4, c).landing_len(), budget);
+        // D = 4096 needs 512 MiB at the 64 KiB floor: a clear error...
+        let e = landing_chunk(2 * mib, 4096, budget)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("4096 ranks") && e.contains("512 MiB") && e.contains("ODC_LANDING_MB"),
+            "{e}"
+        );
+        // ...and fits once the budget allows it.
+        let c = landing_chunk(2 * mib, 4096, 512 * mib).unwrap();
+        assert_eq!(c, MIN_CHUNK);
+        assert!(2 * 4096 * c <= 512 * mib);
+        // Never larger than asked, and a small asked chunk is kept as is.
+        assert_eq!(landing_chunk(4096, 4096, budget).unwrap(), 4096);
+        assert_eq!(landing_chunk(1000, 2, budget).unwrap(), 1024);
+        // The whole control region stays within budget + the signal cells.
+        let l = CtrlLayout::new(4096, 1, 100, MIN_CHUNK);
+        assert!(l.len() - l.signals_end() <= 512 * mib + 2 * 4096 * LINE);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use odc_kernels::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::control::CtrlLayout;
+use crate::control::{landing_chunk, CtrlLayout};
 use crate::handoff::OwnPush;
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{Connect, DataSizes, Plane};
@@ -120,8 +120,15 @@ pub struct EngineConfig {
     /// that under load can wait for a scheduler slice), and that cost, not
     /// the cache residency of small slots, dominated: 2 MiB chunks beat
     /// 1 MiB, 512 KiB and 256 KiB at 4–64 MiB pushes. Landing memory is
-    /// `2 · D · chunk_bytes` per rank.
+    /// `2 · D · chunk` per rank (D: the shard group), where the chunk is
+    /// this, shrunk to fit [`EngineConfig::landing_budget`]
+    /// ([`crate::control::landing_chunk`]).
     pub chunk_bytes: usize,
+    /// Bytes of landing slots per rank at most, whatever the world size
+    /// (default 256 MiB, `ODC_LANDING_MB`): large worlds get smaller
+    /// chunks, down to [`crate::control::MIN_CHUNK`]; a world too large
+    /// even for that fails at registration naming the budget it needs.
+    pub landing_budget: usize,
     /// Deadline of every wait (default 300 s, or `ODC_TIMEOUT_S`).
     pub timeout: Duration,
     /// Accumulator dtype; only `F32` is supported.
@@ -154,8 +161,16 @@ impl Default for EngineConfig {
             .and_then(|s| s.trim().parse::<f64>().ok())
             .filter(|s| s.is_finite() && *s > 0.0)
             .map_or(Duration::from_secs(300), Duration::from_secs_f64);
+        let landing_budget = std::env::var("ODC_LANDING_MB")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .filter(|&mb| mb > 0)
+            .map_or(crate::control::DEFAULT_LANDING_BUDGET, |mb| {
+                mb.saturating_mul(1 << 20)
+            });
         EngineConfig {
             chunk_bytes: 2 << 20,
+            landing_budget,
             timeout,
             accum_dtype: DType::F32,
             transport: TransportKind::Auto,
@@ -586,7 +601,11 @@ impl Engine {
             groups.group.len(),
             groups.replicas.len(),
             buckets.len(),
-            inner.config.chunk_bytes,
+            landing_chunk(
+                inner.config.chunk_bytes,
+                groups.group.len(),
+                inner.config.landing_budget,
+            )?,
         );
         let mut post = RegPost {
             hash: 0,
@@ -834,7 +853,11 @@ impl Engine {
             groups.group.len(),
             groups.replicas.len(),
             buckets.len(),
-            config.chunk_bytes,
+            landing_chunk(
+                config.chunk_bytes,
+                groups.group.len(),
+                config.landing_budget,
+            )?,
         );
         Ok(DataSizes {
             params,
