@@ -102,7 +102,7 @@ fn loom_landing_slots_two_slots_three_chunks() {
         for s in 0..2 {
             assert_eq!(
                 pair.acks[s].load(Ordering::Acquire),
-                pair.slots[s].signal.load(Ordering::Acquire)
+                slot_seq(s, pair.slots[s].signal.load(Ordering::Acquire))
             );
         }
     });
