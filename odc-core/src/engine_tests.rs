@@ -310,10 +310,15 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
     let dir = tempfile::tempdir().unwrap();
     let published = Arc::new(Barrier::new(world));
     let closed = Arc::new(Barrier::new(world));
+    // Ranks 1 and 2 keep their engines until both gathered: one that
+    // returned early would close, and the other could read its shard
+    // (and name it) before rank 0's.
+    let gathered = Arc::new(Barrier::new(world - 1));
     let threads: Vec<_> = (0..world)
         .map(|rank| {
             let store = Arc::new(FileStore::new(dir.path()).unwrap());
             let (published, closed) = (Arc::clone(&published), Arc::clone(&closed));
+            let gathered = Arc::clone(&gathered);
             std::thread::spawn(move || {
                 let cfg = EngineConfig {
                     transport: crate::TransportKind::Fabric,
@@ -345,7 +350,9 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 let mut full = vec![0f32; 96];
-                Some(e.gather(w, 0, bytes_of_mut(&mut full), DType::F32))
+                let out = e.gather(w, 0, bytes_of_mut(&mut full), DType::F32);
+                gathered.wait();
+                Some(out)
             })
         })
         .collect();
