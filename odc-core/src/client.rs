@@ -11,7 +11,7 @@ use std::sync::{Arc, MutexGuard};
 
 use odc_kernels::DType;
 
-use crate::control::{SlotHeader, HEADER_BYTES};
+use crate::control::{slot_count, SlotHeader, HEADER_BYTES};
 use crate::engine::{load, BucketId, Engine, Inner, PushState, Registered};
 use crate::handoff::OwnSlice;
 use crate::layout::BucketLayout;
@@ -142,7 +142,10 @@ impl Engine {
                 shard.len(),
             )
         };
-        self.version_signals(reg, bucket, stamp).send()
+        let name = reg.bucket(bucket)?.name();
+        self.version_signals(reg, bucket, stamp)
+            .send()
+            .map_err(|e| self.inner.attribute(Some(name), e))
     }
 
     /// The signals that announce `stamp` of this rank's shard of `bucket` to
@@ -337,7 +340,7 @@ impl Engine {
     pub fn release(&self, bucket: BucketId, version: u64) -> Result<()> {
         let reg = self.reg()?;
         match self.release_signals(reg, bucket, version)? {
-            Some(signals) => signals.send(),
+            Some(signals) => signals.send().map_err(|e| self.inner.attribute(None, e)),
             None => Ok(()),
         }
     }
@@ -412,7 +415,7 @@ impl Engine {
                     lay.slot_header(me, slot),
                     &[&header, &grads[data]],
                     sig,
-                    seq,
+                    slot_count(seq),
                 )
             };
         if own.is_empty() {
@@ -601,7 +604,9 @@ impl Engine {
             for r in &reg.released {
                 r.fetch_max(stamp, Ordering::AcqRel);
             }
-            Signals::new(&self.inner, reg, lay.done(me), stamp).send()?;
+            Signals::new(&self.inner, reg, lay.done(me), stamp)
+                .send()
+                .map_err(|e| self.inner.attribute(None, e))?;
         }
         self.inner.wait(
             None,

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use odc_kernels::DType;
 
 use crate::client::Signals;
-use crate::control::HEADER_BYTES;
+use crate::control::{slot_count, HEADER_BYTES};
 use crate::engine::{record_error, BucketId, Engine, Registered};
 use crate::plane::{Plane, StreamHandle};
 use crate::region::{Bell, SignalRef};
@@ -224,7 +224,9 @@ impl Engine {
             plane.ops().then(
                 stream,
                 Box::new(move || {
-                    if let Err(e) = transport.put_signal(rank, &desc, at, &[&header], sig, seq) {
+                    if let Err(e) =
+                        transport.put_signal(rank, &desc, at, &[&header], sig, slot_count(seq))
+                    {
                         record_error(&errors, format!("pushing a chunk to rank {rank}: {e}"));
                     }
                 }),

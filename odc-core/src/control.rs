@@ -15,22 +15,83 @@
 //! | `released[c][b]` | client c | c finished reading this version of b |
 //! | `done[c]` | client c at finish | c's pushes for minibatch k are acknowledged |
 //! | `ack[o][s]` | owner o's server | sequence number of the last chunk o added from slot s |
-//! | slot `[c][s]` signal | client c | sequence number of the chunk in the slot |
+//! | slot `[c][s]` signal | client c | how many chunks c wrote into the slot (a count, not stored + 1) |
 //! | `partial_ready[n]` | node n's replica | its node-summed shards of minibatch k are final (hybrid) |
 //! | `partial_read[n]` | node n's replica | it finished reading this rank's partial sums of k (hybrid) |
 //!
-//! Every signal word sits in a 64-byte line of its own, and all of them
-//! come before the landing slots' data (so a signal's offset stays small
-//! whatever D and C are: the libfabric transport names it in 24 bits of
-//! remote CQ data). A landing slot is its signal line, and elsewhere a
-//! 64-byte [`SlotHeader`] followed by C bytes of data. Sequence numbers per
-//! (client, owner) pair start at 1; chunk `seq` goes to slot `seq % 2`.
+//! Every signal word is a **cell** of 16 bytes: the word, then a mailbox
+//! that belongs to the transport (the libfabric transport lands a pure
+//! signal's value there and raises the word to it, see
+//! `transport::fabric`). Cells of the per-bucket tables are packed; every
+//! other cell sits in a 64-byte line of its own. All of them come before
+//! the landing slots' data, so a signal's offset stays small whatever D
+//! and C are (the libfabric transport names it in 27 bits of a 4-byte
+//! immediate). A landing slot is its signal line, and elsewhere a 64-byte
+//! [`SlotHeader`] followed by C bytes of data. Sequence numbers per
+//! (client, owner) pair start at 1; chunk `seq` goes to slot `seq % 2`, so
+//! the slot's count after it is [`slot_count`]`(seq)`: a network transport
+//! counts the writes that completed into the slot instead of carrying the
+//! sequence number (fabric-lib's immediate counter), and the server turns
+//! the count back into the sequence number ([`slot_seq`]).
 
 use odc_kernels::DType;
+
+use crate::{Error, Result};
 
 /// Bytes of slot header on the wire.
 pub const HEADER_BYTES: usize = 64;
 const LINE: usize = 64;
+/// Bytes of a signal cell: the word and the transport's mailbox.
+pub const CELL: usize = 16;
+
+/// The smallest landing chunk the budget may shrink to (64 KiB). Every
+/// chunk costs one network operation and one client → server hand-off,
+/// about 7–20 µs here (FABRIC_NOTES: a 64 KiB read takes 6.6–22 µs over
+/// tcp); 64 KiB take about as long on the wire at the 5–8 GB/s a tcp
+/// link streams, so a push keeps at least half its bandwidth. Below that
+/// the overhead dominates.
+pub const MIN_CHUNK: usize = 64 << 10;
+
+/// Default landing budget per rank (`ODC_LANDING_MB`, 256 MiB).
+pub const DEFAULT_LANDING_BUDGET: usize = 256 << 20;
+
+/// The landing chunk for a shard group of `group` ranks: the asked
+/// `chunk_bytes`, shrunk so that the landing slots (`2 · group · chunk`)
+/// fit `budget` bytes, in 64-byte lines, never below [`MIN_CHUNK`] (nor
+/// above what was asked). A group too large for the budget even at the
+/// floor is an [`Error::Config`] naming the budget it needs.
+pub fn landing_chunk(chunk_bytes: usize, group: usize, budget: usize) -> Result<usize> {
+    let slots = 2 * group.max(1);
+    let fit = (budget / slots) / LINE * LINE;
+    let asked = chunk_bytes.div_ceil(LINE) * LINE;
+    let floor = MIN_CHUNK.min(asked);
+    if fit < floor {
+        let need_mb = (slots * floor).div_ceil(1 << 20);
+        return Err(Error::Config(format!(
+            "landing slots for {group} ranks do not fit the landing budget of {} MiB per rank \
+             (ODC_LANDING_MB): 2 slots x {group} ranks x the smallest chunk ({} KiB) need \
+             {need_mb} MiB; raise ODC_LANDING_MB to at least {need_mb}, or shard over fewer \
+             ranks (hybrid sharding keeps landing slots within a node)",
+            budget >> 20,
+            floor >> 10
+        )));
+    }
+    Ok(asked.min(fit).max(floor))
+}
+
+/// The count of slot `seq % 2` once chunk `seq` (from 1) is in it.
+pub fn slot_count(seq: u64) -> u64 {
+    seq.div_ceil(2)
+}
+
+/// The sequence number of the `count`-th chunk (from 1) of `slot`; 0 for
+/// none.
+pub fn slot_seq(slot: usize, count: u64) -> u64 {
+    if count == 0 {
+        return 0;
+    }
+    (2 * count).saturating_sub(slot as u64 & 1)
+}
 
 /// Offsets into a control region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,7 +120,7 @@ impl CtrlLayout {
     /// (rounded up to 64).
     pub fn new(world: usize, nodes: usize, buckets: usize, chunk_bytes: usize) -> CtrlLayout {
         let chunk_bytes = round_line(chunk_bytes.max(LINE));
-        let table = round_line(world * buckets * 8);
+        let table = round_line(world * buckets * CELL);
         let off_seen = LINE;
         let off_released = off_seen + table;
         let off_done = off_released + table;
@@ -101,12 +162,12 @@ impl CtrlLayout {
 
     /// `seen_version[owner][bucket]`.
     pub fn seen_version(&self, owner: usize, bucket: usize) -> usize {
-        self.off_seen + (owner * self.buckets + bucket) * 8
+        self.off_seen + (owner * self.buckets + bucket) * CELL
     }
 
     /// `released[client][bucket]`.
     pub fn released(&self, client: usize, bucket: usize) -> usize {
-        self.off_released + (client * self.buckets + bucket) * 8
+        self.off_released + (client * self.buckets + bucket) * CELL
     }
 
     /// `done[client]`.
@@ -247,16 +308,63 @@ mod tests {
     fn words_do_not_overlap() {
         let l = CtrlLayout::new(3, 2, 5, 1000);
         assert_eq!(l.chunk_bytes(), 1024);
-        assert!(l.seen_version(2, 4) + 8 <= l.released(0, 0));
-        assert!(l.released(2, 4) + 8 <= l.done(0));
-        assert!(l.done(2) + 8 <= l.ack(0, 0));
-        assert!(l.ack(2, 1) + 8 <= l.slot_signal(0, 0));
-        assert!(l.slot_signal(2, 1) + 8 <= l.partial_ready(0));
-        assert!(l.partial_ready(1) + 8 <= l.partial_read(0));
-        assert!(l.partial_read(1) + 8 <= l.signals_end());
+        assert!(l.seen_version(2, 4) + CELL <= l.released(0, 0));
+        assert_eq!(l.seen_version(1, 0) - l.seen_version(0, 4), CELL);
+        assert!(l.released(2, 4) + CELL <= l.done(0));
+        assert!(l.done(2) + CELL <= l.ack(0, 0));
+        assert!(l.ack(2, 1) + CELL <= l.slot_signal(0, 0));
+        assert!(l.slot_signal(2, 1) + CELL <= l.partial_ready(0));
+        assert!(l.partial_ready(1) + CELL <= l.partial_read(0));
+        assert!(l.partial_read(1) + CELL <= l.signals_end());
         assert_eq!(l.signals_end(), l.slot_header(0, 0));
         assert_eq!(l.slot_data(2, 1) + 1024, l.len());
         assert_eq!(l.slot_data(0, 0) % 64, 0);
+    }
+
+    #[test]
+    fn landing_memory_stays_within_the_budget_at_any_world_size() {
+        let mib = 1usize << 20;
+        let budget = DEFAULT_LANDING_BUDGET;
+        // Small worlds keep the asked 2 MiB chunk.
+        assert_eq!(landing_chunk(2 * mib, 8, budget).unwrap(), 2 * mib);
+        assert_eq!(landing_chunk(2 * mib, 64, budget).unwrap(), 2 * mib);
+        // D = 1024: the chunk shrinks to 128 KiB, 256 MiB of slots.
+        let c = landing_chunk(2 * mib, 1024, budget).unwrap();
+        assert_eq!(c, 128 << 10);
+        assert!(2 * 1024 * c <= budget);
+        assert_eq!(CtrlLayout::new(1024, 1, 4, c).landing_len(), budget);
+        // D = 4096 needs 512 MiB at the 64 KiB floor: a clear error...
+        let e = landing_chunk(2 * mib, 4096, budget)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("4096 ranks") && e.contains("512 MiB") && e.contains("ODC_LANDING_MB"),
+            "{e}"
+        );
+        // ...and fits once the budget allows it.
+        let c = landing_chunk(2 * mib, 4096, 512 * mib).unwrap();
+        assert_eq!(c, MIN_CHUNK);
+        assert!(2 * 4096 * c <= 512 * mib);
+        // Never larger than asked, and a small asked chunk is kept as is.
+        assert_eq!(landing_chunk(4096, 4096, budget).unwrap(), 4096);
+        assert_eq!(landing_chunk(1000, 2, budget).unwrap(), 1024);
+        // The whole control region stays within budget + the signal cells.
+        let l = CtrlLayout::new(4096, 1, 100, MIN_CHUNK);
+        assert!(l.len() - l.signals_end() <= 512 * mib + 2 * 4096 * LINE);
+    }
+
+    #[test]
+    fn slot_counts_and_sequence_numbers_map_one_to_one() {
+        // Chunks 1, 2, 3, ... alternate slots 1, 0, 1, ...
+        for seq in 1..1000u64 {
+            let slot = (seq % 2) as usize;
+            assert_eq!(slot_seq(slot, slot_count(seq)), seq, "seq {seq}");
+        }
+        assert_eq!(slot_count(1), 1);
+        assert_eq!(slot_count(2), 1);
+        assert_eq!(slot_count(3), 2);
+        assert_eq!(slot_seq(0, 0), 0);
+        assert_eq!(slot_seq(1, 0), 0);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use odc_kernels::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::control::CtrlLayout;
+use crate::control::{landing_chunk, CtrlLayout};
 use crate::handoff::OwnPush;
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{Connect, DataSizes, Plane};
@@ -120,8 +120,15 @@ pub struct EngineConfig {
     /// that under load can wait for a scheduler slice), and that cost, not
     /// the cache residency of small slots, dominated: 2 MiB chunks beat
     /// 1 MiB, 512 KiB and 256 KiB at 4–64 MiB pushes. Landing memory is
-    /// `2 · D · chunk_bytes` per rank.
+    /// `2 · D · chunk` per rank (D: the shard group), where the chunk is
+    /// this, shrunk to fit [`EngineConfig::landing_budget`]
+    /// ([`crate::control::landing_chunk`]).
     pub chunk_bytes: usize,
+    /// Bytes of landing slots per rank at most, whatever the world size
+    /// (default 256 MiB, `ODC_LANDING_MB`): large worlds get smaller
+    /// chunks, down to [`crate::control::MIN_CHUNK`]; a world too large
+    /// even for that fails at registration naming the budget it needs.
+    pub landing_budget: usize,
     /// Deadline of every wait (default 300 s, or `ODC_TIMEOUT_S`).
     pub timeout: Duration,
     /// Accumulator dtype; only `F32` is supported.
@@ -154,8 +161,16 @@ impl Default for EngineConfig {
             .and_then(|s| s.trim().parse::<f64>().ok())
             .filter(|s| s.is_finite() && *s > 0.0)
             .map_or(Duration::from_secs(300), Duration::from_secs_f64);
+        let landing_budget = std::env::var("ODC_LANDING_MB")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .filter(|&mb| mb > 0)
+            .map_or(crate::control::DEFAULT_LANDING_BUDGET, |mb| {
+                mb.saturating_mul(1 << 20)
+            });
         EngineConfig {
             chunk_bytes: 2 << 20,
+            landing_budget,
             timeout,
             accum_dtype: DType::F32,
             transport: TransportKind::Auto,
@@ -344,6 +359,65 @@ struct EndpointPost {
     regions: Vec<RegionDesc>,
 }
 
+/// What a rank posts instead of its registration or endpoint when it
+/// cannot register, so that its peers fail at once naming it.
+#[derive(Serialize, Deserialize)]
+struct FailedPost {
+    failed: String,
+}
+
+fn post_failure(store: &dyn Store, key: &str, e: &Error) {
+    let post = FailedPost {
+        failed: e.to_string(),
+    };
+    if let Ok(bytes) = serde_json::to_vec(&post) {
+        // Best effort: a store that fails here fails the peers' waits too.
+        let _ = store.set(key, &bytes);
+    }
+}
+
+/// Parses `peer`'s post at `key`, or the failure it posted instead.
+fn parse_post<T: for<'de> Deserialize<'de>>(key: &str, peer: usize, v: &[u8]) -> Result<T> {
+    if let Ok(FailedPost { failed }) = serde_json::from_slice::<FailedPost>(v) {
+        return Err(Error::transport(
+            "register",
+            format!("rank {peer} could not register its memory: {failed}"),
+        ));
+    }
+    parse(key, v)
+}
+
+/// Whether `/dev/shm` has room for the regions (`lens`, in bytes) of every
+/// rank of this host that shares it, on a transport that keeps them there
+/// (`shm`: every rank of the job; `shm+fabric`: the ranks of the node).
+fn check_shm_room(transport: &str, topo: &Topology, lens: [usize; 3]) -> Result<()> {
+    let ranks = match transport {
+        "shm" => topo.world(),
+        "shm+fabric" => topo.local_world(),
+        _ => return Ok(()),
+    };
+    let page = 4096;
+    let per_rank: u64 = lens
+        .iter()
+        .filter(|&&l| l > 0)
+        .map(|&l| l.max(64).div_ceil(page) as u64 * page as u64)
+        .sum();
+    let needed = per_rank.saturating_mul(ranks as u64);
+    match crate::transport::shm::shm_free() {
+        Some(free) if free < needed => Err(Error::ShmSpace {
+            dir: crate::transport::shm::SHM_DIR.into(),
+            needed,
+            free,
+            what: format!(
+                "the {ranks} ranks on this host ({per_rank} bytes each: control words and \
+                 landing slots {}, published shards {}, accumulators {})",
+                lens[0], lens[1], lens[2]
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn fnv1a(data: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &b in data {
@@ -527,7 +601,11 @@ impl Engine {
             groups.group.len(),
             groups.replicas.len(),
             buckets.len(),
-            inner.config.chunk_bytes,
+            landing_chunk(
+                inner.config.chunk_bytes,
+                groups.group.len(),
+                inner.config.landing_budget,
+            )?,
         );
         let mut post = RegPost {
             hash: 0,
@@ -539,10 +617,30 @@ impl Engine {
         };
         post.hash = fnv1a(&json("reg", &post.specs)?);
         let my_key = format!("{prefix}/reg/{rank}");
+        // Shared memory for every rank of this host, checked before any
+        // rank of the job allocates (each waits for every post below): a
+        // /dev/shm too small fails here, on every rank, naming the bytes.
+        let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
+        let on_device = inner.device.is_some();
+        let host_params_len = if on_device { 0 } else { params_len };
+        let accum_region = if cross_node && !on_device {
+            accum_len * 4
+        } else {
+            0
+        };
+        if let Err(e) = check_shm_room(
+            inner.transport.name(),
+            &inner.topo,
+            [ctrl_layout.len(), host_params_len, accum_region],
+        ) {
+            post_failure(inner.store.as_ref(), &my_key, &e);
+            return Err(e);
+        }
         inner.store.set(&my_key, &json(&my_key, &post)?)?;
         for peer in 0..world {
             let key = format!("{prefix}/reg/{peer}");
-            let theirs: RegPost = parse(&key, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
+            let theirs: RegPost =
+                parse_post(&key, peer, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
             if theirs.hash != post.hash || theirs.specs != post.specs {
                 let n = post.specs.len().max(theirs.specs.len());
                 let show = |l: &[(String, usize, String)], i: usize| {
@@ -574,29 +672,37 @@ impl Engine {
             }
         }
 
-        // 2. Allocate.
-        let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
-        // A device engine keeps only its control words in host memory.
-        let on_device = inner.device.is_some();
-        let host_params_len = if on_device { 0 } else { params_len };
-        let ctrl = inner.transport.register(CTRL_REGION, ctrl_layout.len())?;
-        let params = inner.transport.register(PARAMS_REGION, host_params_len)?;
-        let (accum, reduced) = if on_device {
-            (Accum::Heap(HeapBlock::zeroed(0)?), HeapBlock::zeroed(0)?)
-        } else if cross_node {
-            (
-                Accum::Region(inner.transport.register(ACCUM_REGION, accum_len * 4)?),
-                HeapBlock::zeroed(accum_len * 4)?,
-            )
-        } else {
-            (
-                Accum::Heap(HeapBlock::zeroed(accum_len * 4)?),
-                HeapBlock::zeroed(0)?,
-            )
+        // 2. Allocate (a device engine keeps only its control words in host
+        // memory). A failure is posted where the peers wait for this
+        // rank's endpoint, so they fail at once naming it.
+        let my_key = format!("{prefix}/ep/{rank}");
+        let allocated = (|| -> Result<_> {
+            let ctrl = inner.transport.register(CTRL_REGION, ctrl_layout.len())?;
+            let params = inner.transport.register(PARAMS_REGION, host_params_len)?;
+            let (accum, reduced) = if on_device {
+                (Accum::Heap(HeapBlock::zeroed(0)?), HeapBlock::zeroed(0)?)
+            } else if cross_node {
+                (
+                    Accum::Region(inner.transport.register(ACCUM_REGION, accum_region)?),
+                    HeapBlock::zeroed(accum_len * 4)?,
+                )
+            } else {
+                (
+                    Accum::Heap(HeapBlock::zeroed(accum_len * 4)?),
+                    HeapBlock::zeroed(0)?,
+                )
+            };
+            Ok((ctrl, params, accum, reduced))
+        })();
+        let (ctrl, params, accum, reduced) = match allocated {
+            Ok(a) => a,
+            Err(e) => {
+                post_failure(inner.store.as_ref(), &my_key, &e);
+                return Err(e);
+            }
         };
 
         // 3. Exchange descriptors and connect to every rank (this one too).
-        let my_key = format!("{prefix}/ep/{rank}");
         let mut regions = vec![ctrl.desc(), params.desc()];
         if let Accum::Region(r) = &accum {
             regions.push(r.desc());
@@ -612,7 +718,7 @@ impl Engine {
         for peer in 0..world {
             let key = format!("{prefix}/ep/{peer}");
             let theirs: EndpointPost =
-                parse(&key, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
+                parse_post(&key, peer, &wait_get(inner.store.as_ref(), &key, deadline)?)?;
             let find = |id: u32| {
                 theirs
                     .regions
@@ -747,7 +853,11 @@ impl Engine {
             groups.group.len(),
             groups.replicas.len(),
             buckets.len(),
-            config.chunk_bytes,
+            landing_chunk(
+                config.chunk_bytes,
+                groups.group.len(),
+                config.landing_budget,
+            )?,
         );
         Ok(DataSizes {
             params,

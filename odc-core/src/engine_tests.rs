@@ -310,10 +310,15 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
     let dir = tempfile::tempdir().unwrap();
     let published = Arc::new(Barrier::new(world));
     let closed = Arc::new(Barrier::new(world));
+    // Ranks 1 and 2 keep their engines until both gathered: one that
+    // returned early would close, and the other could read its shard
+    // (and name it) before rank 0's.
+    let gathered = Arc::new(Barrier::new(world - 1));
     let threads: Vec<_> = (0..world)
         .map(|rank| {
             let store = Arc::new(FileStore::new(dir.path()).unwrap());
             let (published, closed) = (Arc::clone(&published), Arc::clone(&closed));
+            let gathered = Arc::clone(&gathered);
             std::thread::spawn(move || {
                 let cfg = EngineConfig {
                     transport: crate::TransportKind::Fabric,
@@ -345,7 +350,9 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 let mut full = vec![0f32; 96];
-                Some(e.gather(w, 0, bytes_of_mut(&mut full), DType::F32))
+                let out = e.gather(w, 0, bytes_of_mut(&mut full), DType::F32);
+                gathered.wait();
+                Some(out)
             })
         })
         .collect();
@@ -366,4 +373,27 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
             Some(other) => panic!("rank {rank}: wrong outcome {other:?}"),
         }
     }
+}
+
+#[test]
+fn landing_memory_per_rank_at_8_64_and_1024_ranks() {
+    // What `register` allocates for landing slots (Engine::data_sizes is
+    // its plan), with the default 2 MiB chunk and 256 MiB budget.
+    let specs = [BucketSpec::new("w", 1 << 20, DType::F32)];
+    let cfg = EngineConfig {
+        chunk_bytes: 2 << 20,
+        landing_budget: crate::control::DEFAULT_LANDING_BUDGET,
+        ..EngineConfig::default()
+    };
+    let landing = |d: usize| {
+        let topo = Topology::single_node(0, d).unwrap();
+        Engine::data_sizes(&specs, &topo, &cfg).unwrap().landing
+    };
+    let mib = 1usize << 20;
+    assert_eq!(landing(8), 32 * mib); // 2 x 8 x 2 MiB
+    assert_eq!(landing(64), 256 * mib); // 2 x 64 x 2 MiB, the budget
+    assert_eq!(landing(1024), 256 * mib); // 2 x 1024 x 128 KiB
+    let topo = Topology::single_node(0, 4096).unwrap();
+    let e = Engine::data_sizes(&specs, &topo, &cfg).unwrap_err();
+    assert!(matches!(e, Error::Config(_)), "{e}");
 }

@@ -3,6 +3,7 @@
 //! Variants are few on purpose: the Python layer maps each one to an
 //! exception class (`PeerTimeout`, `PeerDied`, `RegistrationError`,
 //! `LayoutError`, `ProtocolError`, `ConfigError`, `TransportError`,
+//! `ShmSpaceError`,
 //! `StoreError`, `OSError`). Every variant carries enough context (peer rank,
 //! bucket, what was awaited) for a user to act on it without a debugger.
 
@@ -97,6 +98,25 @@ pub enum Error {
         /// The underlying error, when there is one.
         #[source]
         source: Option<std::io::Error>,
+    },
+
+    /// Shared memory (`/dev/shm`) has too little room for this engine's
+    /// segments: a container started with a small `--shm-size`, or other
+    /// jobs' segments. Raised at registration, before any peer waits on
+    /// this rank's memory.
+    #[error(
+        "not enough shared memory in {dir} for {what}: {needed} bytes needed, {free} bytes free \
+         (give the container a larger /dev/shm, e.g. docker run --shm-size)"
+    )]
+    ShmSpace {
+        /// The shared-memory directory (`/dev/shm`).
+        dir: String,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes free when it was checked.
+        free: u64,
+        /// What needed them (this rank's regions, a segment).
+        what: String,
     },
 
     /// The rendezvous store failed or returned malformed data.

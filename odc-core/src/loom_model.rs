@@ -1,6 +1,7 @@
 //! Model check of the landing-slot protocol with loom: a client pushes N
-//! chunks through two slots (write data, release-store the slot signal), a
-//! server scans the signals (acquire), adds the data and acknowledges
+//! chunks through two slots (write data, release-increment the slot's
+//! count, as a network transport's progress thread does on each arrived
+//! write), a server scans the counts (acquire), adds the data and acknowledges
 //! (release-store the ack word); the client reuses a slot only after its
 //! last signal was acknowledged. loom's `UnsafeCell` flags any overlap of a
 //! client write and a server read of the same slot, i.e. a slot overwritten
@@ -9,6 +10,7 @@
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 
+use crate::control::slot_seq;
 use crate::sync::{yield_now, AtomicU64, Backoff, Ordering};
 
 struct Slot {
@@ -51,7 +53,7 @@ fn client(pair: &Pair, chunks: u64) {
         pair.slots[s]
             .data
             .with_mut(|d| unsafe { *d = payload(seq) });
-        pair.slots[s].signal.store(seq, Ordering::Release);
+        pair.slots[s].signal.fetch_add(1, Ordering::Release);
         sent[s] = seq;
     }
     for s in 0..2 {
@@ -67,7 +69,7 @@ fn server(pair: &Pair, chunks: u64) -> u64 {
     while processed < chunks {
         let mut progressed = false;
         for s in 0..2 {
-            let seq = pair.slots[s].signal.load(Ordering::Acquire);
+            let seq = slot_seq(s, pair.slots[s].signal.load(Ordering::Acquire));
             if seq != last[s] {
                 // SAFETY (model): the client wrote the data before the signal
                 // we observed and waits for our acknowledgement.
@@ -100,7 +102,7 @@ fn loom_landing_slots_two_slots_three_chunks() {
         for s in 0..2 {
             assert_eq!(
                 pair.acks[s].load(Ordering::Acquire),
-                pair.slots[s].signal.load(Ordering::Acquire)
+                slot_seq(s, pair.slots[s].signal.load(Ordering::Acquire))
             );
         }
     });

@@ -25,7 +25,7 @@ use odc_kernels::cpu::accumulate_into_f32;
 use odc_kernels::DType;
 
 use crate::client_device::accum_addr;
-use crate::control::{SlotHeader, HEADER_BYTES};
+use crate::control::{slot_seq, SlotHeader, HEADER_BYTES};
 use crate::engine::{load, record_error, Inner, Registered};
 use crate::handoff::OwnSlice;
 use crate::plane::Plane;
@@ -100,7 +100,8 @@ pub(crate) fn run(inner: &Inner) {
             let older = (seen[0].max(seen[1]).wrapping_add(1) % 2) as usize;
             for slot in [older, 1 - older] {
                 let seen_seq = &mut seen[slot];
-                let seq = load(reg.word(reg.ctrl_layout.slot_signal(client, slot)));
+                let count = load(reg.word(reg.ctrl_layout.slot_signal(client, slot)));
+                let seq = slot_seq(slot, count);
                 if seq != *seen_seq {
                     *seen_seq = seq;
                     progressed = true;

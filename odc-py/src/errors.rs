@@ -34,6 +34,7 @@ fn class_name(e: &odc_core::Error) -> &'static str {
         E::Config(_) => "ConfigError",
         E::Transport { .. } => "TransportError",
         E::Store { .. } => "StoreError",
+        E::ShmSpace { .. } => "ShmSpaceError",
         E::GpuUnavailable(_) => "GpuUnavailable",
         E::Cuda { .. } => "CudaError",
         E::Nvshmem { .. } => "NvshmemError",
@@ -110,6 +111,15 @@ fn examples() -> Vec<(&'static str, odc_core::Error)> {
                 op: "get",
                 detail: "example".into(),
                 source: None,
+            },
+        ),
+        (
+            "ShmSpace",
+            E::ShmSpace {
+                dir: "/dev/shm".into(),
+                needed: 2 << 20,
+                free: 1 << 20,
+                what: "example".into(),
             },
         ),
         (

@@ -198,6 +198,7 @@ CORE_ERROR_CLASSES = {
     "Cuda": (odc.CudaError, odc.TransportError),
     "Nvshmem": (odc.NvshmemError, odc.TransportError),
     "Fabric": (odc.FabricError, odc.TransportError),
+    "ShmSpace": (odc.ShmSpaceError, odc.TransportError),
     "Io": (odc.OdcOSError, odc.OdcError),
 }
 

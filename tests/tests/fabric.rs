@@ -132,26 +132,25 @@ fn fabric_four_ranks_large_chunks() {
 }
 
 fn crash(at: &str) {
+    crash_with(at, &[]);
+}
+
+fn crash_with(at: &str, extra: &[(&str, &str)]) {
     if skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let key = format!("t{}_fab_crash_{at}", std::process::id());
-    let out = job(
-        4,
-        dir.path(),
-        &key,
-        &[
-            ("ODC_TIMEOUT_S", "5"),
-            ("ODC_EXPECT_ERROR", "1"),
-            ("ODC_CRASH_RANK", "2"),
-            ("ODC_CRASH_AT", at),
-            ("ODC_CRASH_MINIBATCH", "1"),
-            ("ODC_MINIBATCHES", "3"),
-        ],
-        Duration::from_secs(40),
-    )
-    .run();
+    let key = format!("t{}_fab_crash_{at}{}", std::process::id(), extra.len());
+    let mut env = vec![
+        ("ODC_TIMEOUT_S", "5"),
+        ("ODC_EXPECT_ERROR", "1"),
+        ("ODC_CRASH_RANK", "2"),
+        ("ODC_CRASH_AT", at),
+        ("ODC_CRASH_MINIBATCH", "1"),
+        ("ODC_MINIBATCHES", "3"),
+    ];
+    env.extend_from_slice(extra);
+    let out = job(4, dir.path(), &key, &env, Duration::from_secs(40)).run();
     // Rank 2 aborts by SIGABRT (the transport keeps the signal handlers a
     // libfabric dependency would install at load) and prints CRASH first.
     assert!(
@@ -171,6 +170,32 @@ fn fabric_rank_killed_before_finish_is_named() {
 #[test]
 fn fabric_rank_killed_before_publish_is_named() {
     crash("before_publish");
+}
+
+// The same jobs with the progress threads holding back and shuffling
+// every completion (`ODC_FABRIC_REORDER`, seeded per rank): nothing may
+// rely on two operations completing in the order they were posted.
+
+#[test]
+fn fabric_shuffled_completions_exact_sums() {
+    train(
+        "shuffled",
+        4,
+        &[
+            ("ODC_FABRIC_REORDER", "1"),
+            ("ODC_DTYPE", "bf16"),
+            ("ODC_MICRO", "1,4,0,2"),
+            ("ODC_NUMELS", "2049,100,7"),
+            ("ODC_MINIBATCHES", "4"),
+            ("ODC_CHUNK", "256"),
+            ("ODC_JITTER", "1"),
+        ],
+    );
+}
+
+#[test]
+fn fabric_shuffled_completions_killed_rank_is_named() {
+    crash_with("before_finish", &[("ODC_FABRIC_REORDER", "2")]);
 }
 
 #[test]

@@ -119,26 +119,30 @@ fn auto_picks_the_mixed_transport_for_two_nodes() {
 /// Kills `rank` mid-minibatch: its node's survivor learns it over `shm`
 /// (pid, bell page), the other node's over libfabric.
 fn crash(rank: usize, at: &str) {
+    crash_with(rank, at, &[]);
+}
+
+fn crash_with(rank: usize, at: &str, extra: &[(&str, &str)]) {
     if skip() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let key = format!("t{}_mix_crash{rank}_{at}", std::process::id());
+    let key = format!(
+        "t{}_mix_crash{rank}_{at}{}",
+        std::process::id(),
+        extra.len()
+    );
     let rank_s = rank.to_string();
-    let out = job(
-        dir.path(),
-        &key,
-        &[
-            ("ODC_TIMEOUT_S", "5"),
-            ("ODC_EXPECT_ERROR", "1"),
-            ("ODC_CRASH_RANK", &rank_s),
-            ("ODC_CRASH_AT", at),
-            ("ODC_CRASH_MINIBATCH", "1"),
-            ("ODC_MINIBATCHES", "3"),
-        ],
-        Duration::from_secs(40),
-    )
-    .run();
+    let mut env = vec![
+        ("ODC_TIMEOUT_S", "5"),
+        ("ODC_EXPECT_ERROR", "1"),
+        ("ODC_CRASH_RANK", rank_s.as_str()),
+        ("ODC_CRASH_AT", at),
+        ("ODC_CRASH_MINIBATCH", "1"),
+        ("ODC_MINIBATCHES", "3"),
+    ];
+    env.extend_from_slice(extra);
+    let out = job(dir.path(), &key, &env, Duration::from_secs(40)).run();
     let crashed = format!("CRASH rank={rank}");
     assert!(
         out.iter()
@@ -157,4 +161,26 @@ fn mixed_rank_killed_before_finish_is_named_on_both_nodes() {
 #[test]
 fn mixed_rank_killed_before_publish_is_named_on_both_nodes() {
     crash(2, "before_publish");
+}
+
+// With the fabric progress threads shuffling completions (seeded per rank).
+
+#[test]
+fn mixed_shuffled_completions_exact_sums() {
+    train(
+        "shuffled",
+        &[
+            ("ODC_FABRIC_REORDER", "3"),
+            ("ODC_MICRO", "2,0,3,1"),
+            ("ODC_NUMELS", "1001,37,4096"),
+            ("ODC_CHUNK", "512"),
+            ("ODC_MINIBATCHES", "3"),
+            ("ODC_JITTER", "1"),
+        ],
+    );
+}
+
+#[test]
+fn mixed_shuffled_completions_killed_rank_is_named_on_both_nodes() {
+    crash_with(2, "before_publish", &[("ODC_FABRIC_REORDER", "4")]);
 }

@@ -234,10 +234,11 @@ mod tests {
             return;
         };
         let desc = regions[0].desc();
-        for (writer, value) in [(1usize, 11u64), (2, 22), (3, 33)] {
+        // A put with data counts: each word goes from 0 to 1.
+        for (writer, value) in [(1usize, 1u64), (2, 1), (3, 1)] {
             let at = 1024 * writer;
             let sig = SignalRef {
-                offset: 8 * writer,
+                offset: 16 * writer,
                 bell: Bell::Server,
             };
             let epoch = ts[0].bell_epoch(Bell::Server);
@@ -245,7 +246,7 @@ mod tests {
             ts[writer]
                 .put_signal(0, &desc, at, &[&data], sig, value)
                 .unwrap();
-            let word = regions[0].signal(8 * writer).unwrap();
+            let word = regions[0].signal(16 * writer).unwrap();
             let deadline = Instant::now() + Duration::from_secs(10);
             while word.load(Ordering::Acquire) != value {
                 assert!(Instant::now() < deadline, "signal from rank {writer} lost");

@@ -10,7 +10,7 @@
 //! | verb | `shm` | libfabric | CUDA IPC / NVSHMEM |
 //! |---|---|---|---|
 //! | `get` | memcpy from the peer's mapping | `fi_read` | `cuMemcpyAsync` / `nvshmem_getmem` |
-//! | `put_signal` | memcpy, release store, futex wake | `fi_writedata` / `fi_writemsg` with remote CQ data; the owner's progress thread stores the data word | `putmem_signal` |
+//! | `put_signal` | memcpy, release store (or max), futex wake | `fi_writemsg` with a 4-byte immediate naming the word; the owner's progress thread counts it, or raises the word to the value in its mailbox | `putmem_signal` |
 //! | `bell_wait` | futex on the own mapping | blocking `fi_cq_sread` (drives progress) | `signal_wait_until` |
 //!
 //! # Choosing a backend
@@ -46,6 +46,7 @@ pub mod fabric;
 #[cfg(feature = "fabric")]
 pub mod mixed;
 pub mod shm;
+mod shm_lock;
 
 /// What a liveness probe learned about a peer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -83,9 +84,22 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()>;
 
     /// One-sided write of the concatenation of `src` at `offset` of `peer`'s
-    /// `remote`, then stores `value` into the signal word `signal` of the
-    /// same region so that a reader who sees the value (acquire) sees the
-    /// data; then rings the peer's bell. `src` may be empty (a pure signal).
+    /// `remote`, then updates the signal word `signal` of the same region so
+    /// that a reader who sees the new value (acquire) sees the data; then
+    /// rings the peer's bell.
+    ///
+    /// Signal words only grow, so signals commute and nothing depends on
+    /// two of them arriving in the order they were sent:
+    /// - with data, the word **counts** the puts into it: `value` must be
+    ///   its previous value plus one (a network transport adds one per
+    ///   arrived write and carries no value);
+    /// - without data (`src` empty, a pure signal), the word is **raised**
+    ///   to `value` (it keeps the larger of the two); a network transport
+    ///   may use the 8 bytes after the word (its mailbox, see
+    ///   [`crate::control::CELL`]) to carry the value.
+    ///
+    /// One writer sends at most one signal to a word at a time (the call
+    /// returns once the signal is delivered).
     fn put_signal(
         &self,
         peer: usize,

@@ -3,17 +3,33 @@
 //! when large, [`odc_kernels::cpu::copy_raw`]); a signal is a release store
 //! into it followed by a futex wake on the peer's bell page.
 //!
-//! Segments are named `/odc-<jobkey>-<jobid>-r<rank>-p<pid>-<id>`, created
-//! with `O_EXCL` and mode 0600, and unlinked when the rank's transport and
-//! regions drop. A rank that crashes leaves its segments behind; the next
-//! start with the same job key removes every `odc-<jobkey>-*` segment whose
-//! owner pid is dead ([`sweep_stale`]).
+//! Segments are named `/odc-<jobkey>-<jobid>-r<rank>-l<pid>-<id>` (the pid
+//! only makes names unique; nothing reads it back), created with `O_EXCL`
+//! and mode 0600, **preallocated** (`posix_fallocate`: a `/dev/shm` too
+//! small for them is an [`Error::ShmSpace`] at creation, naming the bytes
+//! needed and free, instead of a SIGBUS at the first touch), and unlinked
+//! when the rank's transport and regions drop.
+//!
+//! # Liveness
+//!
+//! The creator holds a shared open-file-description lock
+//! (`F_OFD_SETLK`) on every segment it creates for as long as it lives;
+//! the kernel drops it when the process dies, however it dies. A peer is
+//! dead when nobody holds the lock on its bell page any more, and a
+//! segment is stale when nobody holds its lock: both hold across pid
+//! namespaces (containers sharing `/dev/shm`), where pid numbers mean
+//! nothing. A forked child (a data-loader worker) does not keep its
+//! parent's locks: a fork handler points the child's copies of the lock
+//! descriptors at `/dev/null`. A rank that crashes leaves its segments
+//! behind; the next start with the same job key removes every
+//! `odc-<jobkey>-*` segment nobody holds ([`sweep_stale`]), and never a
+//! live job's, whatever the two jobs' keys.
 //!
 //! Region id [`BELL_ID`] is the transport's own bell page: owner pid, state,
 //! blame, and the two [`EventCount`]s the owner sleeps on.
 
 use std::fs::File;
-use std::os::fd::OwnedFd;
+use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -23,10 +39,51 @@ use nix::fcntl::OFlag;
 use nix::sys::mman::{shm_open, shm_unlink};
 use nix::sys::stat::Mode;
 
+use super::shm_lock::{try_lock, LockFile};
 use super::{PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, SignalRef};
 use crate::sync::{AtomicU64, EventCount, Ordering};
 use crate::{Error, Result};
+
+/// Where POSIX shared memory lives.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// Bytes free in [`SHM_DIR`] for this user (`statvfs`), if it can be read.
+pub fn shm_free() -> Option<u64> {
+    let st = nix::sys::statvfs::statvfs(SHM_DIR).ok()?;
+    Some((st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64))
+}
+
+/// Gives `len` bytes of `file` (a new segment) their pages now, so that a
+/// `/dev/shm` too small fails here with [`Error::ShmSpace`] and never with
+/// a SIGBUS at the first touch of a page.
+fn preallocate(file: &File, len: usize, name: &str) -> Result<()> {
+    let len_off = libc::off_t::try_from(len)
+        .map_err(|_| Error::transport("posix_fallocate", format!("{name}: {len} bytes")))?;
+    loop {
+        // SAFETY: a valid descriptor; the call only sizes the file.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len_off) };
+        match rc {
+            0 => return Ok(()),
+            libc::EINTR => continue,
+            libc::ENOSPC | libc::EFBIG => {
+                return Err(Error::ShmSpace {
+                    dir: SHM_DIR.into(),
+                    needed: len as u64,
+                    free: shm_free().unwrap_or(0),
+                    what: format!("segment {name}"),
+                })
+            }
+            other => {
+                return Err(Error::transport_io(
+                    "posix_fallocate",
+                    format!("{name}: {len} bytes"),
+                    std::io::Error::from_raw_os_error(other),
+                ))
+            }
+        }
+    }
+}
 
 /// Region id of the bell page (not a user region).
 pub const BELL_ID: u32 = u32::MAX;
@@ -47,6 +104,9 @@ struct Segment {
     map: MmapMut,
     ptr: NonNull<u8>,
     owned: bool,
+    /// The open segment: for our own, holding the liveness lock; for a
+    /// peer's bell page, what its lock is probed through.
+    file: Option<LockFile>,
 }
 
 // SAFETY: the mapping is process-wide memory; access goes through raw
@@ -73,10 +133,14 @@ impl Segment {
         )
         .map_err(|e| Error::transport_io("shm_open", format!("create {name}"), e.into()))?;
         let seg = (|| {
-            nix::unistd::ftruncate(&fd, i64::try_from(len).unwrap_or(i64::MAX)).map_err(|e| {
-                Error::transport_io("ftruncate", format!("{name} to {len} bytes"), e.into())
-            })?;
-            Segment::map(name, fd, true)
+            // Locked before it has a size: a sweeper that finds it unlocked
+            // and empty leaves it alone (see `sweep_stale`).
+            let file = LockFile::hold(File::from(fd), name)?;
+            nix::unistd::ftruncate(file.file(), i64::try_from(len).unwrap_or(i64::MAX)).map_err(
+                |e| Error::transport_io("ftruncate", format!("{name} to {len} bytes"), e.into()),
+            )?;
+            preallocate(file.file(), len, name)?;
+            Segment::map(name, file, true)
         })();
         if seg.is_err() {
             let _ = shm_unlink(name);
@@ -87,11 +151,11 @@ impl Segment {
     fn open(name: &str) -> Result<Segment> {
         let fd = shm_open(name, OFlag::O_RDWR, Mode::empty())
             .map_err(|e| Error::transport_io("shm_open", format!("open {name}"), e.into()))?;
-        Segment::map(name, fd, false)
+        Segment::map(name, LockFile::probe(File::from(fd)), false)
     }
 
-    fn map(name: &str, fd: OwnedFd, owned: bool) -> Result<Segment> {
-        let file = File::from(fd);
+    fn map(name: &str, lock: LockFile, owned: bool) -> Result<Segment> {
+        let file = lock.file();
         // A peer's segment is populated at connect (MAP_POPULATE): setup
         // pays its page-table entries once, instead of the first gather or
         // push paying a minor fault per 4 KiB page.
@@ -102,7 +166,7 @@ impl Segment {
         // SAFETY: the segment is shared memory that peers write concurrently;
         // we never form long-lived references into it, only raw-pointer
         // copies and atomics whose ordering the protocol defines.
-        let mut map = unsafe { opts.map_mut(&file) }
+        let mut map = unsafe { opts.map_mut(file) }
             .map_err(|e| Error::transport_io("mmap", name.to_owned(), e))?;
         let ptr = NonNull::new(map.as_mut_ptr())
             .ok_or_else(|| Error::transport("mmap", format!("{name}: null mapping")))?;
@@ -111,7 +175,15 @@ impl Segment {
             map,
             ptr,
             owned,
+            // A peer's data segments need no descriptor once mapped.
+            file: (owned || name.ends_with("-bell")).then_some(lock),
         })
+    }
+
+    /// Whether a live process still holds the lock of this (a peer's)
+    /// segment; `true` when it cannot be told.
+    fn held(&self) -> bool {
+        self.file.as_ref().is_none_or(LockFile::held)
     }
 
     fn len(&self) -> usize {
@@ -197,27 +269,35 @@ pub fn pid_alive(pid: u32) -> bool {
     }
 }
 
-/// Removes `/dev/shm/odc-<jobkey>-*` segments whose owner pid is dead.
-/// Returns how many were removed.
+/// Removes `/dev/shm/odc-<jobkey>-*` segments that no live process holds
+/// (their creator died without unlinking them). A segment is removed only
+/// when its lock can be taken and it has a size, so a live job's segments
+/// (locked) and one being created (locked before it is sized) stay, whatever
+/// job keys the jobs use. Returns how many were removed.
 pub fn sweep_stale(job_key: &str) -> usize {
     let prefix = format!("odc-{}-", sanitize_job_key(job_key));
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
         return 0;
     };
     let mut removed = 0;
     for entry in dir.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(&prefix) {
+        if !name.starts_with(&prefix) || !is_locked_kind(name) {
             continue;
         }
-        let pid = name
-            .split('-')
-            .find_map(|part| part.strip_prefix('p').and_then(|p| p.parse::<u32>().ok()));
-        if let Some(pid) = pid {
-            if !pid_alive(pid) && shm_unlink(format!("/{name}").as_str()).is_ok() {
-                removed += 1;
-            }
+        let path = format!("/{name}");
+        let Ok(fd) = shm_open(path.as_str(), OFlag::O_RDWR, Mode::empty()) else {
+            continue;
+        };
+        let file = File::from(fd);
+        let sized = file.metadata().is_ok_and(|m| m.len() > 0);
+        // Held while it is unlinked, so its creator cannot be mid-way.
+        if sized
+            && try_lock(&file, libc::F_WRLCK as libc::c_short)
+            && shm_unlink(path.as_str()).is_ok()
+        {
+            removed += 1;
         }
     }
     removed
@@ -296,12 +376,23 @@ fn bell_offset(bell: Bell) -> usize {
     }
 }
 
+/// `l<pid>`: the segment is held by its creator's lock (an older release
+/// wrote `p<pid>` and swept by pid: each sweep leaves the other's alone).
 fn segment_name(prefix: &str, rank: usize, pid: u32, id: u32) -> String {
     if id == BELL_ID {
-        format!("{prefix}-r{rank}-p{pid}-bell")
+        format!("{prefix}-r{rank}-l{pid}-bell")
     } else {
-        format!("{prefix}-r{rank}-p{pid}-{id}")
+        format!("{prefix}-r{rank}-l{pid}-{id}")
     }
+}
+
+/// Whether `name` (without the leading `/`) is a segment this release
+/// creates, locked by its creator.
+fn is_locked_kind(name: &str) -> bool {
+    name.split('-').any(|part| {
+        part.strip_prefix('l')
+            .is_some_and(|p| p.parse::<u32>().is_ok())
+    })
 }
 
 impl Transport for ShmTransport {
@@ -435,7 +526,12 @@ impl Transport for ShmTransport {
         // SAFETY: `sig` is in range and 8-aligned (checked); signal words are
         // accessed only atomically.
         let word = unsafe { &*sig.cast::<AtomicU64>() };
-        word.store(value, Ordering::Release);
+        if total == 0 {
+            word.fetch_max(value, Ordering::Release);
+        } else {
+            // A count (the trait's contract): its one writer stores it.
+            word.store(value, Ordering::Release);
+        }
         self.peer(peer)?
             .bell
             .event_count(bell_offset(signal.bell))
@@ -464,7 +560,9 @@ impl Transport for ShmTransport {
             return PeerStatus::Alive;
         };
         let closed = p.bell.word(OFF_STATE).load(Ordering::Acquire) == STATE_CLOSED;
-        if closed || !pid_alive(p.pid) {
+        // Nobody holds its bell page's lock: its process is gone (the pid
+        // would mean nothing in another pid namespace).
+        if closed || !p.bell.held() {
             let blame = p.bell.word(OFF_BLAME).load(Ordering::Acquire);
             let blamed = blame.checked_sub(1).and_then(|b| usize::try_from(b).ok());
             return PeerStatus::Dead { pid: p.pid, blamed };

@@ -38,6 +38,7 @@ from .errors import (
     PeerTimeout,
     ProtocolError,
     RegistrationError,
+    ShmSpaceError,
     StoreError,
     TransportError,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "RegistrationError",
     "TransportError",
     "FabricError",
+    "ShmSpaceError",
     "CudaError",
     "NvshmemError",
     "GpuUnavailable",

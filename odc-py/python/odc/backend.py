@@ -126,8 +126,9 @@ import torch.distributed as dist
 
 from ._backend_parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWork, _tensors, _to_host
 from ._torch_private import AllgatherOptions
+from .deadline import deadline_for
 from .engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
-from .errors import ConfigError, LayoutError, OdcError, ProtocolError
+from .errors import ConfigError, LayoutError, OdcError, PeerTimeout, ProtocolError
 
 __all__ = [
     "BACKEND_NAME",
@@ -291,14 +292,16 @@ class ProcessGroupODC(dist.ProcessGroup):
         #: How many operations ran on ODC (``odc:<op>``) and on gloo (``gloo:<op>``).
         self.op_counts: collections.Counter[str] = collections.Counter()
         self._store = store
-        self._seconds = _timeout_s(timeout)
+        # The group's timeout unless ODC_TIMEOUT_S is set; errors name which.
+        self._seconds, self.deadline_source = deadline_for(timeout)
+        self._odc_timeout_s = self._seconds
         self._nbytes = scratch_bytes()
         self._job_key = _job_key(store, rank)
         cpu_transport, self._cuda_requested = _transports(os.environ.get("ODC_TRANSPORT") or None)
         self._cpu = _Pair(lambda prefix: self._engine(prefix, transport=cpu_transport), "", self._nbytes)
         self._cuda: _Pair | None = None  # created by the first ODC op on CUDA tensors
         gloo_timeout = (
-            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=self._seconds)
+            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=_timeout_s(timeout))
         )
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("odc-gloo/", store), rank, world_size, gloo_timeout)
 
@@ -381,6 +384,8 @@ class ProcessGroupODC(dist.ProcessGroup):
                 pair.begin()
                 body(pair)
             except BaseException as e:
+                if isinstance(e, PeerTimeout):
+                    e.add_note(f"ODC's deadline: {self._seconds:g} s, from {self.deadline_source}")
                 self._failure = e
                 raise
 

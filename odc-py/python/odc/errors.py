@@ -16,6 +16,7 @@ __all__ = [
     "ConfigError",
     "TransportError",
     "FabricError",
+    "ShmSpaceError",
     "CudaError",
     "NvshmemError",
     "GpuUnavailable",
@@ -61,6 +62,10 @@ class TransportError(OdcError):
 
 class FabricError(TransportError):
     """A libfabric call failed (the ``fabric`` transport); the message names the call and its fi errno."""
+
+
+class ShmSpaceError(TransportError):
+    """``/dev/shm`` has too little room for the engine's shared memory; the message names the bytes needed and free."""
 
 
 class CudaError(TransportError):

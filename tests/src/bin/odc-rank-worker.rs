@@ -395,7 +395,7 @@ fn segments(ctx: &Ctx) -> Result<(), Failure> {
                 d.flatten()
                     .filter_map(|e| e.file_name().into_string().ok())
                     .filter(|n| {
-                        n.starts_with(&format!("odc-{key}-")) && n.contains(&format!("-p{pid}-"))
+                        n.starts_with(&format!("odc-{key}-")) && n.contains(&format!("-l{pid}-"))
                     })
                     .collect()
             })

@@ -36,12 +36,18 @@
 //!   posting (a bad remote access breaks the connection). At most
 //!   `read_credits` reads are in flight per transport (default 8,
 //!   `ODC_FABRIC_READS`).
-//! - `put_signal`: **one** `fi_writemsg` of the data with 64-bit remote CQ
-//!   data that names the signal (see [`encode_signal`]). A remote completion
-//!   is reported only once the operation's data is in the owner's memory,
-//!   so when the owner's progress thread reads it, it stores the value into
-//!   the signal word with release order and rings the bell: a reader that
-//!   sees the value sees the data. A pure signal is a zero-length write.
+//! - `put_signal`: **one** `fi_writemsg` with 4 bytes of remote CQ data
+//!   (an RDMA immediate) that names the signal word, never its value (see
+//!   [`signal`]): a put with data writes the data and the owner's progress
+//!   thread **counts** the completion into the word; a pure signal writes
+//!   its 8-byte value into the word's mailbox and the progress thread
+//!   raises the word to it. A remote completion is reported only once the
+//!   operation's data is in the owner's memory, so when the progress thread
+//!   updates the word (release order) and rings the bell, a reader that
+//!   sees the word sees the data. No correctness depends on two operations
+//!   completing in the order they were posted (EFA's SRD delivers
+//!   unordered); [`FabricConfig::reorder`] holds back and shuffles
+//!   completions to test it.
 //! - `bell_wait`: a futex on the transport's own [`EventCount`]s, which the
 //!   progress thread rings.
 //!
@@ -81,7 +87,7 @@ mod shared;
 mod signal;
 pub mod sys;
 
-pub use signal::{decode_signal, encode_signal, VALUE_BITS, WORD_BITS};
+pub use signal::{Imm, Update, IMM_BYTES, MAILBOX, WORD_BITS};
 
 #[cfg(test)]
 mod tests;
@@ -116,14 +122,19 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 /// The progress thread's longest block in `fi_cq_sread`.
 const PROGRESS_BLOCK_MS: i32 = 100;
 const STATE_CLOSED: u64 = 1;
-/// Status region: word 0 state, word 1 blamed rank + 1, then one word per
-/// rank where that rank's close notice lands.
+/// Status region: word 0 state, word 1 blamed rank + 1, then one 16-byte
+/// signal cell (word and mailbox) per rank where that rank's close notice
+/// lands.
 const OFF_NOTICES: usize = 16;
+/// Bytes per close-notice cell.
+const NOTICE_STRIDE: usize = 16;
 /// A peer answering `-FI_EAGAIN` this long after its connection was set up
 /// counts as dead (rxm keeps retrying a vanished peer's connection).
 const EAGAIN_STALL: Duration = Duration::from_secs(3);
 /// How long a closing transport tries to deliver its close notice per peer.
 const NOTICE_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long a peer found dead may take to deliver its close notice.
+const NOTICE_GRACE: Duration = Duration::from_millis(100);
 
 /// Whether libfabric can be loaded here (tests skip when it cannot).
 pub fn is_present() -> bool {
@@ -141,6 +152,12 @@ pub struct FabricConfig {
     pub addr: String,
     /// Reads in flight per transport (`ODC_FABRIC_READS`, default 8).
     pub read_credits: usize,
+    /// Test mode (`ODC_FABRIC_REORDER=<seed>`): the progress thread holds
+    /// every completion back a random while (up to 3 ms) and dispatches
+    /// them in a random order, seeded, so that nothing may rely on two
+    /// operations completing in the order they were posted. Slower; for
+    /// tests only.
+    pub reorder: Option<u64>,
 }
 
 impl Default for FabricConfig {
@@ -153,6 +170,9 @@ impl Default for FabricConfig {
                 .and_then(|s| s.trim().parse().ok())
                 .filter(|&n: &usize| n > 0)
                 .unwrap_or(8),
+            reorder: std::env::var("ODC_FABRIC_REORDER")
+                .ok()
+                .and_then(|s| s.trim().parse().ok()),
         }
     }
 }
@@ -219,12 +239,12 @@ impl FabricTransport {
             .map_err(|_| first)
         })?;
         let granted = info.granted();
-        if granted.cq_data_size < 8 {
+        if granted.cq_data_size < IMM_BYTES {
             return Err(Error::Fabric {
                 call: "fi_getinfo",
                 code: 0,
                 detail: format!(
-                    "provider {} offers {} bytes of remote CQ data, 8 needed",
+                    "provider {} offers {} bytes of remote CQ data, {IMM_BYTES} needed",
                     granted.provider, granted.cq_data_size
                 ),
             });
@@ -276,9 +296,10 @@ impl FabricTransport {
             forward: OnceLock::new(),
             stop: AtomicBool::new(false),
             progress_errors: AtomicU64::new(0),
-            local_keys: AtomicU64::new(1 << 32),
+            local_keys: AtomicU64::new(shared::random_key()?),
+            reorder: config.reorder,
         });
-        core.register(STATUS_ID, OFF_NOTICES + 8 * world)?;
+        core.register(STATUS_ID, OFF_NOTICES + NOTICE_STRIDE * world)?;
         let worker = Arc::clone(&core);
         let progress = std::thread::Builder::new()
             .name(format!("odc-fabric-{rank}"))
@@ -330,6 +351,78 @@ impl FabricTransport {
         // SAFETY: the caller's contract, passed on.
         let region = unsafe { self.core.register_memory(id, ptr.as_ptr(), len, backing)? };
         self.local_region(id, region)
+    }
+
+    /// One write of `src` (`total` bytes, not empty) at `offset` of `r`
+    /// with the immediate `imm`, waited for until the deadline.
+    #[allow(clippy::too_many_arguments)]
+    fn post_data(
+        &self,
+        peer: usize,
+        addr: u64,
+        r: &RemoteRegion,
+        offset: usize,
+        src: &[&[u8]],
+        total: usize,
+        imm: u32,
+    ) -> Result<()> {
+        let c = &self.core;
+        if total as u64 > c.granted.max_msg_size {
+            return Err(Error::transport(
+                "put_signal",
+                format!(
+                    "{total} bytes exceed the provider's {} byte messages",
+                    c.granted.max_msg_size
+                ),
+            ));
+        }
+        let limit = usize::try_from(c.granted.iov_limit)
+            .unwrap_or(1)
+            .clamp(1, MAX_IOV);
+        let nonempty = src.iter().filter(|s| !s.is_empty()).count();
+        // More pieces than the provider takes in one operation (never for
+        // the engine's header + data): join them, the only allocation here.
+        let joined: Vec<u8> = if nonempty > limit {
+            src.concat()
+        } else {
+            Vec::new()
+        };
+        let joined_parts = [joined.as_slice()];
+        let parts: &[&[u8]] = if nonempty > limit { &joined_parts } else { src };
+        let mut bufs = [std::ptr::null_mut::<c_void>(); MAX_IOV];
+        let mut lens = [0usize; MAX_IOV];
+        let mut descs = [std::ptr::null_mut::<c_void>(); MAX_IOV];
+        let mut mrs: [Option<Mr>; MAX_IOV] = [None, None, None, None];
+        let mut n = 0;
+        for part in parts.iter().filter(|p| !p.is_empty()) {
+            let mr = c.local_mr(part.as_ptr().cast_mut(), part.len())?;
+            bufs[n] = part.as_ptr().cast_mut().cast();
+            lens[n] = part.len();
+            descs[n] = mr.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
+            mrs[n] = mr;
+            n += 1;
+        }
+        let raddr = r.base + offset as u64;
+        let out = c.run_op(peer, "fi_writemsg", Instant::now() + c.timeout, |ctx| {
+            let mut descs = descs;
+            // SAFETY: the sources are borrowed (and registered: `mrs` lives
+            // past run_op) until run_op has seen the completion; `ctx` is
+            // our slot's fi_context.
+            unsafe {
+                c.ep.post_writedata(
+                    &bufs[..n],
+                    &lens[..n],
+                    &mut descs[..n],
+                    addr,
+                    raddr,
+                    r.key,
+                    u64::from(imm),
+                    ctx,
+                )
+            }
+        });
+        drop(mrs);
+        out
     }
 
     fn local_region(&self, id: u32, region: Arc<OwnRegion>) -> Result<LocalRegion> {
@@ -424,6 +517,7 @@ impl Transport for FabricTransport {
             blamed: AtomicU64::new(0),
             probing: AtomicBool::new(false),
             warm: AtomicBool::new(peer == c.rank),
+            notice_awaited: AtomicBool::new(false),
             last_probe: AtomicU64::new(0),
         };
         slot.set(p)
@@ -485,9 +579,18 @@ impl Transport for FabricTransport {
         let c = &self.core;
         let p = c.peer(peer)?;
         let total: usize = src.iter().map(|s| s.len()).sum();
+        let pure = total == 0;
         let r = c.bounds(peer, p, remote, offset, total)?;
-        c.bounds(peer, p, remote, signal.offset, 8)?;
-        let data = encode_signal(remote.id, signal.offset, signal.bell, value)?;
+        // A pure signal also owns the word's mailbox.
+        let cell = if pure { 8 + MAILBOX } else { 8 };
+        c.bounds(peer, p, remote, signal.offset, cell)?;
+        let imm = Imm {
+            region: remote.id,
+            offset: signal.offset,
+            bell: signal.bell,
+            update: if pure { Update::Raise } else { Update::Count },
+        }
+        .encode()?;
         if c.notice(peer).is_some() {
             // The peer closed its engine: nobody will read the signal (as
             // with shm, where it would land in an orphaned segment).
@@ -516,65 +619,20 @@ impl Transport for FabricTransport {
             let word = own
                 .word(signal.offset)
                 .ok_or_else(|| Error::transport("put_signal", "signal word out of range"))?;
-            word.store(value, Ordering::Release);
+            // What the progress thread does for a remote writer.
+            if pure {
+                word.fetch_max(value, Ordering::Release);
+            } else {
+                word.fetch_add(1, Ordering::Release);
+            }
             c.ring(signal.bell);
             return Ok(());
         };
-        if total as u64 > c.granted.max_msg_size {
-            return Err(Error::transport(
-                "put_signal",
-                format!(
-                    "{total} bytes exceed the provider's {} byte messages",
-                    c.granted.max_msg_size
-                ),
-            ));
-        }
-        let limit = usize::try_from(c.granted.iov_limit)
-            .unwrap_or(1)
-            .clamp(1, MAX_IOV);
-        let nonempty = src.iter().filter(|s| !s.is_empty()).count();
-        // More pieces than the provider takes in one operation (never for
-        // the engine's header + data): join them, the only allocation here.
-        let joined: Vec<u8> = if nonempty > limit {
-            src.concat()
+        let out = if pure {
+            c.post_raise(peer, addr, &r, signal.offset, imm, value, c.timeout)
         } else {
-            Vec::new()
+            self.post_data(peer, addr, &r, offset, src, total, imm)
         };
-        let joined_parts = [joined.as_slice()];
-        let parts: &[&[u8]] = if nonempty > limit { &joined_parts } else { src };
-        let mut bufs = [std::ptr::null_mut::<c_void>(); MAX_IOV];
-        let mut lens = [0usize; MAX_IOV];
-        let mut descs = [std::ptr::null_mut::<c_void>(); MAX_IOV];
-        let mut mrs: [Option<Mr>; MAX_IOV] = [None, None, None, None];
-        let mut n = 0;
-        for part in parts.iter().filter(|p| !p.is_empty()) {
-            let mr = c.local_mr(part.as_ptr().cast_mut(), part.len())?;
-            bufs[n] = part.as_ptr().cast_mut().cast();
-            lens[n] = part.len();
-            descs[n] = mr.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
-            mrs[n] = mr;
-            n += 1;
-        }
-        let raddr = r.base + if total == 0 { signal.offset } else { offset } as u64;
-        let out = c.run_op(peer, "fi_writemsg", Instant::now() + c.timeout, |ctx| {
-            let mut descs = descs;
-            // SAFETY: the sources are borrowed (and registered: `mrs` lives
-            // past run_op) until run_op has seen the completion; `ctx` is
-            // our slot's fi_context.
-            unsafe {
-                c.ep.post_writedata(
-                    &bufs[..n],
-                    &lens[..n],
-                    &mut descs[..n],
-                    addr,
-                    raddr,
-                    r.key,
-                    data,
-                    ctx,
-                )
-            }
-        });
-        drop(mrs);
         match out {
             // The peer's close notice arrived while the write failed.
             Err(_) if c.notice(peer).is_some() => Ok(()),
@@ -609,6 +667,22 @@ impl Transport for FabricTransport {
         };
         if !p.dead.load(Ordering::Acquire) {
             c.probe(peer, p);
+        }
+        if p.dead.load(Ordering::Acquire) && !p.notice_awaited.swap(true, Ordering::AcqRel) {
+            // A peer that closed its engine sent its close notice (whom it
+            // blamed) before its endpoint went, but on an unordered network
+            // the notice may complete after the operation that failed on
+            // it: give it a moment, once per peer.
+            let until = Instant::now() + NOTICE_GRACE;
+            while Instant::now() < until {
+                if let Some(closed) = c.notice(peer) {
+                    return closed;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        if let Some(closed) = c.notice(peer) {
+            return closed;
         }
         if p.dead.load(Ordering::Acquire) {
             let blamed = p

@@ -10,11 +10,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::safe::{Av, Cq, Domain, Ep, Granted, Mr};
-use super::signal::{decode_signal, encode_signal};
+use super::signal::{Imm, Update, MAILBOX};
 use super::{result, sys};
 use super::{
-    EAGAIN_STALL, MAX_REGIONS, NOTICE_TIMEOUT, OFF_NOTICES, PROBE_PERIOD, PROBE_TIMEOUT,
-    PROGRESS_BLOCK_MS, STATE_CLOSED, STATUS_ID,
+    EAGAIN_STALL, MAX_REGIONS, NOTICE_STRIDE, NOTICE_TIMEOUT, OFF_NOTICES, PROBE_PERIOD,
+    PROBE_TIMEOUT, PROGRESS_BLOCK_MS, STATE_CLOSED, STATUS_ID,
 };
 use crate::region::{Bell, RegionDesc, RemoteRegion};
 use crate::sync::{Backoff, EventCount, Ordering};
@@ -72,6 +72,8 @@ pub(super) struct Peer {
     pub(super) probing: AtomicBool,
     /// Set once the warm-up operation completed (the connection is up).
     pub(super) warm: AtomicBool,
+    /// Set once `peer_status` waited for the close notice of this peer.
+    pub(super) notice_awaited: AtomicBool,
     /// Milliseconds since the transport started, of the last probe.
     pub(super) last_probe: AtomicU64,
 }
@@ -129,6 +131,8 @@ pub(super) struct Core {
     pub(super) progress_errors: AtomicU64,
     /// Next key for a per-operation local registration (`FI_MR_LOCAL`).
     pub(super) local_keys: AtomicU64,
+    /// Seed of the completion-shuffling test mode, when it is on.
+    pub(super) reorder: Option<u64>,
 }
 
 // SAFETY: the op slots' contexts are written only by the thread that owns
@@ -196,10 +200,14 @@ impl Core {
             ));
         }
         let ep = self.mr_endpoint.then_some(&self.ep);
+        // A key nobody outside the job can guess (ignored where the
+        // provider picks its own, FI_MR_PROV_KEY); peers learn it only
+        // through the job's store.
+        let key = random_key()?;
         // SAFETY: the memory is valid for `len` bytes while `backing` lives
         // (the caller's contract); the backing lives in the same OwnRegion
         // as the MR and is dropped after it (field order).
-        let mr = unsafe { Mr::register(&self.domain, ptr, len, true, u64::from(id) + 1, ep)? };
+        let mr = unsafe { Mr::register(&self.domain, ptr, len, true, key, ep)? };
         let region = Arc::new(OwnRegion {
             mr,
             ptr,
@@ -245,16 +253,37 @@ impl Core {
     pub(super) fn progress_loop(&self) {
         let mut buf = [sys::CqEntry::default(); 16];
         let mut quiet_since: Option<Instant> = None;
+        // Seeded per rank: ranks of one job shuffle differently.
+        let mut shuffler = self
+            .reorder
+            .map(|seed| Shuffler::new(seed ^ (self.rank as u64).wrapping_mul(0x9e37_79b9)));
+        let mut due = Vec::new();
         loop {
             let stopping = self.stop.load(Ordering::Acquire);
             // On stop, drain until the CQ stays quiet: closing an endpoint
             // with a partly arrived write crashed libfabric 1.17.
-            let block = if stopping { 5 } else { PROGRESS_BLOCK_MS };
-            match self.cq.sread(&mut buf, block) {
+            let mut block = if stopping { 5 } else { PROGRESS_BLOCK_MS };
+            if let Some(next) = shuffler.as_ref().and_then(Shuffler::next_due) {
+                let ms = next.saturating_duration_since(Instant::now()).as_millis();
+                block = block.min(i32::try_from(ms).unwrap_or(i32::MAX).max(1));
+            }
+            let read = self.cq.sread(&mut buf, block);
+            if let Some(s) = shuffler.as_mut() {
+                // Test mode: every completion is held back a random while
+                // and the due ones are dispatched in a random order.
+                if let Ok(n) = read {
+                    buf[..n.max(0) as usize].iter().for_each(|e| s.hold(*e));
+                }
+                s.take_due(if stopping { None } else { Some(Instant::now()) }, &mut due);
+                due.drain(..).for_each(|e| self.dispatch(&e));
+            }
+            match read {
                 Ok(n) if n > 0 => {
                     quiet_since = None;
-                    for e in &buf[..n as usize] {
-                        self.dispatch(e);
+                    if shuffler.is_none() {
+                        for e in &buf[..n as usize] {
+                            self.dispatch(e);
+                        }
                     }
                 }
                 Ok(0) => {
@@ -311,27 +340,39 @@ impl Core {
         if e.flags & result::consts::remote_cq_data() == 0 {
             return;
         }
-        let (region, offset, bell, value) = decode_signal(e.data);
-        let word = self
+        let imm = Imm::decode(e.data);
+        let own = self
             .regions
-            .get(region as usize)
-            .and_then(OnceLock::get)
-            .and_then(|r| r.word(offset));
-        match word {
-            Some(w) => {
-                // The write's data is in memory (its completion says so);
-                // the release store orders it before the signal.
-                w.store(value, Ordering::Release);
-                self.ring(bell);
+            .get(imm.region as usize)
+            .and_then(OnceLock::get);
+        let word = own.and_then(|r| r.word(imm.offset));
+        let updated = match (imm.update, word) {
+            // The write is in memory (its completion says so): its data
+            // for a count, the value in the mailbox for a raise. The
+            // release order publishes it with the word.
+            (Update::Count, Some(w)) => {
+                w.fetch_add(1, Ordering::Release);
+                true
             }
-            None => {
-                if self.progress_errors.fetch_add(1, Ordering::Relaxed) < 5 {
-                    eprintln!(
-                        "odc: fabric rank {}: signal for unknown word {offset} of region {region}",
-                        self.rank
+            (Update::Raise, Some(w)) => match own.and_then(|r| r.word(imm.offset + MAILBOX)) {
+                Some(mailbox) => {
+                    w.fetch_max(
+                        u64::from_le(mailbox.load(Ordering::Acquire)),
+                        Ordering::Release,
                     );
+                    true
                 }
-            }
+                None => false,
+            },
+            (_, None) => false,
+        };
+        if updated {
+            self.ring(imm.bell);
+        } else if self.progress_errors.fetch_add(1, Ordering::Relaxed) < 5 {
+            eprintln!(
+                "odc: fabric rank {}: signal for unknown word {} of region {}",
+                self.rank, imm.offset, imm.region
+            );
         }
     }
 
@@ -539,7 +580,8 @@ impl Core {
             return Ok(None);
         }
         // Requested keys must be unique in the domain (unless the provider
-        // picks them): region keys are id + 1, local ones count from 2^32.
+        // picks them): region keys are random, local ones count up from a
+        // random start.
         let key = self.local_keys.fetch_add(1, Ordering::Relaxed);
         // SAFETY: the caller keeps `buf` alive until the Mr drops, which is
         // after the operation completed.
@@ -626,7 +668,7 @@ impl Core {
     /// `Dead` with the rank it blamed.
     pub(super) fn notice(&self, peer: usize) -> Option<PeerStatus> {
         let v = self
-            .status_word(OFF_NOTICES + 8 * peer)?
+            .status_word(OFF_NOTICES + NOTICE_STRIDE * peer)?
             .load(Ordering::Acquire);
         (v != 0).then(|| PeerStatus::Dead {
             pid: 0,
@@ -637,15 +679,17 @@ impl Core {
     }
 
     /// Tells every live peer that this rank closes (and whom it blames),
-    /// with a zero-length write whose CQ data stores the notice.
+    /// with a pure signal that raises the notice word.
     pub(super) fn send_close_notices(&self) {
         let blame = self.status_word(8).map_or(0, |w| w.load(Ordering::Acquire));
-        let Ok(data) = encode_signal(
-            STATUS_ID,
-            OFF_NOTICES + 8 * self.rank,
-            Bell::Client,
-            blame << 1 | 1,
-        ) else {
+        let at = OFF_NOTICES + NOTICE_STRIDE * self.rank;
+        let Ok(imm) = (Imm {
+            region: STATUS_ID,
+            offset: at,
+            bell: Bell::Client,
+            update: Update::Raise,
+        })
+        .encode() else {
             return;
         };
         for peer in 0..self.world {
@@ -658,20 +702,49 @@ impl Core {
             if p.dead.load(Ordering::Acquire) || self.notice(peer).is_some() {
                 continue;
             }
-            let raddr = r.base + (OFF_NOTICES + 8 * self.rank) as u64;
-            let _ = self.run_op(
-                peer,
-                "fi_writemsg",
-                Instant::now() + NOTICE_TIMEOUT,
-                |ctx| {
-                    // SAFETY: no buffers; `ctx` is our slot's fi_context.
-                    unsafe {
-                        self.ep
-                            .post_writedata(&[], &[], &mut [], addr, raddr, r.key, data, ctx)
-                    }
-                },
-            );
+            let _ = self.post_raise(peer, addr, &r, at, imm, blame << 1 | 1, NOTICE_TIMEOUT);
         }
+    }
+
+    /// A pure signal: one 8-byte write of `value` into the mailbox of the
+    /// word at `word` of `r`, with the immediate `imm` (which names the
+    /// word), waited for until `timeout` passes.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn post_raise(
+        &self,
+        peer: usize,
+        addr: u64,
+        r: &RemoteRegion,
+        word: usize,
+        imm: u32,
+        value: u64,
+        timeout: Duration,
+    ) -> Result<()> {
+        let mut buf = value.to_le_bytes();
+        let mr = self.local_mr(buf.as_mut_ptr(), buf.len())?;
+        let desc = mr.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
+        let ptr = buf.as_mut_ptr().cast::<c_void>();
+        let raddr = r.base + (word + MAILBOX) as u64;
+        let out = self.run_op(peer, "fi_writemsg", Instant::now() + timeout, |ctx| {
+            let mut descs = [desc];
+            // SAFETY: `buf` (registered by `mr` where the provider wants
+            // it) lives until run_op has seen the completion; `ctx` is our
+            // slot's fi_context.
+            unsafe {
+                self.ep.post_writedata(
+                    &[ptr],
+                    &[8],
+                    &mut descs,
+                    addr,
+                    raddr,
+                    r.key,
+                    u64::from(imm),
+                    ctx,
+                )
+            }
+        });
+        drop(mr);
+        out
     }
 
     pub(super) fn probe(&self, peer: usize, p: &Peer) {
@@ -705,6 +778,85 @@ impl Core {
         }
         p.probing.store(false, Ordering::Release);
     }
+}
+
+/// The longest a [`Shuffler`] holds a completion back.
+const MAX_HOLD: Duration = Duration::from_millis(3);
+
+/// Test mode ([`FabricConfig::reorder`](super::FabricConfig::reorder)):
+/// holds every completion back a random while (up to [`MAX_HOLD`]) and
+/// hands out the due ones in a random order, seeded, so that operations
+/// posted one after the other complete in another order — as EFA's SRD
+/// may deliver them.
+pub(super) struct Shuffler {
+    state: u64,
+    held: Vec<(Instant, sys::CqEntry)>,
+}
+
+impl Shuffler {
+    pub(super) fn new(seed: u64) -> Shuffler {
+        Shuffler {
+            state: seed,
+            held: Vec::with_capacity(64),
+        }
+    }
+
+    /// splitmix64.
+    fn next(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    pub(super) fn hold(&mut self, e: sys::CqEntry) {
+        let hold = self.next() % (MAX_HOLD.as_micros() as u64 + 1);
+        self.held
+            .push((Instant::now() + Duration::from_micros(hold), e));
+    }
+
+    pub(super) fn next_due(&self) -> Option<Instant> {
+        self.held.iter().map(|(t, _)| *t).min()
+    }
+
+    /// Moves the completions due at `now` (all of them for `None`) into
+    /// `out`, shuffled.
+    pub(super) fn take_due(&mut self, now: Option<Instant>, out: &mut Vec<sys::CqEntry>) {
+        let start = out.len();
+        let mut i = 0;
+        while i < self.held.len() {
+            if now.is_none_or(|now| self.held[i].0 <= now) {
+                out.push(self.held.swap_remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+        let n = out.len() - start;
+        for j in (1..n).rev() {
+            let k = (self.next() % (j as u64 + 1)) as usize;
+            out.swap(start + j, start + k);
+        }
+    }
+}
+
+/// A random, non-zero 64-bit memory-region key (`getrandom`).
+pub(super) fn random_key() -> Result<u64> {
+    let mut b = [0u8; 8];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: writes at most `b.len() - got` bytes into `b[got..]`.
+        let n = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::transport_io("getrandom", "a memory-region key", e));
+        }
+        got += n as usize;
+    }
+    Ok(u64::from_ne_bytes(b).max(1))
 }
 
 /// A peer whose connection failed: the engine reports it like a dead

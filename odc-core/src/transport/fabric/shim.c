@@ -91,7 +91,7 @@ int odc_fi_getinfo(const char *prov, const char *node, const char *service,
     hints->ep_attr->type = FI_EP_RDM;
     hints->domain_attr->threading = FI_THREAD_SAFE;
     hints->domain_attr->mr_mode = (int)mr_mode;
-    hints->domain_attr->cq_data_size = 8;
+    hints->domain_attr->cq_data_size = 4; /* an RDMA immediate; see signal.rs */
     if (prov && *prov)
         hints->fabric_attr->prov_name = strdup(prov);
     ret = p_getinfo(FI_VERSION(1, 17), node, service, FI_SOURCE, hints, out);

@@ -35,17 +35,45 @@ fn pair(len: usize) -> (Vec<FabricTransport>, Vec<LocalRegion>) {
 }
 
 #[test]
-fn signal_encoding_round_trips_and_refuses_overflow() {
-    let d = encode_signal(3, 8 * 12345, Bell::Server, (1 << 36) - 1).unwrap();
-    assert_eq!(
-        decode_signal(d),
-        (3, 8 * 12345, Bell::Server, (1 << 36) - 1)
-    );
-    let d = encode_signal(0, 0, Bell::Client, 7).unwrap();
-    assert_eq!(decode_signal(d), (0, 0, Bell::Client, 7));
-    assert!(encode_signal(0, 0, Bell::Client, 1 << 36).is_err());
-    assert!(encode_signal(0, 128 << 20, Bell::Client, 1).is_err());
-    assert!(encode_signal(0, 12, Bell::Client, 1).is_err());
+fn immediates_fit_four_bytes_and_round_trip() {
+    for imm in [
+        Imm {
+            region: 3,
+            offset: 8 * 12345,
+            bell: Bell::Server,
+            update: Update::Count,
+        },
+        Imm {
+            region: STATUS_ID,
+            offset: (8 << WORD_BITS) - 8,
+            bell: Bell::Client,
+            update: Update::Raise,
+        },
+        Imm {
+            region: 0,
+            offset: 0,
+            bell: Bell::Client,
+            update: Update::Raise,
+        },
+    ] {
+        let data = imm.encode().unwrap();
+        assert_eq!(Imm::decode(u64::from(data)), imm);
+        // Bits a provider with 8-byte CQ data may set above the 32 are
+        // ignored.
+        assert_eq!(Imm::decode(u64::from(data) | 0xdead_beef << 32), imm);
+    }
+    let at = |offset, region| {
+        Imm {
+            region,
+            offset,
+            bell: Bell::Client,
+            update: Update::Raise,
+        }
+        .encode()
+    };
+    assert!(at(8 << WORD_BITS, 0).is_err());
+    assert!(at(12, 0).is_err());
+    assert!(at(0, STATUS_ID + 1).is_err());
 }
 
 #[test]
@@ -95,7 +123,20 @@ fn out_of_range_is_refused_before_posting() {
 #[test]
 fn data_is_visible_when_the_signal_is() {
     need_libfabric!();
-    let (ts, regions) = pair(1 << 20);
+    data_visible(None);
+}
+
+#[test]
+fn data_is_visible_when_the_signal_is_with_shuffled_completions() {
+    need_libfabric!();
+    data_visible(Some(11));
+}
+
+fn data_visible(seed: Option<u64>) {
+    let (ts, regions) = match seed {
+        Some(seed) => shuffled_pair(1 << 20, seed),
+        None => pair(1 << 20),
+    };
     let desc = regions[1].desc();
     let rounds = 200u64;
     let chunk = 64 << 10;
@@ -196,8 +237,137 @@ fn many_signals_from_many_threads() {
         offset: 8,
         bell: Bell::Client,
     };
-    ts[0].put_signal(0, &own, 16, &[&[9u8; 8]], sig, 5).unwrap();
-    assert_eq!(regions[0].signal(8).unwrap().load(Ordering::Acquire), 5);
+    ts[0].put_signal(0, &own, 32, &[&[9u8; 8]], sig, 1).unwrap();
+    assert_eq!(regions[0].signal(8).unwrap().load(Ordering::Acquire), 1);
+    ts[0].put_signal(0, &own, 0, &[], sig, 9).unwrap();
+    ts[0].put_signal(0, &own, 0, &[], sig, 4).unwrap();
+    assert_eq!(regions[0].signal(8).unwrap().load(Ordering::Acquire), 9);
+}
+
+/// Waits until `word` reads `want` (10 s at most).
+fn wait_for(word: &SyncU64, want: u64, what: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while word.load(Ordering::Acquire) != want {
+        assert!(
+            Instant::now() < until,
+            "{what}: stuck at {} (want {want})",
+            word.load(Ordering::Acquire)
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn pure_signals_raise_and_never_lower_the_word() {
+    need_libfabric!();
+    let (ts, regions) = pair(4096);
+    let desc = regions[1].desc();
+    let sig = SignalRef {
+        offset: 64,
+        bell: Bell::Client,
+    };
+    ts[0].put_signal(1, &desc, 0, &[], sig, 7).unwrap();
+    wait_for(regions[1].signal(64).unwrap(), 7, "first raise");
+    // The value travelled in the mailbox, the 8 bytes after the word.
+    let mailbox = regions[1].signal(64 + MAILBOX).unwrap();
+    assert_eq!(u64::from_le(mailbox.load(Ordering::Acquire)), 7);
+    ts[0].put_signal(1, &desc, 0, &[], sig, 3).unwrap();
+    // A lower value arrived (the mailbox holds it) and left the word alone.
+    let until = Instant::now() + Duration::from_secs(10);
+    while u64::from_le(mailbox.load(Ordering::Acquire)) != 3 {
+        assert!(Instant::now() < until, "second write never landed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(regions[1].signal(64).unwrap().load(Ordering::Acquire), 7);
+    // Values past 32 bits travel whole: nothing is a 4-byte field.
+    ts[0].put_signal(1, &desc, 0, &[], sig, 1 << 40).unwrap();
+    wait_for(regions[1].signal(64).unwrap(), 1 << 40, "a 41-bit value");
+}
+
+#[test]
+fn region_keys_are_random_per_transport() {
+    need_libfabric!();
+    let (ts, regions) = pair(4096);
+    let keys: Vec<u64> = regions.iter().map(|r| r.desc().key).collect();
+    // Same region id on both ranks, yet unrelated keys; never `id + 1`.
+    assert_ne!(keys[0], keys[1]);
+    assert!(keys.iter().all(|&k| k > 1 << 16), "{keys:?}");
+    // A guessed key is refused by the owner: the read fails (and the
+    // transport counts the peer dead, as for any failed operation).
+    let mut forged = regions[1].desc();
+    forged.key = 1;
+    let mut table = ts[0].core.peer(1).unwrap().regions.clone();
+    if let Some(r) = table[0].as_mut() {
+        r.key = forged.key;
+    }
+    let p = ts[0].core.peer(1).unwrap();
+    let r = table[0].unwrap();
+    let mut dst = [0u8; 8];
+    let got = ts[0].core.read(
+        1,
+        p,
+        &r,
+        0,
+        &mut dst,
+        Instant::now() + Duration::from_secs(5),
+    );
+    assert!(got.is_err(), "a read with a guessed key succeeded");
+}
+
+/// Two transports whose progress threads shuffle completions (seeded).
+fn shuffled_pair(len: usize, seed: u64) -> (Vec<FabricTransport>, Vec<LocalRegion>) {
+    let config = FabricConfig {
+        reorder: Some(seed),
+        ..FabricConfig::default()
+    };
+    let ts: Vec<FabricTransport> = (0..2)
+        .map(|r| FabricTransport::with_config(r, 2, Duration::from_secs(20), &config).unwrap())
+        .collect();
+    let regions: Vec<LocalRegion> = ts.iter().map(|t| t.register(0, len).unwrap()).collect();
+    for t in &ts {
+        for (peer, other) in ts.iter().enumerate() {
+            t.connect(peer, &other.endpoint(), &[regions[peer].desc()])
+                .unwrap();
+        }
+    }
+    (ts, regions)
+}
+
+#[test]
+fn shuffled_completions_keep_counts_and_maxima() {
+    need_libfabric!();
+    let (ts, regions) = shuffled_pair(1 << 16, 7);
+    let desc = regions[1].desc();
+    let per = 60u64;
+    std::thread::scope(|s| {
+        for w in 0..4usize {
+            let (ts, desc) = (&ts, &desc);
+            s.spawn(move || {
+                let data = vec![w as u8; 1000];
+                for v in 1..=per {
+                    // A count (data) and a raise (pure) per round, to
+                    // separate words.
+                    let count = SignalRef {
+                        offset: 64 * (2 * w + 1),
+                        bell: Bell::Server,
+                    };
+                    let raise = SignalRef {
+                        offset: 64 * (2 * w + 2),
+                        bell: Bell::Client,
+                    };
+                    ts[0]
+                        .put_signal(1, desc, 4096 + 1024 * w, &[&data], count, v)
+                        .unwrap();
+                    ts[0].put_signal(1, desc, 0, &[], raise, v).unwrap();
+                }
+            });
+        }
+    });
+    for w in 0..4usize {
+        wait_for(regions[1].signal(64 * (2 * w + 1)).unwrap(), per, "count");
+        wait_for(regions[1].signal(64 * (2 * w + 2)).unwrap(), per, "raise");
+    }
 }
 
 #[test]
@@ -284,4 +454,34 @@ fn concurrent_gets_share_one_read_credit() {
         }
     });
     assert_eq!(ts[0].core.credits.load(Ordering::Acquire), 1);
+}
+
+#[test]
+fn the_shuffler_holds_back_and_reorders_completions() {
+    let mut s = shared::Shuffler::new(3);
+    let entries: Vec<sys::CqEntry> = (0..64u64)
+        .map(|i| sys::CqEntry {
+            data: i,
+            ..sys::CqEntry::default()
+        })
+        .collect();
+    entries.iter().for_each(|e| s.hold(*e));
+    let mut out = Vec::new();
+    s.take_due(None, &mut out);
+    let order: Vec<u64> = out.iter().map(|e| e.data).collect();
+    let mut sorted = order.clone();
+    sorted.sort_unstable();
+    assert_eq!(
+        sorted,
+        (0..64).collect::<Vec<_>>(),
+        "every completion comes out once"
+    );
+    assert_ne!(order, sorted, "the shuffler kept the posted order");
+    // Held back: nothing is due right after holding (up to 3 ms each).
+    let mut s = shared::Shuffler::new(5);
+    entries.iter().for_each(|e| s.hold(*e));
+    let mut early = Vec::new();
+    s.take_due(Some(Instant::now() - Duration::from_millis(1)), &mut early);
+    assert!(early.is_empty());
+    assert!(s.next_due().is_some());
 }
