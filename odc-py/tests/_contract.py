@@ -249,3 +249,29 @@ def barrier_free(rank, world, store):
     init_pg(rank, world, store)
     dist.barrier()
     return True
+
+
+def deadline_worker(rank, world, store):
+    """ODC's deadline under odc.fsdp follows the process group's timeout; a PeerTimeout says so."""
+    import datetime
+    import os
+    import time
+
+    os.environ.pop("ODC_TIMEOUT_S", None)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=3))
+    model = build(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    odc.fsdp.enable(model, opt)
+    eng = model._odc_fsdp.engine
+    out = {"timeout": eng.timeout, "source": eng.deadline_source}
+    if rank == 1:
+        time.sleep(8)  # stalls: rank 0's minibatch cannot finish
+        return out
+    sample_loss(model, data(0, 0, rank)).backward()
+    try:
+        opt.step()
+    except odc.PeerTimeout as e:
+        out["error"] = str(e)
+        out["notes"] = list(getattr(e, "__notes__", []))
+        out["peer"] = e.peer
+    return out

@@ -27,12 +27,12 @@ def test_the_group_timeout_applies_unless_odc_timeout_s_is_set(monkeypatch: pyte
     assert deadline_for(group, explicit=3) == (3.0, "timeout= argument")
 
 
-def test_bad_timeouts_are_value_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bad_timeouts_are_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ODC_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="ODC_TIMEOUT_S"):
+    with pytest.raises(odc.ConfigError, match="ODC_TIMEOUT_S"):
         deadline_for(datetime.timedelta(seconds=1))
     monkeypatch.delenv("ODC_TIMEOUT_S")
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(odc.ConfigError, match="positive"):
         deadline_for(datetime.timedelta(seconds=-1))
 
 

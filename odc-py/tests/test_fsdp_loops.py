@@ -157,3 +157,13 @@ def test_hf_example_prints_equal_losses_and_norms_in_both_comm_modes():
         (lc, nc, _), (lo, no, _) = (map(float, c.split(",")) for c in (collective, odc_))
         assert lc == pytest.approx(lo, rel=1e-5) and nc == pytest.approx(no, rel=1e-5), p.stdout
         assert nc > 0.0, p.stdout
+
+
+def test_the_deadline_follows_the_process_group_and_a_timeout_names_it():
+    out = run_ranks(C.deadline_worker, 2, timeout=120)
+    assert all(s == "ok" for s, _ in out.values()), out
+    for _, res in out.values():
+        assert res["timeout"] == 3.0 and res["source"] == "the process group's timeout", res
+    r0 = out[0][1]
+    assert r0["peer"] == 1 and "rank 1" in r0["error"], r0
+    assert r0["notes"] == ["ODC's deadline: 3 s, from the process group's timeout"], r0

@@ -128,7 +128,7 @@ from ._backend_parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWor
 from ._torch_private import AllgatherOptions
 from .deadline import deadline_for
 from .engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
-from .errors import ConfigError, LayoutError, OdcError, PeerTimeout, ProtocolError
+from .errors import ConfigError, LayoutError, OdcError, ProtocolError
 
 __all__ = [
     "BACKEND_NAME",
@@ -307,7 +307,8 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     def _engine(self, prefix: str, **kw: Any) -> Engine:
         return Engine(
-            self._store, self.rank(), self.size(), timeout=self._seconds, job_key=self._job_key, prefix=prefix, **kw
+            self._store, self.rank(), self.size(), timeout=self._seconds, deadline_source=self.deadline_source,
+            job_key=self._job_key, prefix=prefix, **kw
         )
 
     def _cuda_engines(self, device: torch.device) -> Callable[[str], Engine]:
@@ -384,8 +385,6 @@ class ProcessGroupODC(dist.ProcessGroup):
                 pair.begin()
                 body(pair)
             except BaseException as e:
-                if isinstance(e, PeerTimeout):
-                    e.add_note(f"ODC's deadline: {self._seconds:g} s, from {self.deadline_source}")
                 self._failure = e
                 raise
 

@@ -14,6 +14,8 @@ import math
 import os
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = ["deadline_for", "DEFAULT_TIMEOUT_S"]
 
 #: ODC's own default (the Rust engine's), used when nothing else applies.
@@ -24,9 +26,9 @@ def _seconds(value: Any, what: str) -> float:
     try:
         seconds = value.total_seconds() if isinstance(value, datetime.timedelta) else float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{what} must be positive seconds, got {value!r}") from None
+        raise ConfigError(f"{what} must be positive seconds, got {value!r}") from None
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"{what} must be positive seconds, got {value!r}")
+        raise ConfigError(f"{what} must be positive seconds, got {value!r}")
     return seconds
 
 
@@ -66,7 +68,7 @@ def deadline_for(pg: Any = None, explicit: Any = None) -> tuple[float, str]:
         ``"ODC_TIMEOUT_S"``, ``"the process group's timeout"``, ``"ODC's default"``.
 
     Raises:
-        ValueError: a timeout that is not positive seconds (``ODC_TIMEOUT_S`` included).
+        ConfigError: a timeout that is not positive seconds (``ODC_TIMEOUT_S`` included).
     """
     if explicit is not None:
         return _seconds(explicit, "timeout"), "timeout= argument"
@@ -77,3 +79,4 @@ def deadline_for(pg: Any = None, explicit: Any = None) -> tuple[float, str]:
     if group is not None:
         return _seconds(group, "the process group's timeout"), "the process group's timeout"
     return DEFAULT_TIMEOUT_S, "ODC's default"
+

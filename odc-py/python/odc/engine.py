@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Union
 
 from . import _odc
-from .errors import ConfigError, LayoutError, OdcError, ProtocolError
+from .deadline import deadline_for
+from .errors import ConfigError, LayoutError, OdcError, PeerTimeout, ProtocolError
 
 if TYPE_CHECKING:
     import torch
@@ -143,6 +144,32 @@ def _emu_jitter_us() -> int:
     return jitter
 
 
+class _NotingDeadline:
+    """The native engine; a :class:`odc.PeerTimeout` from any of its calls gets a note naming the
+    deadline and where it came from (``timeout=``, ``ODC_TIMEOUT_S``, a process group's timeout)."""
+
+    __slots__ = ("_native", "_note")
+
+    def __init__(self, native: Any, note: str) -> None:
+        self._native = native
+        self._note = note
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._native, name)
+        if not callable(attr):
+            return attr
+        note = self._note
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            except PeerTimeout as e:
+                e.add_note(note)
+                raise
+
+        return call
+
+
 class _CudaArray:
     """A CUDA buffer for ``torch.as_tensor`` (``__cuda_array_interface__`` v3), keeping its owner alive."""
 
@@ -214,8 +241,9 @@ class Engine:
         chunk_bytes: landing-slot size (bytes); landing memory is
             ``2 · D · chunk_bytes`` per rank (``2 · G · chunk_bytes`` under
             hybrid sharding). Default: the engine's.
-        timeout: seconds any wait on a peer may take (default 300, or
-            ``ODC_TIMEOUT_S``).
+        timeout: seconds any wait on a peer may take (default
+            ``ODC_TIMEOUT_S``, else 300); a :class:`odc.PeerTimeout` carries a
+            note naming the deadline and where it came from.
         job_key: names this job's shared-memory segments so a restart of the
             same job removes a crashed run's leftovers (default
             ``ODC_JOB_KEY`` or ``"default"``).
@@ -278,7 +306,12 @@ class Engine:
         sharding: str | None = None,
         device: Any = None,
         heap_reserve: int | None = None,
+        deadline_source: str | None = None,
     ) -> None:
+        # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
+        # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
+        if deadline_source is None:  # timeout=, else ODC_TIMEOUT_S, else the default
+            timeout, deadline_source = deadline_for(None, explicit=timeout)
         if transport is None:
             transport = os.environ.get("ODC_TRANSPORT") or None
         ordinal = self._cuda_ordinal(transport, device)
@@ -293,7 +326,7 @@ class Engine:
         if addr is not None:
             os.environ["ODC_FABRIC_ADDR"] = addr
         try:
-            self._native = _odc.Engine(
+            native = _odc.Engine(
                 store,
                 int(rank),
                 int(world_size),
@@ -310,6 +343,8 @@ class Engine:
         finally:
             if addr is not None:
                 os.environ.pop("ODC_FABRIC_ADDR", None)
+        self.deadline_source = deadline_source
+        self._native = _NotingDeadline(native, f"ODC's deadline: {float(timeout):g} s, from {deadline_source}")
         self._ids: dict[str, int] = {}
         self._infos: list[dict] = []
         # Device engines: the CUDA device (cuda-ipc), the emulated stream

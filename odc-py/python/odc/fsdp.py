@@ -136,6 +136,7 @@ from ._torch_private import (
     check_fsdp2,
     check_state,
 )
+from .deadline import deadline_for
 from .engine import CUDA_TRANSPORTS, TRANSPORTS, Bucket, Engine, _local_world_size, transport_name
 from .errors import ConfigError, LayoutError, ProtocolError
 
@@ -681,8 +682,10 @@ def enable(
         chunk_bytes: landing-slot size (default: the engine's). Each rank
             keeps ``2 · clients · chunk_bytes`` of landing slots, clients
             being every rank (full) or the ranks of its node (hybrid).
-        timeout: seconds any wait on a peer may take (default 300 or
-            ``ODC_TIMEOUT_S``); past it :class:`odc.PeerTimeout` names the peer.
+        timeout: seconds any wait on a peer may take (default
+            ``ODC_TIMEOUT_S``, else the timeout of the process group FSDP
+            shards over); past it :class:`odc.PeerTimeout` names the peer,
+            with a note naming the deadline and where it came from.
         transport: the engine's transport (default ``ODC_TRANSPORT``, else
             picked by device): CPU parameters get the engine's default
             (``"auto"``: shm within a node, libfabric between nodes), CUDA
@@ -739,7 +742,10 @@ def enable(
         local = _local_world_size(store, layout.rank, layout.world, "odc")
     nodes = layout.world // local if local else None
     chosen = _pick_transport(groups, requested, source, nodes, layout.sharding)
-    kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": timeout, "transport": chosen}
+    # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
+    seconds, deadline_source = deadline_for(groups[0].pg.mesh_info.shard_process_group, explicit=timeout)
+    kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
+                          "transport": chosen}
     if device.type == "cuda":
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":
