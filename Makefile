@@ -34,6 +34,7 @@ demo: setup
 	@echo "plots: out/primitives.png out/imbalance.png"
 
 lint:
+	python3 scripts/module-graph.py
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings

@@ -39,7 +39,7 @@ fn main() -> odc_core::Result<()> {
                 let (big, sm) = (engine.bucket_id("big")?, engine.bucket_id("small")?);
                 for b in [big, sm] {
                     let shard = vec![1.0f32; engine.bucket(b)?.shard_len()];
-                    engine.publish(b, bytes_of(&shard), DType::F32, 0)?;
+                    engine.host()?.publish(b, bytes_of(&shard), DType::F32, 0)?;
                 }
                 let mut out = vec![0f32; numel];
                 let mut out_small = vec![0f32; small];
@@ -48,12 +48,12 @@ fn main() -> odc_core::Result<()> {
                     (alg, alg * (world - 1) as f64 / world as f64)
                 };
                 // Gather.
-                engine.gather(big, 0, bytes_of_mut(&mut out), DType::F32)?;
+                engine.host()?.gather(big, 0, bytes_of_mut(&mut out), DType::F32)?;
                 barrier.wait();
                 let iters = 20;
                 let t = Instant::now();
                 for _ in 0..iters {
-                    engine.gather(big, 0, bytes_of_mut(&mut out), DType::F32)?;
+                    engine.host()?.gather(big, 0, bytes_of_mut(&mut out), DType::F32)?;
                 }
                 let g = t.elapsed().as_secs_f64() / iters as f64;
                 // 64 KiB gather latency.
@@ -61,18 +61,18 @@ fn main() -> odc_core::Result<()> {
                 let n = 2000;
                 let t = Instant::now();
                 for _ in 0..n {
-                    engine.gather(sm, 0, bytes_of_mut(&mut out_small), DType::F32)?;
+                    engine.host()?.gather(sm, 0, bytes_of_mut(&mut out_small), DType::F32)?;
                 }
                 let lat = t.elapsed().as_secs_f64() / n as f64;
                 // Scatter-accumulate (+ finish, which waits for the last acks).
                 let grads = vec![1.0f32; numel];
-                engine.scatter_accumulate(big, bytes_of(&grads), DType::F32, 1.0)?;
-                engine.finish_minibatch(0)?;
+                engine.host()?.scatter_accumulate(big, bytes_of(&grads), DType::F32, 1.0)?;
+                engine.host()?.finish_minibatch(0)?;
                 barrier.wait();
                 let t = Instant::now();
                 for k in 1..=iters as u64 {
-                    engine.scatter_accumulate(big, bytes_of(&grads), DType::F32, 1.0)?;
-                    engine.finish_minibatch(k)?;
+                    engine.host()?.scatter_accumulate(big, bytes_of(&grads), DType::F32, 1.0)?;
+                    engine.host()?.finish_minibatch(k)?;
                 }
                 let s = t.elapsed().as_secs_f64() / iters as f64;
                 barrier.wait();

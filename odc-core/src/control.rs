@@ -29,10 +29,10 @@
 //! immediate). A landing slot is its signal line, and elsewhere a 64-byte
 //! [`SlotHeader`] followed by C bytes of data. Sequence numbers per
 //! (client, owner) pair start at 1; chunk `seq` goes to slot `seq % 2`, so
-//! the slot's count after it is [`slot_count`]`(seq)`: a network transport
+//! the slot's count after it is [`slot_count`](crate::protocol::slots::slot_count)`(seq)`: a network transport
 //! counts the writes that completed into the slot instead of carrying the
 //! sequence number (fabric-lib's immediate counter), and the server turns
-//! the count back into the sequence number ([`slot_seq`]).
+//! the count back into the sequence number ([`slot_seq`](crate::protocol::slots::slot_seq)).
 
 use odc_kernels::DType;
 
@@ -77,20 +77,6 @@ pub fn landing_chunk(chunk_bytes: usize, group: usize, budget: usize) -> Result<
         )));
     }
     Ok(asked.min(fit).max(floor))
-}
-
-/// The count of slot `seq % 2` once chunk `seq` (from 1) is in it.
-pub fn slot_count(seq: u64) -> u64 {
-    seq.div_ceil(2)
-}
-
-/// The sequence number of the `count`-th chunk (from 1) of `slot`; 0 for
-/// none.
-pub fn slot_seq(slot: usize, count: u64) -> u64 {
-    if count == 0 {
-        return 0;
-    }
-    (2 * count).saturating_sub(slot as u64 & 1)
 }
 
 /// Offsets into a control region.
@@ -351,20 +337,6 @@ mod tests {
         // The whole control region stays within budget + the signal cells.
         let l = CtrlLayout::new(4096, 1, 100, MIN_CHUNK);
         assert!(l.len() - l.signals_end() <= 512 * mib + 2 * 4096 * LINE);
-    }
-
-    #[test]
-    fn slot_counts_and_sequence_numbers_map_one_to_one() {
-        // Chunks 1, 2, 3, ... alternate slots 1, 0, 1, ...
-        for seq in 1..1000u64 {
-            let slot = (seq % 2) as usize;
-            assert_eq!(slot_seq(slot, slot_count(seq)), seq, "seq {seq}");
-        }
-        assert_eq!(slot_count(1), 1);
-        assert_eq!(slot_count(2), 1);
-        assert_eq!(slot_count(3), 2);
-        assert_eq!(slot_seq(0, 0), 0);
-        assert_eq!(slot_seq(1, 0), 0);
     }
 
     #[test]

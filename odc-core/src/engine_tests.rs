@@ -63,14 +63,22 @@ fn gather_scatter_three_ranks_threads() {
             let shard: Vec<f32> = (0..sl)
                 .map(|i| ((rank * sl + i) as f32) + 1000.0 * k as f32)
                 .collect();
-            e.publish(a, bytes_of(&shard), DType::F32, k).unwrap();
+            e.host()
+                .unwrap()
+                .publish(a, bytes_of(&shard), DType::F32, k)
+                .unwrap();
             let mut full = vec![0f32; numel];
-            e.gather(a, k, bytes_of_mut(&mut full), DType::F32).unwrap();
+            e.host()
+                .unwrap()
+                .gather(a, k, bytes_of_mut(&mut full), DType::F32)
+                .unwrap();
             for (i, x) in full.iter().enumerate() {
                 assert_eq!(*x, i as f32 + 1000.0 * k as f32);
             }
             let mut remote = vec![-1f32; numel];
-            e.gather_remote(a, k, bytes_of_mut(&mut remote), DType::F32)
+            e.host()
+                .unwrap()
+                .gather_remote(a, k, bytes_of_mut(&mut remote), DType::F32)
                 .unwrap();
             for (i, x) in remote.iter().enumerate() {
                 let own = e.bucket(a).unwrap().shard_range(rank).contains(&i);
@@ -84,13 +92,17 @@ fn gather_scatter_three_ranks_threads() {
                 );
             }
             let grads: Vec<f32> = (0..numel).map(|i| (i % 7) as f32 + rank as f32).collect();
-            e.scatter_accumulate(a, bytes_of(&grads), DType::F32, 1.0)
+            e.host()
+                .unwrap()
+                .scatter_accumulate(a, bytes_of(&grads), DType::F32, 1.0)
                 .unwrap();
-            e.scatter_accumulate(a, bytes_of(&grads), DType::F32, 2.0)
+            e.host()
+                .unwrap()
+                .scatter_accumulate(a, bytes_of(&grads), DType::F32, 2.0)
                 .unwrap();
-            e.finish_minibatch(k).unwrap();
+            e.host().unwrap().finish_minibatch(k).unwrap();
             let mut g = vec![0f32; sl];
-            e.read_grad_shard(a, &mut g).unwrap();
+            e.host().unwrap().read_grad_shard(a, &mut g).unwrap();
             for (j, x) in g.iter().enumerate() {
                 let i = rank * sl + j;
                 let want = if i < numel {
@@ -100,7 +112,7 @@ fn gather_scatter_three_ranks_threads() {
                 };
                 assert_eq!(*x, want, "rank {rank} elem {i}");
             }
-            e.zero_grads().unwrap();
+            e.host().unwrap().zero_grads().unwrap();
         }
     });
 }
@@ -109,34 +121,42 @@ fn gather_scatter_three_ranks_threads() {
 fn bad_input_is_reported() {
     run_ranks(2, "unit_bad", |e| {
         let shard = vec![0f32; 64];
-        assert!(matches!(
-            e.publish(BucketId(0), bytes_of(&shard), DType::F32, 0),
-            Err(Error::Protocol { .. })
-        ));
+        // Before registration there is no worker handle to publish with.
+        assert!(matches!(e.host(), Err(Error::Protocol { .. })));
         e.register(&[BucketSpec::new("a", 100, DType::F32)])
             .unwrap();
         assert!(matches!(e.bucket_id("nope"), Err(Error::Layout { .. })));
         let a = e.bucket_id("a").unwrap();
         assert!(matches!(
-            e.publish(BucketId(5), bytes_of(&shard), DType::F32, 0),
+            e.host()
+                .unwrap()
+                .publish(BucketId(5), bytes_of(&shard), DType::F32, 0),
             Err(Error::Layout { .. })
         ));
         assert!(matches!(
-            e.publish(a, bytes_of(&shard[..3]), DType::F32, 0),
+            e.host()
+                .unwrap()
+                .publish(a, bytes_of(&shard[..3]), DType::F32, 0),
             Err(Error::Layout { .. })
         ));
         assert!(matches!(
-            e.publish(a, bytes_of(&shard), DType::BF16, 0),
+            e.host()
+                .unwrap()
+                .publish(a, bytes_of(&shard), DType::BF16, 0),
             Err(Error::Layout { .. })
         ));
         let mut out = vec![0f32; 99];
         assert!(matches!(
-            e.gather(a, 0, bytes_of_mut(&mut out), DType::F32),
+            e.host()
+                .unwrap()
+                .gather(a, 0, bytes_of_mut(&mut out), DType::F32),
             Err(Error::Layout { .. })
         ));
         let g = vec![0f32; 10];
         assert!(matches!(
-            e.scatter_accumulate_at(a, 120, bytes_of(&g), DType::F32, 1.0),
+            e.host()
+                .unwrap()
+                .scatter_accumulate_at(a, 120, bytes_of(&g), DType::F32, 1.0),
             Err(Error::Layout { .. })
         ));
         assert!(matches!(
@@ -219,9 +239,15 @@ fn hybrid_two_nodes_sums_every_rank() {
                     // Every replica publishes the same shard content.
                     let shard: Vec<f32> =
                         (0..sl).map(|i| (me * sl + i) as f32 + k as f32).collect();
-                    e.publish(w, bytes_of(&shard), DType::F32, k).unwrap();
+                    e.host()
+                        .unwrap()
+                        .publish(w, bytes_of(&shard), DType::F32, k)
+                        .unwrap();
                     let mut full = vec![0f32; numel];
-                    e.gather(w, k, bytes_of_mut(&mut full), DType::F32).unwrap();
+                    e.host()
+                        .unwrap()
+                        .gather(w, k, bytes_of_mut(&mut full), DType::F32)
+                        .unwrap();
                     for (i, x) in full.iter().enumerate() {
                         assert_eq!(*x, i as f32 + k as f32, "rank {rank} element {i}");
                     }
@@ -230,12 +256,14 @@ fn hybrid_two_nodes_sums_every_rank() {
                         let g: Vec<f32> = (0..numel)
                             .map(|i| ((rank + 1) * (i + 1)) as f32 + k as f32)
                             .collect();
-                        e.scatter_accumulate(w, bytes_of(&g), DType::F32, 1.0)
+                        e.host()
+                            .unwrap()
+                            .scatter_accumulate(w, bytes_of(&g), DType::F32, 1.0)
                             .unwrap();
                     }
-                    e.finish_minibatch(k).unwrap();
+                    e.host().unwrap().finish_minibatch(k).unwrap();
                     let mut grad = vec![0f32; sl];
-                    e.read_grad_shard(w, &mut grad).unwrap();
+                    e.host().unwrap().read_grad_shard(w, &mut grad).unwrap();
                     for (j, x) in grad.iter().enumerate() {
                         let i = me * sl + j;
                         let want = if i < numel {
@@ -251,7 +279,7 @@ fn hybrid_two_nodes_sums_every_rank() {
                         };
                         assert_eq!(*x, want, "rank {rank} minibatch {k} shard element {j}");
                     }
-                    e.zero_grads().unwrap();
+                    e.host().unwrap().zero_grads().unwrap();
                 }
             })
         })
@@ -330,11 +358,14 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
                 e.register(&[BucketSpec::new("w", 96, DType::F32)]).unwrap();
                 let w = e.bucket_id("w").unwrap();
                 let shard = vec![rank as f32; e.bucket(w).unwrap().shard_len()];
-                e.publish(w, bytes_of(&shard), DType::F32, 0).unwrap();
+                e.host()
+                    .unwrap()
+                    .publish(w, bytes_of(&shard), DType::F32, 0)
+                    .unwrap();
                 published.wait();
                 if rank == 0 {
                     // Fails because of rank 1, as a wait on it would record.
-                    e.inner.transport.set_blame(1);
+                    e.core().transport.set_blame(1);
                     drop(e);
                     closed.wait();
                     return None;
@@ -342,7 +373,7 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
                 closed.wait();
                 // Rank 0's close notice is on its way; wait until it is seen.
                 let t0 = std::time::Instant::now();
-                while e.inner.transport.peer_status(0) == PeerStatus::Alive {
+                while e.core().transport.peer_status(0) == PeerStatus::Alive {
                     assert!(
                         t0.elapsed() < Duration::from_secs(5),
                         "rank 0 never seen closed"
@@ -350,7 +381,10 @@ fn a_read_from_a_rank_that_failed_names_the_root_cause() {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 let mut full = vec![0f32; 96];
-                let out = e.gather(w, 0, bytes_of_mut(&mut full), DType::F32);
+                let out = e
+                    .host()
+                    .unwrap()
+                    .gather(w, 0, bytes_of_mut(&mut full), DType::F32);
                 gathered.wait();
                 Some(out)
             })

@@ -19,14 +19,19 @@
 //! | `transport::fabric` | libfabric RMA backend (feature `fabric`): C shim, sys / result / safe, progress thread |
 //! | `transport::mixed` | `shm` to peers on this node, `fabric` to the others, in one engine (feature `fabric`) |
 //! | [`control`] | where control words and landing slots live; slot header format |
-//! | [`plane`] | the device data plane: `DeviceBackend` (memory + stream operations), `cuda-ipc` (`plane::cuda`) and its host emulation `emu-ipc` (`plane::emu`); the engine's `*_device` calls use it |
+//! | [`protocol`] | the rules as pure state machines over word values: slots, versions, finish, hybrid partials, the own-slice hand-off |
+//! | [`wait`] | every wait on a peer: spin → futex → liveness → deadline, and whom an error blames |
+//! | [`plane`] | the device data plane: `DeviceBackend` (memory + stream operations), `cuda-ipc` (`plane::cuda`), `nvshmem` (`plane::nvshmem`) and their host emulations (`plane::emu`) |
 //! | `gpu` | GPU presence ([`gpu::probe`]), device memory shared within a node ([`gpu::device`]), descriptor passing ([`gpu::fdshare`]), NVSHMEM bindings (sys / result / safe) |
-//! | `handoff` | a client's own slice of a push, handed to its own server without a copy |
-//! | `engine` | [`Engine`] setup, registration, the daemon's lifetime |
-//! | `client` | the worker API: publish, gather, release, scatter, finish |
+//! | `engine` | configuration ([`EngineConfig`], [`Sharding`]), the state shared by workers and daemon, collective registration in steps |
+//! | `client` | the worker API written once over a data path: [`Host`] (host memory) and [`Device`] (device memory on a stream) |
 //! | `server` | the shard server daemon loop |
+//! | `api` | the public [`Engine`]: setup, registration, the daemon's lifetime, accessors, the worker handle of its kind |
 //!
-//! Data flows one way: `Engine` → client ops → `Transport`; the server reads
+//! Data flows one way, and so do the module arrows (`scripts/module-graph.py`
+//! checks it in `make lint`): `api` → `client`, `server` → `engine` →
+//! `transport`, `plane` → `protocol`, `wait`, `control`, `region`, `sync`,
+//! ... ; `client` and `server` never use each other. The server reads
 //! signals from its own memory and calls `odc-kernels`.
 //!
 //! # Quick start
@@ -45,20 +50,21 @@
 //! engine.register(&[BucketSpec::new("layer0", 1000, DType::F32)])?;
 //! let b = engine.bucket_id("layer0")?;
 //! let shard_len = engine.bucket(b)?.shard_len();
+//! let worker = engine.host()?; // host memory (`engine.device()` for GPU transports)
 //!
 //! let mut shard = vec![1.0f32; shard_len];
-//! engine.publish(b, bytes_of(&shard), DType::F32, 0)?; // initial parameters
+//! worker.publish(b, bytes_of(&shard), DType::F32, 0)?; // initial parameters
 //! for k in 0..10u64 {
 //!     let mut params = vec![0f32; 1000];
-//!     engine.gather(b, k, bytes_of_mut(&mut params), DType::F32)?;
+//!     worker.gather(b, k, bytes_of_mut(&mut params), DType::F32)?;
 //!     let grads = vec![1.0f32; 1000]; // forward + backward, any number of microbatches
-//!     engine.scatter_accumulate(b, bytes_of(&grads), DType::F32, 1.0)?;
-//!     engine.finish_minibatch(k)?; // this rank's gradient shards are final
+//!     worker.scatter_accumulate(b, bytes_of(&grads), DType::F32, 1.0)?;
+//!     worker.finish_minibatch(k)?; // this rank's gradient shards are final
 //!     let mut g = vec![0f32; shard_len];
-//!     engine.read_grad_shard(b, &mut g)?;
+//!     worker.read_grad_shard(b, &mut g)?;
 //!     shard.iter_mut().zip(&g).for_each(|(p, g)| *p -= 0.01 * g); // optimizer step
-//!     engine.zero_grads()?;
-//!     engine.publish(b, bytes_of(&shard), DType::F32, k + 1)?;
+//!     worker.zero_grads()?;
+//!     worker.publish(b, bytes_of(&shard), DType::F32, k + 1)?;
 //! }
 //! # Ok(()) }
 //! ```
@@ -117,8 +123,8 @@
 pub mod control;
 pub mod error;
 pub mod gpu;
-mod handoff;
 pub mod layout;
+pub mod protocol;
 pub mod store;
 pub mod sync;
 pub mod topology;
@@ -131,11 +137,13 @@ pub mod plane;
 pub mod region;
 #[cfg(not(loom))]
 pub mod transport;
+#[cfg(not(loom))]
+pub mod wait;
 
 #[cfg(not(loom))]
-mod client;
+mod api;
 #[cfg(not(loom))]
-mod client_device;
+pub mod client;
 #[cfg(not(loom))]
 mod engine;
 #[cfg(not(loom))]
@@ -147,7 +155,11 @@ mod engine_tests;
 mod loom_model;
 
 #[cfg(not(loom))]
-pub use engine::{BucketId, Engine, EngineConfig, Sharding};
+pub use api::Engine;
+#[cfg(not(loom))]
+pub use client::{Device, Host};
+#[cfg(not(loom))]
+pub use engine::{BucketId, EngineConfig, Sharding};
 pub use error::{Error, Result};
 pub use layout::{BucketLayout, BucketSpec};
 #[cfg(not(loom))]

@@ -1,121 +1,408 @@
-//! Model check of the landing-slot protocol with loom: a client pushes N
-//! chunks through two slots (write data, release-increment the slot's
-//! count, as a network transport's progress thread does on each arrived
-//! write), a server scans the counts (acquire), adds the data and acknowledges
-//! (release-store the ack word); the client reuses a slot only after its
-//! last signal was acknowledged. loom's `UnsafeCell` flags any overlap of a
-//! client write and a server read of the same slot, i.e. a slot overwritten
-//! before its acknowledgement.
+//! Model checks, with loom, of the protocol code the engine runs.
+//!
+//! Each model drives the same types the engine does — [`SlotSender`] /
+//! [`SlotReceiver`] (slots), [`versions`] (publish and gather), [`finish`]
+//! (done words), the own-slice [`handoff`](crate::protocol::handoff) and
+//! [`EventCount`] (the waiter's sleep and wake) — over loom atomics, with
+//! the transport's part played as the transports play it: data written
+//! first, then the signal word raised with release ordering (a landing
+//! slot's count incremented, a stamp stored), read with acquire. Data sits
+//! in loom `UnsafeCell`s, so a read overlapping a write (a slot reused
+//! before its acknowledgement, a shard overwritten while a peer reads it)
+//! fails the model, as does a wrong sum or a lost wake-up (a deadlock).
+//!
+//! Each rule has a test that breaks it on purpose ([`Mistake`]) and must
+//! fail: the models can tell.
 
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 
-use crate::control::slot_seq;
-use crate::sync::{yield_now, AtomicU64, Backoff, Ordering};
+use crate::protocol::finish;
+use crate::protocol::slots::{slot_count, SlotReceiver, SlotSender};
+use crate::protocol::versions::{self, Shard};
+use crate::sync::{yield_now, AtomicU64, EventCount, Ordering};
 
-struct Slot {
-    signal: AtomicU64,
-    data: UnsafeCell<u64>,
+/// A deliberate error, to show that a model catches it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mistake {
+    None,
+    /// The client writes a slot without waiting for its acknowledgement.
+    ReuseUnacked,
+    /// The slot's count is raised with relaxed ordering (the data may not
+    /// be visible when the count is).
+    RelaxedSignal,
+    /// The owner publishes the next version without waiting for the
+    /// reader's release.
+    PublishUnreleased,
+    /// The client writes `done` before its last chunk was acknowledged.
+    DoneBeforeAck,
+    /// The notifier looks for sleepers before it bumps the epoch.
+    NotifyBeforeBump,
 }
 
-struct Pair {
-    slots: [Slot; 2],
-    acks: [AtomicU64; 2],
-}
-
-impl Pair {
-    fn new() -> Pair {
-        let slot = || Slot {
-            signal: AtomicU64::new(0),
-            data: UnsafeCell::new(0),
-        };
-        Pair {
-            slots: [slot(), slot()],
-            acks: [AtomicU64::new(0), AtomicU64::new(0)],
-        }
-    }
+fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(preemptions);
+    builder.check(f);
 }
 
 fn payload(seq: u64) -> u64 {
     seq * 10 + 1
 }
 
-fn client(pair: &Pair, chunks: u64) {
-    let mut sent = [0u64; 2];
-    for seq in 1..=chunks {
-        let s = (seq % 2) as usize;
-        let mut backoff = Backoff::new();
-        while pair.acks[s].load(Ordering::Acquire) != sent[s] {
-            backoff.snooze();
-        }
-        // SAFETY (model): the server acknowledged this slot's last chunk, so
-        // it no longer reads it; loom checks exactly this claim.
-        pair.slots[s]
-            .data
-            .with_mut(|d| unsafe { *d = payload(seq) });
-        pair.slots[s].signal.fetch_add(1, Ordering::Release);
-        sent[s] = seq;
-    }
-    for s in 0..2 {
-        while pair.acks[s].load(Ordering::Acquire) != sent[s] {
-            yield_now();
-        }
-    }
+/// One client's two landing slots at one owner.
+struct Slots {
+    signal: [AtomicU64; 2],
+    ack: [AtomicU64; 2],
+    data: [UnsafeCell<u64>; 2],
 }
 
-fn server(pair: &Pair, chunks: u64) -> u64 {
-    let mut last = [0u64; 2];
-    let (mut processed, mut sum) = (0, 0);
-    while processed < chunks {
-        let mut progressed = false;
-        for s in 0..2 {
-            let seq = slot_seq(s, pair.slots[s].signal.load(Ordering::Acquire));
-            if seq != last[s] {
-                // SAFETY (model): the client wrote the data before the signal
-                // we observed and waits for our acknowledgement.
-                sum += pair.slots[s].data.with(|d| unsafe { *d });
-                pair.acks[s].store(seq, Ordering::Release);
-                last[s] = seq;
-                processed += 1;
-                progressed = true;
+impl Slots {
+    fn new() -> Slots {
+        Slots {
+            signal: [AtomicU64::new(0), AtomicU64::new(0)],
+            ack: [AtomicU64::new(0), AtomicU64::new(0)],
+            data: [UnsafeCell::new(0), UnsafeCell::new(0)],
+        }
+    }
+
+    fn acks(&self) -> [u64; 2] {
+        [
+            self.ack[0].load(Ordering::Acquire),
+            self.ack[1].load(Ordering::Acquire),
+        ]
+    }
+
+    /// The client's push of one chunk, as `Worker::push_chunks` does it.
+    fn push(&self, sender: &mut SlotSender, value: u64, mistake: Mistake) {
+        let (slot, seq) = loop {
+            let (slot, seq) = sender.next();
+            if mistake == Mistake::ReuseUnacked {
+                break (slot, seq);
+            }
+            match sender.ready(self.ack[slot].load(Ordering::Acquire)) {
+                Some(next) => break next,
+                None => yield_now(),
+            }
+        };
+        // SAFETY (model): the slot's last chunk was acknowledged, so the
+        // owner no longer reads it; loom checks this claim.
+        self.data[slot].with_mut(|d| unsafe { *d = value });
+        let order = if mistake == Mistake::RelaxedSignal {
+            Ordering::Relaxed
+        } else {
+            Ordering::Release
+        };
+        // The transport counts the write into the slot (fabric's progress
+        // thread, shm's store of the count).
+        debug_assert_eq!(
+            slot_count(seq),
+            self.signal[slot].load(Ordering::Relaxed) + 1
+        );
+        self.signal[slot].fetch_add(1, order);
+        sender.sent(slot, seq);
+    }
+
+    /// The owner's scan, as the server daemon does it: adds every new chunk
+    /// (in push order) and acknowledges it. Returns what it added.
+    fn scan(&self, receiver: &mut SlotReceiver) -> Option<u64> {
+        let mut added = None;
+        for slot in receiver.order() {
+            let count = self.signal[slot].load(Ordering::Acquire);
+            if let Some(seq) = receiver.arrived(slot, count) {
+                // SAFETY (model): the count was raised after the data, and
+                // the client leaves the slot alone until the ack below.
+                let v = self.data[slot].with(|d| unsafe { *d });
+                *added.get_or_insert(0) += v;
+                self.ack[slot].store(seq, Ordering::Release);
             }
         }
-        if !progressed {
-            yield_now();
-        }
+        added
     }
-    sum
 }
 
-#[test]
-fn loom_landing_slots_two_slots_three_chunks() {
-    let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(3);
-    builder.check(|| {
+/// Slots: a client pushes three chunks through two slots while the owner
+/// adds them; every chunk is added once, none is overwritten first.
+fn slots_model(mistake: Mistake) {
+    check(3, move || {
         let chunks = 3;
-        let pair = Arc::new(Pair::new());
-        let p = Arc::clone(&pair);
-        let srv = loom::thread::spawn(move || server(&p, chunks));
-        client(&pair, chunks);
-        let sum = srv.join().unwrap();
-        assert_eq!(sum, (1..=chunks).map(payload).sum::<u64>());
-        for s in 0..2 {
-            assert_eq!(
-                pair.acks[s].load(Ordering::Acquire),
-                slot_seq(s, pair.slots[s].signal.load(Ordering::Acquire))
-            );
+        let slots = Arc::new(Slots::new());
+        let owner = {
+            let slots = Arc::clone(&slots);
+            loom::thread::spawn(move || {
+                let mut receiver = SlotReceiver::default();
+                let (mut sum, mut want) = (0, (1..=chunks).map(payload).sum::<u64>());
+                while want > 0 {
+                    match slots.scan(&mut receiver) {
+                        Some(v) => {
+                            sum += v;
+                            want = want.saturating_sub(v);
+                        }
+                        None => yield_now(),
+                    }
+                }
+                sum
+            })
+        };
+        let mut sender = SlotSender::default();
+        for seq in 1..=chunks {
+            slots.push(&mut sender, payload(seq), mistake);
         }
+        while !sender.acknowledged(slots.acks()) {
+            yield_now();
+        }
+        assert_eq!(
+            owner.join().unwrap(),
+            (1..=chunks).map(payload).sum::<u64>()
+        );
     });
 }
 
-/// The own-slice hand-off (`crate::handoff`): the server reads the client's
-/// buffer only under a claim; once the client saw `done` or revoked, it
-/// reuses the buffer (a write loom checks against every server read).
+#[test]
+fn loom_slots_are_reused_only_after_their_acknowledgement() {
+    slots_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_slots_catch_a_slot_reused_before_its_acknowledgement() {
+    slots_model(Mistake::ReuseUnacked);
+}
+
+#[test]
+#[should_panic]
+fn loom_slots_catch_a_relaxed_signal() {
+    slots_model(Mistake::RelaxedSignal);
+}
+
+/// One owner and one client for two minibatches, the whole cycle without a
+/// barrier: the owner publishes version k of its shard once the client
+/// released k − 1 (its done word), then adds the client's pushes and, once
+/// the client's done word reads k, reads its final gradient; the client
+/// gathers version k, pushes one chunk, waits for its acknowledgement and
+/// writes done = k.
+struct Pair {
+    shard: UnsafeCell<u64>,
+    seen_version: AtomicU64,
+    done: AtomicU64,
+    slots: Slots,
+}
+
+fn shard_value(k: u64) -> u64 {
+    100 + k
+}
+
+fn grad_value(k: u64) -> u64 {
+    1000 * (k + 1)
+}
+
+fn minibatch_model(mistake: Mistake) {
+    check(2, move || {
+        let minibatches = 2;
+        let pair = Arc::new(Pair {
+            shard: UnsafeCell::new(0),
+            seen_version: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            slots: Slots::new(),
+        });
+        let owner = {
+            let pair = Arc::clone(&pair);
+            loom::thread::spawn(move || {
+                let mut receiver = SlotReceiver::default();
+                for k in 0..minibatches {
+                    // Publish k: the client released k − 1.
+                    let stamp =
+                        versions::publish_stamp(pair.seen_version.load(Ordering::Acquire), k)
+                            .unwrap();
+                    while versions::unreleased_reader([(0, pair.done.load(Ordering::Acquire))], k)
+                        .is_some()
+                    {
+                        yield_now();
+                    }
+                    // SAFETY (model): no reader reads the shard now.
+                    pair.shard.with_mut(|s| unsafe { *s = shard_value(k) });
+                    pair.seen_version.store(stamp, Ordering::Release);
+                    // Serve pushes until the client is done with k.
+                    let done = finish::done_stamp(0, k).unwrap();
+                    let mut accum = 0;
+                    loop {
+                        if let Some(v) = pair.slots.scan(&mut receiver) {
+                            accum += v;
+                        }
+                        if finish::unfinished_client([pair.done.load(Ordering::Acquire)], done)
+                            .is_none()
+                        {
+                            break;
+                        }
+                        yield_now();
+                    }
+                    assert_eq!(
+                        accum,
+                        grad_value(k),
+                        "minibatch {k}: gradient not final at done"
+                    );
+                }
+            })
+        };
+        let mut sender = SlotSender::default();
+        for k in 0..minibatches {
+            loop {
+                match versions::shard(pair.seen_version.load(Ordering::Acquire), k).unwrap() {
+                    Shard::Ready => break,
+                    Shard::Pending => yield_now(),
+                }
+            }
+            // SAFETY (model): the owner does not overwrite before done = k.
+            let v = pair.shard.with(|s| unsafe { *s });
+            assert_eq!(v, shard_value(k), "gathered the wrong version");
+            pair.slots.push(&mut sender, grad_value(k), Mistake::None);
+            if mistake != Mistake::DoneBeforeAck {
+                while !sender.acknowledged(pair.slots.acks()) {
+                    yield_now();
+                }
+            }
+            pair.done
+                .store(finish::done_stamp(0, k).unwrap(), Ordering::Release);
+        }
+        owner.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_a_minibatch_needs_no_barrier() {
+    minibatch_model(Mistake::None);
+}
+
+/// Versions on their own, as the `odc` process group's scratch buckets use
+/// them (no minibatch end): the owner publishes three versions back to
+/// back, each once the reader released the previous one; the reader
+/// gathers each and releases it.
+fn release_model(mistake: Mistake) {
+    check(3, move || {
+        let versions_ = 3;
+        let shard = Arc::new((UnsafeCell::new(0u64), AtomicU64::new(0), AtomicU64::new(0)));
+        let owner = {
+            let shard = Arc::clone(&shard);
+            loom::thread::spawn(move || {
+                let (data, seen, released) = &*shard;
+                for v in 0..versions_ {
+                    let stamp = versions::publish_stamp(seen.load(Ordering::Acquire), v).unwrap();
+                    while mistake != Mistake::PublishUnreleased
+                        && versions::unreleased_reader([(released.load(Ordering::Acquire), 0)], v)
+                            .is_some()
+                    {
+                        yield_now();
+                    }
+                    // SAFETY (model): every reader released v − 1.
+                    data.with_mut(|d| unsafe { *d = shard_value(v) });
+                    seen.store(stamp, Ordering::Release);
+                }
+            })
+        };
+        let (data, seen, released) = &*shard;
+        for v in 0..versions_ {
+            while versions::shard(seen.load(Ordering::Acquire), v).unwrap() == Shard::Pending {
+                yield_now();
+            }
+            // SAFETY (model): the owner waits for the release below.
+            assert_eq!(data.with(|d| unsafe { *d }), shard_value(v), "version {v}");
+            released.fetch_max(versions::publish_stamp(0, v).unwrap(), Ordering::Release);
+        }
+        owner.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_versions_wait_for_every_release() {
+    release_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_versions_catch_a_publish_before_the_release() {
+    release_model(Mistake::PublishUnreleased);
+}
+
+#[test]
+#[should_panic]
+fn loom_finish_catches_done_before_the_acknowledgement() {
+    minibatch_model(Mistake::DoneBeforeAck);
+}
+
+/// The waiter's sleep and wake ([`EventCount`], as every bell uses it): a
+/// waiter checks a flag and sleeps on the epoch it read before the check; a
+/// notifier sets the flag, then notifies. No wake-up may be lost (loom
+/// reports a deadlock otherwise).
+fn event_count_model(mistake: Mistake) {
+    check(3, move || {
+        let ec = Arc::new(EventCount::default());
+        let flag = Arc::new(AtomicU64::new(0));
+        let waiter = {
+            let (ec, flag) = (Arc::clone(&ec), Arc::clone(&flag));
+            loom::thread::spawn(move || loop {
+                let epoch = ec.epoch();
+                if flag.load(Ordering::Acquire) == 1 {
+                    return;
+                }
+                ec.wait(epoch, ());
+            })
+        };
+        flag.store(1, Ordering::Release);
+        if mistake == Mistake::NotifyBeforeBump {
+            broken_notify(&ec);
+        } else {
+            ec.notify();
+        }
+        waiter.join().unwrap();
+    });
+}
+
+/// `EventCount::notify` with its two steps swapped.
+fn broken_notify(ec: &EventCount) {
+    let (epoch, sleepers) = ec.words();
+    let someone = sleepers.load(Ordering::SeqCst) != 0;
+    crate::sync::fence(Ordering::SeqCst);
+    epoch.fetch_add(1, Ordering::SeqCst);
+    if someone {
+        ec.wake_for_model();
+    }
+}
+
+#[test]
+fn loom_sleepers_are_always_woken() {
+    event_count_model(Mistake::None);
+}
+
+/// A lost wake-up is a deadlock, which loom reports by aborting the
+/// process; so this runs the broken model in a child process (this test
+/// binary, this test only) and checks that it died of the deadlock.
+#[test]
+fn loom_sleep_catches_a_notify_that_looks_before_it_bumps() {
+    const CHILD: &str = "ODC_LOOM_BROKEN_NOTIFY";
+    if std::env::var_os(CHILD).is_some() {
+        event_count_model(Mistake::NotifyBeforeBump);
+        return;
+    }
+    let name = "loom_model::loom_sleep_catches_a_notify_that_looks_before_it_bumps";
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads", "1"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the broken notify passed the model");
+    assert!(stderr.contains("deadlock"), "{stderr}");
+}
+
+/// The own-slice hand-off (`crate::protocol::handoff`): the server reads
+/// the client's buffer only under a claim; once the client saw `done` or
+/// revoked, it reuses the buffer (a write loom checks against every server
+/// read).
 mod own_handoff {
     use loom::cell::UnsafeCell;
     use loom::sync::Arc;
 
-    use crate::handoff::{OwnPush, OwnSlice};
+    use crate::protocol::handoff::{OwnPush, OwnSlice};
     use crate::sync::yield_now;
 
     struct Shared {
@@ -157,9 +444,7 @@ mod own_handoff {
     }
 
     fn run(revoke: bool) {
-        let mut builder = loom::model::Builder::new();
-        builder.preemption_bound = Some(3);
-        builder.check(move || {
+        super::check(3, move || {
             let s = Arc::new(Shared {
                 own: OwnPush::new(),
                 buffer: UnsafeCell::new(7),

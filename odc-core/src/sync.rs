@@ -129,26 +129,39 @@ pub fn futex_wake_all(word: &AtomicU32) {
 /// [`notify`](EventCount::notify), which bumps the epoch and issues a futex
 /// wake only when someone sleeps. `#[repr(C)]` so it can live in a shared
 /// mapping.
+///
+/// No wake-up is lost: a waiter counts itself a sleeper before it checks the
+/// epoch one last time, and a notifier bumps the epoch before it looks for
+/// sleepers, each with a SeqCst fence between its write and its read (the
+/// store-buffering pattern), so either the waiter sees the new epoch or the
+/// notifier sees the sleeper; the futex's own check of the epoch closes the
+/// gap between that check and the sleep. (SeqCst accesses alone suffice in
+/// the C++ model, but loom, which models them as acquire/release, can only
+/// prove the fenced form; on x86 the fence after a locked RMW is nearly free.) Under loom
+/// the futex is a mutex and condition variable with the same check-then-
+/// sleep atomicity, and `loom_model` checks exactly this code.
 #[repr(C)]
 #[derive(Debug, Default)]
-#[cfg(not(loom))]
 pub struct EventCount {
     epoch: AtomicU32,
     sleepers: AtomicU32,
+    #[cfg(loom)]
+    park: LoomFutex,
 }
 
-#[cfg(not(loom))]
 impl EventCount {
     /// The current epoch; read it before checking the awaited condition.
     pub fn epoch(&self) -> u32 {
         self.epoch.load(Ordering::SeqCst)
     }
 
-    /// Sleeps until the epoch moves past `epoch` or `timeout` passes.
-    pub fn wait(&self, epoch: u32, timeout: Duration) {
+    /// Sleeps until the epoch moves past `epoch` or `timeout` passes (under
+    /// loom: until it moves; a lost wake-up is then a deadlock loom reports).
+    pub fn wait(&self, epoch: u32, timeout: Timeout) {
         self.sleepers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         if self.epoch.load(Ordering::SeqCst) == epoch {
-            futex_wait(&self.epoch, epoch, timeout);
+            self.sleep(epoch, timeout);
         }
         self.sleepers.fetch_sub(1, Ordering::SeqCst);
     }
@@ -157,9 +170,73 @@ impl EventCount {
     /// waiters wait for.
     pub fn notify(&self) {
         self.epoch.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         if self.sleepers.load(Ordering::SeqCst) != 0 {
-            futex_wake_all(&self.epoch);
+            self.wake();
         }
+    }
+
+    #[cfg(not(loom))]
+    fn sleep(&self, epoch: u32, timeout: Timeout) {
+        futex_wait(&self.epoch, epoch, timeout);
+    }
+
+    #[cfg(not(loom))]
+    fn wake(&self) {
+        futex_wake_all(&self.epoch);
+    }
+
+    #[cfg(loom)]
+    fn sleep(&self, epoch: u32, _timeout: Timeout) {
+        self.park.wait_while(&self.epoch, epoch);
+    }
+
+    #[cfg(loom)]
+    fn wake(&self) {
+        self.park.wake_all();
+    }
+}
+
+/// The model's handles on the two words, to break `notify` on purpose.
+#[cfg(all(loom, test))]
+impl EventCount {
+    pub(crate) fn words(&self) -> (&AtomicU32, &AtomicU32) {
+        (&self.epoch, &self.sleepers)
+    }
+
+    pub(crate) fn wake_for_model(&self) {
+        self.wake();
+    }
+}
+
+/// How long a wait may sleep (loom models untimed sleeps).
+#[cfg(not(loom))]
+pub type Timeout = Duration;
+/// How long a wait may sleep (loom models untimed sleeps).
+#[cfg(loom)]
+pub type Timeout = ();
+
+/// FUTEX_WAIT / FUTEX_WAKE for loom: the check of the word and the sleep are
+/// atomic with respect to a wake, as in the kernel.
+#[cfg(loom)]
+#[derive(Debug, Default)]
+struct LoomFutex {
+    lock: loom::sync::Mutex<()>,
+    cv: loom::sync::Condvar,
+}
+
+#[cfg(loom)]
+impl LoomFutex {
+    fn wait_while(&self, word: &AtomicU32, expected: u32) {
+        let mut guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        while word.load(Ordering::SeqCst) == expected {
+            guard = self.cv.wait(guard).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn wake_all(&self) {
+        let _guard = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.cv.notify_all();
     }
 }
 

@@ -17,8 +17,7 @@ use std::time::Duration;
 
 use odc_core::plane::emu::EmuStream;
 use odc_core::{
-    bytes_of, BucketId, BucketSpec, DType, Engine, EngineConfig, Error, FileStore, Topology,
-    TransportKind,
+    BucketId, BucketSpec, DType, Engine, EngineConfig, Error, FileStore, Topology, TransportKind,
 };
 
 fn config(key: &str, transport: TransportKind) -> EngineConfig {
@@ -134,45 +133,53 @@ fn exact(e: Engine) {
             // SAFETY: every buffer outlives finish_minibatch_device, which
             // waits for the stream.
             unsafe {
-                e.publish_device(w, addr(&shard), sl * 4, DType::F32, k, s)
+                e.device()
+                    .unwrap()
+                    .publish(w, addr(&shard), sl * 4, DType::F32, k, s)
                     .unwrap();
-                e.publish_device(h, addr(&hshard), hl * 2, DType::BF16, k, s)
+                e.device()
+                    .unwrap()
+                    .publish(h, addr(&hshard), hl * 2, DType::BF16, k, s)
                     .unwrap();
-                e.gather_device(w, k, addr(&full), numel * 4, DType::F32, s, false)
+                e.device()
+                    .unwrap()
+                    .gather(w, k, addr(&full), numel * 4, DType::F32, s, false)
                     .unwrap();
-                e.gather_device(h, k, addr(&hfull), hfull.len() * 2, DType::BF16, s, false)
+                e.device()
+                    .unwrap()
+                    .gather(h, k, addr(&hfull), hfull.len() * 2, DType::BF16, s, false)
                     .unwrap();
-                e.release_device(w, k, s).unwrap();
-                e.release_device(h, k, s).unwrap();
+                e.device().unwrap().release(w, k, s).unwrap();
+                e.device().unwrap().release(h, k, s).unwrap();
                 for _ in 0..rank {
-                    e.scatter_accumulate_device(w, 0, addr(&grads), numel * 4, DType::F32, 0.5, s)
+                    e.device()
+                        .unwrap()
+                        .scatter_accumulate(w, 0, addr(&grads), numel * 4, DType::F32, 0.5, s)
                         .unwrap();
                 }
                 let cut = 400;
-                e.scatter_accumulate_device(w, 0, addr(&grads), cut * 4, DType::F32, 0.5, s)
+                e.device()
+                    .unwrap()
+                    .scatter_accumulate(w, 0, addr(&grads), cut * 4, DType::F32, 0.5, s)
                     .unwrap();
-                e.scatter_accumulate_device(
-                    w,
-                    cut,
-                    addr(&grads) + (cut * 4) as u64,
-                    (numel - cut) * 4,
-                    DType::F32,
-                    0.5,
-                    s,
-                )
-                .unwrap();
-                e.scatter_accumulate_device(
-                    h,
-                    0,
-                    addr(&hgrads),
-                    hgrads.len() * 2,
-                    DType::BF16,
-                    1.0,
-                    s,
-                )
-                .unwrap();
+                e.device()
+                    .unwrap()
+                    .scatter_accumulate(
+                        w,
+                        cut,
+                        addr(&grads) + (cut * 4) as u64,
+                        (numel - cut) * 4,
+                        DType::F32,
+                        0.5,
+                        s,
+                    )
+                    .unwrap();
+                e.device()
+                    .unwrap()
+                    .scatter_accumulate(h, 0, addr(&hgrads), hgrads.len() * 2, DType::BF16, 1.0, s)
+                    .unwrap();
             }
-            e.finish_minibatch_device(k, s).unwrap();
+            e.device().unwrap().finish_minibatch(k, s).unwrap();
             for (i, x) in full.iter().enumerate() {
                 assert_eq!(
                     *x,
@@ -188,7 +195,7 @@ fn exact(e: Engine) {
                 );
             }
             common::check_grad_sums(&e, (w, numel), h, k);
-            e.zero_grads_device(s).unwrap();
+            e.device().unwrap().zero_grads(s).unwrap();
             stream.synchronize().unwrap();
         }
     }
@@ -211,9 +218,13 @@ fn the_own_slice_waits_for_the_callers_stream() {
         let grads = vec![0f32; 256];
         // SAFETY: buffers outlive the finish below.
         unsafe {
-            e.publish_device(w, addr(&shard), sl * 4, DType::F32, 0, s)
+            e.device()
+                .unwrap()
+                .publish(w, addr(&shard), sl * 4, DType::F32, 0, s)
                 .unwrap();
-            e.gather_device(w, 0, addr(&grads), 256 * 4, DType::F32, s, false)
+            e.device()
+                .unwrap()
+                .gather(w, 0, addr(&grads), 256 * 4, DType::F32, s, false)
                 .unwrap();
             // "Produce" the gradient on the stream, as a kernel would: a
             // copy of 2.0s over it that runs only after the stream's sleeps.
@@ -223,13 +234,15 @@ fn the_own_slice_waits_for_the_callers_stream() {
                     std::ptr::copy_nonoverlapping(src as *const u8, d as *mut u8, 256 * 4)
                 }))
                 .unwrap();
-            e.scatter_accumulate_device(w, 0, addr(&grads), 256 * 4, DType::F32, 1.0, s)
+            e.device()
+                .unwrap()
+                .scatter_accumulate(w, 0, addr(&grads), 256 * 4, DType::F32, 1.0, s)
                 .unwrap();
         }
-        e.release_device(w, 0, s).unwrap();
-        e.finish_minibatch_device(0, s).unwrap();
+        e.device().unwrap().release(w, 0, s).unwrap();
+        e.device().unwrap().finish_minibatch(0, s).unwrap();
         let mut g = vec![0f32; sl];
-        e.read_grad_shard_device(w, &mut g).unwrap();
+        e.device().unwrap().read_grad_shard(w, &mut g).unwrap();
         assert!(
             g.iter().all(|&x| x == 4.0),
             "rank {}: {:?}",
@@ -240,22 +253,20 @@ fn the_own_slice_waits_for_the_callers_stream() {
 }
 
 #[test]
-fn host_and_device_calls_are_not_mixed() {
+fn the_engine_hands_out_the_worker_handle_of_its_kind_only() {
     run_ranks(2, "dev_mixed", TransportKind::EmuIpc, |e| {
         e.register(&[BucketSpec::new("w", 100, DType::F32)])
             .unwrap();
         let shard = vec![0f32; e.bucket(BucketId(0)).unwrap().shard_len()];
-        let err = e
-            .publish(BucketId(0), bytes_of(&shard), DType::F32, 0)
-            .unwrap_err();
+        // A device engine has no host handle; the error says which to use.
+        let err = e.host().unwrap_err();
         assert!(matches!(err, Error::Config(_)), "{err}");
-        assert!(err.to_string().contains("publish_device"), "{err}");
-        assert!(matches!(e.finish_minibatch(0), Err(Error::Config(_))));
+        assert!(err.to_string().contains("Engine::device"), "{err}");
         // A bad length names the bucket, like the host call.
         let stream = EmuStream::new(Duration::ZERO).unwrap();
         // SAFETY: the call is refused before anything is enqueued.
         let err = unsafe {
-            e.publish_device(
+            e.device().unwrap().publish(
                 BucketId(0),
                 addr(&shard),
                 12,
@@ -270,8 +281,8 @@ fn host_and_device_calls_are_not_mixed() {
     run_ranks(2, "dev_host", TransportKind::Shm, |e| {
         e.register(&[BucketSpec::new("w", 100, DType::F32)])
             .unwrap();
-        let err = e.release_device(BucketId(0), 0, 1).unwrap_err();
-        assert!(err.to_string().contains("device transport"), "{err}");
+        let err = e.device().unwrap_err();
+        assert!(err.to_string().contains("Engine::host"), "{err}");
     });
 }
 
@@ -350,14 +361,18 @@ fn release_holds_the_owner(e: Engine) {
             let (shard, out) = (&shards[v as usize], &outs[v as usize]);
             // SAFETY: all buffers outlive the synchronize below.
             unsafe {
-                e.publish_device(w, addr(shard), sl * 4, DType::F32, v, s)
+                e.device()
+                    .unwrap()
+                    .publish(w, addr(shard), sl * 4, DType::F32, v, s)
                     .unwrap();
-                e.gather_device(w, v, addr(out), 4096 * 4, DType::F32, s, false)
+                e.device()
+                    .unwrap()
+                    .gather(w, v, addr(out), 4096 * 4, DType::F32, s, false)
                     .unwrap();
             }
-            e.release_device(w, v, s).unwrap();
+            e.device().unwrap().release(w, v, s).unwrap();
         }
-        e.finish_minibatch_device(0, s).unwrap();
+        e.device().unwrap().finish_minibatch(0, s).unwrap();
         for (v, out) in outs.iter().enumerate() {
             for (i, x) in out.iter().enumerate() {
                 assert_eq!(

@@ -130,18 +130,27 @@ fn gpu_engine_nvshmem_one_pe_exact() {
     let (d_x, d_out) = (upload(&gpu, bytes_of(&x)), gpu.alloc(4096 * 4).unwrap());
     // SAFETY: the buffers outlive the finish, which waits for the stream.
     unsafe {
-        e2.publish_device(BucketId(0), d_x.ptr(), 4096 * 4, DType::F32, 0, s)
+        e2.device()
+            .unwrap()
+            .publish(BucketId(0), d_x.ptr(), 4096 * 4, DType::F32, 0, s)
             .unwrap();
-        e2.gather_device(BucketId(0), 0, d_out.ptr(), 4096 * 4, DType::F32, s, false)
+        e2.device()
+            .unwrap()
+            .gather(BucketId(0), 0, d_out.ptr(), 4096 * 4, DType::F32, s, false)
             .unwrap();
-        e2.scatter_accumulate_device(BucketId(0), 0, d_x.ptr(), 4096 * 4, DType::F32, 2.0, s)
+        e2.device()
+            .unwrap()
+            .scatter_accumulate(BucketId(0), 0, d_x.ptr(), 4096 * 4, DType::F32, 2.0, s)
             .unwrap();
     }
-    e2.release_device(BucketId(0), 0, s).unwrap();
-    e2.finish_minibatch_device(0, s).unwrap();
+    e2.device().unwrap().release(BucketId(0), 0, s).unwrap();
+    e2.device().unwrap().finish_minibatch(0, s).unwrap();
     assert_eq!(floats(&download(&gpu, &d_out, 4096 * 4)), x);
     let mut g = vec![0f32; 4096];
-    e2.read_grad_shard_device(BucketId(0), &mut g).unwrap();
+    e2.device()
+        .unwrap()
+        .read_grad_shard(BucketId(0), &mut g)
+        .unwrap();
     assert!(g.iter().zip(&x).all(|(a, b)| *a == 2.0 * b));
     // A third engine finds no room left in the session's heap.
     let e3 = Engine::new(
@@ -243,32 +252,36 @@ fn run_rank(e: &Engine, device: usize) {
         // SAFETY: every buffer lives until after finish_minibatch_device,
         // which waits for the stream.
         unsafe {
-            e.publish_device(w, d_shard.ptr(), sl * 4, DType::F32, k, s)
+            e.device()
+                .unwrap()
+                .publish(w, d_shard.ptr(), sl * 4, DType::F32, k, s)
                 .unwrap();
-            e.publish_device(h, d_hshard.ptr(), hl * 2, DType::BF16, k, s)
+            e.device()
+                .unwrap()
+                .publish(h, d_hshard.ptr(), hl * 2, DType::BF16, k, s)
                 .unwrap();
-            e.gather_device(w, k, d_full.ptr(), numel * 4, DType::F32, s, false)
+            e.device()
+                .unwrap()
+                .gather(w, k, d_full.ptr(), numel * 4, DType::F32, s, false)
                 .unwrap();
-            e.gather_device(h, k, d_hfull.ptr(), world * hl * 2, DType::BF16, s, false)
+            e.device()
+                .unwrap()
+                .gather(h, k, d_hfull.ptr(), world * hl * 2, DType::BF16, s, false)
                 .unwrap();
-            e.release_device(w, k, s).unwrap();
-            e.release_device(h, k, s).unwrap();
+            e.device().unwrap().release(w, k, s).unwrap();
+            e.device().unwrap().release(h, k, s).unwrap();
             for _ in 0..=rank {
-                e.scatter_accumulate_device(w, 0, d_grads.ptr(), numel * 4, DType::F32, 0.5, s)
+                e.device()
+                    .unwrap()
+                    .scatter_accumulate(w, 0, d_grads.ptr(), numel * 4, DType::F32, 0.5, s)
                     .unwrap();
             }
-            e.scatter_accumulate_device(
-                h,
-                0,
-                d_hgrads.ptr(),
-                hgrads.len() * 2,
-                DType::BF16,
-                1.0,
-                s,
-            )
-            .unwrap();
+            e.device()
+                .unwrap()
+                .scatter_accumulate(h, 0, d_hgrads.ptr(), hgrads.len() * 2, DType::BF16, 1.0, s)
+                .unwrap();
         }
-        e.finish_minibatch_device(k, s).unwrap();
+        e.device().unwrap().finish_minibatch(k, s).unwrap();
         let full = floats(&download(&gpu, &d_full, numel * 4));
         for (i, x) in full.iter().enumerate() {
             assert_eq!(
@@ -287,7 +300,7 @@ fn run_rank(e: &Engine, device: usize) {
             );
         }
         common::check_grad_sums(e, (w, numel), h, k);
-        e.zero_grads_device(s).unwrap();
+        e.device().unwrap().zero_grads(s).unwrap();
         stream.synchronize().unwrap();
     }
 }

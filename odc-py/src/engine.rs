@@ -185,6 +185,40 @@ pub(crate) struct PyEngine {
     engine: Engine,
 }
 
+impl PyEngine {
+    /// The engine's host worker handle (a device engine refuses, naming the right calls).
+    fn host_calls(&self, py: Python<'_>) -> PyResult<odc_core::Host<'_>> {
+        if self.engine.is_device() {
+            return Err(odc_error(
+                py,
+                "ConfigError",
+                format!(
+                    "this engine's data lives in device memory ({}): use the *_device calls \
+                     (publish_device, gather_device, scatter_accumulate_device, ...)",
+                    self.engine.transport_name()
+                ),
+            ));
+        }
+        self.engine.host().map_err(|e| core_error(py, e))
+    }
+
+    /// The engine's device worker handle (a host engine refuses).
+    fn device_calls(&self, py: Python<'_>) -> PyResult<odc_core::Device<'_>> {
+        if !self.engine.is_device() {
+            return Err(odc_error(
+                py,
+                "ConfigError",
+                format!(
+                    "this engine's data lives in host memory ({}): the *_device calls need a \
+                     device transport (cuda-ipc, nvshmem, emu-ipc, emu-shmem)",
+                    self.engine.transport_name()
+                ),
+            ));
+        }
+        self.engine.device().map_err(|e| core_error(py, e))
+    }
+}
+
 #[pymethods]
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
@@ -358,6 +392,7 @@ impl PyEngine {
         dtype: &str,
         version: u64,
     ) -> PyResult<()> {
+        let host = self.host_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr, nbytes, dtype.size_bytes())?;
         // SAFETY: `odc.engine` passes a live, contiguous tensor of `nbytes`
@@ -368,7 +403,7 @@ impl PyEngine {
         // tensor handed to a call is not written by anyone until it returns,
         // as for torch's own kernels, which also run without the GIL.
         let shard = unsafe { bytes(ptr, nbytes) };
-        py.detach(|| self.engine.publish(BucketId(bucket), shard, dtype, version))
+        py.detach(|| host.publish(BucketId(bucket), shard, dtype, version))
             .map_err(|e| core_error(py, e))
     }
 
@@ -386,6 +421,7 @@ impl PyEngine {
         dtype: &str,
         skip_own: bool,
     ) -> PyResult<()> {
+        let host = self.host_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr, nbytes, dtype.size_bytes())?;
         // SAFETY: as in `publish`; for an output the same contract forbids
@@ -393,10 +429,9 @@ impl PyEngine {
         let out = unsafe { bytes_mut(ptr, nbytes) };
         py.detach(|| {
             if skip_own {
-                self.engine
-                    .gather_remote(BucketId(bucket), version, out, dtype)
+                host.gather_remote(BucketId(bucket), version, out, dtype)
             } else {
-                self.engine.gather(BucketId(bucket), version, out, dtype)
+                host.gather(BucketId(bucket), version, out, dtype)
             }
         })
         .map_err(|e| core_error(py, e))
@@ -404,7 +439,8 @@ impl PyEngine {
 
     /// Tells the owners this rank is done reading `version` of `bucket`.
     fn release(&self, py: Python<'_>, bucket: usize, version: u64) -> PyResult<()> {
-        py.detach(|| self.engine.release(BucketId(bucket), version))
+        let host = self.host_calls(py)?;
+        py.detach(|| host.release(BucketId(bucket), version))
             .map_err(|e| core_error(py, e))
     }
 
@@ -422,32 +458,29 @@ impl PyEngine {
         scale: f32,
         offset: Option<usize>,
     ) -> PyResult<()> {
+        let host = self.host_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr, nbytes, dtype.size_bytes())?;
         // SAFETY: as in `publish`.
         let grads = unsafe { bytes(ptr, nbytes) };
         py.detach(|| match offset {
-            None => self
-                .engine
-                .scatter_accumulate(BucketId(bucket), grads, dtype, scale),
-            Some(at) => {
-                self.engine
-                    .scatter_accumulate_at(BucketId(bucket), at, grads, dtype, scale)
-            }
+            None => host.scatter_accumulate(BucketId(bucket), grads, dtype, scale),
+            Some(at) => host.scatter_accumulate_at(BucketId(bucket), at, grads, dtype, scale),
         })
         .map_err(|e| core_error(py, e))
     }
 
     /// Ends minibatch `k` for this rank; returns when its own gradient shards are final.
     fn finish_minibatch(&self, py: Python<'_>, k: u64) -> PyResult<()> {
-        py.detach(|| self.engine.finish_minibatch(k))
+        let host = self.host_calls(py)?;
+        py.detach(|| host.finish_minibatch(k))
             .map_err(|e| core_error(py, e))
     }
 
     /// `(pointer, numel)` of this rank's f32 gradient accumulator for `bucket`.
     fn grad_shard_ptr(&self, py: Python<'_>, bucket: usize) -> PyResult<(usize, usize)> {
-        let (p, n) = self
-            .engine
+        let host = self.host_calls(py)?;
+        let (p, n) = host
             .grad_shard_ptr(BucketId(bucket))
             .map_err(|e| core_error(py, e))?;
         Ok((p.as_ptr() as usize, n))
@@ -457,13 +490,15 @@ impl PyEngine {
     /// nodes it first waits for the other nodes to read this rank's partial
     /// sums, so the GIL is released.
     fn zero_grad(&self, py: Python<'_>, bucket: usize) -> PyResult<()> {
-        py.detach(|| self.engine.zero_grad(BucketId(bucket)))
+        let host = self.host_calls(py)?;
+        py.detach(|| host.zero_grad(BucketId(bucket)))
             .map_err(|e| core_error(py, e))
     }
 
     /// Zeroes every accumulator (the same wait, without the GIL).
     fn zero_grads(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.engine.zero_grads())
+        let host = self.host_calls(py)?;
+        py.detach(|| host.zero_grads())
             .map_err(|e| core_error(py, e))
     }
 
@@ -486,16 +521,14 @@ impl PyEngine {
         version: u64,
         stream: usize,
     ) -> PyResult<()> {
+        let device = self.device_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
         py.detach(|| {
             // SAFETY: the Python layer passes a live, contiguous tensor of
             // `nbytes` on the engine's device, allocated on (or recorded to)
             // `stream`, so it stays valid until the enqueued copy has run.
-            unsafe {
-                self.engine
-                    .publish_device(BucketId(bucket), ptr, nbytes, dtype, version, stream)
-            }
+            unsafe { device.publish(BucketId(bucket), ptr, nbytes, dtype, version, stream) }
         })
         .map_err(|e| core_error(py, e))
     }
@@ -515,13 +548,14 @@ impl PyEngine {
         skip_own: bool,
         stream: usize,
     ) -> PyResult<()> {
+        let device = self.device_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
         py.detach(|| {
             // SAFETY: as in `publish_device`; nothing else writes the
             // output on `stream` between the copies.
             unsafe {
-                self.engine.gather_device(
+                device.gather(
                     BucketId(bucket),
                     version,
                     ptr,
@@ -543,11 +577,9 @@ impl PyEngine {
         version: u64,
         stream: usize,
     ) -> PyResult<()> {
-        py.detach(|| {
-            self.engine
-                .release_device(BucketId(bucket), version, stream)
-        })
-        .map_err(|e| core_error(py, e))
+        let device = self.device_calls(py)?;
+        py.detach(|| device.release(BucketId(bucket), version, stream))
+            .map_err(|e| core_error(py, e))
     }
 
     /// [`Engine::scatter_accumulate_device`]: pushes `nbytes` of gradients
@@ -567,6 +599,7 @@ impl PyEngine {
         offset: Option<usize>,
         stream: usize,
     ) -> PyResult<()> {
+        let device = self.device_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
         if offset.is_none() && nbytes % dtype.size_bytes() == 0 {
@@ -581,7 +614,7 @@ impl PyEngine {
             // SAFETY: as in `publish_device`; the gradient stays unchanged
             // until the work enqueued on `stream` has run (stream order).
             unsafe {
-                self.engine.scatter_accumulate_device(
+                device.scatter_accumulate(
                     BucketId(bucket),
                     offset.unwrap_or(0),
                     ptr,
@@ -598,15 +631,17 @@ impl PyEngine {
     /// [`Engine::finish_minibatch_device`]: waits for `stream`, finishes
     /// minibatch `k`; on return the accumulators are final in device memory.
     fn finish_minibatch_device(&self, py: Python<'_>, k: u64, stream: usize) -> PyResult<()> {
-        py.detach(|| self.engine.finish_minibatch_device(k, stream))
+        let device = self.device_calls(py)?;
+        py.detach(|| device.finish_minibatch(k, stream))
             .map_err(|e| core_error(py, e))
     }
 
     /// `(device address, numel)` of this rank's f32 accumulator of `bucket`
     /// (a host address under emu-ipc).
     fn grad_shard_device(&self, py: Python<'_>, bucket: usize) -> PyResult<(u64, usize)> {
-        self.engine
-            .grad_shard_device(BucketId(bucket))
+        let device = self.device_calls(py)?;
+        device
+            .grad_shard(BucketId(bucket))
             .map_err(|e| core_error(py, e))
     }
 
@@ -619,26 +654,29 @@ impl PyEngine {
         ptr: usize,
         numel: usize,
     ) -> PyResult<()> {
+        let device = self.device_calls(py)?;
         check_ptr(py, ptr, numel * 4, 4)?;
         // SAFETY: as in `gather`: a live, contiguous host f32 tensor of
         // `numel` elements (aligned, checked above) that `odc.engine` holds
         // for the call and that, by its contract, nobody touches until it
         // returns.
         let out = unsafe { f32s_mut(ptr, numel) };
-        py.detach(|| self.engine.read_grad_shard_device(BucketId(bucket), out))
+        py.detach(|| device.read_grad_shard(BucketId(bucket), out))
             .map_err(|e| core_error(py, e))
     }
 
     /// [`Engine::zero_grad_device`]: zeroes the accumulator of `bucket` on
     /// the daemon's stream after `stream`'s work so far.
     fn zero_grad_device(&self, py: Python<'_>, bucket: usize, stream: usize) -> PyResult<()> {
-        py.detach(|| self.engine.zero_grad_device(BucketId(bucket), stream))
+        let device = self.device_calls(py)?;
+        py.detach(|| device.zero_grad(BucketId(bucket), stream))
             .map_err(|e| core_error(py, e))
     }
 
     /// [`Engine::zero_grads_device`]: every accumulator.
     fn zero_grads_device(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
-        py.detach(|| self.engine.zero_grads_device(stream))
+        let device = self.device_calls(py)?;
+        py.detach(|| device.zero_grads(stream))
             .map_err(|e| core_error(py, e))
     }
 

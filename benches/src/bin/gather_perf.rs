@@ -25,6 +25,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         page,
         sizes,
     } = ctx;
+    let worker = engine.host().map_err(|e| e.to_string())?;
     let dtype = args.dtype;
     let esz = dtype.size_bytes();
     let mut rows = Vec::new();
@@ -34,12 +35,12 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         // Under hybrid sharding every node holds the same shards.
         let me = args.shard_index(rank);
         let shard: Vec<f32> = layout.shard_range(me).map(|i| pattern(me, i)).collect();
-        engine
+        worker
             .publish(id, &encode(&shard, dtype), dtype, 0)
             .map_err(|e| e.to_string())?;
         let mut out = vec![0u8; layout.numel() * esz];
         let mean = timed(&page, args.warmup, args.iters, |_| {
-            engine
+            worker
                 .gather(id, 0, &mut out, dtype)
                 .map_err(|e| e.to_string())
         })?;
@@ -60,7 +61,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         let mine = encode(&shard[..own.len()], dtype);
         out[own.start * esz..own.end * esz].copy_from_slice(&mine);
         let mean = timed(&page, args.warmup, args.iters, |_| {
-            engine
+            worker
                 .gather_remote(id, 0, &mut out, dtype)
                 .map_err(|e| e.to_string())
         })?;

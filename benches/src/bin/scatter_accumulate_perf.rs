@@ -24,6 +24,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         page,
         sizes,
     } = ctx;
+    let worker = engine.host().map_err(|e| e.to_string())?;
     let dtype = args.dtype;
     let mut rows = Vec::new();
     let mut minibatch = 0u64;
@@ -34,12 +35,12 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         let grads = encode(&grads, dtype);
         // Every push of the previous size was acknowledged before the
         // barrier that ended it, so zeroing here races with nothing.
-        engine.zero_grad(id).map_err(|e| e.to_string())?;
+        worker.zero_grad(id).map_err(|e| e.to_string())?;
         let mean = timed(&page, args.warmup, args.iters, |_| {
-            engine
+            worker
                 .scatter_accumulate(id, &grads, dtype, 1.0)
                 .map_err(|e| e.to_string())?;
-            engine
+            worker
                 .finish_minibatch(minibatch)
                 .map_err(|e| e.to_string())?;
             minibatch += 1;
@@ -48,7 +49,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         let mut wrong = 0u64;
         if args.check != 0 {
             let mut acc = vec![0f32; layout.shard_len()];
-            engine
+            worker
                 .read_grad_shard(id, &mut acc)
                 .map_err(|e| e.to_string())?;
             let reps = (args.warmup + args.iters) as f32;

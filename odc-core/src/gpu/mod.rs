@@ -25,52 +25,7 @@ pub mod fdshare;
 pub mod ipc;
 pub mod nvshmem;
 
-/// What a GPU transport needs and this machine lacks.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum Missing {
-    /// The CUDA driver, a device or NVRTC (see [`Unavailable`]).
-    #[error(transparent)]
-    Cuda(#[from] Unavailable),
-
-    /// No NVSHMEM host library could be loaded.
-    #[error("no NVSHMEM host library (libnvshmem_host.so.3): tried {}; run `make setup` (PyPI nvidia-nvshmem-cu12) or set ODC_NVSHMEM_LIB", .tried.join(", "))]
-    NvshmemLibrary {
-        /// Every place tried, with why it failed.
-        tried: Vec<String>,
-    },
-
-    /// The CUDA driver loaded but lacks a function ODC calls (too old).
-    #[error("the CUDA driver ({library}) has no {symbol} ({detail}): update the NVIDIA driver (CUDA 12 or newer)")]
-    DriverSymbol {
-        /// The missing function.
-        symbol: String,
-        /// The library that was opened.
-        library: String,
-        /// The loader's message.
-        detail: String,
-    },
-
-    /// The device lacks a capability a GPU transport needs.
-    #[error("CUDA device {ordinal} lacks {what}")]
-    DeviceCapability {
-        /// The device.
-        ordinal: usize,
-        /// What it lacks.
-        what: String,
-    },
-
-    /// The library loaded but lacks a function ODC calls (too old).
-    #[error("{library:?} has no symbol {symbol} ({detail}): NVSHMEM 3.x is required")]
-    NvshmemSymbol {
-        /// The missing function.
-        symbol: &'static str,
-        /// The library that was opened.
-        library: PathBuf,
-        /// The loader's message.
-        detail: String,
-    },
-}
+pub use crate::error::Missing;
 
 /// What [`probe`] found.
 #[derive(Clone, Debug, PartialEq, Eq)]

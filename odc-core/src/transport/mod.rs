@@ -48,19 +48,7 @@ pub mod mixed;
 pub mod shm;
 mod shm_lock;
 
-/// What a liveness probe learned about a peer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PeerStatus {
-    /// Running, as far as the backend can tell.
-    Alive,
-    /// Its process is gone or it closed its engine.
-    Dead {
-        /// Its process id (0 when unknown).
-        pid: u32,
-        /// The rank it blamed for its own failure, if it failed on a peer.
-        blamed: Option<usize>,
-    },
-}
+pub use crate::wait::PeerStatus;
 
 /// A one-sided transport between the ranks of one job.
 ///
@@ -299,5 +287,25 @@ pub fn create(
                 "{why}: odc-core must be built with the `fabric` feature"
             )))
         }
+    }
+}
+
+/// Every transport gives a waiter what it needs ([`crate::wait`] sits below
+/// the transports and knows only this).
+impl<T: Transport + ?Sized> crate::wait::Bells for T {
+    fn bell_epoch(&self, bell: Bell) -> u32 {
+        Transport::bell_epoch(self, bell)
+    }
+
+    fn bell_wait(&self, bell: Bell, epoch: u32, timeout: Duration) -> Result<()> {
+        Transport::bell_wait(self, bell, epoch, timeout)
+    }
+
+    fn peer_status(&self, peer: usize) -> PeerStatus {
+        Transport::peer_status(self, peer)
+    }
+
+    fn set_blame(&self, peer: usize) {
+        Transport::set_blame(self, peer)
     }
 }

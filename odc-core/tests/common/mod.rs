@@ -44,7 +44,7 @@ pub fn check_grad_sums(e: &Engine, (w, numel): (BucketId, usize), h: BucketId, k
         e.bucket(h).unwrap().shard_len(),
     );
     let mut g = vec![0f32; sl];
-    e.read_grad_shard_device(w, &mut g).unwrap();
+    e.device().unwrap().read_grad_shard(w, &mut g).unwrap();
     for (j, x) in g.iter().enumerate() {
         let i = rank * sl + j;
         // Rank r pushed r + 1 times with scale 0.5.
@@ -58,7 +58,7 @@ pub fn check_grad_sums(e: &Engine, (w, numel): (BucketId, usize), h: BucketId, k
         assert_eq!(*x, want, "rank {rank} k {k} grad {i}");
     }
     let mut hg = vec![0f32; hl];
-    e.read_grad_shard_device(h, &mut hg).unwrap();
+    e.device().unwrap().read_grad_shard(h, &mut hg).unwrap();
     for (j, x) in hg.iter().enumerate() {
         let i = rank * hl + j;
         assert_eq!(

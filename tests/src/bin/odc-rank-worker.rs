@@ -186,7 +186,9 @@ fn train(ctx: &Ctx) -> Result<(), Failure> {
         for &b in &ids {
             let l = engine.bucket(b)?;
             let shard: Vec<f32> = l.shard_range(ctx.rank).map(|i| param(i, k)).collect();
-            engine.publish(b, &encode(&shard, dtype), dtype, k)?;
+            engine
+                .host()?
+                .publish(b, &encode(&shard, dtype), dtype, k)?;
         }
         Ok(())
     };
@@ -202,7 +204,7 @@ fn train(ctx: &Ctx) -> Result<(), Failure> {
                     l.padded_len()
                 };
                 let mut out = vec![0u8; len * dtype.size_bytes()];
-                engine.gather(b, k, &mut out, dtype)?;
+                engine.host()?.gather(b, k, &mut out, dtype)?;
                 let got = decode(&out, dtype);
                 for (i, &x) in got.iter().enumerate().take(l.numel()) {
                     check!(
@@ -224,15 +226,17 @@ fn train(ctx: &Ctx) -> Result<(), Failure> {
                         }
                     })
                     .collect();
-                engine.scatter_accumulate(b, &encode(&g, grad_dtype), grad_dtype, 1.0)?;
+                engine
+                    .host()?
+                    .scatter_accumulate(b, &encode(&g, grad_dtype), grad_dtype, 1.0)?;
             }
         }
         ctx.maybe_crash("before_finish", k);
-        engine.finish_minibatch(k)?;
+        engine.host()?.finish_minibatch(k)?;
         for &b in &ids {
             let l = engine.bucket(b)?.clone();
             let mut g = vec![0f32; l.shard_len()];
-            engine.read_grad_shard(b, &mut g)?;
+            engine.host()?.read_grad_shard(b, &mut g)?;
             for (j, &x) in g.iter().enumerate() {
                 let i = l.shard_range(ctx.rank).start + j;
                 let want: f32 = if i < l.numel() {
@@ -249,7 +253,7 @@ fn train(ctx: &Ctx) -> Result<(), Failure> {
                 );
             }
         }
-        engine.zero_grads()?;
+        engine.host()?.zero_grads()?;
         if jitter && ctx.rank == (k as usize) % ctx.world {
             std::thread::sleep(Duration::from_millis(3));
         }
@@ -277,12 +281,14 @@ fn publish_gather(ctx: &Ctx) -> Result<(), Failure> {
             .shard_range(ctx.rank)
             .map(|i| (v * 1000) as f32 + (i % 997) as f32)
             .collect();
-        engine.publish(b, &encode(&shard, DType::F32), DType::F32, v)?;
+        engine
+            .host()?
+            .publish(b, &encode(&shard, DType::F32), DType::F32, v)?;
         // A slow reader lets its owners race ahead to the next version.
         if jitter && (ctx.rank + v as usize) % 2 == 0 {
             std::thread::sleep(Duration::from_millis(15));
         }
-        engine.gather(b, v, &mut out, DType::F32)?;
+        engine.host()?.gather(b, v, &mut out, DType::F32)?;
         for (i, x) in decode(&out, DType::F32).into_iter().enumerate() {
             let want = (v * 1000) as f32 + (i % 997) as f32;
             check!(
@@ -290,7 +296,7 @@ fn publish_gather(ctx: &Ctx) -> Result<(), Failure> {
                 "version {v} elem {i}: read {x}, want {want} (mixed versions)"
             );
         }
-        engine.release(b, v)?;
+        engine.host()?.release(b, v)?;
     }
     println!("OK rank={} versions={versions}", ctx.rank);
     Ok(())
@@ -298,13 +304,9 @@ fn publish_gather(ctx: &Ctx) -> Result<(), Failure> {
 
 fn bad_input(ctx: &Ctx) -> Result<(), Failure> {
     let engine = ctx.engine()?;
-    let shard = vec![0u8; 64 * 4];
     check!(
-        matches!(
-            engine.publish(BucketId(0), &shard, DType::F32, 0),
-            Err(Error::Protocol { .. })
-        ),
-        "publish before register"
+        matches!(engine.host().map(|_| ()), Err(Error::Protocol { .. })),
+        "a worker handle before register"
     );
     engine.register(&[BucketSpec::new("w", 1000, DType::BF16)])?;
     let b = engine.bucket_id("w")?;
@@ -314,36 +316,53 @@ fn bad_input(ctx: &Ctx) -> Result<(), Failure> {
         ("unknown bucket name", engine.bucket_id("nope").map(|_| ())),
         (
             "unknown bucket id",
-            engine.publish(BucketId(7), &right, DType::BF16, 0),
+            engine.host()?.publish(BucketId(7), &right, DType::BF16, 0),
         ),
         (
             "wrong shard size",
-            engine.publish(b, &right[..right.len() - 2], DType::BF16, 0),
+            engine
+                .host()?
+                .publish(b, &right[..right.len() - 2], DType::BF16, 0),
         ),
-        ("wrong dtype", engine.publish(b, &right, DType::F16, 0)),
+        (
+            "wrong dtype",
+            engine.host()?.publish(b, &right, DType::F16, 0),
+        ),
         (
             "odd byte count",
-            engine.scatter_accumulate(b, &[0u8; 3], DType::BF16, 1.0),
+            engine
+                .host()?
+                .scatter_accumulate(b, &[0u8; 3], DType::BF16, 1.0),
         ),
         (
             "wrong gradient size",
-            engine.scatter_accumulate(b, &vec![0u8; 999 * 2], DType::BF16, 1.0),
+            engine
+                .host()?
+                .scatter_accumulate(b, &vec![0u8; 999 * 2], DType::BF16, 1.0),
         ),
         (
             "offset out of range",
-            engine.scatter_accumulate_at(b, l.padded_len() - 1, &[0u8; 4], DType::BF16, 1.0),
+            engine.host()?.scatter_accumulate_at(
+                b,
+                l.padded_len() - 1,
+                &[0u8; 4],
+                DType::BF16,
+                1.0,
+            ),
         ),
         (
             "wrong gather size",
-            engine.gather(b, 0, &mut [0u8; 10], DType::BF16),
+            engine.host()?.gather(b, 0, &mut [0u8; 10], DType::BF16),
         ),
         (
             "wrong gather dtype",
-            engine.gather(b, 0, &mut vec![0u8; 1000 * 4], DType::F32),
+            engine
+                .host()?
+                .gather(b, 0, &mut vec![0u8; 1000 * 4], DType::F32),
         ),
         (
             "wrong grad buffer",
-            engine.read_grad_shard(b, &mut [0f32; 3]),
+            engine.host()?.read_grad_shard(b, &mut [0f32; 3]),
         ),
     ];
     for (what, r) in cases {
@@ -355,17 +374,17 @@ fn bad_input(ctx: &Ctx) -> Result<(), Failure> {
         }
     }
     // The engine still works after all that.
-    engine.publish(b, &right, DType::BF16, 0)?;
+    engine.host()?.publish(b, &right, DType::BF16, 0)?;
     check!(
         matches!(
-            engine.publish(b, &right, DType::BF16, 0),
+            engine.host()?.publish(b, &right, DType::BF16, 0),
             Err(Error::Protocol { .. })
         ),
         "republishing a version"
     );
     let mut out = vec![0u8; 1000 * 2];
-    engine.gather(b, 0, &mut out, DType::BF16)?;
-    engine.finish_minibatch(0)?;
+    engine.host()?.gather(b, 0, &mut out, DType::BF16)?;
+    engine.host()?.finish_minibatch(0)?;
     println!("OK rank={}", ctx.rank);
     Ok(())
 }
@@ -419,14 +438,16 @@ fn segments(ctx: &Ctx) -> Result<(), Failure> {
         println!("MODE ok {}", segs.len());
         ctx.maybe_crash("after_register", 0);
         let b = engine.bucket_id("s")?;
-        engine.publish(
+        engine.host()?.publish(
             b,
             &vec![0u8; engine.bucket(b)?.shard_bytes()],
             DType::F32,
             0,
         )?;
-        engine.gather(b, 0, &mut vec![0u8; 400], DType::F32)?;
-        engine.finish_minibatch(0)?;
+        engine
+            .host()?
+            .gather(b, 0, &mut vec![0u8; 400], DType::F32)?;
+        engine.host()?.finish_minibatch(0)?;
     }
     let left = mine(&key);
     check!(left.is_empty(), "segments left after drop: {left:?}");

@@ -7,7 +7,7 @@
 //! accumulator with `odc-kernels`, and acknowledges with a `put_signal` of no
 //! data into the client's ack word. No lock, no allocation in the loop.
 //!
-//! This rank's own slice of a push arrives through [`crate::handoff`] as a
+//! This rank's own slice of a push arrives through [`crate::protocol::handoff`] as a
 //! pointer into the client's buffer. The daemon adds its front together
 //! with the peer chunk for the same accumulator range when one arrives
 //! (block by block, so the accumulator is read and written once for both);
@@ -16,19 +16,21 @@
 //! a descheduled peer does not cost the pairing of the chunks still to come.
 //!
 //! It touches only the landing slots, the hand-off and accumulators; it
-//! never reads or writes published shards or version words.
+//! never reads or writes published shards or version words. It depends on
+//! the engine's state and the protocol, never on the worker API.
 
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use odc_kernels::cpu::accumulate_into_f32;
 use odc_kernels::DType;
 
-use crate::client_device::accum_addr;
-use crate::control::{slot_seq, SlotHeader, HEADER_BYTES};
-use crate::engine::{load, record_error, Inner, Registered};
-use crate::handoff::OwnSlice;
+use crate::control::{SlotHeader, HEADER_BYTES};
+use crate::engine::{load, record_error, Core, Registered};
 use crate::plane::Plane;
+use crate::protocol::handoff::OwnSlice;
+use crate::protocol::slots::SlotReceiver;
 use crate::region::{Bell, SignalRef};
 use crate::sync::{Backoff, Ordering};
 
@@ -55,23 +57,30 @@ struct Own {
     back: usize,
 }
 
+/// Starts the daemon of `core` (registered) on a thread of its own.
+pub(crate) fn spawn(core: Arc<Core>) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name(format!("odc-server-{}", core.topo.rank()))
+        .spawn(move || run(&core))
+}
+
 /// The daemon's loop; returns when the engine shuts down.
-pub(crate) fn run(inner: &Inner) {
-    let Some(reg) = inner.reg.get() else { return };
-    // Clients are indexed by their place in the shard group.
+fn run(core: &Core) {
+    let Some(reg) = core.reg.get() else { return };
+    // Clients are indexed by their place in the shard group; one receiver
+    // per client, allocated once.
     let world = reg.groups.group.len();
-    // Sequence number last processed per (client, slot): allocated once.
-    let mut last = vec![[0u64; 2]; world];
+    let mut receivers = vec![SlotReceiver::default(); world];
     let mut seen_gen = 0u64;
     let mut own: Option<Own> = None;
     let mut backoff = Backoff::new();
     let mut last_progress = Instant::now();
     loop {
-        if inner.shutdown.load(Ordering::Acquire) {
+        if core.shutdown.load(Ordering::Acquire) {
             return;
         }
-        let epoch = inner.transport.bell_epoch(Bell::Server);
-        if let Some((gen, slice)) = inner.own.take(seen_gen) {
+        let epoch = core.transport.bell_epoch(Bell::Server);
+        if let Some((gen, slice)) = core.own.take(seen_gen) {
             seen_gen = gen;
             // Give the peers' first chunks their time to arrive and pair.
             last_progress = Instant::now();
@@ -84,38 +93,32 @@ pub(crate) fn run(inner: &Inner) {
                     back: slice.len,
                 }),
                 None => {
-                    inner.record_server_error(format!("own slice with dtype code {}", slice.dtype));
-                    finish_own(inner, gen);
+                    core.record_server_error(format!("own slice with dtype code {}", slice.dtype));
+                    finish_own(core, gen);
                     None
                 }
             };
         }
         let mut progressed = false;
-        for (client, seen) in last.iter_mut().enumerate() {
-            // A client's chunks carry consecutive sequence numbers in
-            // alternate slots: take the older slot first, so chunks are added
-            // in push order and the own slice pairs with them front to back
-            // (slot order alone took the second chunk before the first
-            // whenever both had landed, and no later chunk paired).
-            let older = (seen[0].max(seen[1]).wrapping_add(1) % 2) as usize;
-            for slot in [older, 1 - older] {
-                let seen_seq = &mut seen[slot];
+        for (client, receiver) in receivers.iter_mut().enumerate() {
+            // Chunks are added in push order (the older slot first), so the
+            // own slice pairs with them front to back.
+            for slot in receiver.order() {
                 let count = load(reg.word(reg.ctrl_layout.slot_signal(client, slot)));
-                let seq = slot_seq(slot, count);
-                if seq != *seen_seq {
-                    *seen_seq = seq;
-                    progressed = true;
-                    if let Some(plane) = &reg.plane {
-                        add_on_device(inner, reg, plane.as_ref(), client, slot, seq);
-                        continue;
-                    }
-                    if let Err(msg) = accumulate(inner, reg, client, slot, seq, &mut own) {
-                        inner.record_server_error(msg);
-                    }
-                    // Acknowledge even a rejected chunk so the client never
-                    // hangs; the error surfaces at this rank's finish.
-                    acknowledge(inner, reg, client, slot, seq);
+                let Some(seq) = receiver.arrived(slot, count) else {
+                    continue;
+                };
+                progressed = true;
+                if let Some(plane) = &reg.plane {
+                    add_on_device(core, reg, plane.as_ref(), client, slot, seq);
+                    continue;
                 }
+                if let Err(msg) = accumulate(core, reg, client, slot, seq, &mut own) {
+                    core.record_server_error(msg);
+                }
+                // Acknowledge even a rejected chunk so the client never
+                // hangs; the error surfaces at this rank's finish.
+                acknowledge(core, reg, client, slot, seq);
             }
         }
         if progressed {
@@ -127,7 +130,7 @@ pub(crate) fn run(inner: &Inner) {
             // Never sleep while the own slice is pending: add a chunk of it
             // alone once no peer chunk came for a while.
             if last_progress.elapsed() >= SOLO_AFTER {
-                add_own_solo(inner, reg, &mut own);
+                add_own_solo(core, reg, &mut own);
                 last_progress = Instant::now();
                 backoff.reset();
             } else {
@@ -137,23 +140,23 @@ pub(crate) fn run(inner: &Inner) {
             backoff.snooze();
         } else {
             // A failed wait only means "scan again".
-            let _ = inner.transport.bell_wait(Bell::Server, epoch, NAP);
+            let _ = core.transport.bell_wait(Bell::Server, epoch, NAP);
         }
     }
 }
 
 /// Acknowledges chunk `seq` in slot `[client][slot]` now.
-fn acknowledge(inner: &Inner, reg: &Registered, client: usize, slot: usize, seq: u64) {
+fn acknowledge(core: &Core, reg: &Registered, client: usize, slot: usize, seq: u64) {
     let ack = SignalRef {
         offset: reg.ctrl_layout.ack(reg.groups.me, slot),
         bell: Bell::Client,
     };
     let peer = reg.groups.group[client];
-    if let Err(e) = inner
+    if let Err(e) = core
         .transport
         .put_signal(peer, &reg.peer_ctrl[peer], 0, &[], ack, seq)
     {
-        inner.record_server_error(format!("acknowledging rank {peer}: {e}"));
+        core.record_server_error(format!("acknowledging rank {peer}: {e}"));
     }
 }
 
@@ -161,7 +164,7 @@ fn acknowledge(inner: &Inner, reg: &Registered, client: usize, slot: usize, seq:
 /// stream, and the acknowledgement after it (the client reuses the slot only
 /// once the add has read it). A rejected chunk is acknowledged at once.
 fn add_on_device(
-    inner: &Inner,
+    core: &Core,
     reg: &Registered,
     plane: &dyn Plane,
     client: usize,
@@ -172,7 +175,7 @@ fn add_on_device(
     let lay = &reg.ctrl_layout;
     let enqueued = checked_header(reg, client, slot, seq).and_then(|(h, b)| {
         let x = plane.local_landing() + lay.landing_data(client, slot) as u64;
-        let acc = accum_addr(reg, plane, b, h.offset as usize);
+        let acc = reg.accum_addr(plane, b, h.offset as usize);
         // SAFETY: `checked_header` put the range inside the bucket's
         // accumulator and the data inside the slot; the client leaves the
         // slot alone until the acknowledgement, enqueued after the add.
@@ -182,10 +185,7 @@ fn add_on_device(
                 .accumulate_on_server(acc, x, h.dtype, h.len as usize, h.scale)
         }
         .map_err(|e| format!("rank {peer}: {e}"))?;
-        let (transport, errors) = (
-            Arc::clone(&inner.transport),
-            Arc::clone(&inner.server_error),
-        );
+        let (transport, errors) = (Arc::clone(&core.transport), Arc::clone(&core.server_error));
         let desc = reg.peer_ctrl[peer];
         let ack = SignalRef {
             offset: lay.ack(reg.groups.me, slot),
@@ -202,17 +202,17 @@ fn add_on_device(
             .map_err(|e| format!("acknowledging rank {peer}: {e}"))
     });
     if let Err(msg) = enqueued {
-        inner.record_server_error(msg);
-        acknowledge(inner, reg, client, slot, seq);
+        core.record_server_error(msg);
+        acknowledge(core, reg, client, slot, seq);
     }
 }
 
 /// Reports own slice `gen` dropped (unusable) and wakes its client.
-fn finish_own(inner: &Inner, gen: u64) {
-    if inner.own.claim(gen) {
-        inner.own.unclaim(gen, true);
+fn finish_own(core: &Core, gen: u64) {
+    if core.own.claim(gen) {
+        core.own.unclaim(gen, true);
     }
-    inner.transport.ring(Bell::Client);
+    core.transport.ring(Bell::Client);
 }
 
 /// The accumulator range `[offset, offset + len)` of bucket `b`, checked.
@@ -246,9 +246,9 @@ unsafe fn own_bytes(own: &Own, from: usize, len: usize) -> &[u8] {
 }
 
 /// Adds the last chunk still pending of the own slice on its own.
-fn add_own_solo(inner: &Inner, reg: &Registered, own_slot: &mut Option<Own>) {
+fn add_own_solo(core: &Core, reg: &Registered, own_slot: &mut Option<Own>) {
     let Some(own) = own_slot.as_mut() else { return };
-    if !inner.own.claim(own.gen) {
+    if !core.own.claim(own.gen) {
         // Revoked by its client: drop it untouched.
         *own_slot = None;
         return;
@@ -271,13 +271,13 @@ fn add_own_solo(inner: &Inner, reg: &Registered, own_slot: &mut Option<Own>) {
     };
     own.back = from;
     if let Err(msg) = result {
-        inner.record_server_error(msg);
+        core.record_server_error(msg);
         own.back = own.front;
     }
     let finished = own.front == own.back;
-    inner.own.unclaim(own.gen, finished);
+    core.own.unclaim(own.gen, finished);
     if finished {
-        inner.transport.ring(Bell::Client);
+        core.transport.ring(Bell::Client);
         *own_slot = None;
     }
 }
@@ -285,7 +285,7 @@ fn add_own_solo(inner: &Inner, reg: &Registered, own_slot: &mut Option<Own>) {
 /// Adds the chunk in landing slot `[client][slot]` into its accumulator,
 /// fused with the same range of the own slice when that is next in line.
 fn accumulate(
-    inner: &Inner,
+    core: &Core,
     reg: &Registered,
     client: usize,
     slot: usize,
@@ -316,7 +316,7 @@ fn accumulate(
         return accumulate_into_f32(acc, data, h.dtype, h.scale)
             .map_err(|e| format!("rank {rank}: {e}"));
     };
-    if !inner.own.claim(own.gen) {
+    if !core.own.claim(own.gen) {
         *own_slot = None;
         return accumulate_into_f32(acc, data, h.dtype, h.scale)
             .map_err(|e| format!("rank {rank}: {e}"));
@@ -341,9 +341,9 @@ fn accumulate(
     }
     own.front += paired;
     let finished = own.front == own.back;
-    inner.own.unclaim(own.gen, finished);
+    core.own.unclaim(own.gen, finished);
     if finished {
-        inner.transport.ring(Bell::Client);
+        core.transport.ring(Bell::Client);
         *own_slot = None;
     }
     result.map_err(|e| format!("rank {rank}: {e}"))

@@ -1,0 +1,188 @@
+//! The public [`Engine`]: one rank's engine as its users hold it. It
+//! composes the engine's state ([`crate::engine`]), the shard server's
+//! thread ([`crate::server`]) and the worker handles ([`crate::client`]),
+//! and is the only module above both: setup, registration, lifetime,
+//! accessors. The worker calls live on the handle of the engine's kind,
+//! [`Host`] or [`Device`], handed out by [`Engine::host`] /
+//! [`Engine::device`].
+
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use crate::client::{Device, Host};
+use crate::engine::{data_sizes, BucketId, Core, EngineConfig};
+use crate::layout::{BucketLayout, BucketSpec};
+use crate::plane::DataSizes;
+use crate::region::Bell;
+use crate::store::Store;
+use crate::sync::Ordering;
+use crate::topology::Topology;
+use crate::{Error, Result};
+
+/// One rank's ODC engine: the shard server daemon, and the worker API on
+/// the handle of its kind.
+///
+/// See the crate docs for the protocol, thread safety and cleanup.
+#[derive(Debug)]
+pub struct Engine {
+    core: Arc<Core>,
+    /// The daemon, once registered (the lock also serializes `register`).
+    daemon: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Engine {
+    /// Joins the job as `topology.rank()`: agrees on a job id through the
+    /// store (rank 0 draws it) and creates this rank's transport.
+    pub fn new(store: Arc<dyn Store>, topology: Topology, config: EngineConfig) -> Result<Engine> {
+        Ok(Engine {
+            core: Arc::new(Core::new(store, topology, config)?),
+            daemon: Mutex::new(None),
+        })
+    }
+
+    /// Registers every bucket: eager and collective, in the same order on
+    /// every rank. The lists are compared through the store and a mismatch
+    /// fails on every rank naming the first differing bucket. Allocates the
+    /// published shards, accumulators, landing slots and control words,
+    /// exchanges descriptors, connects to every peer and starts the server.
+    pub fn register(&self, specs: &[BucketSpec]) -> Result<()> {
+        let mut daemon = self
+            .daemon
+            .lock()
+            .map_err(|_| Error::protocol(None, "an earlier register call panicked"))?;
+        self.core.register(specs)?;
+        *daemon = Some(crate::server::spawn(Arc::clone(&self.core))?);
+        Ok(())
+    }
+
+    /// The worker calls of a host engine (`shm`, `fabric`, `shm+fabric`).
+    ///
+    /// Errors: not registered yet, or the engine's data lives in device
+    /// memory (use [`device`](Self::device)).
+    pub fn host(&self) -> Result<Host<'_>> {
+        let reg = self.core.registered()?;
+        if reg.plane.is_some() {
+            return Err(Error::Config(format!(
+                "this engine's data lives in device memory ({}): use Engine::device",
+                self.transport_name()
+            )));
+        }
+        Ok(Host::new(&self.core, reg))
+    }
+
+    /// The worker calls of a device engine (`cuda-ipc`, `nvshmem`, `emu-ipc`,
+    /// `emu-shmem`).
+    ///
+    /// Errors: not registered yet, or the engine's data lives in host memory
+    /// (use [`host`](Self::host)).
+    pub fn device(&self) -> Result<Device<'_>> {
+        let reg = self.core.registered()?;
+        match &reg.plane {
+            Some(plane) => Ok(Device::new(&self.core, reg, plane.as_ref())),
+            None => Err(Error::Config(format!(
+                "this engine's data lives in host memory ({}): use Engine::host",
+                self.transport_name()
+            ))),
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.core.topo.rank()
+    }
+
+    /// D.
+    pub fn world(&self) -> usize {
+        self.core.topo.world()
+    }
+
+    /// The topology.
+    pub fn topology(&self) -> Topology {
+        self.core.topo
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.core.config
+    }
+
+    /// The transport in use (`"shm"`, `"fabric"`, `"shm+fabric"`,
+    /// `"cuda-ipc"`, `"nvshmem"`, `"emu-ipc"`, `"emu-shmem"`).
+    pub fn transport_name(&self) -> &'static str {
+        self.core.transport_name()
+    }
+
+    /// Whether this engine's data lives in device memory: its worker calls
+    /// are then [`device`](Self::device)'s.
+    pub fn is_device(&self) -> bool {
+        self.core.device.is_some()
+    }
+
+    /// The data regions an engine with `config` on `topology` allocates
+    /// for `specs` on a device transport: published shards, landing slots,
+    /// f32 accumulators (the figures `register` gives the plane).
+    ///
+    /// Errors: as [`register`](Self::register) for a bad bucket list.
+    pub fn data_sizes(
+        specs: &[BucketSpec],
+        topology: &Topology,
+        config: &EngineConfig,
+    ) -> Result<DataSizes> {
+        data_sizes(specs, topology, config)
+    }
+
+    /// The symmetric-heap bytes an `nvshmem` engine with `config` on
+    /// `topology` takes for `specs`: what an earlier engine of the same
+    /// process reserves ([`EngineConfig::heap_reserve`]) for it.
+    pub fn heap_bytes(
+        specs: &[BucketSpec],
+        topology: &Topology,
+        config: &EngineConfig,
+    ) -> Result<usize> {
+        Ok(data_sizes(specs, topology, config)?
+            .heap_plan()
+            .used_bytes())
+    }
+
+    /// The id of the bucket named `name`.
+    pub fn bucket_id(&self, name: &str) -> Result<BucketId> {
+        self.core.bucket_id(name)
+    }
+
+    /// The layout of bucket `id`.
+    pub fn bucket(&self, id: BucketId) -> Result<&BucketLayout> {
+        self.core.registered()?.bucket(id)
+    }
+
+    /// Every registered bucket, in registration order.
+    pub fn buckets(&self) -> Result<&[BucketLayout]> {
+        Ok(&self.core.registered()?.buckets)
+    }
+
+    #[cfg(all(test, feature = "fabric"))]
+    pub(crate) fn core(&self) -> &Core {
+        &self.core
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.core.shutdown.store(true, Ordering::Release);
+        self.core.transport.ring(Bell::Server);
+        let handle = match self.daemon.get_mut() {
+            Ok(h) => h.take(),
+            Err(poisoned) => poisoned.into_inner().take(),
+        };
+        if let Some(h) = handle {
+            if h.join().is_err() {
+                eprintln!(
+                    "odc: rank {}: server thread panicked",
+                    self.core.topo.rank()
+                );
+            }
+        }
+        if let Some(e) = self.core.take_server_error() {
+            eprintln!("odc: rank {}: server reported: {e}", self.core.topo.rank());
+        }
+    }
+}

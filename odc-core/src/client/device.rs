@@ -1,0 +1,318 @@
+//! [`Device`]: the worker API of an engine whose data lives in device
+//! memory (`cuda-ipc`, `nvshmem`, their emulations `emu-ipc`, `emu-shmem`):
+//! the host calls' protocol, word for word, with the data moved on the
+//! caller's stream (see [`crate::plane`] for what runs where). Only the
+//! signals that announce data are sent by work on the stream after it,
+//! instead of by the calling thread.
+
+use std::sync::Arc;
+
+use odc_kernels::DType;
+
+use super::{buffer_len_error, DataPath, Signals, Worker};
+use crate::control::HEADER_BYTES;
+use crate::engine::{record_error, BucketId, Core, Registered};
+use crate::plane::{Plane, StreamHandle};
+use crate::protocol::slots::slot_count;
+use crate::region::{Bell, SignalRef};
+use crate::Result;
+
+/// Device memory on a stream.
+struct DevicePath<'e> {
+    core: &'e Core,
+    plane: &'e dyn Plane,
+    stream: StreamHandle,
+}
+
+impl DataPath for DevicePath<'_> {
+    unsafe fn write_shard(
+        &self,
+        reg: &Registered,
+        bucket: usize,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        let dst = self.plane.local_params() + reg.params_off[bucket] as u64;
+        // SAFETY: the destination is this rank's shard inside its params
+        // region; the caller vouches for `src` and for the readers' release.
+        unsafe { self.plane.ops().copy(self.stream, dst, src, bytes) }
+    }
+
+    fn announce(&self, signals: Signals) -> Result<()> {
+        let errors = Arc::clone(&self.core.server_error);
+        self.plane.ops().then(
+            self.stream,
+            Box::new(move || {
+                if let Err(e) = signals.send() {
+                    record_error(&errors, format!("a signal sent from a stream failed: {e}"));
+                }
+            }),
+        )
+    }
+
+    unsafe fn read_shard(
+        &self,
+        reg: &Registered,
+        rank: usize,
+        bucket: usize,
+        dst: u64,
+        len: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller vouches for `dst` and for the owner's version,
+        // which stays until this client's release, enqueued after this read.
+        unsafe {
+            self.plane
+                .get_params(self.stream, dst, rank, reg.params_off[bucket], len)
+        }
+    }
+
+    unsafe fn put_chunk(
+        &self,
+        reg: &Registered,
+        rank: usize,
+        slot: usize,
+        header: [u8; HEADER_BYTES],
+        src: u64,
+        len: usize,
+        seq: u64,
+    ) -> Result<()> {
+        let lay = &reg.ctrl_layout;
+        let me = reg.groups.me;
+        // SAFETY: the slot is free and holds `chunk_bytes` ≥ `len`; the
+        // caller vouches for `src`.
+        unsafe {
+            self.plane
+                .put_landing(self.stream, rank, lay.landing_data(me, slot), src, len)?
+        };
+        // The signal below announces the chunk: it must have arrived.
+        self.plane.deliver(self.stream)?;
+        let (transport, errors) = (
+            Arc::clone(&self.core.transport),
+            Arc::clone(&self.core.server_error),
+        );
+        let desc = reg.peer_ctrl[rank];
+        let (at, sig) = (
+            lay.slot_header(me, slot),
+            SignalRef {
+                offset: lay.slot_signal(me, slot),
+                bell: Bell::Server,
+            },
+        );
+        self.plane.ops().then(
+            self.stream,
+            Box::new(move || {
+                if let Err(e) =
+                    transport.put_signal(rank, &desc, at, &[&header], sig, slot_count(seq))
+                {
+                    record_error(&errors, format!("pushing a chunk to rank {rank}: {e}"));
+                }
+            }),
+        )
+    }
+}
+
+/// The worker calls of an engine whose data lives in device memory, from
+/// [`crate::Engine::device`]. Buffers are device addresses of the engine's
+/// device; every call enqueues its data movement on `stream` and returns
+/// before it runs, as a kernel launch does.
+#[derive(Clone, Copy, Debug)]
+pub struct Device<'e> {
+    w: Worker<'e>,
+    plane: &'e dyn Plane,
+}
+
+impl<'e> Device<'e> {
+    pub(crate) fn new(core: &'e Core, reg: &'e Registered, plane: &'e dyn Plane) -> Device<'e> {
+        Device {
+            w: Worker { core, reg },
+            plane,
+        }
+    }
+
+    fn path(&self, stream: StreamHandle) -> DevicePath<'e> {
+        DevicePath {
+            core: self.w.core,
+            plane: self.plane,
+            stream,
+        }
+    }
+
+    /// Publishes the shard at device address `src` (`bytes` long) on
+    /// `stream`: waits on the host until every reader released
+    /// `version − 1`, then enqueues the copy into this rank's published
+    /// shard and, after it, the version signal to every reader.
+    ///
+    /// # Safety
+    /// `src` must address `bytes` readable bytes of the engine's device,
+    /// valid until the copy enqueued on `stream` has run, and `stream` must
+    /// be a stream of that device that outlives the call's work.
+    pub unsafe fn publish(
+        &self,
+        bucket: BucketId,
+        src: u64,
+        bytes: usize,
+        dtype: DType,
+        version: u64,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.w
+                .publish(&self.path(stream), bucket, (src, bytes, dtype), version)
+        }
+    }
+
+    /// Gathers into the device buffer at `out` (`bytes` long: `numel` or
+    /// `D * shard_len` elements of the parameter dtype): waits on the host
+    /// until each owner's shard holds `version`, and enqueues the copy of it
+    /// on `stream`. [`release`](Self::release) on the same stream lets the
+    /// owners publish again once the copies ran. With `skip_own`, this
+    /// rank's own shard range of `out` is left alone (FSDP's copy-in).
+    ///
+    /// # Safety
+    /// `out` must address `bytes` writable bytes of the engine's device,
+    /// valid until the copies enqueued on `stream` have run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gather(
+        &self,
+        bucket: BucketId,
+        version: u64,
+        out: u64,
+        bytes: usize,
+        dtype: DType,
+        stream: StreamHandle,
+        skip_own: bool,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.w.gather(
+                &self.path(stream),
+                bucket,
+                version,
+                (out, bytes, dtype),
+                skip_own,
+            )
+        }
+    }
+
+    /// Releases `version` of `bucket` once the work before it on `stream`
+    /// (the gather's copies) has run.
+    pub fn release(&self, bucket: BucketId, version: u64, stream: StreamHandle) -> Result<()> {
+        self.w.release(&self.path(stream), bucket, version)
+    }
+
+    /// Pushes the device gradient at `grads` (`bytes` long, covering
+    /// elements `[offset, ..)` of the padded bucket), produced on `stream`.
+    /// Every peer's chunk is copied on `stream` into the owner's landing
+    /// slot, and its signal follows it on the stream. This rank's own slice
+    /// is added by the daemon's stream after `stream`'s work so far, and
+    /// `stream` waits for that add before its later work (so `grads` may be
+    /// reused after it). Returns once every chunk is enqueued (waiting on
+    /// the host, as the host call does, whenever both of an owner's slots
+    /// are in flight).
+    ///
+    /// # Safety
+    /// `grads` must address `bytes` readable bytes of the engine's device,
+    /// valid and unchanged until the work enqueued on `stream` has run.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn scatter_accumulate(
+        &self,
+        bucket: BucketId,
+        offset: usize,
+        grads: u64,
+        bytes: usize,
+        dtype: DType,
+        scale: f32,
+        stream: StreamHandle,
+    ) -> Result<()> {
+        let (reg, plane) = (self.w.reg, self.plane);
+        let b = reg.bucket(bucket)?;
+        let (mut guard, own) = self.w.start_push(b, offset, bytes, dtype)?;
+        if !own.is_empty() {
+            let size = dtype.size_bytes();
+            let first = b.shard_range(reg.groups.me).start + own.start - offset;
+            let server = plane.ops().server_stream();
+            let acc = reg.accum_addr(plane, bucket.0, own.start);
+            plane.ops().order(server, stream)?;
+            // SAFETY: the range lies inside the bucket's accumulator (the
+            // overlap of its shard); the daemon's stream runs it after the
+            // caller's work so far, and the caller's stream waits for it.
+            unsafe {
+                plane.ops().accumulate_on_server(
+                    acc,
+                    grads + (first * size) as u64,
+                    dtype,
+                    own.len(),
+                    scale,
+                )?
+            };
+            plane.ops().order(stream, server)?;
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.w.push_chunks(
+                &self.path(stream),
+                &mut guard,
+                b,
+                bucket,
+                (grads, offset, dtype),
+                scale,
+            )
+        }
+    }
+
+    /// Waits until the work enqueued on `stream` has run (the last gathers'
+    /// copies, the last pushes' signals), then finishes minibatch `k` as the
+    /// host call does. On return this rank's accumulators are final in
+    /// device memory.
+    pub fn finish_minibatch(&self, k: u64, stream: StreamHandle) -> Result<()> {
+        self.plane.ops().synchronize(stream)?;
+        self.w.finish(k)?;
+        self.plane
+            .ops()
+            .synchronize(self.plane.ops().server_stream())
+    }
+
+    /// This rank's accumulator of `bucket`: its device address and length in
+    /// f32 elements, valid for the engine's lifetime (the optimizer step
+    /// reads it between a finish and the next publish).
+    pub fn grad_shard(&self, bucket: BucketId) -> Result<(u64, usize)> {
+        let len = self.w.reg.bucket(bucket)?.shard_len();
+        Ok((self.w.reg.accum_addr(self.plane, bucket.0, 0), len))
+    }
+
+    /// Copies this rank's accumulator of `bucket` into host memory (after
+    /// the daemon's stream has run everything enqueued on it).
+    pub fn read_grad_shard(&self, bucket: BucketId, out: &mut [f32]) -> Result<()> {
+        let (addr, len) = self.grad_shard(bucket)?;
+        if out.len() != len {
+            return Err(buffer_len_error(self.w.reg.bucket(bucket)?, out.len(), len));
+        }
+        // SAFETY: `addr` holds `len` f32s of this rank's accumulators.
+        unsafe {
+            self.plane
+                .ops()
+                .read_to_host(addr, crate::bytes_of_mut(out))
+        }
+    }
+
+    /// Zeroes the accumulator of `bucket` on the daemon's stream, after the
+    /// work enqueued on `stream` so far (the optimizer step that read it);
+    /// `stream`'s later work sees the zeros.
+    pub fn zero_grad(&self, bucket: BucketId, stream: StreamHandle) -> Result<()> {
+        let (addr, len) = self.grad_shard(bucket)?;
+        let ops = self.plane.ops();
+        let server = ops.server_stream();
+        ops.order(server, stream)?;
+        // SAFETY: `addr` holds `len` f32s of this rank's accumulators; no
+        // push adds into them before this rank's next publish, which comes
+        // after this on `stream`.
+        unsafe { ops.zero_on_server(addr, len * 4)? };
+        ops.order(stream, server)
+    }
+
+    /// [`zero_grad`](Self::zero_grad) for every bucket.
+    pub fn zero_grads(&self, stream: StreamHandle) -> Result<()> {
+        (0..self.w.reg.buckets.len()).try_for_each(|b| self.zero_grad(BucketId(b), stream))
+    }
+}

@@ -1,0 +1,330 @@
+//! [`Host`]: the worker API of an engine whose data lives in host memory
+//! (`shm`, `fabric`, `mixed`). Data moves through the transport on the
+//! calling thread; this rank's own slice of a push goes to its own server
+//! by pointer ([`crate::protocol::handoff`]).
+
+use std::ptr::NonNull;
+
+use odc_kernels::DType;
+
+use super::{buffer_len_error, elems_of, DataPath, Signals, Worker};
+use crate::control::HEADER_BYTES;
+use crate::engine::{BucketId, Core, Registered};
+use crate::protocol::handoff::OwnSlice;
+use crate::protocol::slots::slot_count;
+use crate::region::{Bell, SignalRef};
+use crate::{Error, Result};
+
+/// Host memory through the transport, on the calling thread.
+struct HostPath<'e> {
+    core: &'e Core,
+}
+
+impl DataPath for HostPath<'_> {
+    unsafe fn write_shard(
+        &self,
+        reg: &Registered,
+        bucket: usize,
+        src: u64,
+        bytes: usize,
+    ) -> Result<()> {
+        // SAFETY: the destination is this rank's shard inside the params
+        // region (offset and length fixed at registration); the caller
+        // vouches for `src`, a host pointer to `bytes` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src as usize as *const u8,
+                reg.params.as_ptr().add(reg.params_off[bucket]),
+                bytes,
+            )
+        };
+        Ok(())
+    }
+
+    fn announce(&self, signals: Signals) -> Result<()> {
+        signals.send()
+    }
+
+    unsafe fn read_shard(
+        &self,
+        reg: &Registered,
+        rank: usize,
+        bucket: usize,
+        dst: u64,
+        len: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller vouches for `dst`, a host pointer to `len`
+        // writable bytes borrowed for this call.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut u8, len) };
+        self.core
+            .transport
+            .get(rank, &reg.peer_params[rank], reg.params_off[bucket], dst)
+    }
+
+    unsafe fn put_chunk(
+        &self,
+        reg: &Registered,
+        rank: usize,
+        slot: usize,
+        header: [u8; HEADER_BYTES],
+        src: u64,
+        len: usize,
+        seq: u64,
+    ) -> Result<()> {
+        let lay = &reg.ctrl_layout;
+        let me = reg.groups.me;
+        let sig = SignalRef {
+            offset: lay.slot_signal(me, slot),
+            bell: Bell::Server,
+        };
+        // SAFETY: the caller vouches for `src`, a host pointer to `len`
+        // readable bytes borrowed for this call.
+        let data = unsafe { std::slice::from_raw_parts(src as usize as *const u8, len) };
+        self.core.transport.put_signal(
+            rank,
+            &reg.peer_ctrl[rank],
+            lay.slot_header(me, slot),
+            &[&header, data],
+            sig,
+            slot_count(seq),
+        )
+    }
+}
+
+fn addr(bytes: &[u8]) -> u64 {
+    bytes.as_ptr() as usize as u64
+}
+
+/// The worker calls of an engine whose data lives in host memory, from
+/// [`crate::Engine::host`]. Buffers are byte views of f32 / bf16 / f16
+/// elements ([`crate::bytes_of`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Host<'e> {
+    w: Worker<'e>,
+}
+
+impl<'e> Host<'e> {
+    pub(crate) fn new(core: &'e Core, reg: &'e Registered) -> Host<'e> {
+        Host {
+            w: Worker { core, reg },
+        }
+    }
+
+    fn path(&self) -> HostPath<'e> {
+        HostPath { core: self.w.core }
+    }
+
+    /// Publishes this rank's shard of `bucket` as `version` (param dtype,
+    /// exactly `shard_len` elements). Waits first until every client has
+    /// released `version − 1` (by [`release`](Self::release) or
+    /// [`finish_minibatch`](Self::finish_minibatch)), so no reader sees a
+    /// shard being overwritten; version 0 waits for nothing. Versions must
+    /// increase.
+    pub fn publish(
+        &self,
+        bucket: BucketId,
+        shard: &[u8],
+        dtype: DType,
+        version: u64,
+    ) -> Result<()> {
+        // SAFETY: `shard` is borrowed for the call and the host path copies
+        // it before returning.
+        unsafe {
+            self.w.publish(
+                &self.path(),
+                bucket,
+                (addr(shard), shard.len(), dtype),
+                version,
+            )
+        }
+    }
+
+    /// Gathers `version` of the full `bucket` into `out` (param dtype;
+    /// `numel` or `D * shard_len` elements): for every owner, waits until
+    /// its shard holds `version`, then reads it. A newer version at an owner
+    /// is a protocol error (this reader missed a release).
+    pub fn gather(
+        &self,
+        bucket: BucketId,
+        version: u64,
+        out: &mut [u8],
+        dtype: DType,
+    ) -> Result<()> {
+        // SAFETY: `out` is borrowed mutably for the call; the host path
+        // writes it before returning.
+        unsafe {
+            self.w.gather(
+                &self.path(),
+                bucket,
+                version,
+                (addr(out), out.len(), dtype),
+                false,
+            )
+        }
+    }
+
+    /// Like [`gather`](Self::gather) but leaves this rank's own shard range
+    /// of `out` untouched, for callers that already copied their shard in
+    /// (FSDP's copy-in); only the D − 1 remote shards move.
+    pub fn gather_remote(
+        &self,
+        bucket: BucketId,
+        version: u64,
+        out: &mut [u8],
+        dtype: DType,
+    ) -> Result<()> {
+        // SAFETY: as in `gather`.
+        unsafe {
+            self.w.gather(
+                &self.path(),
+                bucket,
+                version,
+                (addr(out), out.len(), dtype),
+                true,
+            )
+        }
+    }
+
+    /// Declares that this client is done reading `version` of `bucket`, so
+    /// its owners may publish `version + 1`.
+    /// [`finish_minibatch(k)`](Self::finish_minibatch) implies
+    /// `release(b, k)` for every bucket.
+    pub fn release(&self, bucket: BucketId, version: u64) -> Result<()> {
+        self.w.release(&self.path(), bucket, version)
+    }
+
+    /// Pushes the full-bucket gradient `grads` (`numel` or `D * shard_len`
+    /// elements of `dtype`, which may differ from the parameter dtype) so
+    /// that every owner adds `scale · grads[its shard]` into its
+    /// accumulator. Returns once every chunk is written into a landing slot
+    /// and this rank's own slice is added, without waiting for the peers'
+    /// acknowledgements.
+    pub fn scatter_accumulate(
+        &self,
+        bucket: BucketId,
+        grads: &[u8],
+        dtype: DType,
+        scale: f32,
+    ) -> Result<()> {
+        let b = self.w.reg.bucket(bucket)?;
+        b.check_full_len(elems_of(b, grads.len(), dtype, "gradient")?)?;
+        self.scatter_accumulate_at(bucket, 0, grads, dtype, scale)
+    }
+
+    /// Like [`scatter_accumulate`](Self::scatter_accumulate) for the part of
+    /// the bucket that starts at element `offset`: `grads` covers
+    /// `[offset, offset + len)` of the padded bucket.
+    pub fn scatter_accumulate_at(
+        &self,
+        bucket: BucketId,
+        offset: usize,
+        grads: &[u8],
+        dtype: DType,
+        scale: f32,
+    ) -> Result<()> {
+        let (core, reg) = (self.w.core, self.w.reg);
+        let b = reg.bucket(bucket)?;
+        let (mut guard, own) = self.w.start_push(b, offset, grads.len(), dtype)?;
+        let push = &mut *guard;
+        let src = (addr(grads), offset, dtype);
+        if own.is_empty() {
+            // SAFETY: `grads` is borrowed for the call; the host path writes
+            // every chunk before returning.
+            return unsafe {
+                self.w
+                    .push_chunks(&self.path(), push, b, bucket, src, scale)
+            };
+        }
+        // This rank's own slice goes to its own server as a pointer into
+        // `grads` (see `protocol::handoff`), not through a landing slot.
+        let size = dtype.size_bytes();
+        let first = b.shard_range(reg.groups.me).start + own.start - offset;
+        let bytes = &grads[first * size..(first + own.len()) * size];
+        push.own_gen += 1;
+        let gen = push.own_gen;
+        core.own.post(
+            gen,
+            OwnSlice {
+                bucket: bucket.0,
+                offset: own.start,
+                len: own.len(),
+                addr: bytes.as_ptr() as usize,
+                dtype: dtype.as_u8(),
+                scale,
+            },
+        );
+        core.transport.ring(Bell::Server);
+        // SAFETY: as above.
+        let pushed = unsafe {
+            self.w
+                .push_chunks(&self.path(), push, b, bucket, src, scale)
+        };
+        let added = core.wait(
+            Some(b.name()),
+            &|| "its own server to add this rank's own slice".to_owned(),
+            || Ok((!core.own.is_done(gen)).then_some(core.topo.rank())),
+        );
+        if added.is_err() || pushed.is_err() {
+            // `grads` is borrowed only for this call.
+            core.own.revoke(gen);
+        }
+        pushed.and(added)
+    }
+
+    /// Ends minibatch `k` for this client and waits for this rank's own
+    /// gradient shards to be final: waits until every push is acknowledged,
+    /// releases every bucket at version `k`, writes `done = k` into every
+    /// owner's control region, then waits until every client's done word
+    /// here reads at least `k`. No barrier: a fast rank returns as soon as
+    /// its own shards are complete.
+    pub fn finish_minibatch(&self, k: u64) -> Result<()> {
+        self.w.finish(k)
+    }
+
+    /// Copies this rank's gradient shard of `bucket` (f32, `shard_len`
+    /// elements; under hybrid sharding over several nodes the cross-node
+    /// sum) into `out`. Meaningful after
+    /// [`finish_minibatch`](Self::finish_minibatch).
+    pub fn read_grad_shard(&self, bucket: BucketId, out: &mut [f32]) -> Result<()> {
+        let reg = self.w.reg;
+        let b = reg.bucket(bucket)?;
+        let (ptr, len) = reg.grad_ptr(bucket.0);
+        if out.len() != len {
+            return Err(buffer_len_error(b, out.len(), len));
+        }
+        // SAFETY: `ptr` is valid for `len` f32s; the server writes it only
+        // while pushes are in flight, which the protocol orders before this.
+        unsafe { std::ptr::copy_nonoverlapping(ptr, out.as_mut_ptr(), len) };
+        Ok(())
+    }
+
+    /// This rank's gradient shard of `bucket`: a pointer to `shard_len` f32s
+    /// valid for the engine's lifetime (for zero-copy optimizer steps from
+    /// Python). Access it only between `finish_minibatch` and the next
+    /// publish.
+    pub fn grad_shard_ptr(&self, bucket: BucketId) -> Result<(NonNull<f32>, usize)> {
+        let reg = self.w.reg;
+        reg.bucket(bucket)?;
+        let (ptr, len) = reg.grad_ptr(bucket.0);
+        let ptr = NonNull::new(ptr).ok_or_else(|| Error::protocol(None, "null accumulator"))?;
+        Ok((ptr, len))
+    }
+
+    /// Zeroes the accumulator of `bucket` (after the optimizer step, before
+    /// the next publish). Under hybrid sharding over several nodes it first
+    /// waits until the other nodes have read this rank's partial sums.
+    pub fn zero_grad(&self, bucket: BucketId) -> Result<()> {
+        let reg = self.w.reg;
+        let b = reg.bucket(bucket)?;
+        self.w.wait_partials_read(Some(b.name()))?;
+        let (ptr, len) = reg.accum_ptr(bucket.0);
+        // SAFETY: as in `read_grad_shard`; all-zero bits are 0.0f32.
+        unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        Ok(())
+    }
+
+    /// Zeroes every accumulator.
+    pub fn zero_grads(&self) -> Result<()> {
+        (0..self.w.reg.buckets.len()).try_for_each(|b| self.zero_grad(BucketId(b)))
+    }
+}

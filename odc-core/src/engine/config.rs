@@ -1,0 +1,162 @@
+//! Engine settings: [`EngineConfig`], [`Sharding`], the shard and replica
+//! [`Groups`] a rank belongs to, and [`BucketId`].
+
+use std::time::Duration;
+
+use odc_kernels::DType;
+
+use crate::topology::Topology;
+use crate::transport::TransportKind;
+
+/// How parameters and gradients are spread over the ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Sharding {
+    /// Every bucket is sharded over all D ranks; gathers and pushes reach
+    /// every rank.
+    #[default]
+    Full,
+    /// Every bucket is sharded over the G ranks of a node; gathers and
+    /// pushes stay inside the node, and at the end of each minibatch the
+    /// node-summed gradient shards are summed across the nodes once (each
+    /// rank with the ranks of the same local rank on the other nodes).
+    /// Parameter shards, accumulators and landing slots scale with G, not D;
+    /// each node holds a full replica of the sharded state.
+    Hybrid,
+}
+
+impl Sharding {
+    /// Parses `"full"` or `"hybrid"`.
+    pub fn parse(name: &str) -> Option<Sharding> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "full" => Some(Sharding::Full),
+            "hybrid" => Some(Sharding::Hybrid),
+            _ => None,
+        }
+    }
+
+    /// `"full"` or `"hybrid"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Sharding::Full => "full",
+            Sharding::Hybrid => "hybrid",
+        }
+    }
+}
+
+/// Who shares this rank's shards (the shard group) and who holds the same
+/// shards on other nodes (the replica group), as global ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Groups {
+    /// Global ranks of the shard group, in shard order.
+    pub(crate) group: Vec<usize>,
+    /// This rank's index in `group`.
+    pub(crate) me: usize,
+    /// Global ranks holding this rank's shards, one per node, in node order
+    /// (just this rank unless hybrid over several nodes).
+    pub(crate) replicas: Vec<usize>,
+    /// This rank's index in `replicas`.
+    pub(crate) node: usize,
+}
+
+impl Groups {
+    pub(crate) fn new(topo: &Topology, sharding: Sharding) -> Groups {
+        let rank = topo.rank();
+        match sharding {
+            Sharding::Full => Groups {
+                group: (0..topo.world()).collect(),
+                me: rank,
+                replicas: vec![rank],
+                node: 0,
+            },
+            Sharding::Hybrid => {
+                let g = topo.local_world();
+                let (node, local) = (topo.node_of(rank), topo.local_rank_of(rank));
+                Groups {
+                    group: (node * g..(node + 1) * g).collect(),
+                    me: local,
+                    replicas: (0..topo.nodes()).map(|n| n * g + local).collect(),
+                    node,
+                }
+            }
+        }
+    }
+}
+
+/// Engine settings. `Default` reads `ODC_TIMEOUT_S` and `ODC_JOB_KEY`.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Landing-slot size: the most bytes one push carries (default 2 MiB).
+    /// Must be equal on every rank.
+    ///
+    /// Chosen by `scatter_accumulate_perf` on a shared 2-core host: each
+    /// chunk costs a hand-off between a client and a server thread (a wake-up
+    /// that under load can wait for a scheduler slice), and that cost, not
+    /// the cache residency of small slots, dominated: 2 MiB chunks beat
+    /// 1 MiB, 512 KiB and 256 KiB at 4–64 MiB pushes. Landing memory is
+    /// `2 · D · chunk` per rank (D: the shard group), where the chunk is
+    /// this, shrunk to fit [`EngineConfig::landing_budget`]
+    /// ([`crate::control::landing_chunk`]).
+    pub chunk_bytes: usize,
+    /// Bytes of landing slots per rank at most, whatever the world size
+    /// (default 256 MiB, `ODC_LANDING_MB`): large worlds get smaller
+    /// chunks, down to [`crate::control::MIN_CHUNK`]; a world too large
+    /// even for that fails at registration naming the budget it needs.
+    pub landing_budget: usize,
+    /// Deadline of every wait (default 300 s, or `ODC_TIMEOUT_S`).
+    pub timeout: Duration,
+    /// Accumulator dtype; only `F32` is supported.
+    pub accum_dtype: DType,
+    /// Backend.
+    pub transport: TransportKind,
+    /// Names this job's shared-memory segments so that a restart of the same
+    /// job removes a crashed run's leftovers (default `ODC_JOB_KEY`, else
+    /// `"default"`).
+    pub job_key: String,
+    /// Store key prefix, so several engines can share one store.
+    pub store_prefix: String,
+    /// Full or hybrid (intra-node) sharding; equal on every rank.
+    pub sharding: Sharding,
+    /// The CUDA device a `cuda-ipc` engine uses (default: the rank's local
+    /// rank). Ignored by the other transports.
+    pub device: Option<usize>,
+    /// `nvshmem` only: bytes of symmetric heap to plan beyond this engine's
+    /// own data regions, for the engines this process creates later in the
+    /// same job, which share this engine's NVSHMEM session (one per
+    /// process; its heap is fixed when it starts). Compute it with
+    /// [`Engine::heap_bytes`] of those engines (default 0).
+    pub heap_reserve: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> EngineConfig {
+        let timeout = std::env::var("ODC_TIMEOUT_S")
+            .ok()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map_or(Duration::from_secs(300), Duration::from_secs_f64);
+        let landing_budget = std::env::var("ODC_LANDING_MB")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .filter(|&mb| mb > 0)
+            .map_or(crate::control::DEFAULT_LANDING_BUDGET, |mb| {
+                mb.saturating_mul(1 << 20)
+            });
+        EngineConfig {
+            chunk_bytes: 2 << 20,
+            landing_budget,
+            timeout,
+            accum_dtype: DType::F32,
+            transport: TransportKind::Auto,
+            job_key: std::env::var("ODC_JOB_KEY").unwrap_or_else(|_| "default".into()),
+            store_prefix: "odc".into(),
+            sharding: Sharding::Full,
+            device: None,
+            heap_reserve: 0,
+        }
+    }
+}
+
+/// A registered bucket's index, as returned by [`Engine::bucket_id`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BucketId(pub usize);

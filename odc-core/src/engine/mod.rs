@@ -1,0 +1,121 @@
+//! The engine's lower layer: configuration ([`config`]), the state a rank
+//! shares between its worker handles and its daemon ([`state`]), and
+//! collective registration ([`register`]). [`Core::new`] joins the job and
+//! creates the transport; [`Core::register`] registers the buckets. The
+//! public [`crate::Engine`] (in `api`) composes this with the server thread
+//! and the worker handles; this module depends on neither.
+
+mod config;
+mod register;
+mod state;
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use odc_kernels::DType;
+
+pub(crate) use config::Groups;
+pub use config::{BucketId, EngineConfig, Sharding};
+pub(crate) use register::data_sizes;
+pub(crate) use state::{load, record_error, Core, PushState, Registered};
+
+use crate::layout::BucketSpec;
+use crate::protocol::handoff::OwnPush;
+use crate::store::{wait_get, Store};
+use crate::sync::AtomicBool;
+use crate::topology::Topology;
+use crate::{Error, Result};
+
+impl Core {
+    /// Joins the job as `topology.rank()`: agrees on a job id through the
+    /// store (rank 0 draws it) and creates this rank's transport.
+    pub(crate) fn new(
+        store: Arc<dyn Store>,
+        topology: Topology,
+        config: EngineConfig,
+    ) -> Result<Core> {
+        if config.chunk_bytes == 0 || config.chunk_bytes > 1 << 30 {
+            return Err(Error::Config(format!(
+                "chunk_bytes {} not in 1..=1 GiB",
+                config.chunk_bytes
+            )));
+        }
+        if config.accum_dtype != DType::F32 {
+            return Err(Error::Config(format!(
+                "accumulation dtype {} unsupported; only f32",
+                config.accum_dtype
+            )));
+        }
+        if config.timeout.is_zero() {
+            return Err(Error::Config("timeout must be positive".into()));
+        }
+        let groups = Groups::new(&topology, config.sharding);
+        if config.transport.is_device() && groups.replicas.len() > 1 {
+            return Err(Error::Config(format!(
+                "{} sharding over {} nodes reduces the replicas' accumulators in host memory, \
+                 which the {} transport does not keep: use full sharding (or a host transport)",
+                config.sharding.name(),
+                topology.nodes(),
+                config.transport.name()
+            )));
+        }
+        let deadline = Instant::now() + config.timeout;
+        let key = format!("{}/job_id", config.store_prefix);
+        let job_id = if topology.rank() == 0 {
+            let id = register::random_job_id()?;
+            store.set(&key, id.as_bytes())?;
+            id
+        } else {
+            String::from_utf8_lossy(&wait_get(store.as_ref(), &key, deadline)?).into_owned()
+        };
+        let transport = crate::transport::create(
+            config.transport,
+            topology,
+            &config.job_key,
+            &job_id,
+            config.timeout,
+        )?;
+        let device = crate::plane::create(
+            config.transport,
+            &topology,
+            config.device,
+            config.heap_reserve,
+        )?;
+        let world = groups.group.len();
+        Ok(Core {
+            topo: topology,
+            config,
+            store,
+            transport: Arc::from(transport),
+            device,
+            reg: OnceLock::new(),
+            shutdown: AtomicBool::new(false),
+            server_error: Arc::new(Mutex::new(None)),
+            own: OwnPush::new(),
+            push: Mutex::new(PushState::new(world)),
+            publish_lock: Mutex::new(()),
+        })
+    }
+
+    /// Registers every bucket (see [`register`]).
+    pub(crate) fn register(&self, specs: &[BucketSpec]) -> Result<()> {
+        register::register(self, specs)
+    }
+
+    /// The transport in use.
+    pub(crate) fn transport_name(&self) -> &'static str {
+        match &self.device {
+            Some(d) => d.name(),
+            None => self.transport.name(),
+        }
+    }
+
+    /// The id of the bucket named `name`.
+    pub(crate) fn bucket_id(&self, name: &str) -> Result<BucketId> {
+        self.registered()?
+            .names
+            .get(name)
+            .map(|&i| BucketId(i))
+            .ok_or_else(|| Error::layout(Some(name), "unknown bucket"))
+    }
+}

@@ -1,0 +1,524 @@
+//! Collective registration, in four steps, each a function: agree on the
+//! bucket list through the store ([`agree`]), allocate this rank's regions
+//! ([`allocate`]), exchange descriptors and connect to every peer
+//! ([`connect`]), and connect a device transport's data plane
+//! ([`connect_plane`]). A rank that cannot register posts its failure where
+//! the peers wait for it, so they fail at once naming it.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::config::{EngineConfig, Groups};
+use super::state::{Accum, Core, Registered};
+use crate::control::{landing_chunk, CtrlLayout};
+use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
+use crate::plane::{DataSizes, Plane};
+use crate::region::{Endpoint, HeapBlock, LocalRegion, RegionDesc};
+use crate::store::{wait_get, Store};
+use crate::sync::AtomicU64;
+use crate::topology::Topology;
+use crate::{Error, Result};
+
+/// Region id of the control region (control words and landing slots).
+pub(crate) const CTRL_REGION: u32 = 0;
+/// Region id of the published parameter shards.
+pub(crate) const PARAMS_REGION: u32 = 1;
+/// Region id of the gradient accumulators, published only under hybrid
+/// sharding across nodes (the other nodes read the partial sums).
+pub(crate) const ACCUM_REGION: u32 = 2;
+
+/// What every rank agreed on: the buckets, their names, the control layout
+/// and where each bucket sits in the data regions.
+pub(crate) struct Plan {
+    groups: Groups,
+    buckets: Vec<BucketLayout>,
+    names: HashMap<String, usize>,
+    ctrl_layout: CtrlLayout,
+    params_off: Vec<usize>,
+    accum_off: Vec<usize>,
+    params_len: usize,
+    accum_len: usize,
+    /// Host bytes of published shards (0 on a device transport).
+    host_params_len: usize,
+    /// Bytes of the accumulator region the replicas read (hybrid across
+    /// nodes on a host transport), else 0.
+    accum_region: usize,
+}
+
+/// This rank's regions.
+pub(crate) struct Regions {
+    ctrl: LocalRegion,
+    params: LocalRegion,
+    accum: Accum,
+    reduced: HeapBlock,
+}
+
+/// What the exchange learned about every peer, indexed by global rank.
+pub(crate) struct Peers {
+    ctrl: Vec<RegionDesc>,
+    params: Vec<RegionDesc>,
+    accum: Vec<Option<RegionDesc>>,
+    pid: Vec<u32>,
+}
+
+/// Registers `specs` on `core` (see the module doc); on success the
+/// registered state is in `core.reg`.
+pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
+    if core.reg.get().is_some() {
+        return Err(Error::protocol(None, "register called twice"));
+    }
+    let deadline = Instant::now() + core.config.timeout;
+    let plan = agree(core, specs, deadline)?;
+    let regions = allocate(core, &plan)?;
+    let peers = connect(core, &plan, &regions, deadline)?;
+    let plane = connect_plane(core, specs, &plan, deadline)?;
+    let nb = plan.buckets.len();
+    let group_ctrl = plan
+        .groups
+        .group
+        .iter()
+        .map(|&r| (r, peers.ctrl[r]))
+        .collect();
+    let reg = Registered {
+        groups: plan.groups,
+        buckets: plan.buckets,
+        names: plan.names,
+        ctrl_layout: plan.ctrl_layout,
+        params_off: plan.params_off,
+        accum_off: plan.accum_off,
+        ctrl: regions.ctrl,
+        params: regions.params,
+        accum: regions.accum,
+        reduced: regions.reduced,
+        accum_len: plan.accum_len,
+        peer_accum: peers.accum,
+        peer_ctrl: peers.ctrl,
+        group_ctrl,
+        peer_params: peers.params,
+        peer_pid: peers.pid,
+        plane,
+        released: (0..nb).map(|_| AtomicU64::new(0)).collect(),
+        finished: AtomicU64::new(0),
+        partials_out: AtomicU64::new(0),
+    };
+    core.reg
+        .set(reg)
+        .map_err(|_| Error::protocol(None, "register called twice"))
+}
+
+/// Step 1: lays the buckets out, posts this rank's bucket list and settings,
+/// and compares every rank's with it; a mismatch names the first differing
+/// bucket. Also checks that `/dev/shm` has room for every rank of this host
+/// before any rank allocates.
+fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
+    let (rank, world) = (core.topo.rank(), core.topo.world());
+    let prefix = &core.config.store_prefix;
+    let groups = Groups::new(&core.topo, core.config.sharding);
+    let mut buckets = Vec::with_capacity(specs.len());
+    let mut names = HashMap::new();
+    for (i, s) in specs.iter().enumerate() {
+        if names.insert(s.name.clone(), i).is_some() {
+            return Err(Error::layout(Some(&s.name), "bucket name registered twice"));
+        }
+        buckets.push(BucketLayout::new(s.clone(), groups.group.len())?);
+    }
+    if buckets.is_empty() {
+        return Err(Error::layout(None, "register needs at least one bucket"));
+    }
+    let ctrl_layout = control_layout(&groups, buckets.len(), &core.config)?;
+    let mut post = RegPost {
+        hash: 0,
+        chunk_bytes: ctrl_layout.chunk_bytes(),
+        sharding: core.config.sharding.name().into(),
+        local_world: core.topo.local_world(),
+        accum: core.config.accum_dtype.name().into(),
+        specs: specs
+            .iter()
+            .map(|s| (s.name.clone(), s.numel, s.dtype.name().to_owned()))
+            .collect(),
+    };
+    post.hash = fnv1a(&json("reg", &post.specs)?);
+    let my_key = format!("{prefix}/reg/{rank}");
+    let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
+    let on_device = core.device.is_some();
+    let host_params_len = if on_device { 0 } else { params_len };
+    let accum_region = if groups.replicas.len() > 1 && !on_device {
+        accum_len * 4
+    } else {
+        0
+    };
+    if let Err(e) = check_shm_room(
+        core.transport.name(),
+        &core.topo,
+        [ctrl_layout.len(), host_params_len, accum_region],
+    ) {
+        post_failure(core.store.as_ref(), &my_key, &e);
+        return Err(e);
+    }
+    core.store.set(&my_key, &json(&my_key, &post)?)?;
+    for peer in 0..world {
+        let key = format!("{prefix}/reg/{peer}");
+        let theirs: RegPost =
+            parse_post(&key, peer, &wait_get(core.store.as_ref(), &key, deadline)?)?;
+        compare(&post, &theirs, peer)?;
+    }
+    Ok(Plan {
+        groups,
+        buckets,
+        names,
+        ctrl_layout,
+        params_off,
+        accum_off,
+        params_len,
+        accum_len,
+        host_params_len,
+        accum_region,
+    })
+}
+
+/// The control region's layout for `buckets` buckets over `groups`, its
+/// landing chunk fitted to the budget.
+fn control_layout(groups: &Groups, buckets: usize, config: &EngineConfig) -> Result<CtrlLayout> {
+    Ok(CtrlLayout::new(
+        groups.group.len(),
+        groups.replicas.len(),
+        buckets,
+        landing_chunk(
+            config.chunk_bytes,
+            groups.group.len(),
+            config.landing_budget,
+        )?,
+    ))
+}
+
+/// Whether `theirs` (rank `peer`'s post) registers what `ours` does.
+fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<()> {
+    if theirs.hash != ours.hash || theirs.specs != ours.specs {
+        let n = ours.specs.len().max(theirs.specs.len());
+        let show = |l: &[(String, usize, String)], i: usize| {
+            l.get(i).map_or("<none>".to_owned(), |(a, b, c)| {
+                format!("{a} numel={b} dtype={c}")
+            })
+        };
+        let i = (0..n)
+            .find(|&i| ours.specs.get(i) != theirs.specs.get(i))
+            .unwrap_or(0);
+        return Err(Error::Registration {
+            peer,
+            first_differing_bucket: i,
+            ours: show(&ours.specs, i),
+            theirs: show(&theirs.specs, i),
+        });
+    }
+    if theirs.sharding != ours.sharding || theirs.local_world != ours.local_world {
+        return Err(Error::Config(format!(
+            "rank {peer} uses {} sharding with {} ranks per node, this rank {} sharding with {}",
+            theirs.sharding, theirs.local_world, ours.sharding, ours.local_world
+        )));
+    }
+    if theirs.chunk_bytes != ours.chunk_bytes || theirs.accum != ours.accum {
+        return Err(Error::Config(format!(
+            "rank {peer} uses chunk_bytes {} / accumulation {}, this rank {} / {}",
+            theirs.chunk_bytes, theirs.accum, ours.chunk_bytes, ours.accum
+        )));
+    }
+    Ok(())
+}
+
+/// Step 2: allocates the control region, the published shards and the
+/// accumulators (a device engine keeps only its control words in host
+/// memory). A failure is posted where the peers wait for this rank's
+/// endpoint.
+fn allocate(core: &Core, plan: &Plan) -> Result<Regions> {
+    let allocated = (|| -> Result<Regions> {
+        let ctrl = core
+            .transport
+            .register(CTRL_REGION, plan.ctrl_layout.len())?;
+        let params = core
+            .transport
+            .register(PARAMS_REGION, plan.host_params_len)?;
+        let (accum, reduced) = if core.device.is_some() {
+            (Accum::Heap(HeapBlock::zeroed(0)?), HeapBlock::zeroed(0)?)
+        } else if plan.accum_region > 0 {
+            (
+                Accum::Region(core.transport.register(ACCUM_REGION, plan.accum_region)?),
+                HeapBlock::zeroed(plan.accum_len * 4)?,
+            )
+        } else {
+            (
+                Accum::Heap(HeapBlock::zeroed(plan.accum_len * 4)?),
+                HeapBlock::zeroed(0)?,
+            )
+        };
+        Ok(Regions {
+            ctrl,
+            params,
+            accum,
+            reduced,
+        })
+    })();
+    allocated.inspect_err(|e| {
+        let key = format!("{}/ep/{}", core.config.store_prefix, core.topo.rank());
+        post_failure(core.store.as_ref(), &key, e);
+    })
+}
+
+/// Step 3: posts this rank's endpoint and region descriptors, reads every
+/// peer's, checks them and connects to every rank (this one too). Then the
+/// one barrier, at setup only: every rank has mapped every segment before
+/// anyone may drop (and unlink) its own.
+fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Result<Peers> {
+    let (rank, world) = (core.topo.rank(), core.topo.world());
+    let prefix = &core.config.store_prefix;
+    let my_key = format!("{prefix}/ep/{rank}");
+    let mut descs = vec![regions.ctrl.desc(), regions.params.desc()];
+    if let Accum::Region(r) = &regions.accum {
+        descs.push(r.desc());
+    }
+    let ep = EndpointPost {
+        endpoint: core.transport.endpoint(),
+        regions: descs,
+    };
+    core.store.set(&my_key, &json(&my_key, &ep)?)?;
+    let my_host = ep.endpoint.host.clone();
+    let mut peers = Peers {
+        ctrl: Vec::with_capacity(world),
+        params: Vec::with_capacity(world),
+        accum: Vec::with_capacity(world),
+        pid: Vec::with_capacity(world),
+    };
+    for peer in 0..world {
+        let key = format!("{prefix}/ep/{peer}");
+        let theirs: EndpointPost =
+            parse_post(&key, peer, &wait_get(core.store.as_ref(), &key, deadline)?)?;
+        let find = |id: u32| {
+            theirs
+                .regions
+                .iter()
+                .copied()
+                .find(|r| r.id == id)
+                .ok_or_else(|| Error::Store {
+                    op: "get",
+                    key: key.clone(),
+                    detail: format!("rank {peer} published no region {id}"),
+                })
+        };
+        let (c, p) = (find(CTRL_REGION)?, find(PARAMS_REGION)?);
+        if c.len < plan.ctrl_layout.len() as u64 || p.len < plan.host_params_len as u64 {
+            return Err(Error::Config(format!(
+                "rank {peer} registered regions of a different size"
+            )));
+        }
+        let a = if plan.accum_region > 0 && plan.groups.replicas.contains(&peer) {
+            let a = find(ACCUM_REGION)?;
+            if a.len < (plan.accum_len * 4) as u64 {
+                return Err(Error::Config(format!(
+                    "rank {peer} registered accumulators of a different size"
+                )));
+            }
+            Some(a)
+        } else {
+            None
+        };
+        if core.transport.name() == "shm" && theirs.endpoint.host != my_host {
+            return Err(Error::Config(format!(
+                "rank {peer} runs on host {:?}, this rank on {my_host:?}: the shm transport \
+                 reaches only ranks on this host (use transport \"auto\" or \"fabric\")",
+                theirs.endpoint.host
+            )));
+        }
+        core.transport
+            .connect(peer, &theirs.endpoint, &theirs.regions)?;
+        peers.ctrl.push(c);
+        peers.params.push(p);
+        peers.pid.push(theirs.endpoint.pid);
+        peers.accum.push(a);
+    }
+    let my_key = format!("{prefix}/connected/{rank}");
+    core.store.set(&my_key, b"1")?;
+    let keys: Vec<String> = (0..world)
+        .map(|p| format!("{prefix}/connected/{p}"))
+        .collect();
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    core.store.wait(&keys, deadline)?;
+    Ok(peers)
+}
+
+/// Step 4, device transports only: connects the data plane (published
+/// shards, landing slots and accumulators in device memory).
+fn connect_plane(
+    core: &Core,
+    specs: &[BucketSpec],
+    plan: &Plan,
+    deadline: Instant,
+) -> Result<Option<Box<dyn Plane>>> {
+    let Some(device) = &core.device else {
+        return Ok(None);
+    };
+    let sizes = DataSizes {
+        params: plan.params_len,
+        landing: plan.ctrl_layout.landing_len(),
+        accum: plan.accum_len * 4,
+    };
+    debug_assert_eq!(
+        Some(sizes),
+        data_sizes(specs, &core.topo, &core.config).ok()
+    );
+    let left = deadline.saturating_duration_since(Instant::now());
+    Ok(Some(device.connect(
+        core.store.as_ref(),
+        &core.config.store_prefix,
+        &core.config.job_key,
+        core.topo.rank(),
+        &plan.groups.group,
+        sizes,
+        left,
+    )?))
+}
+
+/// The data regions an engine with `config` on `topology` allocates for
+/// `specs` on a device transport: published shards, landing slots, f32
+/// accumulators (the figures registration gives the plane).
+pub(crate) fn data_sizes(
+    specs: &[BucketSpec],
+    topology: &Topology,
+    config: &EngineConfig,
+) -> Result<DataSizes> {
+    let groups = Groups::new(topology, config.sharding);
+    let buckets = specs
+        .iter()
+        .map(|s| BucketLayout::new(s.clone(), groups.group.len()))
+        .collect::<Result<Vec<_>>>()?;
+    let (_, _, params, accum) = offsets(&buckets);
+    let ctrl = control_layout(&groups, buckets.len(), config)?;
+    Ok(DataSizes {
+        params,
+        landing: ctrl.landing_len(),
+        accum: accum * 4,
+    })
+}
+
+/// A fresh random job id (rank 0 draws it; the others read it).
+pub(crate) fn random_job_id() -> Result<String> {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut b)?;
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+#[derive(Serialize, Deserialize)]
+struct RegPost {
+    hash: u64,
+    chunk_bytes: usize,
+    sharding: String,
+    local_world: usize,
+    accum: String,
+    specs: Vec<(String, usize, String)>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct EndpointPost {
+    endpoint: Endpoint,
+    regions: Vec<RegionDesc>,
+}
+
+/// What a rank posts instead of its registration or endpoint when it
+/// cannot register, so that its peers fail at once naming it.
+#[derive(Serialize, Deserialize)]
+struct FailedPost {
+    failed: String,
+}
+
+fn post_failure(store: &dyn Store, key: &str, e: &Error) {
+    let post = FailedPost {
+        failed: e.to_string(),
+    };
+    if let Ok(bytes) = serde_json::to_vec(&post) {
+        // Best effort: a store that fails here fails the peers' waits too.
+        let _ = store.set(key, &bytes);
+    }
+}
+
+/// Parses `peer`'s post at `key`, or the failure it posted instead.
+fn parse_post<T: for<'de> Deserialize<'de>>(key: &str, peer: usize, v: &[u8]) -> Result<T> {
+    if let Ok(FailedPost { failed }) = serde_json::from_slice::<FailedPost>(v) {
+        return Err(Error::transport(
+            "register",
+            format!("rank {peer} could not register its memory: {failed}"),
+        ));
+    }
+    parse(key, v)
+}
+
+/// Whether `/dev/shm` has room for the regions (`lens`, in bytes) of every
+/// rank of this host that shares it, on a transport that keeps them there
+/// (`shm`: every rank of the job; `shm+fabric`: the ranks of the node).
+fn check_shm_room(transport: &str, topo: &Topology, lens: [usize; 3]) -> Result<()> {
+    let ranks = match transport {
+        "shm" => topo.world(),
+        "shm+fabric" => topo.local_world(),
+        _ => return Ok(()),
+    };
+    let page = 4096;
+    let per_rank: u64 = lens
+        .iter()
+        .filter(|&&l| l > 0)
+        .map(|&l| l.max(64).div_ceil(page) as u64 * page as u64)
+        .sum();
+    let needed = per_rank.saturating_mul(ranks as u64);
+    match crate::transport::shm::shm_free() {
+        Some(free) if free < needed => Err(Error::ShmSpace {
+            dir: crate::transport::shm::SHM_DIR.into(),
+            needed,
+            free,
+            what: format!(
+                "the {ranks} ranks on this host ({per_rank} bytes each: control words and \
+                 landing slots {}, published shards {}, accumulators {})",
+                lens[0], lens[1], lens[2]
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn fnv1a(data: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in data {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn json<T: Serialize>(key: &str, v: &T) -> Result<Vec<u8>> {
+    serde_json::to_vec(v).map_err(|e| Error::Store {
+        op: "set",
+        key: key.to_owned(),
+        detail: e.to_string(),
+    })
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(key: &str, v: &[u8]) -> Result<T> {
+    serde_json::from_slice(v).map_err(|e| Error::Store {
+        op: "get",
+        key: key.to_owned(),
+        detail: format!("malformed value: {e}"),
+    })
+}
+
+/// Byte offsets of every bucket's published shard (aligned) and element
+/// offsets of its f32 accumulator, and the two totals.
+fn offsets(buckets: &[BucketLayout]) -> (Vec<usize>, Vec<usize>, usize, usize) {
+    let mut params_off = Vec::with_capacity(buckets.len());
+    let mut accum_off = Vec::with_capacity(buckets.len());
+    let (mut params_len, mut accum_len) = (0usize, 0usize);
+    for b in buckets {
+        params_off.push(params_len);
+        params_len += b.shard_bytes().div_ceil(ALIGN_BYTES) * ALIGN_BYTES;
+        accum_off.push(accum_len);
+        accum_len += b.shard_len();
+    }
+    (params_off, accum_off, params_len, accum_len)
+}

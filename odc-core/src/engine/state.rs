@@ -1,0 +1,250 @@
+//! The state a rank's engine shares between its worker handles and its
+//! shard server daemon: [`Core`] (configuration, transport, the registered
+//! regions, the push and publish locks) and [`Registered`] (everything that
+//! exists after registration). Nothing here moves data or waits on a peer
+//! except through [`Core::waiter`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use super::config::{EngineConfig, Groups};
+use super::BucketId;
+use crate::control::CtrlLayout;
+use crate::layout::BucketLayout;
+use crate::plane::{Connect, Plane};
+use crate::protocol::handoff::OwnPush;
+use crate::protocol::slots::SlotSender;
+use crate::region::{HeapBlock, LocalRegion, RegionDesc};
+use crate::store::Store;
+use crate::sync::{AtomicBool, AtomicU64, Ordering};
+use crate::topology::Topology;
+use crate::transport::Transport;
+use crate::wait::Waiter;
+use crate::{Error, Result};
+
+/// Everything that exists after registration.
+#[derive(Debug)]
+pub(crate) struct Registered {
+    /// The shard and replica groups (indices into the control words).
+    pub(crate) groups: Groups,
+    pub(crate) buckets: Vec<BucketLayout>,
+    pub(crate) names: HashMap<String, usize>,
+    pub(crate) ctrl_layout: CtrlLayout,
+    /// Byte offset of each bucket's shard in the params region.
+    pub(crate) params_off: Vec<usize>,
+    /// Element offset of each bucket's accumulator.
+    pub(crate) accum_off: Vec<usize>,
+    pub(crate) ctrl: LocalRegion,
+    pub(crate) params: LocalRegion,
+    pub(crate) accum: Accum,
+    /// Hybrid across nodes: the accumulators summed over every node (what
+    /// the optimizer reads); empty otherwise.
+    pub(crate) reduced: HeapBlock,
+    /// Elements in all accumulators together.
+    pub(crate) accum_len: usize,
+    /// Per global rank (indexed by rank, like `peer_ctrl`); `None` unless
+    /// the rank is one of this rank's replicas.
+    pub(crate) peer_accum: Vec<Option<RegionDesc>>,
+    pub(crate) peer_ctrl: Vec<RegionDesc>,
+    /// Every shard-group rank with its control region's descriptor: where
+    /// version, release and done signals go ([`crate::client::Signals`]).
+    pub(crate) group_ctrl: Arc<[(usize, RegionDesc)]>,
+    pub(crate) peer_params: Vec<RegionDesc>,
+    pub(crate) peer_pid: Vec<u32>,
+    /// Device transports: every rank's data regions (the host `params`,
+    /// `accum` and landing data are then unused).
+    pub(crate) plane: Option<Box<dyn Plane>>,
+    /// Highest version + 1 this client released per bucket (local only).
+    pub(crate) released: Vec<AtomicU64>,
+    /// Highest minibatch + 1 this client finished.
+    pub(crate) finished: AtomicU64,
+    /// Highest minibatch + 1 whose partial sums this rank handed to the
+    /// other nodes (hybrid); they must have read them before the
+    /// accumulators change again.
+    pub(crate) partials_out: AtomicU64,
+}
+
+/// Where the accumulators live: plain heap memory, or (hybrid sharding over
+/// several nodes) a registered region the replicas read.
+#[derive(Debug)]
+pub(crate) enum Accum {
+    Heap(HeapBlock),
+    Region(LocalRegion),
+}
+
+impl Accum {
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Accum::Heap(h) => h.as_ptr(),
+            Accum::Region(r) => r.as_ptr(),
+        }
+    }
+}
+
+impl Registered {
+    pub(crate) fn word(&self, offset: usize) -> &AtomicU64 {
+        // The control layout only yields in-range, aligned offsets.
+        match self.ctrl.signal(offset) {
+            Some(w) => w,
+            None => unreachable!("control offset {offset} outside the control region"),
+        }
+    }
+
+    pub(crate) fn bucket(&self, id: BucketId) -> Result<&BucketLayout> {
+        self.buckets.get(id.0).ok_or_else(|| {
+            Error::layout(
+                None,
+                format!(
+                    "unknown bucket id {} ({} registered)",
+                    id.0,
+                    self.buckets.len()
+                ),
+            )
+        })
+    }
+
+    /// Whether minibatch ends sum the shards across nodes.
+    pub(crate) fn cross_node(&self) -> bool {
+        self.groups.replicas.len() > 1
+    }
+
+    /// The final gradient of bucket `b` (what the optimizer reads): the
+    /// accumulator, or under hybrid sharding over several nodes the
+    /// cross-node sum.
+    pub(crate) fn grad_ptr(&self, b: usize) -> (*mut f32, usize) {
+        if !self.cross_node() {
+            return self.accum_ptr(b);
+        }
+        let len = self.buckets[b].shard_len();
+        // SAFETY: `reduced` has accum_len f32s, the same layout as `accum`.
+        let ptr = unsafe { self.reduced.as_ptr().cast::<f32>().add(self.accum_off[b]) };
+        (ptr, len)
+    }
+
+    /// Device engines: the device address of element `elem` of bucket `b`'s
+    /// f32 accumulator.
+    pub(crate) fn accum_addr(&self, plane: &dyn Plane, b: usize, elem: usize) -> u64 {
+        plane.accum() + ((self.accum_off[b] + elem) * 4) as u64
+    }
+
+    /// The accumulator of bucket `b` as a raw pointer and length.
+    pub(crate) fn accum_ptr(&self, b: usize) -> (*mut f32, usize) {
+        let len = self.buckets[b].shard_len();
+        // SAFETY: accum_off[b] + len is within the block (sized at register).
+        let ptr = unsafe { self.accum.as_ptr().cast::<f32>().add(self.accum_off[b]) };
+        (ptr, len)
+    }
+}
+
+/// One rank's state, shared by the worker handles ([`crate::client`]) and
+/// the shard server daemon ([`crate::server`]).
+pub(crate) struct Core {
+    pub(crate) topo: Topology,
+    pub(crate) config: EngineConfig,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) transport: Arc<dyn Transport>,
+    /// Device transports: the backend, until `register` connects it.
+    pub(crate) device: Option<Box<dyn Connect>>,
+    pub(crate) reg: OnceLock<Registered>,
+    pub(crate) shutdown: AtomicBool,
+    /// Shared with work enqueued on streams, which may report late.
+    pub(crate) server_error: Arc<Mutex<Option<String>>>,
+    /// This client's own slice of the push in progress, for its server.
+    pub(crate) own: OwnPush,
+    /// Pushes and finishes serialize on this (taken once per call).
+    pub(crate) push: Mutex<PushState>,
+    /// Publishes serialize on this.
+    pub(crate) publish_lock: Mutex<()>,
+}
+
+impl fmt::Debug for Core {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Core")
+            .field("topo", &self.topo)
+            .field("transport", &self.transport)
+            .field("registered", &self.reg.get().is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Pushes in flight from this client: per owner (index in the shard
+/// group), its two landing slots and the part of the current push still to
+/// send.
+#[derive(Debug)]
+pub(crate) struct PushState {
+    pub(crate) slots: Vec<SlotSender>,
+    pub(crate) cursor: Vec<std::ops::Range<usize>>,
+    /// Generation of the last own-slice hand-off ([`OwnPush`]).
+    pub(crate) own_gen: u64,
+}
+
+impl PushState {
+    pub(crate) fn new(world: usize) -> PushState {
+        PushState {
+            slots: vec![SlotSender::default(); world],
+            cursor: vec![0..0; world],
+            own_gen: 0,
+        }
+    }
+}
+
+impl Core {
+    pub(crate) fn registered(&self) -> Result<&Registered> {
+        self.reg.get().ok_or_else(|| {
+            Error::protocol(
+                None,
+                "the engine has no registered buckets; call register first",
+            )
+        })
+    }
+
+    /// The waiter every wait of this rank goes through (see [`crate::wait`]).
+    pub(crate) fn waiter(&self) -> Waiter<'_, dyn Transport> {
+        Waiter {
+            bells: &*self.transport,
+            me: self.topo.rank(),
+            world: self.topo.world(),
+            timeout: self.config.timeout,
+            pids: self.reg.get().map_or(&[][..], |r| &r.peer_pid),
+        }
+    }
+
+    /// [`Waiter::wait`] with this rank's waiter.
+    pub(crate) fn wait(
+        &self,
+        bucket: Option<&str>,
+        waited_for: &dyn Fn() -> String,
+        check: impl FnMut() -> Result<Option<usize>>,
+    ) -> Result<()> {
+        self.waiter().wait(bucket, waited_for, check)
+    }
+
+    /// [`Waiter::attribute`] with this rank's waiter.
+    pub(crate) fn attribute(&self, bucket: Option<&str>, err: Error) -> Error {
+        self.waiter().attribute(bucket, err)
+    }
+
+    pub(crate) fn record_server_error(&self, msg: String) {
+        record_error(&self.server_error, msg);
+    }
+
+    pub(crate) fn take_server_error(&self) -> Option<String> {
+        self.server_error.lock().ok().and_then(|s| s.clone())
+    }
+}
+
+/// Keeps the first error reported into `slot` (by the daemon, or by work
+/// on a stream that runs after the call that enqueued it returned).
+pub(crate) fn record_error(slot: &Mutex<Option<String>>, msg: String) {
+    if let Ok(mut slot) = slot.lock() {
+        if slot.is_none() {
+            *slot = Some(msg);
+        }
+    }
+}
+
+/// Loads a control word (acquire).
+pub(crate) fn load(word: &AtomicU64) -> u64 {
+    word.load(Ordering::Acquire)
+}

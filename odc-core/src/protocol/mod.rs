@@ -1,0 +1,37 @@
+//! The protocol's rules, as small state machines over control-word values:
+//! no I/O, no clock, no transport. The engine loads the words (acquire),
+//! asks these types what to do, and carries the decisions out with the
+//! transport; the loom model (`loom_model`) drives the same types over loom
+//! atomics.
+//!
+//! | module | the rule |
+//! |---|---|
+//! | [`slots`] | a landing slot is reused only after its last chunk was acknowledged; the owner adds a client's chunks in push order |
+//! | [`versions`] | a shard's next version is published only after every reader released the previous one; a reader reads a shard only at the version it needs |
+//! | [`finish`] | a client's minibatch ends when its pushes are acknowledged; an owner's gradients are final when every client's done word reads the minibatch |
+//! | [`partials`] | hybrid sharding: accumulators change again only after every other node read this rank's partial sums |
+//! | [`handoff`] | a client's own slice goes to its own server by pointer, read only under a claim |
+//!
+//! Every word stores a **stamp**, value + 1 (0: never written), except the
+//! landing-slot signals, which count chunks ([`slots::slot_count`]).
+//!
+//! This module may use [`crate::sync`] (for the hand-off's atomics) and
+//! [`crate::error`]; nothing above it.
+
+pub mod finish;
+pub(crate) mod handoff;
+pub mod partials;
+pub mod slots;
+pub mod versions;
+
+/// The stamp a word holds for `value` (value + 1; 0 means never written).
+/// `None` for `u64::MAX`, which has no stamp.
+pub fn stamp(value: u64) -> Option<u64> {
+    value.checked_add(1)
+}
+
+/// The first rank (by index) whose word does not yet reach `stamp`, as
+/// `index → word value`: the one a waiter names while it waits.
+pub fn lagging(words: impl IntoIterator<Item = u64>, stamp: u64) -> Option<usize> {
+    words.into_iter().position(|w| w < stamp)
+}
