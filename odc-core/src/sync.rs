@@ -18,9 +18,12 @@ pub use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize
 #[cfg(not(loom))]
 use std::time::Duration;
 
-/// Spin-then-yield backoff in the manner of crossbeam's: a waiter calls
+/// Spin-then-yield backoff with crossbeam-utils' limits: a waiter calls
 /// [`snooze`](Backoff::snooze) until [`is_completed`](Backoff::is_completed),
-/// then goes to sleep on a futex.
+/// then goes to sleep on a futex. Not crossbeam's own `Backoff`: that one
+/// yields through `std::thread::yield_now`, which loom cannot see, and a
+/// spin loop under loom must yield to loom's scheduler (this one does, under
+/// `--cfg loom`), or the models would not terminate.
 #[derive(Debug, Default)]
 pub struct Backoff {
     step: u32,
