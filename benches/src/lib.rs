@@ -1,6 +1,9 @@
 //! Shared harness of the nccl-tests-style perf binaries `gather_perf` and
 //! `scatter_accumulate_perf`.
 //!
+//! One file for the harness both binaries share (launch, rank context,
+//! timing, the ceilings, printing and JSON); a quarter of it is its tests.
+//!
 //! A perf binary started by a user is the **launcher**: it creates a job
 //! directory (a [`FileStore`](odc_core::store::FileStore) for the engine's
 //! rendezvous) and a shared [`BenchPage`] (barrier, per-rank timings and

@@ -1,6 +1,10 @@
 //! Bindings for the `odc-core` engine: `odc._odc.Engine`, and
 //! `odc._odc.EmuStream` (an emulated stream for the `emu-ipc` transport).
 //!
+//! One file because pyo3 takes one `#[pymethods]` block per class (more
+//! need its `multiple-pymethods` feature and the inventory crate): the host
+//! calls, the device calls and the accessors of `Engine` all live in it.
+//!
 //! Tensors cross the boundary as raw pointers with byte lengths: the Python
 //! layer (`odc.engine`) checks device, contiguity and dtype and passes
 //! `tensor.data_ptr()` / `nbytes`. No copy happens on the Python side, and

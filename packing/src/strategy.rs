@@ -1,5 +1,8 @@
 //! Strategies: who runs which sample, in which microbatch.
 //!
+//! One file for the four strategies, which share the minibatch cutting and
+//! the microbatch packing; the last 130 lines are its tests.
+//!
 //! Owns the mapping from sequence lengths to an *assignment*: per global
 //! minibatch, per rank, a list of microbatches, each a list of global
 //! sample indices. It does not judge assignments — that is

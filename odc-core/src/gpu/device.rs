@@ -1,6 +1,10 @@
 //! CUDA device memory shared between the processes of one node: what the
 //! `cuda-ipc` transport is built on.
 //!
+//! One file because device memory, its export and import and the
+//! capability probes share one driver context discipline (bind, then call);
+//! the last forty lines are its tests.
+//!
 //! - [`Gpu`] is one device in this process: its primary context, and what
 //!   the driver can do with it ([`Caps`]).
 //! - [`DeviceRegion`] is memory this rank owns, zeroed, with the handle a

@@ -4,6 +4,10 @@
 //! meaningful inside the owner's process until another process holds a copy
 //! of it.
 //!
+//! One file because the two ways of passing a descriptor (`pidfd_getfd`,
+//! `SCM_RIGHTS`) share the rendezvous, the peer's identity check and the
+//! fallback between them; its tests are the last sixty lines.
+//!
 //! Two paths, one result (a descriptor of the same open file in this
 //! process):
 //!

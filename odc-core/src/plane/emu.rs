@@ -1,6 +1,10 @@
 //! `emu-ipc`: the device data plane in host memory, with streams emulated
 //! by host threads.
 //!
+//! One file for the whole emulation (memory, streams, both planes), which
+//! mirrors `cuda.rs` and `nvshmem.rs` piece by piece; about a fifth of it is
+//! its tests.
+//!
 //! Memory is `memfd` files exchanged exactly as `cuda-ipc` exchanges device
 //! memory ([`MemfdMemory`], [`crate::gpu::ipc::exchange`]); every stream is
 //! a thread that runs its operations in order, each after an optional

@@ -2,6 +2,9 @@
 //! freed on drop, and a [`HeapPlan`] that sizes the symmetric heap from
 //! what the caller will allocate.
 //!
+//! One file because the session, its buffers and the heap plan share the
+//! session's lock and lifetime rules; the last eighty lines are tests.
+//!
 //! NVSHMEM fixes its symmetric heap at init from `NVSHMEM_SYMMETRIC_SIZE`.
 //! ODC registers eagerly and collectively, so it knows every region's size
 //! before init: [`Nvshmem::init`] takes the [`HeapPlan`], sets the variable

@@ -8,6 +8,10 @@
 //! progress thread share (operation slots, the progress loop, liveness),
 //! `signal` the remote CQ data format.
 //!
+//! One file for the `Transport` implementation (every verb, the connection
+//! warm-up, the 4-byte signal encoding); the shared state and progress loop
+//! live in `shared`, the libfabric layers in `sys` / `result` / `safe`.
+//!
 //! # Loading
 //!
 //! The cargo feature `fabric` compiles the shim against the libfabric

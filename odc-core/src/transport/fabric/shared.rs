@@ -2,6 +2,10 @@
 //! remote regions, operation slots, read credits, bells; the progress loop
 //! that dispatches completions; posting and waiting for one operation;
 //! liveness probes and close notices.
+//!
+//! One file because the progress thread, the operation slots, the read
+//! credits and the close notices all mutate `Core`'s private state, whose
+//! invariants are stated once, here.
 
 use std::cell::UnsafeCell;
 use std::ffi::c_void;
