@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import odc.fsdp
-from odc import _fsdp_grads
+from odc.fsdp import _grads as _fsdp_grads
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("hf_sft", ROOT / "examples" / "hf_sft.py")

@@ -242,7 +242,7 @@ def test_backend_is_registered_for_cpu_and_cuda():
 
 
 def test_odc_transport_picks_the_pair_it_names():
-    pick, cuda = odc.backend._transports, odc.backend._cuda_transport
+    pick, cuda = odc.backend._group._transports, odc.backend._group._cuda_transport
     assert pick(None) == ("auto", None)
     for name in ("auto", "shm", "fabric", "mixed", "emu-ipc", "emu-shmem"):
         assert pick(name) == (name, None)
@@ -284,8 +284,8 @@ def test_nvshmem_plans_the_reduce_scatter_engine_into_the_all_gather_engines_hea
         make("odc-ag-cuda")
         make("odc-rs-cuda")
         (ag, ag_kw), (rs, rs_kw) = made
-        want = odc.engine.heap_bytes(odc._backend_parts._Reducer.buckets(1, pg._nbytes), 1, local_world_size=1)
-        assert want >= 2 * 4 * odc._backend_parts._capacity(pg._nbytes, 4), want  # both f32 accumulators
+        want = odc.engine.heap_bytes(odc.backend._parts._Reducer.buckets(1, pg._nbytes), 1, local_world_size=1)
+        assert want >= 2 * 4 * odc.backend._parts._capacity(pg._nbytes, 4), want  # both f32 accumulators
         assert (ag, ag_kw["transport"], ag_kw["heap_reserve"]) == ("odc-ag-cuda", "nvshmem", want)
         assert (rs, rs_kw["transport"], rs_kw["heap_reserve"]) == ("odc-rs-cuda", "nvshmem", 0)
     finally:

@@ -130,7 +130,7 @@ except odc.ConfigError as e:
 
 
 def test_missing_private_state_on_an_fsdp2_object_is_a_config_error():
-    from odc._torch_private import check_state
+    from odc.fsdp._private import check_state
 
     with pytest.raises(odc.ConfigError, match=r"torch \d.*has no '_reduce_scatter_param_indices'"):
         check_state(object(), ("_reduce_scatter_param_indices",), "parameter group (FSDPParamGroup)")

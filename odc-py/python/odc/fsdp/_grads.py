@@ -47,10 +47,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .errors import ProtocolError
+from ..errors import ProtocolError
 
 if TYPE_CHECKING:
-    from .fsdp import _Binding
+    from ._state import _Binding
 
 aten = torch.ops.aten
 _ALIASES = (aten.detach.default, aten.alias.default)
@@ -217,7 +217,7 @@ class GradContract:
     # -- hooks -------------------------------------------------------------------
     def refuse_foreign_hooks(self) -> None:
         """Optimizer-in-backward hooks would read gradients before they are final: refused."""
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         for rec in self.params:
             if getattr(rec.param, "_post_accumulate_grad_hooks", None):

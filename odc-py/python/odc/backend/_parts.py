@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .engine import Bucket, Engine, dtype_name
-from .errors import LayoutError
+from ..engine import Bucket, Engine, dtype_name
+from ..errors import LayoutError
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Every shard capacity is a multiple of this many elements, so a bucket of

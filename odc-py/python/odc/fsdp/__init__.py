@@ -1,0 +1,338 @@
+"""One-line FSDP2 integration: ``odc.fsdp.enable(model, optimizer)``.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) re-assembles each parameter
+group with an all-gather and shards its gradients with a reduce-scatter.
+:func:`enable` swaps both for ODC through FSDP2's own seams
+(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``); no
+FSDP function is patched. Ranks then synchronize once per minibatch, not per
+layer, and may run different numbers of microbatches (LB-Mini), zero included.
+
+How the protocol maps onto FSDP2 (``k`` is the minibatch, equal to the
+version of the parameters it reads):
+
+- ``enable``: every FSDP parameter group becomes one ODC bucket, registered
+  collectively in FSDP's group order (numel = D · the group's padded shard
+  length, dtype = its all-gather dtype). Each rank publishes version 0 of its
+  shards, which are exactly FSDP's all-gather inputs.
+- all-gather (forward, and backward for groups resharded after forward):
+  FSDP has already copied this rank's shard into the output; ODC reads the
+  D − 1 other owners' shards of version ``k``.
+- reduce-scatter (post-backward): pushes each owner's rows with
+  scatter-accumulate (scale 1/D for AVG, ``op.factor`` for PREMUL_SUM, the
+  lost post-divide for SUM), writes zeros into the output and does not wait.
+- the gradient contract (``odc.fsdp._grads``): while minibatch ``k`` runs,
+  every sharded ``.grad`` is a pending gradient; the first read of its values
+  (torch's ``clip_grad_norm_``, ``GradScaler.unscale_``, a norm for the logs,
+  the optimizer) finishes the minibatch: ``finish_minibatch(k)`` (this rank
+  waits only for its own gradient shards), the final shards installed as
+  ``.grad`` (also on ranks that ran no microbatch), the accumulators zeroed.
+  The optimizer's step pre-hook does the same where nothing read them.
+- optimizer step post-hook: publishes version ``k + 1`` from the updated
+  parameters. There is no barrier: each wait is a causal edge. A loop that
+  clears the gradients of a finished minibatch without stepping (a skipped
+  step) starts minibatch ``k + 1`` on the unchanged parameters.
+
+The loop contract: read gradients (clip, unscale, log) only after the
+minibatch's last backward; step once per minibatch (or skip the step and
+call ``optimizer.zero_grad()``); clear gradients only between minibatches.
+A loop that breaks it gets an :class:`odc.ProtocolError` naming the group
+and what to call instead; optimizer-in-backward hooks (post-accumulate-grad
+hooks) are refused at :func:`enable`. :func:`enable` wraps
+``optimizer.zero_grad`` and ``model.zero_grad`` (on the instances) so a rank
+with no microbatch still holds pending gradients; :func:`disable` restores
+them.
+
+Without an optimizer (``enable(model, None)``) the same two steps run from
+:func:`minibatch`: leaving it finishes the minibatch, entering the next one
+publishes the stepped parameters (or a read finishes it, and
+``model.zero_grad()`` after a step made by hand publishes it at the next
+forward).
+
+Hybrid sharding (``enable(..., sharding="hybrid")``) runs on FSDP2's HSDP
+layout: the model is ``fully_shard``-ed over a 2-D mesh ``(replicate, shard)``
+= (nodes, ranks per node). A bucket then has G shards, one per rank of a
+node; gathers and pushes stay inside the node and ``finish_minibatch`` sums
+each shard over the N nodes once (the engine's cross-node reduce), so every
+node's replica of the optimizer steps bitwise-identical gradients. FSDP's own
+replicate all-reduce (a direct ``dist.all_reduce`` in ``foreach_reduce``,
+not a seam) is switched off with ``set_requires_all_reduce(False)``; FSDP
+then parks its (zero) reduce-scatter output as a pending partial instead of
+assigning ``.grad``; ODC drops it when the minibatch finishes. FSDP's divide
+factor under HSDP covers all D = N·G ranks (AVG on both collectives, or
+PREMUL_SUM(1/f) then SUM), so pushes are scaled by 1/D, ``op.factor``, or
+the post-divide computed over both groups.
+
+Transports. CPU parameters use the engine's default (``shm`` within a node,
+libfabric between nodes) unless told otherwise; CUDA parameters use
+``cuda-ipc`` on one node (published shards, landing slots and accumulators
+in device memory shared between the node's processes; every copy runs on the
+stream FSDP made current for the comm, and the optimizer reads the
+accumulators in place) and ``nvshmem`` across nodes (the same regions on
+NVSHMEM's symmetric heap; full sharding only: hybrid sharding across nodes
+on CUDA is refused). The ``transport=`` argument of :func:`enable`, else
+``ODC_TRANSPORT``, overrides the choice; a transport that cannot carry the
+parameters' tensors (``shm`` for CUDA parameters, ``cuda-ipc`` for CPU ones)
+is refused before anything is registered. ``emu-ipc`` and ``emu-shmem`` run
+CPU parameters through cuda-ipc's and nvshmem's device code paths (host
+memory and host-thread streams).
+
+Settings whose semantics ODC cannot keep are refused with :class:`odc.ConfigError`:
+2-D meshes under ``sharding="full"``, 1-D meshes under ``sharding="hybrid"``,
+shard groups that are not the ranks of one node, ``reshard_after_forward=int``,
+tensor-subclass all-gather extensions, groups whose gradients are packed in
+another order than their parameters (mixed gradient dtypes). A group whose
+reduce-scatter input shrinks because a parameter got no gradient raises
+:class:`odc.LayoutError` (use ``set_reduce_scatter_unused_params(True)``).
+``set_force_sum_reduction_for_comms(True)`` and fp16 reduce dtypes are
+handled: ODC applies FSDP's post-divide itself.
+
+The comms are installed with the public ``FSDPModule.set_custom_all_gather``
+/ ``set_custom_reduce_scatter`` of the module that owns each group (one call
+per module; torch refuses a module whose ``fully_shard`` made several groups,
+from per-parameter meshes, and so does :func:`enable`).
+
+Private FSDP2 state is imported and checked in one module,
+``odc.fsdp._private`` (torch versions in :data:`TORCH_VERSIONS_CHECKED`):
+importing ``odc.fsdp`` never fails on another torch; :func:`enable` raises
+:class:`odc.ConfigError` naming the running torch where a name it reads is
+missing, and warns where all are present but the version was not checked.
+Read here: ``FSDPModule._get_fsdp_state``, ``FSDPState`` (``_lazy_init``,
+``_state_ctx.all_states``, ``_fsdp_param_groups``), per group the names in
+``_private.GROUP_STATE``, per parameter ``PARAM_STATE``, and
+``_get_param_all_gather_inputs`` / ``_get_gradient_divide_factors`` from
+``_fsdp_collectives``.
+
+The package: this module is the public API; ``_state`` the binding (the
+minibatch protocol and its hooks); ``_grads`` the gradient contract;
+``_seams`` FSDP2's comm seams; ``_private`` the only reader of private FSDP2
+state; ``_transport`` the transport and device choice; ``_clip``
+:func:`clip_grad_norm_`. Arrows point one way: the API uses all of them,
+``_seams`` and ``_clip`` use ``_state``, which uses ``_grads`` and
+``_private``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from ..deadline import deadline_for
+from ..engine import Bucket, Engine, _local_world_size
+from ..errors import ConfigError, ProtocolError
+from ._clip import clip_grad_norm_
+from ._grads import wrap_zero_grad
+from ._private import (
+    TORCH_VERSIONS_CHECKED,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    _describe,
+    _node_layout,
+    check_fsdp2,
+)
+from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
+from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live, _Undo
+from ._transport import _param_device, _pick_transport
+
+__all__ = ["enable", "disable", "minibatch", "finish", "clip_grad_norm_", "is_enabled", "TORCH_VERSIONS_CHECKED"]
+
+
+def is_enabled(model: Any) -> bool:
+    """Whether :func:`enable` is in effect on ``model``."""
+    return getattr(model, "_odc_fsdp", None) is not None
+
+
+def enable(
+    model: Any,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    sharding: str = "full",
+    chunk_bytes: int | None = None,
+    timeout: float | None = None,
+    transport: str | None = None,
+) -> None:
+    """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
+
+    Call on every rank, after ``fully_shard`` and before the first forward.
+    Collective once (registration); afterwards no call waits on the slowest
+    rank. Ranks may run different numbers of microbatches per minibatch.
+
+    Hybrid sharding keeps parameters and gradients sharded within a node and
+    every gather and push inside it; at the end of a minibatch each gradient
+    shard is summed across the nodes once. Each node keeps a replica of the
+    optimizer state for its shards, stepped on bitwise-identical gradients
+    (as HSDP does). Shard the model over FSDP2's 2-D mesh::
+
+        mesh = init_device_mesh("cuda", (nodes, ranks_per_node), mesh_dim_names=("replicate", "shard"))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        odc.fsdp.enable(model, optimizer, sharding="hybrid")
+
+    Ranks are node-major (node n runs ranks n·G … n·G + G − 1, as torchrun
+    numbers them); ``LOCAL_WORLD_SIZE``, where set, is the node size G.
+    FSDP's own cross-node all-reduce is switched off
+    (``set_requires_all_reduce(False)``) until :func:`disable`.
+
+    Args:
+        model: the root module returned by ``fully_shard``: over a 1-D mesh
+            (``sharding="full"``) or a 2-D ``(replicate, shard)`` mesh
+            (``sharding="hybrid"``).
+        optimizer: its optimizer; a step pre-hook finishes the minibatch and
+            installs the gradients, a post-hook publishes the new parameters.
+            ``None``: wrap each minibatch in :func:`minibatch` instead.
+        sharding: ``"full"`` (shard over every rank) or ``"hybrid"`` (shard
+            within a node, reduce gradients across nodes once per minibatch).
+        chunk_bytes: landing-slot size (default: the engine's). Each rank
+            keeps ``2 · clients · chunk_bytes`` of landing slots, clients
+            being every rank (full) or the ranks of its node (hybrid).
+        timeout: seconds any wait on a peer may take (default
+            ``ODC_TIMEOUT_S``, else the timeout of the process group FSDP
+            shards over); past it :class:`odc.PeerTimeout` names the peer,
+            with a note naming the deadline and where it came from.
+        transport: the engine's transport (default ``ODC_TRANSPORT``, else
+            picked by device): CPU parameters get the engine's default
+            (``"auto"``: shm within a node, libfabric between nodes), CUDA
+            parameters ``"cuda-ipc"`` (one node) or ``"nvshmem"`` (several
+            nodes). See :class:`odc.Engine`.
+
+    Warns:
+        UserWarning: the running torch is not in :data:`TORCH_VERSIONS_CHECKED`.
+
+    Raises:
+        ConfigError: the model is not ``fully_shard``-ed, already enabled,
+            ``sharding`` is unknown or does not fit the mesh (a 2-D mesh under
+            ``"full"``, a 1-D mesh under ``"hybrid"``, shard groups that are
+            not the ranks of one node), or it uses a setting ODC cannot keep
+            (see the module doc); the parameters live on several devices, on
+            CUDA across several nodes with hybrid sharding, or ``transport``
+            cannot carry their tensors (``shm`` for CUDA, ``cuda-ipc`` /
+            ``nvshmem`` for CPU, ``cuda-ipc`` across nodes).
+        RegistrationError: ranks built different models.
+    """
+    check_fsdp2()
+    if not isinstance(model, FSDPModule):
+        raise ConfigError(
+            f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard; "
+            f"got {type(model).__name__}"
+        )
+    if is_enabled(model):
+        raise ConfigError("odc.fsdp.enable: this model is already enabled")
+    if sharding not in SHARDINGS:
+        raise ConfigError(
+            f"odc.fsdp.enable: unknown sharding {sharding!r}; use 'full' (shard over every rank, 1-D mesh) "
+            "or 'hybrid' (shard within a node, 2-D (replicate, shard) mesh)"
+        )
+    groups = _describe(model, sharding)
+    if not groups:
+        raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
+    if transport is not None:
+        requested, source = transport, "the transport argument"
+    else:
+        requested, source = os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT"
+    device = _param_device(groups)
+    _pick_transport(groups, requested, source, nodes=None)
+    layout = _node_layout(groups, sharding)
+    if layout.world == 1:
+        return  # FSDP bypasses both seams at world size 1; nothing to replace
+    store = dist.PrefixStore(
+        f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/",
+        dist.distributed_c10d._get_default_store(),
+    )
+    # Ranks per node: the shard group under hybrid sharding; under full
+    # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
+    local = layout.shards if layout.sharding == "hybrid" else None
+    if local is None and device.type == "cuda":
+        local = _local_world_size(store, layout.rank, layout.world, "odc")
+    nodes = layout.world // local if local else None
+    chosen = _pick_transport(groups, requested, source, nodes, layout.sharding)
+    # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
+    seconds, deadline_source = deadline_for(groups[0].pg.mesh_info.shard_process_group, explicit=timeout)
+    kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
+                          "transport": chosen}
+    if device.type == "cuda":
+        kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
+    if layout.sharding == "hybrid":
+        engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid", **kw)
+    else:
+        engine = Engine(store, layout.rank, layout.world, local_world_size=local, **kw)
+    ws = layout.shards
+    engine.register([Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)])
+    for g in groups:
+        g.shard_len = engine.bucket(g.name)["shard_len"]
+        g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
+    b = _Binding(model, groups, engine, layout)
+    b.publish_all()  # version 0
+    if b.hybrid:
+        b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
+        model.set_requires_all_reduce(False)  # the engine reduces across nodes
+    _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
+    b.grads.refuse_foreign_hooks()
+    b.grads.ensure_hooked(b.grads.params)
+    b.grads.pend(0)  # a rank with no microbatch in minibatch 0 reads final gradients too
+    if optimizer is not None:
+        b.hooks.append(optimizer.register_step_pre_hook(lambda *_: b.before_step()))
+        b.hooks.append(optimizer.register_step_post_hook(lambda *_: b.after_step()))
+        b.hooks.append(_Undo(wrap_zero_grad(optimizer, b.after_zero_grad, b.check_zero_grad)))
+    b.hooks.append(_Undo(wrap_zero_grad(model, b.after_zero_grad, b.check_zero_grad)))
+    model.__dict__["_odc_fsdp"] = b
+    _live.add(b)
+
+
+def disable(model: Any) -> None:
+    """Restores FSDP2's default collectives. Call on every rank, after an optimizer step.
+
+    Raises:
+        ProtocolError: this rank pushed gradients that no optimizer step consumed.
+    """
+    b = _binding(model)
+    if b.open and b.pushed:
+        raise ProtocolError(
+            f"odc.fsdp.disable: gradients of minibatch {b.version} are pending; step the optimizer first"
+        )
+    # A teardown fence: once every peer finished, nobody reads this rank's shards.
+    b.finish("odc.fsdp.disable", install=False)
+    b.grads.release()
+    for h in b.hooks:
+        h.remove()
+    _install_comms(b.groups, [(DefaultAllGather(), DefaultReduceScatter()) for _ in b.groups])
+    if b.hybrid:
+        for g, was in zip(b.groups, b.all_reduce_was, strict=True):
+            g.pg.all_reduce_grads = was
+    del model.__dict__["_odc_fsdp"]
+    _live.discard(b)
+    b.engine = None  # type: ignore[assignment]  # drops the engine (unmaps, joins the daemon)
+
+
+@contextlib.contextmanager
+def minibatch(model: Any) -> Iterator[None]:
+    """One minibatch with explicit boundaries instead of optimizer hooks.
+
+    Entering publishes the parameters stepped since the previous minibatch;
+    leaving finishes the minibatch and installs the gradients as ``.grad``.
+    Step the optimizer after the block::
+
+        with odc.fsdp.minibatch(model):
+            for mb in microbatches:       # any number per rank, zero included
+                model(mb).sum().backward()
+        optimizer.step(); optimizer.zero_grad()
+    """
+    b = _binding(model)
+    b.advance()
+    yield
+    b.finish("leaving odc.fsdp.minibatch")
+
+
+def finish(model: Any) -> None:
+    """Finishes the running minibatch now: ``.grad`` holds the reduced gradients.
+
+    The optimizer pre-hook does this too; call it to read gradients before
+    ``optimizer.step()``.
+    """
+    _binding(model).finish("odc.fsdp.finish")
+
+

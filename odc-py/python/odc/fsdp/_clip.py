@@ -1,0 +1,79 @@
+"""``odc.fsdp.clip_grad_norm_``: clipping by the global norm without a torch collective (the norm
+words travel through a small ODC bucket)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..errors import ConfigError, ProtocolError
+from ._state import _NORM_BUCKET, _Binding, _binding, _live
+
+
+def _binding_of(model_or_params: Any) -> tuple[_Binding, list[torch.Tensor]]:
+    if isinstance(model_or_params, torch.nn.Module):
+        b = _binding(model_or_params)
+        params = [p for p in model_or_params.parameters() if id(p) in b.param_ids]
+        return b, params
+    params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+    for b in list(_live):
+        if params and all(id(p) in b.param_ids for p in params):
+            return b, params
+    raise ConfigError("odc.fsdp.clip_grad_norm_: these parameters do not belong to one odc.fsdp-enabled model")
+
+
+def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Clips gradients by their global norm, like ``torch.nn.utils.clip_grad_norm_``, without a collective.
+
+    Finishes the running minibatch first (so call it where you would call
+    torch's, before ``optimizer.step()``). Each rank reduces its own gradient
+    shards to one number (sum of ``|g|^p``, or the max for ``inf``) and
+    publishes it, split into two float32 words for double precision, in a
+    small registered bucket; every rank gathers the D numbers (under hybrid
+    sharding the G numbers of its node, whose shards make up the whole,
+    identical on every node) and combines them in rank order, so all ranks
+    compute the identical norm. The bucket's
+    version is the minibatch number + 1, so it may be called once per
+    minibatch, on every rank.
+
+    Returns:
+        The total norm (a float64 scalar tensor), as torch's does.
+    """
+    b, params = _binding_of(model_or_params)
+    b.finish("odc.fsdp.clip_grad_norm_")
+    if b.clipped == b.version:
+        raise ProtocolError(f"odc.fsdp.clip_grad_norm_: already called in minibatch {b.version}")
+    b.clipped = b.version
+    norm_type = float(norm_type)
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    local = 0.0
+    for g in grads:
+        g = g.detach().double()
+        if g.numel() == 0:
+            continue
+        if math.isinf(norm_type):
+            local = max(local, g.abs().max().item())
+        else:
+            local += g.abs().pow(norm_type).sum().item()
+    info = b.engine.bucket(_NORM_BUCKET)
+    sl = info["shard_len"]
+    hi = torch.tensor(local, dtype=torch.float32)
+    words = torch.zeros(sl, dtype=torch.float32)
+    words[0], words[1] = hi, torch.tensor(local - hi.double().item(), dtype=torch.float32)
+    shard = words.to(b.device)  # the engine's device (cuda-ipc: the parameters' GPU)
+    version = b.version + 1  # above every version the done words of minibatches <= k imply
+    b.engine.publish(_NORM_BUCKET, shard, version)
+    everyone = torch.empty(info["padded_len"], dtype=torch.float32, device=b.device)
+    b.engine.gather(_NORM_BUCKET, version, everyone)
+    b.engine.release(_NORM_BUCKET, version)
+    parts = everyone.view(b.shards, sl)[:, :2].double().sum(dim=1).tolist()
+    total = max(parts) if math.isinf(norm_type) else sum(parts) ** (1.0 / norm_type)
+    coef = float(max_norm) / (total + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return torch.tensor(total, dtype=torch.float64)
+

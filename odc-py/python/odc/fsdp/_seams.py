@@ -1,0 +1,138 @@
+"""FSDP2's comm seams as ODC operations: the all-gather reads the other owners' published shards,
+the reduce-scatter pushes each owner's rows and does not wait. Installed with FSDP2's public
+``set_custom_all_gather`` / ``set_custom_reduce_scatter``; both call into the binding only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError, LayoutError
+from ._private import AllGather, ReduceScatter, _get_gradient_divide_factors, _Group
+from ._state import _Binding
+
+
+class _OdcAllGather(AllGather):
+    """FSDP2 all-gather seam: reads the other owners' published shards."""
+
+    def __init__(self, binding: _Binding, group: _Group) -> None:
+        self._b = binding
+        self._g = group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group=None, async_op: bool = False):
+        b, g = self._b, self._g
+        b.begin(f"all-gather of {g.name}")
+        if b.hybrid:
+            # Re-asserted before every backward: set_requires_gradient_sync(True)
+            # turns HSDP's all-reduce back on.
+            g.pg.all_reduce_grads = False
+        ws, n, sl = b.shards, g.n, g.shard_len
+        if output_tensor.numel() != ws * n or output_tensor.dtype != g.dtype:
+            raise LayoutError(
+                f"odc.fsdp: all-gather of {g.name} got {output_tensor.numel()} {output_tensor.dtype} elements; "
+                f"registered {ws}·{n} {g.dtype} (did the parameters change after odc.fsdp.enable?)"
+            )
+        if sl == n:
+            b.engine.gather(g.name, b.version, output_tensor, skip_own=True)
+        else:
+            # ODC aligns shards to 64 bytes; FSDP packs them densely.
+            tmp = torch.empty(ws, sl, dtype=g.dtype, device=output_tensor.device)
+            tmp[b.index, :n].copy_(input_tensor)
+            b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
+            output_tensor.view(ws, n).copy_(tmp[:, :n])
+        return None
+
+
+class _OdcReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter seam: pushes the rows to their owners, does not wait."""
+
+    def __init__(self, binding: _Binding, group: _Group) -> None:
+        self._b = binding
+        self._g = group
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def _scale(self, op: Any, dtype: torch.dtype) -> float:
+        # The pushes are summed over every rank (every node too, under hybrid
+        # sharding), so a scale divides by FSDP's whole data-parallel size.
+        pg = self._g.pg
+        factor = getattr(op, "factor", None)
+        if factor is not None:  # PREMUL_SUM(1 / gradient_divide_factor)
+            return float(factor)
+        kind = getattr(op, "op", op)
+        if kind == dist.ReduceOp.AVG:
+            # AVG: no divide factor (mean over all D ranks; under HSDP FSDP
+            # averages over the shard group, then over the replicas), or one
+            # equal to the shard group's size.
+            f = pg.gradient_divide_factor
+            return 1.0 / (f if f is not None else self._b.layout.world)
+        if kind == dist.ReduceOp.SUM:
+            # FSDP divides the *output* after a SUM (forced sum, or fp16 with a
+            # pre-divide already applied to the input); our output is zeros, so
+            # the post-divide moves into the push.
+            replicas = pg._all_reduce_process_group if self._b.hybrid else None
+            _, post, _, _ = _get_gradient_divide_factors(
+                pg.mesh_info.shard_process_group, replicas, dtype, pg.device.type,
+                pg.gradient_divide_factor, pg.force_sum_reduction_for_comms,
+            )
+            return 1.0 / post if post else 1.0
+        raise ConfigError(f"odc.fsdp: reduce-scatter op {op} is not supported (AVG, SUM, PREMUL_SUM are)")
+
+    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op: bool = False):
+        b, g = self._b, self._g
+        b.begin(f"reduce-scatter of {g.name}")
+        if b.hybrid and g.pg.all_reduce_grads:
+            # FSDP's replicate all-reduce follows this call, with this flag
+            # already read: it would pair up with peers' minibatch ends.
+            raise ConfigError(
+                f"odc.fsdp: FSDP's HSDP all-reduce was turned back on for {g.name} after its forward "
+                "(set_requires_all_reduce(True) or set_requires_gradient_sync(True)); under sharding='hybrid' "
+                "ODC reduces across nodes once per minibatch and keeps it off: make those calls before "
+                "the forward, or after odc.fsdp.disable"
+            )
+        ws, n, sl = b.shards, g.n, g.shard_len
+        if input_tensor.numel() != ws * n:
+            raise LayoutError(
+                f"odc.fsdp: reduce-scatter input of {g.name} holds {input_tensor.numel()} elements, not "
+                f"{ws}·{n}: a parameter got no gradient and FSDP dropped it; call "
+                "model.set_reduce_scatter_unused_params(True) before odc.fsdp.enable"
+            )
+        scale = self._scale(op, input_tensor.dtype)
+        # .grad back to what FSDP adds onto (full sharding; it then calls our post-accumulate-grad
+        # hook), or pending now (hybrid: FSDP parks its output and leaves .grad alone).
+        pushed_before = g.pushed_in == b.version
+        if b.hybrid:
+            b.grads.pend_group(g.index, pushed_before, f"reduce-scatter of {g.name}")
+        else:
+            b.grads.hand_to_fsdp(g.index, pushed_before, f"reduce-scatter of {g.name}")
+        if sl == n:
+            b.engine.scatter_accumulate(g.name, input_tensor, scale=scale)
+        else:
+            tmp = torch.zeros(ws, sl, dtype=input_tensor.dtype, device=input_tensor.device)
+            tmp[:, :n].copy_(input_tensor.view(ws, n))
+            b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
+        g.pushed_in = b.version
+        b.pushed = True
+        output_tensor.zero_()
+        return None
+
+
+def _install_comms(groups: list[_Group], comms: list[tuple[AllGather, ReduceScatter]]) -> None:
+    """Installs each group's all-gather and reduce-scatter through FSDP2's public seams.
+
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` set one comm on
+    every group of the module they are called on; :func:`_describe` made sure
+    each module owns exactly one group, so each group gets its own objects.
+    """
+    for g, (all_gather, reduce_scatter) in zip(groups, comms, strict=True):
+        g.module.set_custom_all_gather(all_gather)
+        g.module.set_custom_reduce_scatter(reduce_scatter)
+
+
