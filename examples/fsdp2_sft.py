@@ -71,7 +71,7 @@ def train(args, comm: str, strategy: str, data: list[torch.Tensor], rank: int, w
     losses, times = [], []
     dist.barrier()
     start = time.perf_counter()
-    for m, ranks in enumerate(plan.minibatches[: args.steps]):
+    for ranks in plan.minibatches[: args.steps]:
         t0 = time.perf_counter()
         tokens_total = sum(lengths[i] - 1 for r in ranks for mb in r for i in mb)
         local = 0.0
@@ -94,7 +94,8 @@ def train(args, comm: str, strategy: str, data: list[torch.Tensor], rank: int, w
     everyone = [None] * world  # reporting only, outside the timed loop
     dist.all_gather_object(everyone, (losses, times))
     if rank == 0:
-        print(f"[{comm}/{strategy}] bubble predicted: collective {plan.bubble_rate('collective'):.3f}, odc {plan.bubble_rate('odc'):.3f}")
+        print(f"[{comm}/{strategy}] bubble predicted: collective {plan.bubble_rate('collective'):.3f}, "
+              f"odc {plan.bubble_rate('odc'):.3f}")
         for m in range(len(losses)):
             loss = sum(e[0][m] for e in everyone)
             slowest = max(e[1][m] for e in everyone)
@@ -136,12 +137,14 @@ def main() -> None:
     # --minibatch: samples per rank per minibatch; --max-tokens: token budget of a microbatch;
     # --local-world-size: ranks per node (0: LOCAL_WORLD_SIZE, else every rank).
     for flag, default in (("--steps", 6), ("--samples", 256), ("--minibatch", 16), ("--max-len", 256),
-                          ("--max-tokens", 1024), ("--dim", 128), ("--layers", 4), ("--seed", 0), ("--local-world-size", 0)):
+                          ("--max-tokens", 1024), ("--dim", 128), ("--layers", 4), ("--seed", 0),
+                          ("--local-world-size", 0)):
         p.add_argument(flag, type=int, default=default)
     args = p.parse_args()
     if args.comm == "collective" and args.strategy == "lb-mini":
         p.error("lb-mini gives ranks different microbatch counts: it needs --comm odc (or both)")
-    args.local_world_size = args.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc)))
+    env_local = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", args.nproc))
+    args.local_world_size = args.local_world_size or int(env_local)
     os.environ["LOCAL_WORLD_SIZE"] = str(args.local_world_size)  # ranks per node, for ODC
     if "RANK" in os.environ:  # torchrun
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)

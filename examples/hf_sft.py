@@ -20,6 +20,7 @@ Prints, per minibatch, the loss, torch's grad norm and the slowest rank's time.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import socket
@@ -41,11 +42,11 @@ VARLEN = "odc_varlen_sdpa"
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_ids=None, **_):
     """Per-sample causal attention over one packed row (samples start where ``position_ids`` is 0)."""
     s = query.shape[2]
-    starts = (position_ids.view(-1) == 0).nonzero().view(-1).tolist() + [s]
+    starts = [*(position_ids.view(-1) == 0).nonzero().view(-1).tolist(), s]
     parts = [
         F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
                                        scale=scaling, enable_gqa=True)
-        for a, b in zip(starts[:-1], starts[1:])
+        for a, b in itertools.pairwise(starts)
     ]
     return torch.cat(parts, dim=2).transpose(1, 2).contiguous(), None
 
@@ -89,7 +90,8 @@ def train(args, comm: str, strategy: str, data: list[torch.Tensor], rank: int, w
           clip=torch.nn.utils.clip_grad_norm_):
     """One training run; returns per-minibatch (loss, grad norm, slowest rank's seconds) as rank 0 sees them."""
     model = build_model(args).to(device)
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if args.dtype == "bf16" else {}
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"mp_policy": bf16} if args.dtype == "bf16" else {}
     for layer in model.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
@@ -139,7 +141,8 @@ def make_data(args) -> list[torch.Tensor]:
 def worker(rank: int, world: int, args) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=rank, world_size=world)
-    device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

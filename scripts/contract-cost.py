@@ -125,7 +125,7 @@ def worker(rank, world, args):
             med = statistics.median(per[m])
             print(f"  {m:22s} {med * 1e3:8.1f} ms  ({med / base - 1:+.1%} vs step-hook)  rounds: "
                   + ", ".join(f"{x * 1e3:.1f}" for x in per[m]))
-        worst = max(abs(a / b - 1) for a, b in zip(norms["contract"], norms["contract+torch-clip"]))
+        worst = max(abs(a / b - 1) for a, b in zip(norms["contract"], norms["contract+torch-clip"], strict=True))
         print(f"  grad norms, odc's clip vs torch's clip: largest relative difference {worst:.1e}")
         print(f"  the contract's bookkeeping (pending .grad in every push, hook and zero_grad): "
               f"{statistics.median(books) * 1e3:.2f} ms per minibatch on rank 0 (median over runs)")

@@ -50,7 +50,7 @@ def edges() -> dict[tuple[str, str], list[str]]:
         targets = set(re.findall(r"\bcrate::(\w+)", text))
         targets |= {m for group in re.findall(r"\bcrate::\{([^}]*)\}", text) for m in re.findall(r"\b(\w+)", group)}
         for dst in sorted(targets):
-            if dst == src or dst in SKIP or not (SRC / f"{dst}.rs").exists() and not (SRC / dst).is_dir():
+            if dst == src or dst in SKIP or (not (SRC / f"{dst}.rs").exists() and not (SRC / dst).is_dir()):
                 continue
             found.setdefault((src, dst), []).append(str(path.relative_to(SRC.parent)))
     return found
@@ -71,7 +71,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         stack.append(n)
         for m in sorted(graph.get(n, ())):
             if state.get(m) == 1:
-                out.append(stack[stack.index(m):] + [m])
+                out.append([*stack[stack.index(m):], m])
             elif m not in state:
                 visit(m)
         stack.pop()

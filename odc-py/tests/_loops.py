@@ -24,8 +24,8 @@ microbatches' gradients in f32, which is what FSDP2 does.
 from __future__ import annotations
 
 import contextlib
-import functools
 import copy
+import functools
 import math
 import os
 
@@ -45,7 +45,7 @@ ATTN = "odc_cpu_varlen"
 # -- models ------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _example():
     """examples/hf_sft.py as a module: its varlen attention is the one the tests register."""
     import importlib.util
@@ -286,7 +286,7 @@ def reference(variant, world, plan):
                 loss = loss_sum(compute, mb) / count
             compute.zero_grad()
             (loss * scale).backward()
-            for p, q in zip(model.parameters(), compute.parameters()):
+            for p, q in zip(model.parameters(), compute.parameters(), strict=True):
                 p.grad += q.grad.float()
         for p in model.parameters():
             p.grad /= scale * (1 if loop == "titan" else world)

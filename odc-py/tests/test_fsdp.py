@@ -7,19 +7,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _fsdp_helpers as H
 import pytest
 import torch
+from _dist import run_ranks
 
-import _fsdp_helpers as H
 import odc
 import odc.fsdp
-from _dist import run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
 
 
 @pytest.mark.parametrize(
-    "world,variants,transport",
+    ("world", "variants", "transport"),
     [
         (2, ("fp32", "bf16", "forcesum"), None),
         (4, ("fp32",), None),
@@ -40,7 +40,7 @@ def test_parity_with_gloo_collectives(world, variants, transport):
             assert odc_[3] == ["bf16" if name == "bf16" else "f32"] * 3, (name, odc_[3])
             if name == "bf16":
                 # bf16 gathers round the same way in both; only summation order differs.
-                assert max(abs(x - y) for x, y in zip(gloo[0], odc_[0])) < 2e-2, (name, gloo[0], odc_[0])
+                assert max(abs(x - y) for x, y in zip(gloo[0], odc_[0], strict=True)) < 2e-2, (name, gloo[0], odc_[0])
                 H.assert_params_close(gloo[2], odc_[2], 2e-2)
             else:
                 assert gloo[0] == pytest.approx(odc_[0], rel=1e-5, abs=1e-6), (name, rank)
@@ -90,7 +90,8 @@ def test_enable_warns_on_an_unchecked_torch_version(monkeypatch):
     with pytest.raises(odc.ConfigError, match="fully_shard"):
         odc.fsdp.enable(torch.nn.Linear(2, 2), None)
     monkeypatch.setattr(torch, "__version__", "2.99.1+cu999")
-    with pytest.warns(UserWarning) as record, pytest.raises(odc.ConfigError, match="fully_shard"):
+    with pytest.warns(UserWarning, match="not a version odc.fsdp was checked on") as record, \
+            pytest.raises(odc.ConfigError, match="fully_shard"):
         odc.fsdp.enable(torch.nn.Linear(2, 2), None)
     assert len(record) == 1, [str(w.message) for w in record]
     msg = str(record[0].message)
@@ -103,7 +104,7 @@ def test_example_runs_in_both_comm_modes():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     cmd = [sys.executable, str(EXAMPLE), "--nproc", "2", "--comm", "both", "--steps", "2", "--dim", "32",
            "--layers", "2", "--samples", "16", "--minibatch", "4", "--max-len", "48", "--strategy", "lb-mini"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "collective" in p.stdout and "odc" in p.stdout and "overhead" in p.stdout, p.stdout
 
@@ -122,7 +123,7 @@ try:
 except odc.ConfigError as e:
     print("CONFIG", e)
 """
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     msg = p.stdout
     assert msg.startswith("CONFIG") and "torch 2.99.0" in msg and "_get_gradient_divide_factors" in msg, msg

@@ -21,8 +21,8 @@ Modules:
 from __future__ import annotations
 
 from . import errors, packing
-from .engine import Bucket, Engine
 from ._odc import __version__
+from .engine import Bucket, Engine
 from .errors import (
     ConfigError,
     CudaError,
@@ -30,8 +30,8 @@ from .errors import (
     GpuUnavailable,
     LayoutError,
     NvshmemError,
-    OdcOSError,
     OdcError,
+    OdcOSError,
     PackingError,
     PeerDied,
     PeerError,
@@ -52,27 +52,27 @@ def register() -> None:
 
 
 __all__ = [
-    "__version__",
-    "register",
-    "errors",
-    "packing",
     "Bucket",
-    "Engine",
-    "OdcError",
     "ConfigError",
-    "ProtocolError",
+    "CudaError",
+    "Engine",
+    "FabricError",
+    "GpuUnavailable",
+    "LayoutError",
+    "NvshmemError",
+    "OdcError",
     "OdcOSError",
     "PackingError",
-    "LayoutError",
-    "RegistrationError",
-    "TransportError",
-    "FabricError",
-    "ShmSpaceError",
-    "CudaError",
-    "NvshmemError",
-    "GpuUnavailable",
-    "StoreError",
+    "PeerDied",
     "PeerError",
     "PeerTimeout",
-    "PeerDied",
+    "ProtocolError",
+    "RegistrationError",
+    "ShmSpaceError",
+    "StoreError",
+    "TransportError",
+    "__version__",
+    "errors",
+    "packing",
+    "register",
 ]

@@ -46,8 +46,9 @@ import contextlib
 import ctypes
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Union
+from typing import TYPE_CHECKING, Any
 
 from . import _odc
 from .deadline import deadline_for
@@ -56,7 +57,7 @@ from .errors import ConfigError, LayoutError, OdcError, PeerTimeout, ProtocolErr
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Bucket", "Engine", "dtype_name", "heap_bytes", "TRANSPORTS", "DEVICE_TRANSPORTS", "CUDA_TRANSPORTS"]
+__all__ = ["CUDA_TRANSPORTS", "DEVICE_TRANSPORTS", "TRANSPORTS", "Bucket", "Engine", "dtype_name", "heap_bytes"]
 
 _DTYPE_NAMES = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
 
@@ -85,10 +86,10 @@ class Bucket:
         return (str(self.name), int(self.numel), dtype_name(self.dtype))
 
 
-BucketRef = Union[int, str]
+BucketRef = int | str
 
 
-def _buffer(t: "torch.Tensor", what: str) -> tuple[int, int, str]:
+def _buffer(t: torch.Tensor, what: str) -> tuple[int, int, str]:
     if t.device.type != "cpu":
         raise LayoutError(f"{what} is on {t.device}; the shared-memory transport moves CPU tensors")
     if not t.is_contiguous():
@@ -405,7 +406,7 @@ class Engine:
         return self._native.is_device
 
     @property
-    def device(self) -> "torch.device":
+    def device(self) -> torch.device:
         """Where the tensors passed to this engine live: ``cuda:<i>`` for ``cuda-ipc`` / ``nvshmem``, else ``cpu``."""
         import torch
 
@@ -452,7 +453,7 @@ class Engine:
         return ref
 
     # -- data path -----------------------------------------------------------
-    def publish(self, bucket: BucketRef, shard: "torch.Tensor", version: int) -> None:
+    def publish(self, bucket: BucketRef, shard: torch.Tensor, version: int) -> None:
         """Publishes this rank's shard (``shard_len`` elements, parameter dtype) as ``version``.
 
         Waits until every reader released ``version - 1``. On ``cuda-ipc`` the
@@ -465,7 +466,7 @@ class Engine:
         ptr, n, dt = _buffer(shard, "shard")
         self._native.publish(self._id(bucket), ptr, n, dt, int(version))
 
-    def gather(self, bucket: BucketRef, version: int, out: "torch.Tensor", *, skip_own: bool = False) -> "torch.Tensor":
+    def gather(self, bucket: BucketRef, version: int, out: torch.Tensor, *, skip_own: bool = False) -> torch.Tensor:
         """Reads ``version`` of every owner's shard into ``out`` (``numel`` or padded length).
 
         With ``skip_own`` this rank's own range of ``out`` is left untouched
@@ -492,7 +493,7 @@ class Engine:
         self._native.release(self._id(bucket), int(version))
 
     def scatter_accumulate(
-        self, bucket: BucketRef, grads: "torch.Tensor", scale: float = 1.0, offset: int | None = None
+        self, bucket: BucketRef, grads: torch.Tensor, scale: float = 1.0, offset: int | None = None
     ) -> None:
         """Pushes ``grads`` to the owners: the whole bucket (``numel`` or padded
         length) when ``offset`` is None, else the part starting at element ``offset``.
@@ -534,7 +535,7 @@ class Engine:
             return
         self._native.finish_minibatch(int(k))
 
-    def grad_shard(self, bucket: BucketRef) -> "torch.Tensor":
+    def grad_shard(self, bucket: BucketRef) -> torch.Tensor:
         """This rank's f32 gradient accumulator of ``bucket``, as a tensor view (no copy).
 
         Its values are this minibatch's between :meth:`finish_minibatch` and
@@ -594,7 +595,7 @@ class Engine:
         self._streams.setdefault(stream.cuda_stream, stream)
         return stream.cuda_stream
 
-    def _device_buffer(self, t: "torch.Tensor", what: str) -> tuple[int, int, str, int]:
+    def _device_buffer(self, t: torch.Tensor, what: str) -> tuple[int, int, str, int]:
         """``(pointer, bytes, dtype, stream)`` of a tensor for a device call."""
         if self._cuda is not None:
             if t.device != self._cuda:

@@ -8,23 +8,23 @@ rooted at :class:`OdcError`. Errors caused by bad input also derive from
 from __future__ import annotations
 
 __all__ = [
-    "OdcError",
-    "PackingError",
-    "LayoutError",
-    "RegistrationError",
-    "ProtocolError",
     "ConfigError",
-    "TransportError",
-    "FabricError",
-    "ShmSpaceError",
     "CudaError",
-    "NvshmemError",
+    "FabricError",
     "GpuUnavailable",
+    "LayoutError",
+    "NvshmemError",
+    "OdcError",
     "OdcOSError",
-    "StoreError",
+    "PackingError",
+    "PeerDied",
     "PeerError",
     "PeerTimeout",
-    "PeerDied",
+    "ProtocolError",
+    "RegistrationError",
+    "ShmSpaceError",
+    "StoreError",
+    "TransportError",
 ]
 
 

@@ -164,7 +164,7 @@ def register() -> None:
     on ``init_process_group("odc")``; call it yourself where entry points are
     not installed (a source checkout on ``sys.path``).
     """
-    global _registered
+    global _registered  # noqa: PLW0603 - one registration per process
     if _registered:
         return
     plugins = getattr(dist.Backend, "_plugins", {})

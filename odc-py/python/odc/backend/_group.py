@@ -10,7 +10,8 @@ import datetime
 import os
 import secrets
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,10 +21,10 @@ try:  # not re-exported by torch.distributed; the default-options fallback needs
 except ImportError:  # pragma: no cover - depends on the torch build
     AllgatherOptions = getattr(dist, "AllgatherOptions", None)  # type: ignore[misc]
 
-from ._parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWork, _tensors, _to_host
 from ..deadline import deadline_for
 from ..engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
 from ..errors import ConfigError, LayoutError, OdcError, ProtocolError
+from ._parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWork, _tensors, _to_host
 
 BACKEND_NAME = "odc"
 SCRATCH_ENV = "ODC_BACKEND_SCRATCH_MB"
@@ -370,7 +371,7 @@ class ProcessGroupODC(dist.ProcessGroup):
             if inp.dtype in _DTYPES and all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs):
                 full = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=device)
                 self._all_gather_into(full, inp, "allgather")
-                for o, row in zip(outs, full.view(len(outs), -1)):
+                for o, row in zip(outs, full.view(len(outs), -1), strict=True):
                     o.copy_(row.view(o.shape))
             else:
                 self._delegate("allgather", [outs], [inp], opts or AllgatherOptions()).wait()

@@ -7,7 +7,8 @@ alternating reduce-scatter buckets, CUDA tensors and host staging).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

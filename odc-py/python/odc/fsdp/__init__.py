@@ -115,7 +115,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -138,7 +139,7 @@ from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
 from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live, _Undo
 from ._transport import _param_device, _pick_transport
 
-__all__ = ["enable", "disable", "minibatch", "finish", "clip_grad_norm_", "is_enabled", "TORCH_VERSIONS_CHECKED"]
+__all__ = ["TORCH_VERSIONS_CHECKED", "clip_grad_norm_", "disable", "enable", "finish", "is_enabled", "minibatch"]
 
 
 def is_enabled(model: Any) -> bool:

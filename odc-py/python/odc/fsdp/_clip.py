@@ -50,8 +50,8 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
     norm_type = float(norm_type)
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     local = 0.0
-    for g in grads:
-        g = g.detach().double()
+    for grad in grads:
+        g = grad.detach().double()
         if g.numel() == 0:
             continue
         if math.isinf(norm_type):

@@ -40,8 +40,9 @@ finishing anything; after a push, clearing a gradient is a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -59,9 +60,9 @@ _ALIASES = (aten.detach.default, aten.alias.default)
 class _Cell:
     """One parameter's gradient in one minibatch: what it accumulates onto, and its final value once known."""
 
-    __slots__ = ("grads", "rec", "version", "base", "real")
+    __slots__ = ("base", "grads", "real", "rec", "version")
 
-    def __init__(self, grads: "GradContract", rec: "_Param", version: int, base: torch.Tensor | None) -> None:
+    def __init__(self, grads: GradContract, rec: _Param, version: int, base: torch.Tensor | None) -> None:
         self.grads = grads
         self.rec = rec
         self.version = version
@@ -91,7 +92,7 @@ class PendingGrad(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, cell: _Cell) -> "PendingGrad":
+    def __new__(cls, cell: _Cell) -> PendingGrad:
         rec = cell.rec
         shape = tuple(rec.fp.sharded_size)
         t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
@@ -104,7 +105,8 @@ class PendingGrad(torch.Tensor):
         # No side effect here: a repr (a debugger, a log line) must not finish a minibatch.
         c = self._cell
         state = "final" if c.real is not None else "final once read"
-        return f"PendingGrad({c.rec.fqn}, minibatch {c.version}, {state}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        shape = tuple(self.shape)
+        return f"PendingGrad({c.rec.fqn}, minibatch {c.version}, {state}, shape={shape}, dtype={self.dtype})"
 
     # Reads that torch does not route through __torch_dispatch__: the final gradient answers them.
     def _final(self, what: str) -> torch.Tensor:
@@ -126,7 +128,7 @@ class PendingGrad(torch.Tensor):
         return self._final("untyped_storage()").untyped_storage()
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ALIASES or (func is aten.view.default and list(args[1]) == list(args[0].shape)):
             cell = args[0]._cell
@@ -198,13 +200,13 @@ class _Param:
 class GradContract:
     """Keeps every sharded ``.grad`` of an enabled model final-on-read (see the module doc)."""
 
-    def __init__(self, binding: "_Binding", groups: list[Any]) -> None:
+    def __init__(self, binding: _Binding, groups: list[Any]) -> None:
         self.b = binding
         self.params: list[_Param] = []
         self.by_group: list[list[_Param]] = []
         for gi, g in enumerate(groups):
             recs = []
-            for fp, off in zip(g.pg.fsdp_params, g.offsets):
+            for fp, off in zip(g.pg.fsdp_params, g.offsets, strict=True):
                 p = fp.sharded_param
                 if not p.requires_grad:
                     continue
@@ -340,7 +342,7 @@ class GradContract:
             base = cell.base if cell is not None and cell.real is None else _local(g)
             shape = rec.fp.sharded_size
             src = accums[rec.group][rec.offset : rec.offset + rec.numel].view(shape)
-            if base is not None:
+            if base is not None:  # noqa: SIM108 - each branch has its reason
                 final = base.add_(src)
             else:
                 # A copy: the accumulator is zeroed next and refilled by the next minibatch.
@@ -355,7 +357,9 @@ class GradContract:
     def stepped_twice(self) -> bool:
         """Every ``.grad`` is still what the last finish installed (no backward, no zero_grad since)."""
         return bool(self.params) and all(
-            rec.installed is not None and _pending_cell(rec.param.grad) is None and _local(rec.param.grad) is rec.installed
+            rec.installed is not None
+            and _pending_cell(rec.param.grad) is None
+            and _local(rec.param.grad) is rec.installed
             for rec in self.params
         )
 

@@ -133,7 +133,7 @@ def check_state(obj: Any, names: tuple[str, ...], what: str) -> None:
         try:
             inspect.getattr_static(obj, name)  # without running properties (some assert on the mesh kind)
         except AttributeError:
-            raise ConfigError(
+            raise ConfigError(  # noqa: B904 - the missing name is the whole story
                 f"odc.fsdp cannot run on {_where()}: FSDP2's {what} has no {name!r} (private state that "
                 "odc.fsdp reads); install one of the checked versions or keep FSDP2's own collectives"
             )
@@ -144,7 +144,7 @@ class _Group:
     """One FSDP parameter group = one ODC bucket."""
 
     name: str
-    pg: "FSDPParamGroup"
+    pg: FSDPParamGroup
     module: FSDPModule  # the fully_shard-ed module that owns the group (its comm setters)
     n: int  # FSDP's padded shard length (the all-gather input numel)
     dtype: torch.dtype  # all-gather dtype
@@ -229,7 +229,7 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                     "all-gather dtypes, which ODC does not support"
                 )
             offsets, off = [], 0
-            for fp, (t,) in zip(pg.fsdp_params, inputs):
+            for fp, (t,) in zip(pg.fsdp_params, inputs, strict=True):
                 if t.numel() != fp.padded_sharded_param_size.numel():
                     raise ConfigError(f"odc.fsdp: {name} has an all-gather input that is not its padded shard")
                 offsets.append(off)

@@ -46,7 +46,7 @@ class _OdcAllGather(AllGather):
             tmp[b.index, :n].copy_(input_tensor)
             b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
             output_tensor.view(ws, n).copy_(tmp[:, :n])
-        return None
+        return
 
 
 class _OdcReduceScatter(ReduceScatter):
@@ -121,7 +121,7 @@ class _OdcReduceScatter(ReduceScatter):
         g.pushed_in = b.version
         b.pushed = True
         output_tensor.zero_()
-        return None
+        return
 
 
 def _install_comms(groups: list[_Group], comms: list[tuple[AllGather, ReduceScatter]]) -> None:

@@ -22,7 +22,7 @@ from ._private import _get_param_all_gather_inputs, _Group, _Layout
 _NORM_BUCKET = "odc-fsdp/grad-norm"
 SHARDINGS = ("full", "hybrid")
 _enables = itertools.count()  # one per enable() in this process; equal on every rank
-_live: "weakref.WeakSet[_Binding]" = weakref.WeakSet()
+_live: weakref.WeakSet[_Binding] = weakref.WeakSet()
 
 
 class _Binding:
