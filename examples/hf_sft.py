@@ -195,16 +195,20 @@ def parse(argv=None):
     return args
 
 
-def main() -> None:
-    args = parse()
+def launch(fn, args) -> None:
+    """Runs ``fn(rank, world, args)`` on this rank under torchrun, else on ``--nproc`` spawned local ranks."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if "RANK" in os.environ:  # torchrun
-        worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.multiprocessing.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)
+    torch.multiprocessing.spawn(fn, args=(args.nproc, args), nprocs=args.nproc)
+
+
+def main() -> None:
+    launch(worker, parse())
 
 
 if __name__ == "__main__":

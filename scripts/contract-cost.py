@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import statistics
 import sys
 import time
@@ -143,11 +142,7 @@ def main():
         del argv[i : i + 2]
     args = hf_sft.parse(argv)
     args.rounds = rounds
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.multiprocessing.spawn(worker, args=(args.nproc, args), nprocs=args.nproc)
+    hf_sft.launch(worker, args)
 
 
 if __name__ == "__main__":

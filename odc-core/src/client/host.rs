@@ -150,17 +150,7 @@ impl<'e> Host<'e> {
         out: &mut [u8],
         dtype: DType,
     ) -> Result<()> {
-        // SAFETY: `out` is borrowed mutably for the call; the host path
-        // writes it before returning.
-        unsafe {
-            self.w.gather(
-                &self.path(),
-                bucket,
-                version,
-                (addr(out), out.len(), dtype),
-                false,
-            )
-        }
+        self.gather_into(bucket, version, out, dtype, false)
     }
 
     /// Like [`gather`](Self::gather) but leaves this rank's own shard range
@@ -173,16 +163,21 @@ impl<'e> Host<'e> {
         out: &mut [u8],
         dtype: DType,
     ) -> Result<()> {
-        // SAFETY: as in `gather`.
-        unsafe {
-            self.w.gather(
-                &self.path(),
-                bucket,
-                version,
-                (addr(out), out.len(), dtype),
-                true,
-            )
-        }
+        self.gather_into(bucket, version, out, dtype, true)
+    }
+
+    fn gather_into(
+        &self,
+        bucket: BucketId,
+        version: u64,
+        out: &mut [u8],
+        dtype: DType,
+        skip_own: bool,
+    ) -> Result<()> {
+        let out = (addr(out), out.len(), dtype);
+        // SAFETY: `out` is borrowed mutably for the call; the host path
+        // writes it before returning.
+        unsafe { self.w.gather(&self.path(), bucket, version, out, skip_own) }
     }
 
     /// Declares that this client is done reading `version` of `bucket`, so
