@@ -48,7 +48,7 @@ import os
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from . import _odc
 from .deadline import deadline_for
@@ -222,7 +222,8 @@ def _route_to_master() -> str | None:
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
-            return s.getsockname()[0]
+            addr: str = s.getsockname()[0]
+            return addr
     except OSError:
         return None
 
@@ -311,7 +312,7 @@ class Engine:
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
-        if deadline_source is None:  # timeout=, else ODC_TIMEOUT_S, else the default
+        if deadline_source is None or timeout is None:  # timeout=, else ODC_TIMEOUT_S, else the default
             timeout, deadline_source = deadline_for(None, explicit=timeout)
         if transport is None:
             transport = os.environ.get("ODC_TRANSPORT") or None
@@ -345,9 +346,11 @@ class Engine:
             if addr is not None:
                 os.environ.pop("ODC_FABRIC_ADDR", None)
         self.deadline_source = deadline_source
-        self._native = _NotingDeadline(native, f"ODC's deadline: {float(timeout):g} s, from {deadline_source}")
+        # Typed as the native engine it forwards to (``_odc.pyi``).
+        note = f"ODC's deadline: {timeout:g} s, from {deadline_source}"
+        self._native = cast(_odc.Engine, _NotingDeadline(native, note))
         self._ids: dict[str, int] = {}
-        self._infos: list[dict] = []
+        self._infos: list[dict[str, Any]] = []
         # Device engines: the CUDA device (cuda-ipc), the emulated stream
         # (emu-ipc), and the streams enqueued on since the last finish.
         self._cuda: Any = None
@@ -381,9 +384,10 @@ class Engine:
             if cuda_ipc:
                 raise ConfigError(f"device={device!r}: a {transport_name(transport)} engine needs a CUDA device")
             return None  # ignored by the other transports
-        if dev.index is None:
+        index = cast("int | None", dev.index)  # None for "cuda"; torch's stub says int
+        if index is None:
             return torch.cuda.current_device() if torch.cuda.is_available() else None
-        return dev.index
+        return index
 
     # -- setup ---------------------------------------------------------------
     @property
@@ -438,7 +442,7 @@ class Engine:
         self._infos = [self._native.bucket_info(i) for i in range(self._native.num_buckets())]
         self._ids = {info["name"]: i for i, info in enumerate(self._infos)}
 
-    def bucket(self, ref: BucketRef) -> dict:
+    def bucket(self, ref: BucketRef) -> dict[str, Any]:
         """Layout of a bucket: name, numel, dtype, shard_len, padded_len."""
         return dict(self._infos[self._id(ref)])
 
@@ -562,7 +566,7 @@ class Engine:
         buf = (ctypes.c_float * numel).from_address(ptr)
         # The tensor holds `buf` (torch.frombuffer keeps its exporter alive) and `buf` holds the
         # native engine, so the accumulator outlives every view of it, whoever drops the engine.
-        buf._odc_owner = self._native
+        setattr(buf, "_odc_owner", self._native)  # noqa: B010 - ctypes arrays take attributes
         return torch.frombuffer(buf, dtype=torch.float32, count=numel)
 
     def zero_grad(self, bucket: BucketRef | None = None) -> None:
@@ -588,7 +592,7 @@ class Engine:
         """The stream handle of a device call: the emulated stream, or the
         current CUDA stream (remembered until the next finish)."""
         if self._emu is not None:
-            return self._emu.handle
+            return int(self._emu.handle)
         import torch
 
         stream = torch.cuda.current_stream(self._cuda)

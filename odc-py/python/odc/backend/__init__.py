@@ -115,8 +115,12 @@ machine without a GPU runs it.
 from __future__ import annotations
 
 import datetime
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
 
 from ._group import (
     BACKEND_NAME,
@@ -150,7 +154,7 @@ del _cls
 
 
 # -- registration ------------------------------------------------------------------
-def _create(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> ProcessGroupODC:
+def _create(store: Store, rank: int, world_size: int, timeout: datetime.timedelta) -> ProcessGroupODC:
     return ProcessGroupODC(store, rank, world_size, timeout)
 
 

@@ -11,20 +11,21 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-
-try:  # not re-exported by torch.distributed; the default-options fallback needs it
-    from torch.distributed.distributed_c10d import AllgatherOptions
-except ImportError:  # pragma: no cover - depends on the torch build
-    AllgatherOptions = getattr(dist, "AllgatherOptions", None)  # type: ignore[misc]
 
 from ..deadline import deadline_for
 from ..engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
 from ..errors import ConfigError, LayoutError, OdcError, ProtocolError
 from ._parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWork, _tensors, _to_host
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+# Not re-exported by torch.distributed (nor typed in its stubs); the default-options fallback needs it.
+AllgatherOptions: Any = getattr(dist.distributed_c10d, "AllgatherOptions", None)
 
 BACKEND_NAME = "odc"
 SCRATCH_ENV = "ODC_BACKEND_SCRATCH_MB"
@@ -143,7 +144,7 @@ def _timeout_s(timeout: Any) -> float:
     return float(timeout)
 
 
-def _job_key(store: dist.Store, rank: int) -> str:
+def _job_key(store: Store, rank: int) -> str:
     """Equal on every rank, distinct per job: ``ODC_JOB_KEY``, torchelastic's run id, or a token rank 0 posts."""
     for env in ("ODC_JOB_KEY", "TORCHELASTIC_RUN_ID"):
         if os.environ.get(env):
@@ -168,7 +169,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         timeout: how long any wait on a peer may take.
     """
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    def __init__(self, store: Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, world_size)
         self._group_name = ""
         self._group_desc = ""
@@ -188,7 +189,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         gloo_timeout = (
             timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=_timeout_s(timeout))
         )
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("odc-gloo/", store), rank, world_size, gloo_timeout)
+        self._gloo = dist.ProcessGroupGloo(prefix_store("odc-gloo/", store), rank, world_size, gloo_timeout)
 
     def _engine(self, prefix: str, **kw: Any) -> Engine:
         return Engine(
@@ -266,7 +267,9 @@ class ProcessGroupODC(dist.ProcessGroup):
             try:
                 if make_cuda is not None:
                     self._cuda = _Pair(make_cuda, "-cuda", self._nbytes)
-                pair = self._cuda if device.type == "cuda" else self._cpu
+                pair = self._cpu if device.type != "cuda" else self._cuda
+                if pair is None:  # pragma: no cover - made just above on the first CUDA op
+                    raise ProtocolError(f"{what}: the group's CUDA engines were not made")
                 pair.begin()
                 body(pair)
             except BaseException as e:
@@ -280,7 +283,8 @@ class ProcessGroupODC(dist.ProcessGroup):
         device = _op_device(op, _tensors(args))
         self.op_counts[f"gloo:{op}"] += 1
         if device.type == "cpu":
-            return getattr(self._gloo, op)(*args)
+            work: dist.Work = getattr(self._gloo, op)(*args)
+            return work
         return self._staged(op, *args)
 
     def _staged(self, op: str, *args: Any) -> dist.Work:
@@ -363,9 +367,9 @@ class ProcessGroupODC(dist.ProcessGroup):
             self.all_gather_single(out, inp).wait()
         return _CompletedWork(list(outputs), device)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         device = _op_device("allgather", _tensors((outputs, inputs)))
         for outs, inp in zip(outputs, inputs, strict=True):
             if inp.dtype in _DTYPES and all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs):
@@ -383,7 +387,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         device = self._reduce_scatter_into(output, input, op, "reduce_scatter_single")
         return _CompletedWork([output], device)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -394,9 +398,9 @@ class ProcessGroupODC(dist.ProcessGroup):
             self._reduce_scatter_into(out, inp, op, "reduce_scatter_single_coalesced")
         return _CompletedWork(list(outputs), device)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
 
-    def reduce_scatter(
+    def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
@@ -411,7 +415,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         return _CompletedWork(list(outputs), device)
 
     # -- all-reduce ----------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         opts = opts or dist.AllreduceOptions()
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce", tensors, opts)
@@ -430,19 +434,19 @@ class ProcessGroupODC(dist.ProcessGroup):
         return _CompletedWork(list(tensors), device)
 
     # -- delegated to gloo ---------------------------------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self._delegate("broadcast", tensors, opts or dist.BroadcastOptions())
 
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._delegate("barrier", opts or dist.BarrierOptions())
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self._delegate("reduce", tensors, opts or dist.ReduceOptions())
 
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self._delegate("gather", outputs, inputs, opts or dist.GatherOptions())
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
         return self._delegate("scatter", outputs, inputs, opts or dist.ScatterOptions())
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -459,7 +463,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         opts = opts or dist.AllToAllOptions()
         return self._delegate("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
 
-    alltoall_base = all_to_all_single
+    alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         return self._delegate("send", tensors, dst, tag)
@@ -485,3 +489,8 @@ class ProcessGroupODC(dist.ProcessGroup):
         self.shutdown()
 
 
+def prefix_store(prefix: str, store: Store) -> Store:
+    """``store`` under ``prefix`` (torch's stubs do not export ``PrefixStore``)."""
+    make: Any = dist.PrefixStore  # type: ignore[attr-defined]
+    made: Store = make(prefix, store)
+    return made

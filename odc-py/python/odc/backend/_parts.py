@@ -74,10 +74,11 @@ class _CompletedWork(dist.Work):
     def synchronize(self) -> None:
         self.wait()
 
-    def get_future(self) -> Future:
+    def get_future(self) -> Future[list[torch.Tensor]]:
         # A CUDA future records an event on the current streams at set_result
         # and makes its waiters' streams wait for it.
-        fut: Future = Future(devices=[self._stream.device]) if self._stream is not None else Future()
+        devices: list[int | str | torch.device] | None = [self._stream.device] if self._stream is not None else None
+        fut: Future[list[torch.Tensor]] = Future(devices=devices) if devices else Future()
         fut.set_result(self._result)
         return fut
 
@@ -125,8 +126,8 @@ class _StagedWork(dist.Work):
     def _source_rank(self) -> int:
         return self._work._source_rank()  # recv_anysource: the rank that sent
 
-    def get_future(self) -> Future:
-        def done(fut: Future) -> list[torch.Tensor]:
+    def get_future(self) -> Future[list[torch.Tensor]]:
+        def done(fut: Future[Any]) -> list[torch.Tensor]:
             fut.value()  # raises gloo's error
             self._copy_back()
             return self._result

@@ -116,10 +116,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from ..deadline import deadline_for
@@ -134,6 +133,7 @@ from ._private import (
     _describe,
     _node_layout,
     check_fsdp2,
+    prefix_store,
 )
 from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
 from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live, _Undo
@@ -231,19 +231,16 @@ def enable(
     groups = _describe(model, sharding)
     if not groups:
         raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
-    if transport is not None:
-        requested, source = transport, "the transport argument"
-    else:
+    requested: str | None = transport
+    source = "the transport argument"
+    if transport is None:
         requested, source = os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT"
     device = _param_device(groups)
     _pick_transport(groups, requested, source, nodes=None)
     layout = _node_layout(groups, sharding)
     if layout.world == 1:
         return  # FSDP bypasses both seams at world size 1; nothing to replace
-    store = dist.PrefixStore(
-        f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/",
-        dist.distributed_c10d._get_default_store(),
-    )
+    store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/")
     # Ranks per node: the shard group under hybrid sharding; under full
     # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
     local = layout.shards if layout.sharding == "hybrid" else None
@@ -252,7 +249,7 @@ def enable(
     nodes = layout.world // local if local else None
     chosen = _pick_transport(groups, requested, source, nodes, layout.sharding)
     # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
-    seconds, deadline_source = deadline_for(groups[0].pg.mesh_info.shard_process_group, explicit=timeout)
+    seconds, deadline_source = deadline_for(cast(Any, groups[0].pg.mesh_info).shard_process_group, explicit=timeout)
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
                           "transport": chosen}
     if device.type == "cuda":

@@ -13,12 +13,11 @@ from ..errors import ConfigError, ProtocolError
 from ._state import _NORM_BUCKET, _Binding, _binding, _live
 
 
-def _binding_of(model_or_params: Any) -> tuple[_Binding, list[torch.Tensor]]:
+def _binding_of(model_or_params: Any) -> tuple[_Binding, list[Any]]:
     if isinstance(model_or_params, torch.nn.Module):
         b = _binding(model_or_params)
-        params = [p for p in model_or_params.parameters() if id(p) in b.param_ids]
-        return b, params
-    params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
+        return b, [p for p in model_or_params.parameters() if id(p) in b.param_ids]
+    params: list[Any] = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
     for b in list(_live):
         if params and all(id(p) in b.param_ids for p in params):
             return b, params

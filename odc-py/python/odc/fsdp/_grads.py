@@ -89,13 +89,13 @@ class PendingGrad(torch.Tensor):
     """
 
     _cell: _Cell
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, cell: _Cell) -> PendingGrad:
         rec = cell.rec
         shape = tuple(rec.fp.sharded_size)
-        t = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+        t = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=rec.dtype, device=rec.device, requires_grad=False
         )
         t._cell = cell
@@ -112,23 +112,25 @@ class PendingGrad(torch.Tensor):
     def _final(self, what: str) -> torch.Tensor:
         return self._cell.resolve(f"{what} on the gradient of {self._cell.rec.fqn}")
 
-    def tolist(self) -> Any:  # type: ignore[override]
+    def tolist(self) -> Any:
         return self._final("tolist()").tolist()
 
-    def numpy(self, *, force: bool = False) -> Any:  # type: ignore[override]
+    def numpy(self, *, force: bool = False) -> Any:
         return self._final("numpy()").numpy(force=force)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
-        return self._final("numpy conversion").__array__(dtype)
+        return self._final("numpy conversion").numpy().__array__(dtype)
 
-    def data_ptr(self) -> int:  # type: ignore[override]
+    def data_ptr(self) -> int:
         return self._final("data_ptr()").data_ptr()
 
-    def untyped_storage(self) -> torch.UntypedStorage:  # type: ignore[override]
+    def untyped_storage(self) -> torch.UntypedStorage:
         return self._final("untyped_storage()").untyped_storage()
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(  # type: ignore[override]  # torch types it as an untyped classmethod
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _ALIASES or (func is aten.view.default and list(args[1]) == list(args[0].shape)):
             cell = args[0]._cell

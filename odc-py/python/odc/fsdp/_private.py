@@ -23,7 +23,7 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -45,35 +45,63 @@ def _placeholder(name: str) -> type:
     return type(name, (), {"__doc__": f"{name} is missing from this torch; odc.fsdp.enable refuses to run."})
 
 
-try:
+if TYPE_CHECKING:  # the checked torch's names, for the type checker
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError as e:  # pragma: no cover - depends on the torch build
-    _missing.append(f"torch.distributed.fsdp._fully_shard._fsdp_api (AllGather, ReduceScatter): {e}")
-    AllGather, ReduceScatter = _placeholder("AllGather"), _placeholder("ReduceScatter")
-
-try:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
         DefaultAllGather,
         DefaultReduceScatter,
         _get_gradient_divide_factors,
         _get_param_all_gather_inputs,
     )
-except ImportError as e:  # pragma: no cover - depends on the torch build
-    _missing.append(f"torch.distributed.fsdp._fully_shard._fsdp_collectives: {e}")
-    DefaultAllGather, DefaultReduceScatter = _placeholder("DefaultAllGather"), _placeholder("DefaultReduceScatter")
-    _get_gradient_divide_factors = _get_param_all_gather_inputs = None  # type: ignore[assignment]
-
-try:
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
-except ImportError as e:  # pragma: no cover - depends on the torch build
-    _missing.append(f"torch.distributed.fsdp._fully_shard._fsdp_common (mesh infos): {e}")
-    DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo = (_placeholder(n) for n in ("DDPMeshInfo", "FSDPMeshInfo", "HSDPMeshInfo"))
+else:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        _missing.append(f"torch.distributed.fsdp._fully_shard._fsdp_api (AllGather, ReduceScatter): {e}")
+        AllGather, ReduceScatter = _placeholder("AllGather"), _placeholder("ReduceScatter")
 
-try:
-    # Not re-exported by torch.distributed; the backend's default-options fallback needs it.
-    from torch.distributed.distributed_c10d import AllgatherOptions
-except ImportError:  # pragma: no cover - depends on the torch build
-    AllgatherOptions = None  # type: ignore[assignment,misc]
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            DefaultAllGather,
+            DefaultReduceScatter,
+            _get_gradient_divide_factors,
+            _get_param_all_gather_inputs,
+        )
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        _missing.append(f"torch.distributed.fsdp._fully_shard._fsdp_collectives: {e}")
+        DefaultAllGather, DefaultReduceScatter = _placeholder("DefaultAllGather"), _placeholder("DefaultReduceScatter")
+        _get_gradient_divide_factors = _get_param_all_gather_inputs = None
+
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
+    except ImportError as e:  # pragma: no cover - depends on the torch build
+        _missing.append(f"torch.distributed.fsdp._fully_shard._fsdp_common (mesh infos): {e}")
+        DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo = (
+            _placeholder(n) for n in ("DDPMeshInfo", "FSDPMeshInfo", "HSDPMeshInfo")
+        )
+
+__all__ = [
+    "GROUP_STATE",
+    "PARAM_STATE",
+    "TORCH_VERSIONS_CHECKED",
+    "AllGather",
+    "DDPMeshInfo",
+    "DefaultAllGather",
+    "DefaultReduceScatter",
+    "FSDPMeshInfo",
+    "HSDPMeshInfo",
+    "ReduceScatter",
+    "_Group",
+    "_Layout",
+    "_describe",
+    "_get_gradient_divide_factors",
+    "_get_param_all_gather_inputs",
+    "_node_layout",
+    "check_fsdp2",
+    "check_state",
+    "prefix_store",
+]
 
 #: What each FSDP2 parameter group must carry for odc.fsdp (read in odc.fsdp).
 GROUP_STATE = (
@@ -150,9 +178,15 @@ class _Group:
     dtype: torch.dtype  # all-gather dtype
     shard_len: int = 0  # ODC's shard length (n rounded up to the engine's alignment)
     offsets: list[int] = field(default_factory=list)  # each parameter's offset in the shard
-    shard: torch.Tensor | None = None  # staging buffer for publish (shard_len elements)
+    shard: torch.Tensor | None = None  # staging buffer for publish (shard_len elements), made by enable
     index: int = 0  # position in the binding's group list (= bucket order)
     pushed_in: int = -1  # last minibatch in which this rank pushed the group's gradients
+
+    def staging(self) -> torch.Tensor:
+        """The staging buffer publishes copy this rank's shard into (made by ``enable``)."""
+        if self.shard is None:
+            raise ConfigError(f"odc.fsdp: {self.name} has no staging buffer; odc.fsdp.enable makes it")
+        return self.shard
 
 
 @dataclass(frozen=True)
@@ -182,7 +216,8 @@ _HSDP_MESH = (
 
 def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
     groups: list[_Group] = []
-    owners = {id(m._get_fsdp_state()): m for m in model.modules() if isinstance(m, FSDPModule)}
+    modules = cast(torch.nn.Module, model).modules()
+    owners = {id(m._get_fsdp_state()): m for m in modules if isinstance(m, FSDPModule)}
     for state in _states(model):
         if len(state._fsdp_param_groups) > 1:
             fqn = state._fsdp_param_groups[0]._module_fqn or "<root>"
@@ -243,7 +278,8 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
 
 def _node_layout(groups: list[_Group], sharding: str) -> _Layout:
     """This rank's place among the mesh's ranks; under hybrid, checks that each shard group is one node."""
-    info = groups[0].pg.mesh_info
+    # FSDPMeshInfo (full) or HSDPMeshInfo (hybrid): _describe refused any other kind.
+    info = cast(Any, groups[0].pg.mesh_info)
     grid = info.mesh.mesh.tolist()
     for g in groups:
         if g.pg.mesh_info.mesh.mesh.tolist() != grid:
@@ -296,10 +332,13 @@ def _node_layout(groups: list[_Group], sharding: str) -> _Layout:
 
 def _hosts(members: tuple[int, ...]) -> dict[int, str]:
     """Host name of every rank of the mesh, through the default store (each rank posts its own)."""
-    store = dist.PrefixStore(f"odc-fsdp/hosts/{'-'.join(map(str, members))}/",
-                             dist.distributed_c10d._get_default_store())
+    store = prefix_store(f"odc-fsdp/hosts/{'-'.join(map(str, members))}/")
     me = dist.get_rank()
     store.set(str(me), socket.gethostname())
     return {r: store.get(str(r)).decode() for r in members}
 
 
+def prefix_store(prefix: str) -> Any:
+    """The default group's store (a ``dist.Store``) under ``prefix`` (torch's stubs export neither)."""
+    make: Any = dist.PrefixStore  # type: ignore[attr-defined]
+    return make(prefix, dist.distributed_c10d._get_default_store())

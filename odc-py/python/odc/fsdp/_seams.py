@@ -5,7 +5,7 @@ the reduce-scatter pushes each owner's rows and does not wait. Installed with FS
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -22,10 +22,12 @@ class _OdcAllGather(AllGather):
         self._b = binding
         self._g = group
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor, input_tensor, group=None, async_op: bool = False):
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> None:
         b, g = self._b, self._g
         b.begin(f"all-gather of {g.name}")
         if b.hybrid:
@@ -56,7 +58,7 @@ class _OdcReduceScatter(ReduceScatter):
         self._b = binding
         self._g = group
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device=device)
 
     def _scale(self, op: Any, dtype: torch.dtype) -> float:
@@ -79,13 +81,20 @@ class _OdcReduceScatter(ReduceScatter):
             # the post-divide moves into the push.
             replicas = pg._all_reduce_process_group if self._b.hybrid else None
             _, post, _, _ = _get_gradient_divide_factors(
-                pg.mesh_info.shard_process_group, replicas, dtype, pg.device.type,
+                cast(Any, pg.mesh_info).shard_process_group, replicas, dtype, pg.device.type,
                 pg.gradient_divide_factor, pg.force_sum_reduction_for_comms,
             )
             return 1.0 / post if post else 1.0
         raise ConfigError(f"odc.fsdp: reduce-scatter op {op} is not supported (AVG, SUM, PREMUL_SUM are)")
 
-    def __call__(self, output_tensor, input_tensor, group=None, op=None, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any = None,
+        op: Any = None,
+        async_op: bool = False,
+    ) -> None:
         b, g = self._b, self._g
         b.begin(f"reduce-scatter of {g.name}")
         if b.hybrid and g.pg.all_reduce_grads:

@@ -79,8 +79,9 @@ class _Binding:
         for g in self.groups:
             inputs = _get_param_all_gather_inputs(g.pg.fsdp_params)
             flat = [t.reshape(-1) for ts in inputs for t in ts]
-            torch.cat(flat, out=g.shard[: g.n])
-            self.engine.publish(g.name, g.shard, self.version)
+            shard = g.staging()
+            torch.cat(flat, out=shard[: g.n])
+            self.engine.publish(g.name, shard, self.version)
 
     def finish(self, reason: str, install: bool = True) -> None:
         """Ends the running minibatch: own gradient shards final, installed as ``.grad``."""
@@ -148,7 +149,7 @@ class _Undo:
 
 def _binding(model: Any) -> _Binding:
     b = getattr(model, "_odc_fsdp", None)
-    if b is None:
+    if not isinstance(b, _Binding):
         raise ConfigError("odc.fsdp: this model is not enabled; call odc.fsdp.enable(model, optimizer) first")
     return b
 
