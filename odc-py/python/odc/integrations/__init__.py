@@ -8,9 +8,10 @@ dependency: ``pip install 'odc[verl]'`` or ``'odc[torchtitan]'``):
   microbatch count, and each minibatch is balanced across ranks with LB-Mini.
   :mod:`odc.integrations.verl_auto` calls it when imported, for verl's
   ``external_lib`` / ``VERL_USE_EXTERNAL_MODULES`` hooks.
-- :mod:`odc.integrations.torchtitan`: a model spec whose models run on ODC
-  once the trainer built their optimizer, and a trainer whose microbatch count
-  per rank and step comes from an LB-Mini plan.
+- :mod:`odc.integrations.torchtitan`: a ``Trainer`` subclass that puts the
+  model on ODC at its first step (after weights, optimizers and any
+  checkpoint are in place) and, given an LB-Mini plan over documents, runs
+  each rank's own microbatch count per step.
 
 What moves a minibatch's samples between ranks lives in
 :mod:`odc.integrations._exchange` (no trainer imported there).
