@@ -125,8 +125,13 @@ def write_assets(root: str, documents: int = 400, seed: int = 0) -> tuple[str, s
 
 
 def debug_config(assets: str, dataset: str, *, seq_len: int = 128, local_batch_size: int = 2, steps: int = 2,
-                 layers: int = 2, lr: float = 8e-4, dump: str = "/tmp/titan"):
-    """torchtitan's llama3 debug-model config, smaller (``layers`` blocks, ``seq_len``), fp32, no AC/compile/checkpoints."""
+                 layers: int = 2, lr: float = 8e-4, dump: str = "/tmp/titan", spmd_backend: str = "spmd_types"):
+    """torchtitan's llama3 debug-model config, smaller (``layers`` blocks, ``seq_len``), fp32, no AC/compile/checkpoints.
+
+    Seeded (``debug.seed=0``), so that runs in separate processes start from the same weights.
+    ``spmd_backend="partial_dtensor"`` shards over the 1-D ``fsdp`` mesh; torchtitan's default
+    (``spmd_types``) keeps global mesh state that a second trainer in one process trips over.
+    """
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
@@ -144,9 +149,8 @@ def debug_config(assets: str, dataset: str, *, seq_len: int = 128, local_batch_s
     config.checkpoint = CheckpointManager.Config(enable=False)
     config.validator.enable = False
     config.optimizer.implementation = "foreach"
-    # FSDP over the 1-D "fsdp" mesh (torchtitan's default spmd_types backend shards over a mesh of every
-    # parallel dimension and keeps global mesh state that a second trainer in the process trips over).
-    config.parallelism.spmd_backend = "partial_dtensor"
+    config.parallelism.spmd_backend = spmd_backend
+    config.debug.seed = 0
     config.dump_folder = dump
     for group in config.optimizer.param_groups:
         group.optimizer_kwargs["lr"] = lr

@@ -51,21 +51,36 @@ def train(cls, config, **kw) -> dict:
     return {"logged": logged, "counts": counts, "odc": odc.fsdp.is_enabled(trainer.model_parts[0])}
 
 
-def titan_worker(rank: int, world: int, store, root: str) -> dict:
+def _setup(rank: int, world: int, store, root: str, spmd_backend: str):
     T.install()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    from torchtitan.trainer import Trainer as TitanTrainer
-
-    import odc
-    import odc.integrations.torchtitan as odc_titan
-
     assets, data = os.path.join(root, "tokenizer"), os.path.join(root, "c4_test")
 
     def config(**kw):
-        return T.debug_config(assets, data, seq_len=SEQ_LEN, dump=os.path.join(root, f"dump{rank}"), **kw)
+        return T.debug_config(assets, data, seq_len=SEQ_LEN, dump=os.path.join(root, f"dump{rank}"),
+                              spmd_backend=spmd_backend, **kw)
 
-    out = {"gloo": train(TitanTrainer, config()), "odc": train(odc_titan.Trainer, config())}
+    return config
+
+
+def default_worker(rank: int, world: int, store, root: str, comm: str) -> dict:
+    """torchtitan's own trainer (``comm="gloo"``) or ODC's, on its c4-shaped data and default SPMD backend."""
+    config = _setup(rank, world, store, root, "spmd_types")
+    if comm == "gloo":
+        from torchtitan.trainer import Trainer
+    else:
+        from odc.integrations.torchtitan import Trainer
+    return train(Trainer, config())
+
+
+def planned_worker(rank: int, world: int, store, root: str) -> dict:
+    """The same documents under LB-Micro over gloo and LB-Mini over ODC, in one process (partial_dtensor)."""
+    config = _setup(rank, world, store, root, "partial_dtensor")
+    import odc
+    import odc.integrations.torchtitan as odc_titan
+
+    out = {}
     docs = documents()
     mini = odc_titan.plan_documents(docs, world, 4, SEQ_LEN, strategy="lb-mini")
     micro = odc_titan.plan_documents(docs, world, 4, SEQ_LEN, strategy="lb-micro")

@@ -1,8 +1,9 @@
 """odc.integrations.torchtitan against torchtitan 0.3.0 on CPU (2 gloo ranks, its llama3 debug model).
 
 Two steps of torchtitan's own trainer over FSDP2's collectives and of odc.integrations.torchtitan.Trainer on
-the same data; then the same documents planned with LB-Micro (the same count on every rank, collectives) and
-with LB-Mini (each rank its own count, ODC).
+the same data (each in its own processes, torchtitan's default SPMD backend, seeded); then the same documents
+planned with LB-Micro (the same count on every rank, collectives) and with LB-Mini (each rank its own count,
+ODC), both in one process pair.
 """
 
 from __future__ import annotations
@@ -17,16 +18,29 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed (make setup installs odc[torchtitan])", allow_module_level=True)
 
 
+def _ok(out):
+    for rank, (status, value) in out.items():
+        assert status == "ok", (rank, status, value if not isinstance(value, tuple) else value[3])
+    return {rank: value for rank, (_, value) in out.items()}
+
+
 @pytest.fixture(scope="module")
-def titan_runs(tmp_path_factory):
+def assets(tmp_path_factory):
     import _torchtitan_worker as W
 
     root = str(tmp_path_factory.mktemp("titan"))
     W.T.write_assets(root)
-    out = run_ranks(W.titan_worker, 2, timeout=500, root=root)
-    for rank, (status, value) in out.items():
-        assert status == "ok", (rank, status, value if not isinstance(value, tuple) else value[3])
-    return {rank: value for rank, (_, value) in out.items()}
+    return root
+
+
+@pytest.fixture(scope="module")
+def titan_runs(assets):
+    """Each rank's results: torchtitan's trainer and ODC's in separate processes, then the planned runs."""
+    import _torchtitan_worker as W
+
+    runs = {comm: _ok(run_ranks(W.default_worker, 2, timeout=300, root=assets, comm=comm)) for comm in ("gloo", "odc")}
+    planned = _ok(run_ranks(W.planned_worker, 2, timeout=400, root=assets))
+    return {rank: {"gloo": runs["gloo"][rank], "odc": runs["odc"][rank], **planned[rank]} for rank in range(2)}
 
 
 def _same_steps(a, b):
