@@ -144,18 +144,24 @@ def write_model(path: str, layers: int = 2, hidden: int = 32, vocab: int = VOCAB
 
 
 def configs(model_dir: str, max_tokens: int, *, forward_only: bool = False, lr: float = 1e-2, clip: float = 1.0,
-            model_type: str = "language_model", external_lib: str | None = None, **engine_kw):
+            model_type: str = "language_model", external_lib: str | None = None, remove_padding: bool = False,
+            **engine_kw):
     """verl's model, engine, optimizer, checkpoint and actor configs for a CPU fp32 FSDP2 engine.
 
     ``external_lib`` is the model config's hook verl imports before it builds
     the engine (``odc.integrations.verl_auto`` puts the engine on ODC);
-    ``engine_kw`` override ``FSDPEngineConfig`` fields.
+    ``remove_padding`` packs a microbatch's samples into one row
+    (``use_remove_padding``) attended per sample by :func:`use_varlen_attention`'s
+    sdpa (what flash-attention's varlen kernel computes on GPUs), instead of
+    padding every sample to the microbatch's longest; ``engine_kw`` override
+    ``FSDPEngineConfig`` fields.
     """
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPActorConfig, FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
-    model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=False,
-                          enable_gradient_checkpointing=False, override_config={"attn_implementation": "sdpa"},
+    attn = use_varlen_attention() if remove_padding else "sdpa"
+    model = HFModelConfig(path=model_dir, load_tokenizer=False, use_remove_padding=remove_padding,
+                          enable_gradient_checkpointing=False, override_config={"attn_implementation": attn},
                           model_type=model_type, external_lib=external_lib)
     engine = FSDPEngineConfig(**{
         "strategy": "fsdp2", "use_torch_compile": False, "forward_only": forward_only,
@@ -165,6 +171,19 @@ def configs(model_dir: str, max_tokens: int, *, forward_only: bool = False, lr: 
     actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=max_tokens,
                             ppo_mini_batch_size=1)
     return model, engine, optim, CheckpointConfig(), actor
+
+
+def use_varlen_attention() -> str:
+    """Registers examples/hf_sft.py's per-sample causal sdpa with transformers; returns its name."""
+    import importlib.util
+
+    from transformers import AttentionInterface
+
+    spec = importlib.util.spec_from_file_location("hf_sft", os.path.join(os.path.dirname(__file__), "hf_sft.py"))
+    hf_sft = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hf_sft)
+    AttentionInterface.register(hf_sft.VARLEN, hf_sft.varlen_attention)
+    return hf_sft.VARLEN
 
 
 def build_engine(model_dir: str, max_tokens: int, **kw):
@@ -196,7 +215,8 @@ def value_loss(max_tokens: int):
                                                       ppo_max_token_len_per_gpu=max_tokens))
 
 
-def ppo_batch(lengths: list[int], *, seed: int, width: int, global_batch: int, max_tokens: int, nan: bool = False):
+def ppo_batch(lengths: list[int], *, seed: int, width: int, global_batch: int, max_tokens: int, nan: bool = False,
+              remove_padding: bool = False):
     """One rank's PPO minibatch: samples of ``lengths`` tokens (prompt + response), responses padded to ``width``."""
     from tensordict import TensorDict
     from verl.utils import tensordict_utils as tu
@@ -223,7 +243,7 @@ def ppo_batch(lengths: list[int], *, seed: int, width: int, global_batch: int, m
         "values": torch.randn(n, width, generator=g), "returns": torch.randn(n, width, generator=g),
     }, batch_size=n)
     td = left_right_2_no_padding(td)
-    tu.assign_non_tensor(td, temperature=1.0, global_batch_size=global_batch, use_remove_padding=False,
+    tu.assign_non_tensor(td, temperature=1.0, global_batch_size=global_batch, use_remove_padding=remove_padding,
                          use_dynamic_bsz=True, max_token_len_per_gpu=max_tokens, calculate_entropy=False)
     return td
 
