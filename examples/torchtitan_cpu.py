@@ -35,10 +35,9 @@ def install() -> None:
     import torch._utils
 
     torch._utils._get_available_device_type = lambda: "cpu"
-    from torch.nn.attention.flex_attention import create_block_mask
-
     import torchtitan.components.metrics as metrics
     import torchtitan.distributed.utils as dist_utils
+    from torch.nn.attention.flex_attention import create_block_mask
     from torchtitan.models.common import attention, decoder
 
     metrics.DeviceMemoryMonitor = _NoMemoryMonitor
@@ -126,7 +125,7 @@ def write_assets(root: str, documents: int = 400, seed: int = 0) -> tuple[str, s
 
 def debug_config(assets: str, dataset: str, *, seq_len: int = 128, local_batch_size: int = 2, steps: int = 2,
                  layers: int = 2, lr: float = 8e-4, dump: str = "/tmp/titan", spmd_backend: str = "spmd_types"):
-    """torchtitan's llama3 debug-model config, smaller (``layers`` blocks, ``seq_len``), fp32, no AC/compile/checkpoints.
+    """torchtitan's llama3 debug-model config: ``layers`` blocks, ``seq_len``, fp32, no AC, compile or checkpoints.
 
     Seeded (``debug.seed=0``), so that runs in separate processes start from the same weights.
     ``spmd_backend="partial_dtensor"`` shards over the 1-D ``fsdp`` mesh; torchtitan's default

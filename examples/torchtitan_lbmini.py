@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torchtitan_cpu as T  # noqa: E402
+import torchtitan_cpu as T
 
 
 def documents(args) -> list[list[int]]:

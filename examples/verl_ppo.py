@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import verl_cpu as V  # noqa: E402
+import verl_cpu as V
 
 
 def split_like_verl(lengths: list[int], world: int, per_rank: int) -> list[list[list[int]]]:

@@ -17,13 +17,16 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import torchtitan_cpu as T  # noqa: E402
+import torchtitan_cpu as T
 
 SEQ_LEN = 128
 
 
 def documents(n: int = 16, seed: int = 3) -> list[list[int]]:
-    """Token ids of ``n`` documents (lognormal lengths, at most 128 tokens): LB-Mini gives rank 0 three rows and rank 1 two in both minibatches."""
+    """Token ids of ``n`` documents (lognormal lengths, at most 128 tokens).
+
+    LB-Mini gives rank 0 three rows and rank 1 two in both minibatches; LB-Micro two, then three, to both.
+    """
     rng = random.Random(seed)
     lengths = [max(2, min(126, int(rng.lognormvariate(3.8, 0.8)))) for _ in range(n)]
     return [[1] + [rng.randrange(3, 400) for _ in range(k)] + [2] for k in lengths]

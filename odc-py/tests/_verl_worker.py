@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
-import verl_cpu as V  # noqa: E402
+import verl_cpu as V
 
 MAX_TOKENS = 64
 # (rank 0's sample lengths, rank 1's, a NaN advantage on rank 0) per minibatch. verl hands each rank as many
@@ -119,7 +119,7 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
                 V.count_forwards(engine.module) as calls:
             engine.train_batch(data, loss_function=V.ppo_loss(model_dir, MAX_TOKENS))
         out["without_odc"] = {"outcome": "completed", "seconds": time.monotonic() - t0}
-    except Exception as e:  # noqa: BLE001 - the outcome is the result
+    except Exception as e:
         out["without_odc"] = {"outcome": type(e).__name__, "error": str(e)[:400], "seconds": time.monotonic() - t0,
                               "forwards": len(calls), "stack": [f"{Path(f.filename).name}:{f.name}"
                                                                  for f in traceback.extract_tb(e.__traceback__)]}

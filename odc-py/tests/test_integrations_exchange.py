@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from _dist import run_ranks
 
 import odc
-from _dist import run_ranks
 from odc import packing
 from odc.integrations import _exchange as X
 

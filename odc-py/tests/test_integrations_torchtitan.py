@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from _dist import run_ranks
 
 if importlib.util.find_spec("torchtitan") is None:

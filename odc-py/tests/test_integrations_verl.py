@@ -14,7 +14,6 @@ import types
 
 import numpy as np
 import pytest
-
 from _dist import run_ranks
 
 if importlib.util.find_spec("verl") is None:
@@ -97,7 +96,7 @@ def test_engine_settings_odc_cannot_keep_are_refused_by_name(ppo_runs):
     assert "param_offload" in ppo_runs[0]["refused"], ppo_runs[0]["refused"]
     cfg = types.SimpleNamespace(strategy="fsdp", param_offload=False, offload_policy=False,
                                 ulysses_sequence_parallel_size=2)
-    with pytest.raises(odc.ConfigError, match="strategy='fsdp'.*ulysses_sequence_parallel_size=2"):
+    with pytest.raises(odc.ConfigError, match=r"strategy='fsdp'.*ulysses_sequence_parallel_size=2"):
         odc_verl._check_engine(cfg)
     with pytest.raises(odc.ConfigError, match="unknown balance 'lb-micro'"):
         odc_verl.enable(balance="lb-micro")
@@ -112,10 +111,13 @@ def test_verl_imports_the_hook_module_from_its_environment_variable():
     import sys
 
     code = ("import verl, odc.integrations.verl as v; from verl.workers.engine import EngineRegistry as R; "
-            "print(v._installed.settings.balance, sorted(c.__name__ for c in R._engines['value_model']['fsdp2'].values()))")
+            "print(v._state.installed.settings.balance, "
+            "sorted(c.__name__ for c in R._engines['value_model']['fsdp2'].values()))")
     env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="odc.integrations.verl_auto", ODC_VERL_BALANCE="none",
                PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("VERL_PLATFORM", None)
-    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env, timeout=240)
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=False, capture_output=True, text=True,
+                       env=env, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.strip().splitlines()[-1] == "None ['OdcFSDPEngineWithValueHead', 'OdcFSDPEngineWithValueHead']", p.stdout
+    want = "None ['OdcFSDPEngineWithValueHead', 'OdcFSDPEngineWithValueHead']"
+    assert p.stdout.strip().splitlines()[-1] == want, p.stdout

@@ -18,7 +18,7 @@ batches into payloads and back.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .. import packing
 from ..errors import ConfigError
 
-__all__ = ["assign", "moves_anything", "exchange"]
+__all__ = ["assign", "exchange", "moves_anything"]
 
 
 def assign(lengths: Sequence[Sequence[int]], *, max_tokens: int, cost: str = "verl") -> list[list[tuple[int, int]]]:

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from .. import fsdp as odc_fsdp
 from .. import packing
 from ..errors import ConfigError
 
-__all__ = ["Trainer", "PlannedDataLoader", "plan_documents", "TORCHTITAN_VERSIONS_CHECKED"]
+__all__ = ["TORCHTITAN_VERSIONS_CHECKED", "PlannedDataLoader", "Trainer", "plan_documents"]
 
 #: torchtitan versions whose trainer this module was checked against.
 TORCHTITAN_VERSIONS_CHECKED = ("0.3.0",)
@@ -187,8 +188,9 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
             the plan does not fit the data-parallel world or ``seq_len``.
     """
 
-    def __init__(self, config: Any, *, plan: packing.Plan | None = None, documents: Sequence[Sequence[int]] | None = None,
-                 odc: bool = True, timeout: float | None = None, transport: str | None = None) -> None:
+    def __init__(self, config: Any, *, plan: packing.Plan | None = None,
+                 documents: Sequence[Sequence[int]] | None = None, odc: bool = True, timeout: float | None = None,
+                 transport: str | None = None) -> None:
         self._odc = odc
         self._odc_kw = {"timeout": timeout, "transport": transport}
         config.model_spec = dataclasses.replace(config.model_spec,

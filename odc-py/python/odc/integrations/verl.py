@@ -59,8 +59,9 @@ import functools
 import inspect
 import pickle
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -69,7 +70,7 @@ from .. import packing
 from ..errors import ConfigError
 from . import _exchange
 
-__all__ = ["enable", "disable", "is_enabled", "VERL_VERSIONS_CHECKED", "BALANCES"]
+__all__ = ["BALANCES", "VERL_VERSIONS_CHECKED", "disable", "enable", "is_enabled"]
 
 #: verl versions whose engine internals this module was checked against.
 VERL_VERSIONS_CHECKED = ("0.9.1",)
@@ -96,7 +97,12 @@ class _Installed:
     prepare: Callable[..., Any]  # its prepare_micro_batches before the patch
 
 
-_installed: _Installed | None = None
+@dataclass
+class _State:
+    installed: _Installed | None = None  # what enable() installed in this process
+
+
+_state = _State()
 # Set while an ODC engine runs forward_backward_batch: its prepare_micro_batches calls keep per-rank counts.
 _uneven: contextvars.ContextVar[bool] = contextvars.ContextVar("odc_verl_uneven", default=False)
 
@@ -106,7 +112,9 @@ def _verl() -> tuple[Any, Any, Any]:
     try:
         import verl
     except ImportError as e:
-        raise ConfigError(f"odc.integrations.verl needs verl ({e}); install it with `pip install 'odc[verl]'`") from None
+        raise ConfigError(
+            f"odc.integrations.verl needs verl ({e}); install it with `pip install 'odc[verl]'`"
+        ) from None
     version = str(getattr(verl, "__version__", "unknown"))
     where = f"verl {version} (odc.integrations.verl was checked on {', '.join(VERL_VERSIONS_CHECKED)})"
     try:
@@ -144,7 +152,7 @@ def _verl() -> tuple[Any, Any, Any]:
 
 def is_enabled() -> bool:
     """Whether :func:`enable` is in effect in this process."""
-    return _installed is not None
+    return _state.installed is not None
 
 
 def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: float | None = None,
@@ -173,7 +181,6 @@ def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: floa
             unknown ``balance`` or ``cost``, or already enabled with other
             settings (call :func:`disable` first).
     """
-    global _installed
     if balance not in BALANCES:
         raise ConfigError(f"odc.integrations.verl.enable: unknown balance {balance!r}; expected 'lb-mini' or None")
     try:
@@ -181,10 +188,11 @@ def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: floa
     except packing.PackingError as e:
         raise ConfigError(f"odc.integrations.verl.enable: cost {cost!r}: {e}") from None
     settings = _Settings(balance, cost, timeout, transport)
-    if _installed is not None:
-        if _installed.settings != settings:
+    installed = _state.installed
+    if installed is not None:
+        if installed.settings != settings:
             raise ConfigError(
-                f"odc.integrations.verl.enable: already enabled with {_installed.settings}; call disable() first"
+                f"odc.integrations.verl.enable: already enabled with {installed.settings}; call disable() first"
             )
         return
     registry, impl, tu = _verl()
@@ -197,19 +205,19 @@ def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: floa
                     registry._engines[model_type][backend][key] = _odc_class(cls)
     prepare = impl.prepare_micro_batches
     impl.prepare_micro_batches = _per_rank_counts(prepare)
-    _installed = _Installed(settings, replaced, impl, tu, prepare)
+    _state.installed = _Installed(settings, replaced, impl, tu, prepare)
 
 
 def disable() -> None:
     """Restores verl's engine registry and ``prepare_micro_batches``. Engines built under ODC stay on ODC."""
-    global _installed
-    if _installed is None:
+    installed = _state.installed
+    if installed is None:
         return
     registry, _, _ = _verl()
-    for (model_type, backend, key), cls in _installed.registry.items():
+    for (model_type, backend, key), cls in installed.registry.items():
         registry._engines[model_type][backend][key] = cls
-    _installed.impl.prepare_micro_batches = _installed.prepare
-    _installed = None
+    installed.impl.prepare_micro_batches = installed.prepare
+    _state.installed = None
 
 
 def _per_rank_counts(prepare: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,7 +231,7 @@ def _per_rank_counts(prepare: Callable[..., Any]) -> Callable[..., Any]:
     return prepare_micro_batches
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _odc_class(base: type) -> type:
     return type(f"Odc{base.__name__}", (_OdcEngine, base), {"__module__": __name__, "__doc__": base.__doc__})
 
@@ -278,12 +286,13 @@ class _OdcEngine:
 
 
 def _current() -> _Installed:
-    if _installed is None:
+    installed = _state.installed
+    if installed is None:
         raise ConfigError(
             "odc.integrations.verl: an ODC engine was used after odc.integrations.verl.disable(); build engines "
             "while it is enabled"
         )
-    return _installed
+    return installed
 
 
 def _check_engine(cfg: Any) -> None:
