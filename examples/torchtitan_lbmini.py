@@ -19,7 +19,6 @@ import argparse
 import datetime
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -64,7 +63,8 @@ def run(trainer) -> list[tuple]:
     return rows
 
 
-def worker(rank: int, world: int, args, root: str) -> None:
+def worker(rank: int, world: int, args) -> None:
+    root = args.root
     T.install()
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -106,12 +106,11 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=0.8)
     p.add_argument("--cost", default="quadratic")
     args = p.parse_args()
-    root = tempfile.mkdtemp(prefix="titan-")
-    T.write_assets(root)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.multiprocessing.spawn(worker, args=(args.nproc, args, root), nprocs=args.nproc)
+    args.root = tempfile.mkdtemp(prefix="titan-")
+    T.write_assets(args.root)
+    from hf_sft import launch
+
+    launch(worker, args)
 
 
 if __name__ == "__main__":

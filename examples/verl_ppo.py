@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,7 +65,8 @@ def count_tokens(module):
         handle.remove()
 
 
-def worker(rank: int, world: int, args: argparse.Namespace, model_dir: str) -> None:
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    model_dir = args.model_dir
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     V.install_cpu_platform()
@@ -161,13 +161,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main() -> None:
+    from hf_sft import launch
+
     args = parse()
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    model_dir = V.write_model(tempfile.mkdtemp(prefix="verl-ppo-"), layers=args.layers, hidden=args.hidden)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.multiprocessing.spawn(worker, args=(args.nproc, args, model_dir), nprocs=args.nproc)
+    args.model_dir = V.write_model(tempfile.mkdtemp(prefix="verl-ppo-"), layers=args.layers, hidden=args.hidden)
+    launch(worker, args)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ torchtitan's internals read here are checked against
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -45,6 +44,7 @@ import torch
 from .. import fsdp as odc_fsdp
 from .. import packing
 from ..errors import ConfigError
+from ._guard import import_trainer
 
 __all__ = ["TORCHTITAN_VERSIONS_CHECKED", "PlannedDataLoader", "Trainer", "plan_documents"]
 
@@ -53,23 +53,11 @@ TORCHTITAN_VERSIONS_CHECKED = ("0.3.0",)
 
 
 def _torchtitan() -> Any:
-    try:
-        import torchtitan
-        import torchtitan.trainer
-        from torchtitan.components.dataloader import BaseDataLoader
-        from torchtitan.components.loss import IGNORE_INDEX
-    except ImportError as e:
-        raise ConfigError(
-            f"odc.integrations.torchtitan needs torchtitan ({e}); install it with `pip install 'odc[torchtitan]'`"
-        ) from None
-    version = str(getattr(torchtitan, "__version__", "unknown"))
-    if version not in TORCHTITAN_VERSIONS_CHECKED:
-        warnings.warn(
-            f"odc.integrations.torchtitan: torchtitan {version} is not a version it was checked on "
-            f"({', '.join(TORCHTITAN_VERSIONS_CHECKED)}); compare a few steps against torchtitan's own trainer",
-            UserWarning,
-            stacklevel=3,
-        )
+    import_trainer("torchtitan", TORCHTITAN_VERSIONS_CHECKED, "compare a few steps against torchtitan's own trainer")
+    import torchtitan.trainer
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.loss import IGNORE_INDEX
+
     return torchtitan.trainer.Trainer, BaseDataLoader, IGNORE_INDEX
 
 

@@ -58,7 +58,6 @@ import contextvars
 import functools
 import inspect
 import pickle
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +68,7 @@ from .. import fsdp as odc_fsdp
 from .. import packing
 from ..errors import ConfigError
 from . import _exchange
+from ._guard import import_trainer
 
 __all__ = ["BALANCES", "VERL_VERSIONS_CHECKED", "disable", "enable", "is_enabled"]
 
@@ -109,14 +109,9 @@ _uneven: contextvars.ContextVar[bool] = contextvars.ContextVar("odc_verl_uneven"
 
 def _verl() -> tuple[Any, Any, Any]:
     """verl's registry, FSDP engine module and tensordict utilities; refuses a verl that lacks a name read here."""
-    try:
-        import verl
-    except ImportError as e:
-        raise ConfigError(
-            f"odc.integrations.verl needs verl ({e}); install it with `pip install 'odc[verl]'`"
-        ) from None
-    version = str(getattr(verl, "__version__", "unknown"))
-    where = f"verl {version} (odc.integrations.verl was checked on {', '.join(VERL_VERSIONS_CHECKED)})"
+    _, where = import_trainer("verl", VERL_VERSIONS_CHECKED, "it patches verl's engine registry and "
+                              "prepare_micro_batches, so compare a few steps against verl without ODC before "
+                              "relying on it")
     try:
         from verl.utils import tensordict_utils as tu
         from verl.workers.engine.base import EngineRegistry
@@ -139,13 +134,6 @@ def _verl() -> tuple[Any, Any, Any]:
         raise ConfigError(
             f"odc.integrations.verl cannot run on {where}: prepare_micro_batches takes no same_micro_num_in_dp; "
             "install one of the checked versions or train without ODC"
-        )
-    if version not in VERL_VERSIONS_CHECKED:
-        warnings.warn(
-            f"odc.integrations.verl: {where}; it patches verl's engine registry and prepare_micro_batches, so "
-            "compare a few steps against verl without ODC before relying on it",
-            UserWarning,
-            stacklevel=3,
         )
     return EngineRegistry, impl, tu
 
