@@ -43,9 +43,24 @@ def batch(step: int, rank: int):
                        max_tokens=MAX_TOKENS, nan=nan and rank == 0)
 
 
+def infer(engine, rank: int) -> dict:
+    """verl's forward-only pass (what compute_log_prob runs): per-token log-probs of the first minibatch.
+
+    A sample's last position is left out: verl labels it with the next token of the microbatch's flattened
+    row (the next sample's first), so it depends on which samples share the microbatch.
+    """
+    import numpy as np
+
+    with engine.eval_mode(), V.count_forwards(engine.module) as calls:
+        out = engine.infer_batch(batch(0, rank))
+    per_sample = [t[:-1].float().numpy() for t in out["model_output"]["log_probs"].unbind()]
+    return {"log_probs": np.concatenate(per_sample), "counts": len(calls)}
+
+
 def train(engine, rank: int, model_dir: str, steps: int = len(STEPS), critic: bool = False) -> dict:
     loss = V.value_loss(MAX_TOKENS) if critic else V.ppo_loss(model_dir, MAX_TOKENS)
     init = {k: v.numpy() for k, v in V.full_params(engine.module).items()}
+    forward_only = None if critic else infer(engine, rank)
     norms, counts = [], []
     for step in range(steps):
         with engine.train_mode(), V.count_forwards(engine.module) as calls:
@@ -53,7 +68,7 @@ def train(engine, rank: int, model_dir: str, steps: int = len(STEPS), critic: bo
         norms.append(float(out["metrics"]["grad_norm"]))
         counts.append(len(calls))
     params = {k: v.numpy() for k, v in V.full_params(engine.module).items()}  # by value through the queue
-    return {"norms": norms, "counts": counts, "params": params, "init": init}
+    return {"norms": norms, "counts": counts, "params": params, "init": init, "infer": forward_only}
 
 
 def reload_and_repeat(engine, rank: int, model_dir: str, ckpt_dir: str) -> list[float]:

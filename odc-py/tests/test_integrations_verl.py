@@ -76,6 +76,15 @@ def test_the_critic_runs_on_odc_with_uneven_counts_too(ppo_runs):
         _same_parameters(r["odc_critic"], r["gloo_critic"])
 
 
+def test_forward_only_passes_on_odc_keep_each_ranks_count_and_verls_log_probs(ppo_runs):
+    """compute_log_prob's path: no LB-Mini (outputs stay with their samples), counts 2 and 3 instead of 3 and 3."""
+    r0, r1 = ppo_runs[0], ppo_runs[1]
+    assert (r0["odc"]["infer"]["counts"], r1["odc"]["infer"]["counts"]) == (2, 3)
+    assert r0["gloo"]["infer"]["counts"] == r1["gloo"]["infer"]["counts"] == 3
+    for r in (r0, r1):
+        np.testing.assert_allclose(r["odc"]["infer"]["log_probs"], r["gloo"]["infer"]["log_probs"], rtol=0, atol=1e-5)
+
+
 def test_the_same_uneven_plan_without_odc_hangs_in_fsdp2_collectives(ppo_runs):
     outcomes = [r["without_odc"] for r in ppo_runs.values()]
     # Neither rank completes; each waits out the timeout, unless its peer gave up first and closed the connection.
