@@ -54,9 +54,9 @@ TORCHTITAN_VERSIONS_CHECKED = ("0.3.0",)
 
 def _torchtitan() -> Any:
     import_trainer("torchtitan", TORCHTITAN_VERSIONS_CHECKED, "compare a few steps against torchtitan's own trainer")
-    import torchtitan.trainer
-    from torchtitan.components.dataloader import BaseDataLoader
-    from torchtitan.components.loss import IGNORE_INDEX
+    import torchtitan.trainer  # type: ignore[import-untyped]
+    from torchtitan.components.dataloader import BaseDataLoader  # type: ignore[import-untyped]
+    from torchtitan.components.loss import IGNORE_INDEX  # type: ignore[import-untyped]
 
     return torchtitan.trainer.Trainer, BaseDataLoader, IGNORE_INDEX
 
@@ -88,7 +88,7 @@ class PlannedDataLoader(_BaseDataLoader):  # type: ignore[misc,valid-type]
     """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
-    class Config(_BaseDataLoader.Config):
+    class Config(_BaseDataLoader.Config):  # type: ignore[misc,name-defined]
         plan: Any = None
         """An odc.packing.Plan over ``documents`` (see plan_documents)."""
         documents: Any = None
@@ -136,7 +136,9 @@ class PlannedDataLoader(_BaseDataLoader):  # type: ignore[misc,valid-type]
             yield self.row(mb)
 
     def row(self, microbatch: Sequence[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-        inputs, labels, positions = [], [], []
+        inputs: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
         for i in microbatch:
             doc = list(self.documents[i])
             inputs += doc[:-1]
@@ -180,7 +182,7 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
                  documents: Sequence[Sequence[int]] | None = None, odc: bool = True, timeout: float | None = None,
                  transport: str | None = None) -> None:
         self._odc = odc
-        self._odc_kw = {"timeout": timeout, "transport": transport}
+        self._odc_timeout, self._odc_transport = timeout, transport
         config.model_spec = dataclasses.replace(config.model_spec,
                                                 parallelize_fn=_fsdp_only(config.model_spec.parallelize_fn))
         if plan is not None:
@@ -198,7 +200,8 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
             # every parameter (zeros where there is no gradient yet) and ODC adds them up.
             model.set_reduce_scatter_unused_params(True)
             hybrid = self.parallel_dims.dp_replicate > 1
-            odc_fsdp.enable(model, self.optimizers, sharding="hybrid" if hybrid else "full", **self._odc_kw)
+            odc_fsdp.enable(model, self.optimizers, sharding="hybrid" if hybrid else "full",
+                            timeout=self._odc_timeout, transport=self._odc_transport)
         return super().train_step(data_iterator)
 
 

@@ -66,7 +66,7 @@ import torch.distributed as dist
 
 from .. import fsdp as odc_fsdp
 from .. import packing
-from ..errors import ConfigError
+from ..errors import ConfigError, PackingError
 from . import _exchange
 from ._guard import import_trainer
 
@@ -130,7 +130,8 @@ def _verl() -> tuple[Any, Any, Any]:
                     f"odc.integrations.verl cannot run on {where}: {getattr(owner, '__name__', owner)} has no "
                     f"{name!r}; install one of the checked versions or train without ODC"
                 )
-    if "same_micro_num_in_dp" not in inspect.signature(impl.prepare_micro_batches).parameters:
+    prepare = impl.prepare_micro_batches  # type: ignore[attr-defined]  # imported there from verl.workers.engine.utils
+    if "same_micro_num_in_dp" not in inspect.signature(prepare).parameters:
         raise ConfigError(
             f"odc.integrations.verl cannot run on {where}: prepare_micro_batches takes no same_micro_num_in_dp; "
             "install one of the checked versions or train without ODC"
@@ -173,7 +174,7 @@ def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: floa
         raise ConfigError(f"odc.integrations.verl.enable: unknown balance {balance!r}; expected 'lb-mini' or None")
     try:
         packing.sequence_cost(1, cost)
-    except packing.PackingError as e:
+    except PackingError as e:
         raise ConfigError(f"odc.integrations.verl.enable: cost {cost!r}: {e}") from None
     settings = _Settings(balance, cost, timeout, transport)
     installed = _state.installed
@@ -345,7 +346,7 @@ def _balance(data: Any, group: Any, cost: str, tu: Any) -> Any:
 
 def _is_metadata(value: Any) -> bool:
     """Per-batch values (verl's NonTensorData: temperature, token budget, ...), not per-sample ones."""
-    from tensordict import NonTensorData
+    from tensordict import NonTensorData  # type: ignore[import-untyped]
 
     return isinstance(value, NonTensorData)
 
