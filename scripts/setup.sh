@@ -7,6 +7,16 @@ cd "$(dirname "$0")/.."
 TORCH_VERSION=2.15.0
 VENV=.venv
 PY_PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2" "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12")
+# The trainers the integrations are tested against (odc[verl], odc[torchtitan]) and the packages they pull,
+# pinned as resolved with torch 2.15.0 (neither asks for another torch). verl 0.9.1 declares
+# transformers<5.11; the project keeps transformers 5.24.0, which verl's FSDP engine runs with (the tests
+# train through it), so verl itself goes in with --no-deps after its requirements (VERL_DEPS, minus that pin).
+TITAN_PKGS=("torchtitan==0.3.0" "torch-checkpointing==0.1.1" "spmd-types==0.2.3" "tyro==1.0.17" "einops==0.8.2"
+    "datasets==4.7.0" "tensorboard==2.21.0" "wandb==0.31.0" "torchdata==0.11.0")
+VERL_DEPS=("accelerate==1.15.0" "codetiming==1.4.0" "dill==0.4.0" "hydra-core==1.3.8" "pandas==3.1.1"
+    "peft==0.21.2" "pyarrow==26.0.1" "pybind11==3.1.0" "pylatexenc==2.11" "ray[default]==2.60.0"
+    "tensordict==0.10.0")
+NO_DEPS_PKGS=("verl==0.9.1")
 DEB_PKGS=(build-essential pkg-config libfabric-dev iproute2)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -38,14 +48,17 @@ if [ -z "$UV" ]; then
 fi
 
 stamp="$VENV/.odc-deps"
-want="$(printf '%s\n' "${PY_PKGS[@]}")"
+want="$(printf '%s\n' "${PY_PKGS[@]}" "${TITAN_PKGS[@]}" "${VERL_DEPS[@]}" --no-deps "${NO_DEPS_PKGS[@]}")"
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating $VENV"
     "$UV" venv -q --python python3 "$VENV"
 fi
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     log "installing Python packages (torch ${TORCH_VERSION} is large: several minutes on a cold cache)"
-    "$UV" pip install -q --python "$VENV/bin/python" "${PY_PKGS[@]}"
+    "$UV" pip install -q --python "$VENV/bin/python" "${PY_PKGS[@]}" "${TITAN_PKGS[@]}" "${VERL_DEPS[@]}"
+    "$UV" pip install -q --python "$VENV/bin/python" --no-deps "${NO_DEPS_PKGS[@]}"
+    torch_now=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+    [ "$torch_now" = "$TORCH_VERSION" ] || { log "torch is $torch_now, expected $TORCH_VERSION"; exit 1; }
     printf '%s' "$want" >"$stamp"
 fi
 

@@ -1,0 +1,22 @@
+"""ODC inside the trainers people run.
+
+Each integration is imported on demand (its trainer is an optional
+dependency: ``pip install 'odc[verl]'`` or ``'odc[torchtitan]'``):
+
+- :mod:`odc.integrations.verl`: ``enable()`` before verl builds its engines;
+  the actor's and critic's FSDP2 modules run on ODC, each rank keeps its own
+  microbatch count, and each minibatch is balanced across ranks with LB-Mini.
+  :mod:`odc.integrations.verl_auto` calls it when imported, for verl's
+  ``external_lib`` / ``VERL_USE_EXTERNAL_MODULES`` hooks.
+- :mod:`odc.integrations.torchtitan`: a ``Trainer`` subclass that puts the
+  model on ODC at its first step (after weights, optimizers and any
+  checkpoint are in place) and, given an LB-Mini plan over documents, runs
+  each rank's own microbatch count per step.
+
+What moves a minibatch's samples between ranks lives in
+:mod:`odc.integrations._exchange` (no trainer imported there).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []

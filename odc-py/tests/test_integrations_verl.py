@@ -1,0 +1,132 @@
+"""odc.integrations.verl against verl 0.9.1 on CPU (2 gloo ranks, tiny random Qwen2, verl's own PPO step).
+
+The same three PPO minibatches (the second with a NaN advantage, so verl skips its step) are trained with
+verl's FSDP2 collectives, where verl raises every rank to the largest microbatch count, and under ODC (turned
+on through the model config's ``external_lib`` hook), where LB-Mini moves samples and each rank runs its own
+count. Then the uneven plan runs on FSDP2's collectives: it hangs until the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import types
+
+import numpy as np
+import pytest
+from _dist import run_ranks
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed (make setup installs odc[verl])", allow_module_level=True)
+
+HANG_TIMEOUT = 8.0
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory):
+    import _verl_worker as W
+
+    model_dir = str(tmp_path_factory.mktemp("qwen2"))
+    W.V.write_model(model_dir)
+    ckpt_dir = str(tmp_path_factory.mktemp("checkpoint"))
+    out = run_ranks(W.ppo_worker, 2, timeout=400, model_dir=model_dir, ckpt_dir=ckpt_dir, hang_timeout=HANG_TIMEOUT)
+    for rank, (status, value) in out.items():
+        assert status == "ok", (rank, status, value if not isinstance(value, tuple) else value[3])
+    return {rank: value for rank, (_, value) in out.items()}
+
+
+def _same_parameters(odc_run, gloo_run):
+    moved = 0.0
+    for name, want in gloo_run["params"].items():
+        np.testing.assert_allclose(odc_run["params"][name], want, rtol=0, atol=2e-5, err_msg=name)
+        np.testing.assert_array_equal(odc_run["init"][name], gloo_run["init"][name], err_msg=name)
+        moved = max(moved, float(np.abs(want - gloo_run["init"][name]).max()))
+    assert moved > 1e-3, moved  # training moved the parameters far beyond the tolerance
+
+
+def test_uneven_microbatch_counts_under_odc_match_verl_with_equalized_counts(ppo_runs):
+    r0, r1 = ppo_runs[0], ppo_runs[1]
+    for r in (r0, r1):
+        assert r["engine"] == {"actor": True, "ref": False, "critic": True, "class": "OdcFSDPEngineWithLMHead"}
+    # verl's collectives: every rank runs the largest count. ODC: each rank its own (LB-Mini moved samples).
+    assert r0["gloo"]["counts"] == r1["gloo"]["counts"] == [3, 2, 3]
+    assert (r0["odc"]["counts"][0], r1["odc"]["counts"][0]) == (2, 3)
+    assert sum(r0["odc"]["counts"]) + sum(r1["odc"]["counts"]) < 2 * sum(r0["gloo"]["counts"])
+    for r in (r0, r1):
+        gloo, odc_ = r["gloo"]["norms"], r["odc"]["norms"]
+        assert math.isnan(gloo[1]) and math.isnan(odc_[1]), (gloo, odc_)  # the skipped step
+        for s in (0, 2):
+            assert odc_[s] == pytest.approx(gloo[s], rel=1e-5), (s, odc_, gloo)
+        _same_parameters(r["odc"], r["gloo"])
+
+
+def test_a_checkpoint_loaded_under_odc_is_what_the_next_minibatch_reads(ppo_runs):
+    """Loading republishes the parameters: the step after loading repeats the step after saving."""
+    for r in ppo_runs.values():
+        first, again = r["reloaded"]
+        assert again == pytest.approx(first, rel=1e-6), r["reloaded"]
+
+
+def test_the_critic_runs_on_odc_with_uneven_counts_too(ppo_runs):
+    r0, r1 = ppo_runs[0], ppo_runs[1]
+    assert (r0["odc_critic"]["counts"], r1["odc_critic"]["counts"]) == ([2], [3])
+    assert r0["gloo_critic"]["counts"] == r1["gloo_critic"]["counts"] == [3]
+    for r in (r0, r1):
+        assert r["odc_critic"]["norms"][0] == pytest.approx(r["gloo_critic"]["norms"][0], rel=1e-5)
+        _same_parameters(r["odc_critic"], r["gloo_critic"])
+
+
+def test_forward_only_passes_on_odc_keep_each_ranks_count_and_verls_log_probs(ppo_runs):
+    """compute_log_prob's path: no LB-Mini (outputs stay with their samples), counts 2 and 3 instead of 3 and 3."""
+    r0, r1 = ppo_runs[0], ppo_runs[1]
+    assert (r0["odc"]["infer"]["counts"], r1["odc"]["infer"]["counts"]) == (2, 3)
+    assert r0["gloo"]["infer"]["counts"] == r1["gloo"]["infer"]["counts"] == 3
+    for r in (r0, r1):
+        np.testing.assert_allclose(r["odc"]["infer"]["log_probs"], r["gloo"]["infer"]["log_probs"], rtol=0, atol=1e-5)
+
+
+def test_the_same_uneven_plan_without_odc_hangs_in_fsdp2_collectives(ppo_runs):
+    outcomes = [r["without_odc"] for r in ppo_runs.values()]
+    # Neither rank completes; each waits out the timeout, unless its peer gave up first and closed the connection.
+    assert any("Timed out" in w.get("error", "") for w in outcomes), outcomes
+    for w in outcomes:
+        assert w["outcome"] == "RuntimeError", w
+        assert "Timed out" in w["error"] or "Connection closed by peer" in w["error"], w
+        assert HANG_TIMEOUT * 0.9 <= w["seconds"] < HANG_TIMEOUT * 4, w
+    # The rank with two microbatches waits in its last backward's reduce-scatter for a peer still on its third.
+    stack = ppo_runs[0]["without_odc"]["stack"]
+    assert "_fsdp_collectives.py:foreach_reduce" in stack and stack[-1].endswith("reduce_scatter_single"), stack
+
+
+def test_engine_settings_odc_cannot_keep_are_refused_by_name(ppo_runs):
+    import odc
+    from odc.integrations import verl as odc_verl
+
+    assert "param_offload" in ppo_runs[0]["refused"], ppo_runs[0]["refused"]
+    cfg = types.SimpleNamespace(strategy="fsdp", param_offload=False, offload_policy=False,
+                                ulysses_sequence_parallel_size=2)
+    with pytest.raises(odc.ConfigError, match=r"strategy='fsdp'.*ulysses_sequence_parallel_size=2"):
+        odc_verl._check_engine(cfg)
+    with pytest.raises(odc.ConfigError, match="unknown balance 'lb-micro'"):
+        odc_verl.enable(balance="lb-micro")
+    with pytest.raises(odc.ConfigError, match="cost 'cubic'"):
+        odc_verl.enable(cost="cubic")
+
+
+def test_verl_imports_the_hook_module_from_its_environment_variable():
+    """VERL_USE_EXTERNAL_MODULES=odc.integrations.verl_auto: importing verl replaces its FSDP engine classes."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import verl, odc.integrations.verl as v; from verl.workers.engine import EngineRegistry as R; "
+            "print(v._state.installed.settings.balance, "
+            "sorted(c.__name__ for c in R._engines['value_model']['fsdp2'].values()))")
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="odc.integrations.verl_auto", ODC_VERL_BALANCE="none",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("VERL_PLATFORM", None)
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=False, capture_output=True, text=True,
+                       env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = "None ['OdcFSDPEngineWithValueHead', 'OdcFSDPEngineWithValueHead']"
+    assert p.stdout.strip().splitlines()[-1] == want, p.stdout
