@@ -10,8 +10,13 @@ Subcommands:
   packed sequence lengths: Collective + LB-Micro / LocalSort against ODC +
   LB-Micro / LB-Mini / LocalSort, measured speedups beside the packer's
   predictions (:mod:`odc.bench.imbalance`).
+- ``train`` — real FSDP2 training of a Hugging Face transformer on packed
+  variable-length microbatches, the same five configurations, measured
+  speedups beside the packer's predictions with a cost model fitted to the
+  model in the same run; ``--curves``: loss curves of ODC + LB-Mini and
+  Collective + LB-Micro (:mod:`odc.bench.train`).
 
-Both launch their own local ranks (spawned processes sharing a TCPStore),
+All launch their own local ranks (spawned processes sharing a TCPStore),
 or run as one rank of a torchrun job when ``RANK``, ``WORLD_SIZE`` and
 ``MASTER_ADDR`` are set. Tables go to stdout, ``--json FILE`` writes the
 results, ``--plot FILE.png`` draws them (needs matplotlib).
@@ -22,6 +27,7 @@ Example::
 
     odc-bench primitives -g 2 -b 64K -e 64M -f 4 --json prim.json --plot prim.png
     odc-bench imbalance --world 4 --sweep minibatch-size=1,2,4,8 --run-seconds 10
+    odc-bench train --sweep minibatch-size=4,8 --repeats 3 --plot train.png
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def _size(flag: str):
 
 def _build_parser() -> _Parser:
     p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).")
-    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train}", parser_class=_Parser)
 
     pr = sub.add_parser("primitives", help="all-gather / reduce-scatter against ODC gather / scatter-accumulate",
                         description="nccl-tests-style sweep: collective baseline against ODC, same run.")
@@ -138,7 +144,49 @@ def _build_parser() -> _Parser:
                          "(auto: collectives overlap, ODC calls run inline)")
     im.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None, help="ODC push chunk (default: engine's)")
     _common(im)
+    _train_parser(sub)
     return p
+
+
+def _train_parser(sub: Any) -> None:
+    from .train_report import DEFAULT_SYNTHETIC as TRAIN_SYNTHETIC
+
+    tr = sub.add_parser("train", help="real FSDP2 training of a transformer: collectives against ODC",
+                        description="Measured speedup of ODC and packing strategies in real training (FSDP2, a Hugging "
+                                    "Face model from a tiny config, packed variable-length rows, varlen attention) "
+                                    "against the packer's prediction with a cost model fitted in the same run. "
+                                    "--curves: loss curves instead.")
+    src = tr.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="sequence lengths: one integer per line, or a JSON array")
+    src.add_argument("--synthetic", metavar="SPEC",
+                     help=f"synthetic lengths, as odc-pack (default {TRAIN_SYNTHETIC}: LongAlign's shape scaled 1/32)")
+    tr.add_argument("--world", type=_positive(int, "--world"), default=2, help="ranks D, at most one per core (default 2)")
+    tr.add_argument("--minibatch-size", type=_positive(int, "--minibatch-size"), default=8,
+                    help="samples per rank per minibatch M (default 8)")
+    tr.add_argument("--sweep", metavar="minibatch-size=V1,V2,..", help="sweep the minibatch size (one table, one plot)")
+    tr.add_argument("--max-tokens", type=_positive(int, "--max-tokens"), default=2048,
+                    help="token budget of a microbatch (default 2048)")
+    tr.add_argument("--minibatches", type=_positive(int, "--minibatches"), default=6,
+                    help="minibatches per run (default 6; the first is not timed)")
+    tr.add_argument("--repeats", type=_positive(int, "--repeats"), default=3,
+                    help="interleaved runs per configuration (median; default 3)")
+    tr.add_argument("--configs", default=",".join(c[0] for c in _configs()),
+                    help="configurations, comma-separated (the baseline collective+lb-micro always runs)")
+    tr.add_argument("--curves", action="store_true",
+                    help="convergence: train collective+lb-micro, odc+lb-mini and the control collective+local-sort "
+                         "on the same samples and compare their loss curves")
+    tr.add_argument("--model", metavar="CONFIG", help="a local Hugging Face config (directory or config.json) instead "
+                                                      "of the tiny Qwen2 below (random weights)")
+    for flag, default, what in (("--hidden", 128, "hidden size"), ("--layers", 4, "decoder layers"),
+                                ("--heads", 8, "attention heads"), ("--kv-heads", 2, "key/value heads"),
+                                ("--intermediate", 352, "MLP width"), ("--vocab", 512, "vocabulary")):
+        tr.add_argument(flag, type=_positive(int, flag), default=default, help=f"{what} (default {default})")
+    tr.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3, help="AdamW learning rate (default 1e-3)")
+    tr.add_argument("--clip", type=_positive(float, "--clip"), default=1.0, help="gradient clip norm (default 1.0)")
+    tr.add_argument("--fit-repeats", type=_positive(int, "--fit-repeats"), default=3,
+                    help="timed runs per length for the cost fit (default 3)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the samples' tokens (default 0)")
+    _common(tr)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -495,9 +543,13 @@ def _main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError("missing subcommand: choose primitives or imbalance")
+            raise UsageError("missing subcommand: choose primitives, imbalance or train")
         if args.command == "primitives":
             return _primitives(args)
+        if args.command == "train":
+            from .train_report import command
+
+            return command(args, _read_lengths, _title, _check_outputs, _progress_flag)
         return _imbalance(args)
     except UsageError as e:
         print(f"odc-bench: error: {e}", file=sys.stderr)
