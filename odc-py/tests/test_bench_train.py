@@ -127,3 +127,24 @@ def test_train_bad_arguments_exit_2_naming_the_value(argv, named, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("odc-bench: error:") and "\n" not in err, err
     assert named in err, err
+
+
+def test_memory_table_measures_every_kind(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    code = main(["memory", "--world", "2", "--sharding", "full", "--steps", "1", "--micros", "1", "--length", "16",
+                 "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
+                 "--vocab", "64", "--markdown", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "| FSDP2 full (gloo) |" in text and "| ODC full |" in text
+    rows = {r["label"]: r for r in json.loads(out.read_text())["rows"]}
+    gloo, odc = rows["FSDP2 full (gloo)"]["max"], rows["ODC full"]["max"]
+    model = train.build_model(train.ModelSpec(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vocab=64))
+    numel = sum(p.numel() for p in model.parameters())
+    for m in (gloo, odc):
+        # Half of every parameter per rank (padded to whole rows), AdamW's two f32 moments (+ a step count each).
+        assert 4 * numel / 2 <= m["params"] <= 4 * numel / 2 * 1.05, (m, numel)
+        assert m["grads"] == m["params"] and 2 * m["params"] <= m["optim"] <= 2 * m["params"] + 4096
+    assert gloo["odc_shm"] is None
+    # Landing slots alone are 2 * D * chunk = 8 MiB at the default 2 MiB chunk; shards and accumulators come on top.
+    assert 8 << 20 < odc["odc_shm"] < (8 << 20) + 2 * odc["params"] + (1 << 20), odc

@@ -83,7 +83,7 @@ def _size(flag: str):
 
 def _build_parser() -> _Parser:
     p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).")
-    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train,memory}", parser_class=_Parser)
 
     pr = sub.add_parser("primitives", help="all-gather / reduce-scatter against ODC gather / scatter-accumulate",
                         description="nccl-tests-style sweep: collective baseline against ODC, same run.")
@@ -175,18 +175,46 @@ def _train_parser(sub: Any) -> None:
     tr.add_argument("--curves", action="store_true",
                     help="convergence: train collective+lb-micro, odc+lb-mini and the control collective+local-sort "
                          "on the same samples and compare their loss curves")
-    tr.add_argument("--model", metavar="CONFIG", help="a local Hugging Face config (directory or config.json) instead "
-                                                      "of the tiny Qwen2 below (random weights)")
-    for flag, default, what in (("--hidden", 128, "hidden size"), ("--layers", 4, "decoder layers"),
-                                ("--heads", 8, "attention heads"), ("--kv-heads", 2, "key/value heads"),
-                                ("--intermediate", 352, "MLP width"), ("--vocab", 512, "vocabulary")):
-        tr.add_argument(flag, type=_positive(int, flag), default=default, help=f"{what} (default {default})")
+    _model_flags(tr)
     tr.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3, help="AdamW learning rate (default 1e-3)")
     tr.add_argument("--clip", type=_positive(float, "--clip"), default=1.0, help="gradient clip norm (default 1.0)")
     tr.add_argument("--fit-repeats", type=_positive(int, "--fit-repeats"), default=3,
                     help="timed runs per length for the cost fit (default 3)")
     tr.add_argument("--seed", type=int, default=0, help="seed of the samples' tokens (default 0)")
     _common(tr)
+
+    me = sub.add_parser("memory", help="memory per rank: FSDP2 over gloo and ODC, full and hybrid sharding",
+                        description="Trains odc-bench train's model for a few minibatches under each variant and "
+                                    "prints the bytes per rank by kind (max over ranks).")
+    me.add_argument("--world", type=_positive(int, "--world"), default=4, help="ranks (default 4)")
+    me.add_argument("--per-node", type=_positive(int, "--per-node"), default=2,
+                    help="ranks per emulated node for the hybrid rows (default 2)")
+    me.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW minibatches (default 3)")
+    me.add_argument("--micros", type=_positive(int, "--micros"), default=2, help="microbatches each (default 2)")
+    me.add_argument("--length", type=_positive(int, "--length"), default=256, help="tokens per microbatch (default 256)")
+    me.add_argument("--sharding", choices=("full", "hybrid", "both"), default="both",
+                    help="rows to measure (default both: FSDP2 and ODC, full and hybrid)")
+    me.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    _model_flags(me)
+    me.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    me.add_argument("--timeout", type=_positive(float, "--timeout"), default=300.0,
+                    help="seconds any wait on a peer may take (default 300)")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="CONFIG", help="a local Hugging Face config (directory or config.json) instead "
+                                                     "of the tiny Qwen2 below (random weights)")
+    for flag, default, what in (("--hidden", 128, "hidden size"), ("--layers", 4, "decoder layers"),
+                                ("--heads", 8, "attention heads"), ("--kv-heads", 2, "key/value heads"),
+                                ("--intermediate", 352, "MLP width"), ("--vocab", 512, "vocabulary")):
+        p.add_argument(flag, type=_positive(int, flag), default=default, help=f"{what} (default {default})")
+
+
+def _model_spec(args: argparse.Namespace) -> Any:
+    from .train import ModelSpec
+
+    return ModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                     intermediate=args.intermediate, vocab=args.vocab, path=args.model or "")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -525,6 +553,47 @@ def _imbalance(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- memory ------------------------------------------------------------------------------------------
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from . import launch, memory
+    from .report import write_json
+
+    if launch.under_torchrun():
+        raise UsageError("odc-bench memory launches its own ranks (one run per variant); not under torchrun")
+    if args.world < 2:
+        raise UsageError(f"--world {args.world}: need at least 2 ranks")
+    hybrid = args.sharding in ("hybrid", "both")
+    if hybrid and (args.world % args.per_node or args.world == args.per_node or args.per_node < 2):
+        raise UsageError(f"--world {args.world} --per-node {args.per_node}: the hybrid rows need at least two "
+                         f"emulated nodes of at least 2 ranks each")
+    _check_outputs(argparse.Namespace(json=args.json, plot=None))
+    spec = _model_spec(args)
+    rows = []
+    for label, comm, sharding in memory.VARIANTS:
+        if args.sharding not in ("both", sharding):
+            continue
+        per_rank = launch.run_ranks(memory.memory_rank, args.world, backend="gloo", spec=asdict(spec), comm=comm,
+                                    sharding=sharding, per_node=args.per_node, steps=args.steps, micros=args.micros,
+                                    length=args.length, timeout=args.timeout)
+        worst = {k: (None if any(r[k] is None for r in per_rank) else max(r[k] for r in per_rank))
+                 for k in memory.KEYS}
+        rows.append({"label": label, "comm": comm, "sharding": sharding, "max": worst, "ranks": per_rank})
+    title = [_title("memory"),
+             f"{args.world} ranks{f' (hybrid: nodes of {args.per_node}, emulated on this host)' if hybrid else ''}, "
+             f"{spec.describe()}, fp32, "
+             f"AdamW, {args.steps} minibatches of {args.micros} x {args.length} tokens; ODC shared memory = the "
+             f"/dev/shm segments of the rank's engine (published shards, f32 accumulators, landing slots, signals)"]
+    print(memory.render(rows, title, markdown=args.markdown), flush=True)
+    if args.json:
+        write_json(args.json, {"bench": "memory", "load_average": os.getloadavg(), "model": asdict(spec),
+                               "args": vars(args), "rows": rows})
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------------------
 
 
@@ -543,13 +612,15 @@ def _main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError("missing subcommand: choose primitives, imbalance or train")
+            raise UsageError("missing subcommand: choose primitives, imbalance, train or memory")
         if args.command == "primitives":
             return _primitives(args)
         if args.command == "train":
             from .train_report import command
 
-            return command(args, _read_lengths, _title, _check_outputs, _progress_flag)
+            return command(args, _read_lengths, _title, _check_outputs, _progress_flag, _model_spec(args))
+        if args.command == "memory":
+            return _memory(args)
         return _imbalance(args)
     except UsageError as e:
         print(f"odc-bench: error: {e}", file=sys.stderr)

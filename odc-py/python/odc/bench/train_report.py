@@ -26,7 +26,8 @@ CURVE_CONFIGS = ("collective+lb-micro", "odc+lb-mini", "collective+local-sort")
 WARMUP_MINIBATCHES = 1
 
 
-def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outputs: Any, progress_flag: Any) -> int:
+def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outputs: Any, progress_flag: Any,
+            spec_: Any) -> int:
     from odc import packing
     from odc.errors import PackingError
 
@@ -87,8 +88,6 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
             raise UsageError(f"planning failed (minibatch size {m}): {e}") from None
         points.append({"label": m, "lengths": lengths, "minibatch_size": m, "max_tokens": args.max_tokens})
     check_outputs(args)
-    spec_ = train.ModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
-                            intermediate=args.intermediate, vocab=args.vocab, path=args.model or "")
     every = sorted({s for p in points for s in p["lengths"]})
     fit_lengths = train.fit_lengths(every)
     repeats = 1 if args.curves else args.repeats
