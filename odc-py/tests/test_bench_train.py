@@ -22,7 +22,7 @@ TINY = ["--world", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--kv
 
 def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, capsys):
     out, png = tmp_path / "train.json", tmp_path / "train.png"
-    code = main(["train", *TINY, "--sweep", "minibatch-size=2,4", "--minibatches", "3", "--repeats", "2",
+    code = main(["train", *TINY, "--sweep", "minibatch-size=2,4", "--minibatches", "2", "--repeats", "2",
                  "--json", str(out), "--plot", str(png)])
     text = capsys.readouterr().out
     assert code == 0, text

@@ -314,8 +314,12 @@ def _primitives(args: argparse.Namespace) -> int:
         worlds = [int(os.environ["WORLD_SIZE"])]
     leader = int(os.environ.get("RANK", "0")) == 0
 
+    if backend == "gloo":
+        coll_label = "gloo over TCP (" + ("veth + bridge between network namespaces" if args.netns else "loopback") + ")"
+    else:
+        coll_label = backend
     header = [_title("primitives"),
-              f"collective baseline: {backend}; ODC: odc.Engine ({transport}); {args.warmup_iters} warm-up + {args.iters} "
+              f"collective baseline: {coll_label}; ODC: odc.Engine ({transport}); {args.warmup_iters} warm-up + {args.iters} "
               f"timed iterations, each between two barriers; check={args.check}; GB = 1e9 B, "
               f"busbw = algbw * (n-1)/n"]
     if args.netns is not None:
@@ -345,7 +349,8 @@ def _primitives(args: argparse.Namespace) -> int:
         print(flush=True)
     if not leader:
         return 0
-    doc = {"bench": "primitives", "backend": backend, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+    doc = {"bench": "primitives", "backend": backend, "collective_transport": coll_label,
+           "load_average": os.getloadavg(), "cpus": os.cpu_count(),
            "args": {"ranks": worlds, "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
                     "iters": args.iters, "warmup_iters": args.warmup_iters, "datatypes": dtypes, "check": args.check,
                     "in_place": args.in_place, "netns": args.netns, "transport": transport},
@@ -353,7 +358,7 @@ def _primitives(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, doc)
     if args.plot:
-        primitives.plot(all_rows, args.plot, f"odc-bench primitives ({backend} vs odc), busbw")
+        primitives.plot(all_rows, args.plot, f"odc-bench primitives ({coll_label} vs odc over {transport}), busbw")
     wrong = sum(r["collective"]["wrong"] + r["odc"]["wrong"] for r in all_rows)
     if wrong:
         print(f"odc-bench: error: {wrong} wrong elements (see #wrong)", file=sys.stderr)
@@ -523,7 +528,8 @@ def _imbalance(args: argparse.Namespace) -> int:
         f"{', '.join(fixed)}; {args.layers} layers x {args.layer_bytes} B f32; {src}; cost {args.cost}; "
         f"{args.minibatches} minibatches; max tokens {max_tokens}",
         f"EMULATED COMPUTE (sleep): {scale_txt} s per unit cost per layer forward, backward 2x; "
-        f"real communication (gloo collectives / odc.Engine); median of {args.repeats} run(s)",
+        f"real communication (gloo collectives over TCP loopback / odc.Engine over shm); median of {args.repeats} "
+        f"run(s)",
         f"bubble = 1 - compute / (D * time) measured | predicted by odc.packing; speedup vs {imbalance.BASELINE}; "
         f"error = measured / predicted - 1",
     ]

@@ -32,7 +32,7 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
     from odc.errors import PackingError
 
     from . import launch, train
-    from .report import Progress, write_json
+    from .report import LoadSampler, Progress, write_json
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else args.world
     if world < 2:
@@ -94,18 +94,20 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
     bar = Progress(1 + len(points) * len(configs) * repeats, f"train {world} ranks", progress_flag(args))
     from dataclasses import asdict
 
-    out = launch.run_ranks(
-        train.train_rank, world, backend="gloo",
-        on_event=lambda kind, note: bar.step(note) if kind == "progress" else None,
-        spec=asdict(spec_), points=points, configs=configs, repeats=repeats, fit_lengths=fit_lengths,
-        fit_repeats=args.fit_repeats, lr=args.lr, clip=args.clip, timeout=args.timeout, seed=args.seed,
-        skip=0 if args.curves else WARMUP_MINIBATCHES)
+    with LoadSampler() as load:
+        out = launch.run_ranks(
+            train.train_rank, world, backend="gloo",
+            on_event=lambda kind, note: bar.step(note) if kind == "progress" else None,
+            spec=asdict(spec_), points=points, configs=configs, repeats=repeats, fit_lengths=fit_lengths,
+            fit_repeats=args.fit_repeats, lr=args.lr, clip=args.clip, timeout=args.timeout, seed=args.seed,
+            skip=0 if args.curves else WARMUP_MINIBATCHES)
     bar.close()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     fit = out["fit"]
     head = [
         title("train"),
+        load.describe(),
         f"{world} ranks x 1 thread (REAL COMPUTE), FSDP2 on CPU, {spec_.describe()}, fp32, AdamW lr {args.lr:g}, "
         f"torch clip_grad_norm_ {args.clip:g}; varlen attention (per-sample causal sdpa)",
         f"{src}; max tokens {args.max_tokens}; {args.minibatches} minibatches per run; collective = FSDP2's gloo "
@@ -115,7 +117,8 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
         f"{100 * fit['rms_relative']:.1f}% (max {100 * fit['max_relative']:.1f}%); fixed cost per call "
         f"{1e3 * fit['overhead_s']:.1f} ms (not in the model)",
     ]
-    doc = {"bench": "train", "load_average": os.getloadavg(), "cpus": cores, "emulated_compute": False,
+    doc = {"bench": "train", "load_average": os.getloadavg(), "load_samples": load.samples, "cpus": cores,
+           "emulated_compute": False,
            "args": {k: v for k, v in vars(args).items() if k not in ("func",)}, "world": world,
            "model": asdict(spec_), "configs": configs, "fit": fit, "fit_timings": out["fit_timings"],
            "fit_lengths": fit_lengths}
