@@ -39,25 +39,26 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 from . import _odc
 from .errors import PackingError
 
 __all__ = [
-    "Plan",
-    "plan",
+    "COST_MODELS",
+    "STRATEGIES",
     "CostFit",
+    "Plan",
     "fit_cost",
-    "time_samples",
-    "karmarkar_karp",
     "get_seqlen_balanced_partitions",
+    "karmarkar_karp",
+    "main",
+    "plan",
     "sequence_cost",
     "synthetic",
-    "STRATEGIES",
-    "COST_MODELS",
-    "main",
+    "time_samples",
 ]
 
 STRATEGIES = ("local-sort", "lb-micro", "lb-mini", "verl-native")
@@ -256,7 +257,8 @@ def time_samples(step: Callable[[int], Any], lengths: Sequence[int], *, repeats:
     return [(s, statistics.median(times[s])) for s in dict.fromkeys(lengths)]
 
 
-def _module_step(model: Any, vocab_size: int | None, seed: int) -> tuple[Callable[[int], None], Callable[[], Any] | None]:
+def _module_step(model: Any, vocab_size: int | None,
+                 seed: int) -> tuple[Callable[[int], None], Callable[[], Any] | None]:
     """Forward + backward of one random sample through a causal LM (``model(input_ids=, position_ids=)``)."""
     import torch
     import torch.nn.functional as F

@@ -246,6 +246,20 @@ def _check_outputs(args: argparse.Namespace) -> None:
         require_matplotlib()
 
 
+def _parse_configs(text: str) -> list[str]:
+    """The configurations ``--configs`` names, in the benchmarks' order, the baseline always first."""
+    from .imbalance import BASELINE
+
+    names = [c[0] for c in _configs()]
+    chosen = {BASELINE}
+    for c in text.split(","):
+        c = c.strip().lower().replace(" ", "")
+        if c not in names:
+            raise UsageError(f"--configs {c!r}: unknown configuration (choose from {', '.join(names)})")
+        chosen.add(c)
+    return [n for n in names if n in chosen]
+
+
 def _progress_flag(args: argparse.Namespace) -> bool | None:
     return {"auto": None, "on": True, "off": False}[args.progress]
 
@@ -430,14 +444,8 @@ def _imbalance(args: argparse.Namespace) -> int:
         packing.sequence_cost(1, args.cost)
     except PackingError as e:
         raise UsageError(f"--cost {args.cost!r}: {e}") from None
-    names = [c[0] for c in imbalance.CONFIGS]
-    chosen = []
-    for c in args.configs.split(","):
-        c = c.strip().lower().replace(" ", "")
-        if c not in names:
-            raise UsageError(f"--configs {c!r}: unknown configuration (choose from {', '.join(names)})")
-        chosen.append(c)
-    configs = tuple(cfg for cfg in imbalance.CONFIGS if cfg[0] == imbalance.BASELINE or cfg[0] in chosen)
+    chosen = _parse_configs(args.configs)
+    configs = tuple(cfg for cfg in imbalance.CONFIGS if cfg[0] in chosen)
     if args.lengths is not None:
         base_lengths = _read_lengths(args.lengths)
         spec = None
@@ -624,7 +632,7 @@ def _main(argv: list[str]) -> int:
         if args.command == "train":
             from .train_report import command
 
-            return command(args, _read_lengths, _title, _check_outputs, _progress_flag, _model_spec(args))
+            return command(args, _model_spec(args))
         if args.command == "memory":
             return _memory(args)
         return _imbalance(args)

@@ -23,7 +23,7 @@ from typing import Any
 
 from .report import table
 
-__all__ = ["VARIANTS", "memory_rank", "render", "KEYS"]
+__all__ = ["KEYS", "VARIANTS", "memory_rank", "render"]
 
 # (label, comm, sharding)
 VARIANTS = (

@@ -28,25 +28,20 @@ from ``ln(vocab)`` towards the chain's entropy (about ``ln 4``).
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ModelSpec", "CONFIGS", "BASELINE", "varlen_attention", "build_model", "markov_tokens", "packed_row",
-           "train_rank", "fit_lengths"]
+# The imbalance benchmark's five configurations (name, mode, strategy); the first is the baseline.
+from .imbalance import BASELINE, CONFIGS
+
+__all__ = ["BASELINE", "CONFIGS", "ModelSpec", "build_model", "fit_lengths", "markov_tokens", "packed_row",
+           "train_rank", "varlen_attention"]
 
 VARLEN = "odc_bench_varlen"
-
-# (name, mode, strategy); the first is the baseline of every speedup.
-CONFIGS = (
-    ("collective+lb-micro", "collective", "lb-micro"),
-    ("collective+local-sort", "collective", "local-sort"),
-    ("odc+lb-micro", "odc", "lb-micro"),
-    ("odc+lb-mini", "odc", "lb-mini"),
-    ("odc+local-sort", "odc", "local-sort"),
-)
-BASELINE = CONFIGS[0][0]
 # The collective run each configuration's final parameters are compared with: the one with the same plan (same
 # samples in the same microbatches), else the baseline (same samples per minibatch, packed differently).
 SAME_PLAN = {name: (f"collective+{strategy}" if any(c[0] == f"collective+{strategy}" for c in CONFIGS) else BASELINE)
@@ -87,10 +82,10 @@ def varlen_attention(module: Any, query: Any, key: Any, value: Any, attention_ma
     if cu_seq_lens_q is not None:
         bounds = [int(x) for x in cu_seq_lens_q]
     else:
-        bounds = (position_ids.view(-1) == 0).nonzero().view(-1).tolist() + [query.shape[2]]
+        bounds = [*(position_ids.view(-1) == 0).nonzero().view(-1).tolist(), query.shape[2]]
     outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
                                            scale=scaling, enable_gqa=True)
-            for a, b in zip(bounds[:-1], bounds[1:])]
+            for a, b in itertools.pairwise(bounds)]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -233,8 +228,6 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list, samples: list,
 
 def _param_diff(a: dict, b: dict) -> tuple[float, float]:
     """Max absolute difference and the norm of the difference relative to the norm of ``b``."""
-    import torch
-
     worst, num, den = 0.0, 0.0, 0.0
     for k in b:
         d = (a[k].double() - b[k].double())
@@ -264,7 +257,7 @@ def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], 
     ctx.emit("progress", "cost fit")
     table = {name: (mode, strategy) for name, mode, strategy in CONFIGS}
     out_points = []
-    for pi, point in enumerate(points):
+    for point in points:
         lengths = point["lengths"]
         vocab = spec_.vocab
         samples = [markov_tokens(i, n, vocab, seed) for i, n in enumerate(lengths)]
@@ -347,7 +340,7 @@ def _aggregate(per_rank: list[dict], skip: int) -> dict:
     return {
         "total_s": ends[-1] - start if ends else 0.0,
         "timed_s": ends[-1] - (ends[skip - 1] if skip > 0 else start) if ends else 0.0,
-        "minibatch_s": [e - s for s, e in zip([start, *ends[:-1]], ends)],
+        "minibatch_s": [e - s for s, e in itertools.pairwise([start, *ends])],
         "losses": losses,
         "norms": per_rank[0]["norms"],
         "micro": [[(k, list(mb), t) for k, mb, t in r["micro"]] for r in per_rank],

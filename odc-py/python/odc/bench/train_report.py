@@ -17,7 +17,7 @@ from typing import Any
 
 from .report import UsageError, fmt, table
 
-__all__ = ["command", "summarize", "render", "render_curves", "plot_curves"]
+__all__ = ["command", "plot_curves", "render", "render_curves", "summarize"]
 
 # LongAlign's lengths (lognormal, median 10 000, max 65 536) scaled down 32x: what a CPU core trains in seconds.
 DEFAULT_SYNTHETIC = "lognormal:n=4096,median=312,sigma=1.0,max=2048,seed=0"
@@ -26,12 +26,12 @@ CURVE_CONFIGS = ("collective+lb-micro", "odc+lb-mini", "collective+local-sort")
 WARMUP_MINIBATCHES = 1
 
 
-def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outputs: Any, progress_flag: Any,
-            spec_: Any) -> int:
+def command(args: argparse.Namespace, spec_: Any) -> int:
+    """Runs ``odc-bench train`` (the parsed command line, the model to train); returns the exit status."""
     from odc import packing
     from odc.errors import PackingError
 
-    from . import launch, train
+    from . import _check_outputs, _parse_configs, _progress_flag, _read_lengths, _title, launch, train
     from .report import LoadSampler, Progress, write_json
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else args.world
@@ -40,22 +40,12 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
     cores = os.cpu_count() or 1
     if world > cores and not launch.under_torchrun():
         raise UsageError(f"--world {world}: real compute needs a core per rank and this host has {cores}")
-    names = [c[0] for c in train.CONFIGS]
-    if args.curves:
-        configs = list(CURVE_CONFIGS)
-    else:
-        configs = []
-        for c in args.configs.split(","):
-            c = c.strip().lower().replace(" ", "")
-            if c not in names:
-                raise UsageError(f"--configs {c!r}: unknown configuration (choose from {', '.join(names)})")
-            configs.append(c)
-        configs = [n for n in names if n == train.BASELINE or n in configs]
+    configs = list(CURVE_CONFIGS) if args.curves else _parse_configs(args.configs)
     minimum = 1 if args.curves else WARMUP_MINIBATCHES + 1
     if args.minibatches < minimum:
         raise UsageError(f"--minibatches {args.minibatches}: need at least {minimum} (minibatch 0 is not timed)")
     if args.lengths is not None:
-        base = read_lengths(args.lengths)
+        base = _read_lengths(args.lengths)
         src = f"--lengths {args.lengths}"
     else:
         spec = args.synthetic or DEFAULT_SYNTHETIC
@@ -87,11 +77,11 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
         except PackingError as e:
             raise UsageError(f"planning failed (minibatch size {m}): {e}") from None
         points.append({"label": m, "lengths": lengths, "minibatch_size": m, "max_tokens": args.max_tokens})
-    check_outputs(args)
+    _check_outputs(args)
     every = sorted({s for p in points for s in p["lengths"]})
     fit_lengths = train.fit_lengths(every)
     repeats = 1 if args.curves else args.repeats
-    bar = Progress(1 + len(points) * len(configs) * repeats, f"train {world} ranks", progress_flag(args))
+    bar = Progress(1 + len(points) * len(configs) * repeats, f"train {world} ranks", _progress_flag(args))
     from dataclasses import asdict
 
     with LoadSampler() as load:
@@ -106,7 +96,7 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
         return 0
     fit = out["fit"]
     head = [
-        title("train"),
+        _title("train"),
         load.describe(),
         f"{world} ranks x 1 thread (REAL COMPUTE), FSDP2 on CPU, {spec_.describe()}, fp32, AdamW lr {args.lr:g}, "
         f"torch clip_grad_norm_ {args.clip:g}; varlen attention (per-sample causal sdpa)",
@@ -139,7 +129,8 @@ def command(args: argparse.Namespace, read_lengths: Any, title: Any, check_outpu
                 f"predicted by odc.packing with the fitted model; error = measured / predicted - 1")
     head.append("dparam: largest |difference| of the final parameters from the collective run with the same plan "
                 "(odc+lb-mini: the baseline; 0 = bitwise equal); vs base: from the baseline (the same samples packed "
-                "differently: reordered float sums); loss: largest |difference| of a minibatch's loss from the baseline")
+                "differently: reordered float sums); loss: largest |difference| of a minibatch's loss from the "
+                "baseline")
     print(render(rows, head, len(points) > 1), flush=True)
     doc["rows"] = rows
     if args.json:
@@ -176,17 +167,17 @@ def summarize(points: list[dict], results: list[dict], configs: list[str]) -> li
     from .train import BASELINE, SAME_PLAN
 
     rows = []
-    for point, res in zip(points, results):
+    for point, res in zip(points, results, strict=True):
         base_runs = res["runs"][BASELINE]
         for name in configs:
             runs = res["runs"][name]
             pred = res["predictions"][name]
             times = [_timed(r) for r in runs]
-            ratios = [_ratio(_timed(b), _timed(r)) for b, r in zip(base_runs, runs)]
+            ratios = [_ratio(_timed(b), _timed(r)) for b, r in zip(base_runs, runs, strict=True)]
             speedup = statistics.median(ratios)
             same = SAME_PLAN[name]
             dparam = 0.0 if same == name else res["diffs"].get(f"{name} vs {same}", {}).get("max_abs", float("nan"))
-            dloss = max(abs(a - b) for a, b in zip(runs[0]["losses"], base_runs[0]["losses"]))
+            dloss = max(abs(a - b) for a, b in zip(runs[0]["losses"], base_runs[0]["losses"], strict=True))
             n_timed = len(runs[0]["minibatch_s"]) - WARMUP_MINIBATCHES
             rows.append({
                 "label": point["label"],
@@ -229,7 +220,8 @@ def render(rows: list[dict], title: list[str], sweep: bool) -> str:
     body = []
     for r in rows:
         cells = [r["config"], r["max_microbatches"], fmt(r["time_per_minibatch_s"], 3),
-                 f"{r['time_spread_s'][0]:.3f}..{r['time_spread_s'][1]:.3f}", fmt(r["predicted_time_per_minibatch_s"], 3),
+                 f"{r['time_spread_s'][0]:.3f}..{r['time_spread_s'][1]:.3f}",
+                 fmt(r["predicted_time_per_minibatch_s"], 3),
                  fmt(r["speedup_measured"], 3) + "x", f"{r['speedup_min']:.3f}..{r['speedup_max']:.3f}",
                  fmt(r["speedup_predicted"], 3) + "x",
                  f"{100 * r['error']:+.1f}%" if not math.isnan(r["error"]) else "-",
@@ -257,16 +249,16 @@ def curves_summary(res: dict, configs: list[str]) -> dict:
 
     base = res["runs"][BASELINE][0]["losses"]
     curves = {name: res["runs"][name][0]["losses"] for name in configs}
-    dist = {name: max(abs(a - b) for a, b in zip(curves[name], base)) for name in configs if name != BASELINE}
+    dist = {name: max(abs(a - b) for a, b in zip(curves[name], base, strict=True))
+            for name in configs if name != BASELINE}
     control = "collective+local-sort"
     odc_name = "odc+lb-mini"
     bound = max(4 * dist.get(control, 0.0), 1e-5)
-    params = {k: v for k, v in res["diffs"].items()}
     return {
         "losses": curves,
         "norms": {name: res["runs"][name][0]["norms"] for name in configs},
         "max_abs_loss_diff": dist,
-        "param_diffs": params,
+        "param_diffs": dict(res["diffs"]),
         "bound": bound,
         "fall": (base[0] - min(base[-5:])) if len(base) >= 5 else base[0] - base[-1],
         "ok": dist.get(odc_name, 0.0) <= bound,
@@ -306,7 +298,7 @@ def plot_curves(s: dict, path: str, title: str) -> None:
         top.plot(range(len(losses)), losses, ls, lw=lw, color=color, label=name)
         if name != "collective+lb-micro":
             # Exactly equal losses have no place on a log scale: drawn at 1e-12.
-            diffs = [max(abs(a - b), 1e-12) for a, b in zip(losses, base)]
+            diffs = [max(abs(a - b), 1e-12) for a, b in zip(losses, base, strict=True)]
             bottom.semilogy(range(len(diffs)), diffs, ls, lw=1.2, color=color,
                             label=f"|{name} - collective+lb-micro|")
     top.set_ylabel("loss (mean over the minibatch's tokens)")
