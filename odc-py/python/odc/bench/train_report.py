@@ -123,7 +123,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
             plot_curves(summary, args.plot, f"odc-bench train --curves: {world} ranks, {spec_.describe()}\n"
                                             f"{src}, minibatch size {args.minibatch_size}")
         return 0 if summary["ok"] else 1
-    rows = summarize(points, out["points"], configs)
+    rows = summarize(points, out["points"], configs, fit, world)
     head.append(f"timed: minibatches {WARMUP_MINIBATCHES}..{args.minibatches - 1} (minibatch 0 warms up); "
                 f"{repeats} interleaved repeats; speedup vs {train.BASELINE}: median of per-repeat ratios [min..max]; "
                 f"predicted by odc.packing with the fitted model; error = measured / predicted - 1")
@@ -132,6 +132,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
                 "differently: reordered float sums); loss: largest |difference| of a minibatch's loss from the "
                 "baseline")
     print(render(rows, head, len(points) > 1), flush=True)
+    print(render_time(rows, len(points) > 1), flush=True)
     doc["rows"] = rows
     if args.json:
         write_json(args.json, doc)
@@ -162,7 +163,33 @@ def _timed(run: dict) -> float:
 PARAM_TOLERANCE = 1e-4
 
 
-def summarize(points: list[dict], results: list[dict], configs: list[str]) -> list[dict]:
+def _where_time_went(runs: list[dict], lengths: list[int], fit: dict, world: int) -> dict:
+    """Cost-model-free figures of the timed minibatches, over every rank and run.
+
+    ``micro_over_fit``: seconds the microbatches took (forward + backward,
+    waits inside them included) over what the fitted model predicts for
+    them; ``busy``: the fraction of ``world x wall time`` ranks spent inside
+    microbatches. Under ODC nothing waits inside a microbatch but a first
+    gather, so ``1 - busy`` is the measured bubble (plus optimizer steps).
+    """
+    def cost(mb: list[int]) -> float:
+        return sum(fit["a"] * lengths[i] ** 2 + fit["b"] * lengths[i] for i in mb)
+
+    measured = predicted = 0.0
+    busy = []
+    for run in runs:
+        inside = 0.0
+        for rank in run["micro"]:
+            for k, mb, t in rank:
+                if k >= WARMUP_MINIBATCHES:
+                    measured += t
+                    predicted += cost(mb)
+                    inside += t
+        busy.append(inside / (world * run["timed_s"]) if run["timed_s"] > 0 else float("nan"))
+    return {"micro_over_fit": _ratio(measured, predicted), "busy": statistics.median(busy)}
+
+
+def summarize(points: list[dict], results: list[dict], configs: list[str], fit: dict, world: int) -> list[dict]:
     """One row per (point, configuration): measured and predicted speedup, spread, checks."""
     from .train import BASELINE, SAME_PLAN
 
@@ -203,6 +230,7 @@ def summarize(points: list[dict], results: list[dict], configs: list[str]) -> li
                     "max_abs", float("nan")),
                 "params_ok": not (dparam > PARAM_TOLERANCE) and not math.isnan(dparam),
                 "dloss": dloss,
+                **_where_time_went(runs, point["lengths"], fit, world),
                 "runs": runs,
             })
     return rows
@@ -230,6 +258,27 @@ def render(rows: list[dict], title: list[str], sweep: bool) -> str:
         if sweep:
             cells.insert(0, r["label"])
         body.append(cells)
+    return table(header, body, widths, title)
+
+
+def render_time(rows: list[dict], sweep: bool) -> str:
+    """Where the time went: microbatch seconds against the fitted model, busy fraction against the prediction."""
+    header = ["config", "micro/fit", "busy", "pred busy"]
+    widths = [22, 9, 7, 9]
+    if sweep:
+        header.insert(0, "minibatch-size")
+        widths.insert(0, 14)
+    body = []
+    for r in rows:
+        cells = [r["config"], f"{r['micro_over_fit']:.3f}", f"{100 * r['busy']:.1f}%",
+                 f"{100 * (1 - r['bubble_predicted']):.1f}%"]
+        if sweep:
+            cells.insert(0, r["label"])
+        body.append(cells)
+    title = ["where the time went (timed minibatches, every rank and repeat): micro/fit = seconds inside "
+             "microbatches (forward + backward, collectives' waits included) / the fitted model's prediction for "
+             "them; busy = time inside microbatches / (ranks x wall time), predicted = 1 - predicted bubble (under "
+             "ODC 1 - busy is the measured bubble plus optimizer steps)"]
     return table(header, body, widths, title)
 
 
