@@ -31,6 +31,9 @@ def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, ca
     fit = doc["fit"]
     assert fit["cost"].startswith("quadratic:a=") and fit["a"] >= 0 and fit["b"] >= 0 and fit["a"] + fit["b"] > 0
     assert len(doc["fit_timings"]) == 2 * len(doc["fit_lengths"])
+    # The fixed costs per microbatch and per minibatch were measured apart, for both modes.
+    assert set(doc["overheads"]) == {"collective", "odc"}
+    assert all(len(o["calibration_minibatch_s"]) == 9 for o in doc["overheads"].values())
     rows = doc["rows"]
     names = [c[0] for c in train.CONFIGS]
     assert [(r["label"], r["config"]) for r in rows] == [(m, n) for m in (2, 4) for n in names]
@@ -39,6 +42,7 @@ def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, ca
         assert r["speedup_measured"] > 0 and r["speedup_predicted"] > 0
         assert r["speedup_min"] <= r["speedup_measured"] <= r["speedup_max"]
         assert math.isclose(r["error"], r["speedup_measured"] / r["speedup_predicted"] - 1)
+        assert r["speedup_predicted_with_overheads"] > 0 and r["predicted_time_with_overheads_s"] > 0
         # Same samples per minibatch in every configuration: the same losses up to the order of float sums ...
         assert r["dloss"] < 1e-4, r
         # ... and final parameters equal to the collective run's with the same plan (odc+lb-mini: the baseline's).
@@ -50,6 +54,7 @@ def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, ca
             assert all(len(set(m)) == 1 for m in counts), counts  # collectives need equal counts per rank
     base = [r for r in rows if r["config"] == "collective+lb-micro"]
     assert all(r["speedup_predicted"] == 1.0 and r["speedup_measured"] == 1.0 for r in base)
+    assert all(r["speedup_predicted_with_overheads"] == 1.0 for r in base)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -239,13 +240,17 @@ def _param_diff(a: dict, b: dict) -> tuple[float, float]:
 
 
 def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], repeats: int, fit_lengths: list[int],
-               fit_repeats: int, lr: float, clip: float, timeout: float, seed: int, skip: int = 1) -> dict:
+               fit_repeats: int, lr: float, clip: float, timeout: float, seed: int, skip: int = 1,
+               calibrate: bool = True) -> dict:
     """One rank of ``odc-bench train``: the cost fit, then every configuration of every point, interleaved.
 
     ``points`` carry the lengths, minibatch size and token budget of each
     sweep point; the first ``skip`` minibatches of a run train but are not
-    timed (warm-up), and the predictions cover the others. Rank 0 returns the fit, the plans' predictions and every
-    run's timings, losses and parameter differences.
+    timed (warm-up), and the predictions cover the others. ``calibrate``
+    measures the fixed costs per microbatch and per minibatch of each mode
+    (:func:`_overheads`) for a second prediction. Rank 0 returns the fit, the
+    fixed costs, the plans' predictions and every run's timings, losses and
+    parameter differences.
     """
     import torch
 
@@ -256,6 +261,10 @@ def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], 
     fit, pooled = _time_fit(ctx, spec_, fit_lengths, fit_repeats)
     ctx.emit("progress", "cost fit")
     table = {name: (mode, strategy) for name, mode, strategy in CONFIGS}
+    overheads = {}
+    for mode in dict.fromkeys(table[name][0] for name in configs) if calibrate else ():
+        overheads[mode] = _overheads(ctx, spec_, mode, fit, lr, clip, timeout)
+        ctx.emit("progress", f"{mode} overheads")
     out_points = []
     for point in points:
         lengths = point["lengths"]
@@ -294,12 +303,71 @@ def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], 
                     every = ctx.all_gather_object(local)
                     diffs[f"{name} vs {ref_name}"] = {"max_abs": max(e[0] for e in every),
                                                       "rel_norm": max(e[1] for e in every)}
+        predictions = {name: _prediction(plans[table[name][1]], table[name][0], ref, skip) for name in configs}
+        if overheads:
+            spans = {name: _span_with_overheads(plans[table[name][1]], table[name][0], lengths, fit,
+                                                overheads[table[name][0]], skip) for name in configs}
+            for name, p in predictions.items():
+                p.update(seconds_with_overheads=spans[name], speedup_with_overheads=spans[BASELINE] / spans[name])
         out_points.append({
-            "predictions": {name: _prediction(plans[table[name][1]], table[name][0], ref, skip) for name in configs},
+            "predictions": predictions,
             "runs": runs,
             "diffs": diffs,
         })
-    return {"fit": fit.to_dict(), "fit_timings": pooled, "points": out_points}
+    return {"fit": fit.to_dict(), "fit_timings": pooled, "overheads": overheads, "points": out_points}
+
+
+# The calibration microbatch: a sample this short is nearly all fixed cost.
+CALIBRATION_LENGTH = 16
+
+
+def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: Any, lr: float, clip: float, timeout: float,
+               repeats: int = 4) -> dict:
+    """Seconds the fitted per-sample costs leave out under ``mode``, measured apart from the benchmark's runs.
+
+    Trains minibatches of 1 and of 4 microbatches of one
+    ``CALIBRATION_LENGTH``-token sample (the same on every rank, so nobody
+    waits for anybody): the slope per microbatch minus the fit's cost of the
+    sample is the fixed cost of a microbatch (interpreter, FSDP's hooks and
+    copies, the communication of every layer), the rest of a minibatch's
+    time the fixed cost of a minibatch (clip, optimizer step, finish).
+    """
+    few, many = 1, 4
+    sample = [markov_tokens(20_000_000, CALIBRATION_LENGTH, spec.vocab)]
+    plan = [[[0]] * few] * (1 + repeats) + [[[0]] * many] * repeats  # the first minibatch warms up
+    tokens = [ctx.world * len(m) * (CALIBRATION_LENGTH - 1) for m in plan]
+    r = _run(ctx, spec, mode, plan, sample, tokens, lr, clip, timeout, record=False)
+    r.pop("final")
+    per_minibatch = _aggregate(ctx.all_gather_object(r), 0)["minibatch_s"]
+    t_few = statistics.median(per_minibatch[1:1 + repeats])
+    t_many = statistics.median(per_minibatch[1 + repeats:])
+    per_micro = (t_many - t_few) / (many - few)
+    return {"microbatch_s": per_micro - fit.seconds(CALIBRATION_LENGTH), "minibatch_s": t_few - few * per_micro,
+            "calibration_minibatch_s": per_minibatch}
+
+
+def _span_with_overheads(plan: Any, mode: str, lengths: list[int], fit: Any, overheads: dict, skip: int) -> float:
+    """Seconds the plan takes over minibatches ``skip..`` with the fitted costs plus the measured fixed costs.
+
+    Under ODC a minibatch takes its slowest rank's microbatches; under
+    collectives every microbatch step its slowest rank's microbatch; each
+    microbatch adds ``overheads["microbatch_s"]``, each minibatch
+    ``overheads["minibatch_s"]``.
+    """
+    per_mb, per_minibatch = overheads["microbatch_s"], overheads["minibatch_s"]
+
+    def cost(mb: Sequence[int]) -> float:
+        return sum(fit.seconds(lengths[i]) for i in mb) + per_mb
+
+    span = 0.0
+    for ranks in plan.minibatches[skip:]:
+        if mode == "odc":
+            span += max(sum(cost(mb) for mb in r) for r in ranks)
+        else:
+            steps = max(len(r) for r in ranks)
+            span += sum(max(cost(r[j]) if j < len(r) else per_mb for r in ranks) for j in range(steps))
+        span += per_minibatch
+    return span
 
 
 def _busy(plan: Any, mode: str, skip: int) -> tuple[float, float]:

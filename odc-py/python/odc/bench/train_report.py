@@ -90,7 +90,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
             on_event=lambda kind, note: bar.step(note) if kind == "progress" else None,
             spec=asdict(spec_), points=points, configs=configs, repeats=repeats, fit_lengths=fit_lengths,
             fit_repeats=args.fit_repeats, lr=args.lr, clip=args.clip, timeout=args.timeout, seed=args.seed,
-            skip=0 if args.curves else WARMUP_MINIBATCHES)
+            skip=0 if args.curves else WARMUP_MINIBATCHES, calibrate=not args.curves)
     bar.close()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
@@ -108,7 +108,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         f"{1e3 * fit['overhead_s']:.1f} ms (not in the model)",
     ]
     doc = {"bench": "train", "load_average": os.getloadavg(), "load_samples": load.samples, "cpus": cores,
-           "emulated_compute": False,
+           "emulated_compute": False, "overheads": out["overheads"],
            "args": {k: v for k, v in vars(args).items() if k not in ("func",)}, "world": world,
            "model": asdict(spec_), "configs": configs, "fit": fit, "fit_timings": out["fit_timings"],
            "fit_lengths": fit_lengths}
@@ -124,9 +124,15 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
                                             f"{src}, minibatch size {args.minibatch_size}")
         return 0 if summary["ok"] else 1
     rows = summarize(points, out["points"], configs, fit, world)
+    ovh = out["overheads"]
+    head.append("fixed costs the per-sample model leaves out, measured apart (minibatches of 1 and 4 microbatches of "
+                f"a {train.CALIBRATION_LENGTH}-token sample): per microbatch "
+                + ", ".join(f"{m} {1e3 * o['microbatch_s']:.1f} ms" for m, o in ovh.items()) + "; per minibatch "
+                + ", ".join(f"{m} {1e3 * o['minibatch_s']:.1f} ms" for m, o in ovh.items()))
     head.append(f"timed: minibatches {WARMUP_MINIBATCHES}..{args.minibatches - 1} (minibatch 0 warms up); "
                 f"{repeats} interleaved repeats; speedup vs {train.BASELINE}: median of per-repeat ratios [min..max]; "
-                f"predicted by odc.packing with the fitted model; error = measured / predicted - 1")
+                f"packer = predicted by odc.packing with the fitted model (compute only); +fixed = the same plans "
+                f"with the fixed costs added; error = measured / predicted - 1")
     head.append("dparam: largest |difference| of the final parameters from the collective run with the same plan "
                 "(odc+lb-mini: the baseline; 0 = bitwise equal); vs base: from the baseline (the same samples packed "
                 "differently: reordered float sums); loss: largest |difference| of a minibatch's loss from the "
@@ -224,6 +230,9 @@ def summarize(points: list[dict], results: list[dict], configs: list[str], fit: 
                 "speedup_max": max(ratios),
                 "speedup_predicted": pred["speedup"],
                 "error": _ratio(speedup, pred["speedup"]) - 1.0,
+                "predicted_time_with_overheads_s": pred["seconds_with_overheads"] / max(1, n_timed),
+                "speedup_predicted_with_overheads": pred["speedup_with_overheads"],
+                "error_with_overheads": _ratio(speedup, pred["speedup_with_overheads"]) - 1.0,
                 "same_plan": same,
                 "dparam": dparam,
                 "dparam_baseline": 0.0 if name == BASELINE else res["diffs"].get(f"{name} vs {BASELINE}", {}).get(
@@ -239,20 +248,23 @@ def summarize(points: list[dict], results: list[dict], configs: list[str], fit: 
 def render(rows: list[dict], title: list[str], sweep: bool) -> str:
     from .train import BASELINE
 
-    header = ["config", "mb/rank", "t/minibatch(s)", "[min..max]", "pred(s)", "speedup", "[min..max]", "pred",
-              "error", "dparam", "vs base", "loss"]
-    widths = [22, 7, 14, 13, 7, 8, 13, 7, 7, 8, 8, 8]
+    header = ["config", "mb/rank", "t/minibatch(s)", "[min..max]", "speedup", "[min..max]", "packer", "error",
+              "+fixed", "error", "dparam", "vs base", "loss"]
+    widths = [22, 7, 14, 13, 8, 13, 7, 7, 7, 7, 8, 8, 8]
     if sweep:
         header.insert(0, "minibatch-size")
         widths.insert(0, 14)
+
+    def pct(x: float) -> str:
+        return f"{100 * x:+.1f}%" if not math.isnan(x) else "-"
+
     body = []
     for r in rows:
         cells = [r["config"], r["max_microbatches"], fmt(r["time_per_minibatch_s"], 3),
                  f"{r['time_spread_s'][0]:.3f}..{r['time_spread_s'][1]:.3f}",
-                 fmt(r["predicted_time_per_minibatch_s"], 3),
                  fmt(r["speedup_measured"], 3) + "x", f"{r['speedup_min']:.3f}..{r['speedup_max']:.3f}",
-                 fmt(r["speedup_predicted"], 3) + "x",
-                 f"{100 * r['error']:+.1f}%" if not math.isnan(r["error"]) else "-",
+                 fmt(r["speedup_predicted"], 3) + "x", pct(r["error"]),
+                 fmt(r["speedup_predicted_with_overheads"], 3) + "x", pct(r["error_with_overheads"]),
                  "-" if r["same_plan"] == r["config"] else f"{r['dparam']:.1e}",
                  "-" if r["config"] == BASELINE else f"{r['dparam_baseline']:.1e}", f"{r['dloss']:.1e}"]
         if sweep:
@@ -263,19 +275,21 @@ def render(rows: list[dict], title: list[str], sweep: bool) -> str:
 
 def render_time(rows: list[dict], sweep: bool) -> str:
     """Where the time went: microbatch seconds against the fitted model, busy fraction against the prediction."""
-    header = ["config", "micro/fit", "busy", "pred busy"]
-    widths = [22, 9, 7, 9]
+    header = ["config", "t/minibatch(s)", "packer(s)", "+fixed(s)", "micro/fit", "busy", "pred busy"]
+    widths = [22, 14, 9, 9, 9, 7, 9]
     if sweep:
         header.insert(0, "minibatch-size")
         widths.insert(0, 14)
     body = []
     for r in rows:
-        cells = [r["config"], f"{r['micro_over_fit']:.3f}", f"{100 * r['busy']:.1f}%",
+        cells = [r["config"], fmt(r["time_per_minibatch_s"], 3), fmt(r["predicted_time_per_minibatch_s"], 3),
+                 fmt(r["predicted_time_with_overheads_s"], 3), f"{r['micro_over_fit']:.3f}", f"{100 * r['busy']:.1f}%",
                  f"{100 * (1 - r['bubble_predicted']):.1f}%"]
         if sweep:
             cells.insert(0, r["label"])
         body.append(cells)
-    title = ["where the time went (timed minibatches, every rank and repeat): micro/fit = seconds inside "
+    title = ["where the time went (timed minibatches, every rank and repeat): t/minibatch measured, packer = the "
+             "fitted costs alone, +fixed = with the measured fixed costs; micro/fit = seconds inside "
              "microbatches (forward + backward, collectives' waits included) / the fitted model's prediction for "
              "them; busy = time inside microbatches / (ranks x wall time), predicted = 1 - predicted bubble (under "
              "ODC 1 - busy is the measured bubble plus optimizer steps)"]
