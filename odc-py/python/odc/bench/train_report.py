@@ -143,11 +143,9 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     if args.json:
         write_json(args.json, doc)
     if args.plot:
-        from .imbalance import plot
-
-        plot(rows, args.plot, f"odc-bench train: {world} ranks, REAL compute ({spec_.describe()})\n"
-                              f"measured (median, min-max of {repeats}) vs predicted with the cost model fitted in "
-                              f"the run", "minibatch-size" if len(points) > 1 else None)
+        plot_speedups(rows, args.plot, f"odc-bench train: {world} ranks, REAL compute, {spec_.describe()}\n"
+                                       f"{src}, max tokens {args.max_tokens}; measured: median and min-max of "
+                                       f"{repeats} interleaved repeats")
     bad = [r for r in rows if not r["params_ok"]]
     for r in bad:
         print(f"odc-bench: error: {r['config']} (minibatch size {r['label']}): final parameters differ from "
@@ -294,6 +292,40 @@ def render_time(rows: list[dict], sweep: bool) -> str:
              "them; busy = time inside microbatches / (ranks x wall time), predicted = 1 - predicted bubble (under "
              "ODC 1 - busy is the measured bubble plus optimizer steps)"]
     return table(header, body, widths, title)
+
+
+def plot_speedups(rows: list[dict], path: str, title: str) -> None:
+    """Per minibatch size, per configuration: measured speedup (median, min-max) beside both predictions."""
+    from .report import require_matplotlib
+
+    plt = require_matplotlib()
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    fig, axes = plt.subplots(1, len(labels), figsize=(4.2 * len(labels) + 1, 4.6), sharey=True, squeeze=False)
+    width = 0.27
+    for ax, label in zip(axes[0], labels, strict=True):
+        sel = [r for r in rows if r["label"] == label]
+        xs = range(len(sel))
+        measured = [r["speedup_measured"] for r in sel]
+        err = [[m - r["speedup_min"] for m, r in zip(measured, sel, strict=True)],
+               [r["speedup_max"] - m for m, r in zip(measured, sel, strict=True)]]
+        ax.bar([x - width for x in xs], measured, width, yerr=err, capsize=3, color="C0", label="measured")
+        ax.bar(list(xs), [r["speedup_predicted"] for r in sel], width, color="C1",
+               label="predicted: packer, fitted per-sample costs")
+        ax.bar([x + width for x in xs], [r["speedup_predicted_with_overheads"] for r in sel], width, color="C2",
+               label="predicted: + measured fixed costs")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([r["config"].replace("+", "\n") for r in sel], fontsize=7)
+        ax.set_title(f"minibatch size {label}", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    top = max(max(r["speedup_max"], r["speedup_predicted"], r["speedup_predicted_with_overheads"]) for r in rows)
+    axes[0][0].set_ylim(0, 1.3 * top)
+    axes[0][0].set_ylabel(f"speedup vs {rows[0]['config']}")
+    axes[0][0].legend(fontsize=7, loc="upper left")
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 # -- convergence ---------------------------------------------------------------------------------------
