@@ -25,13 +25,16 @@ demo: setup
 	@$(VENV)/bin/odc-pack --synthetic lognormal:n=4096,median=10000,sigma=1.0,max=65536,seed=0 \
 	    --world 8 --minibatch-size 8 --max-tokens 65536 --cost quadratic --compare
 	@echo
-	@echo "== odc-bench primitives: gloo collectives vs ODC, 2 ranks =="
+	@echo "== odc-bench primitives: gloo collectives (TCP loopback) vs ODC (shared memory), 2 ranks =="
 	@$(PY) -m odc.bench primitives -g 2 -b 64K -e 16M -f 4 -n 10 -w 2 --in-place --plot out/primitives.png
 	@echo
-	@echo "== odc-bench imbalance: 4 ranks, EMULATED compute, measured vs predicted speedup =="
-	@$(PY) -m odc.bench imbalance --world 4 --sweep minibatch-size=1,2,4,8 --run-seconds 4 --minibatches 4 --plot out/imbalance.png
+	@echo "== odc-bench train: 2 ranks, REAL COMPUTE (FSDP2, tiny Qwen2), measured vs predicted with a cost model fitted in the run =="
+	@$(PY) -m odc.bench train --minibatch-size 4 --minibatches 4 --repeats 1 --plot out/train.png
 	@echo
-	@echo "plots: out/primitives.png out/imbalance.png"
+	@echo "== odc-bench imbalance: 4 ranks, EMULATED compute (sleeps), measured vs predicted speedup =="
+	@$(PY) -m odc.bench imbalance --world 4 --sweep minibatch-size=2,4,8 --run-seconds 3 --minibatches 4 --plot out/imbalance.png
+	@echo
+	@echo "plots: out/primitives.png out/train.png out/imbalance.png"
 
 lint:
 	python3 scripts/module-graph.py

@@ -8,7 +8,10 @@
 #   ROUNDS=5 scripts/mpi-baseline.sh          (default 3 rounds)
 #
 # Needs Open MPI (Debian: apt-get install openmpi-bin libopenmpi-dev); not
-# part of `make test`. Ranks of both run on this host (shared memory).
+# part of `make test`. Ranks of both run on this host over shared memory:
+# Open MPI is pinned to its ob1 messaging layer with the vader shared-memory
+# transport (MPI_BTL overrides), ODC runs on its shm transport. The summary
+# names both, the Open MPI version and the load average seen in each round.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
@@ -24,6 +27,7 @@ while (($#)); do
     shift 2
 done
 ROUNDS=${ROUNDS:-3}
+MPI_BTL=${MPI_BTL:-self,vader}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 cargo build --release -q --locked -p odc-benches
 mpicc -O2 -o target/release/mpi_baseline benches/mpi/mpi_baseline.c
@@ -31,14 +35,18 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 sweep=(-b "$B" -e "$E" -f "$F" -n "$N" -w "$W")
 for r in $(seq "$ROUNDS"); do
-    echo "[mpi-baseline] round $r/$ROUNDS (load average $(cut -d' ' -f1 /proc/loadavg))" >&2
-    mpirun -np "$G" --oversubscribe target/release/mpi_baseline "${sweep[@]}" >"$out/mpi.$r.txt"
+    cut -d' ' -f1 /proc/loadavg >>"$out/load.txt"
+    echo "[mpi-baseline] round $r/$ROUNDS (load average $(tail -1 "$out/load.txt"))" >&2
+    mpirun -np "$G" --oversubscribe --mca pml ob1 --mca btl "$MPI_BTL" target/release/mpi_baseline "${sweep[@]}" >"$out/mpi.$r.txt"
     target/release/gather_perf -g "$G" "${sweep[@]}" -J "$out/gather.$r.json" >/dev/null
     target/release/scatter_accumulate_perf -g "$G" "${sweep[@]}" -J "$out/scatter.$r.json" >/dev/null
 done
-python3 - "$out" "$ROUNDS" "$G" <<'PY'
+cut -d' ' -f1 /proc/loadavg >>"$out/load.txt"
+version=$(mpirun --version | head -1)
+python3 - "$out" "$ROUNDS" "$G" "$version" "$MPI_BTL" <<'PY'
 import json, statistics, sys
-out, rounds, g = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out, rounds, g, version, btl = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+loads = [float(x) for x in open(f"{out}/load.txt").read().split()]
 med = statistics.median
 mpi, odc = {}, {}
 for r in range(1, rounds + 1):
@@ -57,7 +65,9 @@ for r in range(1, rounds + 1):
         s = s_rows[row["size"]]
         assert row["wrong"] == 0 and s["wrong"] == 0 and row["in_place"]["wrong"] == 0
         odc.setdefault(row["size"], []).append((row["busbw"], row["in_place"]["busbw"], s["busbw"]))
-print(f"# ODC engine vs Open MPI, {g} ranks on one host, busbw GB/s, median of {rounds} interleaved rounds, #wrong = 0")
+print(f"# ODC engine (shm transport) vs {version} (pml ob1, btl {btl}: shared memory), {g} ranks on one host, "
+      f"busbw GB/s, median of {rounds} interleaved rounds, #wrong = 0; load average {min(loads):.1f}-{max(loads):.1f} "
+      f"(1 min, sampled before each round and at the end)")
 print("| size | MPI Allgather | ODC gather | ratio | MPI Allgather in place | ODC gather in place | ratio "
       "| MPI Reduce_scatter_block | ODC scatter-accumulate | ratio |")
 print("|---" * 10 + "|")

@@ -17,15 +17,28 @@
 //! the gathered (output) buffer; for scatter-accumulate, the pushed (input)
 //! buffer; `algbw = size / time`, `busbw = algbw · (n − 1) / n`, GB = 10⁹ B.
 //! Two baselines come from the same run, in busbw-equivalent GB/s of the
-//! bytes one rank moves: `limit`, a single-thread copy (gather) or
-//! `memcpy` + add (scatter) on rank 0 alone, and `ceiling`, the same work done
-//! by every rank at once on private memory (slowest rank) — what copies
-//! reach when all ranks compete for the memory system, as they do in the
-//! operation. `%ceil` is the operation's busbw against `ceiling`. Gather's
-//! copy is the one the shm transport reads with,
-//! [`odc_kernels::cpu::copy_bytes`] (streaming stores from
-//! `STREAM_COPY_MIN` bytes on); scatter's is a `memcpy`, as a landing-slot
-//! write is.
+//! bytes one rank moves, each doing the operation's memory work without the
+//! engine, in the operation's thread layout:
+//!
+//! - gather: one thread per rank copies the bytes it would read from its
+//!   peers ([`odc_kernels::cpu::copy_bytes`], the shm transport's read:
+//!   streaming stores from `STREAM_COPY_MIN` bytes on) out of private memory;
+//! - scatter-accumulate ([`CopyAddPipe`]): per rank, the calling thread
+//!   copies the bytes it would push chunk by chunk into two slots of the
+//!   engine's chunk size (a `memcpy`, as a landing-slot write is) while a
+//!   second thread, in the daemon's place, adds each landed chunk fused with
+//!   the rank's own slice into an f32 accumulator.
+//!
+//! `ceiling` is that work done by every rank at once: what the memory
+//! system gives when all ranks compete for it, as they do in the
+//! operation. `limit` is the same work on rank 0 alone. Both are timed in
+//! the same iterations as the operation ([`timed_interleaved`]: every
+//! iteration runs the operation, then the ceiling, then the limit, each
+//! between barriers), and both are the best they reach: the slowest rank's
+//! fastest iteration ([`slowest_best`]), while the operation's time is, as
+//! in nccl-tests, the slowest rank's mean. `%ceil` is the operation's busbw
+//! against `ceiling`; a row above 100 % is followed by a `# note:` line
+//! ([`ceiling_note`]).
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
@@ -268,6 +281,9 @@ pub struct Row {
     /// The same work done by every rank at once (slowest rank), GB/s of
     /// busbw-equivalent.
     pub ceiling_busbw: f64,
+    /// Why `%ceil` exceeds 100 %, when it does (see [`ceiling_note`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceiling_note: Option<String>,
     /// The in-place variant (gather only: this rank's shard is already in
     /// the output, as in FSDP, whose all-gather input aliases its output).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -318,6 +334,11 @@ pub fn print_header(title: &str, args: &PerfArgs, in_place: bool) {
             "# {:>37} | {:>36} | {:>36} | {:>8} {:>8} {:>6}",
             "", "out-of-place", "in-place", "1 rank", "all", "(best)"
         );
+    } else {
+        println!(
+            "# {:>37} | {:>36} | {:>8} {:>8} {:>6}",
+            "", "", "1 rank", "all", ""
+        );
     }
 }
 
@@ -349,6 +370,9 @@ pub fn print_row(r: &Row) {
         r.ceiling_busbw,
         pct
     );
+    if let Some(note) = &r.ceiling_note {
+        println!("# note: {note}");
+    }
     let _ = std::io::stdout().flush();
 }
 
@@ -564,66 +588,236 @@ fn kill_all(children: &mut [Child]) {
     }
 }
 
-/// Times `f` over `iters` runs framed by barriers; returns the mean time.
-pub fn timed<F>(page: &BenchPage, warmup: usize, iters: usize, mut f: F) -> Result<Duration, String>
-where
-    F: FnMut(usize) -> Result<(), String>,
-{
-    for i in 0..warmup {
-        page.barrier()?;
-        f(i)?;
-    }
-    let mut total = Duration::ZERO;
-    for i in 0..iters {
-        page.barrier()?;
-        let t0 = Instant::now();
-        f(warmup + i)?;
-        total += t0.elapsed();
+/// One phase's per-iteration times on this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PhaseTime {
+    /// Mean over the timed iterations.
+    pub mean: Duration,
+    /// Fastest iteration.
+    pub min: Duration,
+    /// Slowest iteration.
+    pub max: Duration,
+}
+
+/// Runs every phase once per iteration, in order, each framed by barriers
+/// (`warmup` untimed iterations, then `iters` timed); returns each phase's
+/// times on this rank. A phase a rank sits out (the limit on ranks other
+/// than 0) simply returns at once.
+pub fn timed_interleaved(
+    page: &BenchPage,
+    warmup: usize,
+    iters: usize,
+    phases: &mut [&mut dyn FnMut(usize) -> Result<(), String>],
+) -> Result<Vec<PhaseTime>, String> {
+    let mut sums = vec![Duration::ZERO; phases.len()];
+    let mut mins = vec![Duration::MAX; phases.len()];
+    let mut maxs = vec![Duration::ZERO; phases.len()];
+    for i in 0..warmup + iters {
+        for (p, phase) in phases.iter_mut().enumerate() {
+            page.barrier()?;
+            let t0 = Instant::now();
+            phase(i)?;
+            let t = t0.elapsed();
+            if i >= warmup {
+                sums[p] += t;
+                mins[p] = mins[p].min(t);
+                maxs[p] = maxs[p].max(t);
+            }
+        }
     }
     page.barrier()?;
-    Ok(total / iters as u32)
+    let n = iters.max(1) as u32;
+    Ok((0..phases.len())
+        .map(|p| PhaseTime {
+            mean: sums[p] / n,
+            min: if iters == 0 { Duration::ZERO } else { mins[p] },
+            max: maxs[p],
+        })
+        .collect())
 }
 
-/// GB/s of a single-thread [`copy_bytes`](odc_kernels::cpu::copy_bytes)
-/// of `bytes`, the shm transport's read (best of a few runs).
-pub fn copy_gbps(bytes: usize) -> f64 {
-    let src = vec![1u8; bytes];
-    let mut dst = vec![0u8; bytes];
-    best_gbps(bytes, || {
-        // Equal lengths: cannot fail.
-        let _ = odc_kernels::cpu::copy_bytes(&mut dst, &src);
-        std::hint::black_box(&mut dst);
-    })
-}
-
-/// GB/s of a single-thread copy of `bytes` followed by `acc += slot` on f32
-/// (the work a push and its accumulation do), best of a few runs.
-pub fn memcpy_add_gbps(bytes: usize) -> f64 {
-    let n = bytes / 4;
-    let src = vec![1.0f32; n];
-    let mut slot = vec![0.0f32; n];
-    let mut acc = vec![0.0f32; n];
-    best_gbps(bytes, || {
-        slot.copy_from_slice(&src);
-        for (a, s) in acc.iter_mut().zip(&slot) {
-            *a += *s;
-        }
-        std::hint::black_box(&mut acc);
-    })
-}
-
-fn best_gbps(bytes: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let reps = (64usize << 20).div_ceil(bytes.max(1)).clamp(3, 1000);
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        let t0 = Instant::now();
-        for _ in 0..reps {
-            f();
-        }
-        best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+/// The slowest rank's fastest iteration of each phase (every rank gets
+/// them), through the page: one report and two barriers per phase. A
+/// baseline is what the work reaches at best, so a slow spell of a shared
+/// host lowers it only if it lasts the whole run.
+pub fn slowest_best(
+    page: &BenchPage,
+    rank: usize,
+    times: &[PhaseTime],
+) -> Result<Vec<Duration>, String> {
+    let mut out = Vec::with_capacity(times.len());
+    for t in times {
+        page.report(rank, t.min, 0);
+        page.barrier()?;
+        out.push(page.collect().0);
+        page.barrier()?;
     }
-    bytes as f64 / best / 1e9
+    Ok(out)
+}
+
+/// Busbw-equivalent GB/s of moving `bytes` per rank in `t`.
+pub fn gbps(bytes: usize, t: Duration) -> f64 {
+    bytes as f64 / t.as_secs_f64().max(1e-12) / 1e9
+}
+
+/// The explanation printed under a row whose operation beat its ceiling, or
+/// `None` when it did not (`pct` ≤ 100). The ceiling is the slowest rank's
+/// fastest iteration, so the operation's mean beats it only where the
+/// operation's own work is cheaper than the ceiling's; `op` and `ceiling`
+/// are rank 0's iteration times, printed to show it.
+pub fn ceiling_note(size: u64, pct: f64, op: PhaseTime, ceiling: PhaseTime) -> Option<String> {
+    if pct <= 100.0 {
+        return None;
+    }
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    Some(format!(
+        "{size} B at {pct:.0}% of its ceiling: the operation's mean iteration beat the fastest of the same work \
+         without the engine in this run (rank 0: operation {:.2}..{:.2} us, mean {:.2}; ceiling {:.2}..{:.2} us, \
+         mean {:.2}); the ceiling's copies took longer here than the engine's reads of the same bytes",
+        us(op.min),
+        us(op.max),
+        us(op.mean),
+        us(ceiling.min),
+        us(ceiling.max),
+        us(ceiling.mean),
+    ))
+}
+
+/// Private buffers for the gather ceiling: one thread copies `bytes` with
+/// the shm transport's copy.
+#[derive(Debug)]
+pub struct CopyWork {
+    src: Vec<u8>,
+    dst: Vec<u8>,
+}
+
+impl CopyWork {
+    /// Buffers of `bytes`, touched once so no page is faulted in while timed.
+    pub fn new(bytes: usize) -> Self {
+        Self {
+            src: vec![1u8; bytes.max(1)],
+            dst: vec![2u8; bytes.max(1)],
+        }
+    }
+
+    /// One copy of the whole buffer.
+    pub fn run(&mut self) -> Result<(), String> {
+        odc_kernels::cpu::copy_bytes(&mut self.dst, &self.src).map_err(|e| e.to_string())?;
+        std::hint::black_box(&mut self.dst);
+        Ok(())
+    }
+}
+
+/// The memory work of a scatter-accumulate on one rank without the engine,
+/// in its thread layout: [`run`](Self::run) copies the pushed bytes chunk
+/// by chunk into two slots while the pipe's own thread (the daemon's role)
+/// adds every landed chunk, fused with the matching part of the rank's own
+/// slice on the first pass over the shard, into an f32 accumulator; `run`
+/// returns when every chunk is added.
+#[derive(Debug)]
+pub struct CopyAddPipe {
+    src: Vec<f32>,
+    chunk: usize,
+    slots: std::sync::Arc<[std::sync::Mutex<Vec<f32>>; 2]>,
+    to_adder: Option<std::sync::mpsc::Sender<(usize, usize, usize)>>,
+    freed: std::sync::mpsc::Receiver<usize>,
+    adder: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CopyAddPipe {
+    /// A pipe pushing `moved` bytes per run into an accumulator of `shard`
+    /// bytes, through slots of `chunk` bytes (all rounded to f32 elements).
+    pub fn new(moved: usize, shard: usize, chunk: usize) -> Result<Self, String> {
+        use std::sync::{mpsc, Arc, Mutex};
+        let n = (moved / 4).max(1);
+        let shard = (shard / 4).max(1);
+        let chunk = (chunk / 4).clamp(1, n);
+        let slots = Arc::new([Mutex::new(vec![0f32; chunk]), Mutex::new(vec![0f32; chunk])]);
+        let (to_adder, jobs) = mpsc::channel::<(usize, usize, usize)>();
+        let (free, freed) = mpsc::channel::<usize>();
+        let theirs = Arc::clone(&slots);
+        let adder = std::thread::Builder::new()
+            .name("ceiling-adder".into())
+            .spawn(move || {
+                let mut acc = vec![0f32; shard];
+                let own = vec![1f32; shard];
+                // (slot, offset into the pushed bytes, elements)
+                while let Ok((slot, offset, len)) = jobs.recv() {
+                    if let Ok(data) = theirs[slot].lock() {
+                        let mut done = 0;
+                        while done < len {
+                            let at = (offset + done) % shard;
+                            let run = (len - done).min(shard - at);
+                            let (a, x) = (&mut acc[at..at + run], &data[done..done + run]);
+                            if offset + done < shard {
+                                for ((a, x), o) in a.iter_mut().zip(x).zip(&own[at..at + run]) {
+                                    *a += *x + *o;
+                                }
+                            } else {
+                                for (a, x) in a.iter_mut().zip(x) {
+                                    *a += *x;
+                                }
+                            }
+                            done += run;
+                        }
+                    }
+                    std::hint::black_box(&mut acc);
+                    if free.send(slot).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| format!("cannot start the ceiling's adder thread: {e}"))?;
+        Ok(Self {
+            src: vec![1f32; n],
+            chunk,
+            slots,
+            to_adder: Some(to_adder),
+            freed,
+            adder: Some(adder),
+        })
+    }
+
+    /// Pushes the whole buffer through the pipe and waits for the adds.
+    pub fn run(&mut self) -> Result<(), String> {
+        let gone = || "the ceiling's adder thread stopped".to_string();
+        let sender = self.to_adder.as_ref().ok_or_else(gone)?;
+        let mut free = vec![0usize, 1];
+        let mut in_flight = 0usize;
+        let mut offset = 0usize;
+        while offset < self.src.len() {
+            let slot = match free.pop() {
+                Some(s) => s,
+                None => {
+                    in_flight -= 1;
+                    self.freed.recv().map_err(|_| gone())?
+                }
+            };
+            let len = self.chunk.min(self.src.len() - offset);
+            {
+                let mut data = self.slots[slot].lock().map_err(|_| gone())?;
+                data[..len].copy_from_slice(&self.src[offset..offset + len]);
+            }
+            sender.send((slot, offset, len)).map_err(|_| gone())?;
+            in_flight += 1;
+            offset += len;
+        }
+        for _ in 0..in_flight {
+            self.freed.recv().map_err(|_| gone())?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CopyAddPipe {
+    fn drop(&mut self) {
+        self.to_adder.take();
+        if let Some(h) = self.adder.take() {
+            if h.join().is_err() {
+                eprintln!("warning: the ceiling's adder thread panicked");
+            }
+        }
+    }
 }
 
 /// Writes `rows` as JSON: `{"benchmark":..,"ranks":..,"dtype":..,"rows":[..]}`.
@@ -668,6 +862,40 @@ mod tests {
         assert!(a.validate().unwrap_err().contains("-g 1"));
         let a = PerfArgs::parse_from(["x", "-b", "1M", "-e", "64K"]);
         assert!(a.validate().unwrap_err().contains("minbytes"));
+    }
+
+    #[test]
+    fn ceiling_notes_only_rows_above_it() {
+        let t = |us: u64| PhaseTime {
+            mean: Duration::from_micros(us),
+            min: Duration::from_micros(us - 1),
+            max: Duration::from_micros(us + 1),
+        };
+        assert_eq!(ceiling_note(1024, 99.0, t(10), t(10)), None);
+        let note = ceiling_note(1024, 120.0, t(10), t(12)).unwrap();
+        assert!(
+            note.contains("1024 B at 120%") && note.contains("mean 10.00"),
+            "{note}"
+        );
+    }
+
+    #[test]
+    fn copy_add_pipe_runs_any_shape() {
+        // moved < chunk, moved = shard (2 ranks), moved = 3 shards (4 ranks), odd sizes.
+        for (moved, shard, chunk) in [
+            (4096, 4096, 1 << 20),
+            (1 << 16, 1 << 16, 4096),
+            (3 << 14, 1 << 14, 4096),
+            (4100, 2052, 1000),
+        ] {
+            let mut pipe = CopyAddPipe::new(moved, shard, chunk).unwrap();
+            for _ in 0..3 {
+                pipe.run().unwrap();
+            }
+        }
+        let mut work = CopyWork::new(1000);
+        work.run().unwrap();
+        assert_eq!(work.dst, work.src);
     }
 
     #[test]
@@ -818,6 +1046,7 @@ pub fn make_row(args: &PerfArgs, size: u64, redop: &str, page: &BenchPage, limit
         wrong,
         limit_busbw: limit_gbps,
         ceiling_busbw: 0.0,
+        ceiling_note: None,
         in_place: None,
     }
 }
@@ -835,43 +1064,4 @@ pub fn make_in_place(args: &PerfArgs, size: u64, page: &BenchPage) -> InPlace {
         busbw: algbw * (n - 1.0) / n,
         wrong,
     }
-}
-
-/// Every rank copies (`add == false`, with the shm transport's
-/// [`copy_bytes`](odc_kernels::cpu::copy_bytes)) or `memcpy`s and adds
-/// (`add == true`) `bytes` of private memory at the same time, framed by
-/// barriers like the operation; returns the slowest rank's throughput in
-/// GB/s (on every rank).
-pub fn concurrent_ceiling(
-    page: &BenchPage,
-    rank: usize,
-    iters: usize,
-    bytes: usize,
-    add: bool,
-) -> Result<f64, String> {
-    let n = (bytes / 4).max(1);
-    let src = vec![1.0f32; n];
-    let mut dst = vec![0.0f32; n];
-    let mut acc = vec![0.0f32; n];
-    let mean = timed(page, 2, iters.clamp(1, 10), |_| {
-        if add {
-            dst.copy_from_slice(&src);
-            for (a, d) in acc.iter_mut().zip(&dst) {
-                *a += *d;
-            }
-        } else {
-            let (to, from) = (
-                bytemuck::cast_slice_mut(&mut dst),
-                bytemuck::cast_slice(&src),
-            );
-            odc_kernels::cpu::copy_bytes(to, from).map_err(|e| e.to_string())?;
-        }
-        std::hint::black_box((&mut dst, &mut acc));
-        Ok(())
-    })?;
-    page.report(rank, mean, 0);
-    page.barrier()?;
-    let (slowest, _) = page.collect();
-    page.barrier()?;
-    Ok((n * 4) as f64 / slowest.as_secs_f64().max(1e-12) / 1e9)
 }

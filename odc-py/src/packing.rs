@@ -2,6 +2,7 @@
 
 use std::ffi::OsString;
 
+use odc_packing::fit::{fit_quadratic, Timing};
 use odc_packing::{CostModel, Error, Location, PlanConfig, Strategy};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt};
@@ -161,6 +162,31 @@ fn synthetic(py: Python<'_>, spec: &str) -> PyResult<Vec<u64>> {
     odc_packing::synthetic(spec).map_err(|e| packing_error(py, e))
 }
 
+/// Fits `a·s² + b·s` to measured `(length, seconds)` pairs; returns the fit as JSON text
+/// (`odc_packing::fit::CostFit`).
+#[pyfunction]
+fn fit_cost_json(
+    py: Python<'_>,
+    lengths: Vec<Bound<'_, PyAny>>,
+    seconds: Vec<f64>,
+) -> PyResult<String> {
+    let lengths = lengths_from(py, &lengths)?;
+    if lengths.len() != seconds.len() {
+        return Err(odc_error(
+            py,
+            "PackingError",
+            format!("{} lengths but {} timings", lengths.len(), seconds.len()),
+        ));
+    }
+    let timings: Vec<Timing> = lengths
+        .iter()
+        .zip(&seconds)
+        .map(|(&length, &seconds)| Timing { length, seconds })
+        .collect();
+    let fit = fit_quadratic(&timings).map_err(|e| packing_error(py, e))?;
+    serde_json::to_string(&fit).map_err(|e| odc_error(py, "OdcError", e.to_string()))
+}
+
 /// Runs the `odc-pack` command line with `argv` (argv[0] is the program name); returns its exit code.
 #[pyfunction]
 fn pack_cli(py: Python<'_>, argv: Vec<String>) -> i32 {
@@ -173,5 +199,6 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(sequence_cost, m)?)?;
     m.add_function(wrap_pyfunction!(synthetic, m)?)?;
     m.add_function(wrap_pyfunction!(pack_cli, m)?)?;
+    m.add_function(wrap_pyfunction!(fit_cost_json, m)?)?;
     Ok(())
 }

@@ -140,6 +140,17 @@ def test_emulated_compute_carries_overshoot():
         (["imbalance", "--synthetic", "uniform:n=3"], "uniform"),
         (["imbalance", "--max-tokens", "100"], "planning failed"),
         (["imbalance", "--json", "/nonexistent/dir/out.json"], "/nonexistent/dir"),
+        (["train", "--world", "64"], "--world 64"),
+        (["train", "--world", "1"], "--world 1"),
+        (["train", "--configs", "odc+lb-maxi"], "odc+lb-maxi"),
+        (["train", "--sweep", "max-length=1,2"], "minibatch-size only"),
+        (["train", "--sweep", "minibatch-size=2,x"], "minibatch-size=2,x"),
+        (["train", "--minibatches", "1"], "--minibatches 1"),
+        (["train", "--max-tokens", "100"], "planning failed"),
+        (["train", "--synthetic", "lognormal:n=8", "--minibatches", "4"], "the input has 8"),
+        (["train", "--json", "/nonexistent/dir/out.json"], "/nonexistent/dir"),
+        (["memory", "--world", "4", "--per-node", "4"], "two emulated nodes"),
+        (["memory", "--world", "1", "--sharding", "full"], "--world 1"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_value(argv, named, capsys):

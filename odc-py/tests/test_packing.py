@@ -304,3 +304,72 @@ def test_odc_pack_console_script(tmp_path):
     )
     assert bad.returncode == 2
     assert "nope" in bad.stderr
+
+
+def test_fit_cost_recovers_known_coefficients_from_pairs():
+    a, b = 3e-8, 1.5e-4
+    exact = packing.fit_cost([(s, a * s * s + b * s) for s in (64, 128, 256, 512, 1024, 2048)])
+    assert exact.a == pytest.approx(a, rel=1e-9) and exact.b == pytest.approx(b, rel=1e-9)
+    assert exact.rms_relative < 1e-9 and exact.max_relative < 1e-9
+    # The planner takes the fit as its cost model; its costs are the predicted seconds.
+    assert packing.sequence_cost(1000, str(exact)) == pytest.approx(exact.seconds(1000), rel=1e-9)
+    lengths = packing.synthetic("lognormal:n=64,median=300,max=2048,seed=1")
+    assert packing.plan(lengths, 2, 8, "lb-mini", 2048, cost=exact) == packing.plan(lengths, 2, 8, "lb-mini", 2048,
+                                                                                     cost=exact.cost)
+    # Multiplicative noise of +-3 %: coefficients within 10 %, the residual reports it.
+    rng = random.Random(0)
+    noisy = packing.fit_cost([(s, (a * s * s + b * s) * (1 + rng.uniform(-0.03, 0.03)))
+                              for s in (64, 128, 256, 512, 1024, 2048) for _ in range(3)])
+    assert noisy.a == pytest.approx(a, rel=0.1) and noisy.b == pytest.approx(b, rel=0.1)
+    assert 0.005 < noisy.rms_relative < 0.03
+    # A fixed cost per call is not part of a*s^2 + b*s; the diagnostic names it.
+    fixed = packing.fit_cost([(s, a * s * s + b * s + 0.005) for s in (32, 64, 128, 256, 512, 1024, 2048)])
+    assert fixed.overhead_s == pytest.approx(0.005, rel=1e-6)
+    assert fixed.max_relative > 0.2
+
+
+def test_fit_cost_times_a_step_function(monkeypatch):
+    """time_samples + fit on a fake clock: each step of s tokens takes exactly 2e-8*s^2 + 1e-4*s seconds."""
+    clock = [0.0]
+    calls = []
+
+    def step(s):
+        calls.append(s)
+        clock[0] += 2e-8 * s * s + 1e-4 * s
+
+    monkeypatch.setattr(packing.time, "perf_counter", lambda: clock[0])
+    fit = packing.fit_cost(step, [100, 400, 1600], repeats=2, warmup=1)
+    assert fit.a == pytest.approx(2e-8, rel=1e-6) and fit.b == pytest.approx(1e-4, rel=1e-6)
+    # Rounds go over every length in turn: one warm-up round, then two timed ones.
+    assert calls == [100, 400, 1600] * 3
+    assert [p[0] for p in fit.points] == [100, 400, 1600]
+
+
+def test_fit_cost_times_a_torch_module():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    fit = packing.fit_cost(model, [16, 64, 256], repeats=1)
+    assert fit.a >= 0 and fit.b >= 0 and fit.a + fit.b > 0
+    assert [p[0] for p in fit.points] == [16, 64, 256] and all(p[1] > 0 for p in fit.points)
+    assert all(p.grad is None for p in model.parameters())  # timing leaves no gradients behind
+
+
+@pytest.mark.parametrize(
+    "source, lengths, needle",
+    [
+        ([(100, 0.1), (100, 0.2)], None, "2 distinct lengths"),
+        ([(100, 0.1), (200, -1.0)], None, "index 1"),
+        ([(0, 0.1), (200, 1.0)], None, "index 0"),
+        ([(100, "x")], None, "pairs"),
+        (lambda s: None, None, "lengths"),
+        ([], None, "no timings"),
+    ],
+)
+def test_fit_cost_refuses_bad_input(source, lengths, needle):
+    with pytest.raises(odc.PackingError, match=needle):
+        packing.fit_cost(source, lengths)

@@ -5,6 +5,8 @@
 //! odc-pack --synthetic lognormal:n=4096,seed=0 --world 8 --minibatch-size 4 --compare
 //! odc-pack --lengths lengths.txt --strategy lb-micro --json
 //! odc-pack --lengths lengths.txt --partition 8 --equal-size --cost linear
+//! odc-pack --fit-cost timings.txt                      # fit a·s² + b·s to measured timings
+//! odc-pack --fit-cost timings.txt --lengths lengths.txt --compare
 //! ```
 //!
 //! Exit codes: 0 on success, 2 on bad input or usage (one `error:` line on
@@ -16,7 +18,9 @@ use std::path::PathBuf;
 
 use clap::{ArgGroup, Parser};
 
+use crate::cost::CostModel;
 use crate::error::{Error, Result};
+use crate::fit::{fit_quadratic, parse_timings, CostFit};
 use crate::input::{parse_lengths, synthetic};
 use crate::kk::{karmarkar_karp, lower_bound, max_part_sum, part_sum};
 use crate::planner::{compare, plan, Plan, PlanConfig};
@@ -25,6 +29,10 @@ const AFTER_HELP: &str = "\
 Strategies: local-sort, lb-micro, lb-mini, verl-native.
 Cost models: linear, quadratic (= quadratic:qwen2-7b), quadratic:qwen2-1.5b,
   quadratic:a=A,b=B, verl, flops:hidden=H,layers=L,query=Q.
+Fitted cost: --fit-cost FILE reads `length seconds` pairs (forward + backward
+  of single samples on your model; odc.packing.fit_cost times them), fits
+  a·s² + b·s and prints the model and its residual; with --lengths or
+  --synthetic it plans with the fitted model instead of --cost.
 Synthetic: lognormal:n=N[,median=10000][,sigma=1.0][,min=1][,max=65536][,seed=0]
   (its seed draws the lengths; --seed only shuffles their order).
 
@@ -36,7 +44,7 @@ Exit status: 0 ok, 2 bad input or usage, 1 output could not be written.";
 /// bubble rate under collectives and under ODC.
 #[derive(Debug, Parser)]
 #[command(name = "odc-pack", version, after_help = AFTER_HELP)]
-#[command(group(ArgGroup::new("input").required(true).args(["lengths", "synthetic"])))]
+#[command(group(ArgGroup::new("input").args(["lengths", "synthetic"])))]
 struct Args {
     /// File of sequence lengths: one integer per line, or a JSON array; `-` reads stdin.
     #[arg(long, value_name = "FILE")]
@@ -65,6 +73,11 @@ struct Args {
     /// Per-sample cost model (see below).
     #[arg(long, value_name = "NAME", default_value = "quadratic")]
     cost: String,
+
+    /// Fit a·s² + b·s to the `length seconds` pairs in FILE (`-` is stdin)
+    /// and use it as the cost model; alone, print the fit and its residual.
+    #[arg(long, value_name = "FILE", conflicts_with = "cost")]
+    fit_cost: Option<PathBuf>,
 
     /// Shuffle the samples with seed S before cutting minibatches (like a
     /// data loader's shuffle); without it minibatches take samples in input
@@ -137,7 +150,12 @@ fn read_lengths(args: &Args) -> Result<Vec<u64>> {
     if let Some(spec) = &args.synthetic {
         return synthetic(spec);
     }
-    let path = args.lengths.clone().unwrap_or_else(|| PathBuf::from("-"));
+    parse_lengths(&read_text(args.lengths.as_deref())?)
+}
+
+/// The text of `path` (`-` or none: stdin).
+fn read_text(path: Option<&std::path::Path>) -> Result<String> {
+    let path = path.map_or_else(|| PathBuf::from("-"), PathBuf::from);
     let shown = path.display().to_string();
     let io = |source| Error::Io {
         path: shown.clone(),
@@ -149,20 +167,38 @@ fn read_lengths(args: &Args) -> Result<Vec<u64>> {
     } else {
         bytes = std::fs::read(&path).map_err(io)?;
     }
-    let text = String::from_utf8(bytes)
-        .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
-    parse_lengths(&text)
+    String::from_utf8(bytes)
+        .map_err(|e| io(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))
 }
 
 fn execute(args: &Args) -> Result<String> {
+    let fit = match &args.fit_cost {
+        Some(path) => Some(fit_quadratic(&parse_timings(&read_text(Some(path))?)?)?),
+        None => None,
+    };
+    let cost: CostModel = match &fit {
+        Some(f) => f.cost_model(),
+        None => args.cost.parse()?,
+    };
     let cfg = PlanConfig {
         world: args.world,
         minibatch_size: args.minibatch_size,
         strategy: args.strategy.parse()?,
         max_tokens: args.max_tokens,
-        cost: args.cost.parse()?,
+        cost,
         seed: args.seed,
     };
+    if args.lengths.is_none() && args.synthetic.is_none() {
+        return match &fit {
+            Some(f) if args.json => Ok(json(f)),
+            Some(f) => Ok(fit_summary(f)),
+            None => Err(Error::InvalidConfig {
+                field: "input",
+                value: "none".to_owned(),
+                reason: "give --lengths FILE, --synthetic SPEC or --fit-cost FILE",
+            }),
+        };
+    }
     let lengths = read_lengths(args)?;
     if let Some(k) = args.partition {
         return partition(&lengths, k, args, &cfg);
@@ -241,6 +277,37 @@ fn partition(lengths: &[u64], k: usize, args: &Args, cfg: &PlanConfig) -> Result
         ));
     }
     Ok(text)
+}
+
+fn fit_summary(f: &CostFit) -> String {
+    let mut text = format!(
+        "cost model:     {}\n\
+         seconds:        {:.4e}·s² + {:.4e}·s\n\
+         residual:       rms {:.2}% (max {:.2}%) of the measured seconds, rms {:.3e} s\n\
+         fixed cost:     {:.3e} s per call in a fit a·s² + b·s + c (not part of the model)\n\
+         {:>10} {:>12} {:>12} {:>8}",
+        f.model,
+        f.a_per_token2,
+        f.b_per_token,
+        100.0 * f.rms_relative,
+        100.0 * f.max_relative,
+        f.rms_seconds,
+        f.overhead_seconds,
+        "length",
+        "seconds",
+        "fitted",
+        "error"
+    );
+    for p in &f.points {
+        text.push_str(&format!(
+            "\n{:>10} {:>12.6} {:>12.6} {:>+7.2}%",
+            p.length,
+            p.seconds,
+            p.predicted,
+            100.0 * p.relative_error
+        ));
+    }
+    text
 }
 
 fn summary(p: &Plan, lengths: &[u64], cfg: &PlanConfig) -> String {

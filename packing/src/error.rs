@@ -201,6 +201,24 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// A timing handed to the cost fit was not usable.
+    #[error("timing at {at} is invalid ({value}): {reason}")]
+    InvalidTiming {
+        /// Where the timing was found.
+        at: Location,
+        /// The timing as written.
+        value: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+
+    /// The cost fit needs timings of at least two distinct lengths.
+    #[error("fitting a·s² + b·s needs timings of at least 2 distinct lengths, got {distinct}")]
+    TooFewTimings {
+        /// Distinct lengths timed.
+        distinct: usize,
+    },
+
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Io {

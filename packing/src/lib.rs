@@ -13,6 +13,7 @@
 //! | module | owns |
 //! |--------|------|
 //! | [`cost`] | per-sample cost models ([`CostModel`]) |
+//! | [`fit`] | the quadratic cost model fitted to measured timings ([`fit::fit_quadratic`]) |
 //! | [`kk`] | Karmarkar–Karp largest differencing, LPT, bounds |
 //! | [`refine`] | local search that lowers the largest part sum |
 //! | [`strategy`] | minibatch → rank → microbatch assignment ([`Strategy`]) |
@@ -64,6 +65,7 @@
 pub mod cli;
 pub mod cost;
 mod error;
+pub mod fit;
 pub mod input;
 pub mod kk;
 mod planner;

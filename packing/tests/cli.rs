@@ -371,3 +371,63 @@ fn seed_shuffles_samples_and_is_not_the_synthetic_seed() {
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("-1") && !stderr(&o).contains("panicked"));
 }
+
+#[test]
+fn fit_cost_prints_the_model_and_plans_with_it() {
+    // seconds = 2e-8·s² + 1e-4·s exactly: the fit recovers it with no residual.
+    let text: String = [128u64, 256, 512, 1024, 2048]
+        .iter()
+        .map(|&s| format!("{s} {}\n", 2e-8 * (s * s) as f64 + 1e-4 * s as f64))
+        .collect();
+    let f = temp_file("timings.txt", &format!("# length seconds\n{text}"));
+    let path = f.to_str().unwrap();
+    let o = run(&["--fit-cost", path, "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!(
+        (doc["a_per_token2"].as_f64().unwrap() / 2e-8 - 1.0).abs() < 1e-9,
+        "{doc}"
+    );
+    assert!(
+        (doc["b_per_token"].as_f64().unwrap() / 1e-4 - 1.0).abs() < 1e-9,
+        "{doc}"
+    );
+    assert!(doc["rms_relative"].as_f64().unwrap() < 1e-9);
+    assert_eq!(doc["points"].as_array().unwrap().len(), 5);
+    let o = run(&["--fit-cost", path]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("cost model:     quadratic:a=") && out.contains("residual"),
+        "{out}"
+    );
+    // With lengths, it plans with the fitted model: the same plan as naming it by hand.
+    let model = doc["model"].as_str().unwrap().to_owned();
+    let common = [
+        "--synthetic",
+        "lognormal:n=64,median=300,max=2048",
+        "--world",
+        "2",
+        "--max-tokens",
+        "2048",
+        "--json",
+    ];
+    let fitted = run(&[&["--fit-cost", path][..], &common[..]].concat());
+    let named = run(&[&["--cost", model.as_str()][..], &common[..]].concat());
+    assert_eq!(fitted.status.code(), Some(0), "{}", stderr(&fitted));
+    assert_eq!(fitted.stdout, named.stdout);
+    // --cost and --fit-cost together are refused; bad timings are named.
+    assert_eq!(
+        run(&["--fit-cost", path, "--cost", "linear"]).status.code(),
+        Some(2)
+    );
+    let bad = temp_file("bad-timings.txt", "128 0.01\n256 zero\n");
+    assert_bad(
+        &run(&["--fit-cost", bad.to_str().unwrap()]),
+        &["line 2", "256 zero"],
+    );
+    let one = temp_file("one-length.txt", "128 0.01\n128 0.011\n");
+    assert_bad(
+        &run(&["--fit-cost", one.to_str().unwrap()]),
+        &["2 distinct lengths"],
+    );
+}

@@ -14,8 +14,8 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    concurrent_ceiling, copy_gbps, decode, encode, make_in_place, make_row, pattern, perf_main,
-    print_row, timed, PerfArgs, RankCtx, Row,
+    ceiling_note, decode, encode, gbps, make_in_place, make_row, pattern, perf_main, print_row,
+    slowest_best, timed_interleaved, CopyWork, PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -39,41 +39,64 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
             .publish(id, &encode(&shard, dtype), dtype, 0)
             .map_err(|e| e.to_string())?;
         let mut out = vec![0u8; layout.numel() * esz];
-        let mean = timed(&page, args.warmup, args.iters, |_| {
+        // In place: this rank's shard already sits in the output; only the
+        // remote shards move.
+        let mut out_ip = vec![0u8; layout.numel() * esz];
+        let own = layout.shard_range(me);
+        let own = own.start.min(layout.numel())..own.end.min(layout.numel());
+        let mine = encode(&shard[..own.len()], dtype);
+        out_ip[own.start * esz..own.end * esz].copy_from_slice(&mine);
+        // The bytes a rank reads from its peers, copied without the engine
+        // (rank 0's limit on buffers of its own). Out-of-place and in-place
+        // run in separate loops, each interleaved with the ceiling and the
+        // limit: in one loop the second would read shards the first has
+        // just brought into the cache, which the ceiling's copy would not.
+        let moved = ((size as usize) * (args.ranks - 1) / args.ranks).max(4);
+        let mut ceiling_work = CopyWork::new(moved);
+        let mut limit_work = (rank == 0).then(|| CopyWork::new(moved));
+        let mut baselines = |op: &mut dyn FnMut(usize) -> Result<(), String>| {
+            timed_interleaved(
+                &page,
+                args.warmup,
+                args.iters,
+                &mut [op, &mut |_| ceiling_work.run(), &mut |_| {
+                    limit_work.as_mut().map_or(Ok(()), CopyWork::run)
+                }],
+            )
+        };
+        let oop = baselines(&mut |_| {
             worker
                 .gather(id, 0, &mut out, dtype)
                 .map_err(|e| e.to_string())
         })?;
-        page.report(rank, mean, count_wrong(args, &layout, &out));
-        page.barrier()?;
-        let mut row = None;
-        if rank == 0 {
-            let moved = (size as usize) * (args.ranks - 1) / args.ranks;
-            row = Some(make_row(args, size, "none", &page, copy_gbps(moved.max(1))));
-        }
-        page.barrier()?;
-
-        // In place: this rank's shard already sits in the output; only the
-        // remote shards move.
-        let mut out = vec![0u8; layout.numel() * esz];
-        let own = layout.shard_range(me);
-        let own = own.start.min(layout.numel())..own.end.min(layout.numel());
-        let mine = encode(&shard[..own.len()], dtype);
-        out[own.start * esz..own.end * esz].copy_from_slice(&mine);
-        let mean = timed(&page, args.warmup, args.iters, |_| {
+        let ip = baselines(&mut |_| {
             worker
-                .gather_remote(id, 0, &mut out, dtype)
+                .gather_remote(id, 0, &mut out_ip, dtype)
                 .map_err(|e| e.to_string())
         })?;
-        page.report(rank, mean, count_wrong(args, &layout, &out));
+        let times = [oop[0], ip[0]];
+        page.report(rank, times[0].mean, count_wrong(args, &layout, &out));
+        page.barrier()?;
+        let row = (rank == 0).then(|| make_row(args, size, "none", &page, 0.0));
+        page.barrier()?;
+        page.report(rank, times[1].mean, count_wrong(args, &layout, &out_ip));
         page.barrier()?;
         let in_place = (rank == 0).then(|| make_in_place(args, size, &page));
         page.barrier()?;
-        let moved = (size as usize) * (args.ranks - 1) / args.ranks;
-        let ceiling = concurrent_ceiling(&page, rank, args.iters, moved.max(4), false)?;
-        if let Some(mut row) = row {
-            row.in_place = in_place;
-            row.ceiling_busbw = ceiling;
+        let slow_oop = slowest_best(&page, rank, &oop[1..])?;
+        let slow_ip = slowest_best(&page, rank, &ip[1..])?;
+        if let (Some(mut row), Some(ip_row)) = (row, in_place) {
+            row.in_place = Some(ip_row);
+            // The baselines of the loop of the better variant.
+            let (best, op_t, base, slow) = if ip_row.busbw >= row.busbw {
+                (ip_row.busbw, ip[0], ip[1], slow_ip)
+            } else {
+                (row.busbw, oop[0], oop[1], slow_oop)
+            };
+            row.ceiling_busbw = gbps(moved, slow[0]);
+            row.limit_busbw = gbps(moved, slow[1]);
+            let pct = 100.0 * best / row.ceiling_busbw.max(1e-12);
+            row.ceiling_note = ceiling_note(size, pct, op_t, base);
             print_row(&row);
             rows.push(row);
         }

@@ -13,8 +13,8 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    concurrent_ceiling, encode, make_row, memcpy_add_gbps, pattern, perf_main, print_row, timed,
-    PerfArgs, RankCtx, Row,
+    ceiling_note, encode, gbps, make_row, pattern, perf_main, print_row, slowest_best,
+    timed_interleaved, CopyAddPipe, PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -28,6 +28,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
     let dtype = args.dtype;
     let mut rows = Vec::new();
     let mut minibatch = 0u64;
+    let chunk = engine.config().chunk_bytes;
     for (b, &size) in sizes.iter().enumerate() {
         let id = odc_core::BucketId(b);
         let layout = engine.bucket(id).map_err(|e| e.to_string())?.clone();
@@ -36,16 +37,38 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         // Every push of the previous size was acknowledged before the
         // barrier that ended it, so zeroing here races with nothing.
         worker.zero_grad(id).map_err(|e| e.to_string())?;
-        let mean = timed(&page, args.warmup, args.iters, |_| {
-            worker
-                .scatter_accumulate(id, &grads, dtype, 1.0)
-                .map_err(|e| e.to_string())?;
-            worker
-                .finish_minibatch(minibatch)
-                .map_err(|e| e.to_string())?;
-            minibatch += 1;
-            Ok(())
-        })?;
+        // The bytes a rank pushes to its peers and its f32 accumulator,
+        // copied and added without the engine in the engine's thread layout.
+        let moved = ((size as usize) * (args.ranks - 1) / args.ranks).max(4);
+        let mut pipe = CopyAddPipe::new(moved, layout.shard_len() * 4, chunk)?;
+        let times = {
+            let (pipe, worker) = (std::cell::RefCell::new(&mut pipe), &worker);
+            timed_interleaved(
+                &page,
+                args.warmup,
+                args.iters,
+                &mut [
+                    &mut |_| {
+                        worker
+                            .scatter_accumulate(id, &grads, dtype, 1.0)
+                            .map_err(|e| e.to_string())?;
+                        worker
+                            .finish_minibatch(minibatch)
+                            .map_err(|e| e.to_string())?;
+                        minibatch += 1;
+                        Ok(())
+                    },
+                    &mut |_| pipe.borrow_mut().run(),
+                    &mut |_| {
+                        if rank == 0 {
+                            pipe.borrow_mut().run()
+                        } else {
+                            Ok(())
+                        }
+                    },
+                ],
+            )?
+        };
         let mut wrong = 0u64;
         if args.check != 0 {
             let mut acc = vec![0f32; layout.shard_len()];
@@ -65,15 +88,16 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
                 }
             }
         }
-        page.report(rank, mean, wrong);
+        page.report(rank, times[0].mean, wrong);
         page.barrier()?;
-        let moved = (size as usize) * (args.ranks - 1) / args.ranks;
-        let row =
-            (rank == 0).then(|| make_row(args, size, "sum", &page, memcpy_add_gbps(moved.max(4))));
+        let row = (rank == 0).then(|| make_row(args, size, "sum", &page, 0.0));
         page.barrier()?;
-        let ceiling = concurrent_ceiling(&page, rank, args.iters, moved.max(4), true)?;
+        let slow = slowest_best(&page, rank, &times[1..])?;
         if let Some(mut row) = row {
-            row.ceiling_busbw = ceiling;
+            row.ceiling_busbw = gbps(moved, slow[0]);
+            row.limit_busbw = gbps(moved, slow[1]);
+            let pct = 100.0 * row.busbw / row.ceiling_busbw.max(1e-12);
+            row.ceiling_note = ceiling_note(size, pct, times[0], times[1]);
             print_row(&row);
             rows.push(row);
         }

@@ -23,6 +23,11 @@ Example:
     >>> p.bubble_rate("odc") <= p.bubble_rate("collective")
     True
 
+The cost model can be fitted to the user's own model: :func:`fit_cost`
+times forward + backward of single samples of a few lengths (or takes
+measured ``(length, seconds)`` pairs), fits ``a·s² + b·s`` and returns a
+:class:`CostFit` that :func:`plan` takes as ``cost``.
+
 The verl-compatible helpers :func:`karmarkar_karp` and
 :func:`get_seqlen_balanced_partitions` are drop-in replacements for the
 functions of the same names in ``verl.utils.seqlen_balancing``.
@@ -31,23 +36,29 @@ functions of the same names in ``verl.utils.seqlen_balancing``.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Any, Literal
 
 from . import _odc
 from .errors import PackingError
 
 __all__ = [
+    "COST_MODELS",
+    "STRATEGIES",
+    "CostFit",
     "Plan",
-    "plan",
-    "karmarkar_karp",
+    "fit_cost",
     "get_seqlen_balanced_partitions",
+    "karmarkar_karp",
+    "main",
+    "plan",
     "sequence_cost",
     "synthetic",
-    "STRATEGIES",
-    "COST_MODELS",
-    "main",
+    "time_samples",
 ]
 
 STRATEGIES = ("local-sort", "lb-micro", "lb-mini", "verl-native")
@@ -150,7 +161,7 @@ def plan(
             is M·D samples; the last one may be partial).
         strategy: one of :data:`STRATEGIES`.
         max_tokens: token budget of one microbatch; a longer sample is an error.
-        cost: cost model name (:data:`COST_MODELS`).
+        cost: cost model name (:data:`COST_MODELS`), or a :class:`CostFit`.
         seed: shuffle seed of the sample order, like a DataLoader's. ``None``
             (the default) cuts minibatches from consecutive samples in dataset
             order; an integer in ``0..=2**64 - 1`` first shuffles the samples
@@ -175,6 +186,159 @@ def plan(
         minibatch_bubbles=tuple((m["bubble_collective"], m["bubble_odc"]) for m in mbs),
         world_size=int(world_size),
         strategy=str(strategy),
+    )
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """A quadratic cost model fitted to measured timings (see :func:`fit_cost`).
+
+    ``str(fit)`` is the model as the planner names it, so ``plan(..., cost=fit)``
+    plans with it; its costs are predicted seconds.
+
+    Attributes:
+        cost: ``"quadratic:a=..,b=.."`` (``a·x² + b·x`` seconds, ``x = s / 32000``).
+        a: seconds per token² of ``a·s² + b·s``.
+        b: seconds per token.
+        rms_relative: root mean square of the relative errors of the fit.
+        max_relative: largest relative error (absolute value).
+        rms_seconds: root mean square error in seconds.
+        overhead_s: diagnostic, not part of the model: the fixed seconds per
+            timed call ``c`` of a fit ``a·s² + b·s + c`` (interpreter and
+            launch overhead a per-sample model cannot express).
+        points: ``(length, measured seconds, fitted seconds)`` per timing.
+    """
+
+    cost: str
+    a: float
+    b: float
+    rms_relative: float
+    max_relative: float
+    rms_seconds: float
+    overhead_s: float
+    points: tuple
+
+    def __str__(self) -> str:
+        return self.cost
+
+    def seconds(self, length: int) -> float:
+        """Predicted seconds of forward + backward of one sample of ``length`` tokens."""
+        return self.a * length * length + self.b * length
+
+    def to_dict(self) -> dict:
+        return {"cost": self.cost, "a": self.a, "b": self.b, "rms_relative": self.rms_relative,
+                "max_relative": self.max_relative, "rms_seconds": self.rms_seconds, "overhead_s": self.overhead_s,
+                "points": [list(p) for p in self.points]}
+
+
+def time_samples(step: Callable[[int], Any], lengths: Sequence[int], *, repeats: int = 3, warmup: int = 1,
+                 sync: Callable[[], Any] | None = None) -> list[tuple[int, float]]:
+    """Times ``step(length)`` for every length: ``(length, median seconds)`` pairs.
+
+    Rounds go over all lengths in turn (``warmup`` untimed rounds, then
+    ``repeats`` timed ones), so a slow spell of a shared machine touches
+    every length alike. ``sync`` (e.g. ``torch.cuda.synchronize``) runs
+    before each clock read.
+    """
+    lengths = [int(s) for s in lengths]
+    if repeats < 1 or warmup < 0:
+        raise PackingError(f"repeats must be positive and warmup non-negative, got {repeats} and {warmup}")
+    times: dict[int, list[float]] = {s: [] for s in lengths}
+    for r in range(warmup + repeats):
+        for s in lengths:
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            step(s)
+            if sync is not None:
+                sync()
+            if r >= warmup:
+                times[s].append(time.perf_counter() - t0)
+    return [(s, statistics.median(times[s])) for s in dict.fromkeys(lengths)]
+
+
+def _module_step(model: Any, vocab_size: int | None,
+                 seed: int) -> tuple[Callable[[int], None], Callable[[], Any] | None]:
+    """Forward + backward of one random sample through a causal LM (``model(input_ids=, position_ids=)``)."""
+    import torch
+    import torch.nn.functional as F
+
+    if vocab_size is None:
+        cfg = getattr(model, "config", None)
+        vocab_size = getattr(cfg, "vocab_size", None)
+        if vocab_size is None and hasattr(model, "get_input_embeddings"):
+            vocab_size = model.get_input_embeddings().num_embeddings
+        if vocab_size is None:
+            raise PackingError("fit_cost: cannot tell the model's vocabulary size; pass vocab_size=")
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+
+    def step(length: int) -> None:
+        ids = torch.randint(0, vocab_size, (1, length), generator=gen).to(device)
+        pos = torch.arange(length, device=device)[None]
+        out = model(input_ids=ids, position_ids=pos)
+        logits = out.logits if hasattr(out, "logits") else out
+        F.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+
+    return step, (torch.cuda.synchronize if device.type == "cuda" else None)
+
+
+def fit_cost(source: Any, lengths: Sequence[int] | None = None, *, repeats: int = 3, warmup: int = 1,
+             vocab_size: int | None = None, seed: int = 0) -> CostFit:
+    """Fits the planner's quadratic cost model ``a·s² + b·s`` to a model's measured speed.
+
+    Args:
+        source: one of
+            - measured ``(length, seconds)`` pairs (``lengths`` unused);
+            - a torch module, a causal LM called as ``model(input_ids=,
+              position_ids=)`` (Hugging Face style): forward + backward of one
+              random sample of each length is timed;
+            - a callable ``step(length)`` that runs forward + backward of one
+              sample of ``length`` tokens, timed as is.
+        lengths: sample lengths to time (a few, spread over the lengths the
+            data holds, e.g. powers of two up to the longest sample).
+        repeats: timed runs per length (the median counts).
+        warmup: untimed rounds first.
+        vocab_size: token ids are drawn below it (default: the model's).
+        seed: seed of the random token ids.
+
+    The fit minimises squared relative errors with ``a, b >= 0``. Time on
+    the device and in the setting of training (on a GPU: the GPU; on a
+    shared host: with the other ranks running too). A sharded (FSDP) model
+    issues collectives in forward: call it on every rank with the same
+    lengths, or time an unsharded copy.
+
+    Raises:
+        PackingError: fewer than two distinct lengths, a length that is not
+            a positive integer, a time that is not a positive number.
+    """
+    if lengths is None:
+        if callable(source):
+            raise PackingError("fit_cost: give the lengths to time the model at")
+        try:
+            pairs = [(p[0], float(p[1])) for p in source]
+        except (TypeError, ValueError, IndexError):
+            raise PackingError("fit_cost: expected (length, seconds) pairs, a model, or a step function") from None
+    else:
+        sync = None
+        if callable(source) and not hasattr(source, "parameters"):
+            step = source
+        else:
+            step, sync = _module_step(source, vocab_size, seed)
+        pairs = time_samples(step, _lengths(lengths), repeats=repeats, warmup=warmup, sync=sync)
+    if not pairs:
+        raise PackingError("fit_cost: no timings given")
+    raw = json.loads(_odc.fit_cost_json(_lengths([p[0] for p in pairs]), [p[1] for p in pairs]))
+    return CostFit(
+        cost=raw["model"],
+        a=raw["a_per_token2"],
+        b=raw["b_per_token"],
+        rms_relative=raw["rms_relative"],
+        max_relative=raw["max_relative"],
+        rms_seconds=raw["rms_seconds"],
+        overhead_s=raw["overhead_seconds"],
+        points=tuple((p["length"], p["seconds"], p["predicted"]) for p in raw["points"]),
     )
 
 

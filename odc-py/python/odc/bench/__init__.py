@@ -10,8 +10,13 @@ Subcommands:
   packed sequence lengths: Collective + LB-Micro / LocalSort against ODC +
   LB-Micro / LB-Mini / LocalSort, measured speedups beside the packer's
   predictions (:mod:`odc.bench.imbalance`).
+- ``train`` — real FSDP2 training of a Hugging Face transformer on packed
+  variable-length microbatches, the same five configurations, measured
+  speedups beside the packer's predictions with a cost model fitted to the
+  model in the same run; ``--curves``: loss curves of ODC + LB-Mini and
+  Collective + LB-Micro (:mod:`odc.bench.train`).
 
-Both launch their own local ranks (spawned processes sharing a TCPStore),
+All launch their own local ranks (spawned processes sharing a TCPStore),
 or run as one rank of a torchrun job when ``RANK``, ``WORLD_SIZE`` and
 ``MASTER_ADDR`` are set. Tables go to stdout, ``--json FILE`` writes the
 results, ``--plot FILE.png`` draws them (needs matplotlib).
@@ -22,6 +27,7 @@ Example::
 
     odc-bench primitives -g 2 -b 64K -e 64M -f 4 --json prim.json --plot prim.png
     odc-bench imbalance --world 4 --sweep minibatch-size=1,2,4,8 --run-seconds 10
+    odc-bench train --sweep minibatch-size=4,8 --repeats 3 --plot train.png
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def _size(flag: str):
 
 def _build_parser() -> _Parser:
     p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).")
-    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train,memory}", parser_class=_Parser)
 
     pr = sub.add_parser("primitives", help="all-gather / reduce-scatter against ODC gather / scatter-accumulate",
                         description="nccl-tests-style sweep: collective baseline against ODC, same run.")
@@ -138,7 +144,77 @@ def _build_parser() -> _Parser:
                          "(auto: collectives overlap, ODC calls run inline)")
     im.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None, help="ODC push chunk (default: engine's)")
     _common(im)
+    _train_parser(sub)
     return p
+
+
+def _train_parser(sub: Any) -> None:
+    from .train_report import DEFAULT_SYNTHETIC as TRAIN_SYNTHETIC
+
+    tr = sub.add_parser("train", help="real FSDP2 training of a transformer: collectives against ODC",
+                        description="Measured speedup of ODC and packing strategies in real training (FSDP2, a Hugging "
+                                    "Face model from a tiny config, packed variable-length rows, varlen attention) "
+                                    "against the packer's prediction with a cost model fitted in the same run. "
+                                    "--curves: loss curves instead.")
+    src = tr.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="sequence lengths: one integer per line, or a JSON array")
+    src.add_argument("--synthetic", metavar="SPEC",
+                     help=f"synthetic lengths, as odc-pack (default {TRAIN_SYNTHETIC}: LongAlign's shape scaled 1/32)")
+    tr.add_argument("--world", type=_positive(int, "--world"), default=2, help="ranks D, at most one per core (default 2)")
+    tr.add_argument("--minibatch-size", type=_positive(int, "--minibatch-size"), default=8,
+                    help="samples per rank per minibatch M (default 8)")
+    tr.add_argument("--sweep", metavar="minibatch-size=V1,V2,..", help="sweep the minibatch size (one table, one plot)")
+    tr.add_argument("--max-tokens", type=_positive(int, "--max-tokens"), default=2048,
+                    help="token budget of a microbatch (default 2048)")
+    tr.add_argument("--minibatches", type=_positive(int, "--minibatches"), default=6,
+                    help="minibatches per run (default 6; the first is not timed)")
+    tr.add_argument("--repeats", type=_positive(int, "--repeats"), default=3,
+                    help="interleaved runs per configuration (median; default 3)")
+    tr.add_argument("--configs", default=",".join(c[0] for c in _configs()),
+                    help="configurations, comma-separated (the baseline collective+lb-micro always runs)")
+    tr.add_argument("--curves", action="store_true",
+                    help="convergence: train collective+lb-micro, odc+lb-mini and the control collective+local-sort "
+                         "on the same samples and compare their loss curves")
+    _model_flags(tr)
+    tr.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3, help="AdamW learning rate (default 1e-3)")
+    tr.add_argument("--clip", type=_positive(float, "--clip"), default=1.0, help="gradient clip norm (default 1.0)")
+    tr.add_argument("--fit-repeats", type=_positive(int, "--fit-repeats"), default=3,
+                    help="timed runs per length for the cost fit (default 3)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the samples' tokens (default 0)")
+    _common(tr)
+
+    me = sub.add_parser("memory", help="memory per rank: FSDP2 over gloo and ODC, full and hybrid sharding",
+                        description="Trains odc-bench train's model for a few minibatches under each variant and "
+                                    "prints the bytes per rank by kind (max over ranks).")
+    me.add_argument("--world", type=_positive(int, "--world"), default=4, help="ranks (default 4)")
+    me.add_argument("--per-node", type=_positive(int, "--per-node"), default=2,
+                    help="ranks per emulated node for the hybrid rows (default 2)")
+    me.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW minibatches (default 3)")
+    me.add_argument("--micros", type=_positive(int, "--micros"), default=2, help="microbatches each (default 2)")
+    me.add_argument("--length", type=_positive(int, "--length"), default=256, help="tokens per microbatch (default 256)")
+    me.add_argument("--sharding", choices=("full", "hybrid", "both"), default="both",
+                    help="rows to measure (default both: FSDP2 and ODC, full and hybrid)")
+    me.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    _model_flags(me)
+    me.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    me.add_argument("--timeout", type=_positive(float, "--timeout"), default=300.0,
+                    help="seconds any wait on a peer may take (default 300)")
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="CONFIG", help="a local Hugging Face config (directory or config.json) instead "
+                                                     "of the tiny Qwen2 below (random weights)")
+    for flag, default, what in (("--hidden", 128, "hidden size"), ("--layers", 4, "decoder layers"),
+                                ("--heads", 8, "attention heads"), ("--kv-heads", 2, "key/value heads"),
+                                ("--intermediate", 352, "MLP width"), ("--vocab", 512, "vocabulary")):
+        p.add_argument(flag, type=_positive(int, flag), default=default, help=f"{what} (default {default})")
+
+
+def _model_spec(args: argparse.Namespace) -> Any:
+    from .train import ModelSpec
+
+    return ModelSpec(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                     intermediate=args.intermediate, vocab=args.vocab, path=args.model or "")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -168,6 +244,20 @@ def _check_outputs(args: argparse.Namespace) -> None:
         from .report import require_matplotlib
 
         require_matplotlib()
+
+
+def _parse_configs(text: str) -> list[str]:
+    """The configurations ``--configs`` names, in the benchmarks' order, the baseline always first."""
+    from .imbalance import BASELINE
+
+    names = [c[0] for c in _configs()]
+    chosen = {BASELINE}
+    for c in text.split(","):
+        c = c.strip().lower().replace(" ", "")
+        if c not in names:
+            raise UsageError(f"--configs {c!r}: unknown configuration (choose from {', '.join(names)})")
+        chosen.add(c)
+    return [n for n in names if n in chosen]
 
 
 def _progress_flag(args: argparse.Namespace) -> bool | None:
@@ -238,8 +328,12 @@ def _primitives(args: argparse.Namespace) -> int:
         worlds = [int(os.environ["WORLD_SIZE"])]
     leader = int(os.environ.get("RANK", "0")) == 0
 
+    if backend == "gloo":
+        coll_label = "gloo over TCP (" + ("veth + bridge between network namespaces" if args.netns else "loopback") + ")"
+    else:
+        coll_label = backend
     header = [_title("primitives"),
-              f"collective baseline: {backend}; ODC: odc.Engine ({transport}); {args.warmup_iters} warm-up + {args.iters} "
+              f"collective baseline: {coll_label}; ODC: odc.Engine ({transport}); {args.warmup_iters} warm-up + {args.iters} "
               f"timed iterations, each between two barriers; check={args.check}; GB = 1e9 B, "
               f"busbw = algbw * (n-1)/n"]
     if args.netns is not None:
@@ -269,7 +363,8 @@ def _primitives(args: argparse.Namespace) -> int:
         print(flush=True)
     if not leader:
         return 0
-    doc = {"bench": "primitives", "backend": backend, "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+    doc = {"bench": "primitives", "backend": backend, "collective_transport": coll_label,
+           "load_average": os.getloadavg(), "cpus": os.cpu_count(),
            "args": {"ranks": worlds, "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
                     "iters": args.iters, "warmup_iters": args.warmup_iters, "datatypes": dtypes, "check": args.check,
                     "in_place": args.in_place, "netns": args.netns, "transport": transport},
@@ -277,7 +372,7 @@ def _primitives(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, doc)
     if args.plot:
-        primitives.plot(all_rows, args.plot, f"odc-bench primitives ({backend} vs odc), busbw")
+        primitives.plot(all_rows, args.plot, f"odc-bench primitives ({coll_label} vs odc over {transport}), busbw")
     wrong = sum(r["collective"]["wrong"] + r["odc"]["wrong"] for r in all_rows)
     if wrong:
         print(f"odc-bench: error: {wrong} wrong elements (see #wrong)", file=sys.stderr)
@@ -349,14 +444,8 @@ def _imbalance(args: argparse.Namespace) -> int:
         packing.sequence_cost(1, args.cost)
     except PackingError as e:
         raise UsageError(f"--cost {args.cost!r}: {e}") from None
-    names = [c[0] for c in imbalance.CONFIGS]
-    chosen = []
-    for c in args.configs.split(","):
-        c = c.strip().lower().replace(" ", "")
-        if c not in names:
-            raise UsageError(f"--configs {c!r}: unknown configuration (choose from {', '.join(names)})")
-        chosen.append(c)
-    configs = tuple(cfg for cfg in imbalance.CONFIGS if cfg[0] == imbalance.BASELINE or cfg[0] in chosen)
+    chosen = _parse_configs(args.configs)
+    configs = tuple(cfg for cfg in imbalance.CONFIGS if cfg[0] in chosen)
     if args.lengths is not None:
         base_lengths = _read_lengths(args.lengths)
         spec = None
@@ -447,7 +536,8 @@ def _imbalance(args: argparse.Namespace) -> int:
         f"{', '.join(fixed)}; {args.layers} layers x {args.layer_bytes} B f32; {src}; cost {args.cost}; "
         f"{args.minibatches} minibatches; max tokens {max_tokens}",
         f"EMULATED COMPUTE (sleep): {scale_txt} s per unit cost per layer forward, backward 2x; "
-        f"real communication (gloo collectives / odc.Engine); median of {args.repeats} run(s)",
+        f"real communication (gloo collectives over TCP loopback / odc.Engine over shm); median of {args.repeats} "
+        f"run(s)",
         f"bubble = 1 - compute / (D * time) measured | predicted by odc.packing; speedup vs {imbalance.BASELINE}; "
         f"error = measured / predicted - 1",
     ]
@@ -477,6 +567,47 @@ def _imbalance(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- memory ------------------------------------------------------------------------------------------
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from . import launch, memory
+    from .report import write_json
+
+    if launch.under_torchrun():
+        raise UsageError("odc-bench memory launches its own ranks (one run per variant); not under torchrun")
+    if args.world < 2:
+        raise UsageError(f"--world {args.world}: need at least 2 ranks")
+    hybrid = args.sharding in ("hybrid", "both")
+    if hybrid and (args.world % args.per_node or args.world == args.per_node or args.per_node < 2):
+        raise UsageError(f"--world {args.world} --per-node {args.per_node}: the hybrid rows need at least two "
+                         f"emulated nodes of at least 2 ranks each")
+    _check_outputs(argparse.Namespace(json=args.json, plot=None))
+    spec = _model_spec(args)
+    rows = []
+    for label, comm, sharding in memory.VARIANTS:
+        if args.sharding not in ("both", sharding):
+            continue
+        per_rank = launch.run_ranks(memory.memory_rank, args.world, backend="gloo", spec=asdict(spec), comm=comm,
+                                    sharding=sharding, per_node=args.per_node, steps=args.steps, micros=args.micros,
+                                    length=args.length, timeout=args.timeout)
+        worst = {k: (None if any(r[k] is None for r in per_rank) else max(r[k] for r in per_rank))
+                 for k in memory.KEYS}
+        rows.append({"label": label, "comm": comm, "sharding": sharding, "max": worst, "ranks": per_rank})
+    title = [_title("memory"),
+             f"{args.world} ranks{f' (hybrid: nodes of {args.per_node}, emulated on this host)' if hybrid else ''}, "
+             f"{spec.describe()}, fp32, "
+             f"AdamW, {args.steps} minibatches of {args.micros} x {args.length} tokens; ODC shared memory = the "
+             f"/dev/shm segments of the rank's engine (published shards, f32 accumulators, landing slots, signals)"]
+    print(memory.render(rows, title, markdown=args.markdown), flush=True)
+    if args.json:
+        write_json(args.json, {"bench": "memory", "load_average": os.getloadavg(), "model": asdict(spec),
+                               "args": vars(args), "rows": rows})
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------------------
 
 
@@ -495,9 +626,15 @@ def _main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError("missing subcommand: choose primitives or imbalance")
+            raise UsageError("missing subcommand: choose primitives, imbalance, train or memory")
         if args.command == "primitives":
             return _primitives(args)
+        if args.command == "train":
+            from .train_report import command
+
+            return command(args, _model_spec(args))
+        if args.command == "memory":
+            return _memory(args)
         return _imbalance(args)
     except UsageError as e:
         print(f"odc-bench: error: {e}", file=sys.stderr)

@@ -16,6 +16,7 @@ import time
 from typing import Any, Iterable, Sequence
 
 __all__ = [
+    "LoadSampler",
     "UsageError",
     "parse_size",
     "format_size",
@@ -142,3 +143,48 @@ def load_average() -> str:
     except OSError:  # pragma: no cover
         return "unknown"
     return f"{one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cpus)"
+
+
+class LoadSampler:
+    """Samples the 1-minute load average every ``period`` seconds on a thread while a benchmark runs.
+
+    Use as a context manager; :attr:`samples` holds ``(seconds since start,
+    load)`` pairs, the first taken at entry and the last at exit.
+    """
+
+    def __init__(self, period: float = 5.0) -> None:
+        import threading
+
+        self.period = period
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="odc-bench-load", daemon=True)
+        self._t0 = 0.0
+
+    def _take(self) -> None:
+        try:
+            self.samples.append((time.monotonic() - self._t0, os.getloadavg()[0]))
+        except OSError:  # pragma: no cover
+            pass
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._take()
+
+    def __enter__(self) -> "LoadSampler":
+        self._t0 = time.monotonic()
+        self._take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._take()
+
+    def describe(self) -> str:
+        loads = [v for _, v in self.samples]
+        if not loads:
+            return "load average during the run: unknown"
+        return (f"1-minute load average during the run {min(loads):.2f}..{max(loads):.2f} "
+                f"(median {sorted(loads)[len(loads) // 2]:.2f}, {len(loads)} samples, {os.cpu_count()} cpus)")

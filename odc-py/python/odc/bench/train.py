@@ -1,0 +1,415 @@
+"""``odc-bench train``: real FSDP2 training of a Hugging Face transformer on packed variable-length microbatches.
+
+The workload (rank side): a causal LM from a tiny config (Qwen2 by default,
+random weights), ``fully_shard`` per decoder layer and the root, AdamW,
+torch's ``clip_grad_norm_`` before every step. Each microbatch is one packed
+row: its samples back to back, ``position_ids`` restarting per sample and
+**varlen attention** (:func:`varlen_attention`: every sample attends only to
+itself, causal ``scaled_dot_product_attention`` per sample, what
+flash-attention's varlen kernels compute on GPUs), so a microbatch costs the
+sum of its samples' costs. Compute is real; one thread per rank.
+
+Every configuration (collective = FSDP2's own gloo collectives, odc =
+``odc.fsdp.enable``) trains the same model from the same initial weights on
+the same global minibatches; only the packing differs, so every run computes
+the same gradients up to the order of float sums.
+
+The prediction is not built from the measurement: before any training, every
+rank times forward + backward of single samples on an unsharded copy of the
+model (:func:`odc.packing.time_samples`, all ranks at once, as they compute
+during training), the pooled timings are fitted by
+:func:`odc.packing.fit_cost`, and the planner predicts each plan's bubble with
+that cost model.
+
+Samples are token sequences of a fixed random first-order Markov chain (four
+likely successors per token), so the loss has something to learn: it falls
+from ``ln(vocab)`` towards the chain's entropy (about ``ln 4``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# The imbalance benchmark's five configurations (name, mode, strategy); the first is the baseline.
+from .imbalance import BASELINE, CONFIGS
+
+__all__ = ["BASELINE", "CONFIGS", "ModelSpec", "build_model", "fit_lengths", "markov_tokens", "packed_row",
+           "train_rank", "varlen_attention"]
+
+VARLEN = "odc_bench_varlen"
+# The collective run each configuration's final parameters are compared with: the one with the same plan (same
+# samples in the same microbatches), else the baseline (same samples per minibatch, packed differently).
+SAME_PLAN = {name: (f"collective+{strategy}" if any(c[0] == f"collective+{strategy}" for c in CONFIGS) else BASELINE)
+             for name, _, strategy in CONFIGS}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A Qwen2-style decoder from a tiny config (random weights), or any local config (``path``)."""
+
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate: int = 352
+    vocab: int = 512
+    path: str = ""
+
+    def describe(self) -> str:
+        if self.path:
+            return f"config {self.path}"
+        return (f"Qwen2 hidden {self.hidden}, {self.layers} layers, {self.heads} heads ({self.kv_heads} kv), "
+                f"MLP {self.intermediate}, vocab {self.vocab}")
+
+
+def varlen_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
+                     dropout: float = 0.0, cu_seq_lens_q: Any = None, position_ids: Any = None, **_: Any) -> tuple:
+    """Per-sample causal attention over one packed row.
+
+    Sample boundaries come from ``cu_seq_lens_q`` (cumulative lengths, the
+    argument flash-attention's varlen kernels take), else from where
+    ``position_ids`` restart at 0. Registered with transformers'
+    ``AttentionInterface`` by :func:`build_model`.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if cu_seq_lens_q is not None:
+        bounds = [int(x) for x in cu_seq_lens_q]
+    else:
+        bounds = [*(position_ids.view(-1) == 0).nonzero().view(-1).tolist(), query.shape[2]]
+    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
+                                           scale=scaling, enable_gqa=True)
+            for a, b in itertools.pairwise(bounds)]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def build_model(spec: ModelSpec, seed: int = 0) -> Any:
+    """The causal LM of ``spec`` with varlen attention, weights drawn from ``seed`` (every rank alike)."""
+    import torch
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    if spec.path:
+        cfg = AutoConfig.from_pretrained(spec.path)
+    else:
+        cfg = Qwen2Config(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.intermediate,
+                          num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+                          num_key_value_heads=spec.kv_heads, tie_word_embeddings=True,
+                          max_position_embeddings=1 << 17)
+    cfg.use_cache = False
+    AttentionInterface.register(VARLEN, varlen_attention)
+    cfg._attn_implementation = VARLEN
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def markov_tokens(index: int, length: int, vocab: int, seed: int = 0) -> Any:
+    """Tokens of sample ``index``: a walk on a fixed random chain with 4 likely successors per token."""
+    import torch
+
+    table = torch.randint(0, vocab, (vocab, 4), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index + 1)
+    picks = torch.randint(0, 4, (length,), generator=g).tolist()
+    tok = int(torch.randint(0, vocab, (1,), generator=g))
+    out = []
+    rows = table.tolist()
+    for p in picks:
+        out.append(tok)
+        tok = rows[tok][p]
+    return torch.tensor(out, dtype=torch.long)
+
+
+def packed_row(samples: Sequence[Any]) -> dict:
+    """Model inputs of one packed row, with ``labels`` (a sample's first token has none)."""
+    import torch
+
+    lengths = [len(s) for s in samples]
+    bounds = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return {
+        "input_ids": torch.cat(list(samples))[None],
+        "position_ids": torch.cat([torch.arange(n) for n in lengths])[None],
+        "labels": torch.cat([torch.cat([torch.tensor([-100]), s[1:]]) for s in samples])[None],
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": max(lengths),
+        "max_length_k": max(lengths),
+    }
+
+
+def fit_lengths(lengths: Sequence[int], points: int = 7) -> list[int]:
+    """Lengths to time for the cost fit: geometric from the 5th percentile to the longest sample."""
+    s = sorted(lengths)
+    lo, hi = max(8, s[len(s) // 20]), s[-1]
+    if hi <= lo:
+        return sorted({max(2, hi // 2), hi})
+    return sorted({round(lo * (hi / lo) ** (i / (points - 1))) for i in range(points)})
+
+
+# -- rank side ---------------------------------------------------------------------------------------
+
+
+def _loss(model: Any, row: dict) -> Any:
+    import torch.nn.functional as F
+
+    inputs = {k: v for k, v in row.items() if k != "labels"}
+    logits = model(**inputs).logits
+    return F.cross_entropy(logits[0, :-1].float(), row["labels"][0, 1:], ignore_index=-100, reduction="sum")
+
+
+def _time_fit(ctx: Any, spec: ModelSpec, lengths: list[int], repeats: int) -> Any:
+    """Times single samples on an unsharded copy on every rank at once; returns the pooled fit."""
+    from odc import packing
+
+    model = build_model(spec, seed=1)
+    row_of = {s: packed_row([markov_tokens(10_000_000 + s, s, spec.vocab or _vocab(model))]) for s in lengths}
+
+    def step(s: int) -> None:
+        _loss(model, row_of[s]).backward()
+        model.zero_grad(set_to_none=True)
+
+    ctx.barrier()
+    pairs = packing.time_samples(step, lengths, repeats=repeats, warmup=1)
+    pooled = [p for rank_pairs in ctx.all_gather_object(pairs) for p in rank_pairs]
+    return packing.fit_cost(pooled), pooled
+
+
+def _vocab(model: Any) -> int:
+    return int(model.config.vocab_size)
+
+
+def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list, samples: list, tokens: list, lr: float,
+         clip: float, timeout: float, record: bool) -> dict:
+    """One training run of ``minibatches`` (this rank's microbatches per minibatch); timed from a barrier."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import odc.fsdp
+
+    model = build_model(spec, seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if mode == "odc":
+        odc.fsdp.enable(model, opt, timeout=timeout)
+    rows = [[packed_row([samples[i] for i in mb]) for mb in mine] for mine in minibatches]
+    world = ctx.world
+    ctx.barrier()
+    t0 = time.perf_counter()
+    ends, losses, norms, micro = [], [], [], []
+    for k, mine in enumerate(rows):
+        local = torch.zeros((), dtype=torch.float64)
+        for j, row in enumerate(mine):
+            m0 = time.perf_counter()
+            loss = _loss(model, row)
+            (loss * world / tokens[k]).backward()  # FSDP averages over ranks
+            local += loss.detach().double()
+            micro.append((k, minibatches[k][j], time.perf_counter() - m0))
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        ends.append(time.perf_counter())
+        losses.append(float(local) / tokens[k])
+        norms.append(norm)
+    norms = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
+    dist.barrier()
+    final = {name: p.to_local().detach().clone() for name, p in model.named_parameters()} if record else None
+    if mode == "odc":
+        odc.fsdp.disable(model)
+    return {"t0": t0, "ends": ends, "losses": losses, "norms": norms, "micro": micro, "final": final}
+
+
+def _param_diff(a: dict, b: dict) -> tuple[float, float]:
+    """Max absolute difference and the norm of the difference relative to the norm of ``b``."""
+    worst, num, den = 0.0, 0.0, 0.0
+    for k in b:
+        d = (a[k].double() - b[k].double())
+        if d.numel():
+            worst = max(worst, float(d.abs().max()))
+        num += float((d * d).sum())
+        den += float((b[k].double() ** 2).sum())
+    return worst, math.sqrt(num / den) if den > 0 else 0.0
+
+
+def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], repeats: int, fit_lengths: list[int],
+               fit_repeats: int, lr: float, clip: float, timeout: float, seed: int, skip: int = 1,
+               calibrate: bool = True) -> dict:
+    """One rank of ``odc-bench train``: the cost fit, then every configuration of every point, interleaved.
+
+    ``points`` carry the lengths, minibatch size and token budget of each
+    sweep point; the first ``skip`` minibatches of a run train but are not
+    timed (warm-up), and the predictions cover the others. ``calibrate``
+    measures the fixed costs per microbatch and per minibatch of each mode
+    (:func:`_overheads`) for a second prediction. Rank 0 returns the fit, the
+    fixed costs, the plans' predictions and every run's timings, losses and
+    parameter differences.
+    """
+    import torch
+
+    from odc import packing
+
+    spec_ = ModelSpec(**spec)
+    torch.manual_seed(seed)
+    fit, pooled = _time_fit(ctx, spec_, fit_lengths, fit_repeats)
+    ctx.emit("progress", "cost fit")
+    table = {name: (mode, strategy) for name, mode, strategy in CONFIGS}
+    overheads = {}
+    for mode in dict.fromkeys(table[name][0] for name in configs) if calibrate else ():
+        overheads[mode] = _overheads(ctx, spec_, mode, fit, lr, clip, timeout)
+        ctx.emit("progress", f"{mode} overheads")
+    out_points = []
+    for point in points:
+        lengths = point["lengths"]
+        vocab = spec_.vocab
+        samples = [markov_tokens(i, n, vocab, seed) for i, n in enumerate(lengths)]
+        plans = {}
+        for name in configs:
+            strategy = table[name][1]
+            if strategy not in plans:
+                plans[strategy] = packing.plan(lengths, ctx.world, point["minibatch_size"], strategy,
+                                               point["max_tokens"], cost=fit)
+        ref = plans["lb-micro"]
+        # Labels per minibatch from the plan itself (every strategy holds the same samples per minibatch).
+        tokens = [sum(lengths[i] - 1 for r in m for mb in r for i in mb) for m in ref.minibatches]
+        runs: dict[str, list] = {name: [] for name in configs}
+        finals: dict[str, dict] = {}
+        for rep in range(repeats):
+            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+            for name in order:
+                mode, strategy = table[name]
+                p = plans[strategy]
+                r = _run(ctx, spec_, mode, p.rank(ctx.rank), samples, tokens, lr, clip, timeout,
+                         record=(rep == 0))
+                if rep == 0:
+                    finals[name] = r.pop("final")
+                else:
+                    r.pop("final")
+                gathered = ctx.all_gather_object(r)
+                runs[name].append(_aggregate(gathered, skip))
+                ctx.emit("progress", f"{point['label']} {name} #{rep + 1}")
+        diffs = {}
+        for name in configs:
+            for ref_name in {BASELINE, SAME_PLAN[name]}:
+                if ref_name in finals and ref_name != name:
+                    local = _param_diff(finals[name], finals[ref_name])
+                    every = ctx.all_gather_object(local)
+                    diffs[f"{name} vs {ref_name}"] = {"max_abs": max(e[0] for e in every),
+                                                      "rel_norm": max(e[1] for e in every)}
+        predictions = {name: _prediction(plans[table[name][1]], table[name][0], ref, skip) for name in configs}
+        if overheads:
+            spans = {name: _span_with_overheads(plans[table[name][1]], table[name][0], lengths, fit,
+                                                overheads[table[name][0]], skip) for name in configs}
+            for name, p in predictions.items():
+                p.update(seconds_with_overheads=spans[name], speedup_with_overheads=spans[BASELINE] / spans[name])
+        out_points.append({
+            "predictions": predictions,
+            "runs": runs,
+            "diffs": diffs,
+        })
+    return {"fit": fit.to_dict(), "fit_timings": pooled, "overheads": overheads, "points": out_points}
+
+
+# The calibration microbatch: a sample this short is nearly all fixed cost.
+CALIBRATION_LENGTH = 16
+
+
+def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: Any, lr: float, clip: float, timeout: float,
+               repeats: int = 4) -> dict:
+    """Seconds the fitted per-sample costs leave out under ``mode``, measured apart from the benchmark's runs.
+
+    Trains minibatches of 1 and of 4 microbatches of one
+    ``CALIBRATION_LENGTH``-token sample (the same on every rank, so nobody
+    waits for anybody): the slope per microbatch minus the fit's cost of the
+    sample is the fixed cost of a microbatch (interpreter, FSDP's hooks and
+    copies, the communication of every layer), the rest of a minibatch's
+    time the fixed cost of a minibatch (clip, optimizer step, finish).
+    """
+    few, many = 1, 4
+    sample = [markov_tokens(20_000_000, CALIBRATION_LENGTH, spec.vocab)]
+    plan = [[[0]] * few] * (1 + repeats) + [[[0]] * many] * repeats  # the first minibatch warms up
+    tokens = [ctx.world * len(m) * (CALIBRATION_LENGTH - 1) for m in plan]
+    r = _run(ctx, spec, mode, plan, sample, tokens, lr, clip, timeout, record=False)
+    r.pop("final")
+    per_minibatch = _aggregate(ctx.all_gather_object(r), 0)["minibatch_s"]
+    t_few = statistics.median(per_minibatch[1:1 + repeats])
+    t_many = statistics.median(per_minibatch[1 + repeats:])
+    per_micro = (t_many - t_few) / (many - few)
+    return {"microbatch_s": per_micro - fit.seconds(CALIBRATION_LENGTH), "minibatch_s": t_few - few * per_micro,
+            "calibration_minibatch_s": per_minibatch}
+
+
+def _span_with_overheads(plan: Any, mode: str, lengths: list[int], fit: Any, overheads: dict, skip: int) -> float:
+    """Seconds the plan takes over minibatches ``skip..`` with the fitted costs plus the measured fixed costs.
+
+    Under ODC a minibatch takes its slowest rank's microbatches; under
+    collectives every microbatch step its slowest rank's microbatch; each
+    microbatch adds ``overheads["microbatch_s"]``, each minibatch
+    ``overheads["minibatch_s"]``.
+    """
+    per_mb, per_minibatch = overheads["microbatch_s"], overheads["minibatch_s"]
+
+    def cost(mb: Sequence[int]) -> float:
+        return sum(fit.seconds(lengths[i]) for i in mb) + per_mb
+
+    span = 0.0
+    for ranks in plan.minibatches[skip:]:
+        if mode == "odc":
+            span += max(sum(cost(mb) for mb in r) for r in ranks)
+        else:
+            steps = max(len(r) for r in ranks)
+            span += sum(max(cost(r[j]) if j < len(r) else per_mb for r in ranks) for j in range(steps))
+        span += per_minibatch
+    return span
+
+
+def _busy(plan: Any, mode: str, skip: int) -> tuple[float, float]:
+    """(seconds of work, seconds the plan takes) over minibatches ``skip..``: the fitted costs are seconds.
+
+    A minibatch takes its slowest rank's cost under ODC, and the sum over
+    microbatch steps of the slowest rank's microbatch under collectives, which
+    is its work over ``D · (1 − bubble)``.
+    """
+    work = span = 0.0
+    for m in range(skip, plan.num_minibatches):
+        total = sum(plan.costs[m])
+        work += total
+        if mode == "odc":
+            span += max(plan.costs[m])
+        else:
+            span += total / (plan.world_size * (1.0 - plan.minibatch_bubbles[m][0]))
+    return work, span
+
+
+def _prediction(plan: Any, mode: str, baseline: Any, skip: int) -> dict:
+    """What the planner predicts for one configuration over the timed minibatches."""
+    work, span = _busy(plan, mode, skip)
+    _, base_span = _busy(baseline, "collective", skip)
+    return {
+        "bubble": 1.0 - work / (plan.world_size * span) if span > 0 else float("nan"),
+        "speedup": base_span / span if span > 0 else float("nan"),
+        "seconds": span,
+        "microbatches": [[len(r) for r in m] for m in plan.minibatches],
+    }
+
+
+def _aggregate(per_rank: list[dict], skip: int) -> dict:
+    start = min(r["t0"] for r in per_rank)
+    n = len(per_rank[0]["ends"])
+    ends = [max(r["ends"][k] for r in per_rank) for k in range(n)]
+    losses = [sum(r["losses"][k] for r in per_rank) for k in range(n)]
+    return {
+        "total_s": ends[-1] - start if ends else 0.0,
+        "timed_s": ends[-1] - (ends[skip - 1] if skip > 0 else start) if ends else 0.0,
+        "minibatch_s": [e - s for s, e in itertools.pairwise([start, *ends])],
+        "losses": losses,
+        "norms": per_rank[0]["norms"],
+        "micro": [[(k, list(mb), t) for k, mb, t in r["micro"]] for r in per_rank],
+    }
