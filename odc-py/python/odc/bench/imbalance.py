@@ -46,7 +46,7 @@ from typing import Any, Sequence
 
 from .report import fmt, table
 
-__all__ = ["CONFIGS", "build_points", "imbalance_rank", "summarize", "render", "plot"]
+__all__ = ["CONFIGS", "build_point", "imbalance_rank", "summarize", "render", "plot"]
 
 # (name, mode, strategy); the first is the baseline of every speedup.
 CONFIGS = (
