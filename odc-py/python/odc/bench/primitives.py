@@ -25,6 +25,7 @@ exactly).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -150,13 +151,13 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
         # -- all-gather -------------------------------------------------------
         inp = _gather_pattern(count, part)[rank * part : (rank + 1) * part].to(dt).to(dev)
         out = torch.empty(count, dtype=dt, device=dev)
-        t = _timed(ctx, warmup, iters, lambda: dist.all_gather_into_tensor(out, inp, group=ctx.group), sync)
+        t = _timed(ctx, warmup, iters, functools.partial(dist.all_gather_into_tensor, out, inp, group=ctx.group), sync)
         wrong = int((out.cpu() != _gather_pattern(count, part).to(dt)).sum()) if check else 0
         coll = _result(f"{ctx.backend} all_gather_into_tensor", size, world, *_slowest(ctx, t, wrong))
         del inp, out
 
         out = torch.empty(count, dtype=dt, device=edev)
-        t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out), odc_sync)
+        t = _timed(ctx, warmup, iters, functools.partial(eng.gather, name, 0, out), odc_sync)
         wrong = int((out.cpu() != _gather_pattern(count, sl).to(dt)).sum()) if check else 0
         odc_res = _result("odc gather", size, world, *_slowest(ctx, t, wrong))
         del out
@@ -169,7 +170,8 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
             out = torch.empty(count, dtype=dt, device=dev)
             view = out[rank * part : (rank + 1) * part]
             view.copy_(_gather_pattern(count, part)[rank * part : (rank + 1) * part].to(dt).to(dev))
-            t = _timed(ctx, warmup, iters, lambda: dist.all_gather_into_tensor(out, view, group=ctx.group), sync)
+            t = _timed(ctx, warmup, iters, functools.partial(dist.all_gather_into_tensor, out, view, group=ctx.group),
+                       sync)
             wrong = int((out.cpu() != _gather_pattern(count, part).to(dt)).sum()) if check else 0
             coll = _result(f"{ctx.backend} all_gather_into_tensor in-place", size, world, *_slowest(ctx, t, wrong))
             del out, view
@@ -177,7 +179,7 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
             out = torch.empty(count, dtype=dt, device=edev)
             lo, hi = min(rank * sl, count), min((rank + 1) * sl, count)
             out[lo:hi] = want[lo:hi].to(edev)
-            t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out, skip_own=True), odc_sync)
+            t = _timed(ctx, warmup, iters, functools.partial(eng.gather, name, 0, out, skip_own=True), odc_sync)
             wrong = int((out.cpu() != want).sum()) if check else 0
             odc_res = _result("odc gather skip_own", size, world, *_slowest(ctx, t, wrong))
             del out
@@ -187,19 +189,19 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
         # -- reduce-scatter ---------------------------------------------------
         inp = _push_pattern(count, rank).to(dt).to(dev)
         out = torch.empty(part, dtype=dt, device=dev)
-        t = _timed(ctx, warmup, iters, lambda: dist.reduce_scatter_tensor(out, inp, group=ctx.group), sync)
+        t = _timed(ctx, warmup, iters, functools.partial(dist.reduce_scatter_tensor, out, inp, group=ctx.group), sync)
         wrong = int((out.cpu() != _sum_pattern(count, world)[rank * part : (rank + 1) * part].to(dt)).sum()) if check else 0
         coll = _result(f"{ctx.backend} reduce_scatter_tensor", size, world, *_slowest(ctx, t, wrong))
         del out
         inp = inp.to(edev)
 
-        def push() -> None:
+        def push(name: str, inp: Any) -> None:
             nonlocal minibatch
             eng.scatter_accumulate(name, inp, scale=1.0, offset=0)
             eng.finish_minibatch(minibatch)
             minibatch += 1
 
-        t = _timed(ctx, warmup, iters, push, odc_sync)
+        t = _timed(ctx, warmup, iters, functools.partial(push, name, inp), odc_sync)
         wrong = 0
         if check:
             lo, hi = min(rank * sl, count), min((rank + 1) * sl, count)
