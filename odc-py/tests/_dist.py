@@ -5,7 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -27,7 +28,7 @@ def _entry(fn, rank, world, port, queue, kwargs):
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
         result = fn(rank, world, store, **kwargs)
         queue.put((rank, "ok", result))
-    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+    except BaseException as e:  # report everything to the parent
         queue.put((rank, "error", (type(e).__name__, str(e), getattr(e, "peer", None), traceback.format_exc())))
     finally:
         queue.close()

@@ -428,7 +428,7 @@ def hybrid_errors_worker(rank, world, store, per_node):
             fn()
         except odc.ConfigError as e:
             found[key] = str(e)
-        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        except Exception as e:  # reported, the test fails on it
             found[key] = f"wrong type {type(e).__name__}: {e}"
         else:
             found[key] = "no error"

@@ -11,10 +11,10 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import run_ranks
 
 import odc
 import odc.backend
-from _dist import run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 7, 1001]

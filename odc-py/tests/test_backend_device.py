@@ -15,15 +15,15 @@ import datetime
 import os
 from types import SimpleNamespace
 
+import _fsdp_helpers as H
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import need_gpu, run_ranks
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-import _fsdp_helpers as H
 import odc
 import odc.backend
-from _dist import need_gpu, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TIMEOUT = datetime.timedelta(seconds=60)

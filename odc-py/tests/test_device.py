@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 
+import _fsdp_helpers as H
 import pytest
 import torch
+from _dist import need_gpu, run_ranks
 
-import _fsdp_helpers as H
 import odc
 import odc.fsdp
-from _dist import need_gpu, run_ranks
 
 JITTER_US = "200"
 

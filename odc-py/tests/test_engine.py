@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from _dist import run_ranks
 
 import odc
-from _dist import run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -13,9 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import _fsdp_helpers as H
+import pytest
 from _dist import run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"

@@ -15,7 +15,6 @@ import os
 import subprocess
 
 import pytest
-
 from _netns import Outcome, cluster, require_ok, skip_if_unavailable
 
 pytestmark = pytest.mark.multinode

@@ -38,7 +38,8 @@ import math
 import os
 import socket
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .report import UsageError
 

@@ -40,13 +40,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from .report import fmt, table
 
-__all__ = ["CONFIGS", "build_point", "imbalance_rank", "summarize", "render", "plot"]
+__all__ = ["CONFIGS", "build_point", "imbalance_rank", "plot", "render", "summarize"]
 
 # (name, mode, strategy); the first is the baseline of every speedup.
 CONFIGS = (
@@ -295,7 +296,7 @@ def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float,
             pending = comm.gather(order[p + 1][0], model.buffers[(p + 1) % 2], j)
         compute.run(factor * scale * cost)
         if factor == 2.0:
-            pushes.append((comm.push(layer, model.pattern[layer] * float(weight))))
+            pushes.append(comm.push(layer, model.pattern[layer] * float(weight)))
     for w in pushes:
         w.wait()
 

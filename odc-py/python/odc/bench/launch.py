@@ -20,10 +20,11 @@ import queue as queue_mod
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["RankContext", "BenchError", "under_torchrun", "run_ranks"]
+__all__ = ["BenchError", "RankContext", "run_ranks", "under_torchrun"]
 
 EventHandler = Callable[[str, Any], None]
 
@@ -156,7 +157,7 @@ def _child(fn, rank, world, port, events, backend, job_key, kwargs, place=None,
             ctx.local_world = int(place[1]["LOCAL_WORLD_SIZE"])
         result = fn(ctx, **kwargs)
         events.put(("result", rank, result if rank == 0 else None))
-    except BaseException as e:  # noqa: BLE001 - every failure goes to the caller
+    except BaseException as e:  # every failure goes to the caller
         events.put(("error", rank, (f"{type(e).__name__}: {e}", traceback.format_exc())))
     finally:
         if ctx is not None:

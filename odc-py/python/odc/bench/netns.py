@@ -37,7 +37,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["NetnsError", "Namespaces", "unavailable_reason", "enter", "rank_placement", "run_ranks"]
+__all__ = ["Namespaces", "NetnsError", "enter", "rank_placement", "run_ranks", "unavailable_reason"]
 
 CLONE_NEWNET = 0x40000000
 _PREFIX_RE = re.compile(r"^odc(\d+)([a-z])[nrvb]\d*$")
@@ -163,7 +163,7 @@ class Namespaces:
             self.prefix = f"odc{os.getpid()}{chr(ord('a') + _sequence % 26)}"
             _sequence += 1
 
-    def create(self) -> "Namespaces":
+    def create(self) -> Namespaces:
         """Makes the namespaces, veths and bridge; raises :class:`NetnsError` (after cleaning up) on failure."""
         why = unavailable_reason()
         if why is not None:
@@ -215,7 +215,7 @@ class Namespaces:
         if failed:
             raise NetnsError("could not remove: " + "; ".join(failed))
 
-    def __enter__(self) -> "Namespaces":
+    def __enter__(self) -> Namespaces:
         return self.create() if not self._created else self
 
     def __exit__(self, *exc: Any) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 from .report import busbw_factor, fmt, format_size, table
 
-__all__ = ["primitives_rank", "OPS", "render", "plot"]
+__all__ = ["OPS", "plot", "primitives_rank", "render"]
 
 # (op key, redop, collective name, ODC name)
 OPS = (

@@ -13,17 +13,18 @@ import math
 import os
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "LoadSampler",
-    "UsageError",
-    "parse_size",
-    "format_size",
-    "busbw_factor",
     "Progress",
-    "write_json",
+    "UsageError",
+    "busbw_factor",
+    "format_size",
+    "parse_size",
     "require_matplotlib",
+    "write_json",
 ]
 
 
@@ -171,7 +172,7 @@ class LoadSampler:
         while not self._stop.wait(self.period):
             self._take()
 
-    def __enter__(self) -> "LoadSampler":
+    def __enter__(self) -> LoadSampler:
         self._t0 = time.monotonic()
         self._take()
         self._thread.start()
