@@ -39,9 +39,12 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .report import UsageError
+
+if TYPE_CHECKING:
+    from .imbalance import Config
 
 __all__ = ["main"]
 
@@ -233,7 +236,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="progress line on stderr (auto: when stderr is a terminal)")
 
 
-def _configs() -> tuple[tuple[str, str, str], ...]:
+def _configs() -> tuple[Config, ...]:
     from .imbalance import CONFIGS
 
     return CONFIGS

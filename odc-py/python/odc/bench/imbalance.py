@@ -44,14 +44,17 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from .report import fmt, table
 
 __all__ = ["CONFIGS", "build_point", "imbalance_rank", "plot", "render", "summarize"]
 
+Mode = Literal["collective", "odc"]
+Config = tuple[str, Mode, str]
+
 # (name, mode, strategy); the first is the baseline of every speedup.
-CONFIGS = (
+CONFIGS: tuple[Config, ...] = (
     ("collective+lb-micro", "collective", "lb-micro"),
     ("collective+local-sort", "collective", "local-sort"),
     ("odc+lb-micro", "odc", "lb-micro"),
@@ -76,11 +79,11 @@ class Settings:
     minibatches: int
     repeats: int
     seed: int | None
-    configs: tuple
+    configs: tuple[Config, ...]
 
 
 def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_tokens: int, settings: Settings,
-                compute_scale: float | None, run_seconds: float | None, label: Any = None) -> dict:
+                compute_scale: float | None, run_seconds: float | None, label: Any = None) -> dict[str, Any]:
     """Plans one benchmark point: every configuration's per-rank microbatches, predictions and the compute scale.
 
     The lengths are cut to ``minibatches · minibatch_size · world`` samples
@@ -91,8 +94,8 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
     n = settings.minibatches * minibatch_size * world
     lengths = list(lengths[:n])
     costs = [packing.sequence_cost(s, settings.cost) for s in lengths]
-    plans = {}
-    configs = {}
+    plans: dict[str, packing.Plan] = {}
+    configs: dict[str, dict[str, Any]] = {}
     for name, mode, strategy in settings.configs:
         if strategy not in plans:
             plans[strategy] = packing.plan(lengths, world, minibatch_size, strategy, max_tokens, settings.cost,
@@ -283,7 +286,7 @@ class _Future:
 
 
 def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float, weight: int, scale: float,
-                j: int, stats: dict) -> None:
+                j: int, stats: dict[str, int]) -> None:
     """Forward and backward of one microbatch (cost 0 = an empty collective step)."""
     layers = model.layers
     order = [(i, 1.0) for i in range(layers)] + [(i, 2.0) for i in reversed(range(layers))]
@@ -303,8 +306,8 @@ def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float,
         w.wait()
 
 
-def _run_config(ctx: Any, cfg: dict, scale: float, model: _Model, engine: Any, pool: ThreadPoolExecutor | None,
-                state: dict, progress: Any) -> dict:
+def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engine: Any,
+                pool: ThreadPoolExecutor | None, state: dict[str, int], progress: Any) -> dict[str, Any]:
     mine = cfg["per_rank"][ctx.rank]
     n = len(cfg["weights"])
     compute = EmulatedCompute()
@@ -355,8 +358,8 @@ def _run_config(ctx: Any, cfg: dict, scale: float, model: _Model, engine: Any, p
     }
 
 
-def imbalance_rank(ctx: Any, *, points: list[dict], layers: int, layer_bytes: int, repeats: int, timeout: float,
-                   chunk_bytes: int | None, overlap: str = "auto") -> list[dict]:
+def imbalance_rank(ctx: Any, *, points: list[dict[str, Any]], layers: int, layer_bytes: int, repeats: int,
+                   timeout: float, chunk_bytes: int | None, overlap: str = "auto") -> list[dict[str, Any]]:
     """One rank of ``odc-bench imbalance``: runs every configuration of every point; rank 0 returns the results."""
     import torch
 
@@ -384,7 +387,7 @@ def imbalance_rank(ctx: Any, *, points: list[dict], layers: int, layer_bytes: in
     return results
 
 
-def _aggregate(per_rank: list[dict]) -> dict:
+def _aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     start = min(r["t0"] for r in per_rank)
     n = len(per_rank[0]["ends"])
     ends = [max(r["ends"][k] for r in per_rank) for k in range(n)]
@@ -407,7 +410,7 @@ def _aggregate(per_rank: list[dict]) -> dict:
 # -- report side -------------------------------------------------------------------------------------
 
 
-def summarize(points: list[dict], results: list[dict], settings: Settings) -> list[dict]:
+def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], settings: Settings) -> list[dict[str, Any]]:
     """One row per (point, configuration): measured and predicted bubble and speedup, checks."""
     rows = []
     for pi, point in enumerate(points):
@@ -447,7 +450,7 @@ def summarize(points: list[dict], results: list[dict], settings: Settings) -> li
     return rows
 
 
-def render(rows: list[dict], title: list[str], sweep_name: str | None) -> str:
+def render(rows: list[dict[str, Any]], title: list[str], sweep_name: str | None) -> str:
     header = ["config", "mb/rank", "t/minibatch(s)", "samples/s", "bubble", "pred", "speedup", "pred", "error",
               "#wrong"]
     widths = [22, 7, 14, 9, 7, 7, 8, 7, 7, 6]
@@ -466,7 +469,7 @@ def render(rows: list[dict], title: list[str], sweep_name: str | None) -> str:
     return table(header, body, widths, title)
 
 
-def plot(rows: list[dict], path: str, title: str, sweep_name: str | None) -> None:
+def plot(rows: list[dict[str, Any]], path: str, title: str, sweep_name: str | None) -> None:
     """Measured against predicted speedup per configuration (over the sweep, if any)."""
     from .report import require_matplotlib
 
