@@ -59,7 +59,7 @@ def test_imbalance_runs_every_configuration_with_exact_sums(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "sweep, labels, field, values",
+    ("sweep", "labels", "field", "values"),
     [
         # max-length redraws the lengths with that max and scales the token budget with it (ratio kept).
         ("max-length=32768,65536", [32768, 65536], "max_tokens", [32768, 65536]),
@@ -117,7 +117,7 @@ def test_emulated_compute_carries_overshoot():
 
 
 @pytest.mark.parametrize(
-    "argv, named",
+    ("argv", "named"),
     [
         (["nonsense"], "nonsense"),
         ([], "missing subcommand"),

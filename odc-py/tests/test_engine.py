@@ -100,7 +100,7 @@ def _hybrid(rank, world, store, local, numel, transport):
     return [x.tolist() for x in sums]
 
 
-@pytest.mark.parametrize("world,local,transport", [(4, 2, "shm"), (6, 2, "shm"), (4, 2, "mixed")])
+@pytest.mark.parametrize(("world", "local", "transport"), [(4, 2, "shm"), (6, 2, "shm"), (4, 2, "mixed")])
 def test_hybrid_sharding_sums_across_nodes(world, local, transport):
     res = run_ranks(_hybrid, world, local=local, numel=1001, transport=transport)
     assert all(s == "ok" for s, _ in res.values()), res

@@ -39,7 +39,7 @@ def healthy(tmp_path_factory):
         return [c.outcomes(i) for i in range(len(HEALTHY))]
 
 
-@pytest.mark.parametrize("transport,sharding", EXACT)
+@pytest.mark.parametrize(("transport", "sharding"), EXACT)
 def test_exact_gathers_and_sums_across_hosts(healthy, transport, sharding):
     # Integer-valued data: every gathered element and every sum is checked exactly; rank r pushes
     # r+1 microbatches in minibatch 0 and 3-r in minibatch 1 (rank 3 none), one in two parts.
