@@ -151,7 +151,7 @@ def test_bench_primitives_across_namespaces(tmp_path, capsys):
     assert doc["args"]["netns"] == 2 and doc["args"]["transport"] == "fabric"
     assert len(doc["rows"]) == 3 and all(r["odc"]["wrong"] == 0 and r["collective"]["wrong"] == 0 for r in doc["rows"])
     assert "2 network namespaces" in text.out
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"odc{os.getpid()}" not in left, left
     assert main(["primitives", "--netns", "2", "--transport", "shm"]) == 2
     assert "shared memory does not cross hosts" in capsys.readouterr().err
