@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
 import traceback
@@ -25,7 +26,7 @@ def need_gpu() -> None:
 
 def _entry(fn, rank, world, port, queue, kwargs):
     try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         result = fn(rank, world, store, **kwargs)
         queue.put((rank, "ok", result))
     except BaseException as e:  # report everything to the parent
@@ -43,9 +44,8 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, **kwar
     ``(class name, message, peer, traceback)``. A rank that reports nothing
     within ``timeout`` seconds is killed and reported as ``("hung", None)``.
     """
-    import datetime
-
-    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, master.port, queue, kwargs)) for r in range(world)]
