@@ -29,7 +29,7 @@ STARTED = time.monotonic()
 import torch  # noqa: E402 - after the clock that times the start
 import torch.distributed as dist  # noqa: E402
 
-import odc
+import odc  # noqa: E402
 
 
 class Unavailable(Exception):
