@@ -1,6 +1,7 @@
 # ODC — the commands the README and CI use.
 #   make setup   idempotent: Debian packages, .venv (uv, torch 2.15.0), odc-py installed into it
 #   make demo    the main job on one machine
+#   make lint    module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
 #   make test    fmt, clippy, cargo tests, pytest (runs setup first)
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -36,11 +37,16 @@ demo: setup
 	@echo
 	@echo "plots: out/primitives.png out/train.png out/imbalance.png"
 
+# ruff and mypy come from the venv (make setup installs them at pinned versions).
 lint:
+	@test -x $(VENV)/bin/ruff && test -x $(VENV)/bin/mypy || \
+	    { echo "make lint: $(VENV)/bin/ruff or $(VENV)/bin/mypy is missing; run make setup first" >&2; exit 1; }
 	python3 scripts/module-graph.py
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings
+	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
+	cd odc-py && $(abspath $(VENV))/bin/mypy python
 
 cargo-test:
 	$(CARGO) test --workspace --locked $(FEATURES)

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.15.0
 VENV=.venv
-PY_PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2" "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12")
+PY_PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2" "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12"
+    "ruff==0.17.6" "mypy==2.4.1")  # the linters make lint runs, pinned: a new release's rules would fail it
 # The trainers the integrations are tested against (odc[verl], odc[torchtitan]) and the packages they pull,
 # pinned as resolved with torch 2.15.0 (neither asks for another torch). verl 0.9.1 declares
 # transformers<5.11; the project keeps transformers 5.24.0, which verl's FSDP engine runs with (the tests

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
 import os
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,10 +26,10 @@ def need_gpu() -> None:
 
 def _entry(fn, rank, world, port, queue, kwargs):
     try:
-        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         result = fn(rank, world, store, **kwargs)
         queue.put((rank, "ok", result))
-    except BaseException as e:  # noqa: BLE001 - report everything to the parent
+    except BaseException as e:  # report everything to the parent
         queue.put((rank, "error", (type(e).__name__, str(e), getattr(e, "peer", None), traceback.format_exc())))
     finally:
         queue.close()
@@ -42,9 +44,8 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, **kwar
     ``(class name, message, peer, traceback)``. A rank that reports nothing
     within ``timeout`` seconds is killed and reported as ``("hung", None)``.
     """
-    import datetime
-
-    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=60),
+                           wait_for_workers=False)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, world, master.port, queue, kwargs)) for r in range(world)]

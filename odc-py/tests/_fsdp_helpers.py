@@ -6,6 +6,7 @@ and initialises a gloo process group on that store.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -68,7 +69,8 @@ def build(world, seed=0, mp=None, reshard=True, mesh=None, unused=False, layers=
 def sample_loss(model, tokens):
     """Per-sample summed next-token loss (a 1-D batch of token sequences)."""
     logits = model(tokens[:, :-1])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1), reduction="sum")
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1),
+                                             reduction="sum")
 
 
 def data(step, micro, rank, n=3, length=9):
@@ -78,7 +80,8 @@ def data(step, micro, rank, n=3, length=9):
 
 def full_params(model):
     """Full parameters as nested lists (tensors do not survive a worker's os._exit in transit)."""
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().tolist() for k, v in model.state_dict().items()}
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().tolist()
+            for k, v in model.state_dict().items()}
 
 
 def bucket_dtypes(model):
@@ -137,7 +140,8 @@ def parity_worker(rank, world, store, variants, transport=None):
             model = build(world, mp=mp, reshard=(name != "forcesum"))  # forcesum also keeps params unsharded
             if name == "forcesum":
                 model.set_force_sum_reduction_for_comms(True)
-            res[mode] = train(model, rank, world, steps=10, micros=2, odc_on=(mode == "odc"), clip=(0.5 if name == "fp32" else None))
+            res[mode] = train(model, rank, world, steps=10, micros=2, odc_on=(mode == "odc"),
+                              clip=(0.5 if name == "fp32" else None))
         out[name] = res
     if world == 4:
         # reshard_after_forward=<int> gathers over a sub-mesh: refused.
@@ -172,7 +176,7 @@ def lbmini_worker(rank, world, store, counts, steps):
         seen = []
         for s in range(steps):
             norm = 27 * sum(plan(s, r) for r in range(world))  # tokens in the whole minibatch
-            with odc.fsdp.minibatch(model) if explicit else _null():
+            with odc.fsdp.minibatch(model) if explicit else contextlib.nullcontext():
                 for m in range(plan(s, rank)):
                     (mb_loss(model, s, rank, m, norm) * world).backward()  # FSDP averages over ranks
             seen.append(plan(s, rank))
@@ -197,14 +201,6 @@ def lbmini_worker(rank, world, store, counts, steps):
         for mode, p in got.items()
     }
     return {"counts": seen, "max_diff": diff}
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def errors_worker(rank, world, store):
@@ -294,7 +290,8 @@ def _per_param_mesh_model(world):
     other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu"), shard_mesh_dim=0)
     torch.manual_seed(0)
     model = Tiny()
-    fully_shard(model.blocks[0], shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p.ndim == 2 else None)
+    fully_shard(model.blocks[0],
+                shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p.ndim == 2 else None)
     fully_shard(model)
     return model
 
@@ -357,7 +354,7 @@ def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2
     info = {"transport": engine.transport, "sharding": engine.sharding, "norms": [], "comms": None}
     for s, plan in enumerate(table):
         norm = 27 * sum(plan)  # tokens in the whole minibatch
-        with CommDebugMode() if s == 0 else _null() as cm:
+        with CommDebugMode() if s == 0 else contextlib.nullcontext() as cm:
             for m in range(plan[rank]):
                 model.set_requires_gradient_sync(True)
                 (sample_loss(model, data(s, m, rank)) / norm * world).backward()  # FSDP averages over D
@@ -387,7 +384,8 @@ def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2
         ropt.step()
         ropt.zero_grad()
     info["ref_norms"] = ref_norms
-    info["max_diff"] = max((torch.tensor(params[k]) - v.detach()).abs().max().item() for k, v in ref.state_dict().items())
+    info["max_diff"] = max((torch.tensor(params[k]) - v.detach()).abs().max().item()
+                           for k, v in ref.state_dict().items())
     return info
 
 
@@ -428,7 +426,7 @@ def hybrid_errors_worker(rank, world, store, per_node):
             fn()
         except odc.ConfigError as e:
             found[key] = str(e)
-        except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        except Exception as e:  # reported, the test fails on it
             found[key] = f"wrong type {type(e).__name__}: {e}"
         else:
             found[key] = "no error"

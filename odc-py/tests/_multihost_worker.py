@@ -29,7 +29,7 @@ STARTED = time.monotonic()
 import torch  # noqa: E402 - after the clock that times the start
 import torch.distributed as dist  # noqa: E402
 
-import odc
+import odc  # noqa: E402
 
 
 class Unavailable(Exception):
@@ -138,9 +138,9 @@ def exact(ctx: Rank, transport: str, sharding: str, minibatches: int = 2) -> dic
 
 def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 0.1) -> dict:
     """HSDP on a (nodes, ranks per node) mesh with ODC hybrid sharding; rank 0 compares with one process."""
+    import _fsdp_helpers as H
     from torch.distributed.device_mesh import init_device_mesh
 
-    import _fsdp_helpers as H
     import odc.fsdp
 
     os.environ["ODC_TRANSPORT"] = transport
@@ -249,7 +249,7 @@ def _run_step(ctx: Rank, scenario: str, params: dict) -> dict:
         return {"status": "ok", "value": SCENARIOS[scenario](ctx, **params)}
     except Unavailable as e:
         return {"status": "unavailable", "message": str(e)}
-    except BaseException as e:  # noqa: BLE001 - every failure goes to the test
+    except BaseException as e:  # every failure goes to the test
         tb = traceback.format_exc()
         print(f"step {ctx.step} ({scenario}):\n{tb}", file=sys.stderr, flush=True)
         return {"status": "error", "type": type(e).__name__, "message": str(e), "peer": getattr(e, "peer", None),

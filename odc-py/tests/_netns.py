@@ -30,9 +30,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -82,7 +83,8 @@ class Cluster:
     def host_of(self, rank: int) -> int:
         return rank // self.per_host
 
-    def start(self, steps: list[tuple[str, dict]], *, timeout_s: float = 30.0, env: dict[str, str] | None = None) -> None:
+    def start(self, steps: list[tuple[str, dict]], *, timeout_s: float = 30.0,
+              env: dict[str, str] | None = None) -> None:
         """Starts every rank, running ``steps``: ``(scenario, params)`` of ``_multihost_worker``, in order.
 
         ``timeout_s`` is the engines' deadline (``ODC_TIMEOUT_S``); ``env``
@@ -111,10 +113,8 @@ class Cluster:
         """Waits for every rank (killing those still running after ``deadline_s``); returns step ``step``'s outcomes."""
         end = time.monotonic() + deadline_s
         for p in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         self.kill_all()
         return {r: self.outcome(r, step) for r in self.procs}
 

@@ -15,15 +15,15 @@ import datetime
 import os
 from types import SimpleNamespace
 
+import _fsdp_helpers as H
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import need_gpu, run_ranks
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-import _fsdp_helpers as H
 import odc
 import odc.backend
-from _dist import need_gpu, run_ranks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -95,19 +95,19 @@ def _device_ops(rank, world, store, device, transport=None, per_node=None):
 
     # Coalesced forms (odd sizes, mixed dtypes).
     sizes = (1, 7, 1001)
-    ins = [on(_data(rank, n, d)) for n, d in zip(sizes, DTYPES)]
+    ins = [on(_data(rank, n, d)) for n, d in zip(sizes, DTYPES, strict=True)]
     outs = [torch.empty(world * i.numel(), dtype=i.dtype, device=dev) for i in ins]
     with dist._coalescing_manager():
-        for o, i in zip(outs, ins):
+        for o, i in zip(outs, ins, strict=True):
             dist.all_gather_into_tensor(o, i)
-    for o, n, d in zip(outs, sizes, DTYPES):
+    for o, n, d in zip(outs, sizes, DTYPES, strict=True):
         assert torch.equal(o.cpu(), torch.cat([_data(r, n, d) for r in range(world)])), f"coalesced gather {d}"
     rs_in = [on(torch.cat([_data(rank, n, torch.float32, salt=r) for r in range(world)])) for n in sizes]
     rs_out = [torch.empty(n, device=dev) for n in sizes]
     with dist._coalescing_manager():
-        for o, i in zip(rs_out, rs_in):
+        for o, i in zip(rs_out, rs_in, strict=True):
             dist.reduce_scatter_tensor(o, i)
-    for o, n in zip(rs_out, sizes):
+    for o, n in zip(rs_out, sizes, strict=True):
         assert torch.equal(o.cpu(), sum(_data(s, n, torch.float32, salt=rank) for s in range(world)))
 
     # Delegated to gloo (on CUDA tensors: through host copies).
@@ -315,7 +315,7 @@ def test_tensors_on_other_devices_are_layout_errors_naming_them(monkeypatch):
             pg.all_gather_single(torch.empty(2), meta)
         with pytest.raises(odc.LayoutError, match="reduce_scatter_single: tensors on cpu and meta"):
             pg.reduce_scatter_single(meta, torch.ones(2))
-        with pytest.raises(odc.LayoutError, match="broadcast: tensor on meta; .* CPU and CUDA tensors"):
+        with pytest.raises(odc.LayoutError, match=r"broadcast: tensor on meta; .* CPU and CUDA tensors"):
             pg.broadcast([meta])
         with pytest.raises(odc.LayoutError, match="all_gather_single: tensors on cpu and meta"):
             pg.all_gather_single(torch.empty(2, dtype=torch.int64), meta.long())  # delegated: checked too

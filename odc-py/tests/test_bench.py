@@ -15,7 +15,8 @@ from odc.bench.imbalance import CONFIGS, EmulatedCompute, _Model
 
 def test_primitives_every_dtype_is_exact(tmp_path, capsys):
     out = tmp_path / "prim.json"
-    code = main(["primitives", "-g", "2", "-b", "4K", "-e", "16K", "-n", "2", "-w", "1", "-d", "all", "--json", str(out)])
+    code = main(["primitives", "-g", "2", "-b", "4K", "-e", "16K", "-n", "2", "-w", "1", "-d", "all",
+                 "--json", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
     assert "#wrong" in text and "ratio" in text
@@ -59,7 +60,7 @@ def test_imbalance_runs_every_configuration_with_exact_sums(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "sweep, labels, field, values",
+    ("sweep", "labels", "field", "values"),
     [
         # max-length redraws the lengths with that max and scales the token budget with it (ratio kept).
         ("max-length=32768,65536", [32768, 65536], "max_tokens", [32768, 65536]),
@@ -97,7 +98,8 @@ def test_gradient_check_catches_a_wrong_sum():
     assert model.step(right, 6) == 0
     assert model.final_wrong(1) == 0
     # This rank's shard only; the benchmark sums shards over ranks against init_sum + j * pattern_sum.
-    assert model.checksum() == sum(float((i + p).sum()) for i, p in zip(model.init_shard, model.pattern_shard))
+    shards = zip(model.init_shard, model.pattern_shard, strict=True)
+    assert model.checksum() == sum(float((i + p).sum()) for i, p in shards)
     wrong = [g.clone() for g in right]
     wrong[1][3] += 1.0  # one lost / duplicated contribution
     assert model.step(wrong, 6) == 1
@@ -117,7 +119,7 @@ def test_emulated_compute_carries_overshoot():
 
 
 @pytest.mark.parametrize(
-    "argv, named",
+    ("argv", "named"),
     [
         (["nonsense"], "nonsense"),
         ([], "missing subcommand"),

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import os
 
+import _fsdp_helpers as H
 import pytest
 import torch
+from _dist import need_gpu, run_ranks
 
-import _fsdp_helpers as H
 import odc
 import odc.fsdp
-from _dist import need_gpu, run_ranks
 
 JITTER_US = "200"
 
@@ -210,7 +210,7 @@ def test_fsdp_picks_a_transport_that_carries_the_parameters():
         pick(cpu, "nvshmem", "ODC_TRANSPORT", nodes=2)
     with pytest.raises(odc.ConfigError, match=r"several devices.*fsdp0:blocks.0 on cpu.*fsdp1:<root> on cuda:0"):
         pick(cpu + gpu, None, "ODC_TRANSPORT", nodes=1)
-    with pytest.raises(odc.ConfigError, match="unknown transport 'nvlink'.*cuda-ipc, emu-ipc, nvshmem, emu-shmem"):
+    with pytest.raises(odc.ConfigError, match=r"unknown transport 'nvlink'.*cuda-ipc, emu-ipc, nvshmem, emu-shmem"):
         pick(gpu, "nvlink", "ODC_TRANSPORT", nodes=1)
 
 

@@ -13,9 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import _fsdp_helpers as H
+import pytest
 from _dist import run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
@@ -74,6 +73,6 @@ def test_example_runs_hybrid():
     cmd = [sys.executable, str(EXAMPLE), "--nproc", "4", "--local-world-size", "2", "--sharding", "hybrid",
            "--comm", "odc", "--steps", "2", "--dim", "32", "--layers", "2", "--samples", "16", "--minibatch", "2",
            "--max-len", "48", "--strategy", "lb-mini"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env, check=False)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "[odc/lb-mini] minibatch 1: loss" in p.stdout, p.stdout

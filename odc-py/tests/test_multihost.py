@@ -15,7 +15,6 @@ import os
 import subprocess
 
 import pytest
-
 from _netns import Outcome, cluster, require_ok, skip_if_unavailable
 
 pytestmark = pytest.mark.multinode
@@ -40,7 +39,7 @@ def healthy(tmp_path_factory):
         return [c.outcomes(i) for i in range(len(HEALTHY))]
 
 
-@pytest.mark.parametrize("transport,sharding", EXACT)
+@pytest.mark.parametrize(("transport", "sharding"), EXACT)
 def test_exact_gathers_and_sums_across_hosts(healthy, transport, sharding):
     # Integer-valued data: every gathered element and every sum is checked exactly; rank r pushes
     # r+1 microbatches in minibatch 0 and 3-r in minibatch 1 (rank 3 none), one in two parts.
@@ -152,7 +151,7 @@ def test_bench_primitives_across_namespaces(tmp_path, capsys):
     assert doc["args"]["netns"] == 2 and doc["args"]["transport"] == "fabric"
     assert len(doc["rows"]) == 3 and all(r["odc"]["wrong"] == 0 and r["collective"]["wrong"] == 0 for r in doc["rows"])
     assert "2 network namespaces" in text.out
-    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
     assert f"odc{os.getpid()}" not in left, left
     assert main(["primitives", "--netns", "2", "--transport", "shm"]) == 2
     assert "shared memory does not cross hosts" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 # Type stubs of the native module odc._odc (checked in; keep in step with odc-py/src).
-from typing import Sequence
+from collections.abc import Sequence
 
 __version__: str
 

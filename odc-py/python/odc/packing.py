@@ -67,7 +67,7 @@ COST_MODELS = ("linear", "quadratic", "qwen2-1.5b", "qwen2-7b", "verl", "flops:h
 DEFAULT_MAX_TOKENS = 65536
 
 
-def _lengths(lengths: Sequence[int]) -> list:
+def _lengths(lengths: Sequence[int]) -> list[int]:
     """The lengths as a list for the native module, which checks every value.
 
     The native bindings are the one place lengths and integer arguments are
@@ -91,11 +91,11 @@ class Plan:
         minibatch_bubbles: ``(collective, odc)`` bubble rates of each minibatch.
     """
 
-    minibatches: tuple
-    costs: tuple
+    minibatches: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
+    costs: tuple[tuple[float, ...], ...]
     bubble_collective: float
     bubble_odc: float
-    minibatch_bubbles: tuple
+    minibatch_bubbles: tuple[tuple[float, float], ...]
     world_size: int
     strategy: str
 
@@ -123,7 +123,7 @@ class Plan:
         denom = 1.0 - self.bubble_collective
         return (1.0 - self.bubble_odc) / denom if denom > 0 else 1.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """The plan in the same JSON shape ``odc-pack --json`` prints."""
         return {
             "minibatches": [
@@ -216,7 +216,7 @@ class CostFit:
     max_relative: float
     rms_seconds: float
     overhead_s: float
-    points: tuple
+    points: tuple[tuple[int, float, float], ...]
 
     def __str__(self) -> str:
         return self.cost
@@ -225,7 +225,7 @@ class CostFit:
         """Predicted seconds of forward + backward of one sample of ``length`` tokens."""
         return self.a * length * length + self.b * length
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"cost": self.cost, "a": self.a, "b": self.b, "rms_relative": self.rms_relative,
                 "max_relative": self.max_relative, "rms_seconds": self.rms_seconds, "overhead_s": self.overhead_s,
                 "points": [list(p) for p in self.points]}
@@ -278,7 +278,7 @@ def _module_step(model: Any, vocab_size: int | None,
         pos = torch.arange(length, device=device)[None]
         out = model(input_ids=ids, position_ids=pos)
         logits = out.logits if hasattr(out, "logits") else out
-        F.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()
+        F.cross_entropy(logits[0, :-1].float(), ids[0, 1:]).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         model.zero_grad(set_to_none=True)
 
     return step, (torch.cuda.synchronize if device.type == "cuda" else None)

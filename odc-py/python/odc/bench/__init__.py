@@ -38,9 +38,13 @@ import math
 import os
 import socket
 import sys
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .report import UsageError
+
+if TYPE_CHECKING:
+    from .imbalance import Config
 
 __all__ = ["main"]
 
@@ -56,7 +60,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive(kind: type, flag: str):
+def _positive(kind: type, flag: str) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
             v = kind(text)
@@ -69,7 +73,7 @@ def _positive(kind: type, flag: str):
     return parse
 
 
-def _size(flag: str):
+def _size(flag: str) -> Callable[[str], int]:
     def parse(text: str) -> int:
         from .report import parse_size
 
@@ -98,7 +102,8 @@ def _build_parser() -> _Parser:
     pr.add_argument("--in-place", action="store_true",
                     help="also time in-place all-gather (own shard already in the output; ODC gather skip_own)")
     pr.add_argument("--backend", default="auto", help="collective baseline: auto (nccl if CUDA, else gloo), gloo, nccl")
-    pr.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None, help="ODC push chunk (default: engine's)")
+    pr.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None,
+                    help="ODC push chunk (default: engine's)")
     pr.add_argument("--netns", type=_positive(int, "--netns"), default=None, metavar="N",
                     help="spread the ranks over N network namespaces joined by a bridge (emulated hosts; needs root "
                          "and iproute2): rank r runs in namespace r // (g / N), gloo and ODC cross the same links")
@@ -110,10 +115,12 @@ def _build_parser() -> _Parser:
 
     im = sub.add_parser("imbalance", help="FSDP-shaped loop with emulated compute: collectives against ODC",
                         description="Measured speedup of ODC and packing strategies against the packer's prediction. "
-                                    "Compute is EMULATED (sleep proportional to the cost model); communication is real.")
+                                    "Compute is EMULATED (sleep proportional to the cost model); "
+                                    "communication is real.")
     src = im.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="sequence lengths: one integer per line, or a JSON array")
-    src.add_argument("--synthetic", metavar="SPEC", help=f"synthetic lengths, as odc-pack (default {DEFAULT_SYNTHETIC})")
+    src.add_argument("--synthetic", metavar="SPEC",
+                     help=f"synthetic lengths, as odc-pack (default {DEFAULT_SYNTHETIC})")
     im.add_argument("--world", type=_positive(int, "--world"), default=4, help="ranks D (default 4)")
     im.add_argument("--minibatch-size", type=_positive(int, "--minibatch-size"), default=4,
                     help="samples per rank per minibatch M (default 4)")
@@ -142,7 +149,8 @@ def _build_parser() -> _Parser:
     im.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="FSDP-style overlap: prefetch the next layer's gather, wait for pushes per microbatch "
                          "(auto: collectives overlap, ODC calls run inline)")
-    im.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None, help="ODC push chunk (default: engine's)")
+    im.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None,
+                    help="ODC push chunk (default: engine's)")
     _common(im)
     _train_parser(sub)
     return p
@@ -160,7 +168,8 @@ def _train_parser(sub: Any) -> None:
     src.add_argument("--lengths", metavar="FILE", help="sequence lengths: one integer per line, or a JSON array")
     src.add_argument("--synthetic", metavar="SPEC",
                      help=f"synthetic lengths, as odc-pack (default {TRAIN_SYNTHETIC}: LongAlign's shape scaled 1/32)")
-    tr.add_argument("--world", type=_positive(int, "--world"), default=2, help="ranks D, at most one per core (default 2)")
+    tr.add_argument("--world", type=_positive(int, "--world"), default=2,
+                    help="ranks D, at most one per core (default 2)")
     tr.add_argument("--minibatch-size", type=_positive(int, "--minibatch-size"), default=8,
                     help="samples per rank per minibatch M (default 8)")
     tr.add_argument("--sweep", metavar="minibatch-size=V1,V2,..", help="sweep the minibatch size (one table, one plot)")
@@ -191,7 +200,8 @@ def _train_parser(sub: Any) -> None:
                     help="ranks per emulated node for the hybrid rows (default 2)")
     me.add_argument("--steps", type=_positive(int, "--steps"), default=3, help="AdamW minibatches (default 3)")
     me.add_argument("--micros", type=_positive(int, "--micros"), default=2, help="microbatches each (default 2)")
-    me.add_argument("--length", type=_positive(int, "--length"), default=256, help="tokens per microbatch (default 256)")
+    me.add_argument("--length", type=_positive(int, "--length"), default=256,
+                    help="tokens per microbatch (default 256)")
     me.add_argument("--sharding", choices=("full", "hybrid", "both"), default="both",
                     help="rows to measure (default both: FSDP2 and ODC, full and hybrid)")
     me.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -226,7 +236,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="progress line on stderr (auto: when stderr is a terminal)")
 
 
-def _configs() -> tuple:
+def _configs() -> tuple[Config, ...]:
     from .imbalance import CONFIGS
 
     return CONFIGS
@@ -252,8 +262,8 @@ def _parse_configs(text: str) -> list[str]:
 
     names = [c[0] for c in _configs()]
     chosen = {BASELINE}
-    for c in text.split(","):
-        c = c.strip().lower().replace(" ", "")
+    for raw in text.split(","):
+        c = raw.strip().lower().replace(" ", "")
         if c not in names:
             raise UsageError(f"--configs {c!r}: unknown configuration (choose from {', '.join(names)})")
         chosen.add(c)
@@ -329,20 +339,23 @@ def _primitives(args: argparse.Namespace) -> int:
     leader = int(os.environ.get("RANK", "0")) == 0
 
     if backend == "gloo":
-        coll_label = "gloo over TCP (" + ("veth + bridge between network namespaces" if args.netns else "loopback") + ")"
+        link = "veth + bridge between network namespaces" if args.netns else "loopback"
+        coll_label = f"gloo over TCP ({link})"
     else:
         coll_label = backend
     header = [_title("primitives"),
-              f"collective baseline: {coll_label}; ODC: odc.Engine ({transport}); {args.warmup_iters} warm-up + {args.iters} "
-              f"timed iterations, each between two barriers; check={args.check}; GB = 1e9 B, "
+              f"collective baseline: {coll_label}; ODC: odc.Engine ({transport}); {args.warmup_iters} warm-up + "
+              f"{args.iters} timed iterations, each between two barriers; check={args.check}; GB = 1e9 B, "
               f"busbw = algbw * (n-1)/n"]
     if args.netns is not None:
         header.append(f"ranks spread over {args.netns} network namespaces (veth + bridge), consecutive ranks per "
                       f"namespace; gloo and ODC cross the same links")
-    all_rows: list[dict] = []
+    all_rows: list[dict[str, Any]] = []
     for world in worlds:
-        steps = (3 if args.in_place else 2) * sum(len(primitives.sweep(args.minbytes, args.maxbytes, args.stepfactor, d, world)) for d in dtypes)
+        sizes = sum(len(primitives.sweep(args.minbytes, args.maxbytes, args.stepfactor, d, world)) for d in dtypes)
+        steps = (3 if args.in_place else 2) * sizes
         bar = Progress(steps, f"primitives {world} ranks", _progress_flag(args))
+        run: Callable[..., Any]
         if args.netns is not None:
             from . import netns
 
@@ -351,7 +364,7 @@ def _primitives(args: argparse.Namespace) -> int:
             run = launch.run_ranks
         rows = run(
             primitives.primitives_rank, world, backend=backend,
-            on_event=lambda kind, payload: bar.step(f"{payload['op']} {payload['size']}") if kind == "row" else None,
+            on_event=functools.partial(_row_progress, bar),
             dtypes=dtypes, min_bytes=args.minbytes, max_bytes=args.maxbytes, factor=args.stepfactor,
             iters=args.iters, warmup=args.warmup_iters, check=bool(args.check), timeout=args.timeout,
             chunk_bytes=args.chunk_bytes, in_place=args.in_place)
@@ -365,9 +378,10 @@ def _primitives(args: argparse.Namespace) -> int:
         return 0
     doc = {"bench": "primitives", "backend": backend, "collective_transport": coll_label,
            "load_average": os.getloadavg(), "cpus": os.cpu_count(),
-           "args": {"ranks": worlds, "minbytes": args.minbytes, "maxbytes": args.maxbytes, "stepfactor": args.stepfactor,
-                    "iters": args.iters, "warmup_iters": args.warmup_iters, "datatypes": dtypes, "check": args.check,
-                    "in_place": args.in_place, "netns": args.netns, "transport": transport},
+           "args": {"ranks": worlds, "minbytes": args.minbytes, "maxbytes": args.maxbytes,
+                    "stepfactor": args.stepfactor, "iters": args.iters, "warmup_iters": args.warmup_iters,
+                    "datatypes": dtypes, "check": args.check, "in_place": args.in_place, "netns": args.netns,
+                    "transport": transport},
            "rows": all_rows}
     if args.json:
         write_json(args.json, doc)
@@ -391,6 +405,12 @@ def _collective_backend(choice: str, world: int) -> str:
     if choice == "nccl" and gpus == 0:
         raise UsageError("--backend nccl: no CUDA device is available")
     return choice
+
+
+def _row_progress(bar: Any, kind: str, payload: Any) -> None:
+    """``on_event`` of the primitives ranks: one progress step per row."""
+    if kind == "row":
+        bar.step(f"{payload['op']} {payload['size']}")
 
 
 # -- imbalance ---------------------------------------------------------------------------------------
@@ -424,6 +444,12 @@ def _with_max(spec: str, max_length: int) -> str:
     return f"{head}:{','.join([*kept, f'max={max_length}'])}"
 
 
+def _note_progress(bar: Any, kind: str, note: Any) -> None:
+    """``on_event`` of the imbalance ranks: one progress step per minibatch run."""
+    if kind == "progress":
+        bar.step(note)
+
+
 def _spec_max(spec: str) -> int:
     for p in spec.partition(":")[2].split(","):
         if p.strip().startswith("max="):
@@ -455,7 +481,8 @@ def _imbalance(args: argparse.Namespace) -> int:
             base_lengths = packing.synthetic(spec)
         except PackingError as e:
             raise UsageError(f"--synthetic {spec!r}: {e}") from None
-    sweep_name, sweep_values = None, [None]
+    sweep_name = None
+    sweep_values: list[Any] = [None]  # ints, or floats for packing-ratio
     if args.sweep:
         sweep_name, _, raw = args.sweep.partition("=")
         sweep_name = sweep_name.strip()
@@ -487,6 +514,7 @@ def _imbalance(args: argparse.Namespace) -> int:
         elif sweep_name == "world":
             world = v
         elif sweep_name == "max-length":
+            assert spec is not None  # --sweep max-length was refused without --synthetic
             lengths = packing.synthetic(_with_max(spec, v))
             max_tokens = max(1, round(args.max_tokens / base_max * v))
         elif sweep_name == "packing-ratio":
@@ -501,7 +529,7 @@ def _imbalance(args: argparse.Namespace) -> int:
             what = f" ({sweep_name}={v})" if sweep_name else ""
             raise UsageError(f"planning failed{what}: {e}") from None
     leader = int(os.environ.get("RANK", "0")) == 0
-    results: list[dict] = []
+    results: list[dict[str, Any]] = []
     worlds = list(dict.fromkeys(p["world"] for p in points))
     for world in worlds:
         mine = [p for p in points if p["world"] == world]
@@ -509,7 +537,7 @@ def _imbalance(args: argparse.Namespace) -> int:
         bar = Progress(total, f"imbalance {world} ranks", _progress_flag(args))
         out = launch.run_ranks(
             imbalance.imbalance_rank, world, backend="gloo",
-            on_event=lambda kind, note: bar.step(note) if kind == "progress" else None,
+            on_event=functools.partial(_note_progress, bar),
             points=mine, layers=args.layers, layer_bytes=args.layer_bytes, repeats=args.repeats,
             timeout=args.timeout, chunk_bytes=args.chunk_bytes, overlap=args.overlap)
         bar.close()
@@ -545,11 +573,11 @@ def _imbalance(args: argparse.Namespace) -> int:
     if args.json:
         doc = {"bench": "imbalance", "load_average": os.getloadavg(), "cpus": os.cpu_count(),
                "emulated_compute": True,
-               "args": {"world": args.world, "layers": args.layers, "layer_bytes": args.layer_bytes, "lengths": args.lengths,
-                        "synthetic": spec, "minibatch_size": args.minibatch_size, "max_tokens": args.max_tokens,
-                        "cost": args.cost, "minibatches": args.minibatches, "compute_scale": args.compute_scale,
-                        "run_seconds": args.run_seconds, "repeats": args.repeats, "seed": args.seed,
-                        "sweep": args.sweep},
+               "args": {"world": args.world, "layers": args.layers, "layer_bytes": args.layer_bytes,
+                        "lengths": args.lengths, "synthetic": spec, "minibatch_size": args.minibatch_size,
+                        "max_tokens": args.max_tokens, "cost": args.cost, "minibatches": args.minibatches,
+                        "compute_scale": args.compute_scale, "run_seconds": args.run_seconds, "repeats": args.repeats,
+                        "seed": args.seed, "sweep": args.sweep},
                "rows": rows}
         write_json(args.json, doc)
     if args.plot:

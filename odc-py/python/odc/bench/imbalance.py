@@ -37,19 +37,24 @@ final shards.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal
 
 from .report import fmt, table
 
-__all__ = ["CONFIGS", "build_points", "imbalance_rank", "summarize", "render", "plot"]
+__all__ = ["CONFIGS", "build_point", "imbalance_rank", "plot", "render", "summarize"]
+
+Mode = Literal["collective", "odc"]
+Config = tuple[str, Mode, str]
 
 # (name, mode, strategy); the first is the baseline of every speedup.
-CONFIGS = (
+CONFIGS: tuple[Config, ...] = (
     ("collective+lb-micro", "collective", "lb-micro"),
     ("collective+local-sort", "collective", "local-sort"),
     ("odc+lb-micro", "odc", "lb-micro"),
@@ -74,11 +79,11 @@ class Settings:
     minibatches: int
     repeats: int
     seed: int | None
-    configs: tuple
+    configs: tuple[Config, ...]
 
 
 def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_tokens: int, settings: Settings,
-                compute_scale: float | None, run_seconds: float | None, label: Any = None) -> dict:
+                compute_scale: float | None, run_seconds: float | None, label: Any = None) -> dict[str, Any]:
     """Plans one benchmark point: every configuration's per-rank microbatches, predictions and the compute scale.
 
     The lengths are cut to ``minibatches · minibatch_size · world`` samples
@@ -89,8 +94,8 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
     n = settings.minibatches * minibatch_size * world
     lengths = list(lengths[:n])
     costs = [packing.sequence_cost(s, settings.cost) for s in lengths]
-    plans = {}
-    configs = {}
+    plans: dict[str, packing.Plan] = {}
+    configs: dict[str, dict[str, Any]] = {}
     for name, mode, strategy in settings.configs:
         if strategy not in plans:
             plans[strategy] = packing.plan(lengths, world, minibatch_size, strategy, max_tokens, settings.cost,
@@ -178,8 +183,8 @@ class _Model:
         padded = shard_len * ctx.world
         idx = torch.arange(padded)
         live = (idx < numel).to(torch.float32)
-        self.init = [((idx + l) % 11).to(torch.float32) * live for l in range(layers)]
-        self.pattern = [((idx * 3 + l) % 5 + 1).to(torch.float32) * live for l in range(layers)]
+        self.init = [((idx + layer) % 11).to(torch.float32) * live for layer in range(layers)]
+        self.pattern = [((idx * 3 + layer) % 5 + 1).to(torch.float32) * live for layer in range(layers)]
         lo, hi = ctx.rank * shard_len, (ctx.rank + 1) * shard_len
         self.init_shard = [t[lo:hi].clone() for t in self.init]
         self.pattern_shard = [t[lo:hi].clone() for t in self.pattern]
@@ -190,7 +195,7 @@ class _Model:
         self.buffers = [torch.empty(padded) for _ in range(2)]
 
     def reset(self) -> None:
-        for p, i in zip(self.params, self.init_shard):
+        for p, i in zip(self.params, self.init_shard, strict=True):
             p.copy_(i)
         for g in self.grads:
             g.zero_()
@@ -203,14 +208,15 @@ class _Model:
     def step(self, grad_shards: Sequence[Any], weight: int) -> int:
         """Checks the final gradient shards, then param += grad / W; returns wrong elements."""
         wrong = 0
-        for l, g in enumerate(grad_shards):
-            wrong += int((g != self.pattern_shard[l] * weight).sum())
+        for layer, g in enumerate(grad_shards):
+            wrong += int((g != self.pattern_shard[layer] * weight).sum())
             if weight > 0:
-                self.params[l] += g / weight
+                self.params[layer] += g / weight
         return wrong
 
     def final_wrong(self, j: int) -> int:
-        return sum(int((p != i + j * pat).sum()) for p, i, pat in zip(self.params, self.init_shard, self.pattern_shard))
+        return sum(int((p != i + j * pat).sum())
+                   for p, i, pat in zip(self.params, self.init_shard, self.pattern_shard, strict=True))
 
     def checksum(self) -> float:
         import torch
@@ -280,10 +286,10 @@ class _Future:
 
 
 def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float, weight: int, scale: float,
-                j: int, stats: dict) -> None:
+                j: int, stats: dict[str, int]) -> None:
     """Forward and backward of one microbatch (cost 0 = an empty collective step)."""
     layers = model.layers
-    order = [(l, 1.0) for l in range(layers)] + [(l, 2.0) for l in reversed(range(layers))]
+    order = [(i, 1.0) for i in range(layers)] + [(i, 2.0) for i in reversed(range(layers))]
     pending = comm.gather(order[0][0], model.buffers[0], j)
     pushes = []
     for p, (layer, factor) in enumerate(order):
@@ -295,13 +301,13 @@ def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float,
             pending = comm.gather(order[p + 1][0], model.buffers[(p + 1) % 2], j)
         compute.run(factor * scale * cost)
         if factor == 2.0:
-            pushes.append((comm.push(layer, model.pattern[layer] * float(weight))))
+            pushes.append(comm.push(layer, model.pattern[layer] * float(weight)))
     for w in pushes:
         w.wait()
 
 
-def _run_config(ctx: Any, cfg: dict, scale: float, model: _Model, engine: Any, pool: ThreadPoolExecutor | None,
-                state: dict, progress: Any) -> dict:
+def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engine: Any,
+                pool: ThreadPoolExecutor | None, state: dict[str, int], progress: Any) -> dict[str, Any]:
     mine = cfg["per_rank"][ctx.rank]
     n = len(cfg["weights"])
     compute = EmulatedCompute()
@@ -310,8 +316,8 @@ def _run_config(ctx: Any, cfg: dict, scale: float, model: _Model, engine: Any, p
     if cfg["mode"] == "odc":
         comm: Any = _OdcComm(engine, pool)
         base = state["next_version"]
-        for l in range(model.layers):
-            engine.publish(l, model.params[l], base)
+        for layer in range(model.layers):
+            engine.publish(layer, model.params[layer], base)
     else:
         comm = _CollectiveComm(ctx, model, overlap=pool is not None)
     ctx.barrier()
@@ -323,12 +329,12 @@ def _run_config(ctx: Any, cfg: dict, scale: float, model: _Model, engine: Any, p
             for cost, weight in mine[k]:
                 _microbatch(comm, model, compute, cost, weight, scale, k, stats)
             engine.finish_minibatch(base + k)
-            grads = [engine.grad_shard(l) for l in range(model.layers)]
+            grads = [engine.grad_shard(layer) for layer in range(model.layers)]
             stats["grad_wrong"] += model.step(grads, cfg["weights"][k])
             engine.zero_grad()
             if k + 1 < n:
-                for l in range(model.layers):
-                    engine.publish(l, model.params[l], base + k + 1)
+                for layer in range(model.layers):
+                    engine.publish(layer, model.params[layer], base + k + 1)
         else:
             for s in range(cfg["steps"][k]):
                 cost, weight = mine[k][s] if s < len(mine[k]) else (0.0, 0)
@@ -348,12 +354,12 @@ def _run_config(ctx: Any, cfg: dict, scale: float, model: _Model, engine: Any, p
         "grad_wrong": stats["grad_wrong"],
         "param_wrong": model.final_wrong(n),
         "checksum": model.checksum(),
-        "expected_checksum": sum(model.init_sum[l] + n * model.pattern_sum[l] for l in range(model.layers)),
+        "expected_checksum": sum(model.init_sum[i] + n * model.pattern_sum[i] for i in range(model.layers)),
     }
 
 
-def imbalance_rank(ctx: Any, *, points: list[dict], layers: int, layer_bytes: int, repeats: int, timeout: float,
-                   chunk_bytes: int | None, overlap: str = "auto") -> list[dict]:
+def imbalance_rank(ctx: Any, *, points: list[dict[str, Any]], layers: int, layer_bytes: int, repeats: int,
+                   timeout: float, chunk_bytes: int | None, overlap: str = "auto") -> list[dict[str, Any]]:
     """One rank of ``odc-bench imbalance``: runs every configuration of every point; rank 0 returns the results."""
     import torch
 
@@ -361,7 +367,7 @@ def imbalance_rank(ctx: Any, *, points: list[dict], layers: int, layer_bytes: in
 
     numel = max(1, layer_bytes // 4)
     engine = ctx.engine(timeout=timeout, chunk_bytes=chunk_bytes)
-    engine.register([odc.Bucket(f"layer{l}", numel, torch.float32) for l in range(layers)])
+    engine.register([odc.Bucket(f"layer{i}", numel, torch.float32) for i in range(layers)])
     shard_len = engine.bucket(0)["shard_len"]
     model = _Model(ctx, layers, numel, shard_len)
     state = {"next_version": 0}
@@ -375,13 +381,13 @@ def imbalance_rank(ctx: Any, *, points: list[dict], layers: int, layer_bytes: in
                     on = overlap == "on" or (overlap == "auto" and cfg["mode"] == "collective")
                     per_rank = _run_config(ctx, cfg, point["compute_scale"], model, engine, executor if on else None,
                                            state,
-                                           lambda: ctx.emit("progress", note))
+                                           functools.partial(ctx.emit, "progress", note))
                     runs.append(_aggregate(ctx.all_gather_object(per_rank)))
                 results.append({"point": pi, "config": name, "runs": runs})
     return results
 
 
-def _aggregate(per_rank: list[dict]) -> dict:
+def _aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     start = min(r["t0"] for r in per_rank)
     n = len(per_rank[0]["ends"])
     ends = [max(r["ends"][k] for r in per_rank) for k in range(n)]
@@ -404,7 +410,7 @@ def _aggregate(per_rank: list[dict]) -> dict:
 # -- report side -------------------------------------------------------------------------------------
 
 
-def summarize(points: list[dict], results: list[dict], settings: Settings) -> list[dict]:
+def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], settings: Settings) -> list[dict[str, Any]]:
     """One row per (point, configuration): measured and predicted bubble and speedup, checks."""
     rows = []
     for pi, point in enumerate(points):
@@ -444,7 +450,7 @@ def summarize(points: list[dict], results: list[dict], settings: Settings) -> li
     return rows
 
 
-def render(rows: list[dict], title: list[str], sweep_name: str | None) -> str:
+def render(rows: list[dict[str, Any]], title: list[str], sweep_name: str | None) -> str:
     header = ["config", "mb/rank", "t/minibatch(s)", "samples/s", "bubble", "pred", "speedup", "pred", "error",
               "#wrong"]
     widths = [22, 7, 14, 9, 7, 7, 8, 7, 7, 6]
@@ -463,7 +469,7 @@ def render(rows: list[dict], title: list[str], sweep_name: str | None) -> str:
     return table(header, body, widths, title)
 
 
-def plot(rows: list[dict], path: str, title: str, sweep_name: str | None) -> None:
+def plot(rows: list[dict[str, Any]], path: str, title: str, sweep_name: str | None) -> None:
     """Measured against predicted speedup per configuration (over the sweep, if any)."""
     from .report import require_matplotlib
 
@@ -479,11 +485,11 @@ def plot(rows: list[dict], path: str, title: str, sweep_name: str | None) -> Non
             sel = {r["label"]: r for r in rows if r["config"] == name}
             # One colour per configuration, the same in every plot whatever --configs leaves out.
             c = colors[order.index(name) % len(colors)] if name in order else "black"
-            ax.plot(xs, [sel[l]["speedup_measured"] for l in labels], "-o", color=c, label=f"{name} measured")
-            ax.plot(xs, [sel[l]["speedup_predicted"] for l in labels], "--x", color=c, alpha=0.7,
+            ax.plot(xs, [sel[x]["speedup_measured"] for x in labels], "-o", color=c, label=f"{name} measured")
+            ax.plot(xs, [sel[x]["speedup_predicted"] for x in labels], "--x", color=c, alpha=0.7,
                     label=f"{name} predicted")
         ax.set_xticks(list(xs))
-        ax.set_xticklabels([str(l) for l in labels])
+        ax.set_xticklabels([str(x) for x in labels])
         ax.set_xlabel(sweep_name)
     else:
         width = 0.38

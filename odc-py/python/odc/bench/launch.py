@@ -20,10 +20,11 @@ import queue as queue_mod
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-__all__ = ["RankContext", "BenchError", "under_torchrun", "run_ranks"]
+__all__ = ["BenchError", "RankContext", "run_ranks", "under_torchrun"]
 
 EventHandler = Callable[[str, Any], None]
 
@@ -62,7 +63,7 @@ class RankContext:
     ctrl: Any
     job_key: str
     _emit: EventHandler | None = None
-    _engines: list = field(default_factory=list)
+    _engines: list[Any] = field(default_factory=list)
     local_world: int | None = None
 
     def emit(self, kind: str, payload: Any) -> None:
@@ -93,11 +94,11 @@ class RankContext:
         self._engines.append(eng)
         return eng
 
-    def all_gather_object(self, obj: Any) -> list:
+    def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order (through the gloo control group)."""
         import torch.distributed as dist
 
-        out: list = [None] * self.world
+        out: list[Any] = [None] * self.world
         dist.all_gather_object(out, obj, group=self.ctrl)
         return out
 
@@ -115,6 +116,7 @@ def _setup(store: Any, rank: int, world: int, backend: str, job_key: str, emit: 
            env_init: bool = False) -> RankContext:
     import torch
     import torch.distributed as dist
+    from torch._C._distributed_c10d import PrefixStore  # torch.distributed's stubs do not export it
 
     timeout = datetime.timedelta(seconds=600)
     # Ranks share the host's cores: intra-op thread pools that spin-wait
@@ -131,15 +133,16 @@ def _setup(store: Any, rank: int, world: int, backend: str, job_key: str, emit: 
         dist.init_process_group(backend, timeout=timeout)
         store = dist.distributed_c10d._get_default_store()
     else:
-        dist.init_process_group(backend, store=dist.PrefixStore("odc-bench/pg", store), rank=rank,
+        dist.init_process_group(backend, store=PrefixStore("odc-bench/pg", store), rank=rank,
                                 world_size=world, timeout=timeout)
     group = dist.group.WORLD
     ctrl = group if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     return RankContext(rank, world, store, backend, device, group, ctrl, job_key, emit)
 
 
-def _child(fn, rank, world, port, events, backend, job_key, kwargs, place=None,
-           store_host="127.0.0.1"):  # pragma: no cover - runs in a subprocess
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, events: Any, backend: str, job_key: str,
+           kwargs: dict[str, Any], place: tuple[str, dict[str, str]] | None = None,
+           store_host: str = "127.0.0.1") -> None:  # pragma: no cover - runs in a subprocess
     ctx = None
     try:
         if place is not None:
@@ -148,15 +151,15 @@ def _child(fn, rank, world, port, events, backend, job_key, kwargs, place=None,
 
             enter(place[0])
             os.environ.update(place[1])
-        import torch.distributed as dist
+        from torch._C._distributed_c10d import TCPStore  # torch.distributed's stubs do not export it
 
-        store = dist.TCPStore(store_host, port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=300))
+        store = TCPStore(store_host, port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=300))
         ctx = _setup(store, rank, world, backend, job_key, lambda k, p: events.put(("event", rank, (k, p))))
         if place is not None:
             ctx.local_world = int(place[1]["LOCAL_WORLD_SIZE"])
         result = fn(ctx, **kwargs)
         events.put(("result", rank, result if rank == 0 else None))
-    except BaseException as e:  # noqa: BLE001 - every failure goes to the caller
+    except BaseException as e:  # every failure goes to the caller
         events.put(("error", rank, (f"{type(e).__name__}: {e}", traceback.format_exc())))
     finally:
         if ctx is not None:
@@ -193,10 +196,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *, backend: str, on_event: Eve
 
     import multiprocessing as mp
 
-    import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore  # torch.distributed's stubs do not export it
 
-    master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=300),
-                           wait_for_workers=False)
+    master = TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=300),
+                      wait_for_workers=False)
     job_key = f"b{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
     mpctx = mp.get_context("spawn")
     events = mpctx.Queue()

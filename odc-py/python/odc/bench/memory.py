@@ -39,7 +39,7 @@ HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "odc
 
 def _bytes(t: Any) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
-    return t.numel() * t.element_size()
+    return int(t.numel() * t.element_size())
 
 
 def _shm_bytes(rank: int) -> int:
@@ -55,9 +55,9 @@ def _shm_bytes(rank: int) -> int:
     return total
 
 
-def memory_rank(ctx: Any, *, spec: dict, comm: str, sharding: str, per_node: int, steps: int, micros: int,
-                length: int, timeout: float) -> dict:
-    """One rank of one variant: trains ``steps`` minibatches of ``micros`` rows, returns its bytes by kind."""
+def memory_rank(ctx: Any, *, spec: dict[str, Any], comm: str, sharding: str, per_node: int, steps: int, micros: int,
+                length: int, timeout: float) -> list[dict[str, Any]]:
+    """One rank of one variant: trains ``steps`` minibatches of ``micros`` rows; every rank's bytes by kind."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -98,7 +98,8 @@ def memory_rank(ctx: Any, *, spec: dict, comm: str, sharding: str, per_node: int
     }
     if comm == "odc":
         odc.fsdp.disable(model)
-    return ctx.all_gather_object(out)
+    per_rank: list[dict[str, Any]] = ctx.all_gather_object(out)
+    return per_rank
 
 
 def _cell(key: str, v: int | None) -> str:
@@ -109,7 +110,7 @@ def _cell(key: str, v: int | None) -> str:
     return f"{v / 2**20:,.2f} MiB" if v >= 2**20 else f"{v / 2**10:,.0f} KiB"
 
 
-def render(rows: list[dict], title: list[str], markdown: bool = False) -> str:
+def render(rows: list[dict[str, Any]], title: list[str], markdown: bool = False) -> str:
     """The table: one row per variant, the largest value over ranks per column."""
     header = ["per rank (max over ranks)", *[HEADER[k] for k in KEYS]]
     body = [[r["label"], *[_cell(k, r["max"][k]) for k in KEYS]] for r in rows]

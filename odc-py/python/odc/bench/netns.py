@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -37,11 +38,11 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["NetnsError", "Namespaces", "unavailable_reason", "enter", "rank_placement", "run_ranks"]
+__all__ = ["Namespaces", "NetnsError", "enter", "rank_placement", "run_ranks", "unavailable_reason"]
 
 CLONE_NEWNET = 0x40000000
 _PREFIX_RE = re.compile(r"^odc(\d+)([a-z])[nrvb]\d*$")
-_sequence = 0
+_sequence = itertools.count()  # distinguishes the prefixes of one process's namespace sets
 
 
 class NetnsError(RuntimeError):
@@ -49,21 +50,22 @@ class NetnsError(RuntimeError):
 
 
 def _ip_binary() -> str | None:
-    return shutil.which("ip") or next((p for p in ("/usr/sbin/ip", "/sbin/ip", "/bin/ip") if os.access(p, os.X_OK)), None)
+    fallbacks = ("/usr/sbin/ip", "/sbin/ip", "/bin/ip")
+    return shutil.which("ip") or next((p for p in fallbacks if os.access(p, os.X_OK)), None)
 
 
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be made here (not root, no ``ip``), or None when they may be."""
     if os.geteuid() != 0:
-        return "network namespaces need root (running as uid %d)" % os.geteuid()
+        return f"network namespaces need root (running as uid {os.geteuid()})"
     if _ip_binary() is None:
         return "the `ip` command (iproute2) is missing"
     return None
 
 
-def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     ip = _ip_binary() or "ip"
-    p = subprocess.run([ip, *args], capture_output=True, text=True, timeout=30)
+    p = subprocess.run([ip, *args], capture_output=True, text=True, timeout=30, check=False)
     if check and p.returncode != 0:
         raise NetnsError(f"`ip {' '.join(args)}` failed: {p.stderr.strip() or p.stdout.strip()}")
     return p
@@ -156,14 +158,12 @@ class Namespaces:
     _created: bool = False
 
     def __post_init__(self) -> None:
-        global _sequence
         if not 1 <= self.n <= 9:
             raise ValueError(f"namespaces: need 1 to 9, got {self.n}")
         if not self.prefix:
-            self.prefix = f"odc{os.getpid()}{chr(ord('a') + _sequence % 26)}"
-            _sequence += 1
+            self.prefix = f"odc{os.getpid()}{chr(ord('a') + next(_sequence) % 26)}"
 
-    def create(self) -> "Namespaces":
+    def create(self) -> Namespaces:
         """Makes the namespaces, veths and bridge; raises :class:`NetnsError` (after cleaning up) on failure."""
         why = unavailable_reason()
         if why is not None:
@@ -184,7 +184,7 @@ class Namespaces:
             _run("link", "add", self.bridge, "type", "bridge")
             _run("addr", "add", f"{self.root_addr}/24", "dev", self.bridge)
             _run("link", "set", self.bridge, "up")
-            for ns, root, inner, addr in zip(self.names, self.root_links, self.ifnames, self.addrs):
+            for ns, root, inner, addr in zip(self.names, self.root_links, self.ifnames, self.addrs, strict=True):
                 _run("netns", "add", ns)
                 _run("-n", ns, "link", "set", "lo", "up")
                 _run("link", "add", root, "type", "veth", "peer", "name", inner, "netns", ns)
@@ -215,7 +215,7 @@ class Namespaces:
         if failed:
             raise NetnsError("could not remove: " + "; ".join(failed))
 
-    def __enter__(self) -> "Namespaces":
+    def __enter__(self) -> Namespaces:
         return self.create() if not self._created else self
 
     def __exit__(self, *exc: Any) -> None:

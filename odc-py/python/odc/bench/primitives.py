@@ -25,12 +25,13 @@ exactly).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 from .report import busbw_factor, fmt, format_size, table
 
-__all__ = ["primitives_rank", "OPS", "render", "plot"]
+__all__ = ["OPS", "plot", "primitives_rank", "render"]
 
 # (op key, redop, collective name, ODC name)
 OPS = (
@@ -109,14 +110,14 @@ def _slowest(ctx: Any, mean_s: float, wrong: int) -> tuple[float, int]:
     return float(t.item()), int(w.item())
 
 
-def _result(name: str, size: int, world: int, mean_s: float, wrong: int) -> dict:
+def _result(name: str, size: int, world: int, mean_s: float, wrong: int) -> dict[str, Any]:
     algbw = size / mean_s / 1e9 if mean_s > 0 else float("nan")
     return {"name": name, "time_us": mean_s * 1e6, "algbw": algbw, "busbw": algbw * busbw_factor(world), "wrong": wrong}
 
 
 def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: int, factor: int, iters: int,
                     warmup: int, check: bool, timeout: float, chunk_bytes: int | None,
-                    in_place: bool = False) -> list[dict]:
+                    in_place: bool = False) -> list[dict[str, Any]]:
     """One rank of ``odc-bench primitives``; rank 0 returns the rows (and emits each as it completes)."""
     import torch
     import torch.distributed as dist
@@ -150,13 +151,13 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
         # -- all-gather -------------------------------------------------------
         inp = _gather_pattern(count, part)[rank * part : (rank + 1) * part].to(dt).to(dev)
         out = torch.empty(count, dtype=dt, device=dev)
-        t = _timed(ctx, warmup, iters, lambda: dist.all_gather_into_tensor(out, inp, group=ctx.group), sync)
+        t = _timed(ctx, warmup, iters, functools.partial(dist.all_gather_into_tensor, out, inp, group=ctx.group), sync)
         wrong = int((out.cpu() != _gather_pattern(count, part).to(dt)).sum()) if check else 0
         coll = _result(f"{ctx.backend} all_gather_into_tensor", size, world, *_slowest(ctx, t, wrong))
         del inp, out
 
         out = torch.empty(count, dtype=dt, device=edev)
-        t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out), odc_sync)
+        t = _timed(ctx, warmup, iters, functools.partial(eng.gather, name, 0, out), odc_sync)
         wrong = int((out.cpu() != _gather_pattern(count, sl).to(dt)).sum()) if check else 0
         odc_res = _result("odc gather", size, world, *_slowest(ctx, t, wrong))
         del out
@@ -169,7 +170,8 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
             out = torch.empty(count, dtype=dt, device=dev)
             view = out[rank * part : (rank + 1) * part]
             view.copy_(_gather_pattern(count, part)[rank * part : (rank + 1) * part].to(dt).to(dev))
-            t = _timed(ctx, warmup, iters, lambda: dist.all_gather_into_tensor(out, view, group=ctx.group), sync)
+            t = _timed(ctx, warmup, iters, functools.partial(dist.all_gather_into_tensor, out, view, group=ctx.group),
+                       sync)
             wrong = int((out.cpu() != _gather_pattern(count, part).to(dt)).sum()) if check else 0
             coll = _result(f"{ctx.backend} all_gather_into_tensor in-place", size, world, *_slowest(ctx, t, wrong))
             del out, view
@@ -177,7 +179,7 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
             out = torch.empty(count, dtype=dt, device=edev)
             lo, hi = min(rank * sl, count), min((rank + 1) * sl, count)
             out[lo:hi] = want[lo:hi].to(edev)
-            t = _timed(ctx, warmup, iters, lambda: eng.gather(name, 0, out, skip_own=True), odc_sync)
+            t = _timed(ctx, warmup, iters, functools.partial(eng.gather, name, 0, out, skip_own=True), odc_sync)
             wrong = int((out.cpu() != want).sum()) if check else 0
             odc_res = _result("odc gather skip_own", size, world, *_slowest(ctx, t, wrong))
             del out
@@ -187,19 +189,20 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
         # -- reduce-scatter ---------------------------------------------------
         inp = _push_pattern(count, rank).to(dt).to(dev)
         out = torch.empty(part, dtype=dt, device=dev)
-        t = _timed(ctx, warmup, iters, lambda: dist.reduce_scatter_tensor(out, inp, group=ctx.group), sync)
-        wrong = int((out.cpu() != _sum_pattern(count, world)[rank * part : (rank + 1) * part].to(dt)).sum()) if check else 0
+        t = _timed(ctx, warmup, iters, functools.partial(dist.reduce_scatter_tensor, out, inp, group=ctx.group), sync)
+        wrong = (int((out.cpu() != _sum_pattern(count, world)[rank * part : (rank + 1) * part].to(dt)).sum())
+                 if check else 0)
         coll = _result(f"{ctx.backend} reduce_scatter_tensor", size, world, *_slowest(ctx, t, wrong))
         del out
         inp = inp.to(edev)
 
-        def push() -> None:
+        def push(name: str, inp: Any) -> None:
             nonlocal minibatch
             eng.scatter_accumulate(name, inp, scale=1.0, offset=0)
             eng.finish_minibatch(minibatch)
             minibatch += 1
 
-        t = _timed(ctx, warmup, iters, push, odc_sync)
+        t = _timed(ctx, warmup, iters, functools.partial(push, name, inp), odc_sync)
         wrong = 0
         if check:
             lo, hi = min(rank * sl, count), min((rank + 1) * sl, count)
@@ -214,7 +217,7 @@ def primitives_rank(ctx: Any, *, dtypes: list[str], min_bytes: int, max_bytes: i
     return rows
 
 
-def _device_engine(ctx: Any) -> dict:
+def _device_engine(ctx: Any) -> dict[str, Any]:
     """Engine arguments that put ODC on the baseline's GPU (nccl): ``ODC_TRANSPORT`` when it names a CUDA
     transport, else ``cuda-ipc`` on one node and ``nvshmem`` across nodes. Nothing for a CPU baseline."""
     import os
@@ -229,7 +232,7 @@ def _device_engine(ctx: Any) -> dict:
     return {"transport": transport, "device": ctx.device}
 
 
-def _row(base: dict, op: str, redop: str, coll: dict, odc_res: dict) -> dict:
+def _row(base: dict[str, Any], op: str, redop: str, coll: dict[str, Any], odc_res: dict[str, Any]) -> dict[str, Any]:
     ratio = odc_res["busbw"] / coll["busbw"] if coll["busbw"] > 0 else float("nan")
     return {**base, "op": op, "redop": redop, "collective": coll, "odc": odc_res, "busbw_ratio": ratio}
 
@@ -237,9 +240,9 @@ def _row(base: dict, op: str, redop: str, coll: dict, odc_res: dict) -> dict:
 _WIDTHS = (10, 11, 5, 6, 1, 10, 8, 8, 6, 1, 10, 8, 8, 6, 1, 7)
 
 
-def render(rows: list[dict], title: list[str]) -> str:
+def render(rows: list[dict[str, Any]], title: list[str]) -> str:
     """nccl-tests-style tables, one per (world, op): collective columns | ODC columns | busbw ratio."""
-    blocks = []
+    blocks: list[str] = []
     keys = []
     for r in rows:
         k = (r["world"], r["op"], r["type"])
@@ -248,26 +251,26 @@ def render(rows: list[dict], title: list[str]) -> str:
     for world, op, dtype in keys:
         sel = [r for r in rows if (r["world"], r["op"], r["type"]) == (world, op, dtype)]
         coll_name, odc_name = sel[0]["collective"]["name"], sel[0]["odc"]["name"]
-        header = ("size", "count", "type", "redop", "|", "time(us)", "algbw", "busbw", "#wrong", "|", "time(us)", "algbw",
-                  "busbw", "#wrong", "|", "ratio")
+        header = ("size", "count", "type", "redop", "|", "time(us)", "algbw", "busbw", "#wrong", "|", "time(us)",
+                  "algbw", "busbw", "#wrong", "|", "ratio")
         body = []
         for r in sel:
             c, o = r["collective"], r["odc"]
             body.append((r["size"], r["count"], r["type"], r["redop"], "|", fmt(c["time_us"]), fmt(c["algbw"]),
-                         fmt(c["busbw"]), c["wrong"], "|", fmt(o["time_us"]), fmt(o["algbw"]), fmt(o["busbw"]), o["wrong"],
-                         "|", fmt(r["busbw_ratio"]) + "x"))
+                         fmt(c["busbw"]), c["wrong"], "|", fmt(o["time_us"]), fmt(o["algbw"]), fmt(o["busbw"]),
+                         o["wrong"], "|", fmt(r["busbw_ratio"]) + "x"))
         group = f"{world} ranks, {op.replace('_', '-')}: {coll_name} | {odc_name} | odc/collective busbw"
         blocks.append(table(header, body, _WIDTHS, [*(title if not blocks else []), group]))
     return "\n\n".join(blocks)
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     """busbw against size, one line per (op, backend, world size)."""
     from .report import require_matplotlib
 
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(11, 5))
-    lines: dict[tuple, list] = {}
+    lines: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
     for r in rows:
         for side, style in (("collective", "--"), ("odc", "-")):
             label = f"{r['odc' if side == 'odc' else 'collective']['name']} ({r['world']} ranks, {r['type']})"
@@ -275,7 +278,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     # Colour: the operation; line: dashed collective, solid ODC; marker: the world size.
     colours = {"all_gather": "tab:blue", "all_gather_in_place": "tab:green", "reduce_scatter": "tab:red"}
     worlds = sorted({r["world"] for r in rows})
-    markers = dict(zip(worlds, "os^Dv<>p*h"))
+    markers = dict(zip(worlds, "os^Dv<>p*h", strict=False))  # ten markers; further worlds get "o" below
     for (label, style, op), pts in lines.items():
         pts.sort()
         world = int(label.rsplit("(", 1)[1].split()[0])

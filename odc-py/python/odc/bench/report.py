@@ -8,22 +8,24 @@ nccl-tests (and the Rust ``*_perf`` binaries in ``benches/``): sizes accept
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 import time
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "LoadSampler",
-    "UsageError",
-    "parse_size",
-    "format_size",
-    "busbw_factor",
     "Progress",
-    "write_json",
+    "UsageError",
+    "busbw_factor",
+    "format_size",
+    "parse_size",
     "require_matplotlib",
+    "write_json",
 ]
 
 
@@ -99,7 +101,7 @@ class Progress:
             self._width = 0
 
 
-def write_json(path: str, doc: dict) -> None:
+def write_json(path: str, doc: dict[str, Any]) -> None:
     """Writes ``doc`` as indented JSON; the parent folder must exist."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2, sort_keys=False)
@@ -120,12 +122,13 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[Any]], widths: Sequence[int], title: Sequence[str] = ()) -> str:
-    """Fixed-width table, nccl-tests style: ``#`` header lines, right-aligned cells."""
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]], widths: Sequence[int],
+          title: Sequence[str] = ()) -> str:
+    """Fixed-width table, nccl-tests style: ``#`` header lines, right-aligned cells (one width per column)."""
     out = [f"# {line}" for line in title]
-    out.append("# " + " ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
+    out.append("# " + " ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
     for row in rows:
-        out.append("  " + " ".join(f"{c:>{w}}" for c, w in zip(row, widths)))
+        out.append("  " + " ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)))
     return "\n".join(out)
 
 
@@ -162,16 +165,14 @@ class LoadSampler:
         self._t0 = 0.0
 
     def _take(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # no load average on this platform
             self.samples.append((time.monotonic() - self._t0, os.getloadavg()[0]))
-        except OSError:  # pragma: no cover
-            pass
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self._take()
 
-    def __enter__(self) -> "LoadSampler":
+    def __enter__(self) -> LoadSampler:
         self._t0 = time.monotonic()
         self._take()
         self._thread.start()

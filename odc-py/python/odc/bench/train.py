@@ -34,10 +34,13 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # The imbalance benchmark's five configurations (name, mode, strategy); the first is the baseline.
 from .imbalance import BASELINE, CONFIGS
+
+if TYPE_CHECKING:
+    from odc.packing import CostFit
 
 __all__ = ["BASELINE", "CONFIGS", "ModelSpec", "build_model", "fit_lengths", "markov_tokens", "packed_row",
            "train_rank", "varlen_attention"]
@@ -69,7 +72,8 @@ class ModelSpec:
 
 
 def varlen_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float | None = None,
-                     dropout: float = 0.0, cu_seq_lens_q: Any = None, position_ids: Any = None, **_: Any) -> tuple:
+                     dropout: float = 0.0, cu_seq_lens_q: Any = None, position_ids: Any = None,
+                     **_: Any) -> tuple[Any, None]:
     """Per-sample causal attention over one packed row.
 
     Sample boundaries come from ``cu_seq_lens_q`` (cumulative lengths, the
@@ -106,7 +110,7 @@ def build_model(spec: ModelSpec, seed: int = 0) -> Any:
     AttentionInterface.register(VARLEN, varlen_attention)
     cfg._attn_implementation = VARLEN
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg)
+    return AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]  # unannotated in transformers
 
 
 def markov_tokens(index: int, length: int, vocab: int, seed: int = 0) -> Any:
@@ -125,7 +129,7 @@ def markov_tokens(index: int, length: int, vocab: int, seed: int = 0) -> Any:
     return torch.tensor(out, dtype=torch.long)
 
 
-def packed_row(samples: Sequence[Any]) -> dict:
+def packed_row(samples: Sequence[Any]) -> dict[str, Any]:
     """Model inputs of one packed row, with ``labels`` (a sample's first token has none)."""
     import torch
 
@@ -154,7 +158,7 @@ def fit_lengths(lengths: Sequence[int], points: int = 7) -> list[int]:
 # -- rank side ---------------------------------------------------------------------------------------
 
 
-def _loss(model: Any, row: dict) -> Any:
+def _loss(model: Any, row: dict[str, Any]) -> Any:
     import torch.nn.functional as F
 
     inputs = {k: v for k, v in row.items() if k != "labels"}
@@ -183,8 +187,8 @@ def _vocab(model: Any) -> int:
     return int(model.config.vocab_size)
 
 
-def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list, samples: list, tokens: list, lr: float,
-         clip: float, timeout: float, record: bool) -> dict:
+def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]], samples: list[Any],
+         tokens: list[int], lr: float, clip: float, timeout: float, record: bool) -> dict[str, Any]:
     """One training run of ``minibatches`` (this rank's microbatches per minibatch); timed from a barrier."""
     import torch
     import torch.distributed as dist
@@ -219,15 +223,15 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list, samples: list,
         ends.append(time.perf_counter())
         losses.append(float(local) / tokens[k])
         norms.append(norm)
-    norms = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
+    norm_values = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
     dist.barrier()
     final = {name: p.to_local().detach().clone() for name, p in model.named_parameters()} if record else None
     if mode == "odc":
         odc.fsdp.disable(model)
-    return {"t0": t0, "ends": ends, "losses": losses, "norms": norms, "micro": micro, "final": final}
+    return {"t0": t0, "ends": ends, "losses": losses, "norms": norm_values, "micro": micro, "final": final}
 
 
-def _param_diff(a: dict, b: dict) -> tuple[float, float]:
+def _param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     """Max absolute difference and the norm of the difference relative to the norm of ``b``."""
     worst, num, den = 0.0, 0.0, 0.0
     for k in b:
@@ -239,9 +243,9 @@ def _param_diff(a: dict, b: dict) -> tuple[float, float]:
     return worst, math.sqrt(num / den) if den > 0 else 0.0
 
 
-def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], repeats: int, fit_lengths: list[int],
-               fit_repeats: int, lr: float, clip: float, timeout: float, seed: int, skip: int = 1,
-               calibrate: bool = True) -> dict:
+def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], configs: list[str], repeats: int,
+               fit_lengths: list[int], fit_repeats: int, lr: float, clip: float, timeout: float, seed: int,
+               skip: int = 1, calibrate: bool = True) -> dict[str, Any]:
     """One rank of ``odc-bench train``: the cost fit, then every configuration of every point, interleaved.
 
     ``points`` carry the lengths, minibatch size and token budget of each
@@ -279,8 +283,8 @@ def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], 
         ref = plans["lb-micro"]
         # Labels per minibatch from the plan itself (every strategy holds the same samples per minibatch).
         tokens = [sum(lengths[i] - 1 for r in m for mb in r for i in mb) for m in ref.minibatches]
-        runs: dict[str, list] = {name: [] for name in configs}
-        finals: dict[str, dict] = {}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+        finals: dict[str, dict[str, Any]] = {}
         for rep in range(repeats):
             order = configs[rep % len(configs):] + configs[:rep % len(configs)]
             for name in order:
@@ -307,8 +311,8 @@ def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], 
         if overheads:
             spans = {name: _span_with_overheads(plans[table[name][1]], table[name][0], lengths, fit,
                                                 overheads[table[name][0]], skip) for name in configs}
-            for name, p in predictions.items():
-                p.update(seconds_with_overheads=spans[name], speedup_with_overheads=spans[BASELINE] / spans[name])
+            for name, pred in predictions.items():
+                pred.update(seconds_with_overheads=spans[name], speedup_with_overheads=spans[BASELINE] / spans[name])
         out_points.append({
             "predictions": predictions,
             "runs": runs,
@@ -321,8 +325,8 @@ def train_rank(ctx: Any, *, spec: dict, points: list[dict], configs: list[str], 
 CALIBRATION_LENGTH = 16
 
 
-def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: Any, lr: float, clip: float, timeout: float,
-               repeats: int = 4) -> dict:
+def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: CostFit, lr: float, clip: float, timeout: float,
+               repeats: int = 4) -> dict[str, Any]:
     """Seconds the fitted per-sample costs leave out under ``mode``, measured apart from the benchmark's runs.
 
     Trains minibatches of 1 and of 4 microbatches of one
@@ -346,7 +350,8 @@ def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: Any, lr: float, clip: 
             "calibration_minibatch_s": per_minibatch}
 
 
-def _span_with_overheads(plan: Any, mode: str, lengths: list[int], fit: Any, overheads: dict, skip: int) -> float:
+def _span_with_overheads(plan: Any, mode: str, lengths: list[int], fit: CostFit, overheads: dict[str, Any],
+                         skip: int) -> float:
     """Seconds the plan takes over minibatches ``skip..`` with the fitted costs plus the measured fixed costs.
 
     Under ODC a minibatch takes its slowest rank's microbatches; under
@@ -354,7 +359,8 @@ def _span_with_overheads(plan: Any, mode: str, lengths: list[int], fit: Any, ove
     microbatch adds ``overheads["microbatch_s"]``, each minibatch
     ``overheads["minibatch_s"]``.
     """
-    per_mb, per_minibatch = overheads["microbatch_s"], overheads["minibatch_s"]
+    per_mb: float = overheads["microbatch_s"]
+    per_minibatch: float = overheads["minibatch_s"]
 
     def cost(mb: Sequence[int]) -> float:
         return sum(fit.seconds(lengths[i]) for i in mb) + per_mb
@@ -388,7 +394,7 @@ def _busy(plan: Any, mode: str, skip: int) -> tuple[float, float]:
     return work, span
 
 
-def _prediction(plan: Any, mode: str, baseline: Any, skip: int) -> dict:
+def _prediction(plan: Any, mode: str, baseline: Any, skip: int) -> dict[str, Any]:
     """What the planner predicts for one configuration over the timed minibatches."""
     work, span = _busy(plan, mode, skip)
     _, base_span = _busy(baseline, "collective", skip)
@@ -400,7 +406,7 @@ def _prediction(plan: Any, mode: str, baseline: Any, skip: int) -> dict:
     }
 
 
-def _aggregate(per_rank: list[dict], skip: int) -> dict:
+def _aggregate(per_rank: list[dict[str, Any]], skip: int) -> dict[str, Any]:
     start = min(r["t0"] for r in per_rank)
     n = len(per_rank[0]["ends"])
     ends = [max(r["ends"][k] for r in per_rank) for k in range(n)]

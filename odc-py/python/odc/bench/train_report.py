@@ -157,9 +157,9 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def _timed(run: dict) -> float:
+def _timed(run: dict[str, Any]) -> float:
     """Seconds of the timed minibatches (after the warm-up ones) of one run."""
-    return run["timed_s"]
+    return float(run["timed_s"])
 
 
 # A same-plan ODC run whose parameters differ from the collective's by more than this is flagged wrong:
@@ -167,7 +167,7 @@ def _timed(run: dict) -> float:
 PARAM_TOLERANCE = 1e-4
 
 
-def _where_time_went(runs: list[dict], lengths: list[int], fit: dict, world: int) -> dict:
+def _where_time_went(runs: list[dict[str, Any]], lengths: list[int], fit: dict[str, Any], world: int) -> dict[str, Any]:
     """Cost-model-free figures of the timed minibatches, over every rank and run.
 
     ``micro_over_fit``: seconds the microbatches took (forward + backward,
@@ -176,8 +176,11 @@ def _where_time_went(runs: list[dict], lengths: list[int], fit: dict, world: int
     microbatches. Under ODC nothing waits inside a microbatch but a first
     gather, so ``1 - busy`` is the measured bubble (plus optimizer steps).
     """
+    a: float = fit["a"]
+    b: float = fit["b"]
+
     def cost(mb: list[int]) -> float:
-        return sum(fit["a"] * lengths[i] ** 2 + fit["b"] * lengths[i] for i in mb)
+        return sum(a * lengths[i] ** 2 + b * lengths[i] for i in mb)
 
     measured = predicted = 0.0
     busy = []
@@ -193,7 +196,8 @@ def _where_time_went(runs: list[dict], lengths: list[int], fit: dict, world: int
     return {"micro_over_fit": _ratio(measured, predicted), "busy": statistics.median(busy)}
 
 
-def summarize(points: list[dict], results: list[dict], configs: list[str], fit: dict, world: int) -> list[dict]:
+def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], configs: list[str], fit: dict[str, Any],
+              world: int) -> list[dict[str, Any]]:
     """One row per (point, configuration): measured and predicted speedup, spread, checks."""
     from .train import BASELINE, SAME_PLAN
 
@@ -243,7 +247,7 @@ def summarize(points: list[dict], results: list[dict], configs: list[str], fit: 
     return rows
 
 
-def render(rows: list[dict], title: list[str], sweep: bool) -> str:
+def render(rows: list[dict[str, Any]], title: list[str], sweep: bool) -> str:
     from .train import BASELINE
 
     header = ["config", "mb/rank", "t/minibatch(s)", "[min..max]", "speedup", "[min..max]", "packer", "error",
@@ -271,7 +275,7 @@ def render(rows: list[dict], title: list[str], sweep: bool) -> str:
     return table(header, body, widths, title)
 
 
-def render_time(rows: list[dict], sweep: bool) -> str:
+def render_time(rows: list[dict[str, Any]], sweep: bool) -> str:
     """Where the time went: microbatch seconds against the fitted model, busy fraction against the prediction."""
     header = ["config", "t/minibatch(s)", "packer(s)", "+fixed(s)", "micro/fit", "busy", "pred busy"]
     widths = [22, 14, 9, 9, 9, 7, 9]
@@ -294,7 +298,7 @@ def render_time(rows: list[dict], sweep: bool) -> str:
     return table(header, body, widths, title)
 
 
-def plot_speedups(rows: list[dict], path: str, title: str) -> None:
+def plot_speedups(rows: list[dict[str, Any]], path: str, title: str) -> None:
     """Per minibatch size, per configuration: measured speedup (median, min-max) beside both predictions."""
     from .report import require_matplotlib
 
@@ -331,7 +335,7 @@ def plot_speedups(rows: list[dict], path: str, title: str) -> None:
 # -- convergence ---------------------------------------------------------------------------------------
 
 
-def curves_summary(res: dict, configs: list[str]) -> dict:
+def curves_summary(res: dict[str, Any], configs: list[str]) -> dict[str, Any]:
     """Loss curves of every configuration and how far each strays from the baseline.
 
     ``collective+local-sort`` is the control: the same collectives, the
@@ -360,7 +364,7 @@ def curves_summary(res: dict, configs: list[str]) -> dict:
     }
 
 
-def render_curves(s: dict, title: list[str]) -> str:
+def render_curves(s: dict[str, Any], title: list[str]) -> str:
     names = list(s["losses"])
     n = len(s["losses"][names[0]])
     step = max(1, n // 12)
@@ -379,7 +383,7 @@ def render_curves(s: dict, title: list[str]) -> str:
     return "\n".join(out)
 
 
-def plot_curves(s: dict, path: str, title: str) -> None:
+def plot_curves(s: dict[str, Any], path: str, title: str) -> None:
     """Both loss curves on one figure, with the distance from the baseline below."""
     from .report import require_matplotlib
 
