@@ -160,19 +160,22 @@ impl Drop for LockFile {
 mod tests {
     use super::*;
 
+    /// The segment file, opened read-write (created on first use).
+    fn open_rw(path: &std::path::Path) -> std::fs::File {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .unwrap()
+    }
+
     #[test]
     fn a_held_lock_is_seen_until_its_holder_closes() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("seg");
-        let open = || {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .unwrap()
-        };
+        let open = || open_rw(&path);
         let owner = LockFile::hold(open(), "seg").unwrap();
         let prober = LockFile::probe(open());
         assert!(prober.held());
@@ -187,15 +190,7 @@ mod tests {
     fn a_forked_child_does_not_keep_the_lock() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("seg");
-        let open = || {
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create(true)
-                .truncate(false)
-                .open(&path)
-                .unwrap()
-        };
+        let open = || open_rw(&path);
         let prober = LockFile::probe(open());
         let owner = LockFile::hold(open(), "seg").unwrap();
         // SAFETY: the child only sleeps and exits (async-signal-safe).
