@@ -153,6 +153,10 @@ def test_emulated_compute_carries_overshoot():
         (["train", "--json", "/nonexistent/dir/out.json"], "/nonexistent/dir"),
         (["memory", "--world", "4", "--per-node", "4"], "two emulated nodes"),
         (["memory", "--world", "1", "--sharding", "full"], "--world 1"),
+        (["memory", "--formula", "x7"], "a parameter count like 7B"),
+        (["memory", "--formula", "0"], "at least 1"),
+        (["memory", "--formula", "1M", "--world", "6", "--per-node", "4"], "the world must be whole nodes"),
+        (["memory", "--formula", "1M", "--world", "8192", "--per-node", "8192"], "ODC_LANDING_MB=1024"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_value(argv, named, capsys):

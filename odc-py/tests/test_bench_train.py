@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from odc.bench import main, train
+from odc.bench import main, memory, train
 from odc.bench.train_report import PARAM_TOLERANCE
 
 pytest.importorskip("transformers")
@@ -130,3 +130,40 @@ def test_memory_table_measures_every_kind(tmp_path, capsys):
     assert gloo["odc_shm"] is None
     # Landing slots alone are 2 * D * chunk = 8 MiB at the default 2 MiB chunk; shards and accumulators come on top.
     assert 8 << 20 < odc["odc_shm"] < (8 << 20) + 2 * odc["params"] + (1 << 20), odc
+    # The formula of --formula against what the file system says: the segments hold the published shard and the
+    # landing slots (the accumulators are private), plus signal words (a few KiB) and FSDP2's padding.
+    doc = json.loads(out.read_text())
+    assert doc["params"] == numel
+    f = rows["ODC full"]["formula"]
+    assert f["landing"] == 8 << 20 and f["published"] == 4 * numel / 2 and f["cross"] == 0, f
+    assert 0 <= odc["odc_shm"] - f["odc_shm"] <= 64 * 1024 + 0.05 * f["published"], (odc, f)
+    assert "by formula" in text
+
+
+def test_memory_formula_sizes_any_model():
+    mib, gib = 1 << 20, 1 << 30
+    rows = {r["label"]: r for r in memory.formula(32 * 10**9, 32, 8, gather_bytes=2)}
+    full, hybrid = rows["ODC full"], rows["ODC hybrid"]
+    zero = rows["hybrid, optimizer over all ranks (ZeRO++-style; not built)"]
+    # 32B parameters: a 1/32 shard is 1e9 parameters, a 1/8 shard 4e9.
+    assert full["params"] == 4e9 and full["published"] == 2e9 and full["accum"] == 4e9 and full["optim"] == 8e9
+    assert full["landing"] == 2 * 32 * 2 * mib and hybrid["landing"] == 2 * 8 * 2 * mib
+    assert hybrid["params"] == 16e9 and hybrid["optim"] == 32e9 and hybrid["cross"] == 16e9
+    # Sharding the optimizer over all ranks brings its state back to full sharding's, nothing else moves.
+    assert zero["optim"] == full["optim"] and zero["params"] == hybrid["params"]
+    assert hybrid["total"] - zero["total"] == 24e9
+    assert rows["FSDP2 full"]["published"] is None and rows["FSDP2 full"]["total"] == 16e9
+    # The landing chunk follows odc-core's budget rule (its unit test: 128 KiB at D = 1024, an error at 4096).
+    assert memory.landing_chunk(2 * mib, 8, 256 * mib) == 2 * mib
+    assert memory.landing_chunk(2 * mib, 1024, 256 * mib) == 128 * 1024
+    with pytest.raises(ValueError, match="ODC_LANDING_MB=512"):
+        memory.landing_chunk(2 * mib, 4096, 256 * mib)
+    assert memory.parse_count("7B") == 7 * 10**9 and memory.parse_count("1.5M") == 1_500_000
+    assert memory.parse_count("32e9") == 32 * 10**9 and gib == 2**30
+
+
+def test_memory_formula_prints_every_mode(capsys):
+    assert main(["memory", "--formula", "7B", "--world", "16", "--per-node", "8", "--gather-dtype", "bf16",
+                 "--markdown"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("\n| ") == 5 and "ZeRO++-style; not built" in text and "ODC landing slots" in text

@@ -205,10 +205,28 @@ def _train_parser(sub: Any) -> None:
     me.add_argument("--sharding", choices=("full", "hybrid", "both"), default="both",
                     help="rows to measure (default both: FSDP2 and ODC, full and hybrid)")
     me.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    me.add_argument("--formula", metavar="PARAMS", type=_param_count,
+                    help="print the bytes per rank by formula for a model of PARAMS parameters (7B, 1.5M, 32e9) on "
+                         "--world ranks in nodes of --per-node instead of measuring; full, hybrid and hybrid with "
+                         "the optimizer sharded over all ranks")
+    me.add_argument("--gather-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="with --formula: the dtype ODC publishes and gathers (bf16 under a bf16 "
+                         "MixedPrecisionPolicy; default fp32)")
+    me.add_argument("--optim-bytes", type=_positive(int, "--optim-bytes"), default=8,
+                    help="with --formula: optimizer state bytes per parameter (default 8: AdamW's two f32 moments)")
     _model_flags(me)
     me.add_argument("--json", metavar="FILE", help="write the results as JSON")
     me.add_argument("--timeout", type=_positive(float, "--timeout"), default=300.0,
                     help="seconds any wait on a peer may take (default 300)")
+
+
+def _param_count(text: str) -> int:
+    from .memory import parse_count
+
+    try:
+        return parse_count(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:
@@ -604,6 +622,8 @@ def _memory(args: argparse.Namespace) -> int:
     from . import launch, memory
     from .report import write_json
 
+    if args.formula is not None:
+        return _memory_formula(args)
     if launch.under_torchrun():
         raise UsageError("odc-bench memory launches its own ranks (one run per variant); not under torchrun")
     if args.world < 2:
@@ -624,15 +644,57 @@ def _memory(args: argparse.Namespace) -> int:
         worst = {k: (None if any(r[k] is None for r in per_rank) else max(r[k] for r in per_rank))
                  for k in memory.KEYS}
         rows.append({"label": label, "comm": comm, "sharding": sharding, "max": worst, "ranks": per_rank})
+    # The same model by formula: what ODC's shared memory should be, against what the file system says.
+    numel = sum(p.numel() for p in _build(spec).parameters())
+    by_formula = {r["label"]: r for r in memory.formula(numel, args.world, args.per_node)}
+    checks = []
+    for r in rows:
+        if r["comm"] == "odc":
+            f = by_formula["ODC full" if r["sharding"] == "full" else "ODC hybrid"]
+            r["formula"] = f
+            checks.append(f"{r['label']}: ODC shared memory {r['max']['odc_shm']:,} B measured, {f['odc_shm']:,.0f} B "
+                          f"by formula (published {f['published']:,.0f} + cross-node sums {f['cross']:,.0f} + "
+                          f"landing {f['landing']:,}; signal words and padding left out)")
     title = [_title("memory"),
              f"{args.world} ranks{f' (hybrid: nodes of {args.per_node}, emulated on this host)' if hybrid else ''}, "
              f"{spec.describe()}, fp32, "
              f"AdamW, {args.steps} minibatches of {args.micros} x {args.length} tokens; ODC shared memory = the "
              f"/dev/shm segments of the rank's engine (published shards, f32 accumulators, landing slots, signals)"]
     print(memory.render(rows, title, markdown=args.markdown), flush=True)
+    for line in checks:
+        print(f"# {line}", flush=True)
     if args.json:
         write_json(args.json, {"bench": "memory", "load_average": os.getloadavg(), "model": asdict(spec),
-                               "args": vars(args), "rows": rows})
+                               "params": numel, "args": vars(args), "rows": rows})
+    return 0
+
+
+def _build(spec: Any) -> Any:
+    from .train import build_model
+
+    return build_model(spec)
+
+
+def _memory_formula(args: argparse.Namespace) -> int:
+    from . import memory
+    from .report import write_json
+
+    if args.world % args.per_node:
+        raise UsageError(f"--world {args.world} --per-node {args.per_node}: the world must be whole nodes")
+    gather = {"fp32": 4, "bf16": 2}[args.gather_dtype]
+    try:
+        rows = memory.formula(args.formula, args.world, args.per_node, gather_bytes=gather,
+                              optim_bytes=args.optim_bytes)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    title = [f"odc-bench memory --formula: {args.formula:,} parameters, {args.world} ranks in nodes of "
+             f"{args.per_node}; fp32 sharded parameters and gradients, {args.optim_bytes} optimizer bytes per "
+             f"parameter, ODC gathers {args.gather_dtype}; 2 MiB landing chunks within ODC_LANDING_MB=256",
+             "by formula, not measured (odc-bench memory without --formula measures a small model); the last "
+             "row shards the optimizer state over all ranks, its other columns assumed as hybrid's"]
+    print(memory.render_formula(rows, title, markdown=args.markdown), flush=True)
+    if args.json:
+        write_json(args.json, {"bench": "memory-formula", "params": args.formula, "args": vars(args), "rows": rows})
     return 0
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from .report import table
 
-__all__ = ["KEYS", "VARIANTS", "memory_rank", "render"]
+__all__ = ["FORMULA_KEYS", "KEYS", "VARIANTS", "formula", "landing_chunk", "memory_rank", "parse_count", "render",
+           "render_formula"]
 
 # (label, comm, sharding)
 VARIANTS = (
@@ -119,3 +120,99 @@ def render(rows: list[dict[str, Any]], title: list[str], markdown: bool = False)
         lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in body]
         return "\n".join(lines)
     return table(header, body, [25, 10, 10, 15, 17, 18], title)
+
+
+# -- the formula -----------------------------------------------------------------------------------
+
+FORMULA_KEYS = ("params", "grads", "optim", "published", "accum", "cross", "landing")
+FORMULA_HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "published": "ODC published",
+                  "accum": "ODC f32 accumulators", "cross": "ODC cross-node sums", "landing": "ODC landing slots"}
+MIN_CHUNK = 64 << 10  # odc-core's floor of the landing chunk
+LINE = 64
+
+
+def landing_chunk(chunk: int, group: int, budget: int) -> int:
+    """The landing chunk odc-core picks for a shard group of ``group`` ranks: the asked ``chunk`` shrunk so that
+    ``2 * group * chunk`` fits ``budget``, in 64-byte lines, never below 64 KiB (``ValueError`` when even that does
+    not fit)."""
+    fit = budget // (2 * group) // LINE * LINE
+    asked = -(-chunk // LINE) * LINE
+    floor = min(MIN_CHUNK, asked)
+    if fit < floor:
+        need = -(-2 * group * floor // (1 << 20))
+        raise ValueError(f"landing slots for {group} ranks need ODC_LANDING_MB={need} at the {floor >> 10} KiB floor")
+    return max(min(asked, fit), floor)
+
+
+def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gather_bytes: int = 4,
+            optim_bytes: int = 8, chunk: int = 2 << 20, landing_mb: int = 256) -> list[dict[str, Any]]:
+    """Bytes per rank by kind for a model of ``params`` parameters on ``world`` ranks in nodes of ``per_node``.
+
+    FSDP2 keeps the sharded parameters (the optimizer's master copy, ``param_bytes`` each), the sharded gradients
+    (as many bytes) and the optimizer state (``optim_bytes`` per parameter: AdamW's two f32 moments). ODC adds the
+    published copy of the shard in the gather dtype, the f32 accumulators the owner's daemon adds into, under
+    hybrid sharding an f32 buffer per shard for the cross-node sum, and the landing slots ``2 * group * chunk``
+    (the chunk shrunk to fit ``ODC_LANDING_MB``). Shards are ``params / group`` (FSDP2's padding and ODC's
+    signal words, a few KiB, are left out). The last row is hybrid sharding with the optimizer state sharded
+    over all ranks (ZeRO++-style), which ODC does not have: its optimizer column is the point.
+    """
+    if world < 1 or per_node < 1 or world % per_node:
+        raise ValueError(f"world {world} must be a positive multiple of per_node {per_node}")
+    budget = landing_mb << 20
+
+    def row(label: str, comm: str, group: int, optim_group: int, cross: bool) -> dict[str, Any]:
+        shard = params / group
+        r: dict[str, Any] = {"label": label, "comm": comm, "group": group,
+                             "params": shard * param_bytes, "grads": shard * param_bytes,
+                             "optim": params / optim_group * optim_bytes}
+        odc = comm == "odc"
+        r["published"] = shard * gather_bytes if odc else None
+        r["accum"] = shard * 4 if odc else None
+        r["cross"] = (shard * 4 if cross else 0) if odc else None
+        r["landing"] = 2 * group * landing_chunk(chunk, group, budget) if odc else None
+        r["odc_shm"] = r["published"] + r["cross"] + r["landing"] if odc else None
+        r["total"] = sum(v for k, v in r.items() if k in FORMULA_KEYS and v is not None)
+        return r
+
+    return [
+        row("FSDP2 full", "collective", world, world, False),
+        row("ODC full", "odc", world, world, False),
+        row("FSDP2 HSDP", "collective", per_node, per_node, False),
+        row("ODC hybrid", "odc", per_node, per_node, True),
+        row("hybrid, optimizer over all ranks (ZeRO++-style; not built)", "odc", per_node, world, True),
+    ]
+
+
+def parse_count(text: str) -> int:
+    """A parameter count: ``7B``, ``1.5M``, ``32e9`` or a plain integer."""
+    t = text.strip().upper()
+    scale = {"K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}.get(t[-1:], 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        n = float(t) * scale
+    except ValueError:
+        raise ValueError(f"{text!r}: a parameter count like 7B, 1.5M, 32e9 or 123456") from None
+    if not n >= 1 or n != n:
+        raise ValueError(f"{text!r}: the parameter count must be at least 1")
+    return int(n)
+
+
+def _size(v: float | None) -> str:
+    if v is None:
+        return "–"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if v >= div:
+            return f"{v / div:,.2f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def render_formula(rows: list[dict[str, Any]], title: list[str], markdown: bool = False) -> str:
+    """The formula's table: one row per mode, bytes per rank by kind and the total."""
+    header = ["per rank", *[FORMULA_HEADER[k] for k in FORMULA_KEYS], "total"]
+    body = [[r["label"], *[_size(r[k]) for k in FORMULA_KEYS], _size(r["total"])] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines)
+    return table(header, body, [58, 11, 11, 15, 13, 20, 19, 17, 11], title)
