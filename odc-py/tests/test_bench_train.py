@@ -149,9 +149,12 @@ def test_memory_formula_sizes_any_model():
     assert full["params"] == 4e9 and full["published"] == 2e9 and full["accum"] == 4e9 and full["optim"] == 8e9
     assert full["landing"] == 2 * 32 * 2 * mib and hybrid["landing"] == 2 * 8 * 2 * mib
     assert hybrid["params"] == 16e9 and hybrid["optim"] == 32e9 and hybrid["cross"] == 16e9
-    # Sharding the optimizer over all ranks brings its state back to full sharding's, nothing else moves.
-    assert zero["optim"] == full["optim"] and zero["params"] == hybrid["params"]
-    assert hybrid["total"] - zero["total"] == 24e9
+    # The ZeRO++-style design: FSDP2's parameters, gradients and optimizer state at full sharding's 1/D, ODC's
+    # node shard (working copy, accumulator) at hybrid's 1/G, a 1/D piece accumulator, slots for 8 + 4 clients.
+    assert (zero["params"], zero["grads"], zero["optim"]) == (full["params"], full["grads"], full["optim"])
+    assert zero["published"] == hybrid["published"] and zero["accum"] == hybrid["accum"] and zero["cross"] == 4e9
+    assert zero["landing"] == 2 * 12 * 2 * mib
+    assert rows["FSDP2 HSDP"]["total"] > zero["total"] > full["total"]
     assert rows["FSDP2 full"]["published"] is None and rows["FSDP2 full"]["total"] == 16e9
     # The landing chunk follows odc-core's budget rule (its unit test: 128 KiB at D = 1024, an error at 4096).
     assert memory.landing_chunk(2 * mib, 8, 256 * mib) == 2 * mib

@@ -691,7 +691,7 @@ def _memory_formula(args: argparse.Namespace) -> int:
              f"{args.per_node}; fp32 sharded parameters and gradients, {args.optim_bytes} optimizer bytes per "
              f"parameter, ODC gathers {args.gather_dtype}; 2 MiB landing chunks within ODC_LANDING_MB=256",
              "by formula, not measured (odc-bench memory without --formula measures a small model); the last "
-             "row shards the optimizer state over all ranks, its other columns assumed as hybrid's"]
+             "row is the ZeRO++-style hybrid of docs/hybrid-zero.md, a design ODC does not have yet"]
     print(memory.render_formula(rows, title, markdown=args.markdown), flush=True)
     if args.json:
         write_json(args.json, {"bench": "memory-formula", "params": args.formula, "args": vars(args), "rows": rows})

@@ -153,33 +153,38 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
     published copy of the shard in the gather dtype, the f32 accumulators the owner's daemon adds into, under
     hybrid sharding an f32 buffer per shard for the cross-node sum, and the landing slots ``2 * group * chunk``
     (the chunk shrunk to fit ``ODC_LANDING_MB``). Shards are ``params / group`` (FSDP2's padding and ODC's
-    signal words, a few KiB, are left out). The last row is hybrid sharding with the optimizer state sharded
-    over all ranks (ZeRO++-style), which ODC does not have: its optimizer column is the point.
+    signal words, a few KiB, are left out). The last row is the ZeRO++-style hybrid of ``docs/hybrid-zero.md``,
+    which ODC does not have yet: FSDP2 shards D ways, ODC keeps the node shard.
     """
     if world < 1 or per_node < 1 or world % per_node:
         raise ValueError(f"world {world} must be a positive multiple of per_node {per_node}")
     budget = landing_mb << 20
 
-    def row(label: str, comm: str, group: int, optim_group: int, cross: bool) -> dict[str, Any]:
+    def row(label: str, comm: str, group: int, fsdp_group: int, cross: float, clients: int) -> dict[str, Any]:
         shard = params / group
+        piece = params / fsdp_group
         r: dict[str, Any] = {"label": label, "comm": comm, "group": group,
-                             "params": shard * param_bytes, "grads": shard * param_bytes,
-                             "optim": params / optim_group * optim_bytes}
+                             "params": piece * param_bytes, "grads": piece * param_bytes,
+                             "optim": piece * optim_bytes}
         odc = comm == "odc"
         r["published"] = shard * gather_bytes if odc else None
         r["accum"] = shard * 4 if odc else None
-        r["cross"] = (shard * 4 if cross else 0) if odc else None
-        r["landing"] = 2 * group * landing_chunk(chunk, group, budget) if odc else None
+        r["cross"] = cross * 4 if odc else None
+        r["landing"] = 2 * clients * landing_chunk(chunk, clients, budget) if odc else None
         r["odc_shm"] = r["published"] + r["cross"] + r["landing"] if odc else None
         r["total"] = sum(v for k, v in r.items() if k in FORMULA_KEYS and v is not None)
         return r
 
+    g, nodes = per_node, world // per_node
     return [
-        row("FSDP2 full", "collective", world, world, False),
-        row("ODC full", "odc", world, world, False),
-        row("FSDP2 HSDP", "collective", per_node, per_node, False),
-        row("ODC hybrid", "odc", per_node, per_node, True),
-        row("hybrid, optimizer over all ranks (ZeRO++-style; not built)", "odc", per_node, world, True),
+        row("FSDP2 full", "collective", world, world, 0, world),
+        row("ODC full", "odc", world, world, 0, world),
+        row("FSDP2 HSDP", "collective", g, g, 0, g),
+        row("ODC hybrid", "odc", g, g, params / g, g),
+        # docs/hybrid-zero.md: FSDP2 shards D ways (pieces of node shards); ODC keeps the node shard's working
+        # copy and accumulator, a piece accumulator for the cross-node sum, landing slots for G + N clients.
+        row("hybrid, optimizer over all ranks (ZeRO++-style; not built)", "odc", g, world, params / world,
+            g + nodes if nodes > 1 else g),
     ]
 
 
