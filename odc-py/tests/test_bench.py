@@ -59,6 +59,51 @@ def test_imbalance_runs_every_configuration_with_exact_sums(tmp_path, capsys):
         assert r["wrong"] == 0
 
 
+def test_imbalance_compute_that_strays_from_the_model(tmp_path, capsys):
+    # The plans and predictions keep the model's costs; the emulated compute runs noisy ones and a slow rank,
+    # the same for every configuration, and every sum stays exact.
+    out = tmp_path / "imb.json"
+    code = main(["imbalance", "--world", "2", "--minibatches", "2", "--minibatch-size", "2", "--layers", "1",
+                 "--layer-bytes", "4K", "--compute-scale", "0.0001", "--configs", "odc+lb-mini",
+                 "--noise", "0.5", "--noise-seed", "3", "--straggler", "1:2", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "COMPUTE STRAYS FROM THE MODEL" in text and "rank 1 computes 2x slower" in text
+    doc = json.loads(out.read_text())
+    assert doc["args"]["noise"] == 0.5 and doc["args"]["straggler"] == [1, 2.0]
+    assert all(r["wrong"] == 0 and r["param_checksum"] == r["param_checksum_expected"] for r in doc["rows"])
+
+
+def test_stray_costs_are_seeded_and_the_predictions_keep_the_model():
+    from odc.bench import imbalance
+
+    costs = [1.0, 2.0, 4.0] * 400
+    assert imbalance.true_costs(costs, 0.0, 1) == costs
+    a, b = imbalance.true_costs(costs, 0.3, 1), imbalance.true_costs(costs, 0.3, 1)
+    assert a == b and a != imbalance.true_costs(costs, 0.3, 2)
+    ratios = [x / c for x, c in zip(a, costs, strict=True)]
+    assert abs(sum(ratios) / len(ratios) - 1) < 0.05 and max(ratios) > 1.3 and min(ratios) < 0.75
+    lengths = [1000 * (i % 7 + 1) for i in range(32)]
+
+    def point(**kw):
+        settings = imbalance.Settings(layers=1, layer_bytes=4096, cost="quadratic", minibatches=2, repeats=1,
+                                      seed=None, configs=imbalance.CONFIGS, **kw)
+        return imbalance.build_point(lengths, world=2, minibatch_size=4, max_tokens=16000, settings=settings,
+                                     compute_scale=0.001, run_seconds=None)
+
+    exact, stray = point(), point(noise=0.3, straggler=(1, 2.0))
+    for name, cfg in exact["configs"].items():
+        other = stray["configs"][name]
+        assert other["bubble_pred"] == cfg["bubble_pred"] and other["speedup_pred"] == cfg["speedup_pred"]
+        # Rank 1's microbatches cost twice their noisy model cost: more work than rank 0's share of the noise.
+        assert other["per_rank"][1] != cfg["per_rank"][1] and other["units"] != cfg["units"]
+    fast = point(straggler=(1, 2.0))["configs"]["odc+lb-mini"]["per_rank"]
+    base = exact["configs"]["odc+lb-mini"]["per_rank"]
+    assert fast[0] == base[0]
+    assert all(f[0] == 2 * c[0] for fm, cm in zip(fast[1], base[1], strict=True)
+               for f, c in zip(fm, cm, strict=True))
+
+
 @pytest.mark.parametrize(
     ("sweep", "labels", "field", "values"),
     [
@@ -142,6 +187,11 @@ def test_emulated_compute_carries_overshoot():
         (["imbalance", "--synthetic", "uniform:n=3"], "uniform"),
         (["imbalance", "--max-tokens", "100"], "planning failed"),
         (["imbalance", "--json", "/nonexistent/dir/out.json"], "/nonexistent/dir"),
+        (["imbalance", "--noise", "-0.1"], "--noise '-0.1'"),
+        (["imbalance", "--noise", "x"], "--noise 'x'"),
+        (["imbalance", "--straggler", "1"], "--straggler '1'"),
+        (["imbalance", "--straggler", "0:0"], "--straggler '0:0'"),
+        (["imbalance", "--world", "2", "--straggler", "5:2"], "no rank 5 among 2"),
         (["train", "--world", "64"], "--world 64"),
         (["train", "--world", "1"], "--world 1"),
         (["train", "--configs", "odc+lb-maxi"], "odc+lb-maxi"),

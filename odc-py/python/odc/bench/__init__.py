@@ -151,9 +151,40 @@ def _build_parser() -> _Parser:
                          "(auto: collectives overlap, ODC calls run inline)")
     im.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None,
                     help="ODC push chunk (default: engine's)")
+    im.add_argument("--noise", type=_nonnegative_float("--noise"), default=0.0,
+                    help="the emulated compute strays from the cost model the plans use: each sample's time is its "
+                         "model cost times a lognormal factor of mean 1 and this sigma, seeded by --noise-seed "
+                         "(0.3 = about 30%%; default 0: the model exactly)")
+    im.add_argument("--noise-seed", type=int, default=0, help="seed of --noise (default 0)")
+    im.add_argument("--straggler", metavar="RANK:FACTOR", type=_straggler, default=None,
+                    help="slow one rank's compute by a factor, e.g. 0:1.5")
     _common(im)
     _train_parser(sub)
     return p
+
+
+def _nonnegative_float(flag: str) -> Any:
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = float("nan")
+        if not v >= 0 or v == float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: must be a finite number >= 0")
+        return v
+
+    return parse
+
+
+def _straggler(text: str) -> tuple[int, float]:
+    rank, _, factor = text.partition(":")
+    try:
+        r, f = int(rank), float(factor)
+    except ValueError:
+        r, f = -1, float("nan")
+    if r < 0 or not 0 < f < float("inf"):
+        raise argparse.ArgumentTypeError(f"--straggler {text!r}: RANK:FACTOR, a rank >= 0 and a factor > 0 (0:1.5)")
+    return r, f
 
 
 def _train_parser(sub: Any) -> None:
@@ -521,7 +552,8 @@ def _imbalance(args: argparse.Namespace) -> int:
             sweep_values.append(x)
     _check_outputs(args)
     settings = imbalance.Settings(layers=args.layers, layer_bytes=args.layer_bytes, cost=args.cost,
-                                  minibatches=args.minibatches, repeats=args.repeats, seed=args.seed, configs=configs)
+                                  minibatches=args.minibatches, repeats=args.repeats, seed=args.seed, configs=configs,
+                                  noise=args.noise, noise_seed=args.noise_seed, straggler=args.straggler)
     scale = args.compute_scale if (args.compute_scale or args.run_seconds) else 0.002
     base_max = _spec_max(spec) if spec else max(base_lengths)
     points = []
@@ -539,6 +571,9 @@ def _imbalance(args: argparse.Namespace) -> int:
             max_tokens = max(1, round(v * base_max))
         if launch.under_torchrun():
             world = int(os.environ["WORLD_SIZE"])
+        if args.straggler and args.straggler[0] >= world:
+            raise UsageError(f"--straggler {args.straggler[0]}:{args.straggler[1]:g}: no rank {args.straggler[0]} "
+                             f"among {world}")
         try:
             points.append(imbalance.build_point(lengths, world=world, minibatch_size=mbs, max_tokens=max_tokens,
                                                 settings=settings, compute_scale=scale, run_seconds=args.run_seconds,
@@ -587,6 +622,12 @@ def _imbalance(args: argparse.Namespace) -> int:
         f"bubble = 1 - compute / (D * time) measured | predicted by odc.packing; speedup vs {imbalance.BASELINE}; "
         f"error = measured / predicted - 1",
     ]
+    if args.noise or args.straggler:
+        strays = [f"each sample's time = model cost x lognormal(mean 1, sigma {args.noise:g}, seed "
+                  f"{args.noise_seed})"] if args.noise else []
+        if args.straggler:
+            strays.append(f"rank {args.straggler[0]} computes {args.straggler[1]:g}x slower")
+        title.append("COMPUTE STRAYS FROM THE MODEL the plans and predictions use: " + "; ".join(strays))
     print(imbalance.render(rows, title, sweep_name), flush=True)
     if args.json:
         doc = {"bench": "imbalance", "load_average": os.getloadavg(), "cpus": os.cpu_count(),
@@ -595,7 +636,8 @@ def _imbalance(args: argparse.Namespace) -> int:
                         "lengths": args.lengths, "synthetic": spec, "minibatch_size": args.minibatch_size,
                         "max_tokens": args.max_tokens, "cost": args.cost, "minibatches": args.minibatches,
                         "compute_scale": args.compute_scale, "run_seconds": args.run_seconds, "repeats": args.repeats,
-                        "seed": args.seed, "sweep": args.sweep},
+                        "seed": args.seed, "sweep": args.sweep, "noise": args.noise, "noise_seed": args.noise_seed,
+                        "straggler": args.straggler},
                "rows": rows}
         write_json(args.json, doc)
     if args.plot:

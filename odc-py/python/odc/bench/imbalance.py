@@ -80,6 +80,23 @@ class Settings:
     repeats: int
     seed: int | None
     configs: tuple[Config, ...]
+    # How far the emulated compute strays from the cost model the plans use: each sample's time is its model cost
+    # times a seeded lognormal factor of mean 1 and this sigma (the same factor whichever rank runs it) ...
+    noise: float = 0.0
+    noise_seed: int = 0
+    # ... and one rank's compute slowed by a factor: (rank, factor).
+    straggler: tuple[int, float] | None = None
+
+
+def true_costs(costs: Sequence[float], noise: float, seed: int) -> list[float]:
+    """The emulated cost of every sample: ``costs`` times a seeded lognormal factor of mean 1 (``noise`` = its
+    sigma; 0 = the model exactly)."""
+    if noise <= 0:
+        return list(costs)
+    import random
+
+    rng = random.Random(seed)
+    return [c * math.exp(noise * rng.gauss(0.0, 1.0) - noise * noise / 2) for c in costs]
 
 
 def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_tokens: int, settings: Settings,
@@ -94,6 +111,9 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
     n = settings.minibatches * minibatch_size * world
     lengths = list(lengths[:n])
     costs = [packing.sequence_cost(s, settings.cost) for s in lengths]
+    # The plans and predictions use the model's costs; the emulated compute runs the true ones.
+    true = true_costs(costs, settings.noise, settings.noise_seed)
+    slow = dict([settings.straggler]) if settings.straggler else {}
     plans: dict[str, packing.Plan] = {}
     configs: dict[str, dict[str, Any]] = {}
     for name, mode, strategy in settings.configs:
@@ -101,8 +121,8 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
             plans[strategy] = packing.plan(lengths, world, minibatch_size, strategy, max_tokens, settings.cost,
                                            settings.seed)
         p = plans[strategy]
-        per_rank = [[[(sum(costs[i] for i in mb), sum(sample_weight(i) for i in mb)) for mb in minibatch]
-                     for minibatch in p.rank(r)] for r in range(world)]
+        per_rank = [[[(slow.get(r, 1.0) * sum(true[i] for i in mb), sum(sample_weight(i) for i in mb))
+                      for mb in minibatch] for minibatch in p.rank(r)] for r in range(world)]
         steps = [max(len(per_rank[r][k]) for r in range(world)) for k in range(p.num_minibatches)]
         weights = [sum(w for r in range(world) for _, w in per_rank[r][k]) for k in range(p.num_minibatches)]
         # Emulated-compute time of the plan in cost units (one unit = one layer's forward at scale 1).
