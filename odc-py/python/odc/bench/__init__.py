@@ -465,6 +465,21 @@ def _row_progress(bar: Any, kind: str, payload: Any) -> None:
 # -- imbalance ---------------------------------------------------------------------------------------
 
 
+def _input_lengths(args: argparse.Namespace, default_spec: str) -> tuple[list[int], str | None]:
+    """The lengths of ``--lengths FILE`` or ``--synthetic SPEC`` (else ``default_spec``), and the spec (None for a
+    file)."""
+    from odc import packing
+    from odc.errors import PackingError
+
+    if args.lengths is not None:
+        return _read_lengths(args.lengths), None
+    spec = args.synthetic or default_spec
+    try:
+        return packing.synthetic(spec), spec
+    except PackingError as e:
+        raise UsageError(f"--synthetic {spec!r}: {e}") from None
+
+
 def _read_lengths(path: str) -> list[int]:
     import json
 
@@ -521,15 +536,7 @@ def _imbalance(args: argparse.Namespace) -> int:
         raise UsageError(f"--cost {args.cost!r}: {e}") from None
     chosen = _parse_configs(args.configs)
     configs = tuple(cfg for cfg in imbalance.CONFIGS if cfg[0] in chosen)
-    if args.lengths is not None:
-        base_lengths = _read_lengths(args.lengths)
-        spec = None
-    else:
-        spec = args.synthetic or DEFAULT_SYNTHETIC
-        try:
-            base_lengths = packing.synthetic(spec)
-        except PackingError as e:
-            raise UsageError(f"--synthetic {spec!r}: {e}") from None
+    base_lengths, spec = _input_lengths(args, DEFAULT_SYNTHETIC)
     sweep_name = None
     sweep_values: list[Any] = [None]  # ints, or floats for packing-ratio
     if args.sweep:

@@ -31,7 +31,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     from odc import packing
     from odc.errors import PackingError
 
-    from . import _check_outputs, _parse_configs, _progress_flag, _read_lengths, _title, launch, train
+    from . import _check_outputs, _input_lengths, _parse_configs, _progress_flag, _title, launch, train
     from .report import LoadSampler, Progress, write_json
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else args.world
@@ -44,16 +44,8 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     minimum = 1 if args.curves else WARMUP_MINIBATCHES + 1
     if args.minibatches < minimum:
         raise UsageError(f"--minibatches {args.minibatches}: need at least {minimum} (minibatch 0 is not timed)")
-    if args.lengths is not None:
-        base = _read_lengths(args.lengths)
-        src = f"--lengths {args.lengths}"
-    else:
-        spec = args.synthetic or DEFAULT_SYNTHETIC
-        try:
-            base = packing.synthetic(spec)
-        except PackingError as e:
-            raise UsageError(f"--synthetic {spec!r}: {e}") from None
-        src = f"--synthetic {spec}"
+    base, spec = _input_lengths(args, DEFAULT_SYNTHETIC)
+    src = f"--lengths {args.lengths}" if spec is None else f"--synthetic {spec}"
     sizes = [args.minibatch_size]
     if args.sweep:
         name, _, raw = args.sweep.partition("=")
