@@ -768,8 +768,22 @@ fn heap_bytes(
     Engine::heap_bytes(&specs, &topo, &cfg).map_err(|e| core_error(py, e))
 }
 
+/// The landing chunk an engine uses for a shard group of `group` ranks when
+/// asked for `chunk_bytes` under a landing budget of `budget` bytes per rank
+/// (odc-core's rule; a `ConfigError` when even the floor does not fit).
+#[pyfunction]
+fn landing_chunk(
+    py: Python<'_>,
+    chunk_bytes: usize,
+    group: usize,
+    budget: usize,
+) -> PyResult<usize> {
+    odc_core::control::landing_chunk(chunk_bytes, group, budget).map_err(|e| core_error(py, e))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyEngine>()?;
     m.add_class::<PyEmuStream>()?;
-    m.add_function(wrap_pyfunction!(heap_bytes, m)?)
+    m.add_function(wrap_pyfunction!(heap_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(landing_chunk, m)?)
 }

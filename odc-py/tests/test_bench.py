@@ -206,7 +206,7 @@ def test_emulated_compute_carries_overshoot():
         (["memory", "--formula", "x7"], "a parameter count like 7B"),
         (["memory", "--formula", "0"], "at least 1"),
         (["memory", "--formula", "1M", "--world", "6", "--per-node", "4"], "the world must be whole nodes"),
-        (["memory", "--formula", "1M", "--world", "8192", "--per-node", "8192"], "ODC_LANDING_MB=1024"),
+        (["memory", "--formula", "1M", "--world", "8192", "--per-node", "8192"], "ODC_LANDING_MB to at least 1024"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_value(argv, named, capsys):

@@ -159,7 +159,7 @@ def test_memory_formula_sizes_any_model():
     # The landing chunk follows odc-core's budget rule (its unit test: 128 KiB at D = 1024, an error at 4096).
     assert memory.landing_chunk(2 * mib, 8, 256 * mib) == 2 * mib
     assert memory.landing_chunk(2 * mib, 1024, 256 * mib) == 128 * 1024
-    with pytest.raises(ValueError, match="ODC_LANDING_MB=512"):
+    with pytest.raises(ValueError, match="ODC_LANDING_MB to at least 512"):
         memory.landing_chunk(2 * mib, 4096, 256 * mib)
     assert memory.parse_count("7B") == 7 * 10**9 and memory.parse_count("1.5M") == 1_500_000
     assert memory.parse_count("32e9") == 32 * 10**9 and gib == 2**30

@@ -27,6 +27,8 @@ def heap_bytes(
     sharding: str | None = None,
 ) -> int: ...
 
+def landing_chunk(chunk_bytes: int, group: int, budget: int) -> int: ...
+
 class Engine:
     def __init__(
         self,

@@ -127,21 +127,14 @@ def render(rows: list[dict[str, Any]], title: list[str], markdown: bool = False)
 FORMULA_KEYS = ("params", "grads", "optim", "published", "accum", "cross", "landing")
 FORMULA_HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "published": "ODC published",
                   "accum": "ODC f32 accumulators", "cross": "ODC cross-node sums", "landing": "ODC landing slots"}
-MIN_CHUNK = 64 << 10  # odc-core's floor of the landing chunk
-LINE = 64
 
 
 def landing_chunk(chunk: int, group: int, budget: int) -> int:
     """The landing chunk odc-core picks for a shard group of ``group`` ranks: the asked ``chunk`` shrunk so that
-    ``2 * group * chunk`` fits ``budget``, in 64-byte lines, never below 64 KiB (``ValueError`` when even that does
-    not fit)."""
-    fit = budget // (2 * group) // LINE * LINE
-    asked = -(-chunk // LINE) * LINE
-    floor = min(MIN_CHUNK, asked)
-    if fit < floor:
-        need = -(-2 * group * floor // (1 << 20))
-        raise ValueError(f"landing slots for {group} ranks need ODC_LANDING_MB={need} at the {floor >> 10} KiB floor")
-    return max(min(asked, fit), floor)
+    ``2 * group * chunk`` fits ``budget`` (``odc.ConfigError``, a ``ValueError``, when even its floor does not)."""
+    from .. import _odc
+
+    return _odc.landing_chunk(chunk, group, budget)
 
 
 def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gather_bytes: int = 4,
