@@ -694,7 +694,7 @@ def _memory(args: argparse.Namespace) -> int:
                  for k in memory.KEYS}
         rows.append({"label": label, "comm": comm, "sharding": sharding, "max": worst, "ranks": per_rank})
     # The same model by formula: what ODC's shared memory should be, against what the file system says.
-    numel = sum(p.numel() for p in _build(spec).parameters())
+    numel = _model_numel(spec)
     by_formula = {r["label"]: r for r in memory.formula(numel, args.world, args.per_node)}
     checks = []
     for r in rows:
@@ -718,10 +718,14 @@ def _memory(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build(spec: Any) -> Any:
+def _model_numel(spec: Any) -> int:
+    """Parameters of the model of ``spec``, counted on the meta device (no weights allocated)."""
+    import torch
+
     from .train import build_model
 
-    return build_model(spec)
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(spec).parameters())
 
 
 def _memory_formula(args: argparse.Namespace) -> int:
