@@ -18,6 +18,8 @@
 //! | slot `[c][s]` signal | client c | how many chunks c wrote into the slot (a count, not stored + 1) |
 //! | `partial_ready[n]` | node n's replica | its node-summed shards of minibatch k are final (hybrid) |
 //! | `partial_read[n]` | node n's replica | it finished reading this rank's partial sums of k (hybrid) |
+//! | `piece_version[n][b]` | node n's replica | its piece of b holds this version (hybrid-zero) |
+//! | `piece_read[n][b]` | node n's replica | it copied this rank's piece of b at this version (hybrid-zero) |
 //!
 //! Every signal word is a **cell** of 16 bytes: the word, then a mailbox
 //! that belongs to the transport (the libfabric transport lands a pure
@@ -91,6 +93,8 @@ pub struct CtrlLayout {
     off_ack: usize,
     off_slot_signals: usize,
     off_cross: usize,
+    off_piece_version: usize,
+    off_piece_read: usize,
     off_slots: usize,
     nodes: usize,
     len: usize,
@@ -113,7 +117,10 @@ impl CtrlLayout {
         let off_ack = off_done + world * LINE;
         let off_slot_signals = off_ack + world * 2 * LINE;
         let off_cross = off_slot_signals + world * 2 * LINE;
-        let off_slots = off_cross + nodes * 2 * LINE;
+        let pieces = round_line(nodes * buckets * CELL);
+        let off_piece_version = off_cross + nodes * 2 * LINE;
+        let off_piece_read = off_piece_version + pieces;
+        let off_slots = off_piece_read + pieces;
         let len = off_slots + world * 2 * (LINE + chunk_bytes);
         CtrlLayout {
             world,
@@ -125,6 +132,8 @@ impl CtrlLayout {
             off_ack,
             off_slot_signals,
             off_cross,
+            off_piece_version,
+            off_piece_read,
             off_slots,
             nodes,
             len,
@@ -208,6 +217,18 @@ impl CtrlLayout {
     pub fn partial_read(&self, node: usize) -> usize {
         debug_assert!(node < self.nodes);
         self.off_cross + (self.nodes + node) * LINE
+    }
+
+    /// `piece_version[node][bucket]` (hybrid-zero).
+    pub fn piece_version(&self, node: usize, bucket: usize) -> usize {
+        debug_assert!(node < self.nodes && bucket < self.buckets);
+        self.off_piece_version + (node * self.buckets + bucket) * CELL
+    }
+
+    /// `piece_read[node][bucket]` (hybrid-zero).
+    pub fn piece_read(&self, node: usize, bucket: usize) -> usize {
+        debug_assert!(node < self.nodes && bucket < self.buckets);
+        self.off_piece_read + (node * self.buckets + bucket) * CELL
     }
 
     /// Shard-group size this layout was built for.
@@ -301,7 +322,10 @@ mod tests {
         assert!(l.ack(2, 1) + CELL <= l.slot_signal(0, 0));
         assert!(l.slot_signal(2, 1) + CELL <= l.partial_ready(0));
         assert!(l.partial_ready(1) + CELL <= l.partial_read(0));
-        assert!(l.partial_read(1) + CELL <= l.signals_end());
+        assert!(l.partial_read(1) + CELL <= l.piece_version(0, 0));
+        assert_eq!(l.piece_version(1, 0) - l.piece_version(0, 4), CELL);
+        assert!(l.piece_version(1, 4) + CELL <= l.piece_read(0, 0));
+        assert!(l.piece_read(1, 4) + CELL <= l.signals_end());
         assert_eq!(l.signals_end(), l.slot_header(0, 0));
         assert_eq!(l.slot_data(2, 1) + 1024, l.len());
         assert_eq!(l.slot_data(0, 0) % 64, 0);

@@ -363,7 +363,8 @@ impl PyEngine {
             .map_err(|e| core_error(py, e))
     }
 
-    /// Layout of bucket `bucket`: name, numel, dtype, shard_len, padded_len.
+    /// Layout of bucket `bucket`: name, numel, dtype, shard_len, padded_len,
+    /// blocks, piece_len (what a publish takes and the gradient holds).
     fn bucket_info<'py>(&self, py: Python<'py>, bucket: usize) -> PyResult<Bound<'py, PyDict>> {
         let b = self
             .engine
@@ -375,6 +376,8 @@ impl PyEngine {
         d.set_item("dtype", b.dtype().name())?;
         d.set_item("shard_len", b.shard_len())?;
         d.set_item("padded_len", b.padded_len())?;
+        d.set_item("blocks", b.blocks())?;
+        d.set_item("piece_len", b.block_len())?;
         Ok(d)
     }
 
@@ -734,7 +737,10 @@ fn parse_sharding(py: Python<'_>, s: &str) -> PyResult<Sharding> {
         odc_error(
             py,
             "ConfigError",
-            format!("unknown sharding {s:?}: expected \"full\" or \"hybrid\""),
+            format!(
+                "unknown sharding {s:?}: expected one of {}",
+                Sharding::NAMES.map(|n| format!("{n:?}")).join(", ")
+            ),
         )
     })
 }

@@ -522,3 +522,98 @@ def cuda_fsdp_worker(rank, world, store, steps, micros=2, lr=1e-2, comm="odc.fsd
         diff = max(diff, (shards[k] - want).abs().max().item() if want.numel() else 0.0)
     info["max_diff"] = diff
     return info
+
+
+# -- ZeRO++-style hybrid (test_fsdp_hybrid_zero.py): a 1-D mesh, node shards in the engine ------------
+
+
+def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_clip=False, lr=1e-2, clip=0.5):
+    """The same AdamW + clip loop under sharding="hybrid-zero" and under "full", ranks running
+    table[s][r] microbatches at step s, on FSDP2's ordinary 1-D mesh.
+
+    Returns per mode the clipped norms, the final full parameters, the optimizer state's local
+    sizes and the engine's bucket geometry; rank 0 also runs the single-process reference.
+    """
+    as_nodes(per_node, transport)
+    init_pg(rank, world, store)
+    out = {}
+    for mode in ("hybrid-zero", "full"):
+        model = build(world)
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        odc.fsdp.enable(model, opt, sharding=mode, timeout=60)
+        engine = model._odc_fsdp.engine
+        info = {"sharding": engine.sharding, "transport": engine.transport, "norms": [],
+                "buckets": [engine.bucket(g.name) for g in model._odc_fsdp.groups]}
+        for s, plan in enumerate(table):
+            norm = 27 * sum(plan)
+            for m in range(plan[rank]):
+                (sample_loss(model, data(s, m, rank)) / norm * world).backward()
+            clip_fn = torch.nn.utils.clip_grad_norm_ if torch_clip else odc.fsdp.clip_grad_norm_
+            info["norms"].append(float(clip_fn(model.parameters(), clip)))
+            opt.step()
+            opt.zero_grad()
+        # AdamW's state lives on the local shard FSDP2 gives this rank: 1/D of each parameter.
+        info["state"] = {name: [opt.state[p]["exp_avg"].to_local().numel(), p.to_local().numel(), p.shape[0],
+                                p.numel()]
+                         for name, p in model.named_parameters()}
+        odc.fsdp.disable(model)
+        info["params"] = full_params(model)
+        out[mode] = info
+    if rank == 0:
+        torch.manual_seed(0)
+        ref = Tiny()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+        out["ref_norms"] = []
+        for s, plan in enumerate(table):
+            norm = 27 * sum(plan)
+            for r in range(world):
+                for m in range(plan[r]):
+                    (sample_loss(ref, data(s, m, r)) / norm).backward()
+            out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+            ropt.step()
+            ropt.zero_grad()
+        out["max_diff"] = {
+            mode: max((torch.tensor(out[mode]["params"][k]) - v.detach()).abs().max().item()
+                      for k, v in ref.state_dict().items())
+            for mode in ("hybrid-zero", "full")
+        }
+    return out
+
+
+def hybrid_zero_death_worker(rank, world, store, per_node, victim, transport):
+    """sharding="hybrid-zero": ``victim`` dies between minibatches; the survivors must fail naming a peer."""
+    as_nodes(per_node, transport)
+    init_pg(rank, world, store)
+    model = build(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    odc.fsdp.enable(model, opt, sharding="hybrid-zero", timeout=20)
+    for s in range(3):
+        if s == 1 and rank == victim:
+            os._exit(3)  # dies between minibatches, without a word
+        sample_loss(model, data(s, 0, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    return "no error"
+
+
+def hybrid_zero_errors_worker(rank, world, store, per_node):
+    """hybrid-zero settings that must be refused with a ConfigError naming the problem and the fix."""
+    as_nodes(per_node)
+    init_pg(rank, world, store)
+    found = {}
+
+    def expect(key, fn):
+        try:
+            fn()
+        except odc.ConfigError as e:
+            found[key] = str(e)
+        else:
+            found[key] = "no error"
+
+    expect("on_2d", lambda: odc.fsdp.enable(build(world, mesh=hsdp_mesh(world, per_node)), None,
+                                            sharding="hybrid-zero"))
+    # 4 ranks are not whole nodes of 3 (torch itself refuses meshes that are not in rank order).
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    expect("uneven", lambda: odc.fsdp.enable(build(world), None, sharding="hybrid-zero"))
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return found

@@ -29,10 +29,11 @@ impl DataPath for DevicePath<'_> {
         &self,
         reg: &Registered,
         bucket: usize,
+        at: usize,
         src: u64,
         bytes: usize,
     ) -> Result<()> {
-        let dst = self.plane.local_params() + reg.params_off[bucket] as u64;
+        let dst = self.plane.local_params() + (reg.params_off[bucket] + at) as u64;
         // SAFETY: the destination is this rank's shard inside its params
         // region; the caller vouches for `src` and for the readers' release.
         unsafe { self.plane.ops().copy(self.stream, dst, src, bytes) }
@@ -55,6 +56,7 @@ impl DataPath for DevicePath<'_> {
         reg: &Registered,
         rank: usize,
         bucket: usize,
+        at: usize,
         dst: u64,
         len: usize,
     ) -> Result<()> {
@@ -62,7 +64,7 @@ impl DataPath for DevicePath<'_> {
         // which stays until this client's release, enqueued after this read.
         unsafe {
             self.plane
-                .get_params(self.stream, dst, rank, reg.params_off[bucket], len)
+                .get_params(self.stream, dst, rank, reg.params_off[bucket] + at, len)
         }
     }
 
@@ -230,7 +232,9 @@ impl<'e> Device<'e> {
         let (mut guard, own) = self.w.start_push(b, offset, bytes, dtype)?;
         if !own.is_empty() {
             let size = dtype.size_bytes();
-            let first = b.shard_range(reg.groups.me).start + own.start - offset;
+            // Device engines are never blocked (registration refuses
+            // hybrid-zero there): the own part is contiguous in `grads`.
+            let first = b.global_of(reg.groups.me, own.start) - offset;
             let server = plane.ops().server_stream();
             let acc = reg.accum_addr(plane, bucket.0, own.start);
             plane.ops().order(server, stream)?;

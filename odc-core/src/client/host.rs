@@ -9,7 +9,7 @@ use odc_kernels::DType;
 
 use super::{buffer_len_error, elems_of, DataPath, Signals, Worker};
 use crate::control::HEADER_BYTES;
-use crate::engine::{BucketId, Core, Registered};
+use crate::engine::{BucketId, Core, PushState, Registered};
 use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::slot_count;
 use crate::region::{Bell, SignalRef};
@@ -25,6 +25,7 @@ impl DataPath for HostPath<'_> {
         &self,
         reg: &Registered,
         bucket: usize,
+        at: usize,
         src: u64,
         bytes: usize,
     ) -> Result<()> {
@@ -34,7 +35,7 @@ impl DataPath for HostPath<'_> {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 src as usize as *const u8,
-                reg.params.as_ptr().add(reg.params_off[bucket]),
+                reg.params.as_ptr().add(reg.params_off[bucket] + at),
                 bytes,
             )
         };
@@ -50,15 +51,19 @@ impl DataPath for HostPath<'_> {
         reg: &Registered,
         rank: usize,
         bucket: usize,
+        at: usize,
         dst: u64,
         len: usize,
     ) -> Result<()> {
         // SAFETY: the caller vouches for `dst`, a host pointer to `len`
         // writable bytes borrowed for this call.
         let dst = unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut u8, len) };
-        self.core
-            .transport
-            .get(rank, &reg.peer_params[rank], reg.params_off[bucket], dst)
+        self.core.transport.get(
+            rank,
+            &reg.peer_params[rank],
+            reg.params_off[bucket] + at,
+            dst,
+        )
     }
 
     unsafe fn put_chunk(
@@ -231,39 +236,63 @@ impl<'e> Host<'e> {
             };
         }
         // This rank's own slice goes to its own server as a pointer into
-        // `grads` (see `protocol::handoff`), not through a landing slot.
+        // `grads` (see `protocol::handoff`), not through a landing slot: one
+        // post per run contiguous in `grads` (one unless the layout is
+        // blocked, hybrid-zero), the first overlapping the pushes.
+        let mut runs = Vec::new();
+        let mut at = own.start;
+        while at < own.end {
+            let end = b.block_end(at).min(own.end);
+            runs.push(at..end);
+            at = end;
+        }
         let size = dtype.size_bytes();
-        let first = b.shard_range(reg.groups.me).start + own.start - offset;
-        let bytes = &grads[first * size..(first + own.len()) * size];
-        push.own_gen += 1;
-        let gen = push.own_gen;
-        core.own.post(
-            gen,
-            OwnSlice {
-                bucket: bucket.0,
-                offset: own.start,
-                len: own.len(),
-                addr: bytes.as_ptr() as usize,
-                dtype: dtype.as_u8(),
-                scale,
-            },
-        );
-        core.transport.ring(Bell::Server);
+        let post = |push: &mut PushState, run: &std::ops::Range<usize>| {
+            let first = b.global_of(reg.groups.me, run.start) - offset;
+            let bytes = &grads[first * size..(first + run.len()) * size];
+            push.own_gen += 1;
+            core.own.post(
+                push.own_gen,
+                OwnSlice {
+                    bucket: bucket.0,
+                    offset: run.start,
+                    len: run.len(),
+                    addr: bytes.as_ptr() as usize,
+                    dtype: dtype.as_u8(),
+                    scale,
+                },
+            );
+            core.transport.ring(Bell::Server);
+            push.own_gen
+        };
+        let wait_own = |gen: u64| {
+            let added = core.wait(
+                Some(b.name()),
+                &|| "its own server to add this rank's own slice".to_owned(),
+                || Ok((!core.own.is_done(gen)).then_some(core.topo.rank())),
+            );
+            if added.is_err() {
+                // `grads` is borrowed only for this call.
+                core.own.revoke(gen);
+            }
+            added
+        };
+        let gen = post(push, &runs[0]);
         // SAFETY: as above.
         let pushed = unsafe {
             self.w
                 .push_chunks(&self.path(), push, b, bucket, src, scale)
         };
-        let added = core.wait(
-            Some(b.name()),
-            &|| "its own server to add this rank's own slice".to_owned(),
-            || Ok((!core.own.is_done(gen)).then_some(core.topo.rank())),
-        );
-        if added.is_err() || pushed.is_err() {
-            // `grads` is borrowed only for this call.
+        if pushed.is_err() {
             core.own.revoke(gen);
+            return pushed;
         }
-        pushed.and(added)
+        wait_own(gen)?;
+        for run in &runs[1..] {
+            let gen = post(push, run);
+            wait_own(gen)?;
+        }
+        Ok(())
     }
 
     /// Ends minibatch `k` for this client and waits for this rank's own

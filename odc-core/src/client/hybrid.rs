@@ -5,7 +5,8 @@
 use odc_kernels::DType;
 
 use super::Worker;
-use crate::engine::load;
+use crate::engine::{load, BucketId};
+use crate::layout::BucketLayout;
 use crate::protocol::partials;
 use crate::region::{Bell, SignalRef};
 use crate::sync::Ordering;
@@ -36,24 +37,48 @@ impl Worker<'_> {
         };
         reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
         signal_all(lay.partial_ready(gs.node))?;
-        let len = reg.accum_len;
-        // SAFETY: `reduced` holds accum_len f32s that only this call (under
-        // the finish protocol: one finish at a time) writes; readers use it
-        // only after finish_minibatch returns.
+        // (first accumulator element, first element of `reduced`, elements):
+        // the whole accumulators under hybrid, this rank's piece of every
+        // bucket under hybrid-zero (a reduce-scatter, not an all-reduce).
+        let runs: Vec<(usize, usize, usize)> = if gs.blocks > 1 {
+            let piece = reg.piece();
+            (reg.buckets.iter().enumerate())
+                .map(|(i, b)| {
+                    let n = b.block_len();
+                    (reg.accum_off[i] + piece * n, reg.grad_off[i], n)
+                })
+                .collect()
+        } else {
+            vec![(0, 0, reg.accum_len)]
+        };
+        let len: usize = runs.iter().map(|r| r.2).sum();
+        // SAFETY: `reduced` holds `len` f32s (registration sized it so) that
+        // only this call (under the finish protocol: one finish at a time)
+        // writes; readers use it only after finish_minibatch returns.
         let sum =
             unsafe { std::slice::from_raw_parts_mut(reg.reduced.as_ptr().cast::<f32>(), len) };
         sum.fill(0.0);
+        let add = |dst: &mut [f32], src: &[u8]| {
+            odc_kernels::cpu::accumulate_into_f32(dst, src, DType::F32, 1.0)
+                .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))
+        };
         let chunk = (lay.chunk_bytes() / 4).max(1);
-        let mut scratch = vec![0u8; chunk.min(len) * 4];
+        let longest = runs.iter().map(|r| r.2).max().unwrap_or(0);
+        let mut scratch = vec![0u8; chunk.min(longest) * 4];
         for (n, &r) in gs.replicas.iter().enumerate() {
             if n == gs.node {
-                // SAFETY: every push of minibatch k is added (the done wait)
-                // and none of k + 1 can arrive before this rank publishes
-                // again; the accumulators are stable.
-                let own =
-                    unsafe { std::slice::from_raw_parts(reg.accum.as_ptr().cast::<u8>(), len * 4) };
-                odc_kernels::cpu::accumulate_into_f32(sum, own, DType::F32, 1.0)
-                    .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))?;
+                for &(src, dst, len) in &runs {
+                    // SAFETY: every push of minibatch k is added (the done
+                    // wait) and none of k + 1 can arrive before this rank
+                    // publishes again; the accumulators are stable.
+                    let own = unsafe {
+                        std::slice::from_raw_parts(
+                            reg.accum.as_ptr().cast::<u8>().add(src * 4),
+                            len * 4,
+                        )
+                    };
+                    add(&mut sum[dst..dst + len], own)?;
+                }
                 continue;
             }
             let word = reg.word(lay.partial_ready(n));
@@ -65,24 +90,115 @@ impl Worker<'_> {
             let remote = reg.peer_accum[r].as_ref().ok_or_else(|| {
                 Error::protocol(None, format!("rank {r} published no accumulators"))
             })?;
-            let mut at = 0;
-            while at < len {
-                let n_el = chunk.min(len - at);
-                let buf = &mut scratch[..n_el * 4];
-                core.transport
-                    .get(r, remote, at * 4, buf)
-                    .map_err(|e| core.attribute(None, e))?;
-                odc_kernels::cpu::accumulate_into_f32(
-                    &mut sum[at..at + n_el],
-                    buf,
-                    DType::F32,
-                    1.0,
-                )
-                .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))?;
-                at += n_el;
+            for &(src, dst, len) in &runs {
+                let mut at = 0;
+                while at < len {
+                    let n_el = chunk.min(len - at);
+                    let buf = &mut scratch[..n_el * 4];
+                    core.transport
+                        .get(r, remote, (src + at) * 4, buf)
+                        .map_err(|e| core.attribute(None, e))?;
+                    add(&mut sum[dst + at..dst + at + n_el], buf)?;
+                    at += n_el;
+                }
             }
         }
         signal_all(lay.partial_read(gs.node))
+    }
+
+    /// Hybrid-zero, in the publish of `stamp` (a version + 1) of `bucket`,
+    /// after this rank wrote its own piece: tells the replicas its piece
+    /// holds `stamp`, then, for every other node, waits until that node's
+    /// piece holds `stamp` too, copies it into this rank's node shard (a
+    /// one-sided read) and tells that node it did. The node shard is whole
+    /// when this returns, before the publish announces it to the node.
+    pub(super) fn gather_pieces(
+        &self,
+        b: &BucketLayout,
+        bucket: BucketId,
+        stamp: u64,
+    ) -> Result<()> {
+        let (core, reg) = (self.core, self.reg);
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let signal = |r: usize, offset: usize| {
+            let sig = SignalRef {
+                offset,
+                bell: Bell::Client,
+            };
+            core.transport
+                .put_signal(r, &reg.peer_ctrl[r], 0, &[], sig, stamp)
+                .map_err(|e| core.attribute(Some(b.name()), e))
+        };
+        for (n, &r) in gs.replicas.iter().enumerate() {
+            if n != gs.node {
+                signal(r, lay.piece_version(gs.node, bucket.0))?;
+            }
+        }
+        let bytes = b.block_bytes();
+        for (m, &r) in gs.replicas.iter().enumerate() {
+            if m == gs.node {
+                continue;
+            }
+            let word = reg.word(lay.piece_version(m, bucket.0));
+            core.wait(
+                Some(b.name()),
+                &|| format!("its piece of version {} (hybrid-zero)", stamp - 1),
+                || match load(word) {
+                    w if w > stamp => Err(Error::protocol(
+                        Some(b.name()),
+                        format!(
+                            "rank {r} published version {} of its piece while this rank publishes \
+                             version {}: under hybrid-zero every rank publishes the same versions \
+                             of every bucket, in the same order",
+                            w - 1,
+                            stamp - 1
+                        ),
+                    )),
+                    w => Ok((w < stamp).then_some(r)),
+                },
+            )?;
+            let at = reg.params_off[bucket.0] + m * bytes;
+            // SAFETY: block m of this rank's shard lies inside its params
+            // region; no local reader reads it (every one released the last
+            // version, and this version is announced only after this call),
+            // and only this publish (under the publish lock) writes it.
+            let dst = unsafe { std::slice::from_raw_parts_mut(reg.params.as_ptr().add(at), bytes) };
+            core.transport
+                .get(r, &reg.peer_params[r], at, dst)
+                .map_err(|e| core.attribute(Some(b.name()), e))?;
+            signal(r, lay.piece_read(gs.node, bucket.0))?;
+        }
+        Ok(())
+    }
+
+    /// Hybrid-zero, before a publish overwrites this rank's piece of
+    /// `bucket`: waits until every other node copied the version it holds
+    /// (`seen`, a version + 1; 0 before the first publish).
+    pub(super) fn wait_pieces_read(
+        &self,
+        b: &BucketLayout,
+        bucket: BucketId,
+        seen: u64,
+    ) -> Result<()> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        if seen == 0 {
+            return Ok(());
+        }
+        self.core.wait(
+            Some(b.name()),
+            &|| {
+                format!(
+                    "the other nodes to copy this rank's piece of version {}",
+                    seen - 1
+                )
+            },
+            || {
+                let words =
+                    (0..gs.replicas.len()).map(|n| load(reg.word(lay.piece_read(n, bucket.0))));
+                Ok(partials::lagging_replica(words, gs.node, seen).map(|n| gs.replicas[n]))
+            },
+        )
     }
 
     /// Hybrid sharding over several nodes: waits until every replica has

@@ -41,15 +41,18 @@ use crate::{Error, Result};
 /// path and device addresses on the device path; the handles build them
 /// from what their callers gave them.
 pub(crate) trait DataPath {
-    /// Copies `bytes` at `src` into this rank's published shard of `bucket`.
+    /// Copies `bytes` at `src` into this rank's published shard of `bucket`,
+    /// from byte `at` of the shard on.
     ///
     /// # Safety
     /// `src` addresses `bytes` readable bytes that stay valid until the copy
-    /// has run; every reader released the previous version.
+    /// has run; `at + bytes` fits the shard; every reader released the
+    /// previous version.
     unsafe fn write_shard(
         &self,
         reg: &Registered,
         bucket: usize,
+        at: usize,
         src: u64,
         bytes: usize,
     ) -> Result<()>;
@@ -58,16 +61,18 @@ pub(crate) trait DataPath {
     fn announce(&self, signals: Signals) -> Result<()>;
 
     /// Copies `len` bytes of global rank `rank`'s published shard of
-    /// `bucket` into `dst`.
+    /// `bucket`, from byte `at` of the shard on, into `dst`.
     ///
     /// # Safety
     /// `dst` addresses `len` writable bytes valid until the copy has run,
-    /// and the owner's shard holds the version being gathered.
+    /// `at + len` fits the shard, and the owner's shard holds the version
+    /// being gathered.
     unsafe fn read_shard(
         &self,
         reg: &Registered,
         rank: usize,
         bucket: usize,
+        at: usize,
         dst: u64,
         len: usize,
     ) -> Result<()>;
@@ -120,14 +125,21 @@ pub(crate) fn elems_of(
     Ok(bytes / dtype.size_bytes())
 }
 
+/// A publish hands the engine one block: the shard, or under hybrid-zero
+/// this rank's piece of it.
 pub(crate) fn check_shard_len(bucket: &BucketLayout, bytes: usize) -> Result<()> {
-    if bytes != bucket.shard_bytes() {
+    if bytes != bucket.block_bytes() {
+        let what = if bucket.blocks() > 1 {
+            "piece (hybrid-zero: this rank's 1/D of the bucket)"
+        } else {
+            "shard"
+        };
         return Err(Error::layout(
             Some(bucket.name()),
             format!(
-                "shard is {bytes} bytes; expected {} ({} {} elements)",
-                bucket.shard_bytes(),
-                bucket.shard_len(),
+                "{what} is {bytes} bytes; expected {} ({} {} elements)",
+                bucket.block_bytes(),
+                bucket.block_len(),
                 bucket.dtype()
             ),
         ));
@@ -173,8 +185,12 @@ impl<'e> Worker<'e> {
             .lock()
             .map_err(|_| Error::protocol(Some(b.name()), "a publish panicked"))?;
         let stamp = self.publish_wait(b, bucket, version)?;
+        let at = reg.piece() * b.block_bytes();
         // SAFETY: the caller vouches for `src`; the wait above is the rule.
-        unsafe { path.write_shard(reg, bucket.0, src, bytes)? };
+        unsafe { path.write_shard(reg, bucket.0, at, src, bytes)? };
+        if b.blocks() > 1 && reg.cross_node() {
+            self.gather_pieces(b, bucket, stamp)?;
+        }
         let offset = reg.ctrl_layout.seen_version(reg.groups.me, bucket.0);
         path.announce(Signals::new(self.core, reg, offset, stamp))
             .map_err(|e| self.core.attribute(Some(b.name()), e))
@@ -206,13 +222,17 @@ impl<'e> Worker<'e> {
             },
         )?;
         self.wait_partials_read(Some(b.name()))?;
+        if b.blocks() > 1 && reg.cross_node() {
+            self.wait_pieces_read(b, bucket, seen)?;
+        }
         Ok(stamp)
     }
 
     /// Gathers `version` of the full bucket into `out` (`bytes` of `dtype`:
     /// `numel` or the padded length): for every owner, from this rank on,
     /// waits until its shard holds `version`, then reads its part. With
-    /// `skip_own` this rank's own range is left as it is.
+    /// `skip_own` the range this rank published (its shard, or its piece
+    /// under hybrid-zero) is left as it is.
     ///
     /// # Safety
     /// As [`DataPath::read_shard`] for `out`.
@@ -230,23 +250,26 @@ impl<'e> Worker<'e> {
         let elems = b.check_full_len(elems_of(b, bytes, dtype, "output")?)?;
         let size = dtype.size_bytes() as u64;
         let (me, world) = (reg.groups.me, reg.groups.group.len());
+        let piece = reg.piece();
         for step in 0..world {
             // `owner` indexes the shard group; `rank` is its global rank.
             let owner = (me + step) % world;
             let rank = reg.groups.group[owner];
             self.wait_shard(b, bucket, owner, version)?;
-            let range = b.shard_range(owner);
-            let (start, end) = (range.start.min(elems), range.end.min(elems));
-            if start == end || (skip_own && owner == me) {
-                continue;
+            for (n, (local, global, len)) in b.segments(owner).enumerate() {
+                let (start, end) = (global.min(elems), (global + len).min(elems));
+                if start == end || (skip_own && owner == me && n == piece) {
+                    continue;
+                }
+                let dst = out + start as u64 * size;
+                let at = local * size as usize;
+                let len = (end - start) * size as usize;
+                // SAFETY: the owner's shard holds `version` (waited above)
+                // and stays unchanged until this client's release; the
+                // checked length covers `[start, end)` of `out`.
+                unsafe { path.read_shard(reg, rank, bucket.0, at, dst, len) }
+                    .map_err(|e| self.core.attribute(Some(b.name()), e))?;
             }
-            let dst = out + start as u64 * size;
-            let len = (end - start) * size as usize;
-            // SAFETY: the owner's shard holds `version` (waited above) and
-            // stays unchanged until this client's release; the checked
-            // length covers `[start, end)` of `out`.
-            unsafe { path.read_shard(reg, rank, bucket.0, dst, len) }
-                .map_err(|e| self.core.attribute(Some(b.name()), e))?;
         }
         Ok(())
     }
@@ -370,8 +393,12 @@ impl<'e> Worker<'e> {
                 else {
                     continue;
                 };
-                let len = range.len().min(chunk);
-                let first = b.shard_range(o).start + range.start - offset;
+                // A chunk never crosses a block: it is contiguous in `grads`.
+                let len = range
+                    .len()
+                    .min(chunk)
+                    .min(b.block_end(range.start) - range.start);
+                let first = b.global_of(o, range.start) - offset;
                 let header = SlotHeader {
                     seq,
                     bucket: bucket_u32,

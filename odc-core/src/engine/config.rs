@@ -23,23 +23,39 @@ pub enum Sharding {
     /// Parameter shards, accumulators and landing slots scale with G, not D;
     /// each node holds a full replica of the sharded state.
     Hybrid,
+    /// ZeRO++-style hybrid (`"hybrid-zero"`): parameters and gradients are
+    /// sharded over the G ranks of a node, as [`Sharding::Hybrid`], and the
+    /// optimizer's part over all D ranks. Each node shard is cut into N
+    /// pieces, one per node ([`crate::layout`]'s blocked layout): rank
+    /// (n, l) publishes and steps piece n of local rank l's node shard.
+    /// At the end of a minibatch each rank reads only its piece of the
+    /// other nodes' partial sums (a reduce-scatter across nodes), and a
+    /// publish reads the other nodes' updated pieces of its node shard (an
+    /// all-gather across nodes): HSDP's cross-node bytes, with gradients
+    /// and optimizer state 1/D. Host transports only.
+    HybridZero,
 }
 
 impl Sharding {
-    /// Parses `"full"` or `"hybrid"`.
+    /// Every name [`Sharding::parse`] takes.
+    pub const NAMES: [&'static str; 3] = ["full", "hybrid", "hybrid-zero"];
+
+    /// Parses `"full"`, `"hybrid"` or `"hybrid-zero"`.
     pub fn parse(name: &str) -> Option<Sharding> {
         match name.trim().to_ascii_lowercase().as_str() {
             "full" => Some(Sharding::Full),
             "hybrid" => Some(Sharding::Hybrid),
+            "hybrid-zero" => Some(Sharding::HybridZero),
             _ => None,
         }
     }
 
-    /// `"full"` or `"hybrid"`.
+    /// `"full"`, `"hybrid"` or `"hybrid-zero"`.
     pub fn name(self) -> &'static str {
         match self {
             Sharding::Full => "full",
             Sharding::Hybrid => "hybrid",
+            Sharding::HybridZero => "hybrid-zero",
         }
     }
 }
@@ -57,6 +73,9 @@ pub(crate) struct Groups {
     pub(crate) replicas: Vec<usize>,
     /// This rank's index in `replicas`.
     pub(crate) node: usize,
+    /// Blocks per shard: the node count under hybrid-zero (piece n of a
+    /// node shard is block n), else 1.
+    pub(crate) blocks: usize,
 }
 
 impl Groups {
@@ -68,8 +87,9 @@ impl Groups {
                 me: rank,
                 replicas: vec![rank],
                 node: 0,
+                blocks: 1,
             },
-            Sharding::Hybrid => {
+            Sharding::Hybrid | Sharding::HybridZero => {
                 let g = topo.local_world();
                 let (node, local) = (topo.node_of(rank), topo.local_rank_of(rank));
                 Groups {
@@ -77,6 +97,11 @@ impl Groups {
                     me: local,
                     replicas: (0..topo.nodes()).map(|n| n * g + local).collect(),
                     node,
+                    blocks: if sharding == Sharding::HybridZero {
+                        topo.nodes()
+                    } else {
+                        1
+                    },
                 }
             }
         }
@@ -115,7 +140,7 @@ pub struct EngineConfig {
     pub job_key: String,
     /// Store key prefix, so several engines can share one store.
     pub store_prefix: String,
-    /// Full or hybrid (intra-node) sharding; equal on every rank.
+    /// Full, hybrid or hybrid-zero sharding; equal on every rank.
     pub sharding: Sharding,
     /// The CUDA device a `cuda-ipc` engine uses (default: the rank's local
     /// rank). Ignored by the other transports.

@@ -40,6 +40,11 @@ pub(crate) struct Plan {
     accum_off: Vec<usize>,
     params_len: usize,
     accum_len: usize,
+    /// Element offset of each bucket's final gradient in the cross-node sum
+    /// (its piece under hybrid-zero, its shard under hybrid).
+    grad_off: Vec<usize>,
+    /// Elements of the cross-node sum (0 unless across nodes).
+    reduced_len: usize,
     /// Host bytes of published shards (0 on a device transport).
     host_params_len: usize,
     /// Bytes of the accumulator region the replicas read (hybrid across
@@ -88,6 +93,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         ctrl_layout: plan.ctrl_layout,
         params_off: plan.params_off,
         accum_off: plan.accum_off,
+        grad_off: plan.grad_off,
         ctrl: regions.ctrl,
         params: regions.params,
         accum: regions.accum,
@@ -122,7 +128,11 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         if names.insert(s.name.clone(), i).is_some() {
             return Err(Error::layout(Some(&s.name), "bucket name registered twice"));
         }
-        buckets.push(BucketLayout::new(s.clone(), groups.group.len())?);
+        buckets.push(BucketLayout::blocked(
+            s.clone(),
+            groups.group.len(),
+            groups.blocks,
+        )?);
     }
     if buckets.is_empty() {
         return Err(Error::layout(None, "register needs at least one bucket"));
@@ -143,6 +153,26 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     let my_key = format!("{prefix}/reg/{rank}");
     let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
     let on_device = core.device.is_some();
+    if on_device && groups.blocks > 1 {
+        return Err(Error::Config(format!(
+            "sharding \"hybrid-zero\" runs on the host transports (shm, fabric, auto); the {} \
+             transport keeps buckets in device memory",
+            core.transport.name()
+        )));
+    }
+    let grad_off: Vec<usize> = buckets
+        .iter()
+        .scan(0, |at, b| {
+            let off = *at;
+            *at += b.block_len();
+            Some(off)
+        })
+        .collect();
+    let reduced_len = if groups.replicas.len() > 1 {
+        buckets.iter().map(BucketLayout::block_len).sum()
+    } else {
+        0
+    };
     let host_params_len = if on_device { 0 } else { params_len };
     let accum_region = if groups.replicas.len() > 1 && !on_device {
         accum_len * 4
@@ -173,6 +203,8 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         accum_off,
         params_len,
         accum_len,
+        grad_off,
+        reduced_len,
         host_params_len,
         accum_region,
     })
@@ -244,7 +276,7 @@ fn allocate(core: &Core, plan: &Plan) -> Result<Regions> {
         } else if plan.accum_region > 0 {
             (
                 Accum::Region(core.transport.register(ACCUM_REGION, plan.accum_region)?),
-                HeapBlock::zeroed(plan.accum_len * 4)?,
+                HeapBlock::zeroed(plan.reduced_len * 4)?,
             )
         } else {
             (
@@ -389,7 +421,7 @@ pub(crate) fn data_sizes(
     let groups = Groups::new(topology, config.sharding);
     let buckets = specs
         .iter()
-        .map(|s| BucketLayout::new(s.clone(), groups.group.len()))
+        .map(|s| BucketLayout::blocked(s.clone(), groups.group.len(), groups.blocks))
         .collect::<Result<Vec<_>>>()?;
     let (_, _, params, accum) = offsets(&buckets);
     let ctrl = control_layout(&groups, buckets.len(), config)?;

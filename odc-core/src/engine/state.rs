@@ -35,11 +35,15 @@ pub(crate) struct Registered {
     pub(crate) params_off: Vec<usize>,
     /// Element offset of each bucket's accumulator.
     pub(crate) accum_off: Vec<usize>,
+    /// Element offset of each bucket's final gradient in `reduced` (across
+    /// nodes only).
+    pub(crate) grad_off: Vec<usize>,
     pub(crate) ctrl: LocalRegion,
     pub(crate) params: LocalRegion,
     pub(crate) accum: Accum,
     /// Hybrid across nodes: the accumulators summed over every node (what
-    /// the optimizer reads); empty otherwise.
+    /// the optimizer reads; under hybrid-zero only this rank's piece of
+    /// each bucket); empty otherwise.
     pub(crate) reduced: HeapBlock,
     /// Elements in all accumulators together.
     pub(crate) accum_len: usize,
@@ -111,15 +115,25 @@ impl Registered {
 
     /// The final gradient of bucket `b` (what the optimizer reads): the
     /// accumulator, or under hybrid sharding over several nodes the
-    /// cross-node sum.
+    /// cross-node sum (of this rank's piece only, under hybrid-zero).
     pub(crate) fn grad_ptr(&self, b: usize) -> (*mut f32, usize) {
         if !self.cross_node() {
             return self.accum_ptr(b);
         }
-        let len = self.buckets[b].shard_len();
-        // SAFETY: `reduced` has accum_len f32s, the same layout as `accum`.
-        let ptr = unsafe { self.reduced.as_ptr().cast::<f32>().add(self.accum_off[b]) };
+        let len = self.buckets[b].block_len();
+        // SAFETY: `reduced` holds every bucket's block_len f32s at grad_off.
+        let ptr = unsafe { self.reduced.as_ptr().cast::<f32>().add(self.grad_off[b]) };
         (ptr, len)
+    }
+
+    /// The block of this rank's shard it publishes and steps: its piece
+    /// (its node's index) under hybrid-zero, else the whole shard (0).
+    pub(crate) fn piece(&self) -> usize {
+        if self.groups.blocks > 1 {
+            self.groups.node
+        } else {
+            0
+        }
     }
 
     /// Device engines: the device address of element `elem` of bucket `b`'s

@@ -266,10 +266,18 @@ class Engine:
             job binds the address that routes to ``MASTER_ADDR``. Default:
             ``ODC_TRANSPORT``, else ``"auto"``.
         sharding: ``"full"`` (shard every bucket over all D ranks; the
-            default) or ``"hybrid"`` (shard over the G ranks of a node;
+            default), ``"hybrid"`` (shard over the G ranks of a node;
             gathers and pushes stay inside the node and
             :meth:`finish_minibatch` sums the gradient shards across nodes
-            once, so :meth:`grad_shard` holds the sum over every rank).
+            once, so :meth:`grad_shard` holds the sum over every rank), or
+            ``"hybrid-zero"`` (ZeRO++-style: gathers and pushes stay inside
+            the node as under ``"hybrid"``, but each rank owns only a 1/D
+            *piece* of the bucket, block ``rank`` of D equal blocks
+            (``bucket(b)["piece_len"]`` elements): :meth:`publish` takes the
+            piece, :meth:`finish_minibatch` reduces only this piece across
+            nodes and :meth:`grad_shard` is its sum over every rank, so the
+            optimizer state is 1/D. Every rank publishes the same versions
+            of the buckets in the same order; host transports only).
         device: the CUDA device of a ``cuda-ipc`` / ``nvshmem`` engine (an ordinal or a
             ``torch.device``). Default: ``torch.cuda.current_device()``
             where CUDA is available, else the local rank (and creating the
@@ -443,7 +451,12 @@ class Engine:
         self._ids = {info["name"]: i for i, info in enumerate(self._infos)}
 
     def bucket(self, ref: BucketRef) -> dict[str, Any]:
-        """Layout of a bucket: name, numel, dtype, shard_len, padded_len."""
+        """Layout of a bucket: name, numel, dtype, shard_len, padded_len, blocks, piece_len.
+
+        ``piece_len`` is what :meth:`publish` takes and :meth:`grad_shard`
+        holds: ``shard_len``, except under ``sharding="hybrid-zero"`` (this
+        rank's 1/D piece, block ``rank`` of the padded bucket).
+        """
         return dict(self._infos[self._id(ref)])
 
     def _id(self, ref: BucketRef) -> int:
@@ -458,7 +471,7 @@ class Engine:
 
     # -- data path -----------------------------------------------------------
     def publish(self, bucket: BucketRef, shard: torch.Tensor, version: int) -> None:
-        """Publishes this rank's shard (``shard_len`` elements, parameter dtype) as ``version``.
+        """Publishes this rank's shard (``piece_len`` elements, parameter dtype) as ``version``.
 
         Waits until every reader released ``version - 1``. On ``cuda-ipc`` the
         copy out of ``shard`` is enqueued on the current stream of its device.

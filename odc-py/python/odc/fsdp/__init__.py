@@ -179,15 +179,31 @@ def enable(
     FSDP's own cross-node all-reduce is switched off
     (``set_requires_all_reduce(False)``) until :func:`disable`.
 
+    ZeRO++-style hybrid sharding (``sharding="hybrid-zero"``) keeps every
+    gather and push inside the node too, but the optimizer state is sharded
+    over all D ranks, as under full sharding: shard the model over the
+    ordinary 1-D mesh of every rank and keep the optimizer over
+    ``model.parameters()``::
+
+        fully_shard(block, mesh=init_device_mesh("cuda", (world,)))  # every block, then the root
+        odc.fsdp.enable(model, optimizer, sharding="hybrid-zero")
+
+    FSDP2's shard of rank r (n·G + l) is then the piece of local rank l's
+    node shard that ODC reduces across nodes into rank r alone; the engine
+    keeps the node shards every gather reads (docs/hybrid-zero.md).
+
     Args:
         model: the root module returned by ``fully_shard``: over a 1-D mesh
-            (``sharding="full"``) or a 2-D ``(replicate, shard)`` mesh
-            (``sharding="hybrid"``).
+            (``sharding="full"`` or ``"hybrid-zero"``) or a 2-D
+            ``(replicate, shard)`` mesh (``sharding="hybrid"``).
         optimizer: its optimizer; a step pre-hook finishes the minibatch and
             installs the gradients, a post-hook publishes the new parameters.
             ``None``: wrap each minibatch in :func:`minibatch` instead.
-        sharding: ``"full"`` (shard over every rank) or ``"hybrid"`` (shard
-            within a node, reduce gradients across nodes once per minibatch).
+        sharding: ``"full"`` (shard over every rank), ``"hybrid"`` (shard
+            within a node, reduce gradients across nodes once per minibatch,
+            a replica of the optimizer state per node) or ``"hybrid-zero"``
+            (shard parameters and gradients within a node, optimizer state
+            over every rank; host transports only).
         chunk_bytes: landing-slot size (default: the engine's). Each rank
             keeps ``2 · clients · chunk_bytes`` of landing slots, clients
             being every rank (full) or the ranks of its node (hybrid).
@@ -225,8 +241,9 @@ def enable(
         raise ConfigError("odc.fsdp.enable: this model is already enabled")
     if sharding not in SHARDINGS:
         raise ConfigError(
-            f"odc.fsdp.enable: unknown sharding {sharding!r}; use 'full' (shard over every rank, 1-D mesh) "
-            "or 'hybrid' (shard within a node, 2-D (replicate, shard) mesh)"
+            f"odc.fsdp.enable: unknown sharding {sharding!r}; use 'full' (shard over every rank, 1-D mesh), "
+            "'hybrid' (shard within a node, 2-D (replicate, shard) mesh) or 'hybrid-zero' (shard within a "
+            "node, optimizer state over every rank, 1-D mesh)"
         )
     groups = _describe(model, sharding)
     if not groups:
@@ -243,7 +260,7 @@ def enable(
     store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/")
     # Ranks per node: the shard group under hybrid sharding; under full
     # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
-    local = layout.shards if layout.sharding == "hybrid" else None
+    local = layout.shards if layout.sharding == "hybrid" else layout.per_node
     if local is None and device.type == "cuda":
         local = _local_world_size(store, layout.rank, layout.world, "odc")
     nodes = layout.world // local if local else None
@@ -256,12 +273,14 @@ def enable(
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":
         engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid", **kw)
+    elif layout.sharding == "hybrid-zero":
+        engine = Engine(store, layout.rank, layout.world, local_world_size=local, sharding="hybrid-zero", **kw)
     else:
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, **kw)
     ws = layout.shards
     engine.register([Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)])
     for g in groups:
-        g.shard_len = engine.bucket(g.name)["shard_len"]
+        g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
         g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
     b = _Binding(model, groups, engine, layout)
     b.publish_all()  # version 0

@@ -33,7 +33,8 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
     publishes it, split into two float32 words for double precision, in a
     small registered bucket; every rank gathers the D numbers (under hybrid
     sharding the G numbers of its node, whose shards make up the whole,
-    identical on every node) and combines them in rank order, so all ranks
+    identical on every node; under hybrid-zero the D pieces its node's
+    shards hold) and combines them in rank order, so all ranks
     compute the identical norm. The bucket's
     version is the minibatch number + 1, so it may be called once per
     minibatch, on every rank.
@@ -58,7 +59,7 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
         else:
             local += g.abs().pow(norm_type).sum().item()
     info = b.engine.bucket(_NORM_BUCKET)
-    sl = info["shard_len"]
+    sl = info["piece_len"]
     hi = torch.tensor(local, dtype=torch.float32)
     words = torch.zeros(sl, dtype=torch.float32)
     words[0], words[1] = hi, torch.tensor(local - hi.double().item(), dtype=torch.float32)

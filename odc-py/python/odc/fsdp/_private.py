@@ -196,9 +196,10 @@ class _Layout:
     sharding: str
     world: int  # D: every rank of the mesh (the gradient is the mean over all of them)
     rank: int  # this rank among the D, node-major
-    shards: int  # shards per bucket: D (full) or G, the ranks of a node (hybrid)
+    shards: int  # FSDP2's shards per bucket: D (full, hybrid-zero) or G, the ranks of a node (hybrid)
     index: int  # this rank's shard
     members: tuple[int, ...]  # global ranks of the mesh, node-major
+    per_node: int | None = None  # hybrid-zero: G, the ranks of a node (the engine's node shards)
 
 
 def _states(model: FSDPModule) -> list[Any]:
@@ -233,11 +234,12 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                 check_state(fp, PARAM_STATE, "parameter (FSDPParam)")
             mesh = pg.mesh_info
             name = f"fsdp{len(groups)}:{pg._module_fqn or '<root>'}"
-            if sharding == "full" and (isinstance(mesh, DDPMeshInfo) or not isinstance(mesh, FSDPMeshInfo)):
+            one_d = not isinstance(mesh, DDPMeshInfo) and isinstance(mesh, FSDPMeshInfo)
+            if sharding in ("full", "hybrid-zero") and (not one_d or isinstance(mesh, HSDPMeshInfo)):
                 raise ConfigError(
-                    f"odc.fsdp: {name} uses a 2-D (HSDP / replicated) mesh, but sharding='full' shards "
-                    "over one mesh dimension; pass sharding='hybrid' to odc.fsdp.enable for a "
-                    "(replicate, shard) mesh, or fully_shard over a 1-D mesh"
+                    f"odc.fsdp: {name} uses a 2-D (HSDP / replicated) mesh, but sharding={sharding!r} "
+                    "shards over one mesh dimension of every rank; pass sharding='hybrid' to odc.fsdp.enable "
+                    "for a (replicate, shard) mesh, or fully_shard over a 1-D mesh"
                 )
             if sharding == "hybrid" and not isinstance(mesh, HSDPMeshInfo):
                 kind = "a replicate-only" if isinstance(mesh, DDPMeshInfo) else "a 1-D"
@@ -287,6 +289,8 @@ def _node_layout(groups: list[_Group], sharding: str) -> _Layout:
     if sharding == "full":
         d, r = info.shard_mesh_size, info.shard_mesh_rank
         return _Layout("full", world=d, rank=r, shards=d, index=r, members=tuple(grid))
+    if sharding == "hybrid-zero":
+        return _hybrid_zero_layout(info, tuple(grid))
     # HSDPMeshInfo: dim 0 replicates (nodes), dim 1 shards (the ranks of a node).
     nodes, per_mesh_row = len(grid), len(grid[0])
     members = tuple(r for row in grid for r in row)
@@ -328,6 +332,32 @@ def _node_layout(groups: list[_Group], sharding: str) -> _Layout:
     node, index = info.replicate_mesh_rank, info.shard_mesh_rank
     return _Layout("hybrid", world=len(members), rank=node * per_mesh_row + index, shards=per_mesh_row,
                    index=index, members=members)
+
+
+def _hybrid_zero_layout(info: Any, members: tuple[int, ...]) -> _Layout:
+    """hybrid-zero: FSDP2's 1-D layout (shard r on mesh rank r) over node-major ranks of equal nodes."""
+    d, r = info.shard_mesh_size, info.shard_mesh_rank
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if env.isdigit() and int(env) > 0:
+        per_node, where = int(env), f"LOCAL_WORLD_SIZE={env}"
+        node_of: dict[int, Any] = {m: m // per_node for m in members}
+    else:
+        node_of, where = _hosts(members), "by host name"
+        per_node = sum(1 for m in members if node_of[m] == node_of[members[0]])
+    if d % per_node:
+        raise ConfigError(
+            f"odc.fsdp: the mesh's {d} ranks are not whole nodes of {per_node} ({where}); "
+            "sharding='hybrid-zero' needs the same number of ranks on every node"
+        )
+    for i, m in enumerate(members):
+        if node_of[m] != node_of[members[i - i % per_node]]:
+            raise ConfigError(
+                f"odc.fsdp: sharding='hybrid-zero' needs the mesh's ranks node-major (mesh ranks "
+                f"{i - i % per_node}…{i - i % per_node + per_node - 1} on one node), but mesh rank {i} "
+                f"(rank {m}) runs on another node than mesh rank {i - i % per_node} ({where}); build the "
+                "mesh with init_device_mesh(device, (world,)) over torchrun's ranks"
+            )
+    return _Layout("hybrid-zero", world=d, rank=r, shards=d, index=r, members=members, per_node=per_node)
 
 
 def _hosts(members: tuple[int, ...]) -> dict[int, str]:

@@ -20,7 +20,7 @@ from ._grads import GradContract
 from ._private import _get_param_all_gather_inputs, _Group, _Layout
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
-SHARDINGS = ("full", "hybrid")
+SHARDINGS = ("full", "hybrid", "hybrid-zero")
 _enables = itertools.count()  # one per enable() in this process; equal on every rank
 _live: weakref.WeakSet[_Binding] = weakref.WeakSet()
 

@@ -35,7 +35,7 @@ def _pick_transport(
         requested: the ``transport=`` argument, else ``ODC_TRANSPORT``, else None.
         source: where ``requested`` came from (for messages).
         nodes: how many nodes the ranks span (None: not known yet, not checked).
-        sharding: ``"full"`` or ``"hybrid"``.
+        sharding: ``"full"``, ``"hybrid"`` or ``"hybrid-zero"``.
 
     Returns:
         For CUDA parameters ``"cuda-ipc"`` on one node, ``"nvshmem"``
@@ -58,6 +58,12 @@ def _pick_transport(
             )
         if nodes is None or nodes == 1:
             return name if name in CUDA_TRANSPORTS else "cuda-ipc"
+        if sharding == "hybrid-zero":
+            raise ConfigError(
+                f"odc.fsdp.enable: {where} and sharding is 'hybrid-zero', which ODC runs on its host "
+                "transports only (the reduce across nodes and the piece exchange work on host memory); use "
+                "sharding='full' (cuda-ipc / nvshmem) or keep FSDP2's own collectives for this model"
+            )
         if sharding == "hybrid":
             raise ConfigError(
                 f"odc.fsdp.enable: {where}, the job spans {nodes} nodes and sharding is 'hybrid': ODC sums "

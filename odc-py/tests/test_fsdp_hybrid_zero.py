@@ -1,0 +1,69 @@
+"""odc.fsdp with sharding="hybrid-zero": 4 ranks on one host as 2 nodes × 2 (LOCAL_WORLD_SIZE=2).
+
+FSDP2 shards over every rank (its 1-D mesh), so the optimizer state is 1/D per
+rank; ODC keeps node shards (gathers and pushes stay inside a node), reduces
+each rank's piece across the nodes and exchanges the updated pieces at
+publish. Checked against a single-process reference and against
+sharding="full" on the same plan, with uneven and per-node idle microbatch
+counts, for a rank dying on the other node, and for the meshes it refuses.
+"""
+
+from __future__ import annotations
+
+import _fsdp_helpers as H
+import pytest
+from _dist import run_ranks
+
+WORLD, PER_NODE = 4, 2
+# Microbatches per rank at each step: ranks 0-1 are node 0, ranks 2-3 node 1.
+# Step 1 leaves node 0 idle, step 2 node 1.
+TABLE = ((2, 0, 1, 3), (0, 0, 2, 1), (1, 2, 0, 0), (3, 1, 1, 0))
+
+
+@pytest.mark.parametrize(("transport", "torch_clip"), [("auto", False), ("shm", True)])
+def test_uneven_microbatches_match_single_process_and_full(transport, torch_clip):
+    out = H.all_ok(run_ranks(H.hybrid_zero_worker, WORLD, timeout=300, per_node=PER_NODE, table=TABLE,
+                             transport=transport, torch_clip=torch_clip))
+    ref = out[0]
+    for r, res in out.items():
+        hz, full = res["hybrid-zero"], res["full"]
+        assert hz["sharding"] == "hybrid-zero" and full["sharding"] == "full", r
+        assert hz["transport"] == ("shm+fabric" if transport == "auto" else "shm"), hz["transport"]
+        # Node shards in the engine: 2 blocks (one per node) per local owner, and the
+        # piece a rank publishes and reads gradients for is 1/D of the bucket.
+        for bz, bf in zip(hz["buckets"], full["buckets"], strict=True):
+            assert bz["blocks"] == WORLD // PER_NODE and bz["shard_len"] == 2 * bz["piece_len"], bz
+            assert bz["piece_len"] == bf["piece_len"] == bf["shard_len"], (bz, bf)
+        # AdamW's state is 1/D of every parameter, as under full sharding (not 1/G, as under hybrid).
+        # (FSDP2 shards dim 0: rank r holds at most ceil(rows / D) rows.)
+        for name, (state, local, rows, total) in hz["state"].items():
+            assert state == local == full["state"][name][0], (r, name)
+            assert local <= -(-rows // WORLD) * (total // rows), (r, name, local, total)
+        assert hz["norms"] == pytest.approx(ref["ref_norms"], rel=1e-5), (r, hz["norms"])
+        assert hz["norms"] == pytest.approx(full["norms"], rel=1e-6), r
+    # Three layouts of one computation: hybrid-zero ends where full ends and where one process ends.
+    H.assert_params_close(out[0]["hybrid-zero"]["params"], out[0]["full"]["params"], 1e-6)
+    assert ref["max_diff"]["hybrid-zero"] < 1e-5, ref["max_diff"]
+    assert ref["max_diff"]["full"] < 1e-5, ref["max_diff"]
+
+
+@pytest.mark.parametrize("victim", [2, 3])
+def test_a_rank_dying_on_the_other_node_is_named(victim):
+    res = run_ranks(H.hybrid_zero_death_worker, WORLD, timeout=120, per_node=PER_NODE, victim=victim,
+                    transport="shm")
+    survivors = [r for r in range(WORLD) if r != victim]
+    for r in survivors:
+        status, value = res[r]
+        assert status == "error", (r, status, value)
+        kind, msg, peer, _ = value
+        assert kind in ("PeerDied", "PeerTimeout"), (r, kind, msg)
+        assert peer is not None and f"rank {peer}" in msg, (r, msg)
+    # The victim's column on node 0 waits on it directly and names it.
+    column = victim - PER_NODE
+    assert res[column][1][2] == victim, res[column][1][:2]
+
+
+def test_wrong_meshes_are_refused_clearly():
+    found = H.all_ok(run_ranks(H.hybrid_zero_errors_worker, WORLD, timeout=180, per_node=PER_NODE))[0]
+    assert "sharding='hybrid-zero'" in found["on_2d"] and "1-D mesh" in found["on_2d"], found
+    assert "not whole nodes of 3" in found["uneven"] and "LOCAL_WORLD_SIZE=3" in found["uneven"], found
