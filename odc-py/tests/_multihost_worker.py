@@ -93,12 +93,14 @@ def exact(ctx: Rank, transport: str, sharding: str, minibatches: int = 2) -> dic
     """Gathers of published versions and scatter-accumulate sums, checked exactly (integer-valued data)."""
     eng = engine(ctx, transport=transport, sharding=sharding, chunk_bytes=64 << 10)
     eng.register([odc.Bucket(name, numel, dtype) for name, numel, dtype in BUCKETS])
+    # What this rank publishes and reads gradients for is block `mine` of `shards` equal blocks: its
+    # shard (full, hybrid) or, under hybrid-zero, its 1/D piece (the engine keeps node shards of pieces).
     hybrid = sharding == "hybrid"
     shards = ctx.local_world if hybrid else ctx.world
     mine = ctx.rank % ctx.local_world if hybrid else ctx.rank
     for k in range(minibatches):
         for name, numel, dtype in BUCKETS:
-            sl = eng.bucket(name)["shard_len"]
+            sl = eng.bucket(name)["piece_len"]
             assert sl * shards >= numel, f"bucket {name}: shard_len {sl} x {shards} shards < {numel}"
             full = torch.arange(sl * shards, dtype=torch.float32) % 97 + k
             eng.publish(name, full[mine * sl : (mine + 1) * sl].to(dtype), version=k)
@@ -121,7 +123,7 @@ def exact(ctx: Rank, transport: str, sharding: str, minibatches: int = 2) -> dic
         eng.finish_minibatch(k)
         weight = sum((r + 1) * pushes(r, ctx.world, k) for r in range(ctx.world))
         for name, numel, _ in BUCKETS:
-            sl = eng.bucket(name)["shard_len"]
+            sl = eng.bucket(name)["piece_len"]
             lo, hi = min(mine * sl, numel), min((mine + 1) * sl, numel)
             want = torch.zeros(sl)
             want[: hi - lo] = (torch.arange(lo, hi, dtype=torch.float32) % 13) * weight
@@ -136,8 +138,9 @@ def exact(ctx: Rank, transport: str, sharding: str, minibatches: int = 2) -> dic
 # -- FSDP2, hybrid sharding ---------------------------------------------------------------------------
 
 
-def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 0.1) -> dict:
-    """HSDP on a (nodes, ranks per node) mesh with ODC hybrid sharding; rank 0 compares with one process."""
+def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 0.1, sharding: str = "hybrid") -> dict:
+    """ODC hybrid sharding, rank 0 compares with one process: HSDP on a (nodes, ranks per node) mesh
+    (``"hybrid"``), or FSDP2's 1-D mesh (``"hybrid-zero"``)."""
     import _fsdp_helpers as H
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -147,19 +150,22 @@ def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 
 
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", ctx.store), rank=ctx.rank, world_size=ctx.world,
                             timeout=datetime.timedelta(seconds=60))
-    mesh = init_device_mesh("cpu", (ctx.world // ctx.local_world, ctx.local_world),
-                            mesh_dim_names=("replicate", "shard"))
+    if sharding == "hybrid":
+        mesh = init_device_mesh("cpu", (ctx.world // ctx.local_world, ctx.local_world),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (ctx.world,))
     model = H.build(ctx.world, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     try:
-        odc.fsdp.enable(model, opt, sharding="hybrid", timeout=60)
+        odc.fsdp.enable(model, opt, sharding=sharding, timeout=60)
     except TypeError as e:
         if "sharding" in str(e):
-            raise Unavailable("odc.fsdp.enable(sharding='hybrid')") from e
+            raise Unavailable(f"odc.fsdp.enable(sharding={sharding!r})") from e
         raise
     except odc.ConfigError as e:
-        if "unknown transport" in str(e):
-            raise Unavailable(f"transport {os.environ.get('ODC_TRANSPORT')!r}") from e
+        if "unknown transport" in str(e) or "unknown sharding" in str(e):
+            raise Unavailable(f"transport {os.environ.get('ODC_TRANSPORT')!r} / sharding {sharding!r}") from e
         raise
     losses = []
     for s in range(steps):

@@ -25,10 +25,11 @@ WORLD = HOSTS * PER_HOST
 
 # The healthy scenarios share one start of the ranks (starting 4 torch processes on a small machine
 # costs more than the scenarios): step i of HEALTHY is checked by the test named after it.
-EXACT = [("fabric", "full"), ("auto", "full"), ("fabric", "hybrid"), ("auto", "hybrid")]
-FSDP = ["fabric", "auto"]
+EXACT = [("fabric", "full"), ("auto", "full"), ("fabric", "hybrid"), ("auto", "hybrid"), ("fabric", "hybrid-zero"),
+         ("auto", "hybrid-zero")]
+FSDP = [("fabric", "hybrid"), ("auto", "hybrid"), ("auto", "hybrid-zero")]
 HEALTHY = [*(("exact", {"transport": t, "sharding": s}) for t, s in EXACT),
-           *(("fsdp_hybrid", {"transport": t, "steps": 3, "micros": 2}) for t in FSDP)]
+           *(("fsdp_hybrid", {"transport": t, "steps": 3, "micros": 2, "sharding": s}) for t, s in FSDP)]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +49,13 @@ def test_exact_gathers_and_sums_across_hosts(healthy, transport, sharding):
     assert all(v["transport"] == {"fabric": "fabric", "auto": "shm+fabric"}[transport] for v in out.values()), out
 
 
-@pytest.mark.parametrize("transport", FSDP)
-def test_fsdp2_hybrid_sharding_matches_single_process(healthy, transport):
-    # HSDP mesh (replicate = namespaces, shard = ranks of a namespace), ODC hybrid sharding:
-    # parameters and gradients sharded inside a namespace, reduced across namespaces once per step;
-    # SGD on the mean loss over every rank's data against one process on the whole batch.
-    out = require_ok(healthy[len(EXACT) + FSDP.index(transport)])
+@pytest.mark.parametrize(("transport", "sharding"), FSDP)
+def test_fsdp2_hybrid_sharding_matches_single_process(healthy, transport, sharding):
+    # hybrid: HSDP mesh (replicate = namespaces, shard = ranks of a namespace); hybrid-zero: FSDP2's
+    # 1-D mesh, node shards in the engine. Parameters and gradients sharded inside a namespace, reduced
+    # across namespaces once per step; SGD on the mean loss over every rank's data against one
+    # process on the whole batch.
+    out = require_ok(healthy[len(EXACT) + FSDP.index((transport, sharding))])
     assert out[0]["moved"] > 1e-3, out[0]  # it trained
     assert out[0]["max_diff"] < 1e-5, out[0]
     for r in range(1, WORLD):
