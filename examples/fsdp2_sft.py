@@ -3,6 +3,7 @@
     python examples/fsdp2_sft.py --nproc 2 --comm both            # spawns local ranks
     torchrun --nproc-per-node 4 examples/fsdp2_sft.py --comm odc --strategy lb-mini
     python examples/fsdp2_sft.py --nproc 4 --local-world-size 2 --sharding hybrid  # HSDP: 2 "nodes" × 2
+    python examples/fsdp2_sft.py --nproc 4 --local-world-size 2 --sharding hybrid-zero  # ZeRO++-style
 
 Synthetic variable-length sequences are planned with `odc.packing.plan`. lb-mini
 lets ranks run different numbers of microbatches: ODC only (under `--comm both`
@@ -58,8 +59,9 @@ def train(args, comm: str, strategy: str, data: list[torch.Tensor], rank: int, w
     torch.manual_seed(0)
     model = TinyLM(args.dim, args.layers)
     g = args.local_world_size  # hybrid: shard within a node, over (replicate, shard) = (nodes, ranks per node)
-    mesh = init_device_mesh("cpu", (world,) if args.sharding == "full" else (world // g, g),
-                            mesh_dim_names=None if args.sharding == "full" else ("replicate", "shard"))
+    hsdp = args.sharding == "hybrid"  # hybrid-zero shards over every rank, as full does (ODC keeps node shards)
+    mesh = init_device_mesh("cpu", (world // g, g) if hsdp else (world,),
+                            mesh_dim_names=("replicate", "shard") if hsdp else None)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -132,7 +134,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])  # flags: see --help
     p.add_argument("--comm", choices=["collective", "odc", "both"], default="both")
     p.add_argument("--strategy", choices=["lb-micro", "lb-mini", "local-sort"], default="lb-micro")
-    p.add_argument("--sharding", choices=["full", "hybrid"], default="full", help="hybrid: shard within a node")
+    p.add_argument("--sharding", choices=["full", "hybrid", "hybrid-zero"], default="full",
+                   help="hybrid: shard within a node (HSDP); hybrid-zero: within a node, optimizer over every rank")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under torchrun")
     # --minibatch: samples per rank per minibatch; --max-tokens: token budget of a microbatch;
     # --local-world-size: ranks per node (0: LOCAL_WORLD_SIZE, else every rank).

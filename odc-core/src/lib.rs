@@ -100,6 +100,16 @@
 //! rank per minibatch, against N − 1 chunks per push and gather over the
 //! network under full sharding.
 //!
+//! With [`Sharding::HybridZero`] (ZeRO++-style) the node shards are made of
+//! N blocks dealt round-robin ([`layout`]): block r of a bucket, rank r's
+//! *piece*, is all it publishes, steps and reads gradients for. The reduce
+//! above then reads only this rank's piece of each replica's accumulators
+//! (a reduce-scatter across nodes), and a publish writes the piece, reads
+//! the replicas' pieces of the same version into the node shard
+//! (`piece_version`, `piece_read`: [`protocol::pieces`]) and only then
+//! announces it to the node. Cross-node bytes equal HSDP's all-reduce;
+//! gradients and optimizer state are 1/D (docs/hybrid-zero.md).
+//!
 //! # Thread safety
 //!
 //! [`Engine`] is `Send + Sync`. Gathers may run from several threads at once

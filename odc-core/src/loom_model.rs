@@ -2,8 +2,9 @@
 //!
 //! Each model drives the same types the engine does — [`SlotSender`] /
 //! [`SlotReceiver`] (slots), [`versions`] (publish and gather), [`finish`]
-//! (done words), the own-slice [`handoff`](crate::protocol::handoff) and
-//! [`EventCount`] (the waiter's sleep and wake) — over loom atomics, with
+//! (done words), the own-slice [`handoff`](crate::protocol::handoff),
+//! hybrid-zero's [`pieces`] and [`EventCount`] (the waiter's sleep and
+//! wake) — over loom atomics, with
 //! the transport's part played as the transports play it: data written
 //! first, then the signal word raised with release ordering (a landing
 //! slot's count incremented, a stamp stored), read with acquire. Data sits
@@ -18,6 +19,7 @@ use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 
 use crate::protocol::finish;
+use crate::protocol::pieces::{self, Piece};
 use crate::protocol::slots::{slot_count, SlotReceiver, SlotSender};
 use crate::protocol::versions::{self, Shard};
 use crate::sync::{yield_now, AtomicU64, EventCount, Ordering};
@@ -38,6 +40,9 @@ enum Mistake {
     DoneBeforeAck,
     /// The notifier looks for sleepers before it bumps the epoch.
     NotifyBeforeBump,
+    /// Hybrid-zero: a rank overwrites its piece without waiting until the
+    /// other node copied the previous version.
+    OverwriteUnread,
 }
 
 fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -327,6 +332,97 @@ fn loom_versions_catch_a_publish_before_the_release() {
 #[should_panic]
 fn loom_finish_catches_done_before_the_acknowledgement() {
     minibatch_model(Mistake::DoneBeforeAck);
+}
+
+/// One rank's side of hybrid-zero's piece exchange: its working copy of a
+/// node shard (block n: node n's piece) and the words the other node raises.
+struct Column {
+    block: [UnsafeCell<u64>; 2],
+    piece_version: [AtomicU64; 2],
+    piece_read: [AtomicU64; 2],
+}
+
+impl Column {
+    fn new() -> Column {
+        Column {
+            block: [UnsafeCell::new(0), UnsafeCell::new(0)],
+            piece_version: [AtomicU64::new(0), AtomicU64::new(0)],
+            piece_read: [AtomicU64::new(0), AtomicU64::new(0)],
+        }
+    }
+}
+
+fn piece_value(node: usize, v: u64) -> u64 {
+    100 * (node as u64 + 1) + v
+}
+
+/// Publishes of three versions by one rank of a column, as
+/// `Worker::publish` / `gather_pieces` run them under hybrid-zero: wait
+/// until the other node copied the piece this rank holds ([`pieces::unread`]),
+/// write the own piece, raise `piece_version` there, wait for the other's
+/// piece of the same version ([`pieces::piece`]), copy it, raise
+/// `piece_read` there.
+fn publish_pieces(ranks: &[Column; 2], me: usize, mistake: Mistake) {
+    let other = 1 - me;
+    let mut seen = 0;
+    for v in 0..3u64 {
+        let stamp = v + 1;
+        let read = |n: usize| ranks[me].piece_read[n].load(Ordering::Acquire);
+        while mistake != Mistake::OverwriteUnread
+            && pieces::unread([read(0), read(1)], me, seen).is_some()
+        {
+            yield_now();
+        }
+        // SAFETY (model): the other node copied the previous version.
+        ranks[me].block[me].with_mut(|d| unsafe { *d = piece_value(me, v) });
+        ranks[other].piece_version[me].fetch_max(stamp, Ordering::Release);
+        loop {
+            let word = ranks[me].piece_version[other].load(Ordering::Acquire);
+            match pieces::piece(word, stamp) {
+                Ok(Piece::Ready) => break,
+                Ok(Piece::Pending) => yield_now(),
+                Err(ahead) => panic!("the other node ran ahead: {ahead:?}"),
+            }
+        }
+        // SAFETY (model): the other node overwrites its piece only after
+        // this rank's piece_read below.
+        let got = ranks[other].block[other].with(|d| unsafe { *d });
+        assert_eq!(got, piece_value(other, v), "node {me} copied a torn piece");
+        // SAFETY (model): only this rank writes its own working copy.
+        ranks[me].block[other].with_mut(|d| unsafe { *d = got });
+        ranks[other].piece_read[me].fetch_max(stamp, Ordering::Release);
+        seen = stamp;
+    }
+}
+
+fn pieces_model(mistake: Mistake) {
+    check(3, move || {
+        let ranks = Arc::new([Column::new(), Column::new()]);
+        let peer = {
+            let ranks = Arc::clone(&ranks);
+            loom::thread::spawn(move || publish_pieces(&ranks, 1, mistake))
+        };
+        publish_pieces(&ranks, 0, mistake);
+        peer.join().unwrap();
+        for (n, column) in ranks.iter().enumerate() {
+            for m in 0..2 {
+                // SAFETY (model): both threads are done.
+                let v = column.block[m].with(|d| unsafe { *d });
+                assert_eq!(v, piece_value(m, 2), "node {n}'s copy of piece {m}");
+            }
+        }
+    });
+}
+
+#[test]
+fn loom_pieces_are_overwritten_only_after_the_other_node_copied_them() {
+    pieces_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_pieces_catch_an_overwrite_before_the_copy() {
+    pieces_model(Mistake::OverwriteUnread);
 }
 
 /// The waiter's sleep and wake ([`EventCount`], as every bell uses it): a

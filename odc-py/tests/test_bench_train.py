@@ -140,20 +140,40 @@ def test_memory_table_measures_every_kind(tmp_path, capsys):
     assert "by formula" in text
 
 
+def test_memory_of_hybrid_zero_is_measured_against_its_formula(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    code = main(["memory", "--world", "4", "--per-node", "2", "--sharding", "hybrid-zero", "--steps", "1",
+                 "--micros", "1", "--length", "16", "--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads",
+                 "1", "--intermediate", "64", "--vocab", "64", "--markdown", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    m, f, numel = row["max"], row["formula"], doc["params"]
+    # FSDP2 shards over all 4 ranks: a quarter of every parameter (padded to whole rows), AdamW's moments on it.
+    assert 4 * numel / 4 <= m["params"] <= 4 * numel / 4 * 1.1, (m, numel)
+    assert 2 * m["params"] <= m["optim"] <= 2 * m["params"] + 4096, m
+    # The engine keeps node shards (half the model) in /dev/shm: published copy and the accumulators the other
+    # node reads, plus 2 * G * chunk of landing slots.
+    assert f["published"] == 4 * numel / 2 and f["accum"] == 4 * numel / 2 and f["landing"] == 8 << 20, f
+    assert 0 <= m["odc_shm"] - f["odc_shm"] <= 64 * 1024 + 0.05 * f["published"], (m, f)
+
+
 def test_memory_formula_sizes_any_model():
     mib, gib = 1 << 20, 1 << 30
     rows = {r["label"]: r for r in memory.formula(32 * 10**9, 32, 8, gather_bytes=2)}
     full, hybrid = rows["ODC full"], rows["ODC hybrid"]
-    zero = rows["hybrid, optimizer over all ranks (ZeRO++-style; not built)"]
+    zero = rows["ODC hybrid-zero"]
     # 32B parameters: a 1/32 shard is 1e9 parameters, a 1/8 shard 4e9.
     assert full["params"] == 4e9 and full["published"] == 2e9 and full["accum"] == 4e9 and full["optim"] == 8e9
     assert full["landing"] == 2 * 32 * 2 * mib and hybrid["landing"] == 2 * 8 * 2 * mib
     assert hybrid["params"] == 16e9 and hybrid["optim"] == 32e9 and hybrid["cross"] == 16e9
-    # The ZeRO++-style design: FSDP2's parameters, gradients and optimizer state at full sharding's 1/D, ODC's
-    # node shard (working copy, accumulator) at hybrid's 1/G, a 1/D piece accumulator, slots for 8 + 4 clients.
+    # ZeRO++-style: FSDP2's parameters, gradients and optimizer state at full sharding's 1/D, ODC's node shard
+    # (working copy, accumulator) at hybrid's 1/G, a 1/D piece for the cross-node sum, slots for the node's 8.
     assert (zero["params"], zero["grads"], zero["optim"]) == (full["params"], full["grads"], full["optim"])
     assert zero["published"] == hybrid["published"] and zero["accum"] == hybrid["accum"] and zero["cross"] == 4e9
-    assert zero["landing"] == 2 * 12 * 2 * mib
+    assert zero["landing"] == 2 * 8 * 2 * mib
+    assert zero["odc_shm"] == zero["published"] + zero["accum"] + zero["landing"]
     assert rows["FSDP2 HSDP"]["total"] > zero["total"] > full["total"]
     assert rows["FSDP2 full"]["published"] is None and rows["FSDP2 full"]["total"] == 16e9
     # The landing chunk follows odc-core's budget rule (its unit test: 128 KiB at D = 1024, an error at 4096).
@@ -169,4 +189,4 @@ def test_memory_formula_prints_every_mode(capsys):
     assert main(["memory", "--formula", "7B", "--world", "16", "--per-node", "8", "--gather-dtype", "bf16",
                  "--markdown"]) == 0
     text = capsys.readouterr().out
-    assert text.count("\n| ") == 5 and "ZeRO++-style; not built" in text and "ODC landing slots" in text
+    assert text.count("\n| ") == 5 and "| ODC hybrid-zero |" in text and "ODC landing slots" in text

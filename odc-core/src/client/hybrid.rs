@@ -7,7 +7,7 @@ use odc_kernels::DType;
 use super::Worker;
 use crate::engine::{load, BucketId};
 use crate::layout::BucketLayout;
-use crate::protocol::partials;
+use crate::protocol::{partials, pieces};
 use crate::region::{Bell, SignalRef};
 use crate::sync::Ordering;
 use crate::{Error, Result};
@@ -143,18 +143,18 @@ impl Worker<'_> {
             core.wait(
                 Some(b.name()),
                 &|| format!("its piece of version {} (hybrid-zero)", stamp - 1),
-                || match load(word) {
-                    w if w > stamp => Err(Error::protocol(
+                || match pieces::piece(load(word), stamp) {
+                    Err(pieces::Ahead { current }) => Err(Error::protocol(
                         Some(b.name()),
                         format!(
                             "rank {r} published version {} of its piece while this rank publishes \
                              version {}: under hybrid-zero every rank publishes the same versions \
                              of every bucket, in the same order",
-                            w - 1,
+                            current - 1,
                             stamp - 1
                         ),
                     )),
-                    w => Ok((w < stamp).then_some(r)),
+                    Ok(p) => Ok((p == pieces::Piece::Pending).then_some(r)),
                 },
             )?;
             let at = reg.params_off[bucket.0] + m * bytes;
@@ -183,7 +183,7 @@ impl Worker<'_> {
         let reg = self.reg;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         if seen == 0 {
-            return Ok(());
+            return Ok(()); // nothing published yet
         }
         self.core.wait(
             Some(b.name()),
@@ -196,7 +196,7 @@ impl Worker<'_> {
             || {
                 let words =
                     (0..gs.replicas.len()).map(|n| load(reg.word(lay.piece_read(n, bucket.0))));
-                Ok(partials::lagging_replica(words, gs.node, seen).map(|n| gs.replicas[n]))
+                Ok(pieces::unread(words, gs.node, seen).map(|n| gs.replicas[n]))
             },
         )
     }

@@ -10,6 +10,7 @@
 //! | [`versions`] | a shard's next version is published only after every reader released the previous one; a reader reads a shard only at the version it needs |
 //! | [`finish`] | a client's minibatch ends when its pushes are acknowledged; an owner's gradients are final when every client's done word reads the minibatch |
 //! | [`partials`] | hybrid sharding: accumulators change again only after every other node read this rank's partial sums |
+//! | [`pieces`] | hybrid-zero: a piece is overwritten only after every other node copied it; a node shard is announced only when every piece of its version is in |
 //! | [`handoff`] | a client's own slice goes to its own server by pointer, read only under a claim |
 //!
 //! Every word stores a **stamp**, value + 1 (0: never written), except the
@@ -21,6 +22,7 @@
 pub mod finish;
 pub(crate) mod handoff;
 pub mod partials;
+pub mod pieces;
 pub mod slots;
 pub mod versions;
 

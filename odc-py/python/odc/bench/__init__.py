@@ -233,8 +233,8 @@ def _train_parser(sub: Any) -> None:
     me.add_argument("--micros", type=_positive(int, "--micros"), default=2, help="microbatches each (default 2)")
     me.add_argument("--length", type=_positive(int, "--length"), default=256,
                     help="tokens per microbatch (default 256)")
-    me.add_argument("--sharding", choices=("full", "hybrid", "both"), default="both",
-                    help="rows to measure (default both: FSDP2 and ODC, full and hybrid)")
+    me.add_argument("--sharding", choices=("full", "hybrid", "hybrid-zero", "all"), default="all",
+                    help="rows to measure (default all: FSDP2 and ODC, full and hybrid, and ODC hybrid-zero)")
     me.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     me.add_argument("--formula", metavar="PARAMS", type=_param_count,
                     help="print the bytes per rank by formula for a model of PARAMS parameters (7B, 1.5M, 32e9) on "
@@ -677,7 +677,7 @@ def _memory(args: argparse.Namespace) -> int:
         raise UsageError("odc-bench memory launches its own ranks (one run per variant); not under torchrun")
     if args.world < 2:
         raise UsageError(f"--world {args.world}: need at least 2 ranks")
-    hybrid = args.sharding in ("hybrid", "both")
+    hybrid = args.sharding != "full"
     if hybrid and (args.world % args.per_node or args.world == args.per_node or args.per_node < 2):
         raise UsageError(f"--world {args.world} --per-node {args.per_node}: the hybrid rows need at least two "
                          f"emulated nodes of at least 2 ranks each")
@@ -685,7 +685,7 @@ def _memory(args: argparse.Namespace) -> int:
     spec = _model_spec(args)
     rows = []
     for label, comm, sharding in memory.VARIANTS:
-        if args.sharding not in ("both", sharding):
+        if args.sharding not in ("all", sharding):
             continue
         per_rank = launch.run_ranks(memory.memory_rank, args.world, backend="gloo", spec=asdict(spec), comm=comm,
                                     sharding=sharding, per_node=args.per_node, steps=args.steps, micros=args.micros,
@@ -699,11 +699,12 @@ def _memory(args: argparse.Namespace) -> int:
     checks = []
     for r in rows:
         if r["comm"] == "odc":
-            f = by_formula["ODC full" if r["sharding"] == "full" else "ODC hybrid"]
+            f = by_formula[r["label"]]
             r["formula"] = f
+            shared_accum = f["accum"] if r["sharding"] != "full" else 0
             checks.append(f"{r['label']}: ODC shared memory {r['max']['odc_shm']:,} B measured, {f['odc_shm']:,.0f} B "
-                          f"by formula (published {f['published']:,.0f} + cross-node sums {f['cross']:,.0f} + "
-                          f"landing {f['landing']:,}; signal words and padding left out)")
+                          f"by formula (published {f['published']:,.0f} + accumulators the other nodes read "
+                          f"{shared_accum:,.0f} + landing {f['landing']:,}; signal words and padding left out)")
     title = [_title("memory"),
              f"{args.world} ranks{f' (hybrid: nodes of {args.per_node}, emulated on this host)' if hybrid else ''}, "
              f"{spec.describe()}, fp32, "
@@ -743,8 +744,8 @@ def _memory_formula(args: argparse.Namespace) -> int:
     title = [f"odc-bench memory --formula: {args.formula:,} parameters, {args.world} ranks in nodes of "
              f"{args.per_node}; fp32 sharded parameters and gradients, {args.optim_bytes} optimizer bytes per "
              f"parameter, ODC gathers {args.gather_dtype}; 2 MiB landing chunks within ODC_LANDING_MB=256",
-             "by formula, not measured (odc-bench memory without --formula measures a small model); the last "
-             "row is the ZeRO++-style hybrid of docs/hybrid-zero.md, a design ODC does not have yet"]
+             "by formula, not measured (odc-bench memory without --formula measures a small model); hybrid-zero is "
+             "the ZeRO++-style hybrid of docs/hybrid-zero.md"]
     print(memory.render_formula(rows, title, markdown=args.markdown), flush=True)
     if args.json:
         write_json(args.json, {"bench": "memory-formula", "params": args.formula, "args": vars(args), "rows": rows})

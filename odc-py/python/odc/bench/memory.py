@@ -1,4 +1,4 @@
-"""``odc-bench memory``: memory per rank of FSDP2 over gloo and of ODC, full and hybrid sharding.
+"""``odc-bench memory``: memory per rank of FSDP2 over gloo and of ODC, full, hybrid and hybrid-zero sharding.
 
 Each rank trains ``odc-bench train``'s model (a Hugging Face Qwen2 from a tiny
 config) for a few AdamW minibatches, then measures, in bytes:
@@ -10,9 +10,9 @@ config) for a few AdamW minibatches, then measures, in bytes:
   the file system, not computed;
 - ``RSS``: the process's peak resident set.
 
-Hybrid rows emulate nodes of ``--per-node`` ranks on this host (ranks are
-node-major, as torchrun numbers them); ODC then uses shared memory between
-the emulated nodes too.
+Hybrid and hybrid-zero rows emulate nodes of ``--per-node`` ranks on this
+host (ranks are node-major, as torchrun numbers them); ODC then uses shared
+memory between the emulated nodes too.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ VARIANTS = (
     ("ODC full", "odc", "full"),
     ("FSDP2 HSDP (gloo)", "collective", "hybrid"),
     ("ODC hybrid", "odc", "hybrid"),
+    ("ODC hybrid-zero", "odc", "hybrid-zero"),
 )
 KEYS = ("params", "grads", "optim", "odc_shm", "rss_peak")
 HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "odc_shm": "ODC shared memory",
@@ -67,9 +68,10 @@ def memory_rank(ctx: Any, *, spec: dict[str, Any], comm: str, sharding: str, per
 
     from .train import ModelSpec, _loss, build_model, markov_tokens, packed_row
 
-    if sharding == "hybrid":
+    if sharding != "full":
         os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
         os.environ["ODC_TRANSPORT"] = "shm"
+    if sharding == "hybrid":
         mesh = init_device_mesh("cpu", (ctx.world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (ctx.world,))
@@ -143,11 +145,12 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
 
     FSDP2 keeps the sharded parameters (the optimizer's master copy, ``param_bytes`` each), the sharded gradients
     (as many bytes) and the optimizer state (``optim_bytes`` per parameter: AdamW's two f32 moments). ODC adds the
-    published copy of the shard in the gather dtype, the f32 accumulators the owner's daemon adds into, under
-    hybrid sharding an f32 buffer per shard for the cross-node sum, and the landing slots ``2 * group * chunk``
-    (the chunk shrunk to fit ``ODC_LANDING_MB``). Shards are ``params / group`` (FSDP2's padding and ODC's
-    signal words, a few KiB, are left out). The last row is the ZeRO++-style hybrid of ``docs/hybrid-zero.md``,
-    which ODC does not have yet: FSDP2 shards D ways, ODC keeps the node shard.
+    published copy of the shard in the gather dtype, the f32 accumulators the owner's daemon adds into, across
+    nodes an f32 buffer for the cross-node sum (of the node shard under hybrid, of the rank's 1/D piece under
+    hybrid-zero), and the landing slots ``2 * group * chunk`` (the chunk shrunk to fit ``ODC_LANDING_MB``).
+    Shards are ``params / group`` (FSDP2's padding and ODC's signal words, a few KiB, are left out). Shared memory
+    (``odc_shm``) holds the published copy and the landing slots, and across nodes the accumulators too (the other
+    nodes read them). Under hybrid-zero FSDP2 shards D ways and ODC keeps the node shard (``docs/hybrid-zero.md``).
     """
     if world < 1 or per_node < 1 or world % per_node:
         raise ValueError(f"world {world} must be a positive multiple of per_node {per_node}")
@@ -164,7 +167,7 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
         r["accum"] = shard * 4 if odc else None
         r["cross"] = cross * 4 if odc else None
         r["landing"] = 2 * clients * landing_chunk(chunk, clients, budget) if odc else None
-        r["odc_shm"] = r["published"] + r["cross"] + r["landing"] if odc else None
+        r["odc_shm"] = r["published"] + (r["accum"] if cross else 0) + r["landing"] if odc else None
         r["total"] = sum(v for k, v in r.items() if k in FORMULA_KEYS and v is not None)
         return r
 
@@ -173,11 +176,10 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
         row("FSDP2 full", "collective", world, world, 0, world),
         row("ODC full", "odc", world, world, 0, world),
         row("FSDP2 HSDP", "collective", g, g, 0, g),
-        row("ODC hybrid", "odc", g, g, params / g, g),
-        # docs/hybrid-zero.md: FSDP2 shards D ways (pieces of node shards); ODC keeps the node shard's working
-        # copy and accumulator, a piece accumulator for the cross-node sum, landing slots for G + N clients.
-        row("hybrid, optimizer over all ranks (ZeRO++-style; not built)", "odc", g, world, params / world,
-            g + nodes if nodes > 1 else g),
+        row("ODC hybrid", "odc", g, g, params / g if nodes > 1 else 0, g),
+        # FSDP2 shards D ways (pieces of node shards); ODC keeps the node shard's working copy and accumulator and
+        # a piece buffer for the cross-node sum; the pieces move by one-sided reads, through no landing slot.
+        row("ODC hybrid-zero", "odc", g, world, params / world if nodes > 1 else 0, g),
     ]
 
 

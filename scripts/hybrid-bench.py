@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Cross-node bytes and time per minibatch of the three sharding layouts, across network namespaces.
+
+Runs the ``odc-bench train`` model (a Qwen2-style decoder from a tiny config)
+with FSDP2 on ranks spread over ``--netns`` network namespaces (veth +
+bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
+
+- ``collective-hsdp``: FSDP2's own HSDP over gloo (2-D mesh; gradient sync
+  only on the last microbatch of a minibatch, as an accumulating loop does);
+- ``odc-full``: ``odc.fsdp`` with ``sharding="full"`` (every gather and push
+  may cross nodes);
+- ``odc-hybrid``: ``sharding="hybrid"`` (HSDP layout, optimizer replicated
+  per node);
+- ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D).
+
+Every rank runs the same microbatches (``--micros`` per minibatch of
+``--seq`` tokens) and the same AdamW loop with torch's clip. Each rank reads
+its namespace's veth counters from ``/proc/self/net/dev`` (the namespace's
+own view) at a barrier before and after the timed minibatches; cross-node
+bytes per minibatch per rank are the bytes all namespaces received, over
+minibatches and ranks. The formula column is the payload the layout must
+move (P parameters, 4-byte fp32 parameters and gradients, N namespaces of G
+ranks), computed from the model's parameter count and, for ``odc-full``, the
+gathers and pushes the engine was asked for (counted); the measured column
+also carries TCP/IP and libfabric headers and acknowledgements.
+
+Usage (root; about 3 minutes)::
+
+    .venv/bin/python scripts/hybrid-bench.py --netns 2 -g 4 --minibatches 4 --micros 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+MODES = ("collective-hsdp", "odc-full", "odc-hybrid", "odc-hybrid-zero")
+
+
+def _veth_rx_tx(ifname: str) -> tuple[int, int]:
+    """Bytes received and sent by ``ifname`` as this thread's network namespace sees it."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == ifname:
+                cols = rest.split()
+                return int(cols[0]), int(cols[8])
+    raise RuntimeError(f"no interface {ifname!r} in /proc/self/net/dev")
+
+
+def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micros: int, seq: int,
+            warmup: int) -> dict[str, Any]:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import odc.fsdp
+    from odc.bench.train import ModelSpec, _loss, build_model, markov_tokens, packed_row
+
+    g = ctx.local_world or ctx.world
+    n = ctx.world // g
+    model = build_model(ModelSpec(**spec), seed=0)
+    if mode in ("collective-hsdp", "odc-hybrid"):
+        mesh = init_device_mesh("cpu", (n, g), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (ctx.world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    asked = {"gathered": 0, "pushed": 0}
+    if mode.startswith("odc-"):
+        odc.fsdp.enable(model, opt, sharding=mode.removeprefix("odc-"), timeout=120)
+        eng = model._odc_fsdp.engine
+        gather, push = eng.gather, eng.scatter_accumulate
+
+        def counted_gather(bucket: Any, version: int, out: Any, **kw: Any) -> Any:
+            asked["gathered"] += eng.bucket(bucket)["padded_len"]
+            return gather(bucket, version, out, **kw)
+
+        def counted_push(bucket: Any, grads: Any, *a: Any, **kw: Any) -> Any:
+            asked["pushed"] += eng.bucket(bucket)["padded_len"]
+            return push(bucket, grads, *a, **kw)
+
+        eng.gather, eng.scatter_accumulate = counted_gather, counted_push
+    vocab = int(model.config.vocab_size)
+    rows = [packed_row([markov_tokens(1000 * ctx.rank + j, seq, vocab)]) for j in range(micros)]
+    ifname = os.environ["GLOO_SOCKET_IFNAME"]
+    spans: list[float] = []
+    before, t0 = (0, 0), 0.0
+    for k in range(warmup + minibatches):
+        if k == warmup:
+            ctx.barrier()
+            before, t0 = _veth_rx_tx(ifname), time.perf_counter()
+            asked.update(gathered=0, pushed=0)
+        start = time.perf_counter()
+        for j, row in enumerate(rows):
+            if mode == "collective-hsdp":
+                model.set_requires_all_reduce(j == len(rows) - 1)  # sync once per minibatch
+            (_loss(model, row) / (seq * micros)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if k >= warmup:
+            spans.append(time.perf_counter() - start)
+    dist.barrier()
+    total = time.perf_counter() - t0
+    after = _veth_rx_tx(ifname)
+    counts = {"rx": after[0] - before[0], "tx": after[1] - before[1]}
+    state = sum(t.to_local().numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim)
+    if mode.startswith("odc-"):
+        odc.fsdp.disable(model)
+    every = ctx.all_gather_object({"spans": spans, "total": total, "veth": counts, "asked": asked,
+                                   "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "state": state})
+    return {"params": params, "ranks": every, "n": n, "g": g}
+
+
+def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
+    """Payload bytes one rank receives from other nodes per minibatch (fp32), from P and the counted calls."""
+    p, n, g = res["params"], res["n"], res["g"]
+    d = n * g
+    if mode == "collective-hsdp":
+        return 2 * (n - 1) / n * p / g * 4  # ring all-reduce of the node shard, once per minibatch
+    if mode == "odc-hybrid":
+        return (n - 1) * p / g * 4  # reads every other node's partial sums of its node shard
+    if mode == "odc-hybrid-zero":
+        return 2 * (n - 1) * p / d * 4  # reads its piece of the others' partials, then their updated pieces
+    # odc-full: of every gathered or pushed element, the (D - G) / D owned on other nodes cross.
+    asked = statistics.mean(r["asked"]["gathered"] + r["asked"]["pushed"] for r in res["ranks"])
+    return asked / minibatches * (d - g) / d * 4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--netns", type=int, default=2)
+    ap.add_argument("-g", "--world", type=int, default=4)
+    ap.add_argument("--minibatches", type=int, default=4, help="timed minibatches per mode")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--micros", type=int, default=2, help="microbatches per rank per minibatch")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per microbatch")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--json", default="", help="write the results here too")
+    args = ap.parse_args()
+    from odc.bench import netns
+
+    spec = {"hidden": args.hidden, "layers": args.layers}
+    rows, raw = [], {}
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        res = netns.run_ranks(rank_fn, args.world, netns=args.netns, transport="auto", backend="gloo", mode=mode,
+                              spec=spec, minibatches=args.minibatches, micros=args.micros, seq=args.seq,
+                              warmup=args.warmup)
+        raw[mode] = res
+        per_rank = sum(r["veth"]["rx"] for r in res["ranks"] if r["local_rank"] == 0) / args.minibatches / args.world
+        ms = 1e3 * max(r["total"] for r in res["ranks"]) / args.minibatches
+        rows.append((mode, ms, per_rank, formula(mode, res, args.minibatches), res["ranks"][0]["state"], res["params"]))
+        print(f"# {mode}: done", file=sys.stderr, flush=True)
+    base = rows[0][1]
+    print(f"{args.world} ranks over {args.netns} network namespaces (veth + bridge, libfabric tcp), "
+          f"{args.micros} microbatches x {args.seq} tokens per rank per minibatch, {args.minibatches} timed "
+          f"minibatches; model {rows[0][5] / 1e6:.2f} M parameters")
+    print("| mode | ms / minibatch | vs first | cross-node MiB / minibatch / rank (veth rx) | payload by formula "
+          "| measured / formula | AdamW state per rank (elements) |")
+    print("|---|---|---|---|---|---|---|")
+    for mode, ms, got, want, state, _ in rows:
+        print(f"| {mode} | {ms:.0f} | {ms / base:.2f} | {got / 2**20:.2f} | {want / 2**20:.2f} | "
+              f"{got / want:.2f} | {state} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "raw": raw}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
