@@ -201,10 +201,14 @@ def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 
 
 
 def _mid_minibatch(ctx: Rank, transport: str) -> odc.Engine:
-    """An engine that has published, gathered and pushed once: mid-way through minibatch 0."""
-    eng = engine(ctx, transport=transport, prefix=f"fault-{transport}")
+    """An engine that has published, gathered and pushed once: mid-way through minibatch 0.
+
+    ``transport`` may name a sharding too: ``"auto:hybrid-zero"``.
+    """
+    kind, _, sharding = transport.partition(":")
+    eng = engine(ctx, transport=kind, sharding=sharding or "full", prefix=f"fault-{kind}-{sharding}")
     eng.register([odc.Bucket("a", 1 << 16, torch.float32)])
-    sl = eng.bucket("a")["shard_len"]
+    sl = eng.bucket("a")["piece_len"]
     eng.publish("a", torch.full((sl,), float(ctx.rank)), version=0)
     eng.gather("a", 0, torch.empty(1 << 16))
     eng.scatter_accumulate("a", torch.ones(1 << 16))

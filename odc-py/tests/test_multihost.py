@@ -64,7 +64,7 @@ def test_fsdp2_hybrid_sharding_matches_single_process(healthy, transport, shardi
 
 TIMEOUT_S = 5.0
 MARGIN_S = 10.0  # process scheduling on a small, shared machine
-FAULT_TRANSPORTS = ["fabric", "auto"]
+FAULT_TRANSPORTS = ["fabric", "auto", "auto:hybrid-zero"]
 
 
 def _fault(c, kind, **params):

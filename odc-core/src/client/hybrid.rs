@@ -30,7 +30,8 @@ impl Worker<'_> {
                         bell: Bell::Client,
                     };
                     core.transport
-                        .put_signal(r, &reg.peer_ctrl[r], 0, &[], sig, stamp)?;
+                        .put_signal(r, &reg.peer_ctrl[r], 0, &[], sig, stamp)
+                        .map_err(|e| core.attribute(None, e))?;
                 }
             }
             Ok(())
