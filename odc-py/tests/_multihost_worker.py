@@ -138,9 +138,12 @@ def exact(ctx: Rank, transport: str, sharding: str, minibatches: int = 2) -> dic
 # -- FSDP2, hybrid sharding ---------------------------------------------------------------------------
 
 
-def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 0.1, sharding: str = "hybrid") -> dict:
+def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 0.1, sharding: str = "hybrid",
+                table: list[list[int]] | None = None) -> dict:
     """ODC hybrid sharding, rank 0 compares with one process: HSDP on a (nodes, ranks per node) mesh
-    (``"hybrid"``), or FSDP2's 1-D mesh (``"hybrid-zero"``)."""
+    (``"hybrid"``), or FSDP2's 1-D mesh (``"hybrid-zero"``). ``table[s][r]``: microbatches of rank r at
+    step s (default ``micros`` everywhere); the loss is the mean over the step's microbatches."""
+    table = table or [[micros] * ctx.world for _ in range(steps)]
     import _fsdp_helpers as H
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -168,11 +171,11 @@ def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 
             raise Unavailable(f"transport {os.environ.get('ODC_TRANSPORT')!r} / sharding {sharding!r}") from e
         raise
     losses = []
-    for s in range(steps):
+    for s, plan in enumerate(table):
         total = 0.0
-        for m in range(micros):
-            loss = H.sample_loss(model, H.data(s, m, ctx.rank)) / (27 * micros)
-            loss.backward()  # FSDP averages over all ranks: the full-batch mean
+        for m in range(plan[ctx.rank]):
+            loss = H.sample_loss(model, H.data(s, m, ctx.rank)) * ctx.world / (27 * sum(plan))
+            loss.backward()  # FSDP averages over all ranks: the mean over the step's microbatches
             total += loss.item()
         opt.step()
         opt.zero_grad()
@@ -185,10 +188,10 @@ def fsdp_hybrid(ctx: Rank, transport: str, steps: int, micros: int, lr: float = 
     torch.manual_seed(0)
     ref = H.Tiny()
     ropt = torch.optim.SGD(ref.parameters(), lr=lr)
-    for s in range(steps):
+    for s, plan in enumerate(table):
         for r in range(ctx.world):
-            for m in range(micros):
-                (H.sample_loss(ref, H.data(s, m, r)) / (27 * micros * ctx.world)).backward()
+            for m in range(plan[r]):
+                (H.sample_loss(ref, H.data(s, m, r)) / (27 * sum(plan))).backward()
         ropt.step()
         ropt.zero_grad()
     diff = max((torch.tensor(params[k]) - v.detach()).abs().max().item() for k, v in ref.state_dict().items())
