@@ -20,6 +20,9 @@
 //! | `partial_read[n]` | node n's replica | it finished reading this rank's partial sums of k (hybrid) |
 //! | `piece_version[n][b]` | node n's replica | its piece of b holds this version (hybrid-zero) |
 //! | `piece_read[n][b]` | node n's replica | it copied this rank's piece of b at this version (hybrid-zero) |
+//! | `claim` | this rank and its daemon | its unclaimed microbatches of a minibatch ([`crate::protocol::claims`]; not a signal) |
+//! | `steal_req[c]` | client c | c's latest request to steal from this rank (sequence, minibatch) |
+//! | `steal_grant[o]` | owner o's daemon | its answer to this rank's latest request (sequence, outcome) |
 //!
 //! Every signal word is a **cell** of 16 bytes: the word, then a mailbox
 //! that belongs to the transport (the libfabric transport lands a pure
@@ -95,6 +98,9 @@ pub struct CtrlLayout {
     off_cross: usize,
     off_piece_version: usize,
     off_piece_read: usize,
+    off_claim: usize,
+    off_steal_req: usize,
+    off_steal_grant: usize,
     off_slots: usize,
     nodes: usize,
     len: usize,
@@ -120,7 +126,10 @@ impl CtrlLayout {
         let pieces = round_line(nodes * buckets * CELL);
         let off_piece_version = off_cross + nodes * 2 * LINE;
         let off_piece_read = off_piece_version + pieces;
-        let off_slots = off_piece_read + pieces;
+        let off_claim = off_piece_read + pieces;
+        let off_steal_req = off_claim + LINE;
+        let off_steal_grant = off_steal_req + world * LINE;
+        let off_slots = off_steal_grant + world * LINE;
         let len = off_slots + world * 2 * (LINE + chunk_bytes);
         CtrlLayout {
             world,
@@ -134,6 +143,9 @@ impl CtrlLayout {
             off_cross,
             off_piece_version,
             off_piece_read,
+            off_claim,
+            off_steal_req,
+            off_steal_grant,
             off_slots,
             nodes,
             len,
@@ -231,6 +243,21 @@ impl CtrlLayout {
         self.off_piece_read + (node * self.buckets + bucket) * CELL
     }
 
+    /// This rank's claim word (work stealing).
+    pub fn claim(&self) -> usize {
+        self.off_claim
+    }
+
+    /// `steal_req[client]`: client's latest request to steal from this rank.
+    pub fn steal_req(&self, client: usize) -> usize {
+        self.off_steal_req + client * LINE
+    }
+
+    /// `steal_grant[owner]`: owner's answer to this rank's latest request.
+    pub fn steal_grant(&self, owner: usize) -> usize {
+        self.off_steal_grant + owner * LINE
+    }
+
     /// Shard-group size this layout was built for.
     pub fn world(&self) -> usize {
         self.world
@@ -325,7 +352,10 @@ mod tests {
         assert!(l.partial_read(1) + CELL <= l.piece_version(0, 0));
         assert_eq!(l.piece_version(1, 0) - l.piece_version(0, 4), CELL);
         assert!(l.piece_version(1, 4) + CELL <= l.piece_read(0, 0));
-        assert!(l.piece_read(1, 4) + CELL <= l.signals_end());
+        assert!(l.piece_read(1, 4) + CELL <= l.claim());
+        assert!(l.claim() + CELL <= l.steal_req(0));
+        assert!(l.steal_req(2) + CELL <= l.steal_grant(0));
+        assert!(l.steal_grant(2) + CELL <= l.signals_end());
         assert_eq!(l.signals_end(), l.slot_header(0, 0));
         assert_eq!(l.slot_data(2, 1) + 1024, l.len());
         assert_eq!(l.slot_data(0, 0) % 64, 0);

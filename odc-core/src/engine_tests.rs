@@ -410,6 +410,97 @@ fn hybrid_zero_three_nodes_of_two() {
     hybrid_zero_sums(6, 2, "unit_hz32");
 }
 
+/// Work stealing among `counts.len()` ranks over `transport`: every rank
+/// runs its own list (slowly when it is long), then steals from the others
+/// until every list of the minibatch is drained. Every microbatch of every
+/// minibatch must be run exactly once, and the long lists must be stolen
+/// from.
+fn steal_exactly_once(transport: crate::TransportKind, key: &'static str) {
+    use std::collections::HashMap;
+
+    use crate::protocol::claims::Claim;
+
+    let counts: Arc<[u64]> = Arc::from(vec![9u64, 1, 0, 5]);
+    let world = counts.len();
+    let minibatches = 3u64;
+    let dir = tempfile::tempdir().unwrap();
+    let done = Arc::new(std::sync::Barrier::new(world));
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            let counts = Arc::clone(&counts);
+            let done = Arc::clone(&done);
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    transport,
+                    ..config(key)
+                };
+                let e =
+                    Engine::new(store, Topology::single_node(rank, world).unwrap(), cfg).unwrap();
+                e.register(&[BucketSpec::new("w", 64, DType::F32)]).unwrap();
+                let host = e.host().unwrap();
+                let mut ran = Vec::new(); // (minibatch, owner, index)
+                for k in 0..minibatches {
+                    while let Claim::Got(i) = host.claim_own(k, counts[rank]).unwrap() {
+                        ran.push((k, rank, i));
+                        std::thread::sleep(Duration::from_millis(3));
+                    }
+                    loop {
+                        let mut open = false;
+                        for v in (0..world).filter(|&v| v != rank) {
+                            let w = host.claims_of(v).unwrap();
+                            if w.stamp > k + 1 || (w.stamp == k + 1 && w.left(k) == 0) {
+                                continue; // drained
+                            }
+                            open = true;
+                            if let Claim::Got(i) = host.steal(v, k).unwrap() {
+                                ran.push((k, v, i));
+                            }
+                        }
+                        if !open {
+                            break;
+                        }
+                    }
+                }
+                done.wait(); // peers may still read this rank's claim word
+                ran
+            })
+        })
+        .collect();
+    let mut seen: HashMap<(u64, usize, u64), usize> = HashMap::new();
+    let mut stolen = 0;
+    for (rank, t) in threads.into_iter().enumerate() {
+        for (k, owner, i) in t.join().unwrap() {
+            *seen.entry((k, owner, i)).or_default() += 1;
+            stolen += usize::from(owner != rank);
+        }
+    }
+    for k in 0..minibatches {
+        for (owner, &n) in counts.iter().enumerate() {
+            for i in 0..n {
+                assert_eq!(
+                    seen.get(&(k, owner, i)),
+                    Some(&1),
+                    "minibatch {k} rank {owner} item {i}"
+                );
+            }
+        }
+    }
+    assert_eq!(seen.len() as u64, minibatches * counts.iter().sum::<u64>());
+    assert!(stolen > 0, "nothing was stolen");
+}
+
+#[test]
+fn steal_exactly_once_over_shm() {
+    steal_exactly_once(crate::TransportKind::Shm, "unit_steal_shm");
+}
+
+#[cfg(feature = "fabric")]
+#[test]
+fn steal_exactly_once_over_fabric() {
+    steal_exactly_once(crate::TransportKind::Fabric, "unit_steal_fabric");
+}
+
 #[test]
 fn hybrid_and_full_ranks_refuse_each_other() {
     use crate::Sharding;

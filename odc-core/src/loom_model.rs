@@ -18,6 +18,7 @@
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 
+use crate::protocol::claims::{self, Claim};
 use crate::protocol::finish;
 use crate::protocol::pieces::{self, Piece};
 use crate::protocol::slots::{slot_count, SlotReceiver, SlotSender};
@@ -43,6 +44,9 @@ enum Mistake {
     /// Hybrid-zero: a rank overwrites its piece without waiting until the
     /// other node copied the previous version.
     OverwriteUnread,
+    /// Work stealing: a claim stores the new word instead of swapping it
+    /// in (load, decide, store).
+    ClaimWithoutSwap,
 }
 
 fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -423,6 +427,71 @@ fn loom_pieces_are_overwritten_only_after_the_other_node_copied_them() {
 #[should_panic]
 fn loom_pieces_catch_an_overwrite_before_the_copy() {
     pieces_model(Mistake::OverwriteUnread);
+}
+
+/// One claim on the claim word, as `Worker::claim_own` (`steal = false`)
+/// and the daemon's `serve_steals` (`steal = true`) make it.
+fn claim_once(word: &AtomicU64, k: u64, count: u64, steal: bool, mistake: Mistake) -> Claim {
+    let mut cur = word.load(Ordering::Acquire);
+    loop {
+        let (new, claim) = if steal {
+            claims::steal(cur, k)
+        } else {
+            claims::own(cur, k, count).unwrap()
+        };
+        let Some(new) = new else { return claim };
+        if mistake == Mistake::ClaimWithoutSwap {
+            word.store(new, Ordering::Release);
+            return claim;
+        }
+        match word.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return claim,
+            Err(now) => cur = now,
+        }
+    }
+}
+
+/// Work stealing ([`claims`]): the owner claims its list of 3 from the
+/// front while two thieves' requests are served from the back (the
+/// daemon's thread); every microbatch is claimed exactly once.
+fn claims_model(mistake: Mistake) {
+    check(3, move || {
+        let word = Arc::new(AtomicU64::new(0));
+        // The owner's first claim starts minibatch 0 (a request before it
+        // is answered NotYet and retried, which the model leaves out).
+        let first = claim_once(&word, 0, 3, false, mistake);
+        assert_eq!(first, Claim::Got(0));
+        let daemon = {
+            let word = Arc::clone(&word);
+            loom::thread::spawn(move || {
+                let mut got = Vec::new();
+                for _ in 0..2 {
+                    if let Claim::Got(i) = claim_once(&word, 0, 3, true, mistake) {
+                        got.push(i);
+                    }
+                }
+                got
+            })
+        };
+        let mut all = vec![0];
+        while let Claim::Got(i) = claim_once(&word, 0, 3, false, mistake) {
+            all.push(i);
+        }
+        all.extend(daemon.join().unwrap());
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 1, 2], "each microbatch claimed once");
+    });
+}
+
+#[test]
+fn loom_claims_hand_out_every_microbatch_once() {
+    claims_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_claims_catch_a_claim_without_a_swap() {
+    claims_model(Mistake::ClaimWithoutSwap);
 }
 
 /// The waiter's sleep and wake ([`EventCount`], as every bell uses it): a

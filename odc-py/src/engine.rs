@@ -26,6 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use odc_core::plane::emu::EmuStream;
+use odc_core::protocol::claims::Claim;
 use odc_core::{
     BucketId, BucketSpec, DType, Engine, EngineConfig, Sharding, Store, Topology, TransportKind,
 };
@@ -491,6 +492,46 @@ impl PyEngine {
             .grad_shard_ptr(BucketId(bucket))
             .map_err(|e| core_error(py, e))?;
         Ok((p.as_ptr() as usize, n))
+    }
+
+    /// Work stealing: claims this rank's next microbatch of minibatch `k`
+    /// (of `count`): its index, or None once every one is claimed.
+    fn claim_own(&self, py: Python<'_>, k: u64, count: u64) -> PyResult<Option<u64>> {
+        let host = self.host_calls(py)?;
+        match host.claim_own(k, count).map_err(|e| core_error(py, e))? {
+            Claim::Got(i) => Ok(Some(i)),
+            Claim::Empty | Claim::NotYet => Ok(None),
+        }
+    }
+
+    /// Work stealing: asks rank `victim` for one of its unclaimed
+    /// microbatches of minibatch `k`: `("got", index)`, `("empty", None)` or
+    /// `("not-yet", None)` (the victim has not started `k`).
+    fn steal(
+        &self,
+        py: Python<'_>,
+        victim: usize,
+        k: u64,
+    ) -> PyResult<(&'static str, Option<u64>)> {
+        let host = self.host_calls(py)?;
+        let claim = py
+            .detach(|| host.steal(victim, k))
+            .map_err(|e| core_error(py, e))?;
+        Ok(match claim {
+            Claim::Got(i) => ("got", Some(i)),
+            Claim::Empty => ("empty", None),
+            Claim::NotYet => ("not-yet", None),
+        })
+    }
+
+    /// Work stealing: rank `rank`'s claim word now: `(minibatch or None,
+    /// front, back)` (its unclaimed range of that minibatch's list).
+    fn claims_of(&self, py: Python<'_>, rank: usize) -> PyResult<(Option<u64>, u64, u64)> {
+        let host = self.host_calls(py)?;
+        let w = py
+            .detach(|| host.claims_of(rank))
+            .map_err(|e| core_error(py, e))?;
+        Ok((w.stamp.checked_sub(1), w.front, w.back))
     }
 
     /// Zeroes the accumulator of `bucket`. Under hybrid sharding across

@@ -617,3 +617,53 @@ def hybrid_zero_errors_worker(rank, world, store, per_node):
     expect("uneven", lambda: odc.fsdp.enable(build(world), None, sharding="hybrid-zero"))
     os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     return found
+
+
+# -- work stealing (test_fsdp_steal.py) ----------------------------------------------------------------
+
+
+def steal_worker(rank, world, store, counts, slow_rank, slow_s, transport, steal=True, lr=1e-2, die=None):
+    """AdamW over ``odc.fsdp.microbatches``: ``counts[s][r]`` microbatches of rank r's list at step s, each
+    microbatch ``(s, m, r)`` loadable by any rank; ``slow_rank`` sleeps ``slow_s`` per microbatch it runs.
+
+    Returns what this rank ran; rank 0 also the largest difference from one process on every microbatch.
+    ``die=(rank, runs)``: that rank exits without a word once it has run ``runs`` microbatches (holding the ones
+    it claimed).
+    """
+    import time
+
+    os.environ["ODC_TRANSPORT"] = transport
+    init_pg(rank, world, store)
+    model = build(world)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    odc.fsdp.enable(model, opt, timeout=20 if die else 60)
+    ran = []
+    for s, plan in enumerate(counts):
+        lists = [[(s, m, r) for m in range(plan[r])] for r in range(world)]
+        norm = 27 * sum(plan)
+        for mb in odc.fsdp.microbatches(model, lists, steal=steal):
+            if rank == slow_rank:
+                time.sleep(slow_s)
+            (sample_loss(model, data(*mb)) / norm * world).backward()
+            ran.append(mb)
+            if die is not None and rank == die[0] and len(ran) >= die[1]:
+                os._exit(3)
+        opt.step()
+        opt.zero_grad()
+    odc.fsdp.disable(model)
+    params = full_params(model)
+    out = {"ran": ran}
+    if rank == 0:
+        torch.manual_seed(0)
+        ref = Tiny()
+        ropt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+        for s, plan in enumerate(counts):
+            norm = 27 * sum(plan)
+            for r in range(world):
+                for m in range(plan[r]):
+                    (sample_loss(ref, data(s, m, r)) / norm).backward()
+            ropt.step()
+            ropt.zero_grad()
+        out["max_diff"] = max((torch.tensor(params[k]) - v.detach()).abs().max().item()
+                              for k, v in ref.state_dict().items())
+    return out

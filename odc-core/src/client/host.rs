@@ -10,6 +10,7 @@ use odc_kernels::DType;
 use super::{buffer_len_error, elems_of, DataPath, Signals, Worker};
 use crate::control::HEADER_BYTES;
 use crate::engine::{BucketId, Core, PushState, Registered};
+use crate::protocol::claims::{Claim, Word};
 use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::slot_count;
 use crate::region::{Bell, SignalRef};
@@ -293,6 +294,27 @@ impl<'e> Host<'e> {
             wait_own(gen)?;
         }
         Ok(())
+    }
+
+    /// Work stealing: claims this rank's next microbatch of minibatch `k`
+    /// (of `count` in its list). The first claim of `k` starts it (earlier
+    /// minibatches can no longer be claimed); see
+    /// [`crate::protocol::claims`].
+    pub fn claim_own(&self, k: u64, count: u64) -> Result<Claim> {
+        self.w.claim_own(k, count)
+    }
+
+    /// Work stealing: claims one of global rank `victim`'s unclaimed
+    /// microbatches of minibatch `k` (from the back of its list), through
+    /// its daemon; waits for the answer within the deadline.
+    pub fn steal(&self, victim: usize, k: u64) -> Result<Claim> {
+        self.w.steal(victim, k)
+    }
+
+    /// Work stealing: global rank `rank`'s claim word as it reads now (its
+    /// minibatch and unclaimed range; a hint, not a claim).
+    pub fn claims_of(&self, rank: usize) -> Result<Word> {
+        self.w.claims_of(rank)
     }
 
     /// Ends minibatch `k` for this client and waits for this rank's own

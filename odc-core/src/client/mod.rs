@@ -20,6 +20,7 @@ mod device;
 mod host;
 mod hybrid;
 mod signals;
+mod steal;
 
 use std::ops::Range;
 use std::sync::MutexGuard;

@@ -80,6 +80,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     let peers = connect(core, &plan, &regions, deadline)?;
     let plane = connect_plane(core, specs, &plan, deadline)?;
     let nb = plan.buckets.len();
+    let world_group = plan.groups.group.len();
     let group_ctrl = plan
         .groups
         .group
@@ -108,6 +109,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         released: (0..nb).map(|_| AtomicU64::new(0)).collect(),
         finished: AtomicU64::new(0),
         partials_out: AtomicU64::new(0),
+        steal_seq: (0..world_group).map(|_| AtomicU64::new(0)).collect(),
     };
     core.reg
         .set(reg)

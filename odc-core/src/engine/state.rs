@@ -67,6 +67,9 @@ pub(crate) struct Registered {
     /// other nodes (hybrid); they must have read them before the
     /// accumulators change again.
     pub(crate) partials_out: AtomicU64,
+    /// Work stealing: this rank's last request sequence number per owner
+    /// (shard-group index).
+    pub(crate) steal_seq: Vec<AtomicU64>,
 }
 
 /// Where the accumulators live: plain heap memory, or (hybrid sharding over

@@ -15,8 +15,12 @@
 //! slice's back alone. Peers push from the front, so the two ends meet and
 //! a descheduled peer does not cost the pairing of the chunks still to come.
 //!
-//! It touches only the landing slots, the hand-off and accumulators; it
-//! never reads or writes published shards or version words. It depends on
+//! It also answers work-stealing requests: one compare-and-swap on the
+//! rank's claim word per request, and a grant signal back
+//! ([`crate::protocol::claims`]).
+//!
+//! It touches only the landing slots, the hand-off, accumulators and the
+//! claim word; it never reads or writes published shards or version words. It depends on
 //! the engine's state and the protocol, never on the worker API.
 
 use std::sync::Arc;
@@ -29,6 +33,7 @@ use odc_kernels::DType;
 use crate::control::{SlotHeader, HEADER_BYTES};
 use crate::engine::{load, record_error, Core, Registered};
 use crate::plane::Plane;
+use crate::protocol::claims;
 use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::SlotReceiver;
 use crate::region::{Bell, SignalRef};
@@ -73,6 +78,7 @@ fn run(core: &Core) {
     let mut receivers = vec![SlotReceiver::default(); world];
     let mut seen_gen = 0u64;
     let mut own: Option<Own> = None;
+    let mut served = vec![0u64; world]; // last steal request answered, per client
     let mut backoff = Backoff::new();
     let mut last_progress = Instant::now();
     loop {
@@ -121,6 +127,7 @@ fn run(core: &Core) {
                 acknowledge(core, reg, client, slot, seq);
             }
         }
+        progressed |= serve_steals(core, reg, &mut served);
         if progressed {
             last_progress = Instant::now();
             backoff.reset();
@@ -143,6 +150,54 @@ fn run(core: &Core) {
             let _ = core.transport.bell_wait(Bell::Server, epoch, NAP);
         }
     }
+}
+
+/// Answers every client's new steal request: claims one of this rank's
+/// microbatches from the back of its list for it (one compare-and-swap on
+/// the claim word the rank's own claims also use), and raises the
+/// client's grant word. Returns whether it answered any.
+fn serve_steals(core: &Core, reg: &Registered, served: &mut [u64]) -> bool {
+    let lay = &reg.ctrl_layout;
+    let mut answered = false;
+    for (client, last) in served.iter_mut().enumerate() {
+        let Some((seq, k)) = claims::parse_request(load(reg.word(lay.steal_req(client)))) else {
+            continue;
+        };
+        if seq <= *last {
+            continue;
+        }
+        *last = seq;
+        answered = true;
+        let word = reg.word(lay.claim());
+        let mut cur = word.load(Ordering::Acquire);
+        let claim = loop {
+            let (new, claim) = claims::steal(cur, k);
+            let Some(new) = new else { break claim };
+            match word.compare_exchange(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break claim,
+                Err(now) => cur = now,
+            }
+        };
+        let sig = SignalRef {
+            offset: lay.steal_grant(reg.groups.me),
+            bell: Bell::Client,
+        };
+        let peer = reg.groups.group[client];
+        if let Err(e) = core.transport.put_signal(
+            peer,
+            &reg.peer_ctrl[peer],
+            0,
+            &[],
+            sig,
+            claims::grant(seq, claim),
+        ) {
+            // The thief waits for the grant within its deadline and names
+            // this rank; a claimed microbatch it never hears of is lost
+            // with it (the job fails).
+            core.record_server_error(format!("answering rank {peer}'s steal request: {e}"));
+        }
+    }
+    answered
 }
 
 /// Acknowledges chunk `seq` in slot `[client][slot]` now.

@@ -582,6 +582,39 @@ class Engine:
         setattr(buf, "_odc_owner", self._native)  # noqa: B010 - ctypes arrays take attributes
         return torch.frombuffer(buf, dtype=torch.float32, count=numel)
 
+    # -- work stealing ---------------------------------------------------------
+    def claim_own(self, k: int, count: int) -> int | None:
+        """Claims this rank's next microbatch of minibatch ``k`` (``count`` in its list).
+
+        Returns its index in the list, or None once every one is claimed
+        (by this rank from the front, or by thieves through :meth:`steal`
+        from the back). The first claim of ``k`` starts minibatch ``k`` for
+        thieves; every microbatch is claimed exactly once. Host transports.
+        """
+        return self._native.claim_own(int(k), int(count))
+
+    def steal(self, victim: int, k: int) -> tuple[str, int | None]:
+        """Claims one of rank ``victim``'s unclaimed microbatches of minibatch ``k``, from the back of its list.
+
+        The victim's server daemon makes the claim, so the victim's own
+        loop is not interrupted. Returns ``("got", index)``, ``("empty",
+        None)`` (all claimed) or ``("not-yet", None)`` (the victim has not
+        started ``k``). Waits for the answer within the engine's deadline;
+        a dead or stalled victim is named. ``victim`` must be in this
+        rank's shard group (every rank under full sharding, the node under
+        hybrid sharding).
+        """
+        return self._native.steal(int(victim), int(k))
+
+    def claims_of(self, rank: int) -> tuple[int | None, int, int]:
+        """Rank ``rank``'s claim word as it reads now: ``(minibatch, front, back)``.
+
+        ``[front, back)`` of its list of that minibatch is unclaimed
+        (``minibatch`` None: it has not started one). A one-sided read, a
+        hint for picking a victim, not a claim.
+        """
+        return self._native.claims_of(int(rank))
+
     def zero_grad(self, bucket: BucketRef | None = None) -> None:
         """Zeroes one accumulator, or all of them.
 

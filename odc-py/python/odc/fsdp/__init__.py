@@ -106,9 +106,9 @@ The package: this module is the public API; ``_state`` the binding (the
 minibatch protocol and its hooks); ``_grads`` the gradient contract;
 ``_seams`` FSDP2's comm seams; ``_private`` the only reader of private FSDP2
 state; ``_transport`` the transport and device choice; ``_clip``
-:func:`clip_grad_norm_`. Arrows point one way: the API uses all of them,
-``_seams`` and ``_clip`` use ``_state``, which uses ``_grads`` and
-``_private``.
+:func:`clip_grad_norm_`; ``_steal`` :func:`microbatches` (work stealing).
+Arrows point one way: the API uses all of them, ``_seams``, ``_clip`` and
+``_steal`` use ``_state``, which uses ``_grads`` and ``_private``.
 """
 
 from __future__ import annotations
@@ -137,9 +137,11 @@ from ._private import (
 )
 from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
 from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live, _Undo
+from ._steal import microbatches
 from ._transport import _param_device, _pick_transport
 
-__all__ = ["TORCH_VERSIONS_CHECKED", "clip_grad_norm_", "disable", "enable", "finish", "is_enabled", "minibatch"]
+__all__ = ["TORCH_VERSIONS_CHECKED", "clip_grad_norm_", "disable", "enable", "finish", "is_enabled", "microbatches",
+           "minibatch"]
 
 
 def is_enabled(model: Any) -> bool:

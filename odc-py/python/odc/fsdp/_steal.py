@@ -1,0 +1,97 @@
+"""Work stealing within a minibatch: :func:`microbatches`, the iterator a training loop runs its microbatches from.
+
+Every rank's list of microbatches (from the plan, equal on every rank) becomes claimable work: a rank runs its own
+list from the front, then takes unstarted microbatches from the back of the list of the rank with the most
+predicted work left. Claims go through the engine (``Engine.claim_own`` / ``Engine.steal``): one compare-and-swap
+in the owner's memory per claim, made by the owner or, for a thief, by the owner's server daemon, so every
+microbatch runs exactly once whichever ranks race for it. It uses the binding (:mod:`._state`) only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+from ..errors import ConfigError
+from ._state import _binding
+
+T = TypeVar("T")
+
+# A victim that has not started the minibatch yet answers "not yet"; ask again after this long.
+_NOT_YET_NAP_S = 0.001
+
+
+def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T], float] | None = None,
+                 steal: bool = True) -> Iterator[T]:
+    """Yields the microbatches this rank should run in the running minibatch: its own, then stolen ones.
+
+    ``lists[r]`` is rank ``r``'s list of microbatches in this minibatch, the same object on every rank (for an
+    :func:`odc.packing.plan`, ``plan.minibatches[m]``: each microbatch a tuple of sample indices). The loop must be
+    able to load any sample by its index, since a rank may run another rank's microbatch::
+
+        for m, lists in enumerate(plan.minibatches):
+            for mb in odc.fsdp.microbatches(model, lists, cost=lambda mb: sum(lengths[i] for i in mb)):
+                loss = model(batch(mb)) * world / tokens[m]   # scale by the minibatch's tokens, not this rank's
+                loss.backward()
+            optimizer.step(); optimizer.zero_grad()
+
+    Every rank must iterate it once per minibatch, to the end (a rank with no microbatch of its own too: it
+    starts the minibatch for thieves and may steal). With ``steal=False`` it yields this rank's own list only.
+
+    Args:
+        model: the model :func:`odc.fsdp.enable` was called on.
+        lists: every rank's list of microbatches, indexed by rank (the mesh's ranks, node-major).
+        cost: predicted cost of a microbatch (e.g. its tokens); the victim is the rank with the most predicted
+            cost left. Default: every microbatch costs 1.
+        steal: take other ranks' unstarted microbatches once this rank's own are done.
+
+    Raises:
+        ConfigError: ``lists`` does not have one list per rank.
+        PeerDied, PeerTimeout: a victim died or stalled while this rank waited for its answer.
+    """
+    b = _binding(model)
+    world, me = b.layout.world, b.layout.rank
+    if len(lists) != world:
+        raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the {world}")
+    b.begin("odc.fsdp.microbatches")
+    k, eng = b.version, b.engine
+    mine = lists[me]
+    while (i := eng.claim_own(k, len(mine))) is not None:
+        yield mine[i]
+    if not steal:
+        return
+    group = _stealable(b)
+    weigh = cost or (lambda _mb: 1.0)
+    while True:
+        victim, most = -1, 0.0
+        for v in group:
+            if v == me or not lists[v]:
+                continue
+            started, front, back = eng.claims_of(v)
+            if started is None or started < k:
+                left = lists[v]  # not started: all of it (it answers "not yet" until it starts)
+            elif started == k:
+                left = lists[v][front:back]
+            else:
+                continue  # moved on: every microbatch of k is claimed
+            c = sum(weigh(mb) for mb in left)
+            if left and c > most:
+                victim, most = v, c
+        if victim < 0:
+            return
+        status, i = eng.steal(victim, k)
+        if status == "got" and i is not None:
+            yield lists[victim][i]
+        elif status == "not-yet":
+            time.sleep(_NOT_YET_NAP_S)
+
+
+def _stealable(b: Any) -> range:
+    """The ranks this rank may steal from: its shard group (every rank, or its node under hybrid sharding)."""
+    layout = b.layout
+    if layout.sharding == "full":
+        return range(layout.world)
+    g = layout.shards if layout.sharding == "hybrid" else (layout.per_node or layout.world)
+    start = layout.rank // g * g
+    return range(start, start + g)
