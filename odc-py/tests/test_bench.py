@@ -104,6 +104,36 @@ def test_stray_costs_are_seeded_and_the_predictions_keep_the_model():
                for f, c in zip(fm, cm, strict=True))
 
 
+def test_imbalance_with_stealing_steals_from_a_straggler_and_stays_exact(tmp_path, capsys):
+    # Rank 1 computes 4x slower than the plan thinks: with stealing the other ranks take its unstarted
+    # microbatches (through Engine.claim_own / steal), every gradient sum and parameter stays exact.
+    out = tmp_path / "imb.json"
+    code = main(["imbalance", "--world", "3", "--minibatches", "2", "--minibatch-size", "8", "--layers", "1",
+                 "--layer-bytes", "4K", "--compute-scale", "0.002", "--configs", "odc+lb-mini,odc+lb-mini+steal",
+                 "--straggler", "1:4", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    steal, static = rows["odc+lb-mini+steal"], rows["odc+lb-mini"]
+    assert all(r["wrong"] == 0 and r["param_checksum"] == r["param_checksum_expected"] for r in rows.values())
+    assert steal["stolen_per_minibatch"] > 0 and static["stolen_per_minibatch"] == 0, (steal, static)
+    assert steal["max_microbatches"] >= 2, steal
+    assert 0 <= steal["steal_bound"] < 1 and static["steal_bound"] is None
+
+
+def test_steal_bound_simulates_the_policy():
+    from odc.bench.imbalance import steal_bound
+
+    # One minibatch: rank 0 holds microbatches of cost 3 and 1, rank 1 one of cost 1. Rank 0 runs 3 (0..3);
+    # rank 1 runs its 1 (0..1), steals rank 0's 1 (1..2), then idles until 3: bubble 1 - 5 / (2 * 3).
+    assert steal_bound([[[(3.0, 1), (1.0, 1)]], [[(1.0, 1)]]], {}) == pytest.approx(1 - 5 / 6)
+    # Rank 1 twice as slow: it runs its 1 in 0..2, steals rank 0's 1 at 2 (rank 0 is busy until 3) and runs it
+    # at its speed, 2..4: busy 3 + 2 + 2 over 2 ranks x 4. (Greedy, not optimal: the price of not knowing speeds.)
+    assert steal_bound([[[(3.0, 1), (1.0, 1)]], [[(1.0, 1)]]], {1: 2.0}) == pytest.approx(1 - 7 / 8)
+    # Even work on both ranks: no bubble.
+    assert steal_bound([[[(2.0, 1)]], [[(2.0, 1)]]], {}) == pytest.approx(0.0)
+
+
 @pytest.mark.parametrize(
     ("sweep", "labels", "field", "values"),
     [

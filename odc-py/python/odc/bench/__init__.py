@@ -210,7 +210,7 @@ def _train_parser(sub: Any) -> None:
                     help="minibatches per run (default 6; the first is not timed)")
     tr.add_argument("--repeats", type=_positive(int, "--repeats"), default=3,
                     help="interleaved runs per configuration (median; default 3)")
-    tr.add_argument("--configs", default=",".join(c[0] for c in _configs()),
+    tr.add_argument("--configs", default=",".join(c[0] for c in _configs("train")),
                     help="configurations, comma-separated (the baseline collective+lb-micro always runs)")
     tr.add_argument("--curves", action="store_true",
                     help="convergence: train collective+lb-micro, odc+lb-mini and the control collective+local-sort "
@@ -285,7 +285,12 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="progress line on stderr (auto: when stderr is a terminal)")
 
 
-def _configs() -> tuple[Config, ...]:
+def _configs(bench: str = "imbalance") -> tuple[Config, ...]:
+    """The configurations a benchmark runs (``odc-bench train`` has no stealing configuration yet)."""
+    if bench == "train":
+        from .train import CONFIGS as TRAIN_CONFIGS
+
+        return TRAIN_CONFIGS
     from .imbalance import CONFIGS
 
     return CONFIGS
@@ -305,11 +310,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
         require_matplotlib()
 
 
-def _parse_configs(text: str) -> list[str]:
+def _parse_configs(text: str, bench: str = "imbalance") -> list[str]:
     """The configurations ``--configs`` names, in the benchmarks' order, the baseline always first."""
     from .imbalance import BASELINE
 
-    names = [c[0] for c in _configs()]
+    names = [c[0] for c in _configs(bench)]
     chosen = {BASELINE}
     for raw in text.split(","):
         c = raw.strip().lower().replace(" ", "")

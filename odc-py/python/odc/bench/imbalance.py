@@ -25,6 +25,12 @@ hand-off that would hide it on an oversubscribed host.
   ``Engine.scatter_accumulate``, then ``finish_minibatch(k)``, an optimizer
   step on its own shards, ``zero_grad`` and ``publish`` of version ``k+1``
   (which waits for every reader's release of ``k``: the causal edge).
+- **odc ... +steal**: the same, but the plan's per-rank lists are claimable
+  work: a rank runs its own list (``Engine.claim_own``), then takes
+  unstarted microbatches from the back of the list with the most predicted
+  cost left (``Engine.steal``) until every list is drained. A stolen
+  microbatch costs what its samples cost on the rank that runs it (a
+  straggler's slowness stays with the straggler).
 
 Checks (exact, integer-valued data): a gradient of sample ``i`` is
 ``w(i) · pattern`` with ``w(i) = i mod 7 + 1``, so the owner's accumulated
@@ -48,7 +54,7 @@ from typing import Any, Literal
 
 from .report import fmt, table
 
-__all__ = ["CONFIGS", "build_point", "imbalance_rank", "plot", "render", "summarize"]
+__all__ = ["CONFIGS", "STEAL", "build_point", "imbalance_rank", "plot", "render", "steal_bound", "summarize"]
 
 Mode = Literal["collective", "odc"]
 Config = tuple[str, Mode, str]
@@ -60,8 +66,10 @@ CONFIGS: tuple[Config, ...] = (
     ("odc+lb-micro", "odc", "lb-micro"),
     ("odc+lb-mini", "odc", "lb-mini"),
     ("odc+local-sort", "odc", "local-sort"),
+    ("odc+lb-mini+steal", "odc", "lb-mini"),
 )
 BASELINE = CONFIGS[0][0]
+STEAL = "+steal"  # a configuration whose ranks steal each other's unstarted microbatches (Engine.claim_own / steal)
 
 
 def sample_weight(i: int) -> int:
@@ -121,7 +129,11 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
             plans[strategy] = packing.plan(lengths, world, minibatch_size, strategy, max_tokens, settings.cost,
                                            settings.seed)
         p = plans[strategy]
-        per_rank = [[[(slow.get(r, 1.0) * sum(true[i] for i in mb), sum(sample_weight(i) for i in mb))
+        steal = name.endswith(STEAL)
+        # A stealing rank may run another's microbatch: its costs are the samples' own, and the rank that runs
+        # it applies its own slowness (``slow``); otherwise the owner runs it, slowed by its own factor.
+        per_rank = [[[((1.0 if steal else slow.get(r, 1.0)) * sum(true[i] for i in mb),
+                       sum(sample_weight(i) for i in mb))
                       for mb in minibatch] for minibatch in p.rank(r)] for r in range(world)]
         steps = [max(len(per_rank[r][k]) for r in range(world)) for k in range(p.num_minibatches)]
         weights = [sum(w for r in range(world) for _, w in per_rank[r][k]) for k in range(p.num_minibatches)]
@@ -130,10 +142,13 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
             units = sum(sum(max((per_rank[r][k][s][0] if s < len(per_rank[r][k]) else 0.0) for r in range(world))
                             for s in range(steps[k])) for k in range(p.num_minibatches))
         else:
-            units = sum(max(sum(c for c, _ in per_rank[r][k]) for r in range(world)) for k in range(p.num_minibatches))
+            units = sum(max(sum(c for c, _ in per_rank[r][k]) * (slow.get(r, 1.0) if steal else 1.0)
+                            for r in range(world)) for k in range(p.num_minibatches))
         configs[name] = {
             "mode": mode,
             "strategy": strategy,
+            "steal": steal,
+            "slow": {str(r): f for r, f in slow.items()},
             "per_rank": per_rank,
             "steps": steps,
             "weights": weights,
@@ -141,6 +156,8 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
             "units": units,
             "max_microbatches": max(max(len(m) for m in r) for r in per_rank),
         }
+        if steal:
+            configs[name]["steal_bound"] = steal_bound(per_rank, slow)
     base = configs[BASELINE]
     for c in configs.values():
         c["speedup_pred"] = _ratio(1.0 - c["bubble_pred"], 1.0 - base["bubble_pred"])
@@ -157,6 +174,42 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
         "compute_scale": compute_scale,
         "configs": configs,
     }
+
+
+def steal_bound(per_rank: Sequence[Sequence[Sequence[tuple[float, int]]]], slow: dict[int, float]) -> float:
+    """The emulated-compute bubble the stealing policy leaves with no communication and no delay: every rank runs
+    its list largest first, then takes the smallest unstarted microbatch of the rank with the most cost left, at its
+    own speed. Microbatches are not split, so the minibatch still ends ragged by up to one microbatch: the part of
+    the bubble stealing cannot take back (a simulation of the policy on the true costs, not a measurement)."""
+    import heapq
+
+    world = len(per_rank)
+    total_busy = total_span = 0.0
+    for k in range(len(per_rank[0])):
+        lists = [sorted((c for c, _ in per_rank[r][k]), reverse=True) for r in range(world)]
+        front, back = [0] * world, [len(x) for x in lists]
+        events = [(0.0, r) for r in range(world)]
+        end, busy = 0.0, 0.0
+        while events:
+            now, r = heapq.heappop(events)
+            victim = r if front[r] < back[r] else -1
+            if victim < 0:
+                left = [(sum(lists[v][front[v]:back[v]]), v) for v in range(world) if v != r and front[v] < back[v]]
+                if not left:
+                    end = max(end, now)
+                    continue
+                victim = max(left)[1]
+                back[victim] -= 1
+                cost = lists[victim][back[victim]]
+            else:
+                cost = lists[r][front[r]]
+                front[r] += 1
+            cost *= slow.get(r, 1.0)
+            busy += cost
+            heapq.heappush(events, (now + cost, r))
+        total_busy += busy
+        total_span += end
+    return 1.0 - total_busy / (world * total_span) if total_span > 0 else 0.0
 
 
 def _ratio(a: float, b: float) -> float:
@@ -326,12 +379,49 @@ def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float,
         w.wait()
 
 
+def _claimed(ctx: Any, cfg: dict[str, Any], engine: Any, claim_k: int, k: int, stats: dict[str, int]) -> Any:
+    """This rank's microbatches of minibatch ``k`` as ``(cost, weight)``: its own list, and under stealing the
+    microbatches it claims (its own from the front, then other ranks' from the back of the list with the most
+    cost left), each cost scaled by this rank's slowness."""
+    lists = [cfg["per_rank"][r][k] for r in range(ctx.world)]
+    if not cfg.get("steal"):
+        yield from lists[ctx.rank]
+        return
+    # Largest first (the same order on every rank): owners start with their long microbatches, thieves take the
+    # short ones from the back, so the last work of a minibatch comes in small pieces.
+    lists = [sorted(mbs, key=lambda mb: -mb[0]) for mbs in lists]
+    mine = lists[ctx.rank]
+    factor = float(cfg["slow"].get(str(ctx.rank), 1.0))
+    while (i := engine.claim_own(claim_k, len(mine))) is not None:
+        yield mine[i][0] * factor, mine[i][1]
+    while True:
+        victim, most = -1, 0.0
+        for v in range(ctx.world):
+            if v == ctx.rank or not lists[v]:
+                continue
+            started, front, back = engine.claims_of(v)
+            left = lists[v] if started is None or started < claim_k else lists[v][front:back] if started == claim_k \
+                else []
+            c = sum(cost for cost, _ in left)
+            if left and c > most:
+                victim, most = v, c
+        if victim < 0:
+            return
+        status, i = engine.steal(victim, claim_k)
+        if status == "got" and i is not None:
+            stats["stolen"] += 1
+            cost, weight = lists[victim][i]
+            yield cost * factor, weight
+        elif status == "not-yet":
+            time.sleep(0.0005)
+
+
 def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engine: Any,
                 pool: ThreadPoolExecutor | None, state: dict[str, int], progress: Any) -> dict[str, Any]:
     mine = cfg["per_rank"][ctx.rank]
     n = len(cfg["weights"])
     compute = EmulatedCompute()
-    stats = {"gather_wrong": 0, "grad_wrong": 0}
+    stats = {"gather_wrong": 0, "grad_wrong": 0, "stolen": 0}
     model.reset()
     if cfg["mode"] == "odc":
         comm: Any = _OdcComm(engine, pool)
@@ -346,7 +436,7 @@ def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engi
     for k in range(n):
         if cfg["mode"] == "odc":
             comm.version = base + k
-            for cost, weight in mine[k]:
+            for cost, weight in _claimed(ctx, cfg, engine, base + k, k, stats):
                 _microbatch(comm, model, compute, cost, weight, scale, k, stats)
             engine.finish_minibatch(base + k)
             grads = [engine.grad_shard(layer) for layer in range(model.layers)]
@@ -370,6 +460,7 @@ def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engi
         "t0": t0,
         "ends": ends,
         "compute_s": compute.requested,
+        "stolen": stats["stolen"],
         "gather_wrong": stats["gather_wrong"],
         "grad_wrong": stats["grad_wrong"],
         "param_wrong": model.final_wrong(n),
@@ -419,6 +510,7 @@ def _aggregate(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         "total_s": (ends[-1] - start) if ends else 0.0,
         "minibatch_s": per_minibatch,
         "compute_s": [r["compute_s"] for r in per_rank],
+        "stolen": sum(r["stolen"] for r in per_rank),
         "gather_wrong": sum(r["gather_wrong"] for r in per_rank),
         "grad_wrong": sum(r["grad_wrong"] for r in per_rank),
         "param_wrong": sum(r["param_wrong"] for r in per_rank),
@@ -463,6 +555,9 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
                 "speedup_predicted": cfg["speedup_pred"],
                 "error": speedup / cfg["speedup_pred"] - 1.0 if cfg["speedup_pred"] > 0 else float("nan"),
                 "wrong": wrong,
+                "stolen_per_minibatch": statistics.median(run["stolen"] for run in runs)
+                / max(1, point["num_minibatches"]),
+                "steal_bound": cfg.get("steal_bound"),
                 "param_checksum": runs[-1]["param_checksum"],
                 "param_checksum_expected": runs[-1]["param_checksum_expected"],
                 "runs": runs,

@@ -40,7 +40,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     cores = os.cpu_count() or 1
     if world > cores and not launch.under_torchrun():
         raise UsageError(f"--world {world}: real compute needs a core per rank and this host has {cores}")
-    configs = list(CURVE_CONFIGS) if args.curves else _parse_configs(args.configs)
+    configs = list(CURVE_CONFIGS) if args.curves else _parse_configs(args.configs, "train")
     minimum = 1 if args.curves else WARMUP_MINIBATCHES + 1
     if args.minibatches < minimum:
         raise UsageError(f"--minibatches {args.minibatches}: need at least {minimum} (minibatch 0 is not timed)")
