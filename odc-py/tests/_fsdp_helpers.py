@@ -440,6 +440,13 @@ def hybrid_errors_worker(rank, world, store, per_node):
     across = DeviceMesh("cpu", torch.arange(world).view(world // per_node, per_node).t().contiguous(),
                         mesh_dim_names=("replicate", "shard"))
     expect("across", lambda: odc.fsdp.enable(build(world, mesh=across), None, sharding="hybrid"))
+    # hybrid-zero shards over the 1-D mesh of every rank, on whole nodes (torch itself refuses meshes out of
+    # rank order).
+    expect("zero_on_2d", lambda: odc.fsdp.enable(build(world, mesh=hsdp_mesh(world, per_node)), None,
+                                                 sharding="hybrid-zero"))
+    os.environ["LOCAL_WORLD_SIZE"] = "3"
+    expect("zero_uneven", lambda: odc.fsdp.enable(build(world), None, sharding="hybrid-zero"))
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
     # HSDP's all-reduce turned back on between forward and backward (no
     # re-gather in backward, which would switch it off again).
     model = build(world, mesh=hsdp_mesh(world, per_node), reshard=False)
@@ -594,29 +601,6 @@ def hybrid_zero_death_worker(rank, world, store, per_node, victim, transport):
         opt.step()
         opt.zero_grad()
     return "no error"
-
-
-def hybrid_zero_errors_worker(rank, world, store, per_node):
-    """hybrid-zero settings that must be refused with a ConfigError naming the problem and the fix."""
-    as_nodes(per_node)
-    init_pg(rank, world, store)
-    found = {}
-
-    def expect(key, fn):
-        try:
-            fn()
-        except odc.ConfigError as e:
-            found[key] = str(e)
-        else:
-            found[key] = "no error"
-
-    expect("on_2d", lambda: odc.fsdp.enable(build(world, mesh=hsdp_mesh(world, per_node)), None,
-                                            sharding="hybrid-zero"))
-    # 4 ranks are not whole nodes of 3 (torch itself refuses meshes that are not in rank order).
-    os.environ["LOCAL_WORLD_SIZE"] = "3"
-    expect("uneven", lambda: odc.fsdp.enable(build(world), None, sharding="hybrid-zero"))
-    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
-    return found
 
 
 # -- work stealing (test_fsdp_steal.py) ----------------------------------------------------------------

@@ -65,6 +65,8 @@ def test_wrong_meshes_are_refused_clearly():
     assert "shard dimension has 4 ranks" in found["wide"] and "(2, 2)" in found["wide"], found
     assert "different nodes" in found["across"] and "[0, 2]" in found["across"], found
     assert "set_requires_all_reduce(True)" in found["all_reduce_on"], found
+    assert "sharding='hybrid-zero'" in found["zero_on_2d"] and "1-D mesh" in found["zero_on_2d"], found
+    assert "not whole nodes of 3" in found["zero_uneven"] and "LOCAL_WORLD_SIZE=3" in found["zero_uneven"], found
 
 
 def test_example_runs_hybrid():

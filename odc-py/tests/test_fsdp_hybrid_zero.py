@@ -5,7 +5,8 @@ rank; ODC keeps node shards (gathers and pushes stay inside a node), reduces
 each rank's piece across the nodes and exchanges the updated pieces at
 publish. Checked against a single-process reference and against
 sharding="full" on the same plan, with uneven and per-node idle microbatch
-counts, for a rank dying on the other node, and for the meshes it refuses.
+counts, and for a rank dying on the other node (the meshes it refuses:
+test_fsdp_hybrid.py).
 """
 
 from __future__ import annotations
@@ -67,12 +68,6 @@ def test_a_rank_dying_on_the_other_node_is_named(victim):
     # The victim's column on node 0 waits on it directly and names it.
     column = victim - PER_NODE
     assert res[column][1][2] == victim, res[column][1][:2]
-
-
-def test_wrong_meshes_are_refused_clearly():
-    found = H.all_ok(run_ranks(H.hybrid_zero_errors_worker, WORLD, timeout=180, per_node=PER_NODE))[0]
-    assert "sharding='hybrid-zero'" in found["on_2d"] and "1-D mesh" in found["on_2d"], found
-    assert "not whole nodes of 3" in found["uneven"] and "LOCAL_WORLD_SIZE=3" in found["uneven"], found
 
 
 def test_example_runs_hybrid_zero_with_uneven_counts():

@@ -46,7 +46,8 @@ import contextlib
 import ctypes
 import os
 import socket
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -614,6 +615,42 @@ class Engine:
         hint for picking a victim, not a claim.
         """
         return self._native.claims_of(int(rank))
+
+    def claimed(self, k: int, counts: Sequence[int], *, ranks: Iterable[int] | None = None,
+                cost: Callable[[int, int], float] | None = None, steal: bool = True) -> Iterator[tuple[int, int]]:
+        """Yields ``(owner, index)`` for every microbatch this rank should run in minibatch ``k``.
+
+        ``counts[r]`` is the length of rank ``r``'s list (equal on every rank). First this rank's own list,
+        front to back (:meth:`claim_own`); then, with ``steal``, unstarted microbatches of the rank among
+        ``ranks`` (default: every rank) with the most predicted cost left (``cost(owner, index)``, default 1
+        each), taken from the back of its list (:meth:`steal`), until every list is drained. Run it to the
+        end on every rank, once per minibatch.
+        """
+        me = self.rank
+        while (i := self.claim_own(k, counts[me])) is not None:
+            yield me, i
+        if not steal:
+            return
+        weigh = cost or (lambda _r, _i: 1.0)
+        victims = [v for v in (range(self.world_size) if ranks is None else ranks) if v != me and counts[v] > 0]
+        while True:
+            victim, most = -1, 0.0
+            for v in victims:
+                started, front, back = self.claims_of(v)
+                if started is None or started < k:
+                    front, back = 0, counts[v]  # not started: all of it ("not yet" until it starts)
+                elif started > k:
+                    continue  # moved on: every microbatch of k is claimed
+                left = sum(weigh(v, j) for j in range(front, back))
+                if back > front and left > most:
+                    victim, most = v, left
+            if victim < 0:
+                return
+            status, i = self.steal(victim, k)
+            if status == "got" and i is not None:
+                yield victim, i
+            elif status == "not-yet":
+                time.sleep(0.0005)
 
     def zero_grad(self, bucket: BucketRef | None = None) -> None:
         """Zeroes one accumulator, or all of them.

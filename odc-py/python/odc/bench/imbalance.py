@@ -390,30 +390,11 @@ def _claimed(ctx: Any, cfg: dict[str, Any], engine: Any, claim_k: int, k: int, s
     # Largest first (the same order on every rank): owners start with their long microbatches, thieves take the
     # short ones from the back, so the last work of a minibatch comes in small pieces.
     lists = [sorted(mbs, key=lambda mb: -mb[0]) for mbs in lists]
-    mine = lists[ctx.rank]
     factor = float(cfg["slow"].get(str(ctx.rank), 1.0))
-    while (i := engine.claim_own(claim_k, len(mine))) is not None:
-        yield mine[i][0] * factor, mine[i][1]
-    while True:
-        victim, most = -1, 0.0
-        for v in range(ctx.world):
-            if v == ctx.rank or not lists[v]:
-                continue
-            started, front, back = engine.claims_of(v)
-            left = lists[v] if started is None or started < claim_k else lists[v][front:back] if started == claim_k \
-                else []
-            c = sum(cost for cost, _ in left)
-            if left and c > most:
-                victim, most = v, c
-        if victim < 0:
-            return
-        status, i = engine.steal(victim, claim_k)
-        if status == "got" and i is not None:
-            stats["stolen"] += 1
-            cost, weight = lists[victim][i]
-            yield cost * factor, weight
-        elif status == "not-yet":
-            time.sleep(0.0005)
+    for owner, i in engine.claimed(claim_k, [len(x) for x in lists], cost=lambda r, j: lists[r][j][0]):
+        stats["stolen"] += owner != ctx.rank
+        cost, weight = lists[owner][i]
+        yield cost * factor, weight
 
 
 def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engine: Any,

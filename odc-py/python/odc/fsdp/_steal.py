@@ -9,7 +9,6 @@ microbatch runs exactly once whichever ranks race for it. It uses the binding (:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -17,10 +16,6 @@ from ..errors import ConfigError
 from ._state import _binding
 
 T = TypeVar("T")
-
-# A victim that has not started the minibatch yet answers "not yet"; ask again after this long.
-_NOT_YET_NAP_S = 0.001
-
 
 def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T], float] | None = None,
                  steal: bool = True) -> Iterator[T]:
@@ -51,40 +46,14 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
         PeerDied, PeerTimeout: a victim died or stalled while this rank waited for its answer.
     """
     b = _binding(model)
-    world, me = b.layout.world, b.layout.rank
+    world = b.layout.world
     if len(lists) != world:
         raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the {world}")
     b.begin("odc.fsdp.microbatches")
-    k, eng = b.version, b.engine
-    mine = lists[me]
-    while (i := eng.claim_own(k, len(mine))) is not None:
-        yield mine[i]
-    if not steal:
-        return
-    group = _stealable(b)
-    weigh = cost or (lambda _mb: 1.0)
-    while True:
-        victim, most = -1, 0.0
-        for v in group:
-            if v == me or not lists[v]:
-                continue
-            started, front, back = eng.claims_of(v)
-            if started is None or started < k:
-                left = lists[v]  # not started: all of it (it answers "not yet" until it starts)
-            elif started == k:
-                left = lists[v][front:back]
-            else:
-                continue  # moved on: every microbatch of k is claimed
-            c = sum(weigh(mb) for mb in left)
-            if left and c > most:
-                victim, most = v, c
-        if victim < 0:
-            return
-        status, i = eng.steal(victim, k)
-        if status == "got" and i is not None:
-            yield lists[victim][i]
-        elif status == "not-yet":
-            time.sleep(_NOT_YET_NAP_S)
+    weigh = None if cost is None else (lambda r, i: cost(lists[r][i]))
+    for owner, i in b.engine.claimed(b.version, [len(x) for x in lists], ranks=_stealable(b), cost=weigh,
+                                     steal=steal):
+        yield lists[owner][i]
 
 
 def _stealable(b: Any) -> range:
