@@ -24,20 +24,24 @@ fn run_ranks<F>(world: usize, key: &str, f: F)
 where
     F: Fn(Engine) + Send + Sync + 'static,
 {
+    run_on_nodes(world, world, config(key), f);
+}
+
+/// Runs `f` on `world` engines (one thread each) in nodes of `local` ranks,
+/// all with `cfg`.
+fn run_on_nodes<F>(world: usize, local: usize, cfg: EngineConfig, f: F)
+where
+    F: Fn(Engine) + Send + Sync + 'static,
+{
     let dir = tempfile::tempdir().unwrap();
     let f = Arc::new(f);
     let threads: Vec<_> = (0..world)
         .map(|rank| {
             let store = Arc::new(FileStore::new(dir.path()).unwrap());
-            let f = Arc::clone(&f);
-            let key = key.to_owned();
+            let (f, cfg) = (Arc::clone(&f), cfg.clone());
             std::thread::spawn(move || {
-                let e = Engine::new(
-                    store,
-                    Topology::single_node(rank, world).unwrap(),
-                    config(&key),
-                )
-                .unwrap();
+                let e =
+                    Engine::new(store, Topology::new(rank, world, local).unwrap(), cfg).unwrap();
                 f(e)
             })
         })
@@ -209,84 +213,69 @@ fn mismatched_registration_names_bucket() {
 fn hybrid_two_nodes_sums_every_rank() {
     use crate::Sharding;
     let (world, local) = (4usize, 2usize);
-    let dir = tempfile::tempdir().unwrap();
     let numel = 1003;
-    let threads: Vec<_> = (0..world)
-        .map(|rank| {
-            let store = Arc::new(FileStore::new(dir.path()).unwrap());
-            std::thread::spawn(move || {
-                let cfg = EngineConfig {
-                    sharding: Sharding::Hybrid,
-                    transport: crate::TransportKind::Shm,
-                    ..config("unit_hybrid")
-                };
-                let e =
-                    Engine::new(store, Topology::new(rank, world, local).unwrap(), cfg).unwrap();
-                e.register(&[BucketSpec::new("w", numel, DType::F32)])
+    let cfg = EngineConfig {
+        sharding: Sharding::Hybrid,
+        transport: crate::TransportKind::Shm,
+        ..config("unit_hybrid")
+    };
+    run_on_nodes(world, local, cfg, move |e| {
+        let rank = e.rank();
+        e.register(&[BucketSpec::new("w", numel, DType::F32)])
+            .unwrap();
+        let w = e.bucket_id("w").unwrap();
+        let lay = e.bucket(w).unwrap().clone();
+        // Sharded over the node's two ranks, not the world's four.
+        assert!(
+            lay.shard_len() * local >= numel,
+            "sharded over {} ranks",
+            numel.div_ceil(lay.shard_len())
+        );
+        assert!(lay.padded_len() >= numel && lay.padded_len() < numel + 64 * local);
+        let me = rank % local;
+        let sl = lay.shard_len();
+        for k in 0..3u64 {
+            // Every replica publishes the same shard content.
+            let shard: Vec<f32> = (0..sl).map(|i| (me * sl + i) as f32 + k as f32).collect();
+            e.host()
+                .unwrap()
+                .publish(w, bytes_of(&shard), DType::F32, k)
+                .unwrap();
+            let mut full = vec![0f32; numel];
+            e.host()
+                .unwrap()
+                .gather(w, k, bytes_of_mut(&mut full), DType::F32)
+                .unwrap();
+            for (i, x) in full.iter().enumerate() {
+                assert_eq!(*x, i as f32 + k as f32, "rank {rank} element {i}");
+            }
+            // Rank r pushes r + 1 microbatches of (r + 1) * (i + k).
+            for _ in 0..=rank {
+                let g: Vec<f32> = (0..numel)
+                    .map(|i| ((rank + 1) * (i + 1)) as f32 + k as f32)
+                    .collect();
+                e.host()
+                    .unwrap()
+                    .scatter_accumulate(w, bytes_of(&g), DType::F32, 1.0)
                     .unwrap();
-                let w = e.bucket_id("w").unwrap();
-                let lay = e.bucket(w).unwrap().clone();
-                // Sharded over the node's two ranks, not the world's four.
-                assert!(
-                    lay.shard_len() * local >= numel,
-                    "sharded over {} ranks",
-                    numel.div_ceil(lay.shard_len())
-                );
-                assert!(lay.padded_len() >= numel && lay.padded_len() < numel + 64 * local);
-                let me = rank % local;
-                let sl = lay.shard_len();
-                for k in 0..3u64 {
-                    // Every replica publishes the same shard content.
-                    let shard: Vec<f32> =
-                        (0..sl).map(|i| (me * sl + i) as f32 + k as f32).collect();
-                    e.host()
-                        .unwrap()
-                        .publish(w, bytes_of(&shard), DType::F32, k)
-                        .unwrap();
-                    let mut full = vec![0f32; numel];
-                    e.host()
-                        .unwrap()
-                        .gather(w, k, bytes_of_mut(&mut full), DType::F32)
-                        .unwrap();
-                    for (i, x) in full.iter().enumerate() {
-                        assert_eq!(*x, i as f32 + k as f32, "rank {rank} element {i}");
-                    }
-                    // Rank r pushes r + 1 microbatches of (r + 1) * (i + k).
-                    for _ in 0..=rank {
-                        let g: Vec<f32> = (0..numel)
-                            .map(|i| ((rank + 1) * (i + 1)) as f32 + k as f32)
-                            .collect();
-                        e.host()
-                            .unwrap()
-                            .scatter_accumulate(w, bytes_of(&g), DType::F32, 1.0)
-                            .unwrap();
-                    }
-                    e.host().unwrap().finish_minibatch(k).unwrap();
-                    let mut grad = vec![0f32; sl];
-                    e.host().unwrap().read_grad_shard(w, &mut grad).unwrap();
-                    for (j, x) in grad.iter().enumerate() {
-                        let i = me * sl + j;
-                        let want = if i < numel {
-                            (0..world)
-                                .map(|r| {
-                                    ((r + 1) * (((r + 1) * (i + 1)) as usize)
-                                        + (r + 1) * k as usize)
-                                        as f32
-                                })
-                                .sum::<f32>()
-                        } else {
-                            0.0
-                        };
-                        assert_eq!(*x, want, "rank {rank} minibatch {k} shard element {j}");
-                    }
-                    e.host().unwrap().zero_grads().unwrap();
-                }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+            }
+            e.host().unwrap().finish_minibatch(k).unwrap();
+            let mut grad = vec![0f32; sl];
+            e.host().unwrap().read_grad_shard(w, &mut grad).unwrap();
+            for (j, x) in grad.iter().enumerate() {
+                let i = me * sl + j;
+                let want = if i < numel {
+                    (0..world)
+                        .map(|r| ((r + 1) * ((r + 1) * (i + 1)) + (r + 1) * k as usize) as f32)
+                        .sum::<f32>()
+                } else {
+                    0.0
+                };
+                assert_eq!(*x, want, "rank {rank} minibatch {k} shard element {j}");
+            }
+            e.host().unwrap().zero_grads().unwrap();
+        }
+    });
 }
 
 /// ZeRO++-style hybrid over `world / local` nodes of `local` ranks (all on
@@ -296,108 +285,91 @@ fn hybrid_two_nodes_sums_every_rank() {
 /// that crosses blocks, several minibatches.
 fn hybrid_zero_sums(world: usize, local: usize, key: &'static str) {
     use crate::Sharding;
-    let dir = tempfile::tempdir().unwrap();
     let numel = 1003;
-    let threads: Vec<_> = (0..world)
-        .map(|rank| {
-            let store = Arc::new(FileStore::new(dir.path()).unwrap());
-            std::thread::spawn(move || {
-                let cfg = EngineConfig {
-                    sharding: Sharding::HybridZero,
-                    transport: crate::TransportKind::Shm,
-                    ..config(key)
-                };
-                let e =
-                    Engine::new(store, Topology::new(rank, world, local).unwrap(), cfg).unwrap();
-                e.register(&[
-                    BucketSpec::new("w", numel, DType::F32),
-                    BucketSpec::new("v", 77, DType::BF16),
-                ])
+    let cfg = EngineConfig {
+        sharding: Sharding::HybridZero,
+        transport: crate::TransportKind::Shm,
+        ..config(key)
+    };
+    run_on_nodes(world, local, cfg, move |e| {
+        let rank = e.rank();
+        e.register(&[
+            BucketSpec::new("w", numel, DType::F32),
+            BucketSpec::new("v", 77, DType::BF16),
+        ])
+        .unwrap();
+        let (w, v) = (e.bucket_id("w").unwrap(), e.bucket_id("v").unwrap());
+        let lay = e.bucket(w).unwrap().clone();
+        let nodes = world / local;
+        // Node shards of N blocks; block r is rank r's piece.
+        assert_eq!(lay.blocks(), nodes);
+        assert_eq!(lay.shard_len(), nodes * lay.block_len());
+        assert!(lay.block_len() * world >= numel);
+        let bl = lay.block_len();
+        let host = e.host().unwrap();
+        // A shard-sized publish is refused: a rank publishes its piece.
+        let err = host
+            .publish(w, bytes_of(&vec![0f32; lay.shard_len()]), DType::F32, 0)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("piece"), "{err}");
+        for k in 0..3u64 {
+            let piece: Vec<f32> = (0..bl).map(|j| (rank * bl + j) as f32 + k as f32).collect();
+            host.publish(w, bytes_of(&piece), DType::F32, k).unwrap();
+            let vl = e.bucket(v).unwrap().block_len();
+            let vp: Vec<half::bf16> = (0..vl)
+                .map(|j| half::bf16::from_f32(((rank * vl + j) % 200) as f32))
+                .collect();
+            host.publish(v, bytes_of(&vp), DType::BF16, k).unwrap();
+            let mut full = vec![0f32; numel];
+            host.gather(w, k, bytes_of_mut(&mut full), DType::F32)
                 .unwrap();
-                let (w, v) = (e.bucket_id("w").unwrap(), e.bucket_id("v").unwrap());
-                let lay = e.bucket(w).unwrap().clone();
-                let nodes = world / local;
-                // Node shards of N blocks; block r is rank r's piece.
-                assert_eq!(lay.blocks(), nodes);
-                assert_eq!(lay.shard_len(), nodes * lay.block_len());
-                assert!(lay.block_len() * world >= numel);
-                let bl = lay.block_len();
-                let host = e.host().unwrap();
-                // A shard-sized publish is refused: a rank publishes its piece.
-                let err = host
-                    .publish(w, bytes_of(&vec![0f32; lay.shard_len()]), DType::F32, 0)
-                    .unwrap_err()
-                    .to_string();
-                assert!(err.contains("piece"), "{err}");
-                for k in 0..3u64 {
-                    let piece: Vec<f32> =
-                        (0..bl).map(|j| (rank * bl + j) as f32 + k as f32).collect();
-                    host.publish(w, bytes_of(&piece), DType::F32, k).unwrap();
-                    let vl = e.bucket(v).unwrap().block_len();
-                    let vp: Vec<half::bf16> = (0..vl)
-                        .map(|j| half::bf16::from_f32(((rank * vl + j) % 200) as f32))
-                        .collect();
-                    host.publish(v, bytes_of(&vp), DType::BF16, k).unwrap();
-                    let mut full = vec![0f32; numel];
-                    host.gather(w, k, bytes_of_mut(&mut full), DType::F32)
+            for (i, x) in full.iter().enumerate() {
+                assert_eq!(*x, i as f32 + k as f32, "rank {rank} element {i}");
+            }
+            let mut vfull = vec![half::bf16::ZERO; 77];
+            host.gather(v, k, bytes_of_mut(&mut vfull), DType::BF16)
+                .unwrap();
+            for (i, x) in vfull.iter().enumerate() {
+                assert_eq!(x.to_f32(), (i % 200) as f32, "rank {rank} v element {i}");
+            }
+            // Rank r pushes r + 1 microbatches; odd ranks in two
+            // parts split inside a block.
+            for _ in 0..=rank {
+                let g: Vec<f32> = (0..lay.padded_len())
+                    .map(|i| ((rank + 1) * (i + 1)) as f32 + k as f32)
+                    .collect();
+                if rank % 2 == 1 {
+                    let cut = bl + 5;
+                    host.scatter_accumulate_at(w, 0, bytes_of(&g[..cut]), DType::F32, 1.0)
                         .unwrap();
-                    for (i, x) in full.iter().enumerate() {
-                        assert_eq!(*x, i as f32 + k as f32, "rank {rank} element {i}");
-                    }
-                    let mut vfull = vec![half::bf16::ZERO; 77];
-                    host.gather(v, k, bytes_of_mut(&mut vfull), DType::BF16)
+                    host.scatter_accumulate_at(w, cut, bytes_of(&g[cut..]), DType::F32, 1.0)
                         .unwrap();
-                    for (i, x) in vfull.iter().enumerate() {
-                        assert_eq!(x.to_f32(), (i % 200) as f32, "rank {rank} v element {i}");
-                    }
-                    // Rank r pushes r + 1 microbatches; odd ranks in two
-                    // parts split inside a block.
-                    for _ in 0..=rank {
-                        let g: Vec<f32> = (0..lay.padded_len())
-                            .map(|i| ((rank + 1) * (i + 1)) as f32 + k as f32)
-                            .collect();
-                        if rank % 2 == 1 {
-                            let cut = bl + 5;
-                            host.scatter_accumulate_at(w, 0, bytes_of(&g[..cut]), DType::F32, 1.0)
-                                .unwrap();
-                            host.scatter_accumulate_at(
-                                w,
-                                cut,
-                                bytes_of(&g[cut..]),
-                                DType::F32,
-                                1.0,
-                            )
-                            .unwrap();
-                        } else {
-                            host.scatter_accumulate(w, bytes_of(&g[..numel]), DType::F32, 1.0)
-                                .unwrap();
-                        }
-                    }
-                    host.finish_minibatch(k).unwrap();
-                    let mut grad = vec![0f32; bl];
-                    host.read_grad_shard(w, &mut grad).unwrap();
-                    for (j, x) in grad.iter().enumerate() {
-                        let i = rank * bl + j;
-                        let want: f32 = (0..world)
-                            .map(|r| {
-                                let g = if i < numel || r % 2 == 1 {
-                                    ((r + 1) * (i + 1)) as f32 + k as f32
-                                } else {
-                                    0.0
-                                };
-                                (r + 1) as f32 * g
-                            })
-                            .sum();
-                        assert_eq!(*x, want, "rank {rank} minibatch {k} piece element {j}");
-                    }
-                    host.zero_grads().unwrap();
+                } else {
+                    host.scatter_accumulate(w, bytes_of(&g[..numel]), DType::F32, 1.0)
+                        .unwrap();
                 }
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+            }
+            host.finish_minibatch(k).unwrap();
+            let mut grad = vec![0f32; bl];
+            host.read_grad_shard(w, &mut grad).unwrap();
+            for (j, x) in grad.iter().enumerate() {
+                let i = rank * bl + j;
+                let want: f32 = (0..world)
+                    .map(|r| {
+                        let g = if i < numel || r % 2 == 1 {
+                            ((r + 1) * (i + 1)) as f32 + k as f32
+                        } else {
+                            0.0
+                        };
+                        (r + 1) as f32 * g
+                    })
+                    .sum();
+                assert_eq!(*x, want, "rank {rank} minibatch {k} piece element {j}");
+            }
+            host.zero_grads().unwrap();
+        }
+    });
 }
 
 #[test]

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -456,6 +459,25 @@ def hybrid_errors_worker(rank, world, store, per_node):
         model.set_requires_all_reduce(True)
         expect("all_reduce_on", loss.backward)
     return found
+
+
+# -- the example ---------------------------------------------------------------------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
+
+
+def run_hybrid_example(sharding, *extra):
+    """examples/fsdp2_sft.py as 2 emulated nodes of 2 ranks under ``sharding`` (a small model, 2 steps,
+    LB-Mini's uneven counts); asserts it ran and returns its stdout."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("LOCAL_WORLD_SIZE", None)
+    cmd = [sys.executable, str(EXAMPLE), "--nproc", "4", "--local-world-size", "2", "--sharding", sharding,
+           "--comm", "odc", "--steps", "2", "--dim", "32", "--layers", "2", "--samples", "16", "--minibatch", "2",
+           "--max-len", "48", "--strategy", "lb-mini", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[odc/lb-mini] minibatch 1: loss" in p.stdout, p.stdout
+    return p.stdout
 
 
 # -- assertions shared by the FSDP test files ------------------------------------------------------

@@ -8,16 +8,10 @@ gloo, for the errors a wrong mesh must give, and through the example.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import _fsdp_helpers as H
 import pytest
 from _dist import run_ranks
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
 WORLD, PER_NODE = 4, 2
 # Microbatches per rank at each step: ranks 0-1 are node 0, ranks 2-3 node 1.
 # Step 1 leaves node 0 idle, step 2 node 1.
@@ -70,11 +64,4 @@ def test_wrong_meshes_are_refused_clearly():
 
 
 def test_example_runs_hybrid():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    env.pop("LOCAL_WORLD_SIZE", None)
-    cmd = [sys.executable, str(EXAMPLE), "--nproc", "4", "--local-world-size", "2", "--sharding", "hybrid",
-           "--comm", "odc", "--steps", "2", "--dim", "32", "--layers", "2", "--samples", "16", "--minibatch", "2",
-           "--max-len", "48", "--strategy", "lb-mini"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env, check=False)
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "[odc/lb-mini] minibatch 1: loss" in p.stdout, p.stdout
+    H.run_hybrid_example("hybrid")
