@@ -693,22 +693,14 @@ impl Transport for FabricTransport {
                 .blamed
                 .load(Ordering::Acquire)
                 .checked_sub(1)
-                .and_then(|b| usize::try_from(b).ok())
-                .or_else(|| c.noticed_blame(peer));
+                .and_then(|b| usize::try_from(b).ok());
             return PeerStatus::Dead { pid: 0, blamed };
         }
         PeerStatus::Alive
     }
 
     fn set_blame(&self, peer: usize) {
-        // A rank that blames a peer is failing: tell every peer now whom it
-        // blames (it stays readable: not a close). A peer that waits on this
-        // rank only (hybrid sharding: the column on another node) then names
-        // the root cause when this process is gone, even if it exits without
-        // closing its engine (an unwinding rank under torchrun, os._exit).
-        if self.core.blame(peer) {
-            self.core.send_notices(false);
-        }
+        self.core.blame(peer);
     }
 }
 
@@ -725,7 +717,7 @@ impl Drop for FabricTransport {
             w.store(STATE_CLOSED, Ordering::Release);
         }
         c.ring(Bell::Client);
-        c.send_notices(true);
+        c.send_close_notices();
         c.stop.store(true, Ordering::Release);
         if let Err(e) = c.cq.signal() {
             eprintln!(

@@ -662,22 +662,19 @@ impl Core {
             .and_then(|r| r.word(offset))
     }
 
-    /// Records `peer` as the rank this one fails because of; true the first
-    /// time (a rank blames one peer, the first it found dead or stalled).
-    pub(super) fn blame(&self, peer: usize) -> bool {
-        self.status_word(8).is_some_and(|w| {
-            w.compare_exchange(0, peer as u64 + 1, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-        })
+    pub(super) fn blame(&self, peer: usize) {
+        if let Some(w) = self.status_word(8) {
+            let _ = w.compare_exchange(0, peer as u64 + 1, Ordering::AcqRel, Ordering::Relaxed);
+        }
     }
 
     /// The close notice `peer` sent this rank, if it closed its engine:
-    /// `Dead` with the rank it blamed. (A notice word holds `blame << 1 |
-    /// closed`: a failing rank's notice, sent when it first blames a peer,
-    /// names the blame without the close.)
+    /// `Dead` with the rank it blamed.
     pub(super) fn notice(&self, peer: usize) -> Option<PeerStatus> {
-        let v = self.notice_word(peer);
-        (v & 1 == 1).then(|| PeerStatus::Dead {
+        let v = self
+            .status_word(OFF_NOTICES + NOTICE_STRIDE * peer)?
+            .load(Ordering::Acquire);
+        (v != 0).then(|| PeerStatus::Dead {
             pid: 0,
             blamed: (v >> 1)
                 .checked_sub(1)
@@ -685,24 +682,9 @@ impl Core {
         })
     }
 
-    /// The rank `peer` said it fails because of (its failing or close
-    /// notice), if any.
-    pub(super) fn noticed_blame(&self, peer: usize) -> Option<usize> {
-        (self.notice_word(peer) >> 1)
-            .checked_sub(1)
-            .and_then(|b| usize::try_from(b).ok())
-    }
-
-    fn notice_word(&self, peer: usize) -> u64 {
-        self.status_word(OFF_NOTICES + NOTICE_STRIDE * peer)
-            .map_or(0, |w| w.load(Ordering::Acquire))
-    }
-
-    /// Tells every live peer whom this rank blames, with a pure signal that
-    /// raises the notice word: at its close (`closed`), or as soon as it
-    /// fails (the peer stays readable; a peer that later finds it gone
-    /// names the rank it blamed).
-    pub(super) fn send_notices(&self, closed: bool) {
+    /// Tells every live peer that this rank closes (and whom it blames),
+    /// with a pure signal that raises the notice word.
+    pub(super) fn send_close_notices(&self) {
         let blame = self.status_word(8).map_or(0, |w| w.load(Ordering::Acquire));
         let at = OFF_NOTICES + NOTICE_STRIDE * self.rank;
         let Ok(imm) = (Imm {
@@ -724,8 +706,7 @@ impl Core {
             if p.dead.load(Ordering::Acquire) || self.notice(peer).is_some() {
                 continue;
             }
-            let value = blame << 1 | u64::from(closed);
-            let _ = self.post_raise(peer, addr, &r, at, imm, value, NOTICE_TIMEOUT);
+            let _ = self.post_raise(peer, addr, &r, at, imm, blame << 1 | 1, NOTICE_TIMEOUT);
         }
     }
 
