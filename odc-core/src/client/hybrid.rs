@@ -13,6 +13,26 @@ use crate::sync::Ordering;
 use crate::{Error, Result};
 
 impl Worker<'_> {
+    /// Raises word `offset` of replica `r`'s control region to `stamp` (a
+    /// pure signal waking its client bell); a failure goes through the
+    /// blame rule.
+    fn signal_replica(
+        &self,
+        r: usize,
+        offset: usize,
+        stamp: u64,
+        bucket: Option<&str>,
+    ) -> Result<()> {
+        let sig = SignalRef {
+            offset,
+            bell: Bell::Client,
+        };
+        self.core
+            .transport
+            .put_signal(r, &self.reg.peer_ctrl[r], 0, &[], sig, stamp)
+            .map_err(|e| self.core.attribute(bucket, e))
+    }
+
     /// Hybrid sharding over several nodes, at the end of minibatch `k`:
     /// tells the replicas this rank's partial sums are final, sums every
     /// node's partial sums in node order into `reduced` (reading the others'
@@ -23,18 +43,11 @@ impl Worker<'_> {
         let stamp = k.saturating_add(1);
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let signal_all = |offset: usize| -> Result<()> {
-            for (n, &r) in gs.replicas.iter().enumerate() {
-                if n != gs.node {
-                    let sig = SignalRef {
-                        offset,
-                        bell: Bell::Client,
-                    };
-                    core.transport
-                        .put_signal(r, &reg.peer_ctrl[r], 0, &[], sig, stamp)
-                        .map_err(|e| core.attribute(None, e))?;
-                }
-            }
-            Ok(())
+            gs.replicas
+                .iter()
+                .enumerate()
+                .filter(|&(n, _)| n != gs.node)
+                .try_for_each(|(_, &r)| self.signal_replica(r, offset, stamp, None))
         };
         reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
         signal_all(lay.partial_ready(gs.node))?;
@@ -121,15 +134,8 @@ impl Worker<'_> {
     ) -> Result<()> {
         let (core, reg) = (self.core, self.reg);
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
-        let signal = |r: usize, offset: usize| {
-            let sig = SignalRef {
-                offset,
-                bell: Bell::Client,
-            };
-            core.transport
-                .put_signal(r, &reg.peer_ctrl[r], 0, &[], sig, stamp)
-                .map_err(|e| core.attribute(Some(b.name()), e))
-        };
+        let signal =
+            |r: usize, offset: usize| self.signal_replica(r, offset, stamp, Some(b.name()));
         for (n, &r) in gs.replicas.iter().enumerate() {
             if n != gs.node {
                 signal(r, lay.piece_version(gs.node, bucket.0))?;
