@@ -49,6 +49,21 @@ pub enum Error {
         dtype: DType,
     },
 
+    /// A contribution too large for the exact (deterministic-mode)
+    /// accumulator: `|scale · x|` must be below 2^39.
+    #[error(
+        "{op}: element {index} contributes {value:e}, beyond the exact accumulator's range \
+         (|scale · x| < 2^39 ≈ 5.5e11); deterministic accumulation cannot hold it"
+    )]
+    OutOfRange {
+        /// The operation that was called.
+        op: &'static str,
+        /// The element's index in the buffer.
+        index: usize,
+        /// The contribution `scale · x`.
+        value: f64,
+    },
+
     /// A dtype name that none of [`DType`]'s spellings match.
     #[error("unknown dtype {0:?}: expected f32, bf16 or f16 (or float32, bfloat16, float16)")]
     UnknownDTypeName(String),

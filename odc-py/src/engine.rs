@@ -228,7 +228,7 @@ impl PyEngine {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -244,6 +244,7 @@ impl PyEngine {
         sharding: Option<String>,
         device: Option<usize>,
         heap_reserve: Option<usize>,
+        deterministic: bool,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -284,6 +285,7 @@ impl PyEngine {
         }
         cfg.device = device;
         cfg.heap_reserve = heap_reserve.unwrap_or(0);
+        cfg.deterministic = deterministic;
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = py
             .detach(|| Engine::new(store, topo, cfg))
@@ -329,6 +331,12 @@ impl PyEngine {
     #[getter]
     fn sharding(&self) -> &'static str {
         self.engine.config().sharding.name()
+    }
+
+    /// Whether gradients accumulate exactly, the same bits in any order.
+    #[getter]
+    fn deterministic(&self) -> bool {
+        self.engine.config().deterministic
     }
 
     #[getter]

@@ -628,28 +628,36 @@ def hybrid_zero_death_worker(rank, world, store, per_node, victim, transport):
 # -- work stealing (test_fsdp_steal.py) ----------------------------------------------------------------
 
 
-def steal_worker(rank, world, store, counts, slow_rank, slow_s, transport, steal=True, lr=1e-2, die=None):
+def steal_worker(rank, world, store, counts, slow_rank, slow_s, transport, steal=True, lr=1e-2, die=None,
+                 deterministic=False, jitter=None):
     """AdamW over ``odc.fsdp.microbatches``: ``counts[s][r]`` microbatches of rank r's list at step s, each
     microbatch ``(s, m, r)`` loadable by any rank; ``slow_rank`` sleeps ``slow_s`` per microbatch it runs.
 
-    Returns what this rank ran; rank 0 also the largest difference from one process on every microbatch.
-    ``die=(rank, runs)``: that rank exits without a word once it has run ``runs`` microbatches (holding the ones
-    it claimed).
+    Returns what this rank ran and a digest of the final parameters' bits; rank 0 also the largest difference
+    from one process on every microbatch. ``die=(rank, runs)``: that rank exits without a word once it has run
+    ``runs`` microbatches (holding the ones it claimed). ``jitter=seed``: every rank also sleeps a random
+    0-30 ms (seeded by ``seed`` and the rank) before each microbatch, so who steals what and when pushes arrive
+    change with the seed. ``deterministic`` is passed to ``odc.fsdp.enable``.
     """
+    import hashlib
+    import random
     import time
 
     os.environ["ODC_TRANSPORT"] = transport
     init_pg(rank, world, store)
     model = build(world)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    odc.fsdp.enable(model, opt, timeout=20 if die else 60)
+    odc.fsdp.enable(model, opt, timeout=20 if die else 60, deterministic=deterministic)
     ran = []
+    rng = random.Random(f"{jitter}/{rank}")
     for s, plan in enumerate(counts):
         lists = [[(s, m, r) for m in range(plan[r])] for r in range(world)]
         norm = 27 * sum(plan)
         for mb in odc.fsdp.microbatches(model, lists, steal=steal):
             if rank == slow_rank:
                 time.sleep(slow_s)
+            if jitter is not None:
+                time.sleep(rng.uniform(0.0, 0.03))
             (sample_loss(model, data(*mb)) / norm * world).backward()
             ran.append(mb)
             if die is not None and rank == die[0] and len(ran) >= die[1]:
@@ -658,7 +666,10 @@ def steal_worker(rank, world, store, counts, slow_rank, slow_s, transport, steal
         opt.zero_grad()
     odc.fsdp.disable(model)
     params = full_params(model)
-    out = {"ran": ran}
+    digest = hashlib.sha256()
+    for k in sorted(params):
+        digest.update(torch.as_tensor(params[k]).contiguous().numpy().tobytes())
+    out = {"ran": ran, "digest": digest.hexdigest()}
     if rank == 0:
         torch.manual_seed(0)
         ref = Tiny()

@@ -500,8 +500,38 @@ impl<'e> Worker<'e> {
                 format!("the shard server rejected a push: {e}"),
             ));
         }
+        self.drain_exact()?;
         if reg.cross_node() {
             self.reduce_across_nodes(k)?;
+        }
+        Ok(())
+    }
+}
+
+impl Worker<'_> {
+    /// Deterministic mode, once this rank's gradients of a minibatch are
+    /// final: reads every exact accumulator out into the f32 one (what the
+    /// optimizer, `read_grad_shard` and the other nodes read) and zeroes it.
+    /// Does nothing otherwise.
+    fn drain_exact(&self) -> Result<()> {
+        let reg = self.reg;
+        for (b, bucket) in reg.buckets.iter().enumerate() {
+            let Some((fixed, len)) = reg.exact_ptr(b) else {
+                return Ok(());
+            };
+            let (acc, _) = reg.accum_ptr(b);
+            // SAFETY: every client's done word reads this minibatch, so the
+            // daemon has added (and acknowledged) every push of it and
+            // touches neither accumulator until a push of the next one,
+            // which follows this rank's next publish.
+            let (fixed, acc) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(fixed, len),
+                    std::slice::from_raw_parts_mut(acc, len),
+                )
+            };
+            odc_kernels::cpu::exact::drain_exact(fixed, acc)
+                .map_err(|e| Error::protocol(Some(bucket.name()), e.to_string()))?;
         }
         Ok(())
     }

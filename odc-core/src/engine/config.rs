@@ -132,6 +132,13 @@ pub struct EngineConfig {
     pub timeout: Duration,
     /// Accumulator dtype; only `F32` is supported.
     pub accum_dtype: DType,
+    /// Deterministic accumulation: final gradient shards are the same bits
+    /// whatever the order pushes arrive in and whichever rank ran which
+    /// microbatch. The daemon adds every contribution into an exact
+    /// fixed-point accumulator ([`odc_kernels::cpu::exact`]: 16 more bytes
+    /// per shard element) and `finish_minibatch` reads it out. Host
+    /// transports only; equal on every rank.
+    pub deterministic: bool,
     /// Backend.
     pub transport: TransportKind,
     /// Names this job's shared-memory segments so that a restart of the same
@@ -172,6 +179,7 @@ impl Default for EngineConfig {
             landing_budget,
             timeout,
             accum_dtype: DType::F32,
+            deterministic: false,
             transport: TransportKind::Auto,
             job_key: std::env::var("ODC_JOB_KEY").unwrap_or_else(|_| "default".into()),
             store_prefix: "odc".into(),

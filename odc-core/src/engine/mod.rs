@@ -59,6 +59,14 @@ impl Core {
                 config.transport.name()
             )));
         }
+        if config.deterministic && config.transport.is_device() {
+            return Err(Error::Config(format!(
+                "deterministic accumulation runs on the host transports (shm, fabric, auto); \
+                 the {} transport adds gradients on the device, where the exact accumulator \
+                 is not built: drop deterministic=True or use a host transport",
+                config.transport.name()
+            )));
+        }
         let deadline = Instant::now() + config.timeout;
         let key = format!("{}/job_id", config.store_prefix);
         let job_id = if topology.rank() == 0 {

@@ -58,6 +58,7 @@ pub(crate) struct Regions {
     params: LocalRegion,
     accum: Accum,
     reduced: HeapBlock,
+    exact: Option<HeapBlock>,
 }
 
 /// What the exchange learned about every peer, indexed by global rank.
@@ -99,6 +100,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         params: regions.params,
         accum: regions.accum,
         reduced: regions.reduced,
+        exact: regions.exact,
         accum_len: plan.accum_len,
         peer_accum: peers.accum,
         peer_ctrl: peers.ctrl,
@@ -145,7 +147,11 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         chunk_bytes: ctrl_layout.chunk_bytes(),
         sharding: core.config.sharding.name().into(),
         local_world: core.topo.local_world(),
-        accum: core.config.accum_dtype.name().into(),
+        accum: if core.config.deterministic {
+            format!("{} (deterministic)", core.config.accum_dtype.name())
+        } else {
+            core.config.accum_dtype.name().into()
+        },
         specs: specs
             .iter()
             .map(|s| (s.name.clone(), s.numel, s.dtype.name().to_owned()))
@@ -286,11 +292,21 @@ fn allocate(core: &Core, plan: &Plan) -> Result<Regions> {
                 HeapBlock::zeroed(0)?,
             )
         };
+        let exact = if core.config.deterministic {
+            let bytes = plan
+                .accum_len
+                .checked_mul(odc_kernels::cpu::exact::BYTES_PER_ELEMENT)
+                .ok_or_else(|| Error::Config("exact accumulator size overflows".into()))?;
+            Some(HeapBlock::zeroed(bytes)?)
+        } else {
+            None
+        };
         Ok(Regions {
             ctrl,
             params,
             accum,
             reduced,
+            exact,
         })
     })();
     allocated.inspect_err(|e| {

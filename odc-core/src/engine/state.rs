@@ -45,6 +45,10 @@ pub(crate) struct Registered {
     /// the optimizer reads; under hybrid-zero only this rank's piece of
     /// each bucket); empty otherwise.
     pub(crate) reduced: HeapBlock,
+    /// Deterministic mode: the exact fixed-point accumulators (an `i128`
+    /// per accumulator element, at the same element offsets), which the
+    /// daemon adds into and `finish_minibatch` drains into `accum`.
+    pub(crate) exact: Option<HeapBlock>,
     /// Elements in all accumulators together.
     pub(crate) accum_len: usize,
     /// Per global rank (indexed by rank, like `peer_ctrl`); `None` unless
@@ -143,6 +147,17 @@ impl Registered {
     /// f32 accumulator.
     pub(crate) fn accum_addr(&self, plane: &dyn Plane, b: usize, elem: usize) -> u64 {
         plane.accum() + ((self.accum_off[b] + elem) * 4) as u64
+    }
+
+    /// Deterministic mode: the exact accumulator of bucket `b` as a raw
+    /// pointer and length (`shard_len` elements, like [`Self::accum_ptr`]).
+    pub(crate) fn exact_ptr(&self, b: usize) -> Option<(*mut i128, usize)> {
+        let block = self.exact.as_ref()?;
+        let len = self.buckets[b].shard_len();
+        // SAFETY: the block holds `accum_len` i128s (sized at register) and
+        // is 64-byte aligned.
+        let ptr = unsafe { block.as_ptr().cast::<i128>().add(self.accum_off[b]) };
+        Some((ptr, len))
     }
 
     /// The accumulator of bucket `b` as a raw pointer and length.

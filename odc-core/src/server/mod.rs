@@ -4,7 +4,8 @@
 //! It sleeps on the rank's server bell, which clients ring after writing a
 //! landing-slot signal; it scans every client's two slot signals (acquire),
 //! reads the slot header, adds `scale · data` into the bucket's f32
-//! accumulator with `odc-kernels`, and acknowledges with a `put_signal` of no
+//! accumulator with `odc-kernels` (in deterministic mode into its exact
+//! fixed-point accumulator, [`odc_kernels::cpu::exact`]), and acknowledges with a `put_signal` of no
 //! data into the client's ack word. No lock, no allocation in the loop.
 //!
 //! This rank's own slice of a push arrives through [`crate::protocol::handoff`] as a
@@ -27,7 +28,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use std::ops::Range;
+
 use odc_kernels::cpu::accumulate_into_f32;
+use odc_kernels::cpu::exact::accumulate_exact;
 use odc_kernels::DType;
 
 use crate::control::{SlotHeader, HEADER_BYTES};
@@ -270,22 +274,61 @@ fn finish_own(core: &Core, gen: u64) {
     core.transport.ring(Bell::Client);
 }
 
+/// Where a range of an accumulator is added: the f32 accumulator, or in
+/// deterministic mode the exact one, with the f32 accumulator beside it for
+/// infinities and NaNs ([`odc_kernels::cpu::exact`]).
+enum Target<'a> {
+    F32(&'a mut [f32]),
+    Exact(&'a mut [i128], &'a mut [f32]),
+}
+
+impl Target<'_> {
+    /// Adds `scale · data` (elements of `dtype`) into elements `range` of
+    /// the target.
+    fn add(
+        &mut self,
+        range: Range<usize>,
+        data: &[u8],
+        dtype: DType,
+        scale: f32,
+    ) -> odc_kernels::Result<()> {
+        match self {
+            Target::F32(acc) => accumulate_into_f32(&mut acc[range], data, dtype, scale),
+            Target::Exact(fixed, spill) => accumulate_exact(
+                &mut fixed[range.clone()],
+                &mut spill[range],
+                data,
+                dtype,
+                scale,
+            ),
+        }
+    }
+}
+
 /// The accumulator range `[offset, offset + len)` of bucket `b`, checked.
 ///
 /// # Safety
-/// Only the server thread may call this, and it may hold one returned slice
-/// at a time: the accumulator is written only by that thread while pushes
-/// are in flight (the worker reads or zeroes it only after
+/// Only the server thread may call this, and it may hold one returned
+/// target at a time: the accumulators are written only by that thread while
+/// pushes are in flight (the worker reads, drains or zeroes them only after
 /// `finish_minibatch`, ordered by the ack/done release-acquire chain).
-#[allow(clippy::mut_from_ref)]
-unsafe fn accum_range(reg: &Registered, b: usize, offset: usize, len: usize) -> Option<&mut [f32]> {
+unsafe fn accum_range(reg: &Registered, b: usize, offset: usize, len: usize) -> Option<Target<'_>> {
     let bucket = reg.buckets.get(b)?;
     if offset.checked_add(len)? > bucket.shard_len() {
         return None;
     }
     let (acc_ptr, _) = reg.accum_ptr(b);
     // SAFETY: in range (checked); exclusive per the caller's contract.
-    Some(unsafe { std::slice::from_raw_parts_mut(acc_ptr.add(offset), len) })
+    let acc = unsafe { std::slice::from_raw_parts_mut(acc_ptr.add(offset), len) };
+    Some(match reg.exact_ptr(b) {
+        None => Target::F32(acc),
+        // SAFETY: the exact accumulator has the same element offsets and
+        // lengths as the f32 one; exclusive per the caller's contract.
+        Some((fixed, _)) => Target::Exact(
+            unsafe { std::slice::from_raw_parts_mut(fixed.add(offset), len) },
+            acc,
+        ),
+    })
 }
 
 /// `len` elements of the own slice from element `from`, as bytes.
@@ -318,10 +361,11 @@ fn add_own_solo(core: &Core, reg: &Registered, own_slot: &mut Option<Own>) {
             "own slice of {} elements at {} outside bucket {}'s shard",
             own.slice.len, own.slice.offset, own.slice.bucket
         )),
-        Some(acc) => {
+        Some(mut acc) => {
             // SAFETY: claimed above; `from + len = back <= slice.len`.
             let data = unsafe { own_bytes(own, from, len) };
-            accumulate_into_f32(acc, data, own.dtype, own.slice.scale).map_err(|e| e.to_string())
+            acc.add(0..len, data, own.dtype, own.slice.scale)
+                .map_err(|e| e.to_string())
         }
     };
     own.back = from;
@@ -352,7 +396,7 @@ fn accumulate(
     let (offset, len) = (h.offset as usize, h.len as usize);
     let bytes = len * h.dtype.size_bytes();
     // SAFETY: the server thread, one accumulator slice at a time.
-    let acc = unsafe { accum_range(reg, b, offset, len) }
+    let mut acc = unsafe { accum_range(reg, b, offset, len) }
         .ok_or_else(|| format!("rank {rank}: push outside the shard"))?;
     // SAFETY: the data lies inside the control region (bytes <= chunk) and
     // is stable until we acknowledge, as in `checked_header`.
@@ -368,12 +412,14 @@ fn accumulate(
         .as_ref()
         .is_some_and(|o| o.slice.bucket == b && o.slice.offset + o.front == offset);
     let Some(own) = own_slot.as_mut().filter(|_| pairs) else {
-        return accumulate_into_f32(acc, data, h.dtype, h.scale)
+        return acc
+            .add(0..len, data, h.dtype, h.scale)
             .map_err(|e| format!("rank {rank}: {e}"));
     };
     if !core.own.claim(own.gen) {
         *own_slot = None;
-        return accumulate_into_f32(acc, data, h.dtype, h.scale)
+        return acc
+            .add(0..len, data, h.dtype, h.scale)
             .map_err(|e| format!("rank {rank}: {e}"));
     }
     // The pending front of the own slice may be shorter than the chunk
@@ -383,16 +429,17 @@ fn accumulate(
     let mine = unsafe { own_bytes(own, own.front, paired) };
     let (ms, ds) = (own.dtype.size_bytes(), h.dtype.size_bytes());
     let mut result = Ok(());
-    for (i, block) in acc[..paired].chunks_mut(FUSE_BLOCK).enumerate() {
-        let (s, e) = (i * FUSE_BLOCK, i * FUSE_BLOCK + block.len());
-        result = accumulate_into_f32(block, &mine[s * ms..e * ms], own.dtype, own.slice.scale)
-            .and_then(|()| accumulate_into_f32(block, &data[s * ds..e * ds], h.dtype, h.scale));
+    for s in (0..paired).step_by(FUSE_BLOCK) {
+        let e = (s + FUSE_BLOCK).min(paired);
+        result = acc
+            .add(s..e, &mine[s * ms..e * ms], own.dtype, own.slice.scale)
+            .and_then(|()| acc.add(s..e, &data[s * ds..e * ds], h.dtype, h.scale));
         if result.is_err() {
             break;
         }
     }
     if result.is_ok() && paired < len {
-        result = accumulate_into_f32(&mut acc[paired..], &data[paired * ds..], h.dtype, h.scale);
+        result = acc.add(paired..len, &data[paired * ds..], h.dtype, h.scale);
     }
     own.front += paired;
     let finished = own.front == own.back;

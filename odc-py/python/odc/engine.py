@@ -289,6 +289,20 @@ class Engine:
             in the job, which share its NVSHMEM session (a process holds one,
             its heap fixed when it starts): the sum of :func:`heap_bytes` of
             those engines. Default 0.
+        deterministic: accumulate gradients exactly, so that
+            :meth:`grad_shard` after :meth:`finish_minibatch` is the same
+            bits whatever the order pushes arrive in and whichever rank
+            pushed which contribution. The daemon turns every contribution
+            ``scale · x`` into a fixed-point integer of 2^-72 units (an
+            extra 16 bytes per accumulator element) and
+            :meth:`finish_minibatch` reads the integer sums out as the nearest
+            f32s. Every ``|scale · x|`` must be below 2^39 (else
+            :meth:`finish_minibatch` raises a ``ProtocolError`` naming the
+            bucket); infinities and NaNs propagate as in an f32 sum. Under
+            hybrid sharding the exact sums are per node and the nodes' sums
+            are added in node order, so the bits depend on which node ran
+            which contribution, not on which rank of the node or when.
+            Host transports only; equal on every rank.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
@@ -318,6 +332,7 @@ class Engine:
         device: Any = None,
         heap_reserve: int | None = None,
         deadline_source: str | None = None,
+        deterministic: bool = False,
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
@@ -350,6 +365,7 @@ class Engine:
                 sharding=sharding,
                 device=ordinal,
                 heap_reserve=heap_reserve,
+                deterministic=bool(deterministic),
             )
         finally:
             if addr is not None:
@@ -427,8 +443,13 @@ class Engine:
 
     @property
     def sharding(self) -> str:
-        """``"full"`` or ``"hybrid"``."""
+        """``"full"``, ``"hybrid"`` or ``"hybrid-zero"``."""
         return self._native.sharding
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether gradients accumulate exactly (the same bits in any order); see ``deterministic=``."""
+        return self._native.deterministic
 
     @property
     def local_world_size(self) -> int:

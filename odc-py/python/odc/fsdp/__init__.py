@@ -157,6 +157,7 @@ def enable(
     chunk_bytes: int | None = None,
     timeout: float | None = None,
     transport: str | None = None,
+    deterministic: bool = False,
 ) -> None:
     """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
 
@@ -218,6 +219,18 @@ def enable(
             (``"auto"``: shm within a node, libfabric between nodes), CUDA
             parameters ``"cuda-ipc"`` (one node) or ``"nvshmem"`` (several
             nodes). See :class:`odc.Engine`.
+        deterministic: make the final gradients the same bits run after run,
+            whatever the order in which pushes reach their owners and
+            whichever rank ran which microbatch (with
+            :func:`microbatches` stealing, say): every contribution is added
+            exactly, as a fixed-point integer, and read out once as the
+            nearest f32 (16 more bytes per gradient-shard element; host
+            transports only). The gradients are then at least as accurate as
+            an f32 sum. Each microbatch's own gradient must itself be
+            reproducible (the same kernels on the same hardware, e.g.
+            ``torch.use_deterministic_algorithms(True)`` on GPU). Under
+            hybrid sharding the bits also depend on which node ran which
+            microbatch, which a plan fixes. See :class:`odc.Engine`.
 
     Warns:
         UserWarning: the running torch is not in :data:`TORCH_VERSIONS_CHECKED`.
@@ -270,7 +283,7 @@ def enable(
     # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
     seconds, deadline_source = deadline_for(cast(Any, groups[0].pg.mesh_info).shard_process_group, explicit=timeout)
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
-                          "transport": chosen}
+                          "transport": chosen, "deterministic": deterministic}
     if device.type == "cuda":
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use odc_kernels::DType;
 
+mod deterministic;
+
 use crate::{
     bytes_of, bytes_of_mut, BucketId, BucketSpec, Engine, EngineConfig, Error, FileStore, Topology,
 };
