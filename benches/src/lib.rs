@@ -104,6 +104,10 @@ pub struct PerfArgs {
     /// ranks of a node; finish also sums the shards across nodes).
     #[arg(long = "sharding", default_value = "full", value_parser = parse_sharding)]
     pub sharding: odc_core::Sharding,
+    /// Deterministic accumulation: the daemon adds into the exact
+    /// fixed-point accumulator, and finish reads it out.
+    #[arg(long = "deterministic")]
+    pub deterministic: bool,
     /// Ranks per node G (ranks are numbered node-major). Default: every
     /// rank on one node, or ranks / namespaces with `--netns`.
     #[arg(long = "local-ranks", visible_alias = "ranks-per-node")]
@@ -237,7 +241,8 @@ fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
 }
 
 fn parse_sharding(s: &str) -> Result<odc_core::Sharding, String> {
-    odc_core::Sharding::parse(s).ok_or_else(|| format!("unknown sharding {s:?}: full or hybrid"))
+    odc_core::Sharding::parse(s)
+        .ok_or_else(|| format!("unknown sharding {s:?}: full, hybrid or hybrid-zero"))
 }
 
 fn parse_netns(s: &str) -> Result<(String, String), String> {
@@ -307,14 +312,15 @@ pub struct InPlace {
 /// (nccl-tests prints out-of-place, then in-place).
 pub fn print_header(title: &str, args: &PerfArgs, in_place: bool) {
     println!(
-        "# {title}: {} ranks ({} per node), {} warm-up + {} timed iterations, check={}, transport={}, sharding={}",
+        "# {title}: {} ranks ({} per node), {} warm-up + {} timed iterations, check={}, transport={}, sharding={}{}",
         args.ranks,
         args.local_world(),
         args.warmup,
         args.iters,
         args.check,
         transport_name(args.transport),
-        args.sharding.name()
+        args.sharding.name(),
+        if args.deterministic { ", deterministic" } else { "" }
     );
     let group = format!(
         "{:>10} {:>8} {:>8} {:>7}",
@@ -934,6 +940,7 @@ pub fn join(args: &PerfArgs, rank: usize) -> Result<RankCtx, String> {
         timeout,
         transport: args.transport,
         sharding: args.sharding,
+        deterministic: args.deterministic,
         ..Default::default()
     };
     if let Some(c) = args.chunk_bytes {

@@ -29,27 +29,72 @@ const SIZES: [(usize, &str); 4] = [
 
 /// One benchmarked operation, owning its buffers.
 enum Op {
-    Memcpy { src: Vec<u8>, dst: Vec<u8> },
-    CopyBytes { src: Vec<u8>, dst: Vec<u8> },
-    F32F32 { acc: Vec<f32>, x: Vec<f32> },
-    F32Bf16 { acc: Vec<f32>, x: Vec<bf16> },
-    F32F16 { acc: Vec<f32>, x: Vec<f16> },
-    Bf16Bf16 { acc: Vec<bf16>, x: Vec<bf16> },
+    Memcpy {
+        src: Vec<u8>,
+        dst: Vec<u8>,
+    },
+    CopyBytes {
+        src: Vec<u8>,
+        dst: Vec<u8>,
+    },
+    F32F32 {
+        acc: Vec<f32>,
+        x: Vec<f32>,
+    },
+    F32Bf16 {
+        acc: Vec<f32>,
+        x: Vec<bf16>,
+    },
+    F32F16 {
+        acc: Vec<f32>,
+        x: Vec<f16>,
+    },
+    Bf16Bf16 {
+        acc: Vec<bf16>,
+        x: Vec<bf16>,
+    },
+    /// Deterministic mode: the exact accumulator (and its f32 spill).
+    Exact {
+        fixed: Vec<i128>,
+        spill: Vec<f32>,
+        x: Vec<u8>,
+    },
+    /// An exact add, then the read-out of the sum (finish's drain).
+    ExactDrain {
+        fixed: Vec<i128>,
+        out: Vec<f32>,
+        x: Vec<u8>,
+    },
 }
 
-const NAMES: [&str; 6] = [
+const NAMES: [&str; 8] = [
     "memcpy",
     "copy_bytes",
     "f32+=f32",
     "f32+=bf16",
     "f32+=f16",
     "bf16+=bf16",
+    "exact+=f32",
+    "exact+drain",
 ];
 
 /// Small integers: no subnormals (which would trap to microcode) and no
 /// overflow however many times a bench repeats.
 fn values<T>(n: usize, f: impl Fn(f32) -> T) -> Vec<T> {
     (0..n).map(|i| f((i % 61) as f32 - 30.0)).collect()
+}
+
+/// Gradient-like values: magnitudes from 2^-24 to 2^-1, both signs (what
+/// the exact accumulator converts; small integers would take its easy path).
+fn grads(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let m = 1.0 + (i.wrapping_mul(2_654_435_761) % 8_388_608) as f32 / 8_388_608.0;
+            let e = (i % 24) as i32 - 24;
+            let sign = if i % 2 == 0 { 1.0 } else { -1.0 };
+            sign * m * (e as f32).exp2()
+        })
+        .collect()
 }
 
 impl Op {
@@ -75,6 +120,16 @@ impl Op {
                 acc: values(x_bytes / 2, |v| v),
                 x: values(x_bytes / 2, f16::from_f32),
             },
+            "exact+=f32" => Op::Exact {
+                fixed: vec![0; x_bytes / 4],
+                spill: vec![0.0; x_bytes / 4],
+                x: bytemuck::cast_slice(&grads(x_bytes / 4)).to_vec(),
+            },
+            "exact+drain" => Op::ExactDrain {
+                fixed: vec![0; x_bytes / 4],
+                out: vec![0.0; x_bytes / 4],
+                x: bytemuck::cast_slice(&grads(x_bytes / 4)).to_vec(),
+            },
             _ => Op::Bf16Bf16 {
                 acc: values(x_bytes / 2, bf16::from_f32),
                 x: values(x_bytes / 2, bf16::from_f32),
@@ -94,6 +149,13 @@ impl Op {
             Op::F32Bf16 { acc, x } => cpu::accumulate_f32(acc, x, 1.0),
             Op::F32F16 { acc, x } => cpu::accumulate_f32(acc, x, 1.0),
             Op::Bf16Bf16 { acc, x } => cpu::accumulate_same(acc, x, 1.0),
+            Op::Exact { fixed, spill, x } => {
+                cpu::exact::accumulate_exact(fixed, spill, x, odc_kernels::DType::F32, 0.25)
+            }
+            Op::ExactDrain { fixed, out, x } => {
+                cpu::exact::accumulate_exact(fixed, out, x, odc_kernels::DType::F32, 0.25)
+                    .and_then(|()| cpu::exact::drain_exact(fixed, out))
+            }
         };
         black_box(ok.is_ok());
         black_box(self);
@@ -105,6 +167,10 @@ impl Op {
             Op::Memcpy { .. } | Op::CopyBytes { .. } => 2 * x_bytes,
             Op::F32F32 { .. } | Op::Bf16Bf16 { .. } => 3 * x_bytes,
             Op::F32Bf16 { .. } | Op::F32F16 { .. } => 5 * x_bytes,
+            // x, and the i128 read and written.
+            Op::Exact { .. } => 9 * x_bytes,
+            // Then the i128 read and zeroed, the f32 read and written.
+            Op::ExactDrain { .. } => 19 * x_bytes,
         }
     }
 }

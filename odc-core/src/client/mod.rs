@@ -510,12 +510,18 @@ impl<'e> Worker<'e> {
 
 impl Worker<'_> {
     /// Deterministic mode, once this rank's gradients of a minibatch are
-    /// final: reads every exact accumulator out into the f32 one (what the
-    /// optimizer, `read_grad_shard` and the other nodes read) and zeroes it.
-    /// Does nothing otherwise.
+    /// final: reads every exact accumulator the daemon added into out into
+    /// the f32 one (what the optimizer, `read_grad_shard` and the other
+    /// nodes read) and zeroes it. Does nothing otherwise.
     fn drain_exact(&self) -> Result<()> {
         let reg = self.reg;
+        let Some(exact) = &reg.exact else {
+            return Ok(());
+        };
         for (b, bucket) in reg.buckets.iter().enumerate() {
+            if !exact.touched[b].swap(false, Ordering::AcqRel) {
+                continue; // all zero: nothing to add
+            }
             let Some((fixed, len)) = reg.exact_ptr(b) else {
                 return Ok(());
             };

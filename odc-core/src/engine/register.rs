@@ -11,13 +11,13 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::config::{EngineConfig, Groups};
-use super::state::{Accum, Core, Registered};
+use super::state::{Accum, Core, Exact, Registered};
 use crate::control::{landing_chunk, CtrlLayout};
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{DataSizes, Plane};
 use crate::region::{Endpoint, HeapBlock, LocalRegion, RegionDesc};
 use crate::store::{wait_get, Store};
-use crate::sync::AtomicU64;
+use crate::sync::{AtomicBool, AtomicU64};
 use crate::topology::Topology;
 use crate::{Error, Result};
 
@@ -58,7 +58,7 @@ pub(crate) struct Regions {
     params: LocalRegion,
     accum: Accum,
     reduced: HeapBlock,
-    exact: Option<HeapBlock>,
+    exact: Option<Exact>,
 }
 
 /// What the exchange learned about every peer, indexed by global rank.
@@ -297,7 +297,12 @@ fn allocate(core: &Core, plan: &Plan) -> Result<Regions> {
                 .accum_len
                 .checked_mul(odc_kernels::cpu::exact::BYTES_PER_ELEMENT)
                 .ok_or_else(|| Error::Config("exact accumulator size overflows".into()))?;
-            Some(HeapBlock::zeroed(bytes)?)
+            Some(Exact {
+                block: HeapBlock::zeroed(bytes)?,
+                touched: (0..plan.buckets.len())
+                    .map(|_| AtomicBool::new(false))
+                    .collect(),
+            })
         } else {
             None
         };

@@ -45,10 +45,9 @@ pub(crate) struct Registered {
     /// the optimizer reads; under hybrid-zero only this rank's piece of
     /// each bucket); empty otherwise.
     pub(crate) reduced: HeapBlock,
-    /// Deterministic mode: the exact fixed-point accumulators (an `i128`
-    /// per accumulator element, at the same element offsets), which the
+    /// Deterministic mode: the exact fixed-point accumulators, which the
     /// daemon adds into and `finish_minibatch` drains into `accum`.
-    pub(crate) exact: Option<HeapBlock>,
+    pub(crate) exact: Option<Exact>,
     /// Elements in all accumulators together.
     pub(crate) accum_len: usize,
     /// Per global rank (indexed by rank, like `peer_ctrl`); `None` unless
@@ -74,6 +73,16 @@ pub(crate) struct Registered {
     /// Work stealing: this rank's last request sequence number per owner
     /// (shard-group index).
     pub(crate) steal_seq: Vec<AtomicU64>,
+}
+
+/// Deterministic mode's exact accumulators: an `i128` per accumulator
+/// element, at the same element offsets as the f32 ones, and per bucket
+/// whether the daemon added into it since the last drain (so a minibatch
+/// drains only the buckets it pushed).
+#[derive(Debug)]
+pub(crate) struct Exact {
+    pub(crate) block: HeapBlock,
+    pub(crate) touched: Vec<AtomicBool>,
 }
 
 /// Where the accumulators live: plain heap memory, or (hybrid sharding over
@@ -152,7 +161,7 @@ impl Registered {
     /// Deterministic mode: the exact accumulator of bucket `b` as a raw
     /// pointer and length (`shard_len` elements, like [`Self::accum_ptr`]).
     pub(crate) fn exact_ptr(&self, b: usize) -> Option<(*mut i128, usize)> {
-        let block = self.exact.as_ref()?;
+        let block = &self.exact.as_ref()?.block;
         let len = self.buckets[b].shard_len();
         // SAFETY: the block holds `accum_len` i128s (sized at register) and
         // is 64-byte aligned.

@@ -320,6 +320,11 @@ unsafe fn accum_range(reg: &Registered, b: usize, offset: usize, len: usize) -> 
     let (acc_ptr, _) = reg.accum_ptr(b);
     // SAFETY: in range (checked); exclusive per the caller's contract.
     let acc = unsafe { std::slice::from_raw_parts_mut(acc_ptr.add(offset), len) };
+    if let Some(exact) = &reg.exact {
+        // Read by the drain after this add's acknowledgement and the done
+        // that follows it.
+        exact.touched[b].store(true, Ordering::Release);
+    }
     Some(match reg.exact_ptr(b) {
         None => Target::F32(acc),
         // SAFETY: the exact accumulator has the same element offsets and

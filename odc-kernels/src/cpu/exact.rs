@@ -49,8 +49,8 @@ const F64_SHIFT: i32 = 1075;
 ///
 /// Errors: [`Error::LengthMismatch`] unless the three lengths agree,
 /// [`Error::PartialElement`] or [`Error::Misaligned`] for bad bytes, and
-/// [`Error::OutOfRange`] for the first contribution of magnitude 2^39 or
-/// more (the elements before it are added, the rest are not).
+/// [`Error::OutOfRange`] naming the first contribution of magnitude 2^39 or
+/// more (every other contribution is added; those are not).
 pub fn accumulate_exact(
     fixed: &mut [i128],
     spill: &mut [f32],
@@ -81,23 +81,50 @@ fn add<X: Element>(
 ) -> Result<()> {
     check_len(op, fixed.len(), x.len())?;
     check_len(op, spill.len(), x.len())?;
-    let scale = f64::from(scale);
-    for (i, ((f, s), &x)) in fixed.iter_mut().zip(spill.iter_mut()).zip(x).enumerate() {
-        // Exact: both factors have at most 24 significant bits.
-        let v = f64::from(x.to_f32()) * scale;
-        match to_fixed(v) {
-            Fixed::Units(u) => *f = f.wrapping_add(u),
-            Fixed::NonFinite => *s += v as f32,
-            Fixed::TooLarge => {
-                return Err(Error::OutOfRange {
-                    op,
-                    index: i,
-                    value: v,
-                })
+    // One tight pass adds every finite, in-range contribution and only
+    // notes whether any other came; a second pass, rare, deals with those.
+    let mut other = false;
+    match pow2_exponent(scale) {
+        // The common scales (1, 1/world for a power-of-two world): the
+        // product is an exponent shift, all in integers.
+        Some(e) => {
+            for (f, &x) in fixed.iter_mut().zip(x) {
+                match f32_units(x.to_f32(), e) {
+                    Fixed::Units(u) => *f = f.wrapping_add(u),
+                    _ => other = true,
+                }
+            }
+        }
+        None => {
+            let scale = f64::from(scale);
+            for (f, &x) in fixed.iter_mut().zip(x) {
+                // Exact: both factors have at most 24 significant bits.
+                match to_fixed(f64::from(x.to_f32()) * scale) {
+                    Fixed::Units(u) => *f = f.wrapping_add(u),
+                    _ => other = true,
+                }
             }
         }
     }
-    Ok(())
+    if !other {
+        return Ok(());
+    }
+    let mut first_too_large = None;
+    for (i, (s, &x)) in spill.iter_mut().zip(x).enumerate() {
+        let v = f64::from(x.to_f32()) * f64::from(scale);
+        match to_fixed(v) {
+            Fixed::Units(_) => {}
+            Fixed::NonFinite => *s += v as f32,
+            Fixed::TooLarge => {
+                first_too_large.get_or_insert(Error::OutOfRange {
+                    op,
+                    index: i,
+                    value: v,
+                });
+            }
+        }
+    }
+    first_too_large.map_or(Ok(()), Err)
 }
 
 /// `out[i] = out[i] + sum_i` rounded to f32, where `sum_i` is `fixed[i]`
@@ -124,6 +151,42 @@ enum Fixed {
     TooLarge,
 }
 
+/// `e` if `scale` is exactly 2^e (a normal f32), else `None`.
+fn pow2_exponent(scale: f32) -> Option<i32> {
+    let bits = scale.to_bits();
+    let biased = ((bits >> 23) & 0xff) as i32;
+    (bits & 0x807f_ffff == 0 && biased != 0 && biased != 0xff).then_some(biased - 127)
+}
+
+/// `x · 2^e · 2^72` rounded to the nearest integer, ties to even: what
+/// [`to_fixed`] gives for the same product, in integers only.
+fn f32_units(x: f32, e: i32) -> Fixed {
+    let bits = x.to_bits();
+    let biased = ((bits >> 23) & 0xff) as i32;
+    if biased == 0xff {
+        return Fixed::NonFinite;
+    }
+    let frac = bits & 0x7f_ffff;
+    // |x| = mant · 2^(exp - 150), mant < 2^24 (subnormals: exp 1, no
+    // implicit bit).
+    let (mant, exp) = if biased == 0 {
+        (frac, 1)
+    } else {
+        (frac | 0x80_0000, biased)
+    };
+    if mant == 0 {
+        return Fixed::Units(0);
+    }
+    if exp - 127 + e >= LIMIT_LOG2 {
+        return Fixed::TooLarge;
+    }
+    Fixed::Units(shifted(
+        u128::from(mant),
+        exp + e - 150 + FRAC_BITS as i32,
+        bits >> 31 == 1,
+    ))
+}
+
 /// `v · 2^72` rounded to the nearest integer, ties to even.
 fn to_fixed(v: f64) -> Fixed {
     let bits = v.to_bits();
@@ -140,9 +203,17 @@ fn to_fixed(v: f64) -> Fixed {
         return Fixed::TooLarge;
     }
     let mant = u128::from((bits & ((1u64 << 52) - 1)) | (1u64 << 52));
-    let shift = exp - F64_SHIFT + FRAC_BITS as i32;
+    Fixed::Units(shifted(
+        mant,
+        exp - F64_SHIFT + FRAC_BITS as i32,
+        bits >> 63 == 1,
+    ))
+}
+
+/// `±mant · 2^shift` rounded to an integer, ties to even, for `mant < 2^53`
+/// and a magnitude below 2^111 (which the callers' range checks give).
+fn shifted(mant: u128, shift: i32, negative: bool) -> i128 {
     let units = if shift >= 0 {
-        // At most 53 + 38 + 72 - 52 = 111 bits: fits.
         mant << shift
     } else {
         let s = shift.unsigned_abs();
@@ -157,15 +228,42 @@ fn to_fixed(v: f64) -> Fixed {
     };
     // < 2^111, so the cast keeps the value.
     let units = units as i128;
-    Fixed::Units(if bits >> 63 == 1 { -units } else { units })
+    if negative {
+        -units
+    } else {
+        units
+    }
 }
 
-/// The f32 nearest to `units · 2^-72`.
+/// The f32 nearest to `units · 2^-72`, ties to even.
 fn from_fixed(units: i128) -> f32 {
-    // `as` rounds to nearest, ties to even; scaling by a power of two is
-    // exact here (|units| < 2^127 gives at most 2^55, and a non-zero
-    // |units| ≥ 1 gives at least 2^-72, both normal f32s).
-    (units as f32) * f32::from_bits((127 - FRAC_BITS) << 23)
+    const SCALE: f32 = f32::from_bits((127 - FRAC_BITS) << 23); // 2^-72
+                                                                // Most gradients are below 2^-9 (2^63 units): the hardware's i64
+                                                                // conversion rounds to nearest, ties to even, and the scaling is exact.
+    if let Ok(small) = i64::try_from(units) {
+        return small as f32 * SCALE;
+    }
+    let m = units.unsigned_abs();
+    // m lies in [2^top, 2^(top + 1)), top <= 127.
+    let mut top = 127 - m.leading_zeros() as i32;
+    let mant = if top <= 23 {
+        (m as u32) << (23 - top)
+    } else {
+        let s = (top - 23) as u32;
+        let whole = (m >> s) as u32;
+        let rest = m & ((1u128 << s) - 1);
+        let half = 1u128 << (s - 1);
+        let mut mant = whole + u32::from(rest > half || (rest == half && whole & 1 == 1));
+        if mant == 1 << 24 {
+            mant >>= 1;
+            top += 1;
+        }
+        mant
+    };
+    // The value is mant · 2^(top - 23 - 72): a normal f32 with biased
+    // exponent top - 72 + 127, in 55..=182 for top in 0..=127.
+    let biased = (top - FRAC_BITS as i32 + 127) as u32;
+    f32::from_bits(u32::from(units < 0) << 31 | biased << 23 | (mant & 0x7f_ffff))
 }
 
 #[cfg(test)]
@@ -202,6 +300,66 @@ mod tests {
             to_fixed(below),
             Fixed::Units((below * f64::from(FRAC_BITS).exp2()) as i128)
         );
+    }
+
+    #[test]
+    fn the_integer_path_for_power_of_two_scales_agrees_with_the_f64_one() {
+        assert_eq!(pow2_exponent(1.0), Some(0));
+        assert_eq!(pow2_exponent(0.25), Some(-2));
+        assert_eq!(pow2_exponent(-0.25), None);
+        assert_eq!(pow2_exponent(0.3), None);
+        assert_eq!(pow2_exponent(0.0), None);
+        assert_eq!(pow2_exponent(f32::INFINITY), None);
+        let mut xs = values(20_000, 11);
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::MIN_POSITIVE,
+            f32::from_bits(1),
+            -f32::from_bits(0x7f_ffff),
+            f32::MAX,
+            f32::INFINITY,
+            f32::NAN,
+            2f32.powi(38) * 1.999,
+            2f32.powi(-73),
+            2f32.powi(-74) * 3.0,
+        ]);
+        for e in [-12, -3, -1, 0, 1, 5] {
+            for &x in &xs {
+                let want = to_fixed(f64::from(x) * f64::from(e).exp2());
+                assert_eq!(f32_units(x, e), want, "x {x:e} scale 2^{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn read_out_agrees_with_the_float_conversion() {
+        // `as f32` on an i128 rounds to nearest, ties to even; scaling by
+        // 2^-72 is exact.
+        let reference = |u: i128| (u as f32) * (-(FRAC_BITS as f32)).exp2();
+        let mut s = 7u64;
+        for _ in 0..200_000 {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let bits = (s >> 57) as u32; // 0..=127 significant bits
+            let raw =
+                (i128::from(s) << 64 | i128::from(s.rotate_left(17))) >> (127 - bits.min(126));
+            for u in [raw, -raw, raw | 0xff_ffff, (raw >> 25) << 25 | 1 << 24] {
+                assert_eq!(from_fixed(u).to_bits(), reference(u).to_bits(), "units {u}");
+            }
+        }
+        for u in [
+            1,
+            -1,
+            (1 << 24) - 1,
+            1 << 24,
+            (1 << 25) - 1,
+            i128::MAX,
+            i128::MIN + 1,
+        ] {
+            assert_eq!(from_fixed(u).to_bits(), reference(u).to_bits(), "units {u}");
+        }
     }
 
     #[test]
