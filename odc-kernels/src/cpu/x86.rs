@@ -14,14 +14,18 @@
 //! that [`super::isa`] detected.
 
 use std::arch::x86_64::{
-    __m128i, __m256, __m256i, _mm256_add_epi32, _mm256_add_ps, _mm256_and_si256,
-    _mm256_blendv_epi8, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps,
-    _mm256_cvtepu16_epi32, _mm256_cvtph_ps, _mm256_cvtps_ph, _mm256_loadu_ps, _mm256_loadu_si256,
-    _mm256_movemask_ps, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32,
-    _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_set1_ps, _mm256_slli_epi32,
-    _mm256_srli_epi32, _mm256_storeu_ps, _mm256_storeu_si256, _mm256_stream_si256, _mm_loadu_si128,
-    _mm_prefetch, _mm_sfence, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
-    _MM_HINT_NTA,
+    __m128i, __m256, __m256d, __m256i, _mm256_add_epi32, _mm256_add_epi64, _mm256_add_ps,
+    _mm256_and_si256, _mm256_andnot_si256, _mm256_blendv_epi8, _mm256_castpd_si256,
+    _mm256_castps256_ps128, _mm256_castps_si256, _mm256_castsi256_ps, _mm256_cmp_ps,
+    _mm256_cmpeq_epi64, _mm256_cmpgt_epi64, _mm256_cvtepu16_epi32, _mm256_cvtph_ps,
+    _mm256_cvtps_pd, _mm256_cvtps_ph, _mm256_extractf128_ps, _mm256_loadu_ps, _mm256_loadu_si256,
+    _mm256_movemask_ps, _mm256_mul_pd, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32,
+    _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_set1_epi64x, _mm256_set1_pd,
+    _mm256_set1_ps, _mm256_setzero_si256, _mm256_slli_epi32, _mm256_sllv_epi64, _mm256_srli_epi32,
+    _mm256_srli_epi64, _mm256_srlv_epi64, _mm256_storeu_ps, _mm256_storeu_si256,
+    _mm256_stream_si256, _mm256_sub_epi64, _mm256_testz_si256, _mm256_unpackhi_epi64,
+    _mm256_unpacklo_epi64, _mm256_xor_si256, _mm_loadu_si128, _mm_prefetch, _mm_sfence,
+    _mm_shuffle_ps, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _MM_HINT_NTA,
 };
 
 use half::{bf16, f16};
@@ -430,4 +434,132 @@ pub unsafe fn copy_stream(dst: *mut u8, src: *const u8, len: usize) {
     // Streaming stores are weakly ordered: without this fence a later
     // store (the signal a reader waits on) could become visible first.
     _mm_sfence();
+}
+
+/// Exact accumulation (deterministic mode, [`super::exact`]): adds
+/// `round(scale · x[i] · 2^72)` into `fixed[i]` for the first
+/// `x.len() / 16 * 16` elements, in 64-bit integer lanes. The product is
+/// exact in f64 and its mantissa is shifted into place, rounding to
+/// nearest, ties to even, exactly as the scalar path does. Infinities, NaNs
+/// and contributions of 2^39 or more add nothing here; the second return
+/// value says whether there were any, for the caller's scalar pass.
+///
+/// Returns the number of elements added.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 and F16C; `fixed.len() >= x.len()`.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn accumulate_exact<X: Lanes>(fixed: &mut [i128], x: &[X], scale: f32) -> (usize, bool) {
+    let n = x.len() / STEP * STEP;
+    let scale = _mm256_set1_pd(f64::from(scale));
+    let mut special = _mm256_setzero_si256();
+    let (xp, fp) = (x.as_ptr(), fixed.as_mut_ptr());
+    for i in (0..n).step_by(STEP) {
+        // SAFETY: `i + 16 <= n <= x.len()`.
+        let v = unsafe { X::load16(xp.add(i)) };
+        let quarters = [
+            _mm256_castps256_ps128(v[0]),
+            _mm256_extractf128_ps::<1>(v[0]),
+            _mm256_castps256_ps128(v[1]),
+            _mm256_extractf128_ps::<1>(v[1]),
+        ];
+        for (q, &four) in quarters.iter().enumerate() {
+            // Lanes in the order [0, 2, 1, 3]: the order in which two
+            // 256-bit loads of four i128s unpack into low and high words.
+            let four = _mm_shuffle_ps::<0b11_01_10_00>(four, four);
+            let product = _mm256_mul_pd(_mm256_cvtps_pd(four), scale);
+            let (lo, hi, odd) = units4(product);
+            special = _mm256_or_si256(special, odd);
+            // SAFETY: elements `i + 4q .. i + 4q + 4 <= n <= fixed.len()`,
+            // as 4 · 16 bytes.
+            unsafe { add4(fp.add(i + 4 * q).cast::<__m256i>(), lo, hi) };
+        }
+    }
+    (n, _mm256_testz_si256(special, special) == 0)
+}
+
+/// Four f64 products (exact, so every one is `±mant · 2^(exp - 1075)` with
+/// `mant < 2^53`) in units of 2^-72, rounded to nearest, ties to even, as
+/// two's-complement (low, high) 64-bit words; lanes that are infinite, NaN
+/// or 2^39 or more give 0 and are flagged in the third vector.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn units4(product: __m256d) -> (__m256i, __m256i, __m256i) {
+    let zero = _mm256_setzero_si256();
+    let one = _mm256_set1_epi64x(1);
+    let ones = _mm256_set1_epi64x(-1);
+    let bits = _mm256_castpd_si256(product);
+    let exp = _mm256_and_si256(_mm256_srli_epi64::<52>(bits), _mm256_set1_epi64x(0x7ff));
+    // 2^39 is exponent 1023 + 39; infinities and NaNs (2047) are above too.
+    let odd = _mm256_cmpgt_epi64(exp, _mm256_set1_epi64x(1023 + 38));
+    let nothing = _mm256_or_si256(odd, _mm256_cmpeq_epi64(exp, zero));
+    let mant = _mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi64x((1 << 52) - 1)),
+        _mm256_set1_epi64x(1 << 52),
+    );
+    let mant = _mm256_andnot_si256(nothing, mant);
+    // units = mant · 2^shift; shift <= 58, so a left shift fits 111 bits.
+    let shift = _mm256_sub_epi64(exp, _mm256_set1_epi64x(1075 - 72));
+    let lo_left = _mm256_sllv_epi64(mant, shift);
+    // Counts of 64 or more (and negative ones, as unsigned) shift in zeros.
+    let hi_left = _mm256_srlv_epi64(mant, _mm256_sub_epi64(_mm256_set1_epi64x(64), shift));
+    // A right shift by s rounds; s is capped at 60, where every mant < 2^53
+    // rounds to 0 as it must.
+    let s = _mm256_sub_epi64(zero, shift);
+    let cap = _mm256_set1_epi64x(60);
+    let s = _mm256_blendv_epi8(s, cap, _mm256_cmpgt_epi64(s, cap));
+    let pow = _mm256_sllv_epi64(one, s);
+    let whole = _mm256_srlv_epi64(mant, s);
+    let rest = _mm256_and_si256(mant, _mm256_sub_epi64(pow, one));
+    let half = _mm256_srli_epi64::<1>(pow);
+    let tie_to_odd = _mm256_and_si256(
+        _mm256_cmpeq_epi64(rest, half),
+        _mm256_cmpeq_epi64(_mm256_and_si256(whole, one), one),
+    );
+    let up = _mm256_or_si256(_mm256_cmpgt_epi64(rest, half), tie_to_odd);
+    let lo_right = _mm256_sub_epi64(whole, up); // up is -1 where it rounds up
+    let right = _mm256_cmpgt_epi64(zero, shift);
+    let lo = _mm256_blendv_epi8(lo_left, lo_right, right);
+    let hi = _mm256_andnot_si256(right, hi_left);
+    // Negative products: the two's complement of (lo, hi).
+    let negative = _mm256_cmpgt_epi64(zero, bits);
+    let neg_lo = _mm256_sub_epi64(zero, lo);
+    let borrow = _mm256_xor_si256(_mm256_cmpeq_epi64(lo, zero), ones); // -1 where lo != 0
+    let neg_hi = _mm256_add_epi64(_mm256_sub_epi64(zero, hi), borrow);
+    (
+        _mm256_blendv_epi8(lo, neg_lo, negative),
+        _mm256_blendv_epi8(hi, neg_hi, negative),
+        odd,
+    )
+}
+
+/// Adds four 128-bit values, given as low and high words in lane order
+/// [0, 2, 1, 3], to the four i128s at `p` (wrapping, as the scalar path).
+///
+/// # Safety
+///
+/// `p` must be valid for reading and writing 64 bytes; the CPU must support
+/// AVX2.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn add4(p: *mut __m256i, lo: __m256i, hi: __m256i) {
+    // SAFETY: the caller's guarantee: two unaligned 32-byte loads.
+    let (a, b) = unsafe { (_mm256_loadu_si256(p), _mm256_loadu_si256(p.add(1))) };
+    // a = [lo0 hi0 | lo1 hi1], b = [lo2 hi2 | lo3 hi3]: per 128-bit lane,
+    // unpack gives lows [lo0 lo2 | lo1 lo3] and highs [hi0 hi2 | hi1 hi3].
+    let (acc_lo, acc_hi) = (_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+    let sum_lo = _mm256_add_epi64(acc_lo, lo);
+    // Unsigned sum_lo < acc_lo means a carry: compare with the sign flipped.
+    let flip = _mm256_set1_epi64x(i64::MIN);
+    let carry = _mm256_cmpgt_epi64(
+        _mm256_xor_si256(acc_lo, flip),
+        _mm256_xor_si256(sum_lo, flip),
+    );
+    let sum_hi = _mm256_sub_epi64(_mm256_add_epi64(acc_hi, hi), carry); // carry is -1
+    // SAFETY: as above.
+    unsafe {
+        _mm256_storeu_si256(p, _mm256_unpacklo_epi64(sum_lo, sum_hi));
+        _mm256_storeu_si256(p.add(1), _mm256_unpackhi_epi64(sum_lo, sum_hi));
+    }
 }
