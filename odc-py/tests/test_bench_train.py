@@ -35,7 +35,7 @@ def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, ca
     assert set(doc["overheads"]) == {"collective", "odc"}
     assert all(len(o["calibration_minibatch_s"]) == 9 for o in doc["overheads"].values())
     rows = doc["rows"]
-    names = [c[0] for c in train.CONFIGS]
+    names = list(train.DEFAULT_CONFIGS)  # every configuration but stealing (tested below)
     assert [(r["label"], r["config"]) for r in rows] == [(m, n) for m in (2, 4) for n in names]
     for r in rows:
         assert len(r["runs"]) == 2, r["config"]
@@ -56,6 +56,64 @@ def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, ca
     assert all(r["speedup_predicted"] == 1.0 and r["speedup_measured"] == 1.0 for r in base)
     assert all(r["speedup_predicted_with_overheads"] == 1.0 for r in base)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_steals_from_a_straggler_and_matches_odc_lb_mini(tmp_path, capsys):
+    out = tmp_path / "steal.json"
+    size, world, minibatches = 8, 2, 3
+    code = main(["train", *TINY, "--configs", "odc+lb-mini,odc+lb-mini+steal", "--minibatch-size", str(size),
+                 "--minibatches", str(minibatches), "--repeats", "1", "--straggler", "1:4", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "straggler: rank 1 computes 4x slower" in text and "stolen/mb" in text
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["collective+lb-micro", "odc+lb-mini", "odc+lb-mini+steal"]
+    steal, plain = rows["odc+lb-mini+steal"], rows["odc+lb-mini"]
+    assert steal["strategy"] == plain["strategy"] == "lb-mini" and steal["steal"] and not plain["steal"]
+    assert steal["microbatches"] == plain["microbatches"]  # the same plan
+    run, plain_run = steal["runs"][0], plain["runs"][0]
+    # Every sample of every minibatch ran exactly once, whichever rank ran it.
+    for k in range(minibatches):
+        ran = sorted(i for rank in run["micro"] for kk, mb, _ in rank if kk == k for i in mb)
+        assert ran == list(range(k * size * world, (k + 1) * size * world)), (k, ran)
+    # Only the straggler slept; it ran fewer microbatches than its own lists hold: the fast rank took the rest.
+    assert run["slept_s"][1] > 0 and run["slept_s"][0] == 0, run["slept_s"]
+    assert len(run["micro"][1]) < len(plain_run["micro"][1]) == sum(m[1] for m in plain["microbatches"])
+    assert len(run["micro"][0]) > len(plain_run["micro"][0])
+    assert sum(run["stolen"]) >= len(run["micro"][0]) - len(plain_run["micro"][0]) > 0, run["stolen"]
+    assert steal["stolen_per_minibatch"] > 0 and plain["stolen_per_minibatch"] is None
+    assert 0 < steal["steal_bound"] < 1 and plain["steal_bound"] is None
+    # Stolen microbatches contribute the gradient their owner's would: the parameters of odc+lb-mini (and the
+    # baseline's) to float tolerance, the same losses.
+    assert steal["same_plan"] == "odc+lb-mini" and steal["params_ok"], steal["dparam"]
+    assert steal["dparam"] <= PARAM_TOLERANCE and steal["dparam_baseline"] <= PARAM_TOLERANCE, steal
+    assert steal["dloss"] < 1e-4, steal["dloss"]
+
+
+def test_stealing_is_checked_against_the_same_plan_without_stealing():
+    every = [c[0] for c in train.CONFIGS]
+    assert train.same_plan("odc+lb-mini+steal", every) == "odc+lb-mini"
+    # Without odc+lb-mini, stealing falls back to what odc+lb-mini is checked against; so does any configuration
+    # whose reference does not run.
+    assert train.same_plan("odc+lb-mini+steal", [train.BASELINE, "odc+lb-mini+steal"]) == train.BASELINE
+    assert train.same_plan("odc+local-sort", every) == "collective+local-sort"
+    assert train.same_plan("odc+local-sort", [train.BASELINE, "odc+local-sort"]) == train.BASELINE
+    assert train.same_plan(train.BASELINE, [train.BASELINE]) == train.BASELINE
+
+
+@pytest.mark.parametrize(("value", "why"), [("1", "RANK:FACTOR"), ("x:2", "RANK:FACTOR"), ("1:0", "RANK:FACTOR"),
+                                            ("1:0.5", "cannot be sped up"), ("2:1.5", "no rank 2 among 2")])
+def test_train_refuses_a_bad_straggler(value, why, capsys):
+    assert main(["train", *TINY, "--configs", "odc+lb-mini+steal", "--straggler", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("odc-bench: error:") and "--straggler" in err and why in err, err
+
+
+def test_train_help_documents_the_straggler(capsys):
+    assert main(["train", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--straggler RANK:FACTOR" in text and "FACTOR-1 times the microbatch's compute time" in text
+    assert "odc+lb-mini+steal" in text
 
 
 def test_train_curves_compare_odc_with_the_collectives(tmp_path, capsys):

@@ -210,8 +210,12 @@ def _train_parser(sub: Any) -> None:
                     help="minibatches per run (default 6; the first is not timed)")
     tr.add_argument("--repeats", type=_positive(int, "--repeats"), default=3,
                     help="interleaved runs per configuration (median; default 3)")
-    tr.add_argument("--configs", default=",".join(c[0] for c in _configs("train")),
-                    help="configurations, comma-separated (the baseline collective+lb-micro always runs)")
+    from .train import DEFAULT_CONFIGS as TRAIN_DEFAULTS
+
+    tr.add_argument("--configs", default=",".join(TRAIN_DEFAULTS),
+                    help="configurations, comma-separated (the baseline collective+lb-micro always runs; default: "
+                         "all but odc+lb-mini+steal, which runs LB-Mini's plan with work stealing: a rank out of "
+                         "microbatches takes unstarted ones of the rank with the most predicted seconds left)")
     tr.add_argument("--curves", action="store_true",
                     help="convergence: train collective+lb-micro, odc+lb-mini and the control collective+local-sort "
                          "on the same samples and compare their loss curves")
@@ -221,6 +225,12 @@ def _train_parser(sub: Any) -> None:
     tr.add_argument("--fit-repeats", type=_positive(int, "--fit-repeats"), default=3,
                     help="timed runs per length for the cost fit (default 3)")
     tr.add_argument("--seed", type=int, default=0, help="seed of the samples' tokens (default 0)")
+    tr.add_argument("--straggler", metavar="RANK:FACTOR", type=_straggler, default=None,
+                    help="slow one rank's compute by a factor >= 1, e.g. 1:1.5: after every microbatch it runs, "
+                         "that rank sleeps FACTOR-1 times the microbatch's compute time (its thread's CPU time, "
+                         "waits on peers not counted), in every configuration's runs (not in the cost fit nor the "
+                         "fixed-cost calibration; the predictions ignore it). Real compute on one host is fairly "
+                         "even: this is what makes odc+lb-mini+steal steal")
     _common(tr)
 
     me = sub.add_parser("memory", help="memory per rank: FSDP2 over gloo and ODC, full and hybrid sharding",
@@ -286,7 +296,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _configs(bench: str = "imbalance") -> tuple[Config, ...]:
-    """The configurations a benchmark runs (``odc-bench train`` has no stealing configuration yet)."""
+    """The configurations a benchmark can run."""
     if bench == "train":
         from .train import CONFIGS as TRAIN_CONFIGS
 

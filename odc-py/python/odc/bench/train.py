@@ -12,7 +12,14 @@ sum of its samples' costs. Compute is real; one thread per rank.
 Every configuration (collective = FSDP2's own gloo collectives, odc =
 ``odc.fsdp.enable``) trains the same model from the same initial weights on
 the same global minibatches; only the packing differs, so every run computes
-the same gradients up to the order of float sums.
+the same gradients up to the order of float sums. ``odc+lb-mini+steal``
+(on request) runs LB-Mini's plan through :func:`odc.fsdp.microbatches`: a
+rank that runs out of its own microbatches takes unstarted ones of the rank
+with the most predicted seconds left, losses scaled by the minibatch's
+tokens as before, so its final parameters match ``odc+lb-mini``'s up to the
+order of float sums. Real compute on one host is fairly even; a straggler
+(``--straggler RANK:FACTOR``: that rank sleeps ``FACTOR - 1`` times the CPU
+time of every microbatch it runs) makes ranks run out at different times.
 
 The prediction is not built from the measurement: before any training, every
 rank times forward + backward of single samples on an unsharded copy of the
@@ -28,31 +35,44 @@ from ``ln(vocab)`` towards the chain's entropy (about ``ln 4``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-# The imbalance benchmark's five configurations (name, mode, strategy); the first is the baseline.
-from .imbalance import BASELINE, STEAL
-from .imbalance import CONFIGS as _ALL_CONFIGS
+# The imbalance benchmark's configurations (name, mode, strategy); the first is the baseline.
+from .imbalance import BASELINE, CONFIGS, STEAL, EmulatedCompute, steal_bound
 
 if TYPE_CHECKING:
     from odc.packing import CostFit
 
-__all__ = ["BASELINE", "CONFIGS", "ModelSpec", "build_model", "fit_lengths", "markov_tokens", "packed_row",
-           "train_rank", "varlen_attention"]
+__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "STEAL", "ModelSpec", "build_model", "fit_lengths",
+           "markov_tokens", "packed_row", "same_plan", "train_rank", "varlen_attention"]
 
 VARLEN = "odc_bench_varlen"
-# The collective run each configuration's final parameters are compared with: the one with the same plan (same
-# samples in the same microbatches), else the baseline (same samples per minibatch, packed differently).
-# Stealing is measured with emulated compute (odc-bench imbalance) only so far.
-CONFIGS = tuple(c for c in _ALL_CONFIGS if not c[0].endswith(STEAL))
-SAME_PLAN = {name: (f"collective+{strategy}" if any(c[0] == f"collective+{strategy}" for c in CONFIGS) else BASELINE)
+# What runs without --configs: every configuration but stealing (which runs on request).
+DEFAULT_CONFIGS = tuple(c[0] for c in CONFIGS if not c[0].endswith(STEAL))
+# The run each configuration's final parameters are compared with: a stealing configuration's, the same one without
+# stealing (the same plan, microbatches run by whichever rank claims them); otherwise the collective run with the
+# same plan (same samples in the same microbatches), else the baseline (same samples per minibatch, packed
+# differently).
+SAME_PLAN = {name: (name.removesuffix(STEAL) if name.endswith(STEAL)
+                    else f"collective+{strategy}" if any(c[0] == f"collective+{strategy}" for c in CONFIGS)
+                    else BASELINE)
              for name, _, strategy in CONFIGS}
+
+
+def same_plan(name: str, configs: Sequence[str]) -> str:
+    """The configuration among ``configs`` whose final parameters ``name``'s are checked against: ``SAME_PLAN``;
+    when that one does not run, its own reference; else the baseline (which always runs)."""
+    ref = SAME_PLAN[name]
+    if ref not in configs:
+        ref = SAME_PLAN[ref] if SAME_PLAN[ref] in configs else BASELINE
+    return ref
 
 
 @dataclass(frozen=True)
@@ -186,13 +206,31 @@ def _time_fit(ctx: Any, spec: ModelSpec, lengths: list[int], repeats: int) -> An
     return packing.fit_cost(pooled), pooled
 
 
+def _seconds(fit: CostFit, lengths: Sequence[int], mb: Sequence[int]) -> float:
+    """The fitted seconds of microbatch ``mb``."""
+    return sum(fit.seconds(lengths[i]) for i in mb)
+
+
 def _vocab(model: Any) -> int:
     return int(model.config.vocab_size)
 
 
 def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]], samples: list[Any],
-         tokens: list[int], lr: float, clip: float, timeout: float, record: bool) -> dict[str, Any]:
-    """One training run of ``minibatches`` (this rank's microbatches per minibatch); timed from a barrier."""
+         tokens: list[int], lr: float, clip: float, timeout: float, record: bool, *,
+         lists: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
+         cost: Callable[[Sequence[int]], float] | None = None, slow: float = 1.0) -> dict[str, Any]:
+    """One training run of ``minibatches`` (this rank's microbatches per minibatch); timed from a barrier.
+
+    Stealing (``lists``, ODC only): every rank's microbatches per minibatch
+    (``plan.minibatches``); this rank runs what :func:`odc.fsdp.microbatches`
+    hands it, its own list first, then other ranks' unstarted microbatches,
+    ``cost`` the predicted seconds of a microbatch. Every rank's list is
+    ordered largest first (the same order on every rank), so thieves take the
+    short ones from the back. ``slow`` (a straggler, ``>= 1``): after each
+    microbatch this rank sleeps ``slow - 1`` times the microbatch's compute
+    time (CPU time of this thread: waits on peers are not counted), so its
+    compute takes ``slow`` times as long; the sleep counts as microbatch time.
+    """
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -200,6 +238,8 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
 
     import odc.fsdp
 
+    if lists is not None and mode != "odc":
+        raise ValueError("stealing needs mode odc")
     model = build_model(spec, seed=0)
     for layer in model.model.layers:
         fully_shard(layer)
@@ -207,31 +247,50 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if mode == "odc":
         odc.fsdp.enable(model, opt, timeout=timeout)
-    rows = [[packed_row([samples[i] for i in mb]) for mb in mine] for mine in minibatches]
+    if lists is None:
+        rows = [[packed_row([samples[i] for i in mb]) for mb in mine] for mine in minibatches]
+    else:
+        weigh = cost or (lambda mb: float(len(mb)))
+        ordered = [[sorted((tuple(mb) for mb in r), key=lambda mb: -weigh(mb)) for r in m] for m in lists]
+        # Any rank may run any microbatch: every one's row is built before the clock starts.
+        row_of = {mb: packed_row([samples[i] for i in mb]) for m in ordered for r in m for mb in r}
     world = ctx.world
+    compute = EmulatedCompute()  # the straggler's extra seconds, each sleep's overshoot carried into the next
     ctx.barrier()
     t0 = time.perf_counter()
-    ends, losses, norms, micro = [], [], [], []
-    for k, mine in enumerate(rows):
+    ends, losses, norms, micro, stolen = [], [], [], [], []
+    for k in range(len(minibatches)):
         local = torch.zeros((), dtype=torch.float64)
-        for j, row in enumerate(mine):
-            m0 = time.perf_counter()
+        if lists is None:
+            work: Any = zip(minibatches[k], rows[k], strict=True)
+            own: set[tuple[int, ...]] = set()
+        else:
+            work = ((mb, row_of[mb]) for mb in odc.fsdp.microbatches(model, ordered[k], cost=weigh))
+            own = set(ordered[k][ctx.rank])
+        taken = 0
+        for mb, row in work:
+            m0, c0 = time.perf_counter(), time.thread_time()
             loss = _loss(model, row)
             (loss * world / tokens[k]).backward()  # FSDP averages over ranks
             local += loss.detach().double()
-            micro.append((k, minibatches[k][j], time.perf_counter() - m0))
+            if slow != 1.0:
+                compute.run((slow - 1.0) * (time.thread_time() - c0))
+            taken += lists is not None and mb not in own
+            micro.append((k, list(mb), time.perf_counter() - m0))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         ends.append(time.perf_counter())
         losses.append(float(local) / tokens[k])
         norms.append(norm)
+        stolen.append(taken)
     norm_values = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
     dist.barrier()
     final = {name: p.to_local().detach().clone() for name, p in model.named_parameters()} if record else None
     if mode == "odc":
         odc.fsdp.disable(model)
-    return {"t0": t0, "ends": ends, "losses": losses, "norms": norm_values, "micro": micro, "final": final}
+    return {"t0": t0, "ends": ends, "losses": losses, "norms": norm_values, "micro": micro, "final": final,
+            "stolen": stolen, "slept_s": compute.requested}
 
 
 def _param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -248,7 +307,7 @@ def _param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
 
 def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], configs: list[str], repeats: int,
                fit_lengths: list[int], fit_repeats: int, lr: float, clip: float, timeout: float, seed: int,
-               skip: int = 1, calibrate: bool = True) -> dict[str, Any]:
+               skip: int = 1, calibrate: bool = True, straggler: tuple[int, float] | None = None) -> dict[str, Any]:
     """One rank of ``odc-bench train``: the cost fit, then every configuration of every point, interleaved.
 
     ``points`` carry the lengths, minibatch size and token budget of each
@@ -257,7 +316,11 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
     measures the fixed costs per microbatch and per minibatch of each mode
     (:func:`_overheads`) for a second prediction. Rank 0 returns the fit, the
     fixed costs, the plans' predictions and every run's timings, losses and
-    parameter differences.
+    parameter differences. ``straggler`` ``(rank, factor)``: that rank's
+    microbatches take ``factor`` times their compute time in every
+    configuration's runs (not in the cost fit nor the fixed-cost
+    calibration; the predictions do not know of it, but the steal bound
+    does).
     """
     import torch
 
@@ -268,6 +331,7 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
     fit, pooled = _time_fit(ctx, spec_, fit_lengths, fit_repeats)
     ctx.emit("progress", "cost fit")
     table = {name: (mode, strategy) for name, mode, strategy in CONFIGS}
+    slow = dict([straggler]) if straggler else {}
     overheads = {}
     for mode in dict.fromkeys(table[name][0] for name in configs) if calibrate else ():
         overheads[mode] = _overheads(ctx, spec_, mode, fit, lr, clip, timeout)
@@ -286,6 +350,7 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
         ref = plans["lb-micro"]
         # Labels per minibatch from the plan itself (every strategy holds the same samples per minibatch).
         tokens = [sum(lengths[i] - 1 for r in m for mb in r for i in mb) for m in ref.minibatches]
+        cost = functools.partial(_seconds, fit, lengths)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         finals: dict[str, dict[str, Any]] = {}
         for rep in range(repeats):
@@ -294,7 +359,8 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                 mode, strategy = table[name]
                 p = plans[strategy]
                 r = _run(ctx, spec_, mode, p.rank(ctx.rank), samples, tokens, lr, clip, timeout,
-                         record=(rep == 0))
+                         record=(rep == 0), lists=p.minibatches if name.endswith(STEAL) else None, cost=cost,
+                         slow=slow.get(ctx.rank, 1.0))
                 if rep == 0:
                     finals[name] = r.pop("final")
                 else:
@@ -304,13 +370,18 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                 ctx.emit("progress", f"{point['label']} {name} #{rep + 1}")
         diffs = {}
         for name in configs:
-            for ref_name in {BASELINE, SAME_PLAN[name]}:
+            for ref_name in {BASELINE, same_plan(name, configs)}:
                 if ref_name in finals and ref_name != name:
                     local = _param_diff(finals[name], finals[ref_name])
                     every = ctx.all_gather_object(local)
                     diffs[f"{name} vs {ref_name}"] = {"max_abs": max(e[0] for e in every),
                                                       "rel_norm": max(e[1] for e in every)}
         predictions = {name: _prediction(plans[table[name][1]], table[name][0], ref, skip) for name in configs}
+        for name in configs:
+            if name.endswith(STEAL):
+                p = plans[table[name][1]]
+                per_rank = [[[(cost(mb), 0) for mb in m] for m in p.rank(r)[skip:]] for r in range(ctx.world)]
+                predictions[name]["steal_bound"] = steal_bound(per_rank, slow)
         if overheads:
             spans = {name: _span_with_overheads(plans[table[name][1]], table[name][0], lengths, fit,
                                                 overheads[table[name][0]], skip) for name in configs}
@@ -421,4 +492,6 @@ def _aggregate(per_rank: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "losses": losses,
         "norms": per_rank[0]["norms"],
         "micro": [[(k, list(mb), t) for k, mb, t in r["micro"]] for r in per_rank],
+        "stolen": [sum(r["stolen"][k] for r in per_rank) for k in range(n)],
+        "slept_s": [r["slept_s"] for r in per_rank],
     }

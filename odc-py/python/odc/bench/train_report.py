@@ -41,6 +41,14 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     if world > cores and not launch.under_torchrun():
         raise UsageError(f"--world {world}: real compute needs a core per rank and this host has {cores}")
     configs = list(CURVE_CONFIGS) if args.curves else _parse_configs(args.configs, "train")
+    straggler = args.straggler
+    if straggler is not None:
+        rank, factor = straggler
+        if rank >= world:
+            raise UsageError(f"--straggler {rank}:{factor:g}: no rank {rank} among {world}")
+        if factor < 1:
+            raise UsageError(f"--straggler {rank}:{factor:g}: real compute cannot be sped up; the factor must be "
+                             f">= 1")
     minimum = 1 if args.curves else WARMUP_MINIBATCHES + 1
     if args.minibatches < minimum:
         raise UsageError(f"--minibatches {args.minibatches}: need at least {minimum} (minibatch 0 is not timed)")
@@ -82,7 +90,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
             on_event=lambda kind, note: bar.step(note) if kind == "progress" else None,
             spec=asdict(spec_), points=points, configs=configs, repeats=repeats, fit_lengths=fit_lengths,
             fit_repeats=args.fit_repeats, lr=args.lr, clip=args.clip, timeout=args.timeout, seed=args.seed,
-            skip=0 if args.curves else WARMUP_MINIBATCHES, calibrate=not args.curves)
+            skip=0 if args.curves else WARMUP_MINIBATCHES, calibrate=not args.curves, straggler=straggler)
     bar.close()
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
@@ -99,6 +107,11 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         f"{100 * fit['rms_relative']:.1f}% (max {100 * fit['max_relative']:.1f}%); fixed cost per call "
         f"{1e3 * fit['overhead_s']:.1f} ms (not in the model)",
     ]
+    if straggler is not None:
+        head.append(f"straggler: rank {straggler[0]} computes {straggler[1]:g}x slower (after every microbatch it "
+                    f"runs it sleeps {straggler[1] - 1:g}x the microbatch's CPU time), in every configuration's "
+                    f"runs; not in the cost fit nor the fixed-cost calibration: the predictions (packer, +fixed) "
+                    f"ignore it, the steal bound does not")
     doc = {"bench": "train", "load_average": os.getloadavg(), "load_samples": load.samples, "cpus": cores,
            "emulated_compute": False, "overheads": out["overheads"],
            "args": {k: v for k, v in vars(args).items() if k not in ("func",)}, "world": world,
@@ -126,7 +139,9 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
                 f"packer = predicted by odc.packing with the fitted model (compute only); +fixed = the same plans "
                 f"with the fixed costs added; error = measured / predicted - 1")
     head.append("dparam: largest |difference| of the final parameters from the collective run with the same plan "
-                "(odc+lb-mini: the baseline; 0 = bitwise equal); vs base: from the baseline (the same samples packed "
+                "(odc+lb-mini: the baseline; odc+lb-mini+steal: odc+lb-mini, the same plan without stealing, else "
+                "the baseline; 0 = bitwise equal; over "
+                f"{PARAM_TOLERANCE:g} fails the run); vs base: from the baseline (the same samples packed "
                 "differently: reordered float sums); loss: largest |difference| of a minibatch's loss from the "
                 "baseline")
     print(render(rows, head, len(points) > 1), flush=True)
@@ -191,7 +206,9 @@ def _where_time_went(runs: list[dict[str, Any]], lengths: list[int], fit: dict[s
 def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], configs: list[str], fit: dict[str, Any],
               world: int) -> list[dict[str, Any]]:
     """One row per (point, configuration): measured and predicted speedup, spread, checks."""
-    from .train import BASELINE, SAME_PLAN
+    from .train import BASELINE, CONFIGS, STEAL, same_plan
+
+    strategies = {name: strategy for name, _, strategy in CONFIGS}
 
     rows = []
     for point, res in zip(points, results, strict=True):
@@ -202,7 +219,7 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
             times = [_timed(r) for r in runs]
             ratios = [_ratio(_timed(b), _timed(r)) for b, r in zip(base_runs, runs, strict=True)]
             speedup = statistics.median(ratios)
-            same = SAME_PLAN[name]
+            same = same_plan(name, configs)
             dparam = 0.0 if same == name else res["diffs"].get(f"{name} vs {same}", {}).get("max_abs", float("nan"))
             dloss = max(abs(a - b) for a, b in zip(runs[0]["losses"], base_runs[0]["losses"], strict=True))
             n_timed = len(runs[0]["minibatch_s"]) - WARMUP_MINIBATCHES
@@ -212,7 +229,8 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
                 "max_tokens": point["max_tokens"],
                 "config": name,
                 "mode": name.split("+")[0],
-                "strategy": name.split("+", 1)[1],
+                "strategy": strategies[name],
+                "steal": name.endswith(STEAL),
                 "microbatches": pred["microbatches"],
                 "max_microbatches": max(max(m) for m in pred["microbatches"]),
                 "time_per_minibatch_s": statistics.median(times) / max(1, n_timed),
@@ -233,6 +251,10 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
                     "max_abs", float("nan")),
                 "params_ok": not (dparam > PARAM_TOLERANCE) and not math.isnan(dparam),
                 "dloss": dloss,
+                # Microbatches run by a rank other than their owner, per timed minibatch (median over repeats).
+                "stolen_per_minibatch": statistics.median(sum(r["stolen"][WARMUP_MINIBATCHES:]) / max(1, n_timed)
+                                                          for r in runs) if name.endswith(STEAL) else None,
+                "steal_bound": pred.get("steal_bound"),
                 **_where_time_went(runs, point["lengths"], fit, world),
                 "runs": runs,
             })
@@ -269,8 +291,9 @@ def render(rows: list[dict[str, Any]], title: list[str], sweep: bool) -> str:
 
 def render_time(rows: list[dict[str, Any]], sweep: bool) -> str:
     """Where the time went: microbatch seconds against the fitted model, busy fraction against the prediction."""
-    header = ["config", "t/minibatch(s)", "packer(s)", "+fixed(s)", "micro/fit", "busy", "pred busy"]
-    widths = [22, 14, 9, 9, 9, 7, 9]
+    header = ["config", "t/minibatch(s)", "packer(s)", "+fixed(s)", "micro/fit", "busy", "pred busy", "stolen/mb",
+              "steal bound"]
+    widths = [22, 14, 9, 9, 9, 7, 9, 9, 11]
     if sweep:
         header.insert(0, "minibatch-size")
         widths.insert(0, 14)
@@ -278,7 +301,9 @@ def render_time(rows: list[dict[str, Any]], sweep: bool) -> str:
     for r in rows:
         cells = [r["config"], fmt(r["time_per_minibatch_s"], 3), fmt(r["predicted_time_per_minibatch_s"], 3),
                  fmt(r["predicted_time_with_overheads_s"], 3), f"{r['micro_over_fit']:.3f}", f"{100 * r['busy']:.1f}%",
-                 f"{100 * (1 - r['bubble_predicted']):.1f}%"]
+                 f"{100 * (1 - r['bubble_predicted']):.1f}%",
+                 "-" if r["stolen_per_minibatch"] is None else f"{r['stolen_per_minibatch']:.2f}",
+                 "-" if r["steal_bound"] is None else f"{100 * (1 - r['steal_bound']):.1f}%"]
         if sweep:
             cells.insert(0, r["label"])
         body.append(cells)
@@ -286,7 +311,10 @@ def render_time(rows: list[dict[str, Any]], sweep: bool) -> str:
              "fitted costs alone, +fixed = with the measured fixed costs; micro/fit = seconds inside "
              "microbatches (forward + backward, collectives' waits included) / the fitted model's prediction for "
              "them; busy = time inside microbatches / (ranks x wall time), predicted = 1 - predicted bubble (under "
-             "ODC 1 - busy is the measured bubble plus optimizer steps)"]
+             "ODC 1 - busy is the measured bubble plus optimizer steps); stolen/mb = microbatches a rank ran from "
+             "another rank's list, per minibatch (median of the repeats); steal bound = the busy fraction the "
+             "stealing policy reaches on the fitted costs (and the straggler) with no fixed costs and no delays: "
+             "microbatches are not split, so a minibatch still ends ragged by up to one"]
     return table(header, body, widths, title)
 
 
