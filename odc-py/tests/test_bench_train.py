@@ -90,8 +90,28 @@ def test_train_steals_from_a_straggler_and_matches_odc_lb_mini(tmp_path, capsys)
     assert steal["dloss"] < 1e-4, steal["dloss"]
 
 
+def test_deterministic_stealing_trains_what_odc_lb_mini_trains(tmp_path, capsys):
+    out = tmp_path / "det.json"
+    code = main(["train", *TINY, "--configs", "odc+lb-mini,odc+lb-mini+steal+det", "--minibatch-size", "8",
+                 "--minibatches", "3", "--repeats", "1", "--straggler", "1:4", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    det = rows["odc+lb-mini+steal+det"]
+    assert det["steal"] and det["strategy"] == "lb-mini" and det["stolen_per_minibatch"] > 0, det
+    # Checked against the same plan without stealing (odc+lb-mini+steal does not run here).
+    assert det["same_plan"] == "odc+lb-mini" and det["params_ok"], det["dparam"]
+    assert det["dparam"] <= PARAM_TOLERANCE and det["dloss"] < 1e-4, det
+
+
 def test_stealing_is_checked_against_the_same_plan_without_stealing():
     every = [c[0] for c in train.CONFIGS]
+    assert train.same_plan("odc+lb-mini+det", every) == "odc+lb-mini"
+    assert train.same_plan("odc+lb-mini+steal+det", every) == "odc+lb-mini+steal"
+    assert train.same_plan("odc+lb-mini+steal+det", [train.BASELINE, "odc+lb-mini", "odc+lb-mini+steal+det"]) \
+        == "odc+lb-mini"
+    assert train.steals("odc+lb-mini+steal+det") and not train.steals("odc+lb-mini+det")
+    assert "odc+lb-mini+det" not in train.DEFAULT_CONFIGS and "collective+lb-micro+det" not in every
     assert train.same_plan("odc+lb-mini+steal", every) == "odc+lb-mini"
     # Without odc+lb-mini, stealing falls back to what odc+lb-mini is checked against; so does any configuration
     # whose reference does not run.

@@ -215,7 +215,9 @@ def _train_parser(sub: Any) -> None:
     tr.add_argument("--configs", default=",".join(TRAIN_DEFAULTS),
                     help="configurations, comma-separated (the baseline collective+lb-micro always runs; default: "
                          "all but odc+lb-mini+steal, which runs LB-Mini's plan with work stealing: a rank out of "
-                         "microbatches takes unstarted ones of the rank with the most predicted seconds left)")
+                         "microbatches takes unstarted ones of the rank with the most predicted seconds left, and "
+                         "the +det variants of the odc configurations, e.g. odc+lb-mini+det, which accumulate "
+                         "gradients deterministically: odc.fsdp.enable(..., deterministic=True))")
     tr.add_argument("--curves", action="store_true",
                     help="convergence: train collective+lb-micro, odc+lb-mini and the control collective+local-sort "
                          "on the same samples and compare their loss curves")

@@ -45,22 +45,34 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 # The imbalance benchmark's configurations (name, mode, strategy); the first is the baseline.
-from .imbalance import BASELINE, CONFIGS, STEAL, EmulatedCompute, steal_bound
+from .imbalance import BASELINE, STEAL, EmulatedCompute, steal_bound
+from .imbalance import CONFIGS as _IMBALANCE_CONFIGS
 
 if TYPE_CHECKING:
     from odc.packing import CostFit
 
-__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "STEAL", "ModelSpec", "build_model", "fit_lengths",
-           "markov_tokens", "packed_row", "same_plan", "train_rank", "varlen_attention"]
+__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "DET", "STEAL", "ModelSpec", "build_model", "fit_lengths",
+           "markov_tokens", "packed_row", "same_plan", "steals", "train_rank", "varlen_attention"]
 
 VARLEN = "odc_bench_varlen"
-# What runs without --configs: every configuration but stealing (which runs on request).
-DEFAULT_CONFIGS = tuple(c[0] for c in CONFIGS if not c[0].endswith(STEAL))
+# An ODC configuration with deterministic accumulation (odc.fsdp.enable(..., deterministic=True)), on request.
+DET = "+det"
+CONFIGS = _IMBALANCE_CONFIGS + tuple((name + DET, mode, strategy) for name, mode, strategy in _IMBALANCE_CONFIGS
+                                     if mode == "odc")
+
+
+def steals(name: str) -> bool:
+    """Whether configuration ``name`` runs its plan through work stealing."""
+    return name.removesuffix(DET).endswith(STEAL)
+
+# What runs without --configs: every configuration but stealing and deterministic accumulation (on request).
+DEFAULT_CONFIGS = tuple(c[0] for c in CONFIGS if not steals(c[0]) and not c[0].endswith(DET))
 # The run each configuration's final parameters are compared with: a stealing configuration's, the same one without
 # stealing (the same plan, microbatches run by whichever rank claims them); otherwise the collective run with the
 # same plan (same samples in the same microbatches), else the baseline (same samples per minibatch, packed
 # differently).
-SAME_PLAN = {name: (name.removesuffix(STEAL) if name.endswith(STEAL)
+SAME_PLAN = {name: (name.removesuffix(DET) if name.endswith(DET)
+                    else name.removesuffix(STEAL) if name.endswith(STEAL)
                     else f"collective+{strategy}" if any(c[0] == f"collective+{strategy}" for c in CONFIGS)
                     else BASELINE)
              for name, _, strategy in CONFIGS}
@@ -218,7 +230,8 @@ def _vocab(model: Any) -> int:
 def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]], samples: list[Any],
          tokens: list[int], lr: float, clip: float, timeout: float, record: bool, *,
          lists: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
-         cost: Callable[[Sequence[int]], float] | None = None, slow: float = 1.0) -> dict[str, Any]:
+         cost: Callable[[Sequence[int]], float] | None = None, slow: float = 1.0,
+         deterministic: bool = False) -> dict[str, Any]:
     """One training run of ``minibatches`` (this rank's microbatches per minibatch); timed from a barrier.
 
     Stealing (``lists``, ODC only): every rank's microbatches per minibatch
@@ -230,6 +243,7 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     microbatch this rank sleeps ``slow - 1`` times the microbatch's compute
     time (CPU time of this thread: waits on peers are not counted), so its
     compute takes ``slow`` times as long; the sleep counts as microbatch time.
+    ``deterministic`` (ODC only) is passed to ``odc.fsdp.enable``.
     """
     import torch
     import torch.distributed as dist
@@ -246,7 +260,7 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if mode == "odc":
-        odc.fsdp.enable(model, opt, timeout=timeout)
+        odc.fsdp.enable(model, opt, timeout=timeout, deterministic=deterministic)
     if lists is None:
         rows = [[packed_row([samples[i] for i in mb]) for mb in mine] for mine in minibatches]
     else:
@@ -359,8 +373,8 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                 mode, strategy = table[name]
                 p = plans[strategy]
                 r = _run(ctx, spec_, mode, p.rank(ctx.rank), samples, tokens, lr, clip, timeout,
-                         record=(rep == 0), lists=p.minibatches if name.endswith(STEAL) else None, cost=cost,
-                         slow=slow.get(ctx.rank, 1.0))
+                         record=(rep == 0), lists=p.minibatches if steals(name) else None, cost=cost,
+                         slow=slow.get(ctx.rank, 1.0), deterministic=name.endswith(DET))
                 if rep == 0:
                     finals[name] = r.pop("final")
                 else:
@@ -378,7 +392,7 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                                                       "rel_norm": max(e[1] for e in every)}
         predictions = {name: _prediction(plans[table[name][1]], table[name][0], ref, skip) for name in configs}
         for name in configs:
-            if name.endswith(STEAL):
+            if steals(name):
                 p = plans[table[name][1]]
                 per_rank = [[[(cost(mb), 0) for mb in m] for m in p.rank(r)[skip:]] for r in range(ctx.world)]
                 predictions[name]["steal_bound"] = steal_bound(per_rank, slow)

@@ -206,7 +206,7 @@ def _where_time_went(runs: list[dict[str, Any]], lengths: list[int], fit: dict[s
 def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], configs: list[str], fit: dict[str, Any],
               world: int) -> list[dict[str, Any]]:
     """One row per (point, configuration): measured and predicted speedup, spread, checks."""
-    from .train import BASELINE, CONFIGS, STEAL, same_plan
+    from .train import BASELINE, CONFIGS, same_plan, steals
 
     strategies = {name: strategy for name, _, strategy in CONFIGS}
 
@@ -230,7 +230,7 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
                 "config": name,
                 "mode": name.split("+")[0],
                 "strategy": strategies[name],
-                "steal": name.endswith(STEAL),
+                "steal": steals(name),
                 "microbatches": pred["microbatches"],
                 "max_microbatches": max(max(m) for m in pred["microbatches"]),
                 "time_per_minibatch_s": statistics.median(times) / max(1, n_timed),
@@ -253,7 +253,7 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
                 "dloss": dloss,
                 # Microbatches run by a rank other than their owner, per timed minibatch (median over repeats).
                 "stolen_per_minibatch": statistics.median(sum(r["stolen"][WARMUP_MINIBATCHES:]) / max(1, n_timed)
-                                                          for r in runs) if name.endswith(STEAL) else None,
+                                                          for r in runs) if steals(name) else None,
                 "steal_bound": pred.get("steal_bound"),
                 **_where_time_went(runs, point["lengths"], fit, world),
                 "runs": runs,
