@@ -163,6 +163,34 @@ def test_imbalance_sweep_gives_one_table_and_one_plot(sweep, labels, field, valu
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_stealing_sweep_plots_bubbles_beside_the_steal_bound(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from odc.bench import imbalance
+
+    out, png = tmp_path / "steal.json", tmp_path / "steal.png"
+    code = main(["imbalance", "--minibatches", "1", "--minibatch-size", "4", "--layers", "1", "--layer-bytes", "4K",
+                 "--compute-scale", "0.00001", "--configs", "odc+lb-mini+steal", "--sweep", "world=2,3",
+                 "--straggler", "1:2", "--json", str(out), "--plot", str(png)])
+    assert code == 0, capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Drawn again from the JSON: two panels, the speedups and the bubbles beside the policy's bound.
+    drawn = []
+    real_savefig = plt.Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        drawn.append([(ax.get_ylabel(), [line.get_label() for line in ax.get_lines()]) for ax in fig.axes])
+        return real_savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    imbalance.plot(json.loads(out.read_text())["rows"], str(tmp_path / "again.png"), "t", "world")
+    (speedups, speed_lines), (bubbles, bubble_lines) = drawn[0]
+    assert speedups == "speedup vs collective+lb-micro" and bubbles == "bubble (%)", drawn
+    assert "odc+lb-mini+steal: the policy's bound (simulated)" in bubble_lines, bubble_lines
+    assert "odc+lb-mini+steal measured" in speed_lines and "odc+lb-mini+steal measured" in bubble_lines
+
+
 class _Ctx:
     rank, world = 1, 2
 

@@ -228,6 +228,9 @@ fn a_contribution_beyond_the_exact_range_fails_the_finish() {
             .unwrap();
         let err = host.finish_minibatch(0).unwrap_err();
         assert!(matches!(err, Error::Protocol { .. }), "{err}");
-        assert!(err.to_string().contains("2^39"), "{err}");
+        assert!(
+            err.to_string().contains("2^39") && err.to_string().contains("bucket \"w\""),
+            "{err}"
+        );
     });
 }

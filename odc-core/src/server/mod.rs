@@ -370,7 +370,10 @@ fn add_own_solo(core: &Core, reg: &Registered, own_slot: &mut Option<Own>) {
             // SAFETY: claimed above; `from + len = back <= slice.len`.
             let data = unsafe { own_bytes(own, from, len) };
             acc.add(0..len, data, own.dtype, own.slice.scale)
-                .map_err(|e| e.to_string())
+                .map_err(|e| {
+                    let name = reg.buckets[own.slice.bucket].name();
+                    format!("this rank's own slice of bucket {name:?}: {e}")
+                })
         }
     };
     own.back = from;
@@ -417,15 +420,21 @@ fn accumulate(
         .as_ref()
         .is_some_and(|o| o.slice.bucket == b && o.slice.offset + o.front == offset);
     let Some(own) = own_slot.as_mut().filter(|_| pairs) else {
-        return acc
-            .add(0..len, data, h.dtype, h.scale)
-            .map_err(|e| format!("rank {rank}: {e}"));
+        return acc.add(0..len, data, h.dtype, h.scale).map_err(|e| {
+            format!(
+                "rank {rank}'s push into bucket {:?}: {e}",
+                reg.buckets[b].name()
+            )
+        });
     };
     if !core.own.claim(own.gen) {
         *own_slot = None;
-        return acc
-            .add(0..len, data, h.dtype, h.scale)
-            .map_err(|e| format!("rank {rank}: {e}"));
+        return acc.add(0..len, data, h.dtype, h.scale).map_err(|e| {
+            format!(
+                "rank {rank}'s push into bucket {:?}: {e}",
+                reg.buckets[b].name()
+            )
+        });
     }
     // The pending front of the own slice may be shorter than the chunk
     // (its back was added alone): pair what overlaps, add the rest alone.
@@ -453,7 +462,12 @@ fn accumulate(
         core.transport.ring(Bell::Client);
         *own_slot = None;
     }
-    result.map_err(|e| format!("rank {rank}: {e}"))
+    result.map_err(|e| {
+        format!(
+            "rank {rank}'s push into bucket {:?}: {e}",
+            reg.buckets[b].name()
+        )
+    })
 }
 
 /// Reads and checks the header of landing slot `[client][slot]`, whose

@@ -356,7 +356,9 @@ mod tests {
         xs[7] = f32::INFINITY;
         xs[40] = 2f32.powi(-60) * 1.5;
         for scale in [1.0f32, 0.25, 0.3, -0.7, 3.0e-5, 1.0e6] {
-            let start: Vec<i128> = (0..xs.len() as i128).map(|i| (i - 2000) << 70 | i).collect();
+            let start: Vec<i128> = (0..xs.len() as i128)
+                .map(|i| (i - 2000) << 70 | i)
+                .collect();
             let (mut fixed, mut spill) = (start.clone(), vec![0f32; xs.len()]);
             let bytes: &[u8] = bytemuck::cast_slice(&xs);
             let _ = accumulate_exact(&mut fixed, &mut spill, bytes, DType::F32, scale);

@@ -557,7 +557,7 @@ unsafe fn add4(p: *mut __m256i, lo: __m256i, hi: __m256i) {
         _mm256_xor_si256(sum_lo, flip),
     );
     let sum_hi = _mm256_sub_epi64(_mm256_add_epi64(acc_hi, hi), carry); // carry is -1
-    // SAFETY: as above.
+                                                                        // SAFETY: as above.
     unsafe {
         _mm256_storeu_si256(p, _mm256_unpacklo_epi64(sum_lo, sum_hi));
         _mm256_storeu_si256(p.add(1), _mm256_unpackhi_epi64(sum_lo, sum_hi));

@@ -668,9 +668,14 @@ def _imbalance(args: argparse.Namespace) -> int:
         from .report import format_size
 
         where = "".join(f"{text}, " for text in fixed)
+        stray = ""
+        if args.noise or args.straggler:
+            stray = "; compute strays from the model: " + ", ".join(
+                ([f"noise sigma {args.noise:g}"] if args.noise else [])
+                + ([f"rank {args.straggler[0]} {args.straggler[1]:g}x slower"] if args.straggler else []))
         short = (f"odc-bench imbalance: {where}{args.layers} layers x {format_size(args.layer_bytes)} f32, "
                  f"cost {args.cost}, {args.minibatches} minibatches\n"
-                 f"EMULATED compute (sleep), real communication; measured vs predicted (odc.packing)")
+                 f"EMULATED compute (sleep), real communication; measured vs predicted (odc.packing){stray}")
         imbalance.plot(rows, args.plot, short, sweep_name)
     wrong = sum(r["wrong"] for r in rows)
     if wrong:

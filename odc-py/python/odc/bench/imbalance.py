@@ -566,27 +566,50 @@ def render(rows: list[dict[str, Any]], title: list[str], sweep_name: str | None)
 
 
 def plot(rows: list[dict[str, Any]], path: str, title: str, sweep_name: str | None) -> None:
-    """Measured against predicted speedup per configuration (over the sweep, if any)."""
+    """Measured against predicted speedup per configuration (over the sweep, if any); with a stealing
+    configuration in a sweep, a second panel of measured bubbles beside the steal bound."""
     from .report import require_matplotlib
 
     plt = require_matplotlib()
-    fig, ax = plt.subplots(figsize=(8, 5))
     names = list(dict.fromkeys(r["config"] for r in rows))
+    bubbles = bool(sweep_name) and any(n.endswith(STEAL) for n in names)
+    fig, axes = plt.subplots(1, 2 if bubbles else 1, figsize=(13 if bubbles else 8, 5), squeeze=False)
+    ax = axes[0][0]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    order = [c[0] for c in CONFIGS]
+
+    def color(name: str) -> Any:
+        # One colour per configuration, the same in every plot whatever --configs leaves out.
+        return colors[order.index(name) % len(colors)] if name in order else "black"
+
     if sweep_name:
         labels = list(dict.fromkeys(r["label"] for r in rows))
         xs = range(len(labels))
-        order = [c[0] for c in CONFIGS]
         for name in names:
             sel = {r["label"]: r for r in rows if r["config"] == name}
-            # One colour per configuration, the same in every plot whatever --configs leaves out.
-            c = colors[order.index(name) % len(colors)] if name in order else "black"
+            c = color(name)
             ax.plot(xs, [sel[x]["speedup_measured"] for x in labels], "-o", color=c, label=f"{name} measured")
             ax.plot(xs, [sel[x]["speedup_predicted"] for x in labels], "--x", color=c, alpha=0.7,
                     label=f"{name} predicted")
         ax.set_xticks(list(xs))
         ax.set_xticklabels([str(x) for x in labels])
         ax.set_xlabel(sweep_name)
+        if bubbles:
+            bx = axes[0][1]
+            for name in names:
+                sel = {r["label"]: r for r in rows if r["config"] == name}
+                bx.plot(xs, [100 * sel[x]["bubble_measured"] for x in labels], "-o", color=color(name),
+                        label=f"{name} measured")
+                if name.endswith(STEAL):
+                    bx.plot(xs, [100 * sel[x]["steal_bound"] for x in labels], ":s", color=color(name), alpha=0.7,
+                            label=f"{name}: the policy's bound (simulated)")
+            bx.set_xticks(list(xs))
+            bx.set_xticklabels([str(x) for x in labels])
+            bx.set_xlabel(sweep_name)
+            bx.set_ylabel("bubble (%)")
+            bx.set_ylim(bottom=0)
+            bx.grid(True, alpha=0.3)
+            bx.legend(fontsize=7)
     else:
         width = 0.38
         xs = range(len(names))
@@ -597,9 +620,9 @@ def plot(rows: list[dict[str, Any]], path: str, title: str, sweep_name: str | No
         ax.set_xticklabels(names, rotation=15, fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_ylabel(f"speedup vs {BASELINE}")
-    ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

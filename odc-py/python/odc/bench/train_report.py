@@ -140,7 +140,8 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
                 f"with the fixed costs added; error = measured / predicted - 1")
     head.append("dparam: largest |difference| of the final parameters from the collective run with the same plan "
                 "(odc+lb-mini: the baseline; odc+lb-mini+steal: odc+lb-mini, the same plan without stealing, else "
-                "the baseline; 0 = bitwise equal; over "
+                "the baseline; a +det configuration: the same one without +det, else its reference; 0 = bitwise "
+                "equal; over "
                 f"{PARAM_TOLERANCE:g} fails the run); vs base: from the baseline (the same samples packed "
                 "differently: reordered float sums); loss: largest |difference| of a minibatch's loss from the "
                 "baseline")
