@@ -246,7 +246,7 @@ def train(variant, rank, world, plan, comm):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if loop == "hf" else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if prec == "fp16" else None
     if comm == "odc":
-        odc.fsdp.enable(model, opt, timeout=60)
+        odc.fsdp.enable(model, opt, timeout=60, deterministic=variant.get("deterministic", False))
     norms = []
     for s, counts in enumerate(plan):
         mbs = [packed(s, rank, j) for j in range(counts[rank])]

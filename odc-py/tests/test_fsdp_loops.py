@@ -49,6 +49,9 @@ VARIANTS = {
         {"loop": "verl", "model": "llama"},
         {"loop": "hf", "model": "llama", "precision": "bf16"},
         {"loop": "titan", "model": "llama", "precision": "fp16"},
+        # Deterministic accumulation under GradScaler (fp16) and under bf16 compute.
+        {"loop": "titan", "model": "qwen2", "precision": "fp16", "deterministic": True},
+        {"loop": "hf", "model": "llama", "precision": "bf16", "deterministic": True},
     ],
     3: [
         {"loop": "titan", "model": "llama", "ckpt": True},
