@@ -254,6 +254,12 @@ def test_memory_formula_sizes_any_model():
     assert zero["odc_shm"] == zero["published"] + zero["accum"] + zero["landing"]
     assert rows["FSDP2 HSDP"]["total"] > zero["total"] > full["total"]
     assert rows["FSDP2 full"]["published"] is None and rows["FSDP2 full"]["total"] == 16e9
+    # Deterministic accumulation: 16 bytes per accumulator element, in private memory (not in odc_shm).
+    assert full["exact"] is None
+    det = {r["label"]: r for r in memory.formula(32 * 10**9, 32, 8, gather_bytes=2, deterministic=True)}
+    assert det["ODC full"]["exact"] == 16e9 and det["ODC hybrid"]["exact"] == 64e9
+    assert det["ODC full"]["total"] == full["total"] + 16e9 and det["ODC full"]["odc_shm"] == full["odc_shm"]
+    assert det["FSDP2 full"]["exact"] is None
     # The landing chunk follows odc-core's budget rule (its unit test: 128 KiB at D = 1024, an error at 4096).
     assert memory.landing_chunk(2 * mib, 8, 256 * mib) == 2 * mib
     assert memory.landing_chunk(2 * mib, 1024, 256 * mib) == 128 * 1024
@@ -268,3 +274,5 @@ def test_memory_formula_prints_every_mode(capsys):
                  "--markdown"]) == 0
     text = capsys.readouterr().out
     assert text.count("\n| ") == 5 and "| ODC hybrid-zero |" in text and "ODC landing slots" in text
+    assert main(["memory", "--formula", "7B", "--world", "16", "--per-node", "8", "--deterministic"]) == 0
+    assert "ODC exact (deterministic)" in capsys.readouterr().out

@@ -257,6 +257,9 @@ def _train_parser(sub: Any) -> None:
                          "MixedPrecisionPolicy; default fp32)")
     me.add_argument("--optim-bytes", type=_positive(int, "--optim-bytes"), default=8,
                     help="with --formula: optimizer state bytes per parameter (default 8: AdamW's two f32 moments)")
+    me.add_argument("--deterministic", action="store_true",
+                    help="with --formula: ODC rows with deterministic accumulation (an exact accumulator, 16 bytes "
+                         "per gradient-shard element)")
     _model_flags(me)
     me.add_argument("--json", metavar="FILE", help="write the results as JSON")
     me.add_argument("--timeout", type=_positive(float, "--timeout"), default=300.0,
@@ -760,7 +763,7 @@ def _memory_formula(args: argparse.Namespace) -> int:
     gather = {"fp32": 4, "bf16": 2}[args.gather_dtype]
     try:
         rows = memory.formula(args.formula, args.world, args.per_node, gather_bytes=gather,
-                              optim_bytes=args.optim_bytes)
+                              optim_bytes=args.optim_bytes, deterministic=args.deterministic)
     except ValueError as e:
         raise UsageError(str(e)) from None
     title = [f"odc-bench memory --formula: {args.formula:,} parameters, {args.world} ranks in nodes of "

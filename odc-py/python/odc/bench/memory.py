@@ -126,9 +126,12 @@ def render(rows: list[dict[str, Any]], title: list[str], markdown: bool = False)
 
 # -- the formula -----------------------------------------------------------------------------------
 
-FORMULA_KEYS = ("params", "grads", "optim", "published", "accum", "cross", "landing")
+FORMULA_KEYS = ("params", "grads", "optim", "published", "accum", "exact", "cross", "landing")
 FORMULA_HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "published": "ODC published",
-                  "accum": "ODC f32 accumulators", "cross": "ODC cross-node sums", "landing": "ODC landing slots"}
+                  "accum": "ODC f32 accumulators", "exact": "ODC exact (deterministic)",
+                  "cross": "ODC cross-node sums", "landing": "ODC landing slots"}
+# Deterministic accumulation: an i128 per f32 accumulator element (odc_kernels::cpu::exact).
+EXACT_BYTES = 16
 
 
 def landing_chunk(chunk: int, group: int, budget: int) -> int:
@@ -140,7 +143,8 @@ def landing_chunk(chunk: int, group: int, budget: int) -> int:
 
 
 def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gather_bytes: int = 4,
-            optim_bytes: int = 8, chunk: int = 2 << 20, landing_mb: int = 256) -> list[dict[str, Any]]:
+            optim_bytes: int = 8, chunk: int = 2 << 20, landing_mb: int = 256,
+            deterministic: bool = False) -> list[dict[str, Any]]:
     """Bytes per rank by kind for a model of ``params`` parameters on ``world`` ranks in nodes of ``per_node``.
 
     FSDP2 keeps the sharded parameters (the optimizer's master copy, ``param_bytes`` each), the sharded gradients
@@ -148,6 +152,8 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
     published copy of the shard in the gather dtype, the f32 accumulators the owner's daemon adds into, across
     nodes an f32 buffer for the cross-node sum (of the node shard under hybrid, of the rank's 1/D piece under
     hybrid-zero), and the landing slots ``2 * group * chunk`` (the chunk shrunk to fit ``ODC_LANDING_MB``).
+    With ``deterministic`` (``odc.fsdp.enable(..., deterministic=True)``) the daemon also keeps an exact
+    fixed-point accumulator, 16 bytes per accumulator element, in private memory.
     Shards are ``params / group`` (FSDP2's padding and ODC's signal words, a few KiB, are left out). Shared memory
     (``odc_shm``) holds the published copy and the landing slots, and across nodes the accumulators too (the other
     nodes read them). Under hybrid-zero FSDP2 shards D ways and ODC keeps the node shard (``docs/hybrid-zero.md``).
@@ -165,6 +171,7 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
         odc = comm == "odc"
         r["published"] = shard * gather_bytes if odc else None
         r["accum"] = shard * 4 if odc else None
+        r["exact"] = shard * EXACT_BYTES if odc and deterministic else None
         r["cross"] = cross * 4 if odc else None
         r["landing"] = 2 * clients * landing_chunk(chunk, clients, budget) if odc else None
         r["odc_shm"] = r["published"] + (r["accum"] if cross else 0) + r["landing"] if odc else None
@@ -215,4 +222,4 @@ def render_formula(rows: list[dict[str, Any]], title: list[str], markdown: bool 
         lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
         return "\n".join(lines)
-    return table(header, body, [58, 11, 11, 15, 13, 20, 19, 17, 11], title)
+    return table(header, body, [58, 11, 11, 15, 13, 20, 25, 19, 17, 11], title)
