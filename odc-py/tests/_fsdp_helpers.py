@@ -337,7 +337,8 @@ def local_shards(model):
     return {k: v.to_local().detach().tolist() for k, v in model.state_dict().items()}
 
 
-def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2, clip=0.5, torch_clip=False):
+def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2, clip=0.5, torch_clip=False,
+                         deterministic=False):
     """Hybrid ODC with AdamW and clipping (odc.fsdp.clip_grad_norm_, or torch's), ranks running
     table[s][r] microbatches at step s.
 
@@ -352,7 +353,7 @@ def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2
     init_pg(rank, world, store)
     model = build(world, mesh=hsdp_mesh(world, per_node))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    odc.fsdp.enable(model, opt, sharding="hybrid", timeout=60)
+    odc.fsdp.enable(model, opt, sharding="hybrid", timeout=60, deterministic=deterministic)
     engine = model._odc_fsdp.engine
     info = {"transport": engine.transport, "sharding": engine.sharding, "norms": [], "comms": None}
     for s, plan in enumerate(table):
@@ -556,7 +557,8 @@ def cuda_fsdp_worker(rank, world, store, steps, micros=2, lr=1e-2, comm="odc.fsd
 # -- ZeRO++-style hybrid (test_fsdp_hybrid_zero.py): a 1-D mesh, node shards in the engine ------------
 
 
-def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_clip=False, lr=1e-2, clip=0.5):
+def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_clip=False, lr=1e-2, clip=0.5,
+                       deterministic=False):
     """The same AdamW + clip loop under sharding="hybrid-zero" and under "full", ranks running
     table[s][r] microbatches at step s, on FSDP2's ordinary 1-D mesh.
 
@@ -569,7 +571,7 @@ def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_cli
     for mode in ("hybrid-zero", "full"):
         model = build(world)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        odc.fsdp.enable(model, opt, sharding=mode, timeout=60)
+        odc.fsdp.enable(model, opt, sharding=mode, timeout=60, deterministic=deterministic)
         engine = model._odc_fsdp.engine
         info = {"sharding": engine.sharding, "transport": engine.transport, "norms": [],
                 "buckets": [engine.bucket(g.name) for g in model._odc_fsdp.groups]}

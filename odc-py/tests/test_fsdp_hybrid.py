@@ -18,12 +18,13 @@ WORLD, PER_NODE = 4, 2
 TABLE = ((2, 0, 1, 3), (0, 0, 2, 1), (1, 2, 0, 0), (3, 1, 1, 0))
 
 
+# torch's clip runs with deterministic accumulation: the same checks hold.
 @pytest.mark.parametrize("torch_clip", [False, True])
 def test_uneven_microbatches_match_single_process(torch_clip):
     # transport "auto": shared memory inside a node, libfabric between the two
     # (test_parity_with_fsdp2_hsdp_over_gloo runs on shared memory alone).
     out = H.all_ok(run_ranks(H.hybrid_uneven_worker, WORLD, timeout=240, per_node=PER_NODE, table=TABLE,
-                        transport="auto", torch_clip=torch_clip))
+                        transport="auto", torch_clip=torch_clip, deterministic=torch_clip))
     for r, info in out.items():
         assert info["sharding"] == "hybrid", info["sharding"]
         assert info["transport"] == "shm+fabric", info["transport"]

@@ -21,10 +21,11 @@ WORLD, PER_NODE = 4, 2
 TABLE = ((2, 0, 1, 3), (0, 0, 2, 1), (1, 2, 0, 0), (3, 1, 1, 0))
 
 
-@pytest.mark.parametrize(("transport", "torch_clip"), [("auto", False), ("shm", True)])
-def test_uneven_microbatches_match_single_process_and_full(transport, torch_clip):
+# The second case also accumulates deterministically (both modes): the same checks hold.
+@pytest.mark.parametrize(("transport", "torch_clip", "deterministic"), [("auto", False, False), ("shm", True, True)])
+def test_uneven_microbatches_match_single_process_and_full(transport, torch_clip, deterministic):
     out = H.all_ok(run_ranks(H.hybrid_zero_worker, WORLD, timeout=300, per_node=PER_NODE, table=TABLE,
-                             transport=transport, torch_clip=torch_clip))
+                             transport=transport, torch_clip=torch_clip, deterministic=deterministic))
     ref = out[0]
     for r, res in out.items():
         hz, full = res["hybrid-zero"], res["full"]
