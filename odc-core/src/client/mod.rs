@@ -522,10 +522,8 @@ impl Worker<'_> {
             if !exact.touched[b].swap(false, Ordering::AcqRel) {
                 continue; // all zero: nothing to add
             }
-            let Some((fixed, len)) = reg.exact_ptr(b) else {
-                return Ok(());
-            };
-            let (acc, _) = reg.accum_ptr(b);
+            let (acc, len) = reg.accum_ptr(b);
+            let fixed = exact.at(reg.accum_off[b]);
             // SAFETY: every client's done word reads this minibatch, so the
             // daemon has added (and acknowledged) every push of it and
             // touches neither accumulator until a push of the next one,

@@ -85,6 +85,16 @@ pub(crate) struct Exact {
     pub(crate) touched: Vec<AtomicBool>,
 }
 
+impl Exact {
+    /// The `i128` of accumulator element `elem` (an element offset into
+    /// all accumulators, as `Registered::accum_off` gives them). The block
+    /// holds `accum_len` of them (sized at register), 64-byte aligned; the
+    /// caller keeps `elem` in range before reading through the pointer.
+    pub(crate) fn at(&self, elem: usize) -> *mut i128 {
+        self.block.as_ptr().cast::<i128>().wrapping_add(elem)
+    }
+}
+
 /// Where the accumulators live: plain heap memory, or (hybrid sharding over
 /// several nodes) a registered region the replicas read.
 #[derive(Debug)]
@@ -156,17 +166,6 @@ impl Registered {
     /// f32 accumulator.
     pub(crate) fn accum_addr(&self, plane: &dyn Plane, b: usize, elem: usize) -> u64 {
         plane.accum() + ((self.accum_off[b] + elem) * 4) as u64
-    }
-
-    /// Deterministic mode: the exact accumulator of bucket `b` as a raw
-    /// pointer and length (`shard_len` elements, like [`Self::accum_ptr`]).
-    pub(crate) fn exact_ptr(&self, b: usize) -> Option<(*mut i128, usize)> {
-        let block = &self.exact.as_ref()?.block;
-        let len = self.buckets[b].shard_len();
-        // SAFETY: the block holds `accum_len` i128s (sized at register) and
-        // is 64-byte aligned.
-        let ptr = unsafe { block.as_ptr().cast::<i128>().add(self.accum_off[b]) };
-        Some((ptr, len))
     }
 
     /// The accumulator of bucket `b` as a raw pointer and length.

@@ -48,13 +48,11 @@ fn runner(m: usize, round: usize, world: usize, local: usize) -> usize {
 /// microbatches in an order and with delays that depend on `trial`.
 /// Returns every rank's gradient shard per minibatch.
 fn run(trial: usize, world: usize, local: usize, sharding: Sharding) -> Vec<Vec<Vec<u32>>> {
-    let key: &'static str =
-        Box::leak(format!("unit_det_{trial}_{world}_{}", sharding.name()).into_boxed_str());
     let cfg = EngineConfig {
         deterministic: true,
         sharding,
         transport: TransportKind::Shm,
-        ..config(key)
+        ..config(&format!("unit_det_{trial}_{world}_{}", sharding.name()))
     };
     let out = Arc::new(Mutex::new(vec![Vec::new(); world]));
     let sink = Arc::clone(&out);

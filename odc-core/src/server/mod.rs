@@ -5,8 +5,9 @@
 //! landing-slot signal; it scans every client's two slot signals (acquire),
 //! reads the slot header, adds `scale · data` into the bucket's f32
 //! accumulator with `odc-kernels` (in deterministic mode into its exact
-//! fixed-point accumulator, [`odc_kernels::cpu::exact`]), and acknowledges with a `put_signal` of no
-//! data into the client's ack word. No lock, no allocation in the loop.
+//! fixed-point accumulator, [`odc_kernels::cpu::exact`]), and acknowledges
+//! with a `put_signal` of no data into the client's ack word. No lock, no
+//! allocation in the loop.
 //!
 //! This rank's own slice of a push arrives through [`crate::protocol::handoff`] as a
 //! pointer into the client's buffer. The daemon adds its front together
@@ -24,11 +25,10 @@
 //! claim word; it never reads or writes published shards or version words. It depends on
 //! the engine's state and the protocol, never on the worker API.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-
-use std::ops::Range;
 
 use odc_kernels::cpu::accumulate_into_f32;
 use odc_kernels::cpu::exact::accumulate_exact;
@@ -320,20 +320,16 @@ unsafe fn accum_range(reg: &Registered, b: usize, offset: usize, len: usize) -> 
     let (acc_ptr, _) = reg.accum_ptr(b);
     // SAFETY: in range (checked); exclusive per the caller's contract.
     let acc = unsafe { std::slice::from_raw_parts_mut(acc_ptr.add(offset), len) };
-    if let Some(exact) = &reg.exact {
-        // Read by the drain after this add's acknowledgement and the done
-        // that follows it.
-        exact.touched[b].store(true, Ordering::Release);
-    }
-    Some(match reg.exact_ptr(b) {
-        None => Target::F32(acc),
-        // SAFETY: the exact accumulator has the same element offsets and
-        // lengths as the f32 one; exclusive per the caller's contract.
-        Some((fixed, _)) => Target::Exact(
-            unsafe { std::slice::from_raw_parts_mut(fixed.add(offset), len) },
-            acc,
-        ),
-    })
+    let Some(exact) = &reg.exact else {
+        return Some(Target::F32(acc));
+    };
+    // Read by the drain after this add's acknowledgement and the done that
+    // follows it.
+    exact.touched[b].store(true, Ordering::Release);
+    // SAFETY: the exact accumulator has the same element offsets and
+    // lengths as the f32 one; exclusive per the caller's contract.
+    let fixed = unsafe { std::slice::from_raw_parts_mut(exact.at(reg.accum_off[b] + offset), len) };
+    Some(Target::Exact(fixed, acc))
 }
 
 /// `len` elements of the own slice from element `from`, as bytes.
@@ -419,22 +415,18 @@ fn accumulate(
     let pairs = own_slot
         .as_ref()
         .is_some_and(|o| o.slice.bucket == b && o.slice.offset + o.front == offset);
+    let rejected = |e| {
+        format!(
+            "rank {rank}'s push into bucket {:?}: {e}",
+            reg.buckets[b].name()
+        )
+    };
     let Some(own) = own_slot.as_mut().filter(|_| pairs) else {
-        return acc.add(0..len, data, h.dtype, h.scale).map_err(|e| {
-            format!(
-                "rank {rank}'s push into bucket {:?}: {e}",
-                reg.buckets[b].name()
-            )
-        });
+        return acc.add(0..len, data, h.dtype, h.scale).map_err(rejected);
     };
     if !core.own.claim(own.gen) {
         *own_slot = None;
-        return acc.add(0..len, data, h.dtype, h.scale).map_err(|e| {
-            format!(
-                "rank {rank}'s push into bucket {:?}: {e}",
-                reg.buckets[b].name()
-            )
-        });
+        return acc.add(0..len, data, h.dtype, h.scale).map_err(rejected);
     }
     // The pending front of the own slice may be shorter than the chunk
     // (its back was added alone): pair what overlaps, add the rest alone.
@@ -462,12 +454,7 @@ fn accumulate(
         core.transport.ring(Bell::Client);
         *own_slot = None;
     }
-    result.map_err(|e| {
-        format!(
-            "rank {rank}'s push into bucket {:?}: {e}",
-            reg.buckets[b].name()
-        )
-    })
+    result.map_err(rejected)
 }
 
 /// Reads and checks the header of landing slot `[client][slot]`, whose

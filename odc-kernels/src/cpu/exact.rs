@@ -91,28 +91,13 @@ fn add<X: Element>(
         _ => (0, false),
     };
     let (fixed, x_rest) = (&mut fixed[done..], &x[done..]);
-    match pow2_exponent(scale) {
+    other |= match pow2_exponent(scale) {
         // The common scales (1, 1/world for a power-of-two world): the
         // product is an exponent shift, all in integers.
-        Some(e) => {
-            for (f, &x) in fixed.iter_mut().zip(x_rest) {
-                match f32_units(x.to_f32(), e) {
-                    Fixed::Units(u) => *f = f.wrapping_add(u),
-                    _ => other = true,
-                }
-            }
-        }
-        None => {
-            let scale = f64::from(scale);
-            for (f, &x) in fixed.iter_mut().zip(x_rest) {
-                // Exact: both factors have at most 24 significant bits.
-                match to_fixed(f64::from(x.to_f32()) * scale) {
-                    Fixed::Units(u) => *f = f.wrapping_add(u),
-                    _ => other = true,
-                }
-            }
-        }
-    }
+        Some(e) => add_units(fixed, x_rest, |x| f32_units(x, e)),
+        // Exact: both factors have at most 24 significant bits.
+        None => add_units(fixed, x_rest, |x| to_fixed(f64::from(x) * f64::from(scale))),
+    };
     if !other {
         return Ok(());
     }
@@ -132,6 +117,19 @@ fn add<X: Element>(
         }
     }
     first_too_large.map_or(Ok(()), Err)
+}
+
+/// Adds `units(x[i])` into `fixed[i]` where it is a count of units;
+/// returns whether any element was not (left for the caller's second pass).
+fn add_units<X: Element>(fixed: &mut [i128], x: &[X], units: impl Fn(f32) -> Fixed) -> bool {
+    let mut other = false;
+    for (f, &x) in fixed.iter_mut().zip(x) {
+        match units(x.to_f32()) {
+            Fixed::Units(u) => *f = f.wrapping_add(u),
+            _ => other = true,
+        }
+    }
+    other
 }
 
 /// `out[i] = out[i] + sum_i` rounded to f32, where `sum_i` is `fixed[i]`

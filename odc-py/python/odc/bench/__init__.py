@@ -187,6 +187,21 @@ def _straggler(text: str) -> tuple[int, float]:
     return r, f
 
 
+def _check_straggler(straggler: tuple[int, float] | None, world: int) -> None:
+    """Refuses a ``--straggler`` rank that is not among the ``world`` ranks."""
+    if straggler and straggler[0] >= world:
+        raise UsageError(f"--straggler {straggler[0]}:{straggler[1]:g}: no rank {straggler[0]} among {world}")
+
+
+def _strays(args: argparse.Namespace) -> list[str]:
+    """How ``--noise`` and ``--straggler`` make the emulated compute stray from the cost model."""
+    strays = [f"each sample's time = model cost x lognormal(mean 1, sigma {args.noise:g}, seed "
+              f"{args.noise_seed})"] if args.noise else []
+    if args.straggler:
+        strays.append(f"rank {args.straggler[0]} computes {args.straggler[1]:g}x slower")
+    return strays
+
+
 def _train_parser(sub: Any) -> None:
     from .train_report import DEFAULT_SYNTHETIC as TRAIN_SYNTHETIC
 
@@ -598,9 +613,7 @@ def _imbalance(args: argparse.Namespace) -> int:
             max_tokens = max(1, round(v * base_max))
         if launch.under_torchrun():
             world = int(os.environ["WORLD_SIZE"])
-        if args.straggler and args.straggler[0] >= world:
-            raise UsageError(f"--straggler {args.straggler[0]}:{args.straggler[1]:g}: no rank {args.straggler[0]} "
-                             f"among {world}")
+        _check_straggler(args.straggler, world)
         try:
             points.append(imbalance.build_point(lengths, world=world, minibatch_size=mbs, max_tokens=max_tokens,
                                                 settings=settings, compute_scale=scale, run_seconds=args.run_seconds,
@@ -649,11 +662,8 @@ def _imbalance(args: argparse.Namespace) -> int:
         f"bubble = 1 - compute / (D * time) measured | predicted by odc.packing; speedup vs {imbalance.BASELINE}; "
         f"error = measured / predicted - 1",
     ]
-    if args.noise or args.straggler:
-        strays = [f"each sample's time = model cost x lognormal(mean 1, sigma {args.noise:g}, seed "
-                  f"{args.noise_seed})"] if args.noise else []
-        if args.straggler:
-            strays.append(f"rank {args.straggler[0]} computes {args.straggler[1]:g}x slower")
+    strays = _strays(args)
+    if strays:
         title.append("COMPUTE STRAYS FROM THE MODEL the plans and predictions use: " + "; ".join(strays))
     print(imbalance.render(rows, title, sweep_name), flush=True)
     if args.json:
@@ -671,11 +681,7 @@ def _imbalance(args: argparse.Namespace) -> int:
         from .report import format_size
 
         where = "".join(f"{text}, " for text in fixed)
-        stray = ""
-        if args.noise or args.straggler:
-            stray = "; compute strays from the model: " + ", ".join(
-                ([f"noise sigma {args.noise:g}"] if args.noise else [])
-                + ([f"rank {args.straggler[0]} {args.straggler[1]:g}x slower"] if args.straggler else []))
+        stray = "; compute strays from the model: " + "; ".join(strays) if strays else ""
         short = (f"odc-bench imbalance: {where}{args.layers} layers x {format_size(args.layer_bytes)} f32, "
                  f"cost {args.cost}, {args.minibatches} minibatches\n"
                  f"EMULATED compute (sleep), real communication; measured vs predicted (odc.packing){stray}")

@@ -31,7 +31,16 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     from odc import packing
     from odc.errors import PackingError
 
-    from . import _check_outputs, _input_lengths, _parse_configs, _progress_flag, _title, launch, train
+    from . import (
+        _check_outputs,
+        _check_straggler,
+        _input_lengths,
+        _parse_configs,
+        _progress_flag,
+        _title,
+        launch,
+        train,
+    )
     from .report import LoadSampler, Progress, write_json
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else args.world
@@ -42,10 +51,9 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         raise UsageError(f"--world {world}: real compute needs a core per rank and this host has {cores}")
     configs = list(CURVE_CONFIGS) if args.curves else _parse_configs(args.configs, "train")
     straggler = args.straggler
+    _check_straggler(straggler, world)
     if straggler is not None:
         rank, factor = straggler
-        if rank >= world:
-            raise UsageError(f"--straggler {rank}:{factor:g}: no rank {rank} among {world}")
         if factor < 1:
             raise UsageError(f"--straggler {rank}:{factor:g}: real compute cannot be sped up; the factor must be "
                              f">= 1")
