@@ -16,7 +16,8 @@
 //!   a bulk copy that streams large copies past the cache. SIMD
 //!   (AVX2 + F16C) on x86_64, chosen at run time; a portable path
 //!   elsewhere; [`cpu::reference`] holds the scalar definitions they are
-//!   tested against.
+//!   tested against. [`cpu::exact`] is deterministic mode's add: every
+//!   contribution as a fixed-point integer, so sums do not depend on order.
 //! - `cuda` — the same kernels for device memory (`kernels.cu`), compiled
 //!   at run time through NVRTC and launched through cudarc, so the crate
 //!   builds on machines without CUDA; `cuda::probe` names what is missing
