@@ -91,16 +91,17 @@ The comms are installed with the public ``FSDPModule.set_custom_all_gather``
 per module; torch refuses a module whose ``fully_shard`` made several groups,
 from per-parameter meshes, and so does :func:`enable`).
 
+Supported torch: :data:`TORCH_RANGE` (2.11 to 2.15), tested on both ends.
 Private FSDP2 state is imported and checked in one module,
-``odc.fsdp._private`` (torch versions in :data:`TORCH_VERSIONS_CHECKED`):
-importing ``odc.fsdp`` never fails on another torch; :func:`enable` raises
-:class:`odc.ConfigError` naming the running torch where a name it reads is
-missing, and warns where all are present but the version was not checked.
-Read here: ``FSDPModule._get_fsdp_state``, ``FSDPState`` (``_lazy_init``,
-``_state_ctx.all_states``, ``_fsdp_param_groups``), per group the names in
-``_private.GROUP_STATE``, per parameter ``PARAM_STATE``, and
-``_get_param_all_gather_inputs`` / ``_get_gradient_divide_factors`` from
-``_fsdp_collectives``.
+``odc.fsdp._private``, whose ``PRIVATE`` table lists every name read or
+written with the releases it was checked on (:data:`TORCH_VERSIONS_CHECKED`)
+and what stands in for it where a release lacks it (torch 2.11 holds one
+parameter group per module, ``_fsdp_param_group``, where 2.12 and later hold
+a list). Importing ``odc.fsdp`` never fails on another torch; :func:`enable`
+raises :class:`odc.ConfigError` naming the running torch and the supported
+range where the torch is outside it or a name it reads is missing, before
+anything is registered (a newer torch runs with ``ODC_ALLOW_UNCHECKED_TORCH=1``
+and a warning).
 
 The package: this module is the public API; ``_state`` the binding (the
 minibatch protocol and its hooks); ``_grads`` the gradient contract;
@@ -127,7 +128,9 @@ from ..errors import ConfigError, ProtocolError
 from ._clip import clip_grad_norm_
 from ._grads import wrap_zero_grad
 from ._private import (
+    TORCH_RANGE,
     TORCH_VERSIONS_CHECKED,
+    TORCH_VERSIONS_TESTED,
     DefaultAllGather,
     DefaultReduceScatter,
     _describe,
@@ -140,8 +143,8 @@ from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live
 from ._steal import microbatches
 from ._transport import _param_device, _pick_transport
 
-__all__ = ["TORCH_VERSIONS_CHECKED", "clip_grad_norm_", "disable", "enable", "finish", "is_enabled", "microbatches",
-           "minibatch"]
+__all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable", "enable",
+           "finish", "is_enabled", "microbatches", "minibatch"]
 
 
 def is_enabled(model: Any) -> bool:
@@ -233,10 +236,12 @@ def enable(
             microbatch, which a plan fixes. See :class:`odc.Engine`.
 
     Warns:
-        UserWarning: the running torch is not in :data:`TORCH_VERSIONS_CHECKED`.
+        UserWarning: a torch newer than :data:`TORCH_RANGE`, allowed by
+            ``ODC_ALLOW_UNCHECKED_TORCH=1``.
 
     Raises:
-        ConfigError: the model is not ``fully_shard``-ed, already enabled,
+        ConfigError: the running torch is outside :data:`TORCH_RANGE` or lacks
+            private FSDP2 state odc.fsdp reads; the model is not ``fully_shard``-ed, already enabled,
             ``sharding`` is unknown or does not fit the mesh (a 2-D mesh under
             ``"full"``, a 1-D mesh under ``"hybrid"``, shard groups that are
             not the ranks of one node), or it uses a setting ODC cannot keep

@@ -1,19 +1,28 @@
-"""The private FSDP2 state odc.fsdp reads, in this one module, guarded by torch version.
+"""The private FSDP2 state odc.fsdp reads and writes, in this one module, guarded by torch version.
 
 odc.fsdp installs ODC through FSDP2's public seams, but it must read some
 private FSDP2 state (parameter groups, their mesh info, divide factors, the
-all-gather inputs) and subclass FSDP2's comm base classes, which live in a
-private module. A torch release may move or rename any of it. Importing
-``odc.fsdp`` must still work then: every name is imported here inside a
-guard, and :func:`check_fsdp2` (called by ``odc.fsdp.enable``) raises
-:class:`odc.ConfigError` naming the running torch, the versions checked and
-what is missing. Where everything is present but the version was not
-checked, it warns once per call. This module also turns that state into
-odc.fsdp's own description of the model (:class:`_Group`, :class:`_Layout`);
-nothing else in the package touches FSDP2's private attributes except
-through what these return (and ``_partial_reduce_output`` in the binding).
+all-gather inputs), write a little of it (hybrid's all-reduce flag and parked
+partial outputs) and subclass FSDP2's comm base classes, which live in a
+private module. Every such name is listed in :data:`PRIVATE` with the torch
+releases (major.minor) odc.fsdp uses it on, checked against each release's
+FSDP2 source (:data:`TORCH_VERSIONS_CHECKED`); where a release lacks a name,
+the entry says what stands in for it, and the accessors here
+(:func:`param_groups`, :func:`drop_partial_reduce`, the reduce-scatter
+order check in :func:`_describe`) pick by the running release.
 
-Checked on :data:`TORCH_VERSIONS_CHECKED`.
+Supported: torch :data:`TORCH_RANGE` (2.11 to 2.15), tested at both ends
+(:data:`TORCH_VERSIONS_TESTED`). Importing ``odc.fsdp`` works on any torch:
+every name is imported inside a guard. :func:`check_fsdp2` (called first by
+``odc.fsdp.enable``, before anything is registered) raises
+:class:`odc.ConfigError` naming the running torch and the supported range
+when the torch is outside it or a private module lacks a name, and
+:func:`check_state` does the same for a missing attribute of an FSDP2
+object. A torch newer than the range runs only with
+``ODC_ALLOW_UNCHECKED_TORCH=1``, with a warning. This module also turns
+that state into odc.fsdp's own description of the model (:class:`_Group`,
+:class:`_Layout`); nothing else in the package touches FSDP2's private
+attributes except through what these return.
 """
 
 from __future__ import annotations
@@ -34,8 +43,114 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-#: torch versions whose private FSDP2 state this module was checked against.
-TORCH_VERSIONS_CHECKED = ("2.15.0",)
+#: The supported torch releases, oldest and newest (major.minor): ``make test`` runs the suite on both.
+TORCH_RANGE = ("2.11", "2.15")
+#: The torch versions the test suite runs on (the two legs of ``make test``).
+TORCH_VERSIONS_TESTED = ("2.11.0", "2.15.0")
+#: torch releases whose FSDP2 sources :data:`PRIVATE` was checked against, name by name.
+TORCH_VERSIONS_CHECKED = ("2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.15.0")
+#: Set to ``1`` to run ``odc.fsdp`` on a torch newer than :data:`TORCH_RANGE` (it warns instead of refusing).
+ALLOW_ENV = "ODC_ALLOW_UNCHECKED_TORCH"
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """One private FSDP2 name odc.fsdp reads or writes, and the torch releases it does so on.
+
+    ``first`` and ``last`` bound the checked releases (major.minor) on which
+    odc.fsdp uses this name; outside them another entry stands in for it
+    (``instead`` says which, and why).
+    """
+
+    owner: str  # the class or module that holds it
+    name: str
+    first: str
+    last: str
+    use: str  # what odc.fsdp does with it
+    instead: str = ""  # what odc.fsdp uses on the checked releases outside first..last
+
+    def used_on(self, minor: tuple[int, int]) -> bool:
+        """Whether odc.fsdp uses this name on a torch of this major.minor."""
+        return _minor(self.first) <= minor <= _minor(self.last)
+
+
+_ALL = ("2.11", "2.15")
+#: Every private FSDP2 name odc.fsdp touches, with the releases it was checked on (see TORCH_VERSIONS_CHECKED).
+PRIVATE: tuple[PrivateName, ...] = (
+    PrivateName("FSDPModule", "_get_fsdp_state", *_ALL, "the module's FSDPState"),
+    PrivateName("FSDPState", "_lazy_init", *_ALL, "what the first forward does, run by enable (idempotent)"),
+    PrivateName("FSDPState", "_is_root", *_ALL, "enable refuses a module that is not the root"),
+    PrivateName("FSDPState", "_state_ctx", *_ALL, "its all_states: every fully_shard-ed module's state"),
+    PrivateName("FSDPState", "_fsdp_param_group", "2.11", "2.11",
+                "the state's one parameter group (None without parameters)",
+                "2.12 made it a list, _fsdp_param_groups (several groups per fully_shard call)"),
+    PrivateName("FSDPState", "_fsdp_param_groups", "2.12", "2.15", "the state's parameter groups (one per mesh)",
+                "2.11 holds one group, _fsdp_param_group"),
+    PrivateName("FSDPParamGroup", "fsdp_params", *_ALL, "the group's parameters, in all-gather order"),
+    PrivateName("FSDPParamGroup", "mesh_info", *_ALL, "the mesh the group shards over (1-D or HSDP)"),
+    PrivateName("FSDPParamGroup", "post_forward_mesh_info", *_ALL, "refuses reshard_after_forward=int"),
+    PrivateName("FSDPParamGroup", "_reduce_scatter_param_indices", "2.15", "2.15",
+                "refuses a group whose reduce-scatter packs gradients in another order than its parameters",
+                "before 2.15 the reduce-scatter packs in parameter order (mixed reduce dtypes are refused by FSDP)"),
+    PrivateName("FSDPParamGroup", "gradient_divide_factor", *_ALL, "the push's scale under AVG and SUM"),
+    PrivateName("FSDPParamGroup", "force_sum_reduction_for_comms", *_ALL, "the post-divide ODC applies itself"),
+    PrivateName("FSDPParamGroup", "all_reduce_grads", *_ALL,
+                "written: hybrid switches FSDP's HSDP all-reduce off (restored by disable)"),
+    PrivateName("FSDPParamGroup", "_all_reduce_process_group", *_ALL, "hybrid: the replicas of the divide factor"),
+    PrivateName("FSDPParamGroup", "_partial_reduce_output", *_ALL,
+                "written: hybrid drops FSDP's parked (zero) partial reduce output at each finish"),
+    PrivateName("FSDPParamGroup", "_partial_reduce_output_layout", "2.15", "2.15",
+                "written: cleared with _partial_reduce_output",
+                "before 2.15 the partial output has no layout beside it"),
+    PrivateName("FSDPParamGroup", "reduce_scatter_unused_params", "2.13", "2.15",
+                "the LayoutError for a shrunk reduce-scatter names the setter that keeps unused parameters",
+                "before 2.13 FSDP always drops a parameter without a gradient; the error says so"),
+    PrivateName("FSDPParamGroup", "_module_fqn", *_ALL, "bucket names and errors"),
+    PrivateName("FSDPParamGroup", "device", *_ALL, "the divide factors' device type"),
+    PrivateName("FSDPParam", "sharded_param", *_ALL, "the parameter whose .grad the gradient contract keeps"),
+    PrivateName("FSDPParam", "sharded_size", *_ALL, "the local gradient's shape"),
+    PrivateName("FSDPParam", "padded_sharded_param_size", *_ALL, "the parameter's offset in the bucket shard"),
+    PrivateName("FSDPParam", "to_sharded_dtensor", *_ALL, "wraps installed and pending local gradients"),
+    PrivateName("FSDPParam", "_param_fqn", *_ALL, "names in errors"),
+    PrivateName("FSDPParam", "sharded_grad_dtype", "2.15", "2.15", "the installed gradient's dtype",
+                "before 2.15 the gradient takes the parameter's dtype"),
+    PrivateName("_fsdp_api", "AllGather", *_ALL, "base class of ODC's all-gather seam"),
+    PrivateName("_fsdp_api", "ReduceScatter", *_ALL, "base class of ODC's reduce-scatter seam"),
+    PrivateName("_fsdp_collectives", "DefaultAllGather", *_ALL, "reinstalled by disable"),
+    PrivateName("_fsdp_collectives", "DefaultReduceScatter", *_ALL, "reinstalled by disable"),
+    PrivateName("_fsdp_collectives", "_get_param_all_gather_inputs", *_ALL, "this rank's shard, to publish"),
+    PrivateName("_fsdp_collectives", "_get_gradient_divide_factors", *_ALL, "FSDP's post-divide under SUM"),
+    PrivateName("_fsdp_common", "FSDPMeshInfo", *_ALL, "mesh kinds"),
+    PrivateName("_fsdp_common", "HSDPMeshInfo", *_ALL, "mesh kinds"),
+    PrivateName("_fsdp_common", "DDPMeshInfo", *_ALL, "mesh kinds"),
+)
+
+
+def _minor(version: str) -> tuple[int, int]:
+    """``"2.11.0+cu130"`` / ``"2.16.0.dev20261101"`` / ``"2.11"`` -> ``(2, 11)``."""
+    parts = version.split("+", 1)[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def running_minor() -> tuple[int, int]:
+    """The running torch's (major, minor); a newer torch allowed by ``ODC_ALLOW_UNCHECKED_TORCH`` reads as the
+    newest supported one (its names are checked as that one's)."""
+    return min(_minor(running_version()), _minor(TORCH_RANGE[1]))
+
+
+def names_of(owner: str) -> tuple[str, ...]:
+    """The private names of ``owner`` that odc.fsdp uses on the running torch."""
+    minor = running_minor()
+    return tuple(n.name for n in PRIVATE if n.owner == owner and n.used_on(minor))
+
+
+def at_least(version: str) -> bool:
+    """Whether the running torch is ``version`` (major.minor) or newer."""
+    return running_minor() >= _minor(version)
+
 
 _missing: list[str] = []
 
@@ -82,15 +197,18 @@ else:
         )
 
 __all__ = [
-    "GROUP_STATE",
-    "PARAM_STATE",
+    "ALLOW_ENV",
+    "PRIVATE",
+    "TORCH_RANGE",
     "TORCH_VERSIONS_CHECKED",
+    "TORCH_VERSIONS_TESTED",
     "AllGather",
     "DDPMeshInfo",
     "DefaultAllGather",
     "DefaultReduceScatter",
     "FSDPMeshInfo",
     "HSDPMeshInfo",
+    "PrivateName",
     "ReduceScatter",
     "_Group",
     "_Layout",
@@ -98,28 +216,15 @@ __all__ = [
     "_get_gradient_divide_factors",
     "_get_param_all_gather_inputs",
     "_node_layout",
+    "at_least",
     "check_fsdp2",
     "check_state",
+    "drop_partial_reduce",
+    "names_of",
+    "param_groups",
     "prefix_store",
+    "unused_params_advice",
 ]
-
-#: What each FSDP2 parameter group must carry for odc.fsdp (read in odc.fsdp).
-GROUP_STATE = (
-    "fsdp_params",
-    "mesh_info",
-    "post_forward_mesh_info",
-    "_reduce_scatter_param_indices",
-    "gradient_divide_factor",
-    "force_sum_reduction_for_comms",
-    "all_reduce_grads",
-    "_all_reduce_process_group",
-    "_partial_reduce_output",
-    "_partial_reduce_output_layout",
-    "_module_fqn",
-    "device",
-)
-#: What each FSDP2 parameter (FSDPParam) must carry.
-PARAM_STATE = ("sharded_param", "sharded_size", "padded_sharded_param_size", "to_sharded_dtensor", "_param_fqn")
 
 
 def running_version() -> str:
@@ -128,43 +233,95 @@ def running_version() -> str:
 
 
 def _where() -> str:
-    return f"torch {running_version()} (odc.fsdp was checked on {', '.join(TORCH_VERSIONS_CHECKED)})"
+    return (
+        f"torch {running_version()} (odc.fsdp supports torch {TORCH_RANGE[0]} to {TORCH_RANGE[1]}; "
+        f"its private FSDP2 state was checked on {', '.join(TORCH_VERSIONS_CHECKED)})"
+    )
 
 
 def check_fsdp2(stacklevel: int = 3) -> None:
-    """Refuses a torch whose private FSDP2 state is missing; warns on an unchecked version.
+    """Refuses a torch outside :data:`TORCH_RANGE`, or one whose private FSDP2 modules lack a name.
+
+    A torch newer than the range runs only with ``ODC_ALLOW_UNCHECKED_TORCH=1``,
+    and then with a warning: its private state is checked as the newest
+    supported release's.
 
     Raises:
-        ConfigError: a private FSDP2 name odc.fsdp needs cannot be imported.
+        ConfigError: the running torch is outside :data:`TORCH_RANGE`, or a
+            private FSDP2 name odc.fsdp needs cannot be imported.
 
     Warns:
-        UserWarning: the running torch is not in :data:`TORCH_VERSIONS_CHECKED`.
+        UserWarning: a torch newer than the range, allowed by ``ODC_ALLOW_UNCHECKED_TORCH=1``.
     """
+    minor = _minor(running_version())
+    if minor < _minor(TORCH_RANGE[0]):
+        raise ConfigError(
+            f"odc.fsdp cannot run on {_where()}: install torch {TORCH_RANGE[0]} or newer, or keep FSDP2's "
+            "own collectives"
+        )
+    if minor > _minor(TORCH_RANGE[1]):
+        if os.environ.get(ALLOW_ENV) != "1":
+            raise ConfigError(
+                f"odc.fsdp has not been checked on {_where()}: it reads private FSDP2 state that a newer torch "
+                f"may have changed; install torch {TORCH_RANGE[1]}, or set {ALLOW_ENV}=1 to try it (then "
+                "compare a few steps against FSDP's own collectives)"
+            )
+        warnings.warn(
+            f"odc.fsdp: running on {_where()} because {ALLOW_ENV}=1; compare a few steps against FSDP's own "
+            "collectives before relying on it",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
     if _missing:
         raise ConfigError(
             f"odc.fsdp cannot run on {_where()}: it reads private FSDP2 state that this torch does not have "
             f"({'; '.join(_missing)}); install one of the checked versions or keep FSDP2's own collectives"
         )
-    if running_version() not in TORCH_VERSIONS_CHECKED:
-        warnings.warn(
-            f"odc.fsdp: torch {running_version()} is not a version odc.fsdp was checked on "
-            f"({', '.join(TORCH_VERSIONS_CHECKED)}); it reads private FSDP2 state that may have changed, "
-            "so compare a few steps against FSDP's own collectives before relying on it",
-            UserWarning,
-            stacklevel=stacklevel,
-        )
 
 
-def check_state(obj: Any, names: tuple[str, ...], what: str) -> None:
-    """Raises :class:`ConfigError` naming the first of ``names`` that ``obj`` (an FSDP2 object) lacks."""
-    for name in names:
+def check_state(obj: Any, owner: str, names: tuple[str, ...] | None = None) -> None:
+    """Raises :class:`ConfigError` naming the first private name of ``owner`` that ``obj`` lacks.
+
+    Args:
+        obj: an FSDP2 object (an ``FSDPState``, ``FSDPParamGroup``, ``FSDPParam`` or ``FSDPModule``).
+        owner: its class name in :data:`PRIVATE`.
+        names: the names to check (default: every name odc.fsdp uses on the running torch).
+    """
+    for name in names_of(owner) if names is None else names:
         try:
             inspect.getattr_static(obj, name)  # without running properties (some assert on the mesh kind)
         except AttributeError:
             raise ConfigError(  # noqa: B904 - the missing name is the whole story
-                f"odc.fsdp cannot run on {_where()}: FSDP2's {what} has no {name!r} (private state that "
+                f"odc.fsdp cannot run on {_where()}: FSDP2's {owner} has no {name!r} (private state that "
                 "odc.fsdp reads); install one of the checked versions or keep FSDP2's own collectives"
             )
+
+
+def param_groups(state: Any) -> list[FSDPParamGroup]:
+    """An ``FSDPState``'s parameter groups: a list from torch 2.12, one group (or None) on 2.11."""
+    check_state(state, "FSDPState")
+    if at_least("2.12"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
+
+
+def drop_partial_reduce(pg: FSDPParamGroup) -> None:
+    """Hybrid: forgets the (zero) reduce-scatter output FSDP parked for an HSDP all-reduce that never comes."""
+    pg._partial_reduce_output = None
+    if at_least("2.15"):
+        cast(Any, pg)._partial_reduce_output_layout.clear()
+
+
+def unused_params_advice() -> str:
+    """What a user whose reduce-scatter input shrank (a parameter got no gradient) can do on this torch."""
+    if at_least("2.13"):
+        return "call model.set_reduce_scatter_unused_params(True) before odc.fsdp.enable"
+    return (
+        f"torch {running_version()}'s FSDP2 always drops such a parameter from the reduce-scatter (torch 2.13 "
+        "added set_reduce_scatter_unused_params(True) to keep it): let every trainable parameter of the group "
+        "take part in each microbatch's loss, freeze the unused ones before fully_shard, or use torch 2.13 or newer"
+    )
 
 
 @dataclass
@@ -204,6 +361,7 @@ class _Layout:
 
 def _states(model: FSDPModule) -> list[Any]:
     state = model._get_fsdp_state()
+    check_state(state, "FSDPState", ("_lazy_init", "_is_root", "_state_ctx"))
     state._lazy_init()  # what the first forward does; idempotent
     if not state._is_root:
         raise ConfigError("odc.fsdp.enable: pass the root fully_shard-ed module (the one that runs forward)")
@@ -217,21 +375,23 @@ _HSDP_MESH = (
 
 def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
     groups: list[_Group] = []
+    check_state(model, "FSDPModule")
     modules = cast(torch.nn.Module, model).modules()
     owners = {id(m._get_fsdp_state()): m for m in modules if isinstance(m, FSDPModule)}
     for state in _states(model):
-        if len(state._fsdp_param_groups) > 1:
-            fqn = state._fsdp_param_groups[0]._module_fqn or "<root>"
+        pgs = param_groups(state)
+        if len(pgs) > 1:
+            fqn = pgs[0]._module_fqn or "<root>"
             raise ConfigError(
-                f"odc.fsdp: fully_shard({fqn}) made {len(state._fsdp_param_groups)} parameter groups "
+                f"odc.fsdp: fully_shard({fqn}) made {len(pgs)} parameter groups "
                 "(per-parameter meshes from shard_placement_fn); ODC installs its comms with "
                 "FSDPModule.set_custom_all_gather / set_custom_reduce_scatter, which take one group "
                 "per module: give every parameter of a fully_shard call the same mesh"
             )
-        for pg in state._fsdp_param_groups:
-            check_state(pg, GROUP_STATE, "parameter group (FSDPParamGroup)")
+        for pg in pgs:
+            check_state(pg, "FSDPParamGroup")
             for fp in pg.fsdp_params:
-                check_state(fp, PARAM_STATE, "parameter (FSDPParam)")
+                check_state(fp, "FSDPParam")
             mesh = pg.mesh_info
             name = f"fsdp{len(groups)}:{pg._module_fqn or '<root>'}"
             one_d = not isinstance(mesh, DDPMeshInfo) and isinstance(mesh, FSDPMeshInfo)
@@ -253,7 +413,8 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                     f"odc.fsdp: {name} uses reshard_after_forward=<int> (gathers over a sub-mesh); "
                     "use True or False with ODC"
                 )
-            if pg._reduce_scatter_param_indices != list(range(len(pg.fsdp_params))):
+            # Before 2.15 the reduce-scatter packs in parameter order (FSDP refuses mixed reduce dtypes).
+            if at_least("2.15") and pg._reduce_scatter_param_indices != list(range(len(pg.fsdp_params))):
                 raise ConfigError(
                     f"odc.fsdp: {name} packs its gradients in another order than its parameters "
                     "(mixed gradient dtypes); give its parameters one grad dtype"

@@ -10,8 +10,9 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from .._c10d import premul_factor
 from ..errors import ConfigError, LayoutError
-from ._private import AllGather, ReduceScatter, _get_gradient_divide_factors, _Group
+from ._private import AllGather, ReduceScatter, _get_gradient_divide_factors, _Group, unused_params_advice
 from ._state import _Binding
 
 
@@ -65,7 +66,7 @@ class _OdcReduceScatter(ReduceScatter):
         # The pushes are summed over every rank (every node too, under hybrid
         # sharding), so a scale divides by FSDP's whole data-parallel size.
         pg = self._g.pg
-        factor = getattr(op, "factor", None)
+        factor = premul_factor(op)
         if factor is not None:  # PREMUL_SUM(1 / gradient_divide_factor)
             return float(factor)
         kind = getattr(op, "op", op)
@@ -110,8 +111,7 @@ class _OdcReduceScatter(ReduceScatter):
         if input_tensor.numel() != ws * n:
             raise LayoutError(
                 f"odc.fsdp: reduce-scatter input of {g.name} holds {input_tensor.numel()} elements, not "
-                f"{ws}·{n}: a parameter got no gradient and FSDP dropped it; call "
-                "model.set_reduce_scatter_unused_params(True) before odc.fsdp.enable"
+                f"{ws}·{n}: a parameter got no gradient and FSDP dropped it; {unused_params_advice()}"
             )
         scale = self._scale(op, input_tensor.dtype)
         # .grad back to what FSDP adds onto (full sharding; it then calls our post-accumulate-grad

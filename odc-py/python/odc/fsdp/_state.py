@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..engine import Engine
 from ..errors import ConfigError, ProtocolError
 from ._grads import GradContract
-from ._private import _get_param_all_gather_inputs, _Group, _Layout
+from ._private import _get_param_all_gather_inputs, _Group, _Layout, drop_partial_reduce
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
 SHARDINGS = ("full", "hybrid", "hybrid-zero")
@@ -95,8 +95,7 @@ class _Binding:
             # awaiting an all-reduce that never comes; they would stay
             # allocated, a gradient's worth per group.
             for g in self.groups:
-                g.pg._partial_reduce_output = None
-                g.pg._partial_reduce_output_layout.clear()
+                drop_partial_reduce(g.pg)
         if install:
             self.grads.install([self.engine.grad_shard(g.name) for g in self.groups])
         self.engine.zero_grad()
