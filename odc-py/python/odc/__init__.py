@@ -45,10 +45,28 @@ from .errors import (
 
 
 def register() -> None:
-    """Registers the torch.distributed backend ``"odc"`` (also done by torch's entry point)."""
+    """Registers the torch.distributed backend ``"odc"`` (idempotent).
+
+    ``import odc`` already does it, so ``init_process_group("odc")`` works
+    after the import on every supported torch; torch 2.14 and later also
+    find the backend without any import, through the
+    ``torch.distributed.backends`` entry point (which calls this).
+    """
     from .backend import register as _register
 
     _register()
+
+
+def _register_backend_on_import() -> None:
+    # torch 2.11 to 2.13 do not read the torch.distributed.backends entry point: importing odc
+    # must be enough there. A torch built without distributed support has no backends to register.
+    import torch.distributed
+
+    if torch.distributed.is_available():
+        register()
+
+
+_register_backend_on_import()
 
 
 __all__ = [

@@ -1,9 +1,11 @@
 """The torch.distributed backend ``"odc"``: all-gather and reduce-scatter on ODC.
 
-``dist.init_process_group("odc")`` works without importing ``odc``: torch
-finds the backend through the ``torch.distributed.backends`` entry point,
-which calls :func:`register`. :func:`odc.register` does the same explicitly
-(it is idempotent). The backend is registered for CPU and CUDA tensors
+``import odc`` registers the backend (:func:`register`), so
+``dist.init_process_group("odc")`` works after it on every supported torch.
+torch 2.14 and later also find it without any import, through the
+``torch.distributed.backends`` entry point, which calls :func:`register`;
+torch 2.11 to 2.13 do not read that entry point. :func:`odc.register` does
+the same explicitly (it is idempotent). The backend is registered for CPU and CUDA tensors
 (``devices=["cpu", "cuda"]``), so ``"odc"`` and ``"cpu:odc,cuda:odc"`` both
 name it.
 
@@ -34,9 +36,13 @@ operations ODC has no verb for:
 |                                          | other ops and dtypes: gloo                  |
 +------------------------------------------+---------------------------------------------+
 | ``broadcast``, ``barrier``, ``reduce``,  | gloo (CUDA tensors: on host copies)         |
-| ``gather``, ``scatter``, ``alltoall``,   |                                             |
+| ``gather``, ``scatter``,                 |                                             |
 | ``all_to_all_single``, ``send``,         |                                             |
 | ``recv``, ``recv_anysource``             |                                             |
++------------------------------------------+---------------------------------------------+
+| ``alltoall`` (list form)                 | gloo's ``all_to_all_single`` over flat      |
+|                                          | buffers (one dtype; gloo has no list form   |
+|                                          | on torch 2.11)                              |
 +------------------------------------------+---------------------------------------------+
 
 ODC collectives on CPU tensors complete before they return (the returned

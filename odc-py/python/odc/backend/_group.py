@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .._c10d import gloo_method, premul_factor
 from ..deadline import deadline_for
 from ..engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
 from ..errors import ConfigError, LayoutError, OdcError, ProtocolError
@@ -102,7 +103,9 @@ def _scale(op: Any, world: int, what: str, dtype: torch.dtype) -> float:
     if red == _ReduceOp.AVG:
         return 1.0 / world
     if red == _ReduceOp.PREMUL_SUM:
-        factor = op.factor
+        factor = premul_factor(op)
+        if factor is None:
+            raise UnsupportedCollective(f"{what}: PREMUL_SUM without a readable factor ({op!r})")
         if isinstance(factor, torch.Tensor):
             if factor.numel() != 1:
                 raise UnsupportedCollective(f"{what}: PREMUL_SUM with a factor of {factor.numel()} elements")
@@ -276,14 +279,17 @@ class ProcessGroupODC(dist.ProcessGroup):
                 self._failure = e
                 raise
 
-    def _delegate(self, op: str, *args: Any) -> dist.Work:
-        """Runs ``op`` on the internal gloo backend (an operation ODC does not run); CUDA tensors on host copies."""
+    def _delegate(self, op: str, *args: Any, count_as: str | None = None) -> dist.Work:
+        """Runs ``op`` on the internal gloo backend (an operation ODC does not run); CUDA tensors on host copies.
+
+        ``count_as``: the operation the caller asked for, in ``op_counts`` (default ``op``).
+        """
         if self._gloo is None:
             raise OdcError(f"{op}: this odc process group was shut down")
         device = _op_device(op, _tensors(args))
-        self.op_counts[f"gloo:{op}"] += 1
+        self.op_counts[f"gloo:{count_as or op}"] += 1
         if device.type == "cpu":
-            work: dist.Work = getattr(self._gloo, op)(*args)
+            work: dist.Work = gloo_method(self._gloo, op)(*args)
             return work
         return self._staged(op, *args)
 
@@ -295,7 +301,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         """
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         host = [_to_host(a, copies if i == 0 and op != "send" else None) for i, a in enumerate(args)]
-        return _StagedWork(getattr(self._gloo, op)(*host), copies)
+        return _StagedWork(gloo_method(self._gloo, op)(*host), copies)
 
     def _all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> torch.device:
         if out.numel() != inp.numel() * self.size():
@@ -450,7 +456,26 @@ class ProcessGroupODC(dist.ProcessGroup):
         return self._delegate("scatter", outputs, inputs, opts or dist.ScatterOptions())
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        return self._delegate("alltoall", outputs, inputs, opts or dist.AllToAllOptions())
+        """The list form, as one gloo ``all_to_all_single`` over flat buffers: gloo has no list form on torch
+        2.11 (nor on some later builds), and one code path serves every torch."""
+        what = "alltoall"
+        if len(inputs) != self.size() or len(outputs) != self.size():
+            raise LayoutError(
+                f"{what}: {len(inputs)} inputs and {len(outputs)} outputs for a group of {self.size()} ranks"
+            )
+        dtypes = {t.dtype for t in (*inputs, *outputs)}
+        if len(dtypes) != 1:
+            raise LayoutError(f"{what}: every input and output must have one dtype, got {sorted(map(str, dtypes))}")
+        device = _op_device(what, (*inputs, *outputs))
+        send = torch.cat([t.reshape(-1) for t in inputs])
+        recv = torch.empty(sum(t.numel() for t in outputs), dtype=dtypes.pop(), device=device)
+        sizes_out, sizes_in = [t.numel() for t in outputs], [t.numel() for t in inputs]
+        work = self._delegate("all_to_all_single", recv, send, sizes_out, sizes_in, opts or dist.AllToAllOptions(),
+                              count_as=what)
+        offsets = [sum(sizes_out[:i]) for i in range(len(outputs))]
+        copies = [(out, recv.narrow(0, off, out.numel()).view(out.shape))
+                  for out, off in zip(outputs, offsets, strict=True)]
+        return _StagedWork(work, copies)
 
     def all_to_all_single(
         self,
