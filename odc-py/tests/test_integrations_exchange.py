@@ -10,6 +10,8 @@ import odc
 from odc import packing
 from odc.integrations import _exchange as X
 
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
 
 def _loads(runs, lengths, cost="verl"):
     return [sum(packing.sequence_cost(lengths[src][i], cost) for src, i in run) for run in runs]
@@ -68,3 +70,25 @@ def test_exchange_delivers_each_payload_to_its_rank():
         for src in range(3):
             want = b"" if (src + rank) % 3 == 0 else bytes([src, rank]) * (1 + 1000 * src + rank)
             assert got[src] == want, (rank, src, len(got[src]), len(want))
+
+
+def test_each_trainer_integration_imports_or_names_the_torch_it_needs():
+    """On torch 2.11 ``odc.integrations.torchtitan`` says torchtitan 0.3.0 needs torch 2.12 (a ConfigError, not
+    torchtitan's ImportError); where torchtitan runs (make setup's torch 2.15) it imports."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    minor = tuple(int(x) for x in version.split(".")[:2])
+    code = "import odc.integrations.torchtitan"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    if minor < (2, 12):
+        assert p.returncode != 0 and "ConfigError" in p.stderr, p.stderr
+        assert "needs torch 2.12 or newer" in p.stderr and f"this is torch {version}" in p.stderr, p.stderr
+    elif importlib.util.find_spec("torchtitan") is not None:
+        assert p.returncode == 0, p.stderr
+    else:
+        assert "ConfigError" in p.stderr and "odc[torchtitan]" in p.stderr, p.stderr

@@ -9,7 +9,9 @@ from types import ModuleType
 from ..errors import ConfigError
 
 
-def import_trainer(package: str, checked: tuple[str, ...], advice: str) -> tuple[ModuleType, str]:
+def import_trainer(
+    package: str, checked: tuple[str, ...], advice: str, min_torch: str | None = None
+) -> tuple[ModuleType, str]:
     """Imports ``package`` (``verl``, ``torchtitan``) for ``odc.integrations.<package>``.
 
     Returns the module and a phrase naming its version and the checked ones,
@@ -17,9 +19,20 @@ def import_trainer(package: str, checked: tuple[str, ...], advice: str) -> tuple
     version is not in ``checked``.
 
     Raises:
-        ConfigError: the package is not installed, saying which extra installs it.
+        ConfigError: the package is not installed, saying which extra installs it;
+            or the running torch is older than ``min_torch`` (major.minor), the
+            oldest the checked version of the package imports on.
     """
     integration = f"odc.integrations.{package}"
+    if min_torch is not None:
+        import torch
+
+        running = str(torch.__version__).split("+", 1)[0]
+        if tuple(int(x) for x in running.split(".")[:2]) < tuple(int(x) for x in min_torch.split(".")[:2]):
+            raise ConfigError(
+                f"{integration}: {package} {', '.join(checked)} needs torch {min_torch} or newer (it imports "
+                f"FSDP2 names that torch {min_torch} added); this is torch {running}"
+            )
     try:
         module = importlib.import_module(package)
     except ImportError as e:

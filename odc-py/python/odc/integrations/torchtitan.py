@@ -53,10 +53,11 @@ TORCHTITAN_VERSIONS_CHECKED = ("0.3.0",)
 
 
 def _torchtitan() -> Any:
-    import_trainer("torchtitan", TORCHTITAN_VERSIONS_CHECKED, "compare a few steps against torchtitan's own trainer")
-    import torchtitan.trainer  # type: ignore[import-untyped]
-    from torchtitan.components.dataloader import BaseDataLoader  # type: ignore[import-untyped]
-    from torchtitan.components.loss import IGNORE_INDEX  # type: ignore[import-untyped]
+    import_trainer("torchtitan", TORCHTITAN_VERSIONS_CHECKED, "compare a few steps against torchtitan's own trainer",
+                   min_torch="2.12")
+    import torchtitan.trainer
+    from torchtitan.components.dataloader import BaseDataLoader
+    from torchtitan.components.loss import IGNORE_INDEX
 
     return torchtitan.trainer.Trainer, BaseDataLoader, IGNORE_INDEX
 

@@ -130,7 +130,7 @@ def _verl() -> tuple[Any, Any, Any]:
                     f"odc.integrations.verl cannot run on {where}: {getattr(owner, '__name__', owner)} has no "
                     f"{name!r}; install one of the checked versions or train without ODC"
                 )
-    prepare = impl.prepare_micro_batches  # type: ignore[attr-defined]  # imported there from verl.workers.engine.utils
+    prepare = impl.prepare_micro_batches  # imported there from verl.workers.engine.utils
     if "same_micro_num_in_dp" not in inspect.signature(prepare).parameters:
         raise ConfigError(
             f"odc.integrations.verl cannot run on {where}: prepare_micro_batches takes no same_micro_num_in_dp; "
@@ -346,7 +346,7 @@ def _balance(data: Any, group: Any, cost: str, tu: Any) -> Any:
 
 def _is_metadata(value: Any) -> bool:
     """Per-batch values (verl's NonTensorData: temperature, token budget, ...), not per-sample ones."""
-    from tensordict import NonTensorData  # type: ignore[import-untyped]
+    from tensordict import NonTensorData
 
     return isinstance(value, NonTensorData)
 
