@@ -74,7 +74,11 @@ def build_model(args):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     if args.ckpt:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.2x renamed gradient_checkpointing_enable; verl's pin (5.9) has only the old name.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

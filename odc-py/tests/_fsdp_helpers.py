@@ -6,6 +6,7 @@ and initialises a gloo process group on that store.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import subprocess
@@ -23,6 +24,8 @@ import odc.backend
 import odc.fsdp
 
 DIM, VOCAB = 24, 37  # odd sizes: FSDP's shards are not 64-byte aligned
+#: The running torch's (major, minor), for the few checks that exist on some supported releases only.
+TORCH_MINOR = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 
 
 class Block(nn.Module):
@@ -239,13 +242,62 @@ def errors_worker(rank, world, store):
     odc.fsdp.disable(model)
 
     found["installs"] = _installs_through_public_setters(world)
-    expect("per_param_mesh", odc.ConfigError, lambda: odc.fsdp.enable(_per_param_mesh_model(world), None))
+    if TORCH_MINOR >= (2, 12):  # torch 2.11 has no per-parameter meshes (one group per fully_shard call)
+        expect("per_param_mesh", odc.ConfigError, lambda: odc.fsdp.enable(_per_param_mesh_model(world), None))
 
     model = build(world, unused=True)
     odc.fsdp.enable(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=30)
     expect("unused", odc.LayoutError, lambda: sample_loss(model, data(0, 0, rank)).backward())
     expect("dead_peer", odc.PeerError, lambda: _die_mid_training(rank, world))
     return found
+
+
+def missing_names_worker(rank, world, store):
+    """Takes each private FSDP2 name odc.fsdp uses on this torch away from a real fully_shard-ed model in turn
+    (from the instance, or from the class where the instance finds it) and calls ``enable``.
+
+    Returns ``{"owner.name": message}``: the ConfigError's message, or what happened instead (another error,
+    a model left enabled, a binding left alive, a comm left installed).
+    """
+    import inspect
+
+    from odc.fsdp import _private, _state
+
+    init_pg(rank, world, store)
+    model = build(world)
+    model(data(0, 0, 0)).sum().backward()  # lazy init and one real step of FSDP's own collectives
+    state = model._get_fsdp_state()
+    groups = _private.param_groups(state)
+    comms = [(pg._all_gather_comm, pg._reduce_scatter_comm) for pg in groups]
+    holders = {"FSDPModule": [model], "FSDPState": [state], "FSDPParamGroup": groups,
+               "FSDPParam": [fp for pg in groups for fp in pg.fsdp_params]}
+    out = {}
+    for owner, objs in holders.items():
+        for name in _private.names_of(owner):
+            obj = objs[-1]
+            target = obj if name in vars(obj) else next(k for k in type(obj).__mro__ if name in vars(k))
+            keep = vars(target)[name]
+            delattr(target, name)
+            try:
+                inspect.getattr_static(obj, name)
+                out[f"{owner}.{name}"] = "still there"
+                continue
+            except AttributeError:
+                pass
+            try:
+                odc.fsdp.enable(model, None, timeout=30)
+                out[f"{owner}.{name}"] = "no error"
+            except odc.ConfigError as e:
+                out[f"{owner}.{name}"] = str(e)
+            except Exception as e:  # the test reports what escaped
+                out[f"{owner}.{name}"] = f"{type(e).__name__}: {e}"
+            finally:
+                setattr(target, name, keep)
+            left = [odc.fsdp.is_enabled(model) and "enabled", len(_state._live) and "a live binding",
+                    [(pg._all_gather_comm, pg._reduce_scatter_comm) for pg in groups] != comms and "comms"]
+            if any(left):
+                out[f"{owner}.{name}"] += f" | left behind: {[x for x in left if x]}"
+    return out
 
 
 def _installs_through_public_setters(world):
@@ -356,18 +408,30 @@ def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2
     odc.fsdp.enable(model, opt, sharding="hybrid", timeout=60, deterministic=deterministic)
     engine = model._odc_fsdp.engine
     info = {"transport": engine.transport, "sharding": engine.sharding, "norms": [], "comms": None}
+    comms: collections.Counter[str] = collections.Counter()
+
+    @contextlib.contextmanager
+    def counted(on):
+        # A CommDebugMode per forward: torch 2.11's fails on a module's second forward under one mode.
+        if not on:
+            yield
+            return
+        with CommDebugMode() as cm:
+            yield
+        comms.update({str(k): v for k, v in cm.get_comm_counts().items()})
+
     for s, plan in enumerate(table):
         norm = 27 * sum(plan)  # tokens in the whole minibatch
-        with CommDebugMode() if s == 0 else contextlib.nullcontext() as cm:
-            for m in range(plan[rank]):
+        for m in range(plan[rank]):
+            with counted(s == 0):
                 model.set_requires_gradient_sync(True)
                 (sample_loss(model, data(s, m, rank)) / norm * world).backward()  # FSDP averages over D
+        with counted(s == 0):
             clip_fn = torch.nn.utils.clip_grad_norm_ if torch_clip else odc.fsdp.clip_grad_norm_
             info["norms"].append(float(clip_fn(model.parameters(), clip)))
             opt.step()
             opt.zero_grad()
-        if s == 0:
-            info["comms"] = {str(k): v for k, v in cm.get_comm_counts().items()}
+    info["comms"] = dict(comms)
     info["all_reduce_off"] = all(not g.pg.all_reduce_grads for g in model._odc_fsdp.groups)
     info["shards"] = local_shards(model)
     odc.fsdp.disable(model)
@@ -395,7 +459,7 @@ def hybrid_uneven_worker(rank, world, store, per_node, table, transport, lr=1e-2
 
 def _groups(model):
     state = model._get_fsdp_state()
-    return [pg for st in state._state_ctx.all_states for pg in st._fsdp_param_groups]
+    return [pg for st in state._state_ctx.all_states for pg in odc.fsdp._private.param_groups(st)]
 
 
 def hybrid_parity_worker(rank, world, store, per_node, variants, transport):

@@ -72,7 +72,11 @@ def hf_model(kind, ckpt=False, layers=2):
     model = model_cls(cfg)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
     if ckpt:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # transformers 5.2x renamed gradient_checkpointing_enable; verl's pin (5.9) has only the old name.
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

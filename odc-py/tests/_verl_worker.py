@@ -126,7 +126,9 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
         return verl_prepare(*args, **{**kwargs, "same_micro_num_in_dp": False})
 
     dist.barrier()
-    dist.set_timeout(datetime.timedelta(seconds=hang_timeout))
+    # torch 2.14 made the process-group timeout setter public; before it, the private one does the same.
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(datetime.timedelta(seconds=hang_timeout))
     t0 = time.monotonic()
     calls: list = []
     try:

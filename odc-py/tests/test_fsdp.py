@@ -15,6 +15,8 @@ from _dist import run_ranks
 import odc
 import odc.fsdp
 
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_sft.py"
 
 
@@ -71,7 +73,9 @@ def test_errors_are_typed_and_clear_and_a_dead_peer_is_named():
     assert "already enabled" in found["twice"], found
     assert "pending" in found["pending"], found
     assert "ProtocolError" in found["stale_forward"] and "step the optimizer" in found["stale_forward"], found
+    # The advice fits the running torch: the setter from 2.13, what to do instead before it.
     assert "LayoutError" in found["unused"] and "set_reduce_scatter_unused_params" in found["unused"], found
+    assert ("torch 2.13 added" in found["unused"]) == (H.TORCH_MINOR < (2, 13)), found
     # Comms go in through FSDP2's public setters, one call per FSDP module (= group), each its own object.
     inst = found["installs"]
     assert inst["groups"] == 3 and inst["own"], inst  # two blocks and the root
@@ -79,26 +83,48 @@ def test_errors_are_typed_and_clear_and_a_dead_peer_is_named():
     assert {c[2] for c in inst["enable"]} == {"_OdcAllGather", "_OdcReduceScatter"}, inst
     assert {c[2] for c in inst["disable"]} == {"DefaultAllGather", "DefaultReduceScatter"}, inst
     assert len(inst["disable"]) == len(inst["enable"]), inst
-    assert "ConfigError" in found["per_param_mesh"] and "set_custom_all_gather" in found["per_param_mesh"], found
+    if H.TORCH_MINOR >= (2, 12):
+        assert "ConfigError" in found["per_param_mesh"] and "set_custom_all_gather" in found["per_param_mesh"], found
     # The survivor gets the typed error naming the peer, never a hang.
     assert found["dead_peer"].startswith(("PeerDied", "PeerTimeout")) and "rank 1" in found["dead_peer"], found
     assert found["dead_peer_peer"] == 1, found
 
 
-def test_enable_warns_on_an_unchecked_torch_version(monkeypatch):
-    # The suite's own torch (2.15.0+cu…) is checked: no warning (warnings are errors here).
+def test_enable_refuses_a_torch_outside_the_supported_range(monkeypatch):
+    # The running torch is in the range: no warning (warnings are errors here), the model's own error.
     with pytest.raises(odc.ConfigError, match="fully_shard"):
         odc.fsdp.enable(torch.nn.Linear(2, 2), None)
-    monkeypatch.setattr(torch, "__version__", "2.99.1+cu999")
-    with pytest.warns(UserWarning, match="not a version odc.fsdp was checked on") as record, \
+    monkeypatch.setattr(torch, "__version__", "2.10.2+cu126")
+    with pytest.raises(odc.ConfigError, match=r"cannot run on torch 2\.10\.2 \(odc.fsdp supports torch 2\.11 to 2\.15"):
+        odc.fsdp.enable(torch.nn.Linear(2, 2), None)
+    monkeypatch.setattr(torch, "__version__", "2.16.0.dev20261101+cu132")
+    with pytest.raises(odc.ConfigError, match="ODC_ALLOW_UNCHECKED_TORCH=1") as e:
+        odc.fsdp.enable(torch.nn.Linear(2, 2), None)
+    assert "torch 2.16.0.dev20261101 " in str(e.value) and "cu132" not in str(e.value), e.value
+    assert all(v in str(e.value) for v in odc.fsdp.TORCH_VERSIONS_CHECKED), e.value
+    monkeypatch.setenv("ODC_ALLOW_UNCHECKED_TORCH", "1")
+    with pytest.warns(UserWarning, match="ODC_ALLOW_UNCHECKED_TORCH=1") as record, \
             pytest.raises(odc.ConfigError, match="fully_shard"):
         odc.fsdp.enable(torch.nn.Linear(2, 2), None)
     assert len(record) == 1, [str(w.message) for w in record]
-    msg = str(record[0].message)
-    assert "torch 2.99.1 " in msg and "cu999" not in msg, msg
-    assert all(v in msg for v in odc.fsdp.TORCH_VERSIONS_CHECKED), msg
     assert record[0].filename == __file__  # points at the caller of enable
 
+
+def test_every_private_name_missing_in_turn_is_a_config_error_and_enables_nothing():
+    """On the running torch, each private FSDP2 attribute odc.fsdp uses, taken away from a real model in turn:
+    enable raises ConfigError naming it, the running torch and the range, and leaves nothing enabled."""
+    from odc.fsdp._private import names_of
+
+    out = H.all_ok(run_ranks(H.missing_names_worker, 1, timeout=120))[0]
+    expected = {f"{o}.{n}" for o in ("FSDPModule", "FSDPState", "FSDPParamGroup", "FSDPParam") for n in names_of(o)}
+    assert set(out) == expected and len(expected) >= 20, sorted(set(out) ^ expected)
+    group = "_fsdp_param_groups" if H.TORCH_MINOR >= (2, 12) else "_fsdp_param_group"
+    assert f"FSDPState.{group}" in out, sorted(out)
+    version = torch.__version__.split("+")[0]
+    for key, msg in out.items():
+        name = key.split(".")[1]
+        assert f"has no {name!r}" in msg and f"torch {version} " in msg and "2.11 to 2.15" in msg, (key, msg)
+        assert "left behind" not in msg, (key, msg)
 
 def test_example_runs_in_both_comm_modes():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -116,7 +142,6 @@ def test_a_torch_without_the_private_fsdp2_state_imports_and_enable_says_why():
 import torch
 import torch.distributed.fsdp._fully_shard._fsdp_collectives as c
 del c._get_gradient_divide_factors          # as a later torch might rename it
-torch.__version__ = "2.99.0+cu999"
 import odc.backend, odc.fsdp                # must not raise ImportError
 try:
     odc.fsdp.enable(torch.nn.Linear(2, 2), None)
@@ -126,12 +151,6 @@ except odc.ConfigError as e:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert p.returncode == 0, p.stderr
     msg = p.stdout
-    assert msg.startswith("CONFIG") and "torch 2.99.0" in msg and "_get_gradient_divide_factors" in msg, msg
-    assert all(v in msg for v in odc.fsdp.TORCH_VERSIONS_CHECKED), msg
-
-
-def test_missing_private_state_on_an_fsdp2_object_is_a_config_error():
-    from odc.fsdp._private import check_state
-
-    with pytest.raises(odc.ConfigError, match=r"torch \d.*has no '_reduce_scatter_param_indices'"):
-        check_state(object(), ("_reduce_scatter_param_indices",), "parameter group (FSDPParamGroup)")
+    version = torch.__version__.split("+")[0]
+    assert msg.startswith("CONFIG") and f"torch {version} " in msg and "_get_gradient_divide_factors" in msg, msg
+    assert "2.11 to 2.15" in msg and all(v in msg for v in odc.fsdp.TORCH_VERSIONS_CHECKED), msg

@@ -15,6 +15,8 @@ import pytest
 from _dist import run_ranks
 from _fsdp_helpers import all_ok, assert_params_close
 
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
 pytest.importorskip("transformers")
 
 
@@ -49,8 +51,11 @@ VARIANTS = {
         {"loop": "verl", "model": "llama"},
         {"loop": "hf", "model": "llama", "precision": "bf16"},
         {"loop": "titan", "model": "llama", "precision": "fp16"},
-        # Deterministic accumulation under GradScaler (fp16) and under bf16 compute.
-        {"loop": "titan", "model": "qwen2", "precision": "fp16", "deterministic": True},
+        # Deterministic accumulation under GradScaler (fp16) and under bf16 compute. The fp16 one with an
+        # inactive clip: the norm over shards and the reference's over whole tensors differ in the last bit,
+        # and through an active clip's coefficient, AdamW and fp16 casts that grew to 8e-5 by the third step
+        # on some CPUs (1 ulp at every step without it; the other variants clip).
+        {"loop": "titan", "model": "qwen2", "precision": "fp16", "deterministic": True, "clip": 10.0},
         {"loop": "hf", "model": "llama", "precision": "bf16", "deterministic": True},
     ],
     3: [

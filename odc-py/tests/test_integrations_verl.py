@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import types
 
 import numpy as np
 import pytest
 from _dist import run_ranks
 
+pytestmark = pytest.mark.verl  # make test runs these in .venv-torch211, on verl's own pins
+
 if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl is not installed (make setup installs odc[verl])", allow_module_level=True)
+    if os.environ.get("ODC_REQUIRE_VERL") == "1":
+        raise ImportError("ODC_REQUIRE_VERL=1, but verl is not installed here (make setup-torch211 installs it)")
+    pytest.skip("verl is not installed here: it pins torch 2.11.0, and make test runs these tests in .venv-torch211 "
+                "(make setup-torch211); ODC_REQUIRE_VERL=1 makes this a failure", allow_module_level=True)
 
 HANG_TIMEOUT = 8.0
 
@@ -95,7 +101,9 @@ def test_the_same_uneven_plan_without_odc_hangs_in_fsdp2_collectives(ppo_runs):
         assert HANG_TIMEOUT * 0.9 <= w["seconds"] < HANG_TIMEOUT * 4, w
     # The rank with two microbatches waits in its last backward's reduce-scatter for a peer still on its third.
     stack = ppo_runs[0]["without_odc"]["stack"]
-    assert "_fsdp_collectives.py:foreach_reduce" in stack and stack[-1].endswith("reduce_scatter_single"), stack
+    # (torch 2.11's FSDP2 calls dist.reduce_scatter_tensor there; later releases the group's reduce_scatter_single.)
+    last = ("reduce_scatter_single", "distributed_c10d.py:reduce_scatter_tensor")
+    assert "_fsdp_collectives.py:foreach_reduce" in stack and stack[-1].endswith(last), stack
 
 
 def test_engine_settings_odc_cannot_keep_are_refused_by_name(ppo_runs):
