@@ -1,24 +1,30 @@
 # ODC — the commands the README and CI use.
-#   make setup   idempotent: Debian packages, .venv (uv, torch 2.15.0), odc-py installed into it
-#   make demo    the main job on one machine
-#   make lint    module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
-#   make test    fmt, clippy, cargo tests, pytest (runs setup first)
+#   make setup          idempotent: Debian packages, .venv (uv, torch 2.15.0), odc-py installed into it
+#   make setup-torch211 idempotent: .venv-torch211 (verl 0.9.1's own pins: torch 2.11.0), odc-py installed into it
+#   make demo           the main job on one machine
+#   make lint           module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
+#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0 (runs both setups first)
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
 PY := $(VENV)/bin/python
+# The second torch leg: the oldest supported torch, with verl on its own pins.
+PY211 := .venv-torch211/bin/python
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 # The libfabric transport builds against the headers of libfabric-dev (make setup installs it).
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
-.PHONY: help setup demo test lint fmt cargo-test loom pytest bench clean
+.PHONY: help setup setup-torch211 demo test lint fmt cargo-test loom pytest pytest-torch211 bench clean
 
 help:
 	@echo "make setup | demo | test | lint | bench | clean"
 
 setup:
 	@scripts/setup.sh
+
+setup-torch211: setup
+	@scripts/setup.sh torch211
 
 demo: setup
 	@mkdir -p out
@@ -58,7 +64,12 @@ loom:
 pytest:
 	$(PY) -m pytest odc-py/tests
 
-test: setup lint cargo-test loom pytest
+# Only what depends on torch's version (the tests marked torch_versions) and verl, which must run here, on its
+# own pins. verl's requirements bring pytest-asyncio, which warns at start-up about a setting of its own.
+pytest-torch211:
+	ODC_REQUIRE_VERL=1 $(PY211) -m pytest -p no:asyncio -m "torch_versions or verl" odc-py/tests
+
+test: setup setup-torch211 lint cargo-test loom pytest pytest-torch211
 
 fmt:
 	$(CARGO) fmt --all
@@ -69,4 +80,4 @@ bench:
 
 clean:
 	$(CARGO) clean
-	rm -rf $(VENV)/.odc-py-built
+	rm -rf $(VENV)/.odc-py-built .venv-torch211/.odc-py-built

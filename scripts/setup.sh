@@ -1,23 +1,41 @@
 #!/usr/bin/env bash
-# Idempotent setup: Debian packages, a uv-built .venv with pinned torch, and odc-py installed into it.
-# Fast when everything is already in place.
+# Idempotent setup of one of the two Python environments make test runs, with the Debian packages and
+# odc-py built into it. Fast when everything is already in place.
+#
+#   scripts/setup.sh           .venv: torch 2.15.0 (the newest supported torch; torchtitan 0.3.0 needs torch
+#                              2.12 or newer), the linters, the NVRTC / NVSHMEM wheels the GPU checks load,
+#                              torchtitan 0.3.0 with the packages it pulls
+#   scripts/setup.sh torch211  .venv-torch211: verl 0.9.1's `cpu` extra as verl resolves it (torch 2.11.0,
+#                              transformers 5.9.0, ...), pinned in scripts/requirements-torch211.txt, plus
+#                              pytest; the oldest supported torch, and verl on its own pins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-TORCH_VERSION=2.15.0
-VENV=.venv
-PY_PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2" "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12"
-    "ruff==0.17.6" "mypy==2.4.1")  # the linters make lint runs, pinned: a new release's rules would fail it
-# The trainers the integrations are tested against (odc[verl], odc[torchtitan]) and the packages they pull,
-# pinned as resolved with torch 2.15.0 (neither asks for another torch). verl 0.9.1 declares
-# transformers<5.11; the project keeps transformers 5.24.0, which verl's FSDP engine runs with (the tests
-# train through it), so verl itself goes in with --no-deps after its requirements (VERL_DEPS, minus that pin).
-TITAN_PKGS=("torchtitan==0.3.0" "torch-checkpointing==0.1.1" "spmd-types==0.2.3" "tyro==1.0.17" "einops==0.8.2"
-    "datasets==4.7.0" "tensorboard==2.21.0" "wandb==0.31.0" "torchdata==0.11.0")
-VERL_DEPS=("accelerate==1.15.0" "codetiming==1.4.0" "dill==0.4.0" "hydra-core==1.3.8" "pandas==3.1.1"
-    "peft==0.21.2" "pyarrow==26.0.1" "pybind11==3.1.0" "pylatexenc==2.11" "ray[default]==2.60.0"
-    "tensordict==0.10.0")
-NO_DEPS_PKGS=("verl==0.9.1")
+LEG=${1:-default}
+case "$LEG" in
+default)
+    TORCH_VERSION=2.15.0
+    VENV=.venv
+    PY_PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2"
+        "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12"
+        "ruff==0.17.6" "mypy==2.4.1")  # the linters make lint runs, pinned: a new release's rules would fail it
+    # torchtitan 0.3.0 (odc[torchtitan]) and the packages it pulls, pinned as resolved with torch 2.15.0
+    # (it does not pin torch). verl is not here: it pins torch 2.11.0 and lives in .venv-torch211.
+    PY_PKGS+=("torchtitan==0.3.0" "torch-checkpointing==0.1.1" "spmd-types==0.2.3" "tyro==1.0.17" "einops==0.8.2"
+        "datasets==4.7.0" "tensorboard==2.21.0" "wandb==0.31.0" "torchdata==0.11.0")
+    ;;
+torch211)
+    TORCH_VERSION=2.11.0
+    VENV=.venv-torch211
+    # Compiled from scripts/requirements-torch211.in (verl[cpu]==0.9.1, pytest, pytest-timeout; the command is
+    # in both files' headers).
+    PY_PKGS=(-r scripts/requirements-torch211.txt)
+    ;;
+*)
+    echo "usage: scripts/setup.sh [torch211]" >&2
+    exit 2
+    ;;
+esac
 DEB_PKGS=(build-essential pkg-config libfabric-dev iproute2)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -49,15 +67,18 @@ if [ -z "$UV" ]; then
 fi
 
 stamp="$VENV/.odc-deps"
-want="$(printf '%s\n' "${PY_PKGS[@]}" "${TITAN_PKGS[@]}" "${VERL_DEPS[@]}" --no-deps "${NO_DEPS_PKGS[@]}")"
+want="$(printf '%s\n' "${PY_PKGS[@]}"; [ "$LEG" = default ] || cat scripts/requirements-torch211.txt)"
+if [ -x "$VENV/bin/python" ] && { [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; }; then
+    log "the packages of $VENV changed: making it anew, so that nothing of the old set stays behind"
+    rm -rf "$VENV"
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating $VENV"
     "$UV" venv -q --python python3 "$VENV"
 fi
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+if [ ! -f "$stamp" ]; then
     log "installing Python packages (torch ${TORCH_VERSION} is large: several minutes on a cold cache)"
-    "$UV" pip install -q --python "$VENV/bin/python" "${PY_PKGS[@]}" "${TITAN_PKGS[@]}" "${VERL_DEPS[@]}"
-    "$UV" pip install -q --python "$VENV/bin/python" --no-deps "${NO_DEPS_PKGS[@]}"
+    "$UV" pip install -q --python "$VENV/bin/python" "${PY_PKGS[@]}"
     torch_now=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
     [ "$torch_now" = "$TORCH_VERSION" ] || { log "torch is $torch_now, expected $TORCH_VERSION"; exit 1; }
     printf '%s' "$want" >"$stamp"
@@ -72,7 +93,7 @@ built="$VENV/.odc-py-built"
 if [ ! -f "$built" ] || [ "$(cat "$built")" != "$src_hash" ]; then
     log "building odc-py into $VENV"
     VIRTUAL_ENV="$PWD/$VENV" PATH="$(dirname "$UV"):$PWD/$VENV/bin:$PATH" \
-        "$VENV/bin/maturin" develop --uv --release -q -m odc-py/Cargo.toml
+        .venv/bin/maturin develop --uv --release -q -m odc-py/Cargo.toml
     printf '%s' "$src_hash" >"$built"
 fi
-log "ready"
+log "ready: $VENV"

@@ -25,6 +25,8 @@ from torch.distributed.distributed_c10d import AllgatherOptions
 import odc
 import odc.backend
 
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TIMEOUT = datetime.timedelta(seconds=60)
 JITTER_US = "100"

@@ -11,6 +11,8 @@ from _dist import run_ranks
 
 import odc
 
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
 WORLD = 4
 # Microbatches per rank's list at each step (uneven, with an empty list).
 COUNTS = ((5, 1, 0, 2), (0, 2, 3, 2), (2, 2, 2, 2))

@@ -12,6 +12,8 @@ import _fsdp_helpers as H
 import pytest
 from _dist import run_ranks
 
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
 WORLD, PER_NODE = 4, 2
 # Microbatches per rank at each step: ranks 0-1 are node 0, ranks 2-3 node 1.
 # Step 1 leaves node 0 idle, step 2 node 1.

@@ -11,6 +11,8 @@ import _fsdp_helpers as H
 import pytest
 from _dist import run_ranks
 
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
 WORLD = 4
 # Microbatches per rank's list at each step; rank 0 is slow (it sleeps per microbatch it runs).
 COUNTS = ((6, 1, 0, 1), (0, 0, 3, 2), (2, 2, 2, 2))
