@@ -258,7 +258,11 @@ def deadline_worker(rank, world, store):
     import time
 
     os.environ.pop("ODC_TIMEOUT_S", None)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=3))
+    # Rendezvous under a generous timeout (a loaded machine can take seconds to connect gloo's pairs), then the
+    # short one the test is about (torch 2.14 made the setter public; before it, the private one does the same).
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(datetime.timedelta(seconds=3))
     model = build(world)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     odc.fsdp.enable(model, opt)
