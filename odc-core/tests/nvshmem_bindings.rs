@@ -103,14 +103,12 @@ fn rust_layout() -> BTreeMap<String, i64> {
     size!(nvshmemx_init_args_t);
     offset!(nvshmemx_init_args_t, version);
     offset!(nvshmemx_init_args_t, uid_args);
-    offset!(nvshmemx_init_args_t, cuda_device_id);
     offset!(nvshmemx_init_args_t, content);
     size!(nvshmemx_init_attr_t);
     offset!(nvshmemx_init_attr_t, version);
     offset!(nvshmemx_init_attr_t, mpi_comm);
     offset!(nvshmemx_init_attr_t, args);
     offset!(nvshmemx_init_attr_t, args.uid_args.id);
-    offset!(nvshmemx_init_attr_t, args.cuda_device_id);
     constant!(NVSHMEM_SIGNAL_SET);
     constant!(NVSHMEM_SIGNAL_ADD);
     constant!(NVSHMEM_CMP_EQ);
@@ -146,17 +144,20 @@ int main() {
     OFFSET(nvshmemx_uniqueid_args_t, id);
     OFFSET(nvshmemx_uniqueid_args_t, myrank);
     OFFSET(nvshmemx_uniqueid_args_t, nranks);
+    /* Version 1 of the init arguments, which NVSHMEM 3.4 to 3.8 all take (3.4 knows no other). */
+    typedef nvshmemx_init_args_v1 nvshmemx_init_args_t_v1;
+    typedef nvshmemx_init_attr_v1 nvshmemx_init_attr_t_v1;
+#define nvshmemx_init_args_t nvshmemx_init_args_t_v1
+#define nvshmemx_init_attr_t nvshmemx_init_attr_t_v1
     SIZE(nvshmemx_init_args_t);
     OFFSET(nvshmemx_init_args_t, version);
     OFFSET(nvshmemx_init_args_t, uid_args);
-    OFFSET(nvshmemx_init_args_t, cuda_device_id);
     OFFSET(nvshmemx_init_args_t, content);
     SIZE(nvshmemx_init_attr_t);
     OFFSET(nvshmemx_init_attr_t, version);
     OFFSET(nvshmemx_init_attr_t, mpi_comm);
     OFFSET(nvshmemx_init_attr_t, args);
     OFFSET(nvshmemx_init_attr_t, args.uid_args.id);
-    OFFSET(nvshmemx_init_attr_t, args.cuda_device_id);
     CONST("NVSHMEM_SIGNAL_SET", NVSHMEM_SIGNAL_SET);
     CONST("NVSHMEM_SIGNAL_ADD", NVSHMEM_SIGNAL_ADD);
     CONST("NVSHMEM_CMP_EQ", NVSHMEM_CMP_EQ);
@@ -165,14 +166,18 @@ int main() {
     CONST("NVSHMEM_CMP_LE", NVSHMEM_CMP_LE);
     CONST("NVSHMEM_CMP_LT", NVSHMEM_CMP_LT);
     CONST("NVSHMEM_CMP_GE", NVSHMEM_CMP_GE);
-    CONST("SCALAR_INVALID", INIT_ARGS_SCALAR_INVALID);
+    CONST("SCALAR_INVALID", UNIQUEID_ARGS_INVALID);
     nvshmemx_uniqueid_t uid = NVSHMEMX_UNIQUEID_INITIALIZER;
+#ifdef NVSHMEMX_INIT_ATTR_V1_INITIALIZER
+    nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_V1_INITIALIZER;
+#else
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+#endif
     CONST("UNIQUEID_VERSION", uid.version);
     CONST("UNIQUEID_ARGS_VERSION", attr.args.uid_args.version);
     CONST("INIT_ARGS_VERSION", attr.args.version);
     CONST("INIT_ATTR_VERSION", attr.version);
-    if (UNIQUEID_ARGS_INVALID != attr.args.uid_args.myrank || attr.args.cuda_device_id != -1) return 2;
+    if (UNIQUEID_ARGS_INVALID != attr.args.uid_args.myrank) return 2;
     return 0;
 }
 "#;

@@ -124,8 +124,8 @@ pub enum Unavailable {
         reason: String,
     },
 
-    /// No NVRTC library (CUDA 12, `libnvrtc.so.12`) could be loaded.
-    #[error("no NVRTC library (libnvrtc.so.12): tried {}; run `make setup` (PyPI nvidia-cuda-nvrtc-cu12) or set ODC_NVRTC_LIB", .tried.join(", "))]
+    /// No NVRTC library (CUDA 13 `libnvrtc.so.13` or CUDA 12 `libnvrtc.so.12`) could be loaded.
+    #[error("no NVRTC library (libnvrtc.so.13 or libnvrtc.so.12): tried {}; install the PyPI wheel nvidia-cuda-nvrtc (CUDA 13) or nvidia-cuda-nvrtc-cu12 into the Python that runs ODC, or set ODC_NVRTC_LIB", .tried.join(", "))]
     NoNvrtc {
         /// Every place tried, in order, each with why it failed.
         tried: Vec<String>,

@@ -3,9 +3,10 @@
 //! every entry point and no fused multiply-add, and asking for a device
 //! here is a typed error, never a panic.
 //!
-//! NVRTC comes from `make setup` (PyPI `nvidia-cuda-nvrtc-cu12` in the
-//! workspace `.venv`); without it these tests skip, saying so. Set
-//! `ODC_REQUIRE_NVRTC=1` to make its absence a failure instead.
+//! NVRTC comes from `make setup` (PyPI `nvidia-cuda-nvrtc` for CUDA 13 and
+//! `nvidia-cuda-nvrtc-cu12` in the workspace `.venv`); without it these
+//! tests skip, saying so. Set `ODC_REQUIRE_NVRTC=1` to make its absence a
+//! failure instead (scripts/gpu-run.sh does).
 #![cfg(feature = "cuda")]
 
 use odc_kernels::cuda::{self, Arch};
@@ -97,7 +98,14 @@ fn nvrtc_is_found_in_the_workspace_venv() {
         eprintln!("SKIPPED nvrtc_is_found_in_the_workspace_venv: no NVRTC wheel in {venv:?}");
         return;
     };
-    if std::env::var_os(cuda::NVRTC_ENV).is_some() || std::env::var_os("VIRTUAL_ENV").is_some() {
+    if [
+        cuda::NVRTC_ENV,
+        "VIRTUAL_ENV",
+        odc_kernels::wheels::SITE_ENV,
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some())
+    {
         eprintln!("SKIPPED nvrtc_is_found_in_the_workspace_venv: overridden by the environment");
         return;
     }

@@ -180,7 +180,8 @@ impl Nvshmem {
             // SAFETY: `id` outlives `attr`, which dies at the end of this
             // closure, after init.
             unsafe { init::set_attr_uniqueid_args(rank_c, world_c, &id.0, &mut attr)? };
-            attr.args.cuda_device_id = c_int::try_from(device).unwrap_or(sys::SCALAR_INVALID);
+            // Version-1 arguments (every NVSHMEM 3 takes them): the PE uses
+            // the context bound above, `device`'s primary context.
             // SAFETY: the device's context is current; one session per
             // process (ACTIVE); finalized in Drop.
             unsafe { init::hostlib_init_attr(sys::NVSHMEMX_INIT_WITH_UNIQUEID, &mut attr)? };

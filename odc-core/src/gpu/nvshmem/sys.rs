@@ -26,9 +26,9 @@ pub type CUstream = *mut c_void;
 
 /// `UNIQUEID_PADDING`.
 pub const UNIQUEID_PADDING: usize = 124;
-/// `INIT_ARGS_V2_PADDING`.
-pub const INIT_ARGS_V2_PADDING: usize = 92;
-/// `UNIQUEID_ARGS_INVALID` / `INIT_ARGS_SCALAR_INVALID`.
+/// `INIT_ARGS_PADDING`: the reserved bytes of `nvshmemx_init_args_v1`.
+pub const INIT_ARGS_PADDING: usize = 96;
+/// `UNIQUEID_ARGS_INVALID`.
 pub const SCALAR_INVALID: c_int = -1;
 
 /// `NVSHMEMX_INIT_WITH_UNIQUEID` (enum `flags`).
@@ -75,25 +75,27 @@ pub struct nvshmemx_uniqueid_args_t {
     pub nranks: c_int,
 }
 
-/// `nvshmemx_init_args_t` (`nvshmemx_init_args_v2`).
+/// `nvshmemx_init_args_v1`: what every NVSHMEM 3 release takes. 3.4
+/// knows only this version; 3.7 and later add `nvshmemx_init_args_v2` (a
+/// `cuda_device_id` in the first reserved bytes) and still take version 1,
+/// where the PE uses the calling thread's current context, which ODC binds
+/// before init. The same 128 bytes either way.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct nvshmemx_init_args_t {
-    /// `(2 << 16) + sizeof(nvshmemx_init_args_t)`.
+    /// `(1 << 16) + sizeof(nvshmemx_init_args_t)`.
     pub version: c_int,
     /// Unique-id bootstrap arguments.
     pub uid_args: nvshmemx_uniqueid_args_t,
-    /// CUDA device this PE uses (`-1`: the current one).
-    pub cuda_device_id: c_int,
-    /// Reserved.
-    pub content: [c_char; INIT_ARGS_V2_PADDING],
+    /// Reserved (zero).
+    pub content: [c_char; INIT_ARGS_PADDING],
 }
 
-/// `nvshmemx_init_attr_t` (`nvshmemx_init_attr_v2`).
+/// `nvshmemx_init_attr_v1` (version 1: see [`nvshmemx_init_args_t`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct nvshmemx_init_attr_t {
-    /// `(2 << 16) + sizeof(nvshmemx_init_attr_t)`.
+    /// `(1 << 16) + sizeof(nvshmemx_init_attr_t)`.
     pub version: c_int,
     /// `MPI_Comm *` for MPI bootstrap; null here.
     pub mpi_comm: *mut c_void,
@@ -106,12 +108,13 @@ pub const UNIQUEID_VERSION: c_int = (1 << 16) + std::mem::size_of::<nvshmemx_uni
 /// `NVSHMEMX_UNIQUEID_ARGS_INITIALIZER`'s version.
 pub const UNIQUEID_ARGS_VERSION: c_int =
     (1 << 16) + std::mem::size_of::<nvshmemx_uniqueid_args_t>() as c_int;
-/// `NVSHMEM_INIT_ARGS_V2_IDENTIFIER`.
+/// The version word of `NVSHMEMX_INIT_ARGS_INITIALIZER` (version 1).
 pub const INIT_ARGS_VERSION: c_int =
-    (2 << 16) + std::mem::size_of::<nvshmemx_init_args_t>() as c_int;
-/// `NVSHMEM_INIT_ATTR_V2_IDENTIFIER`.
+    (1 << 16) + std::mem::size_of::<nvshmemx_init_args_t>() as c_int;
+/// The version word of `NVSHMEMX_INIT_ATTR_V1_INITIALIZER` (3.7 and later;
+/// 3.4's `NVSHMEMX_INIT_ATTR_INITIALIZER`).
 pub const INIT_ATTR_VERSION: c_int =
-    (2 << 16) + std::mem::size_of::<nvshmemx_init_attr_t>() as c_int;
+    (1 << 16) + std::mem::size_of::<nvshmemx_init_attr_t>() as c_int;
 
 impl Default for nvshmemx_uniqueid_t {
     /// `NVSHMEMX_UNIQUEID_INITIALIZER`.
@@ -124,7 +127,7 @@ impl Default for nvshmemx_uniqueid_t {
 }
 
 impl Default for nvshmemx_init_attr_t {
-    /// `NVSHMEMX_INIT_ATTR_INITIALIZER`.
+    /// `NVSHMEMX_INIT_ATTR_V1_INITIALIZER`.
     fn default() -> Self {
         nvshmemx_init_attr_t {
             version: INIT_ATTR_VERSION,
@@ -137,8 +140,7 @@ impl Default for nvshmemx_init_attr_t {
                     myrank: SCALAR_INVALID,
                     nranks: SCALAR_INVALID,
                 },
-                cuda_device_id: SCALAR_INVALID,
-                content: [0; INIT_ARGS_V2_PADDING],
+                content: [0; INIT_ARGS_PADDING],
             },
         }
     }
@@ -155,7 +157,8 @@ macro_rules! symbols {
         /// The host functions ODC uses, resolved from one library.
         #[derive(Debug)]
         pub struct Lib {
-            /// The file opened, or `None` when the system loader found it.
+            /// The file opened, or where the system loader found it (`None`
+            /// only if neither is known).
             pub path: Option<PathBuf>,
             $(
                 #[doc = concat!("`", stringify!($name), "`.")]
@@ -234,11 +237,26 @@ pub fn is_present() -> bool {
     lib().is_ok()
 }
 
+/// Where the host library may live: the wheel layout of both CUDA majors
+/// (PyPI `nvidia-nvshmem-cu12` and `-cu13` both install
+/// `nvidia/nvshmem/lib`), then NVIDIA's Debian packages and `/opt`.
+const LAYOUTS: &[odc_kernels::wheels::Layout] = &[odc_kernels::wheels::Layout {
+    file: SONAME,
+    wheel_dirs: &["nvidia/nvshmem/lib", "nvidia/cu13/lib", "nvidia/cu12/lib"],
+    system_dirs: &[
+        "/usr/lib/x86_64-linux-gnu/nvshmem/13",
+        "/usr/lib/x86_64-linux-gnu/nvshmem/12",
+        "/usr/lib/x86_64-linux-gnu",
+        "/opt/nvidia/nvshmem/lib",
+    ],
+}];
+
 /// Files tried, in order, before the system loader: `$ODC_NVSHMEM_LIB`
-/// (a file or a directory), then `nvidia/nvshmem/lib` in `$VIRTUAL_ENV`
-/// and in the workspace's `.venv` (PyPI `nvidia-nvshmem-cu12`).
+/// (a file or a directory), then the wheel layouts in every Python
+/// `site-packages` ([`odc_kernels::wheels::site_packages`]: the running
+/// interpreter's first), then the system folders of [`LAYOUTS`].
 pub fn candidates() -> Vec<PathBuf> {
-    odc_kernels::wheels::candidates(NVSHMEM_ENV, "nvidia/nvshmem/lib", SONAME)
+    odc_kernels::wheels::candidates(NVSHMEM_ENV, LAYOUTS)
 }
 
 /// Where the headers of the library [`candidates`] finds first live
@@ -267,7 +285,12 @@ fn load() -> Result<Lib, Missing> {
     }
     // SAFETY: as above, through the system loader's search path.
     match unsafe { libloading::Library::new(SONAME) } {
-        Ok(lib) => Lib::resolve(lib, None),
+        Ok(lib) => {
+            let lib = Lib::resolve(lib, None)?;
+            // Where the system loader found it, for the probe's report.
+            let path = odc_kernels::wheels::file_of(lib.nvshmem_my_pe as usize);
+            Ok(Lib { path, ..lib })
+        }
         Err(e) => {
             tried.push(format!("system loader ({e})"));
             Err(Missing::NvshmemLibrary { tried })
