@@ -8,6 +8,7 @@
 //! - [`packing`] — `odc-packing`: plans, Karmarkar–Karp, the `odc-pack` CLI.
 //! - [`engine`] — `odc-core`: the worker API (`odc._odc.Engine`) and the
 //!   emulated stream of the `emu-ipc` transport (`odc._odc.EmuStream`).
+//! - [`probe`] — what GPU support this process finds (`odc._odc.probe`).
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
@@ -16,6 +17,7 @@ use pyo3::prelude::*;
 mod engine;
 mod errors;
 mod packing;
+mod probe;
 
 /// The native module `odc._odc`.
 #[pymodule]
@@ -24,5 +26,6 @@ fn _odc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     packing::register(m)?;
     engine::register(m)?;
     errors::register(m)?;
+    probe::register(m)?;
     Ok(())
 }

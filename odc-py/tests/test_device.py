@@ -158,6 +158,40 @@ def test_cuda_ipc_without_a_gpu_names_libcuda():
                 odc.Engine(torch.distributed.HashStore(), 0, 1, transport=transport, device=device)
 
 
+@pytest.mark.torch_versions  # its interpreter differs per leg: each must find its own wheels first
+def test_probe_finds_nvrtc_and_nvshmem_in_the_running_interpreters_wheels():
+    """odc.probe() in a fresh interpreter, with no VIRTUAL_ENV nor ODC_* override: NVRTC and NVSHMEM come from
+    the wheels of the interpreter running odc (CUDA 13's NVRTC first, where no CUDA 12 driver asks otherwise),
+    and the probe names the file and the version; without a GPU the CUDA part names the missing driver."""
+    import json
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VIRTUAL_ENV", "ODC_SITE_PACKAGES", "ODC_NVRTC_LIB", "ODC_NVSHMEM_LIB")}
+    code = "import json, odc; print(json.dumps(odc.probe()))"
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd="/", capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert p.returncode == 0, p.stderr
+    probe = json.loads(p.stdout)
+    nvrtc = [site / "nvidia/cu13/lib/libnvrtc.so.13", site / "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"]
+    expected = next((str(f) for f in nvrtc if f.exists()), None)
+    if expected is None:
+        pytest.fail(f"no NVRTC wheel in {site}: make setup and make setup-torch211 install one")
+    if not torch.cuda.is_available():
+        assert probe["nvrtc"].get("path") == expected, probe["nvrtc"]
+        assert "libcuda" in probe["cuda"]["error"], probe["cuda"]
+    major = int(probe["nvrtc"]["version"].split(".")[0])
+    assert major in (12, 13) and probe["nvrtc"]["path"].endswith(f".so.{major}"), probe["nvrtc"]
+    shmem = site / "nvidia/nvshmem/lib/libnvshmem_host.so.3"
+    if shmem.exists():
+        assert probe["nvshmem"].get("path") == str(shmem), probe["nvshmem"]
+        assert probe["nvshmem"]["version"].startswith("3."), probe["nvshmem"]
+
+
 def test_unknown_transport_lists_every_name():
     with pytest.raises(odc.ConfigError) as info:
         odc.Engine(torch.distributed.HashStore(), 0, 1, transport="carrier-pigeon")

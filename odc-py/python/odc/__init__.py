@@ -20,6 +20,10 @@ Modules:
 
 from __future__ import annotations
 
+import os as _os
+import site as _site
+import sys as _sys
+
 from . import errors, packing
 from ._odc import __version__
 from .engine import Bucket, Engine
@@ -42,6 +46,19 @@ from .errors import (
     StoreError,
     TransportError,
 )
+
+
+def probe() -> dict[str, dict[str, object]]:
+    """What GPU support this process finds, part by part: ``{"nvrtc": ..., "nvshmem": ..., "cuda": ...}``.
+
+    Each part holds the facts (for NVRTC and NVSHMEM the file loaded and its
+    version; for CUDA the device, its architecture and the driver's CUDA
+    version) or ``{"error": ...}`` naming what is missing and where it was
+    looked for. Never raises for a missing GPU or library.
+    """
+    from ._odc import probe as _probe
+
+    return _probe()
 
 
 def register() -> None:
@@ -92,5 +109,23 @@ __all__ = [
     "__version__",
     "errors",
     "packing",
+    "probe",
     "register",
 ]
+
+
+def _site_packages_for_native_libraries() -> None:
+    # The native core looks for NVRTC and NVSHMEM (loaded on first use, not at import) in PyPI wheels
+    # (nvidia-cuda-nvrtc, nvidia-nvshmem-cu12/-cu13) under these folders first: the wheels of the interpreter
+    # running ODC, wherever it lives (no venv needed).
+    if _os.environ.get("ODC_SITE_PACKAGES"):
+        return
+    getsitepackages = getattr(_site, "getsitepackages", None)  # absent in some embedded interpreters
+    dirs: list[str] = list(getsitepackages()) if getsitepackages is not None else []
+    dirs.extend(p for p in _sys.path if p.endswith(("site-packages", "dist-packages")))
+    seen = [d for i, d in enumerate(dirs) if d and d not in dirs[:i] and _os.path.isdir(d)]
+    if seen:
+        _os.environ["ODC_SITE_PACKAGES"] = _os.pathsep.join(seen)
+
+
+_site_packages_for_native_libraries()
