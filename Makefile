@@ -3,7 +3,9 @@
 #   make setup-torch211 idempotent: .venv-torch211 (verl 0.9.1's own pins: torch 2.11.0), odc-py installed into it
 #   make demo           the main job on one machine
 #   make lint           module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
-#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0 (runs both setups first)
+#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal
+#                       (runs both setups first)
+#   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
@@ -15,10 +17,11 @@ export CARGO_TERM_COLOR ?= never
 # The libfabric transport builds against the headers of libfabric-dev (make setup installs it).
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
-.PHONY: help setup setup-torch211 demo test lint fmt cargo-test loom pytest pytest-torch211 bench clean
+.PHONY: help setup setup-torch211 demo test lint fmt cargo-test loom pytest pytest-torch211 gpu-bundle gpu-rehearse \
+	bench clean
 
 help:
-	@echo "make setup | demo | test | lint | bench | clean"
+	@echo "make setup | demo | test | lint | bench | gpu-bundle | clean"
 
 setup:
 	@scripts/setup.sh
@@ -69,7 +72,15 @@ pytest:
 pytest-torch211:
 	ODC_REQUIRE_VERL=1 $(PY211) -m pytest -p no:asyncio -m "torch_versions or verl" odc-py/tests
 
-test: setup setup-torch211 lint cargo-test loom pytest pytest-torch211
+# The GPU test executables and the wheel the GPU test machine runs, and its rehearsal here (scripts/gpu-rehearse.sh:
+# as the machine runs it, up to the first device call).
+gpu-bundle: setup
+	@scripts/gpu-bundle.sh .gpu-bundle
+
+gpu-rehearse: gpu-bundle setup-torch211
+	@scripts/gpu-rehearse.sh .gpu-bundle
+
+test: setup setup-torch211 lint cargo-test loom pytest pytest-torch211 gpu-rehearse
 
 fmt:
 	$(CARGO) fmt --all

@@ -86,9 +86,7 @@ fi
 
 # --- odc-py ----------------------------------------------------------------
 # Rebuild only when a Rust or Python source of the package changed.
-src_hash=$(find odc-py odc-core odc-kernels packing Cargo.toml Cargo.lock -type f \
-    \( -name '*.rs' -o -name '*.py' -o -name '*.pyi' -o -name '*.toml' -o -name '*.lock' -o -name '*.c' -o -name '*.cu' -o -name 'py.typed' \) \
-    -not -path '*/target/*' -print0 2>/dev/null | sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1)
+src_hash=$(scripts/source-hash.sh)
 built="$VENV/.odc-py-built"
 if [ ! -f "$built" ] || [ "$(cat "$built")" != "$src_hash" ]; then
     log "building odc-py into $VENV"

@@ -388,7 +388,7 @@ fn release_holds_the_owner(e: Engine) {
 #[test]
 fn cuda_ipc_without_a_gpu_names_what_is_missing() {
     if odc_kernels::cuda::driver_is_present() {
-        eprintln!("SKIPPED: a CUDA driver is present here (scripts/gpu-check.sh runs cuda-ipc)");
+        eprintln!("SKIPPED: a CUDA driver is present here (scripts/gpu-run.sh runs cuda-ipc)");
         return;
     }
     let dir = tempfile::tempdir().unwrap();

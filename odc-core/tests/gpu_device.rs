@@ -3,7 +3,7 @@
 //! a stream into a second region, and the stream then writes a signal word
 //! into registered host memory and runs a host callback, in that order.
 //! Without a driver or a device the test prints what is missing and passes
-//! (skips); `scripts/gpu-check.sh` sets `ODC_REQUIRE_GPU=1`, which makes a
+//! (skips); `scripts/gpu-run.sh` sets `ODC_REQUIRE_GPU=1`, which makes a
 //! missing GPU a failure.
 
 mod common;

@@ -7,7 +7,7 @@
 //! the gathered values and the accumulators are checked exactly.
 //!
 //! Without a driver or a device it prints what is missing and passes
-//! (skips); `scripts/gpu-check.sh` sets `ODC_REQUIRE_GPU=1`, which makes a
+//! (skips); `scripts/gpu-run.sh` sets `ODC_REQUIRE_GPU=1`, which makes a
 //! missing GPU a failure.
 
 #![allow(clippy::unwrap_used)]

@@ -6,7 +6,7 @@
 //! the order enqueued; one stream made to wait for another.
 //!
 //! Without a driver or a device every test prints what is missing and
-//! passes (skips); `scripts/gpu-check.sh` sets `ODC_REQUIRE_GPU=1`, which
+//! passes (skips); `scripts/gpu-run.sh` sets `ODC_REQUIRE_GPU=1`, which
 //! makes a missing GPU a failure.
 
 mod common;

@@ -1,6 +1,6 @@
 //! GPU-only: the CUDA kernels against the CPU reference, bit for bit, on a
 //! device. Without a driver or a device every test prints what is missing
-//! and passes (skips); `scripts/gpu-check.sh` sets `ODC_REQUIRE_GPU=1`,
+//! and passes (skips); `scripts/gpu-run.sh` sets `ODC_REQUIRE_GPU=1`,
 //! which makes a missing GPU a failure.
 #![cfg(feature = "cuda")]
 

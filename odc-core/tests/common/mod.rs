@@ -8,7 +8,7 @@ use std::fmt::Debug;
 use odc_core::{BucketId, Engine, Error};
 
 /// What a GPU test opened, or `None` to skip it when the machine has no
-/// GPU: prints why, unless `ODC_REQUIRE_GPU` is set (`scripts/gpu-check.sh`),
+/// GPU: prints why, unless `ODC_REQUIRE_GPU` is set (`scripts/gpu-run.sh`),
 /// which makes a missing GPU a failure. Any other error fails the test.
 pub fn or_skip<T: Debug>(test: &str, opened: Result<T, Error>) -> Option<T> {
     match opened {
