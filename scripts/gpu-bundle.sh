@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds what ODC's GPU run needs on the GPU test machine, which has no Rust toolchain and no network,
 # into .gpu-bundle/ (git-ignored; `make gpu-bundle`):
-#   bin/<name>          the Rust GPU test executables of odc-kernels and odc-core, release, debug info
-#                       stripped, named without cargo's hashes (bin/odc_kernels-lib, bin/gpu_engine, ...)
+#   bin/<name>          the Rust GPU test executables of odc-kernels and odc-core and the kernel benchmark
+#                       gpu_kernels_perf, release, debug info stripped, named without cargo's hashes
+#                       (bin/odc_kernels-lib, bin/gpu_engine, ...)
 #   odc-*.whl           the odc abi3 wheel (Python 3.10+), its native library stripped
 #   MANIFEST            the commit, the source hash scripts/gpu-run.sh checks the tree against, every
 #                       file's size
@@ -32,13 +33,17 @@ for t in "${KERNELS_TESTS[@]}" "${CORE_TESTS[@]}"; do
     args+=(--test "$t")
 done
 "$CARGO" "${args[@]}" >"$OUT/.cargo.json"
+# The single-GPU kernel figures (the accumulate kernels against a device-to-device copy).
+"$CARGO" build --release --locked --message-format=json -p odc-benches --bin gpu_kernels_perf >>"$OUT/.cargo.json"
 python3 - "$OUT" <<'EOF'
 import json, shutil, sys
 out = sys.argv[1]
 seen = set()
 for line in open(f"{out}/.cargo.json"):
     msg = json.loads(line)
-    if msg.get("reason") != "compiler-artifact" or not msg.get("executable") or not msg["profile"]["test"]:
+    if msg.get("reason") != "compiler-artifact" or not msg.get("executable"):
+        continue
+    if not msg["profile"]["test"] and msg["target"]["name"] != "gpu_kernels_perf":
         continue
     crate = msg["target"]["name"].replace("-", "_")
     name = f"{crate}-lib" if "lib" in msg["target"]["kind"] else msg["target"]["name"]

@@ -13,10 +13,16 @@
 # tensors), every one required to find its device (ODC_REQUIRE_GPU=1: a GPU test that cannot find its
 # device fails).
 #
-# Writes into $OUT (default out/gpu-run): summary.txt (one line per step and the verdict), probe.json,
-# tests.log (every step's output). Exit codes: 0 every step passed; 1 a step failed; 2 usage; 3 no GPU
-# here (everything before the first device call passed: what a machine without a GPU can check);
-# 4 the bundle is stale or incomplete; 5 a library or a package the run needs is missing.
+# Then the single-GPU figures, each against a device-to-device copy measured in the same run (the machine
+# has one GPU, so no NCCL baseline): the accumulate kernels against the copy-bound limit (gpu_kernels_perf),
+# cuda-ipc gathers and scatter-accumulate between two processes on the GPU and the 64 KiB gather latency
+# (python -m odc.bench.gpu).
+#
+# Writes into $OUT (default out/gpu-run): summary.txt (one line per step, the figures and the verdict),
+# probe.json, tests.log (every step's output), figures-kernels.json, figures-ipc.json. Exit codes: 0 every
+# step passed; 1 a step failed; 2 usage; 3 no GPU here (everything before the first device call passed:
+# what a machine without a GPU can check); 4 the bundle is stale or incomplete; 5 a library or a package
+# the run needs is missing.
 # PYTHON (default python3) is the interpreter whose torch and wheels are used; STEP_TIMEOUT (default 240)
 # bounds each step in seconds.
 set -uo pipefail
@@ -136,6 +142,8 @@ done
 step "odc.fsdp reads this torch's private FSDP2 state" \
     "$PYTHON" -c 'import odc.fsdp._private as p; p.check_fsdp2(); print(p.running_version(), "in", p.TORCH_RANGE)'
 step "NVRTC compiles every kernel (cuda_compile)" "$BUNDLE/bin/cuda_compile" --test-threads=1
+step "the figures' benchmark imports (odc.bench.gpu)" "$PYTHON" -c 'import odc.bench.gpu'
+step "the kernel benchmark starts (gpu_kernels_perf --help)" "$BUNDLE/bin/gpu_kernels_perf" --help
 step "NVSHMEM's symbols and layouts (nvshmem_bindings)" "$BUNDLE/bin/nvshmem_bindings" --test-threads=1
 if [ "$failed" -ne 0 ]; then
     finish 1 "a check before the first device call failed"
@@ -158,7 +166,28 @@ step "odc-core unit tests on the device (gpu::, plane::)" "$BUNDLE/bin/odc_core-
 step "Python GPU tests (cuda-ipc, FSDP2 on CUDA, the backend on CUDA)" \
     "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu -o addopts="--strict-markers -ra" \
     odc-py/tests/test_device.py odc-py/tests/test_backend_device.py
+
+# --- single-GPU figures, each against a device-to-device copy in the same run ----------------------------------
+step "figures: the accumulate kernels against the copy (gpu_kernels_perf)" \
+    "$BUNDLE/bin/gpu_kernels_perf" -b 16M -e 256M -f 4 -n 20 -w 5 --json "$OUT/figures-kernels.json"
+step "figures: cuda-ipc gather, scatter-accumulate, 64 KiB latency against the copy (odc.bench.gpu)" \
+    "$PYTHON" -m odc.bench.gpu --json "$OUT/figures-ipc.json"
+for f in figures-kernels figures-ipc; do
+    [ -f "$OUT/$f.json" ] || continue
+    "$PYTHON" - "$OUT/$f.json" <<'EOF' | tee -a "$SUMMARY" >&2
+import json, sys
+data = json.load(open(sys.argv[1]))
+if isinstance(data, list):  # gpu_kernels_perf
+    for r in data:
+        ks = ", ".join(f"{k['kernel']} {k['fraction_of_copy_limit']:.2f} of the copy-bound limit" for k in r["kernels"])
+        print(f"[gpu-run] figure  {r['bytes'] >> 20} MiB: copy {r['copy_gbs_read_plus_written']:.0f} GB/s "
+              f"(read + written); {ks}")
+else:
+    for v in data["verdicts"]:
+        print(f"[gpu-run] figure  {v}")
+EOF
+done
 if [ "$failed" -ne 0 ]; then
-    finish 1 "a GPU test failed"
+    finish 1 "a GPU test or figure failed"
 fi
-finish 0 "every GPU test passed"
+finish 0 "every GPU test passed; figures in summary.txt and figures-*.json"

@@ -146,6 +146,24 @@ def test_bad_emu_jitter_is_a_config_error(monkeypatch):
         odc.Engine(torch.distributed.HashStore(), 0, 1, transport="emu-ipc")
 
 
+def test_the_single_gpu_figures_run_exactly_on_the_emulated_device_path(tmp_path):
+    """python -m odc.bench.gpu (what scripts/gpu-run.sh measures on the GPU) on emu-ipc: every gather and sum
+    exact, the rows and verdicts written; the numbers themselves mean nothing here."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "figures.json"
+    cmd = [sys.executable, "-m", "odc.bench.gpu", "--device", "cpu", "--transport", "emu-ipc", "--sizes", "64K",
+           "-n", "2", "-w", "1", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert p.returncode == 0, p.stdout + p.stderr
+    fig = json.loads(out.read_text())
+    assert [r["latency_row"] for r in fig["rows"]] == [False, True], fig
+    assert all(r["wrong"] == 0 and r["gather_us"] > 0 and r["copy_us"] > 0 for r in fig["rows"]), fig
+    assert any("64 KiB gather latency" in v for v in fig["verdicts"]), fig
+
+
 # -- cuda-ipc without a GPU, and errors that need none ---------------------------------------------
 
 
