@@ -268,10 +268,10 @@ def deadline_worker(rank, world, store):
     odc.fsdp.enable(model, opt)
     eng = model._odc_fsdp.engine
     out = {"timeout": eng.timeout, "source": eng.deadline_source}
-    if rank == 1:
-        time.sleep(8)  # stalls: rank 0's minibatch cannot finish
-        return out
     sample_loss(model, data(0, 0, rank)).backward()
+    if rank == 1:
+        time.sleep(8)  # stalls before its step: rank 0's minibatch cannot finish
+        return out
     try:
         opt.step()
     except odc.PeerTimeout as e:

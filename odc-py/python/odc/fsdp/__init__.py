@@ -12,8 +12,15 @@ version of the parameters it reads):
 
 - ``enable``: every FSDP parameter group becomes one ODC bucket, registered
   collectively in FSDP's group order (numel = D · the group's padded shard
-  length, dtype = its all-gather dtype). Each rank publishes version 0 of its
-  shards, which are exactly FSDP's all-gather inputs.
+  length, dtype = its all-gather dtype).
+- publish: a rank's first operation of minibatch ``k`` (its first gather or
+  push, a gradient read, its step pre-hook where it ran nothing) publishes
+  version ``k`` of its shards, FSDP's all-gather inputs as they are then. So
+  whatever changed the parameters since the last step (a state-dict or DCP
+  load, a second optimizer, ``clamp_`` or another in-place edit under
+  ``no_grad``) is what every peer gathers: the parameter side of the loop
+  contract. A parameter changed in place later in the minibatch is refused
+  at this rank's next gather (:class:`odc.ProtocolError` naming it).
 - all-gather (forward, and backward for groups resharded after forward):
   FSDP has already copied this rank's shard into the output; ODC reads the
   D − 1 other owners' shards of version ``k``.
@@ -27,15 +34,17 @@ version of the parameters it reads):
   waits only for its own gradient shards), the final shards installed as
   ``.grad`` (also on ranks that ran no microbatch), the accumulators zeroed.
   The optimizer's step pre-hook does the same where nothing read them.
-- optimizer step post-hook: publishes version ``k + 1`` from the updated
-  parameters. There is no barrier: each wait is a causal edge. A loop that
+- optimizer step post-hook: starts minibatch ``k + 1``, whose first
+  operation publishes the updated parameters. There is no barrier: each wait
+  is a causal edge. A loop that
   clears the gradients of a finished minibatch without stepping (a skipped
   step) starts minibatch ``k + 1`` on the unchanged parameters.
 
 The loop contract: read gradients (clip, unscale, log) only after the
 minibatch's last backward; step once per minibatch (or skip the step and
-call ``optimizer.zero_grad()``); clear gradients only between minibatches.
-A loop that breaks it gets an :class:`odc.ProtocolError` naming the group
+call ``optimizer.zero_grad()``); clear gradients only between minibatches;
+change parameters only between minibatches (after the step, before the next
+forward). A loop that breaks it gets an :class:`odc.ProtocolError` naming the group
 and what to call instead; optimizer-in-backward hooks (post-accumulate-grad
 hooks) are refused at :func:`enable`. :func:`enable` wraps
 ``optimizer.zero_grad`` and ``model.zero_grad`` (on the instances) so a rank
@@ -44,9 +53,8 @@ them.
 
 Without an optimizer (``enable(model, None)``) the same two steps run from
 :func:`minibatch`: leaving it finishes the minibatch, entering the next one
-publishes the stepped parameters (or a read finishes it, and
-``model.zero_grad()`` after a step made by hand publishes it at the next
-forward).
+starts it (or a read finishes it, and ``model.zero_grad()`` after a step made
+by hand starts the next one at the next forward).
 
 Hybrid sharding (``enable(..., sharding="hybrid")``) runs on FSDP2's HSDP
 layout: the model is ``fully_shard``-ed over a 2-D mesh ``(replicate, shard)``
@@ -116,7 +124,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -139,7 +147,7 @@ from ._private import (
     prefix_store,
 )
 from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
-from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live, _Undo
+from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live, _Solo, _solos, _Undo, solo
 from ._steal import microbatches
 from ._transport import _param_device, _pick_transport
 
@@ -154,7 +162,7 @@ def is_enabled(model: Any) -> bool:
 
 def enable(
     model: Any,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     *,
     sharding: str = "full",
     chunk_bytes: int | None = None,
@@ -203,7 +211,11 @@ def enable(
             (``sharding="full"`` or ``"hybrid-zero"``) or a 2-D
             ``(replicate, shard)`` mesh (``sharding="hybrid"``).
         optimizer: its optimizer; a step pre-hook finishes the minibatch and
-            installs the gradients, a post-hook publishes the new parameters.
+            installs the gradients, a post-hook starts the next minibatch.
+            Several (a list: a separate optimizer for the embeddings, say):
+            the next minibatch starts once each has stepped (or at the first
+            forward after a ``zero_grad``), and each one's ``zero_grad`` keeps
+            the gradients of a rank with no microbatch pending.
             ``None``: wrap each minibatch in :func:`minibatch` instead.
         sharding: ``"full"`` (shard over every rank), ``"hybrid"`` (shard
             within a node, reduce gradients across nodes once per minibatch,
@@ -252,6 +264,7 @@ def enable(
         RegistrationError: ranks built different models.
     """
     check_fsdp2()
+    optimizers = _optimizers(optimizer)
     if not isinstance(model, FSDPModule):
         raise ConfigError(
             f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard; "
@@ -276,7 +289,10 @@ def enable(
     _pick_transport(groups, requested, source, nodes=None)
     layout = _node_layout(groups, sharding)
     if layout.world == 1:
-        return  # FSDP bypasses both seams at world size 1; nothing to replace
+        # FSDP bypasses both seams at world size 1; nothing to replace, every call a no-op.
+        model.__dict__["_odc_fsdp"] = s = _Solo(model)
+        _solos.add(s)
+        return
     store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/")
     # Ranks per node: the shard group under hybrid sharding; under full
     # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
@@ -302,8 +318,7 @@ def enable(
     for g in groups:
         g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
         g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
-    b = _Binding(model, groups, engine, layout)
-    b.publish_all()  # version 0
+    b = _Binding(model, groups, engine, layout)  # the first operation of minibatch 0 publishes its parameters
     if b.hybrid:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
@@ -311,13 +326,29 @@ def enable(
     b.grads.refuse_foreign_hooks()
     b.grads.ensure_hooked(b.grads.params)
     b.grads.pend(0)  # a rank with no microbatch in minibatch 0 reads final gradients too
-    if optimizer is not None:
-        b.hooks.append(optimizer.register_step_pre_hook(lambda *_: b.before_step()))
-        b.hooks.append(optimizer.register_step_post_hook(lambda *_: b.after_step()))
-        b.hooks.append(_Undo(wrap_zero_grad(optimizer, b.after_zero_grad, b.check_zero_grad)))
+    for i, opt in enumerate(optimizers):
+        b.hooks.append(opt.register_step_pre_hook(lambda *_: b.before_step()))
+        b.hooks.append(opt.register_step_post_hook(lambda *_, i=i: b.after_step(i)))
+        b.hooks.append(_Undo(wrap_zero_grad(opt, b.after_zero_grad, b.check_zero_grad)))
+    b.optimizers = len(optimizers)
     b.hooks.append(_Undo(wrap_zero_grad(model, b.after_zero_grad, b.check_zero_grad)))
     model.__dict__["_odc_fsdp"] = b
     _live.add(b)
+
+
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in opts:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(
+                f"odc.fsdp.enable: optimizer must be a torch.optim.Optimizer, a list of them or None; got "
+                f"{type(opt).__name__}"
+            )
+    if len({id(o) for o in opts}) != len(opts):
+        raise ConfigError("odc.fsdp.enable: the same optimizer was passed twice")
+    return opts
 
 
 def disable(model: Any) -> None:
@@ -326,6 +357,9 @@ def disable(model: Any) -> None:
     Raises:
         ProtocolError: this rank pushed gradients that no optimizer step consumed.
     """
+    if solo(model) is not None:
+        del model.__dict__["_odc_fsdp"]
+        return
     b = _binding(model)
     if b.open and b.pushed:
         raise ProtocolError(
@@ -349,8 +383,8 @@ def disable(model: Any) -> None:
 def minibatch(model: Any) -> Iterator[None]:
     """One minibatch with explicit boundaries instead of optimizer hooks.
 
-    Entering publishes the parameters stepped since the previous minibatch;
-    leaving finishes the minibatch and installs the gradients as ``.grad``.
+    Entering starts the next minibatch (its first gather publishes the
+    parameters as they are then); leaving finishes the minibatch and installs the gradients as ``.grad``.
     Step the optimizer after the block::
 
         with odc.fsdp.minibatch(model):
@@ -358,6 +392,9 @@ def minibatch(model: Any) -> Iterator[None]:
                 model(mb).sum().backward()
         optimizer.step(); optimizer.zero_grad()
     """
+    if solo(model) is not None:
+        yield
+        return
     b = _binding(model)
     b.advance()
     yield
@@ -370,6 +407,7 @@ def finish(model: Any) -> None:
     The optimizer pre-hook does this too; call it to read gradients before
     ``optimizer.step()``.
     """
-    _binding(model).finish("odc.fsdp.finish")
+    if solo(model) is None:
+        _binding(model).finish("odc.fsdp.finish")
 
 

@@ -10,17 +10,23 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, ProtocolError
-from ._state import _NORM_BUCKET, _Binding, _binding, _live
+from ._state import _NORM_BUCKET, _Binding, _binding, _live, _solos, solo
 
 
-def _binding_of(model_or_params: Any) -> tuple[_Binding, list[Any]]:
+def _binding_of(model_or_params: Any) -> tuple[_Binding | None, list[Any]]:
+    """The binding the parameters belong to (None where their model was enabled on one rank), and them."""
     if isinstance(model_or_params, torch.nn.Module):
+        if solo(model_or_params) is not None:
+            return None, list(model_or_params.parameters())
         b = _binding(model_or_params)
         return b, [p for p in model_or_params.parameters() if id(p) in b.param_ids]
     params: list[Any] = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
     for b in list(_live):
         if params and all(id(p) in b.param_ids for p in params):
             return b, params
+    for s in list(_solos):
+        if params and all(id(p) in s.param_ids for p in params):
+            return None, params
     raise ConfigError("odc.fsdp.clip_grad_norm_: these parameters do not belong to one odc.fsdp-enabled model")
 
 
@@ -43,6 +49,8 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
         The total norm (a float64 scalar tensor), as torch's does.
     """
     b, params = _binding_of(model_or_params)
+    if b is None:  # one rank: torch's clip, nothing to exchange
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     b.finish("odc.fsdp.clip_grad_norm_")
     if b.clipped == b.version:
         raise ProtocolError(f"odc.fsdp.clip_grad_norm_: already called in minibatch {b.version}")

@@ -218,6 +218,25 @@ class GradContract:
             self.params.extend(recs)
         self.by_id: dict[int, _Param] = {}
 
+    def check_frozen(self) -> None:
+        """Refuses parameters frozen or unfrozen since ``enable`` (ODC lays out and installs gradients for
+        the parameters that required one then)."""
+        trained = {id(rec.fp) for rec in self.params}
+        changed = [(fp._param_fqn or "<root>", fp.sharded_param.requires_grad)
+                   for g in self.b.groups for fp in g.pg.fsdp_params
+                   if fp.sharded_param.requires_grad != (id(fp) in trained)]
+        if changed:
+            from ..errors import ConfigError
+
+            what = ", ".join(f"{n} ({'unfrozen' if rg else 'frozen'})" for n, rg in changed[:5])
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            raise ConfigError(
+                f"odc.fsdp: {what}{more} changed requires_grad after odc.fsdp.enable, which laid out gradients "
+                "for the parameters that required one then (a frozen one would still get a gradient, and weight "
+                "decay would move it); change requires_grad between odc.fsdp.disable(model) and "
+                "odc.fsdp.enable(model, optimizer), on every rank"
+            )
+
     # -- hooks -------------------------------------------------------------------
     def refuse_foreign_hooks(self) -> None:
         """Optimizer-in-backward hooks would read gradients before they are final: refused."""

@@ -31,6 +31,7 @@ class _OdcAllGather(AllGather):
     ) -> None:
         b, g = self._b, self._g
         b.begin(f"all-gather of {g.name}")
+        b.check_unchanged(g)
         if b.hybrid:
             # Re-asserted before every backward: set_requires_gradient_sync(True)
             # turns HSDP's all-reduce back on.
@@ -109,9 +110,16 @@ class _OdcReduceScatter(ReduceScatter):
             )
         ws, n, sl = b.shards, g.n, g.shard_len
         if input_tensor.numel() != ws * n:
+            frozen = [fp._param_fqn or "<root>" for fp in g.pg.fsdp_params if not fp.sharded_param.requires_grad]
+            advice = (
+                f"{', '.join(frozen)} {'is' if len(frozen) == 1 else 'are'} frozen while other parameters of "
+                "the group train: ODC lays out a group's gradients whole, so freeze whole fully_shard units "
+                "(every parameter of the group) or none"
+                if frozen else unused_params_advice()
+            )
             raise LayoutError(
                 f"odc.fsdp: reduce-scatter input of {g.name} holds {input_tensor.numel()} elements, not "
-                f"{ws}·{n}: a parameter got no gradient and FSDP dropped it; {unused_params_advice()}"
+                f"{ws}·{n}: a parameter got no gradient and FSDP dropped it; {advice}"
             )
         scale = self._scale(op, input_tensor.dtype)
         # .grad back to what FSDP adds onto (full sharding; it then calls our post-accumulate-grad

@@ -23,6 +23,7 @@ _NORM_BUCKET = "odc-fsdp/grad-norm"
 SHARDINGS = ("full", "hybrid", "hybrid-zero")
 _enables = itertools.count()  # one per enable() in this process; equal on every rank
 _live: weakref.WeakSet[_Binding] = weakref.WeakSet()
+_solos: weakref.WeakSet[_Solo] = weakref.WeakSet()  # models enabled on one rank
 
 
 class _Binding:
@@ -32,6 +33,13 @@ class _Binding:
     (every gather and push), :meth:`finish` (a gradient read, the
     optimizer's step pre-hook, :func:`finish`), :meth:`advance` (the step
     post-hook, or the first forward after a skipped step).
+
+    The parameter contract: a minibatch's parameters are published by this
+    rank's first operation in it (:meth:`begin` or :meth:`finish`), not by
+    the step that made them, so whatever changed them in between (a
+    state-dict load, a second optimizer, an in-place edit) is what every
+    peer gathers. A change after that, within the minibatch, is refused at
+    this rank's next gather (:meth:`check_unchanged`).
     """
 
     def __init__(self, model: FSDPModule, groups: list[_Group], engine: Engine, layout: _Layout) -> None:
@@ -42,13 +50,18 @@ class _Binding:
         self.shards = layout.shards
         self.index = layout.index
         self.hybrid = layout.sharding == "hybrid"
-        self.version = 0  # parameters published; gathers of this minibatch read them
+        self.version = 0  # the running (or last finished) minibatch; its gathers read this version
         self.open = True  # minibatch `version` is running (not finished)
+        self.published = False  # this rank published minibatch `version`'s parameters (its first operation does)
+        self.seen: list[list[tuple[Any, int]]] = []  # per group: (parameter, its version counter) when published
         self.pushed = False  # this rank pushed gradients in the running minibatch
         self.finished_by = ""  # what finished the last minibatch (for errors)
         self.cleared = False  # gradients cleared after a finish without a step hook (a skipped or hand-made step)
         self.clipped = -1  # last minibatch whose gradients were clipped
         self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
+        self.optimizers = 0  # optimizers hooked by enable
+        self.stepped: set[int] = set()  # those that stepped since the minibatch finished
+        self.abandoned: tuple[int, list[int]] | None = None  # (minibatch, own microbatches left unrun)
         self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
         self.param_ids = {id(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params}
         self.device = engine.device  # where the engine's tensors live (the parameters' device)
@@ -63,30 +76,70 @@ class _Binding:
         hand), starts the next minibatch: the current parameters are its
         version.
         """
-        if self.open:
-            return
-        if self.cleared:
+        if not self.open:
+            if not self.cleared:
+                raise ProtocolError(
+                    f"odc.fsdp: {what}, but minibatch {self.version}'s gradients are final already "
+                    f"({self.finished_by} finished it); read gradients only after the minibatch's last backward, "
+                    "step the optimizer before the next minibatch (to skip a step, call optimizer.zero_grad() "
+                    "instead), or, without an optimizer hook, enter odc.fsdp.minibatch"
+                )
             self.advance()
-            return
-        raise ProtocolError(
-            f"odc.fsdp: {what}, but minibatch {self.version}'s gradients are final already ({self.finished_by} "
-            "finished it); read gradients only after the minibatch's last backward, step the optimizer before "
-            "the next minibatch (to skip a step, call optimizer.zero_grad() instead), or, without an optimizer "
-            "hook, enter odc.fsdp.minibatch"
-        )
+        if not self.published:
+            self.publish_all()
 
-    def publish_all(self) -> None:
+    def publish_all(self, check: bool = True) -> None:
+        """Publishes this rank's shards, as they are now, as minibatch ``version``'s parameters (``check``:
+        refuse parameters frozen since ``enable`` first)."""
+        if check:
+            self.grads.check_frozen()
         for g in self.groups:
             inputs = _get_param_all_gather_inputs(g.pg.fsdp_params)
             flat = [t.reshape(-1) for ts in inputs for t in ts]
             shard = g.staging()
             torch.cat(flat, out=shard[: g.n])
             self.engine.publish(g.name, shard, self.version)
+        self.seen = [[(fp.sharded_param, fp.sharded_param._version) for fp in g.pg.fsdp_params] for g in self.groups]
+        self.published = True
+
+    def check_unchanged(self, g: _Group) -> None:
+        """Refuses a gather of ``g`` after one of its parameters changed in place since this minibatch's publish.
+
+        The peers gather the published copy, this rank its parameters as they
+        are: they would compute with different weights. Sees what goes
+        through the parameter (``p.mul_``, ``p.copy_``, ``load_state_dict``,
+        an optimizer's per-parameter step); ``p.data`` edits and
+        ``torch._foreach_*`` ops bypass its version counter.
+        """
+        for (p, seen), fp in zip(self.seen[g.index], g.pg.fsdp_params, strict=True):
+            now = fp.sharded_param
+            if now is p and now._version == seen:
+                continue
+            names = {id(q): n for n, q in self.model.named_parameters()}  # type: ignore[attr-defined]
+            name = names.get(id(now), f"{g.name}'s parameter {g.pg.fsdp_params.index(fp)}")
+            raise ProtocolError(
+                f"odc.fsdp: parameter {name} changed in place during minibatch {self.version}, after this rank "
+                "published it to its peers (at its first gather, push or gradient read of the minibatch): the "
+                "peers would compute with the old values, this rank with the new ones. Change parameters only "
+                "between minibatches (after optimizer.step() and before the next minibatch's first forward); "
+                "to evaluate other weights (an EMA swap), swap them in and out between odc.fsdp.disable(model) "
+                "and odc.fsdp.enable(model, optimizer)"
+            )
 
     def finish(self, reason: str, install: bool = True) -> None:
         """Ends the running minibatch: own gradient shards final, installed as ``.grad``."""
         if not self.open:
             return
+        if self.abandoned is not None and self.abandoned[0] == self.version:
+            left, self.abandoned = self.abandoned[1], None
+            raise ProtocolError(
+                f"odc.fsdp.microbatches: the loop left minibatch {self.version}'s iteration early (a break or an "
+                f"exception) with {len(left)} of this rank's own microbatches unclaimed (indices {left} of its "
+                "list); they ran nowhere, so the minibatch's gradients would miss them. Iterate "
+                "odc.fsdp.microbatches to the end on every rank (to skip a microbatch, continue inside the loop)"
+            )
+        if not self.published:  # a rank that ran nothing in this minibatch publishes for its peers here
+            self.publish_all(check=install)  # disable (install=False) tears down whatever was frozen
         self.engine.finish_minibatch(self.version)
         self.open = False
         self.finished_by = reason
@@ -102,13 +155,14 @@ class _Binding:
         self.pushed = False
 
     def advance(self) -> None:
-        """Publishes the stepped parameters as the next version (after :meth:`finish`)."""
+        """Starts the next minibatch (after :meth:`finish`); its first operation publishes its parameters."""
         if self.open:
             return
         self.version += 1
-        self.publish_all()
+        self.published = False
         self.open = True
         self.cleared = False
+        self.stepped.clear()
 
     # -- optimizer and zero_grad hooks -----------------------------------------
     def before_step(self) -> None:
@@ -121,8 +175,12 @@ class _Binding:
             )
         self.finish("optimizer.step()")
 
-    def after_step(self) -> None:
-        self.advance()
+    def after_step(self, which: int) -> None:
+        """Optimizer ``which`` stepped; the next minibatch starts once every hooked optimizer has."""
+        self.stepped.add(which)
+        if len(self.stepped) == self.optimizers:
+            self.stepped.clear()
+            self.advance()
 
     def check_zero_grad(self) -> None:
         if self.open and self.pushed:
@@ -144,6 +202,20 @@ class _Undo:
 
     def __init__(self, undo: Any) -> None:
         self.remove = undo
+
+
+class _Solo:
+    """An enabled model on one rank: FSDP2 bypasses both seams at world size 1, so there is nothing to
+    replace, and every ``odc.fsdp`` call does what it does on many ranks with nothing to wait for."""
+
+    def __init__(self, model: Any) -> None:
+        self.param_ids = {id(p) for p in model.parameters()}
+
+
+def solo(model: Any) -> _Solo | None:
+    """The model's :class:`_Solo` where it was enabled on one rank."""
+    s = getattr(model, "_odc_fsdp", None)
+    return s if isinstance(s, _Solo) else None
 
 
 def _binding(model: Any) -> _Binding:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
-from ._state import _binding
+from ._state import _binding, solo
 
 T = TypeVar("T")
 
@@ -32,7 +32,10 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
             optimizer.step(); optimizer.zero_grad()
 
     Every rank must iterate it once per minibatch, to the end (a rank with no microbatch of its own too: it
-    starts the minibatch for thieves and may steal). With ``steal=False`` it yields this rank's own list only.
+    starts the minibatch for thieves and may steal). Left early (a ``break``, an exception out of the
+    loop) with microbatches of its own list unclaimed, those run nowhere: the minibatch's finish on this
+    rank (the gradient read or the step) raises :class:`odc.ProtocolError` naming them. With
+    ``steal=False`` it yields this rank's own list only.
 
     Args:
         model: the model :func:`odc.fsdp.enable` was called on.
@@ -45,15 +48,32 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
         ConfigError: ``lists`` does not have one list per rank.
         PeerDied, PeerTimeout: a victim died or stalled while this rank waited for its answer.
     """
+    if solo(model) is not None:
+        if len(lists) != 1:
+            raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the 1")
+        yield from lists[0]
+        return
     b = _binding(model)
     world = b.layout.world
     if len(lists) != world:
         raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the {world}")
     b.begin("odc.fsdp.microbatches")
     weigh = None if cost is None else (lambda r, i: cost(lists[r][i]))
-    for owner, i in b.engine.claimed(b.version, [len(x) for x in lists], ranks=_stealable(b), cost=weigh,
-                                     steal=steal):
-        yield lists[owner][i]
+    version, mine, drained = b.version, len(lists[b.layout.rank]), False
+    try:
+        for owner, i in b.engine.claimed(version, [len(x) for x in lists], ranks=_stealable(b), cost=weigh,
+                                         steal=steal):
+            yield lists[owner][i]
+        drained = True
+    finally:
+        if not drained:
+            # Left early (a break, an exception): what is left of this rank's own list would run nowhere once
+            # the thieves are done. Claimed here, so that none runs half, and named when the minibatch finishes.
+            left = []
+            while (j := b.engine.claim_own(version, mine)) is not None:
+                left.append(j)
+            if left:
+                b.abandoned = (version, left)
 
 
 def _stealable(b: Any) -> range:

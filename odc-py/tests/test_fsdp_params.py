@@ -1,0 +1,61 @@
+"""The parameter side of the loop contract (a change between minibatches reaches every peer) and its edges.
+
+A peer's gather reads the owner's published copy; ODC publishes at the owner's first operation of each
+minibatch, so a load, a second optimizer or an in-place edit made after the step is what the peers gather,
+as under FSDP2's collectives. Workers in _params.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import _params as P
+import pytest
+from _dist import run_ranks
+from _fsdp_helpers import all_ok, assert_params_close
+
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
+
+def test_parameters_changed_between_minibatches_reach_every_peer_as_over_gloo():
+    """Loads (after enable, full and sharded state dicts), in-place edits, clamps and a second optimizer."""
+    out = all_ok(run_ranks(P.param_edits_worker, 2, timeout=300))
+    for rank, res in out.items():
+        for edit, runs in res.items():
+            gloo, odc_ = runs["gloo"], runs["odc"]
+            assert all(n > 0.05 for n in gloo["norms"]), (edit, gloo["norms"])  # the clip is active
+            for s, (x, y) in enumerate(zip(odc_["norms"], gloo["norms"], strict=True)):
+                assert math.isclose(x, y, rel_tol=1e-5), (edit, rank, s, odc_["norms"], gloo["norms"])
+            assert_params_close(gloo["params"], odc_["params"], 1e-5)
+
+
+def test_a_parameter_changed_inside_a_minibatch_is_refused_naming_it():
+    out = all_ok(run_ranks(P.inside_edit_worker, 2, timeout=120))
+    for rank, msg in out.items():
+        assert msg.startswith("ProtocolError"), (rank, msg)
+        assert "blocks.1.up.weight" in msg and "minibatch 0" in msg, msg
+        assert "between minibatches" in msg, msg
+
+
+def test_every_odc_fsdp_call_works_at_world_size_one_and_trains_as_fsdp2_alone():
+    out = all_ok(run_ranks(P.solo_worker, 1, timeout=120))[0]
+    assert out["enabled"] and out["disabled"]
+    for s, (x, y) in enumerate(zip(out["odc"]["norms"], out["fsdp2"]["norms"], strict=True)):
+        assert math.isclose(x, y, rel_tol=1e-6), (s, out["odc"]["norms"], out["fsdp2"]["norms"])
+    assert out["fsdp2"]["norms"][0] > 0.05  # the clip is active
+    assert_params_close(out["fsdp2"]["params"], out["odc"]["params"], 1e-6)
+
+
+def test_leaving_microbatches_early_is_named_at_the_minibatch_finish():
+    out = all_ok(run_ranks(P.left_early_worker, 2, timeout=120))
+    assert out[1] == "no error", out[1]
+    assert out[0].startswith("ProtocolError") and "indices [1, 2]" in out[0] and "minibatch 0" in out[0], out[0]
+
+
+def test_a_parameter_frozen_after_enable_is_refused_naming_it_and_trains_frozen_after_a_re_enable():
+    out = all_ok(run_ranks(P.frozen_after_enable_worker, 2, timeout=120))
+    for rank, res in out.items():
+        msg = res["error"]
+        assert msg.startswith("ConfigError") and "blocks.0.up.weight (frozen)" in msg, (rank, msg)
+        assert "odc.fsdp.disable" in msg, msg
+        assert res["frozen_moved"] == 0.0 and res["grad"], (rank, res)
