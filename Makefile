@@ -4,7 +4,7 @@
 #   make demo           the main job on one machine
 #   make lint           module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
 #   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal
-#                       (runs both setups first)
+#                       (runs both setups first), and the time of each stage
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -80,7 +80,9 @@ gpu-bundle: setup
 gpu-rehearse: gpu-bundle setup-torch211
 	@scripts/gpu-rehearse.sh .gpu-bundle
 
-test: setup setup-torch211 lint cargo-test loom pytest pytest-torch211 gpu-rehearse
+# The stages in turn, each timed (scripts/stages.sh prints the times at the end, also after a failure).
+test:
+	@scripts/stages.sh setup setup-torch211 lint cargo-test loom pytest pytest-torch211 gpu-rehearse
 
 fmt:
 	$(CARGO) fmt --all
