@@ -68,3 +68,18 @@ def test_lb_mini_counts_per_rank_under_odc_match_lb_micro_over_collectives(titan
 
 def test_model_parallelism_is_refused_by_name(titan_runs):
     assert "tp=2" in titan_runs[0]["refused"], titan_runs[0]["refused"]
+
+
+def test_cuda_graphs_on_are_refused_naming_the_setting(assets):
+    """torchtitan's default captures forward and backward in a CUDA graph: refused before anything is built."""
+    import os
+
+    import _torchtitan_worker as W
+
+    import odc
+    from odc.integrations.torchtitan import Trainer
+
+    config = W.T.debug_config(os.path.join(assets, "tokenizer"), os.path.join(assets, "c4_test"))
+    config.training.disable_cuda_graphs = False
+    with pytest.raises(odc.ConfigError, match=r"training\.disable_cuda_graphs"):
+        Trainer(config)

@@ -175,13 +175,22 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
         transport: as ``odc.fsdp.enable``.
 
     Raises:
-        ConfigError: tensor, context, pipeline or expert parallelism is on, or
-            the plan does not fit the data-parallel world or ``seq_len``.
+        ConfigError: tensor, context, pipeline or expert parallelism is on,
+            CUDA graphs are (``training.disable_cuda_graphs`` False, torchtitan's
+            default), or the plan does not fit the data-parallel world or
+            ``seq_len``.
     """
 
     def __init__(self, config: Any, *, plan: packing.Plan | None = None,
                  documents: Sequence[Sequence[int]] | None = None, odc: bool = True, timeout: float | None = None,
                  transport: str | None = None) -> None:
+        if odc and not config.training.disable_cuda_graphs:
+            raise ConfigError(
+                "odc.integrations.torchtitan: torchtitan captures its forward and backward in a CUDA graph "
+                "(training.disable_cuda_graphs is False, its default), but ODC's gathers and pushes wait for "
+                "peers on the host, which a replayed graph skips, and each rank's microbatch shapes differ; set "
+                "config.training.disable_cuda_graphs = True (--training.disable_cuda_graphs)"
+            )
         self._odc = odc
         self._odc_timeout, self._odc_transport = timeout, transport
         config.model_spec = dataclasses.replace(config.model_spec,
