@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import odc
 import odc.backend
@@ -96,10 +96,11 @@ def bucket_dtypes(model):
     return [b.engine.bucket(g.name)["dtype"] for g in b.groups]
 
 
-def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, sharding="full"):
-    """AdamW, ``micros`` microbatches per step; returns (losses, norms, params, ODC bucket dtypes or None,
-    ODC transport or None)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, sharding="full", sgd=False):
+    """AdamW (or SGD, whose step scales with the gradient), ``micros`` microbatches per step; returns (losses,
+    norms, params, ODC bucket dtypes or None, ODC transport or None)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr) if sgd else torch.optim.AdamW(model.parameters(), lr=lr,
+                                                                                   weight_decay=0.01)
     dtypes = transport = None
     if odc_on:
         odc.fsdp.enable(model, opt, timeout=60, sharding=sharding)
@@ -125,6 +126,11 @@ def train(model, rank, world, *, steps, micros, odc_on, clip=None, lr=1e-2, shar
     return losses, norms, params, dtypes, transport
 
 
+#: Parity variants stepped with SGD: the ones exercising FSDP2's divide-factor branches (forced SUM, a divide factor
+#: of one's own, an fp16 reduce dtype's pre- and post-divide).
+SGD_VARIANTS = ("forcesum", "divide", "fp16reduce")
+
+
 def parity_worker(rank, world, store, variants, transport=None):
     """FSDP2 over gloo, then over ODC, per variant. ``transport`` goes in ``ODC_TRANSPORT`` (emu-ipc runs
     with jittered emulated streams) and is checked to be one that carries CPU tensors."""
@@ -140,14 +146,24 @@ def parity_worker(rank, world, store, variants, transport=None):
         except odc.ConfigError as e:
             out["cuda_ipc_on_cpu"] = str(e)
     for name in variants:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if name == "bf16" else None
+        mp = {"bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+              "fp16reduce": MixedPrecisionPolicy(reduce_dtype=torch.float16)}.get(name)
         res = {}
         for mode in ("gloo", "odc"):
             model = build(world, mp=mp, reshard=(name != "forcesum"))  # forcesum also keeps params unsharded
             if name == "forcesum":
                 model.set_force_sum_reduction_for_comms(True)
-            res[mode] = train(model, rank, world, steps=10, micros=2, odc_on=(mode == "odc"),
-                              clip=(0.5 if name == "fp32" else None))
+            if name == "divide":
+                # A divide factor of its own: PREMUL_SUM(1/3) where the backend has it (ODC reads op.factor);
+                # gloo has no PREMUL_SUM, so FSDP2 sums there and divides the output.
+                for m in model.modules():
+                    if isinstance(m, FSDPModule):
+                        m.set_gradient_divide_factor(3.0)
+                        m.set_force_sum_reduction_for_comms(mode == "gloo")
+            # Every variant clips (the per-step norms see a wrong scale) and the divide-factor branches step
+            # with SGD (AdamW is nearly scale-invariant: a wrong factor would pass through it).
+            res[mode] = train(model, rank, world, steps=10, micros=2, odc_on=(mode == "odc"), clip=0.3,
+                              sgd=name in SGD_VARIANTS, lr=0.1 if name in SGD_VARIANTS else 1e-2)
         out[name] = res
     if world == 4:
         # reshard_after_forward=<int> gathers over a sub-mesh: refused.
