@@ -15,7 +15,7 @@ import os
 import subprocess
 
 import pytest
-from _netns import Outcome, cluster, require_ok, skip_if_unavailable
+from _netns import Outcome, cluster, require_ok, skip_if_unavailable, skip_or_fail
 
 pytestmark = pytest.mark.multinode
 
@@ -155,7 +155,7 @@ def test_bench_primitives_across_namespaces(tmp_path, capsys):
 
     why = unavailable_reason()
     if why is not None:
-        pytest.skip(f"odc-bench --netns needs network namespaces: {why}")
+        skip_or_fail(f"odc-bench --netns needs network namespaces: {why}")
     out = tmp_path / "p.json"
     code = main(["primitives", "--netns", "2", "-g", "2", "-b", "64K", "-e", "64K", "-n", "2", "-w", "1", "--in-place",
                  "--transport", "fabric", "--progress", "off", "--json", str(out)])
