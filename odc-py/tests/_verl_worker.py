@@ -84,6 +84,23 @@ def reload_and_repeat(engine, rank: int, model_dir: str, ckpt_dir: str) -> list[
     return norms
 
 
+def outputs_in_order(engine, rank: int, model_dir: str) -> dict:
+    """A training step with ``return_model_output=True`` under LB-Mini, which moves samples between the ranks: its
+    per-sample log-probs against a forward-only pass over the same batch with the same weights (verl's own order)."""
+    from verl.utils import tensordict_utils as tu
+
+    with engine.eval_mode():
+        want = engine.infer_batch(batch(0, rank))["model_output"]["log_probs"].unbind()
+    data = batch(0, rank)
+    tu.assign_non_tensor(data, return_model_output=True)
+    with engine.train_mode():
+        got = engine.train_batch(data, loss_function=V.ppo_loss(model_dir, MAX_TOKENS))["model_output"]["log_probs"]
+    got = got.unbind()
+    # A sample's last position is left out, as in infer().
+    diff = max(float((g[:-1].float() - w[:-1].float()).abs().max()) for g, w in zip(got, want, strict=True))
+    return {"lengths": [len(t) for t in got], "want": [len(t) for t in want], "diff": diff}
+
+
 def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang_timeout: float) -> dict:
     import odc
     import odc.fsdp
@@ -108,6 +125,7 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
         out["refused"] = str(e)
     out["odc"] = train(actor, rank, model_dir)
     out["reloaded"] = reload_and_repeat(actor, rank, model_dir, ckpt_dir)
+    out["outputs"] = outputs_in_order(actor, rank, model_dir)
     critic = V.build_engine(model_dir, MAX_TOKENS, model_type="value_model", external_lib=hook)
     out["engine"]["critic"] = odc.fsdp.is_enabled(critic.module)
     out["odc_critic"] = train(critic, rank, model_dir, steps=1, critic=True)

@@ -73,6 +73,14 @@ def test_a_checkpoint_loaded_under_odc_is_what_the_next_minibatch_reads(ppo_runs
         assert again == pytest.approx(first, rel=1e-6), r["reloaded"]
 
 
+def test_model_outputs_come_back_in_the_callers_order_when_lb_mini_moves_samples(ppo_runs):
+    """return_model_output=True: each rank gets its own samples' log-probs, in its order (LB-Mini moved them)."""
+    for rank, res in ppo_runs.items():
+        o = res["outputs"]
+        assert o["lengths"] == o["want"], (rank, o)
+        assert o["diff"] < 1e-4, (rank, o)
+
+
 def test_the_critic_runs_on_odc_with_uneven_counts_too(ppo_runs):
     r0, r1 = ppo_runs[0], ppo_runs[1]
     assert (r0["odc_critic"]["counts"], r1["odc_critic"]["counts"]) == ([2], [3])

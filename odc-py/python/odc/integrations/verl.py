@@ -25,7 +25,9 @@ subclass that
   verl's workload estimate, unequal counts, samples moved once with two
   all-to-alls), then lets verl pack this rank's samples into as many
   microbatches as its token budget needs, without the count all-reduce
-  (``same_micro_num_in_dp=False``);
+  (``same_micro_num_in_dp=False``); with ``return_model_output=True`` the
+  per-sample outputs go back to the rank each sample came from, in the
+  caller's order (two more all-to-alls);
 - reloads a checkpoint with ODC off and republishes the loaded parameters.
 
 Everything else is verl's: the global token count for the loss
@@ -62,6 +64,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .. import fsdp as odc_fsdp
@@ -258,10 +261,16 @@ class _OdcEngine:
         if not odc_fsdp.is_enabled(self.module):
             return super().forward_backward_batch(data, loss_function, forward_only)  # type: ignore[misc]
         s = _current().settings
+        group = self.get_data_parallel_group()  # type: ignore[attr-defined]
+        moved = None
         if s.balance == "lb-mini" and not forward_only:
-            data = _balance(data, self.get_data_parallel_group(), s.cost, _current().tu)  # type: ignore[attr-defined]
+            data, moved = _rebalance(data, group, s.cost, _current().tu)
         with _counts_per_rank():
-            return super().forward_backward_batch(data, loss_function, forward_only)  # type: ignore[misc]
+            out = super().forward_backward_batch(data, loss_function, forward_only)  # type: ignore[misc]
+        if moved is not None and isinstance(out, dict) and out.get("model_output"):
+            # return_model_output=True: each sample's outputs back to the rank and the place it came from.
+            out["model_output"] = _return_outputs(out["model_output"], *moved, group)
+        return out
 
     def load_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         if not odc_fsdp.is_enabled(self.module):
@@ -305,6 +314,12 @@ def _balance(data: Any, group: Any, cost: str, tu: Any) -> Any:
 
     ``tu`` is ``verl.utils.tensordict_utils``.
     """
+    return _rebalance(data, group, cost, tu)[0]
+
+
+def _rebalance(data: Any, group: Any, cost: str, tu: Any) -> tuple[Any, tuple[list[tuple[int, int]], int] | None]:
+    """:func:`_balance`, and where each of the returned samples came from: ``(origin, n)``, ``origin[j]`` the
+    (rank, index) of sample ``j``, ``n`` this rank's sample count before; None where nothing moved."""
     if not tu.get_non_tensor_data(data, "use_dynamic_bsz", True):
         raise ConfigError(
             "odc.integrations.verl: balance='lb-mini' packs microbatches by tokens and needs dynamic batching "
@@ -323,7 +338,7 @@ def _balance(data: Any, group: Any, cost: str, tu: Any) -> Any:
     dist.all_gather_object(everyone, lengths, group=group)
     runs = _exchange.assign(everyone, max_tokens=max_tokens, cost=cost)
     if not _exchange.moves_anything(runs):
-        return data
+        return data, None
     meta = [k for k, v in data.items() if _is_metadata(v)]
     samples = data.exclude(*meta)
     outgoing = []
@@ -332,16 +347,40 @@ def _balance(data: Any, group: Any, cost: str, tu: Any) -> Any:
         outgoing.append(b"" if dest == me or not mine else
                         pickle.dumps(tu.index_select_tensor_dict(samples, mine), protocol=pickle.HIGHEST_PROTOCOL))
     received = _exchange.exchange(outgoing, group)
-    pieces = []
+    pieces: list[Any] = []
+    origin: list[tuple[int, int]] = []
     for src in range(world):
         local = [i for s, i in runs[me] if s == src]
         if not local:
             continue
         pieces.append(tu.index_select_tensor_dict(samples, local) if src == me else pickle.loads(received[src]))
+        origin.extend((src, i) for i in local)
     out = tu.concat_tensordict(pieces)
     for k in meta:
         tu.assign_non_tensor_data(out, k, tu.get_non_tensor_data(data, k, None))
-    return out
+    return out, (origin, len(lengths))
+
+
+def _return_outputs(outputs: dict[str, Any], origin: list[tuple[int, int]], n: int, group: Any) -> dict[str, Any]:
+    """Per-sample model outputs (verl's jagged nested tensors, in the balanced order) back in the caller's order:
+    sample ``j``'s rows go to rank ``origin[j][0]``, at index ``origin[j][1]``. Collective."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    rows = {k: v.unbind() for k, v in outputs.items()}
+    outgoing: list[list[tuple[int, dict[str, Any]]]] = [[] for _ in range(world)]
+    for j, (src, i) in enumerate(origin):
+        outgoing[src].append((i, {k: r[j] for k, r in rows.items()}))
+    received = _exchange.exchange([b"" if d == me else pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL)
+                                   for d, o in enumerate(outgoing)], group)
+    mine: dict[int, dict[str, Any]] = dict(outgoing[me])
+    for src in range(world):
+        if src != me and received[src]:
+            mine.update(pickle.loads(received[src]))
+    if sorted(mine) != list(range(n)):
+        raise ConfigError(
+            f"odc.integrations.verl: model outputs came back for samples {sorted(mine)} of this rank's {n}: a sample "
+            "made no output row or several (return_model_output needs one row per sample)"
+        )
+    return {k: torch.nested.as_nested_tensor([mine[i][k] for i in range(n)], layout=torch.jagged) for k in rows}
 
 
 def _is_metadata(value: Any) -> bool:
