@@ -65,12 +65,12 @@ loom:
 	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p odc-core --release --locked --lib loom
 
 pytest:
-	$(PY) -m pytest odc-py/tests
+	$(PY) -m pytest --durations=15 odc-py/tests
 
 # Only what depends on torch's version (the tests marked torch_versions) and verl, which must run here, on its
 # own pins. verl's requirements bring pytest-asyncio, which warns at start-up about a setting of its own.
 pytest-torch211:
-	ODC_REQUIRE_VERL=1 $(PY211) -m pytest -p no:asyncio -m "torch_versions or verl" odc-py/tests
+	ODC_REQUIRE_VERL=1 $(PY211) -m pytest -p no:asyncio -m "torch_versions or verl" --durations=15 odc-py/tests
 
 # The GPU test executables and the wheel the GPU test machine runs, and its rehearsal here (scripts/gpu-rehearse.sh:
 # as the machine runs it, up to the first device call).

@@ -1,12 +1,19 @@
-"""Helpers to run a function on N local ranks (spawned processes) with a shared torch TCPStore, and the GPU skip."""
+"""Helpers to run a function on N local ranks (processes forked from a fork server that has imported torch and
+odc) with a shared torch TCPStore, and the GPU skip."""
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
+import functools
 import multiprocessing as mp
 import os
+import signal
+import sys
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch.distributed as dist
@@ -24,7 +31,44 @@ def need_gpu() -> None:
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); ODC_REQUIRE_GPU=1 makes this a failure")
 
 
-def _entry(fn, rank, world, port, queue, kwargs):
+# Ranks start from a fork server that has imported these once per pytest process: a rank costs a fork, not
+# an interpreter importing torch (5-10 s each on a 2-core machine, the larger part of most tests before).
+# Each rank is still a new process (nothing is shared between cases), with the test's environment as it was
+# when the case started (see _entry). A module missing here is ignored by the fork server.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "odc", "odc.fsdp",
+           "odc.backend", "_fsdp_helpers"]
+
+
+@functools.cache
+def _context():
+    """The fork-server context; its server starts with the first rank and lives as long as pytest."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+class _Fd:
+    """A file descriptor of the test process handed to a rank (duplicated while the rank is being started)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _Fd._open, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _open(dup: Any) -> int:
+        return dup.detach() if hasattr(dup, "detach") else dup
+
+
+def _entry(fn, rank, world, port, queue, kwargs, env=None, out=None):
+    if env is not None:  # the environment the test runs in now, not the fork server's from its start
+        os.environ.clear()
+        os.environ.update(env)
+    if out is not None:  # the test's stdout and stderr now (pytest's capture of this test), not the server's
+        os.dup2(out[0], 1)
+        os.dup2(out[1], 2)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks a rank that hangs for its stacks
     try:
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         result = fn(rank, world, store, **kwargs)
@@ -34,29 +78,40 @@ def _entry(fn, rank, world, port, queue, kwargs):
     finally:
         queue.close()
         queue.join_thread()
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, **kwargs) -> dict[int, tuple[str, Any]]:
+def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, fresh: bool = False,
+              **kwargs) -> dict[int, tuple[str, Any]]:
     """Runs ``fn(rank, world, store, **kwargs)`` on ``world`` processes; returns {rank: (status, value)}.
+
+    The ranks are forked from a server that has imported torch and odc (``PRELOAD``); ``fresh=True`` spawns
+    new interpreters instead, for a case about what happens at import.
 
     ``status`` is ``"ok"`` with the return value, or ``"error"`` with
     ``(class name, message, peer, traceback)``. A rank that reports nothing
-    within ``timeout`` seconds is killed and reported as ``("hung", None)``.
+    within ``timeout`` seconds prints the stack of each of its threads to the
+    test's stderr (shown with the failure), is killed and reported as
+    ``("hung", exit code)``.
     """
     master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=60),
                            wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    fresh = fresh or os.environ.get("ODC_TEST_SPAWN") == "1"  # every rank a new interpreter, as before
+    ctx = mp.get_context("spawn") if fresh else _context()
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, master.port, queue, kwargs)) for r in range(world)]
+    env, out = (None, None) if fresh else (dict(os.environ), (_Fd(1), _Fd(2)))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, master.port, queue, kwargs, env, out))
+             for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, tuple[str, Any]] = {}
     import queue as q
 
-    deadline = __import__("time").monotonic() + timeout
+    deadline = time.monotonic() + timeout
     while len(results) < world:
-        remaining = deadline - __import__("time").monotonic()
+        remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         try:
@@ -65,6 +120,11 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, **kwar
         except q.Empty:
             if all(not p.is_alive() for p in procs) and queue.empty():
                 break
+    hung = [p for r, p in enumerate(procs) if r not in results and p.is_alive()]
+    for p in hung:  # each prints every thread's stack to the test's stderr before it is killed
+        os.kill(p.pid, signal.SIGUSR1)
+    if hung:
+        time.sleep(1.0)
     for r, p in enumerate(procs):
         p.join(timeout=5)
         if p.is_alive():

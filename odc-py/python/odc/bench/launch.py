@@ -6,8 +6,11 @@ benchmark measures: a rank function gets a :class:`RankContext`, returns a
 value (rank 0's value is the result), and may send events (progress, rows)
 that the caller receives while the ranks run.
 
-- **Local** (default): the caller's process hosts a ``TCPStore`` and spawns
-  one process per rank (``multiprocessing`` spawn context).
+- **Local** (default): the caller's process hosts a ``TCPStore`` and starts
+  one process per rank, forked from a ``multiprocessing`` fork server that
+  has imported torch, odc and the rank function's module once (a rank costs
+  a fork rather than an interpreter importing torch; each rank is still a
+  new process, with the caller's environment as it is at the launch).
 - **torchrun**: when ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are set,
   this process is one rank; the default group's store is the rendezvous.
 """
@@ -140,11 +143,27 @@ def _setup(store: Any, rank: int, world: int, backend: str, job_key: str, emit: 
     return RankContext(rank, world, store, backend, device, group, ctrl, job_key, emit)
 
 
+def _context(fn: Callable[..., Any]) -> Any:
+    """The fork server local ranks start from. What it imports is fixed by the first launch of the process:
+    torch, odc and the module of that launch's rank function (a later launch's own imports happen in its
+    ranks)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    module = getattr(fn, "__module__", None)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "odc", "odc.bench.launch"]
+                               + ([module] if module and module != "__main__" else []))
+    return ctx
+
+
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, events: Any, backend: str, job_key: str,
            kwargs: dict[str, Any], place: tuple[str, dict[str, str]] | None = None,
-           store_host: str = "127.0.0.1") -> None:  # pragma: no cover - runs in a subprocess
+           store_host: str = "127.0.0.1", env: dict[str, str] | None = None) -> None:  # pragma: no cover
     ctx = None
     try:
+        if env is not None:  # the caller's environment at the launch, not the fork server's from its start
+            os.environ.clear()
+            os.environ.update(env)
         if place is not None:
             # Before any socket or thread: every later one lives in the namespace.
             from .netns import enter
@@ -194,17 +213,17 @@ def run_ranks(fn: Callable[..., Any], world: int, *, backend: str, on_event: Eve
         finally:
             ctx.close()
 
-    import multiprocessing as mp
-
     from torch._C._distributed_c10d import TCPStore  # torch.distributed's stubs do not export it
 
     master = TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=300),
                       wait_for_workers=False)
     job_key = f"b{os.getpid() % 100000}{uuid.uuid4().hex[:6]}"
-    mpctx = mp.get_context("spawn")
+    mpctx = _context(fn)
     events = mpctx.Queue()
+    env = dict(os.environ)
     procs = [mpctx.Process(target=_child, args=(fn, r, world, master.port, events, backend, job_key, kwargs,
-                                                None if placement is None else placement[r], store_host), daemon=True)
+                                                None if placement is None else placement[r], store_host, env),
+                           daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
