@@ -34,9 +34,9 @@ impl DataPath for HostPath<'_> {
         // region (offset and length fixed at registration); the caller
         // vouches for `src`, a host pointer to `bytes` bytes.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                src as usize as *const u8,
+            odc_kernels::cpu::copy_raw_cached(
                 reg.params.as_ptr().add(reg.params_off[bucket] + at),
+                src as usize as *const u8,
                 bytes,
             )
         };
@@ -340,7 +340,13 @@ impl<'e> Host<'e> {
         }
         // SAFETY: `ptr` is valid for `len` f32s; the server writes it only
         // while pushes are in flight, which the protocol orders before this.
-        unsafe { std::ptr::copy_nonoverlapping(ptr, out.as_mut_ptr(), len) };
+        unsafe {
+            odc_kernels::cpu::copy_raw_cached(
+                out.as_mut_ptr().cast::<u8>(),
+                ptr.cast::<u8>(),
+                len * std::mem::size_of::<f32>(),
+            )
+        };
         Ok(())
     }
 

@@ -519,7 +519,7 @@ impl Transport for ShmTransport {
             // SAFETY: the destination range was bounds checked for the total
             // length; source buffers never overlap a shared mapping.
             unsafe {
-                std::ptr::copy_nonoverlapping(part.as_ptr(), dst, part.len());
+                odc_kernels::cpu::copy_raw_cached(dst, part.as_ptr(), part.len());
                 dst = dst.add(part.len());
             }
         }

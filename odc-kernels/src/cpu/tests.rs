@@ -312,6 +312,44 @@ fn copy_every_short_length_and_alignment() {
 }
 
 #[test]
+fn copy_near_alias_distances_exactly() {
+    // A destination 0 to 80 bytes past the source modulo 4 KiB, on both
+    // sides of near_alias's window and of NEAR_ALIAS_MIN, short and long
+    // lengths with odd heads and tails: the AVX2 detour where it applies,
+    // memcpy elsewhere, the same bytes either way.
+    let src: Vec<u8> = (0..3 * 4096 + 300u32)
+        .map(|i| (i.wrapping_mul(97) >> 3) as u8)
+        .collect();
+    let base = src.as_ptr() as usize % 4096;
+    for level in Level::all() {
+        for len in [255, 256, 257, 300, 4097, 2 * 4096 + 45] {
+            for distance in (0..=80).chain([4095, 4032]) {
+                // `check_copy` puts the destination at dst_off into a fresh
+                // buffer; aim it at `distance` past the source modulo 4 KiB
+                // by choosing the source offset instead.
+                let mut dst = vec![0u8; len + 4096];
+                let dst_at = dst.as_mut_ptr() as usize % 4096;
+                let src_off = (dst_at + 4096 * 2 - base - distance) % 4096;
+                let from = &src[src_off..src_off + len];
+                // SAFETY: both ranges are in bounds of distinct buffers.
+                unsafe { level.copy(dst.as_mut_ptr(), from.as_ptr(), len, usize::MAX) };
+                assert_eq!(
+                    (dst.as_ptr() as usize).wrapping_sub(from.as_ptr() as usize) % 4096,
+                    distance
+                );
+                assert!(
+                    dst[..len] == *from && dst[len..].iter().all(|&b| b == 0),
+                    "copy of {len} bytes on {} at distance {distance}",
+                    level.isa()
+                );
+            }
+        }
+    }
+    assert!(near_alias(17, 1) && near_alias(4096 + 63, 0));
+    assert!(!near_alias(4097, 1) && !near_alias(64, 0) && !near_alias(1, 17));
+}
+
+#[test]
 fn copy_bytes_streams_large_copies_exactly() {
     // Just above the threshold, odd length, odd offsets: the public entry
     // point on its streaming path (on AVX2 machines).

@@ -22,10 +22,11 @@ use std::arch::x86_64::{
     _mm256_movemask_ps, _mm256_mul_pd, _mm256_mul_ps, _mm256_or_si256, _mm256_packus_epi32,
     _mm256_permute4x64_epi64, _mm256_set1_epi32, _mm256_set1_epi64x, _mm256_set1_pd,
     _mm256_set1_ps, _mm256_setzero_si256, _mm256_slli_epi32, _mm256_sllv_epi64, _mm256_srli_epi32,
-    _mm256_srli_epi64, _mm256_srlv_epi64, _mm256_storeu_ps, _mm256_storeu_si256,
-    _mm256_stream_si256, _mm256_sub_epi64, _mm256_testz_si256, _mm256_unpackhi_epi64,
-    _mm256_unpacklo_epi64, _mm256_xor_si256, _mm_loadu_si128, _mm_prefetch, _mm_sfence,
-    _mm_shuffle_ps, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT, _MM_HINT_NTA,
+    _mm256_srli_epi64, _mm256_srlv_epi64, _mm256_store_si256, _mm256_storeu_ps,
+    _mm256_storeu_si256, _mm256_stream_si256, _mm256_sub_epi64, _mm256_testz_si256,
+    _mm256_unpackhi_epi64, _mm256_unpacklo_epi64, _mm256_xor_si256, _mm_loadu_si128, _mm_prefetch,
+    _mm_sfence, _mm_shuffle_ps, _mm_storeu_si128, _CMP_UNORD_Q, _MM_FROUND_TO_NEAREST_INT,
+    _MM_HINT_NTA,
 };
 
 use half::{bf16, f16};
@@ -372,8 +373,8 @@ unsafe fn accumulate_bf16_step(a: *mut bf16, x: *const bf16, s: __m256) {
     unsafe { _mm256_storeu_si256(a.cast::<__m256i>(), out) }
 }
 
-/// Bytes per iteration of [`copy_stream`]: four 256-bit registers, two
-/// cache lines.
+/// Bytes per iteration of [`copy_stream`] and [`copy_cached`]: four
+/// 256-bit registers, two cache lines.
 const COPY_BLOCK: usize = 128;
 
 /// How far ahead of its loads [`copy_stream`] prefetches the source. The
@@ -434,6 +435,49 @@ pub unsafe fn copy_stream(dst: *mut u8, src: *const u8, len: usize) {
     // Streaming stores are weakly ordered: without this fence a later
     // store (the signal a reader waits on) could become visible first.
     _mm_sfence();
+}
+
+/// Copies `len` bytes from `src` to `dst` through the cache: unaligned
+/// 256-bit loads, aligned stores after a plain head up to the first 32-byte
+/// boundary of `dst`, a plain tail. What [`super::Level::copy`] takes where
+/// `memcpy` would be slow: a destination 1 to 63 bytes past the source
+/// modulo 4 KiB ([`super::near_alias`]).
+///
+/// # Safety
+///
+/// `src` must be valid for reading and `dst` for writing `len` bytes, the
+/// two ranges must not overlap, and the CPU must support AVX2.
+#[target_feature(enable = "avx2,f16c")]
+pub unsafe fn copy_cached(dst: *mut u8, src: *const u8, len: usize) {
+    let head = dst.align_offset(32).min(len);
+    // SAFETY: `head <= len`; the caller guarantees both ranges.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+    let mut i = head;
+    // SAFETY: every access below is inside `[0, len)` (loop bounds), and
+    // `dst + i` is 32-byte aligned from `head` on, as aligned stores need.
+    unsafe {
+        while i + COPY_BLOCK <= len {
+            let s = src.add(i).cast::<__m256i>();
+            let d = dst.add(i).cast::<__m256i>();
+            let v0 = _mm256_loadu_si256(s);
+            let v1 = _mm256_loadu_si256(s.add(1));
+            let v2 = _mm256_loadu_si256(s.add(2));
+            let v3 = _mm256_loadu_si256(s.add(3));
+            _mm256_store_si256(d, v0);
+            _mm256_store_si256(d.add(1), v1);
+            _mm256_store_si256(d.add(2), v2);
+            _mm256_store_si256(d.add(3), v3);
+            i += COPY_BLOCK;
+        }
+        while i + 32 <= len {
+            _mm256_store_si256(
+                dst.add(i).cast::<__m256i>(),
+                _mm256_loadu_si256(src.add(i).cast::<__m256i>()),
+            );
+            i += 32;
+        }
+        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+    }
 }
 
 /// Exact accumulation (deterministic mode, [`super::exact`]): adds

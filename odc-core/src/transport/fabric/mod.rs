@@ -561,9 +561,7 @@ impl Transport for FabricTransport {
             }
             // SAFETY: in range (checked); our own memory never overlaps a
             // caller's buffer.
-            unsafe {
-                std::ptr::copy_nonoverlapping(own.ptr.add(offset), dst.as_mut_ptr(), dst.len())
-            };
+            unsafe { odc_kernels::cpu::copy_raw(dst.as_mut_ptr(), own.ptr.add(offset), dst.len()) };
             return Ok(());
         }
         // A `PeerDied` is attributed (and blamed) by the engine, which
@@ -616,7 +614,7 @@ impl Transport for FabricTransport {
                 // SAFETY: in range (checked); sources never overlap our
                 // registered memory.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(part.as_ptr(), own.ptr.add(at), part.len())
+                    odc_kernels::cpu::copy_raw_cached(own.ptr.add(at), part.as_ptr(), part.len())
                 };
                 at += part.len();
             }
