@@ -206,7 +206,7 @@ fn two_jobs_on_the_default_key_leave_each_other_alone() {
             std::thread::sleep(Duration::from_millis(20));
         };
         // Job A, every rank in a pid namespace of its own (where B's pids
-        // mean nothing): its start sweeps the default key.
+        // mean nothing): its start sweeps every key's stale segments.
         let out_a = job(
             &worker,
             2,

@@ -20,10 +20,12 @@
 //! namespaces (containers sharing `/dev/shm`), where pid numbers mean
 //! nothing. A forked child (a data-loader worker) does not keep its
 //! parent's locks: a fork handler points the child's copies of the lock
-//! descriptors at `/dev/null`. A rank that crashes leaves its segments
-//! behind; the next start with the same job key removes every
-//! `odc-<jobkey>-*` segment nobody holds ([`sweep_stale`]), and never a
-//! live job's, whatever the two jobs' keys.
+//! descriptors at `/dev/null`. A rank that is killed, crashes or ends
+//! without dropping its engine (a `multiprocessing` child ends with
+//! `os._exit`; a process group torch still holds at exit is never freed)
+//! leaves its segments behind; the next start of any ODC engine on the
+//! host removes every `odc-*` segment nobody holds ([`sweep_stale`]),
+//! whatever job key it had, and never a live job's.
 //!
 //! Region id [`BELL_ID`] is the transport's own bell page: owner pid, state,
 //! blame, and the two [`EventCount`]s the owner sleeps on.
@@ -269,13 +271,17 @@ pub fn pid_alive(pid: u32) -> bool {
     }
 }
 
-/// Removes `/dev/shm/odc-<jobkey>-*` segments that no live process holds
-/// (their creator died without unlinking them). A segment is removed only
-/// when its lock can be taken and it has a size, so a live job's segments
-/// (locked) and one being created (locked before it is sized) stay, whatever
-/// job keys the jobs use. Returns how many were removed.
-pub fn sweep_stale(job_key: &str) -> usize {
-    let prefix = format!("odc-{}-", sanitize_job_key(job_key));
+/// Removes `/dev/shm/odc-*` segments that no live process holds (their
+/// creator died without unlinking them), of every job key: a job's keys
+/// are often random (the `"odc"` process group's, a test's), so sweeping
+/// only the starting job's own key left every other job's leftovers until
+/// the host rebooted. A segment is removed only when its lock can be taken
+/// and it has a size, so a live job's segments (locked) and one being
+/// created (locked before it is sized) stay, whatever job keys the jobs
+/// use; another user's (mode 0600) cannot be opened and stays. Returns how
+/// many were removed.
+pub fn sweep_stale() -> usize {
+    let prefix = "odc-";
     let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
         return 0;
     };
@@ -283,7 +289,7 @@ pub fn sweep_stale(job_key: &str) -> usize {
     for entry in dir.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if !name.starts_with(&prefix) || !is_locked_kind(name) {
+        if !name.starts_with(prefix) || !is_locked_kind(name) {
             continue;
         }
         let path = format!("/{name}");
@@ -305,9 +311,9 @@ pub fn sweep_stale(job_key: &str) -> usize {
 
 impl ShmTransport {
     /// Creates this rank's transport (and its bell page) for job `job_id`
-    /// under `job_key`, after sweeping stale segments of that key.
+    /// under `job_key`, after sweeping stale segments (of every key).
     pub fn new(rank: usize, world: usize, job_key: &str, job_id: &str) -> Result<ShmTransport> {
-        sweep_stale(job_key);
+        sweep_stale();
         let prefix = format!(
             "/odc-{}-{}",
             sanitize_job_key(job_key),
