@@ -9,6 +9,7 @@ rank pads its short minibatches with microbatches of weight 0 so that FSDP2's co
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -24,7 +25,23 @@ import odc.fsdp
 PLAN = [(2, 2), (2, 1), (1, 0), (2, 2)]
 EDIT_AFTER = 1
 EDITS = ("load_after_enable", "set_model_state_dict", "load_state_dict", "halve", "clamp_every_step",
-         "second_optimizer", "sgd_halve")
+         "second_optimizer", "sgd_halve", "ema_eval")
+
+
+def _evaluate_swapped(model, swap_in, comm, rank):
+    """An EMA-style swap for evaluation: ``swap_in`` (this rank's shards) in place, a forward under no_grad on
+    every rank, the training weights back in place. Under ODC inside odc.fsdp.evaluation."""
+    params = dict(model.named_parameters())
+    keep = {k: p.detach().clone() for k, p in params.items()}
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(swap_in[k])
+    with odc.fsdp.evaluation(model) if comm == "odc" else contextlib.nullcontext(), torch.no_grad():
+        loss = float(sample_loss(model, data(9, 0, rank)))
+    with torch.no_grad():
+        for k, p in params.items():
+            p.copy_(keep[k])
+    return loss
 
 
 def _full_sd(seed, world):
@@ -49,7 +66,7 @@ def _run(edit, comm, rank, world, resume):
     if edit == "load_after_enable":  # wrap, build the optimizer, enable, then resume
         set_model_state_dict(model, resume, options=StateDictOptions(full_state_dict=True))
     saved_full = saved_local = None
-    norms = []
+    norms, evals = [], []
     for s, counts in enumerate(PLAN):
         total = sum(counts)
         for m in range(max(counts)):
@@ -83,9 +100,12 @@ def _run(edit, comm, rank, world, resume):
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.5)
+        elif edit == "ema_eval":  # the weights after step 0 swapped in, evaluated, swapped back out
+            evals.append(_evaluate_swapped(model, saved_local, comm, rank))
+            evals.append(_evaluate_swapped(model, dict(model.named_parameters()), comm, rank))  # back to back
     if comm == "odc":
         odc.fsdp.disable(model)
-    return {"norms": norms, "params": full_params(model)}
+    return {"norms": norms, "params": full_params(model), "evals": evals}
 
 
 def param_edits_worker(rank, world, store, edits=EDITS):
@@ -197,3 +217,33 @@ def frozen_after_enable_worker(rank, world, store):
     odc.fsdp.disable(model)
     frozen_moved = float((model.blocks[0].up.weight.to_local() - before).abs().max())
     return {"error": found, "frozen_moved": frozen_moved, "grad": model.blocks[0].up.weight.grad is None}
+
+
+def evaluation_misuse_worker(rank, world, store):
+    """odc.fsdp.evaluation entered after this rank's backward of a minibatch, and a backward inside it: each a
+    ProtocolError naming what to do; training goes on after both."""
+    init_pg(rank, world, store)
+    model = build(world)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    odc.fsdp.enable(model, opt, timeout=60)
+    found = []
+    sample_loss(model, data(0, 0, rank)).backward()
+    try:
+        with odc.fsdp.evaluation(model):
+            pass
+        found.append("no error")
+    except odc.ProtocolError as e:
+        found.append(f"ProtocolError: {e}")
+    opt.step()
+    opt.zero_grad()
+    try:
+        with odc.fsdp.evaluation(model):
+            sample_loss(model, data(1, 0, rank)).backward()
+        found.append("no error")
+    except odc.ProtocolError as e:
+        found.append(f"ProtocolError: {e}")
+    sample_loss(model, data(2, 0, rank)).backward()
+    opt.step()
+    opt.zero_grad()
+    odc.fsdp.disable(model)
+    return found

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
 
 
 def test_parameters_changed_between_minibatches_reach_every_peer_as_over_gloo():
-    """Loads (after enable, full and sharded state dicts), in-place edits, clamps and a second optimizer."""
+    """Loads (after enable, full and sharded state dicts), in-place edits, clamps, a second optimizer, and an
+    EMA-style swap evaluated inside odc.fsdp.evaluation (its losses as over gloo, training unchanged by it)."""
     out = all_ok(run_ranks(P.param_edits_worker, 2, timeout=300))
     for rank, res in out.items():
         for edit, runs in res.items():
@@ -27,6 +28,9 @@ def test_parameters_changed_between_minibatches_reach_every_peer_as_over_gloo():
             for s, (x, y) in enumerate(zip(odc_["norms"], gloo["norms"], strict=True)):
                 assert math.isclose(x, y, rel_tol=1e-5), (edit, rank, s, odc_["norms"], gloo["norms"])
             assert_params_close(gloo["params"], odc_["params"], 1e-5)
+            assert len(odc_["evals"]) == len(gloo["evals"]) == (2 if edit == "ema_eval" else 0), (edit, odc_)
+            for x, y in zip(odc_["evals"], gloo["evals"], strict=True):
+                assert math.isclose(x, y, rel_tol=1e-5), (edit, rank, odc_["evals"], gloo["evals"])
 
 
 def test_a_parameter_changed_inside_a_minibatch_is_refused_naming_it():
@@ -59,3 +63,11 @@ def test_a_parameter_frozen_after_enable_is_refused_naming_it_and_trains_frozen_
         assert msg.startswith("ConfigError") and "blocks.0.up.weight (frozen)" in msg, (rank, msg)
         assert "odc.fsdp.disable" in msg, msg
         assert res["frozen_moved"] == 0.0 and res["grad"], (rank, res)
+
+
+def test_evaluation_mid_minibatch_or_with_a_backward_is_refused_naming_it():
+    out = all_ok(run_ranks(P.evaluation_misuse_worker, 2, timeout=120))
+    for rank, (mid, backward) in out.items():
+        assert mid.startswith("ProtocolError") and "entered during minibatch 0" in mid, (rank, mid)
+        assert "between minibatches" in mid, mid
+        assert backward.startswith("ProtocolError") and "torch.no_grad()" in backward, (rank, backward)

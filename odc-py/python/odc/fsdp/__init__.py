@@ -152,7 +152,7 @@ from ._steal import microbatches
 from ._transport import _param_device, _pick_transport
 
 __all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable", "enable",
-           "finish", "is_enabled", "microbatches", "minibatch"]
+           "evaluation", "finish", "is_enabled", "microbatches", "minibatch"]
 
 
 def is_enabled(model: Any) -> bool:
@@ -399,6 +399,40 @@ def minibatch(model: Any) -> Iterator[None]:
     b.advance()
     yield
     b.finish("leaving odc.fsdp.minibatch")
+
+
+@contextlib.contextmanager
+def evaluation(model: Any) -> Iterator[None]:
+    """Forwards on other weights between two minibatches (an EMA swap for evaluation), on every rank.
+
+    Swap the other weights in, evaluate inside the block, swap back after
+    it::
+
+        optimizer.step(); optimizer.zero_grad()
+        swap_in(ema)                      # in place, on this rank's shards
+        with odc.fsdp.evaluation(model):  # every rank, at the same point of its loop
+            with torch.no_grad():
+                evaluate(model)
+        swap_back()                       # the next minibatch gathers these again
+
+    The block is a minibatch of its own: its first gather publishes the
+    swapped-in weights, which every peer's gathers in it read, and leaving
+    it synchronizes once, like a minibatch's finish, so no peer still reads
+    them when the next minibatch publishes the swapped-back ones. Enter it
+    between minibatches (after the step, or after ``zero_grad`` where the
+    step was skipped); a backward inside it is refused. Without it, the
+    swap back is refused as a change inside the minibatch the evaluation's
+    forward started.
+    """
+    if solo(model) is not None:
+        yield
+        return
+    b = _binding(model)
+    b.begin_evaluation()
+    try:
+        yield
+    finally:
+        b.end_evaluation()
 
 
 def finish(model: Any) -> None:

@@ -122,8 +122,8 @@ class _Binding:
                 "published it to its peers (at its first gather, push or gradient read of the minibatch): the "
                 "peers would compute with the old values, this rank with the new ones. Change parameters only "
                 "between minibatches (after optimizer.step() and before the next minibatch's first forward); "
-                "to evaluate other weights (an EMA swap), swap them in and out between odc.fsdp.disable(model) "
-                "and odc.fsdp.enable(model, optimizer)"
+                "to evaluate other weights (an EMA swap), swap them in, evaluate inside "
+                "`with odc.fsdp.evaluation(model):` on every rank, and swap them back after it"
             )
 
     def finish(self, reason: str, install: bool = True) -> None:
@@ -163,6 +163,33 @@ class _Binding:
         self.open = True
         self.cleared = False
         self.stepped.clear()
+
+    # -- evaluation on other weights (odc.fsdp.evaluation) -------------------------
+    def begin_evaluation(self) -> None:
+        """Enters :func:`odc.fsdp.evaluation`: only between minibatches (nothing of the next one ran yet)."""
+        if not self.open and self.cleared:
+            self.advance()
+        if not self.open or self.published or self.pushed:
+            raise ProtocolError(
+                f"odc.fsdp.evaluation entered during minibatch {self.version}"
+                + (" after its gradients were finished and before the optimizer step" if not self.open
+                   else ", after this rank's first forward or backward of it")
+                + ": enter it between minibatches, after optimizer.step() (or after optimizer.zero_grad() where "
+                "the step is skipped) and before the next minibatch's first forward, on every rank"
+            )
+
+    def end_evaluation(self) -> None:
+        """Leaves :func:`odc.fsdp.evaluation`: finishes its minibatch (one synchronization, no gradients) and opens
+        the next, whose first operation publishes the parameters as they are then."""
+        pushed = self.pushed
+        self.finish("leaving odc.fsdp.evaluation", install=False)
+        self.advance()
+        self.grads.pend(self.version)
+        if pushed:
+            raise ProtocolError(
+                f"odc.fsdp.evaluation: a backward inside the block pushed gradients (minibatch {self.version - 1}); "
+                "they were dropped when it ended. Evaluate under torch.no_grad() and train outside the block"
+            )
 
     # -- optimizer and zero_grad hooks -----------------------------------------
     def before_step(self) -> None:
