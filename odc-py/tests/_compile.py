@@ -1,0 +1,72 @@
+"""Workers for torch.compile under ODC (test_fsdp_compile.py): the same compiled model trained over gloo and
+over ODC must give the same per-step grad norms (torch's clip, active) and final parameters.
+
+Orders compiled: every block before ``fully_shard`` (torchtitan's), every block after it, and the whole model
+(``model.compile()`` after ``fully_shard``). Inductor on CPU; its caches make the second build of a graph cheap.
+"""
+
+from __future__ import annotations
+
+import torch
+from _fsdp_helpers import DIM, Tiny, data, full_params, init_pg, sample_loss
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import odc
+import odc.fsdp
+
+ORDERS = ("blocks_before", "blocks_after", "whole")
+
+
+def _build(world, order):
+    torch.manual_seed(0)
+    model = Tiny(dim=DIM)
+    mesh = init_device_mesh("cpu", (world,))
+    if order == "blocks_before":
+        for b in model.blocks:
+            b.compile()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if order == "blocks_after":
+        for b in model.blocks:
+            b.compile()
+    elif order == "whole":
+        model.compile()
+    return model
+
+
+def _train(model, rank, world, odc_kw):
+    compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # scale-sensitive
+    if odc_kw is not None:
+        odc.fsdp.enable(model, opt, timeout=120, **odc_kw)
+    norms = []
+    for s in range(3):
+        for m in range(2):
+            (sample_loss(model, data(s, m, rank)) / 54).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)))
+        opt.step()
+        opt.zero_grad()
+    if odc_kw is not None:
+        odc.fsdp.disable(model)
+    return {"norms": norms, "params": full_params(model), "compiled": len(compiled)}
+
+
+def compile_worker(rank, world, store, cases):
+    """``cases``: (order, ODC options) pairs; each trains the compiled model over gloo, then over ODC."""
+    from torch._dynamo.utils import counters
+
+    init_pg(rank, world, store)
+    torch.set_num_threads(1)
+    counters.clear()
+    out: dict = {}
+    for order, odc_kw in cases:
+        name = order + "".join(f",{k}={v}" for k, v in odc_kw.items())
+        out[name] = {"gloo": _train(_build(world, order), rank, world, None),
+                     "odc": _train(_build(world, order), rank, world, odc_kw)}
+    # What dynamo compiled in the whole run (a later model of the same class reuses an earlier one's code), and
+    # where it broke graphs: under ODC and gloo alike, so a break ODC caused would show in the count.
+    out["dynamo"] = {"graphs": int(counters["stats"]["unique_graphs"]),
+                     "breaks": {str(k): int(v) for k, v in counters["graph_break"].items()}}
+    return out

@@ -1,0 +1,30 @@
+"""torch.compile'd FSDP2 models under ODC train as over gloo with the same compile (workers in _compile.py)."""
+
+from __future__ import annotations
+
+import math
+
+import _compile as C
+import pytest
+from _dist import run_ranks
+from _fsdp_helpers import all_ok, assert_params_close
+
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
+CASES = [(order, {}) for order in C.ORDERS] + [("blocks_before", {"deterministic": True})]
+
+
+def test_compiled_blocks_and_whole_model_train_as_over_gloo():
+    out = all_ok(run_ranks(C.compile_worker, 2, timeout=600, cases=CASES))
+    for rank, res in out.items():
+        dynamo = res.pop("dynamo")
+        assert dynamo["graphs"] > 0 and not dynamo["breaks"], (rank, dynamo)  # compiled, without a graph break
+        assert len(res) == len(CASES), res.keys()
+        for name, runs in res.items():
+            gloo, odc_ = runs["gloo"], runs["odc"]
+            assert all(n > 0.3 for n in gloo["norms"]), (name, gloo["norms"])  # the clip is active
+            for s, (x, y) in enumerate(zip(odc_["norms"], gloo["norms"], strict=True)):
+                assert math.isclose(x, y, rel_tol=1e-5), (name, rank, s, odc_["norms"], gloo["norms"])
+            assert_params_close(gloo["params"], odc_["params"], 1e-5)
+            want = 1 if name.startswith("whole") else 2  # the model, or its two blocks
+            assert odc_["compiled"] == gloo["compiled"] == want, (name, odc_["compiled"], gloo["compiled"])
