@@ -39,18 +39,31 @@ def _build(world, order):
 def _train(model, rank, world, odc_kw):
     compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)  # scale-sensitive
+    steal = False
     if odc_kw is not None:
+        odc_kw = dict(odc_kw)
+        steal = odc_kw.pop("steal", False)
         odc.fsdp.enable(model, opt, timeout=120, **odc_kw)
-    norms = []
+    norms, ran = [], []
     for s in range(3):
-        for m in range(2):
-            (sample_loss(model, data(s, m, rank)) / 54).backward()
+        # Microbatch (m, r) is data(s, m, r). Over gloo rank r runs (0, r) and (1, r); with stealing the same
+        # four are listed unevenly (rank 0 three, the last rank one), so that the last rank steals.
+        if steal:
+            mine = [(m, r) for r in range(world) for m in range(2)]
+            lists = [mine[:3]] + [[] for _ in range(world - 2)] + [mine[3:]]
+            todo = odc.fsdp.microbatches(model, lists)
+        else:
+            todo = [(m, rank) for m in range(2)]
+        ran.append([])
+        for m, r in todo:
+            (sample_loss(model, data(s, m, r)) / 54).backward()
+            ran[-1].append((m, r))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)))
         opt.step()
         opt.zero_grad()
     if odc_kw is not None:
         odc.fsdp.disable(model)
-    return {"norms": norms, "params": full_params(model), "compiled": len(compiled)}
+    return {"norms": norms, "params": full_params(model), "compiled": len(compiled), "ran": ran}
 
 
 def compile_worker(rank, world, store, cases):

@@ -11,7 +11,8 @@ from _fsdp_helpers import all_ok, assert_params_close
 
 pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
 
-CASES = [(order, {}) for order in C.ORDERS] + [("blocks_before", {"deterministic": True})]
+CASES = [(order, {}) for order in C.ORDERS] + [("blocks_before", {"deterministic": True}),
+                                               ("blocks_before", {"steal": True})]
 
 
 def test_compiled_blocks_and_whole_model_train_as_over_gloo():
@@ -26,5 +27,9 @@ def test_compiled_blocks_and_whole_model_train_as_over_gloo():
             for s, (x, y) in enumerate(zip(odc_["norms"], gloo["norms"], strict=True)):
                 assert math.isclose(x, y, rel_tol=1e-5), (name, rank, s, odc_["norms"], gloo["norms"])
             assert_params_close(gloo["params"], odc_["params"], 1e-5)
+            if "steal" in name:  # every microbatch ran exactly once, wherever (stealing itself is timing's)
+                for s in range(3):
+                    ran = sorted(tuple(x) for r in out for x in out[r][name]["odc"]["ran"][s])
+                    assert ran == [(m, r) for m in range(2) for r in range(2)], (s, ran)
             want = 1 if name.startswith("whole") else 2  # the model, or its two blocks
             assert odc_["compiled"] == gloo["compiled"] == want, (name, odc_["compiled"], gloo["compiled"])
