@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import os
 import subprocess
 import sys
@@ -575,6 +576,15 @@ def assert_params_close(a, b, tol):
     assert a.keys() == b.keys()
     worst = max((torch.tensor(a[k]) - torch.tensor(b[k])).abs().max().item() for k in a)
     assert worst <= tol, f"max parameter difference {worst} > {tol}"
+
+
+def assert_runs_match(label, gloo, odc_, clip, tol=1e-5):
+    """An ODC run matches the same run over gloo: the clip at ``clip`` active at every step, per-step grad norms
+    within ``tol`` relative, final parameters within ``tol``."""
+    assert all(n > clip for n in gloo["norms"]), (label, gloo["norms"])
+    for s, (x, y) in enumerate(zip(odc_["norms"], gloo["norms"], strict=True)):
+        assert math.isclose(x, y, rel_tol=tol), (label, s, odc_["norms"], gloo["norms"])
+    assert_params_close(gloo["params"], odc_["params"], tol)
 
 
 # -- CUDA parameters (test_device.py, GPU only) --------------------------------------------------

@@ -398,43 +398,8 @@ const COPY_PREFETCH: usize = 2048;
 /// two ranges must not overlap, and the CPU must support AVX2.
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn copy_stream(dst: *mut u8, src: *const u8, len: usize) {
-    let head = dst.align_offset(32).min(len);
-    // SAFETY: `head <= len`; the caller guarantees both ranges.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
-    let mut i = head;
-    // SAFETY: every access below is inside `[0, len)` (loop bounds), and
-    // `dst + i` is 32-byte aligned from `head` on, as streaming stores need.
-    unsafe {
-        while i + COPY_BLOCK <= len {
-            // A prefetch never faults, so it may point past the end; the
-            // address is only computed (wrapping), never dereferenced.
-            let ahead = src.wrapping_add(i + COPY_PREFETCH).cast::<i8>();
-            _mm_prefetch::<_MM_HINT_NTA>(ahead);
-            _mm_prefetch::<_MM_HINT_NTA>(ahead.wrapping_add(64));
-            let s = src.add(i).cast::<__m256i>();
-            let d = dst.add(i).cast::<__m256i>();
-            let v0 = _mm256_loadu_si256(s);
-            let v1 = _mm256_loadu_si256(s.add(1));
-            let v2 = _mm256_loadu_si256(s.add(2));
-            let v3 = _mm256_loadu_si256(s.add(3));
-            _mm256_stream_si256(d, v0);
-            _mm256_stream_si256(d.add(1), v1);
-            _mm256_stream_si256(d.add(2), v2);
-            _mm256_stream_si256(d.add(3), v3);
-            i += COPY_BLOCK;
-        }
-        while i + 32 <= len {
-            _mm256_stream_si256(
-                dst.add(i).cast::<__m256i>(),
-                _mm256_loadu_si256(src.add(i).cast::<__m256i>()),
-            );
-            i += 32;
-        }
-        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
-    }
-    // Streaming stores are weakly ordered: without this fence a later
-    // store (the signal a reader waits on) could become visible first.
-    _mm_sfence();
+    // SAFETY: forwarded from the caller.
+    unsafe { copy_blocks::<true>(dst, src, len) }
 }
 
 /// Copies `len` bytes from `src` to `dst` through the cache: unaligned
@@ -449,34 +414,70 @@ pub unsafe fn copy_stream(dst: *mut u8, src: *const u8, len: usize) {
 /// two ranges must not overlap, and the CPU must support AVX2.
 #[target_feature(enable = "avx2,f16c")]
 pub unsafe fn copy_cached(dst: *mut u8, src: *const u8, len: usize) {
+    // SAFETY: forwarded from the caller.
+    unsafe { copy_blocks::<false>(dst, src, len) }
+}
+
+/// The body of [`copy_stream`] (`STREAM`: non-temporal stores, the source
+/// prefetched, an `sfence` at the end) and [`copy_cached`] (aligned stores
+/// through the cache).
+///
+/// # Safety
+///
+/// As [`copy_stream`].
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn copy_blocks<const STREAM: bool>(dst: *mut u8, src: *const u8, len: usize) {
     let head = dst.align_offset(32).min(len);
     // SAFETY: `head <= len`; the caller guarantees both ranges.
     unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
     let mut i = head;
+    // A macro, not a closure: the stores stay in this function's AVX2 code.
+    macro_rules! store {
+        ($d:expr, $v:expr) => {
+            if STREAM {
+                _mm256_stream_si256($d, $v)
+            } else {
+                _mm256_store_si256($d, $v)
+            }
+        };
+    }
     // SAFETY: every access below is inside `[0, len)` (loop bounds), and
-    // `dst + i` is 32-byte aligned from `head` on, as aligned stores need.
+    // `dst + i` is 32-byte aligned from `head` on, as both stores need.
     unsafe {
         while i + COPY_BLOCK <= len {
+            if STREAM {
+                // A prefetch never faults, so it may point past the end;
+                // the address is only computed (wrapping), never
+                // dereferenced.
+                let ahead = src.wrapping_add(i + COPY_PREFETCH).cast::<i8>();
+                _mm_prefetch::<_MM_HINT_NTA>(ahead);
+                _mm_prefetch::<_MM_HINT_NTA>(ahead.wrapping_add(64));
+            }
             let s = src.add(i).cast::<__m256i>();
             let d = dst.add(i).cast::<__m256i>();
             let v0 = _mm256_loadu_si256(s);
             let v1 = _mm256_loadu_si256(s.add(1));
             let v2 = _mm256_loadu_si256(s.add(2));
             let v3 = _mm256_loadu_si256(s.add(3));
-            _mm256_store_si256(d, v0);
-            _mm256_store_si256(d.add(1), v1);
-            _mm256_store_si256(d.add(2), v2);
-            _mm256_store_si256(d.add(3), v3);
+            store!(d, v0);
+            store!(d.add(1), v1);
+            store!(d.add(2), v2);
+            store!(d.add(3), v3);
             i += COPY_BLOCK;
         }
         while i + 32 <= len {
-            _mm256_store_si256(
+            store!(
                 dst.add(i).cast::<__m256i>(),
-                _mm256_loadu_si256(src.add(i).cast::<__m256i>()),
+                _mm256_loadu_si256(src.add(i).cast::<__m256i>())
             );
             i += 32;
         }
         std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
+    }
+    if STREAM {
+        // Streaming stores are weakly ordered: without this fence a later
+        // store (the signal a reader waits on) could become visible first.
+        _mm_sfence();
     }
 }
 
