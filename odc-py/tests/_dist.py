@@ -35,8 +35,10 @@ def need_gpu() -> None:
 # an interpreter importing torch (5-10 s each on a 2-core machine, the larger part of most tests before).
 # Each rank is still a new process (nothing is shared between cases), with the test's environment as it was
 # when the case started (see _entry). A module missing here is ignored by the fork server.
+# transformers' model code is most of a Hugging Face test's start-up (several seconds per rank, more than torch).
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "odc", "odc.fsdp",
-           "odc.backend", "_fsdp_helpers"]
+           "odc.backend", "_fsdp_helpers", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.llama.modeling_llama"]
 
 
 @functools.cache

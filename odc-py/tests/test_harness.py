@@ -1,10 +1,15 @@
 """The test harness itself: ranks forked from the fork server see the test's environment and write to its
-capture, and a rank that hangs is named with its stack."""
+capture, and a rank that hangs is named with its stack; the fork servers preload modules that exist."""
 
+import importlib.util
 import os
 import time
+from multiprocessing import forkserver
 
-from _dist import run_ranks
+import pytest
+from _dist import PRELOAD, run_ranks
+
+from odc.bench import launch, memory, train
 
 
 def _stall_here_forever():
@@ -28,3 +33,17 @@ def test_ranks_see_the_tests_environment_write_to_its_capture_and_a_hung_rank_sh
     out, err = capfd.readouterr()
     assert "rank 0 of 2 writes" in out and "rank 1 of 2 writes" in out, out
     assert "_stall_here_forever" in err, err  # faulthandler's dump of rank 1's threads
+
+
+@pytest.mark.parametrize("rank_fn", [train.train_rank, memory.memory_rank])
+def test_the_fork_servers_preload_modules_that_exist(rank_fn, monkeypatch):
+    """A fork server skips a module it cannot import without a word, so a renamed module would quietly put its
+    import back into every rank (seconds each): every module the test and benchmark fork servers preload is
+    found here, and a benchmark's server preloads what its rank function's module lists."""
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", None)  # restored after the test
+    launch._context(rank_fn)
+    preload = forkserver._forkserver._preload_modules
+    module = importlib.import_module(rank_fn.__module__)
+    assert {rank_fn.__module__, *module.RANK_PRELOAD} <= set(preload), preload
+    for name in [*PRELOAD, *preload]:
+        assert importlib.util.find_spec(name) is not None, f"{name} is preloaded but cannot be imported here"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_mod
+import sys
 import time
 import traceback
 import uuid
@@ -148,16 +149,17 @@ def _setup(store: Any, rank: int, world: int, backend: str, job_key: str, emit: 
 
 def _context(fn: Callable[..., Any]) -> Any:
     """The fork server local ranks start from. What it imports is fixed by the first launch of the process:
-    torch, odc and the module of that launch's rank function (a later launch's own imports happen in its
-    ranks)."""
+    torch, odc, the module of that launch's rank function and what that module lists in ``RANK_PRELOAD``
+    (the modules its ranks import lazily, e.g. FSDP2 and transformers' model code: seconds per rank). A later
+    launch's own imports happen in its ranks."""
     import multiprocessing as mp
 
     if os.environ.get("ODC_BENCH_SPAWN") == "1":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     module = getattr(fn, "__module__", None)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "odc", "odc.bench.launch"]
-                               + ([module] if module and module != "__main__" else []))
+    extra = [module, *getattr(sys.modules.get(module or ""), "RANK_PRELOAD", [])] if module != "__main__" else []
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "odc", "odc.bench.launch", *(m for m in extra if m)])
     return ctx
 
 

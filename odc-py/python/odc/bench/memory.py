@@ -26,6 +26,9 @@ from .report import table
 __all__ = ["FORMULA_KEYS", "KEYS", "VARIANTS", "formula", "landing_chunk", "memory_rank", "parse_count", "render",
            "render_formula"]
 
+# What the ranks import lazily, imported once by the fork server they start from (odc.bench.launch).
+RANK_PRELOAD = ["torch.distributed.fsdp", "transformers.models.qwen2.modeling_qwen2"]
+
 # (label, comm, sharding)
 VARIANTS = (
     ("FSDP2 full (gloo)", "collective", "full"),

@@ -48,6 +48,9 @@ from typing import TYPE_CHECKING, Any
 from .imbalance import BASELINE, STEAL, EmulatedCompute, steal_bound
 from .imbalance import CONFIGS as _IMBALANCE_CONFIGS
 
+# What the ranks import lazily, imported once by the fork server they start from (odc.bench.launch).
+RANK_PRELOAD = ["torch.distributed.fsdp", "transformers.models.qwen2.modeling_qwen2"]
+
 if TYPE_CHECKING:
     from odc.packing import CostFit
 
