@@ -46,16 +46,16 @@ demo: setup
 	@echo
 	@echo "plots: out/primitives.png out/train.png out/imbalance.png"
 
-# ruff and mypy come from the venv (make setup installs them at pinned versions). The first clippy checks what
-# `cargo build` gives a user without libfabric-dev: the default members, no features (the workspace's odc-py
-# would switch odc-core's fabric on); the second, everything with the transport.
+# ruff and mypy come from the venv (make setup installs them at pinned versions). The first clippy checks every
+# target with the libfabric transport; the second, what `cargo build` gives a user without libfabric-dev (the
+# library and the benchmark binaries without features: the workspace's odc-py switches odc-core's fabric on).
 lint:
 	@test -x $(VENV)/bin/ruff && test -x $(VENV)/bin/mypy || \
 	    { echo "make lint: $(VENV)/bin/ruff or $(VENV)/bin/mypy is missing; run make setup first" >&2; exit 1; }
 	python3 scripts/module-graph.py
 	$(CARGO) fmt --all --check
-	$(CARGO) clippy --all-targets --locked -- -D warnings
 	$(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings
+	$(CARGO) clippy -p odc-core -p odc-benches --locked -- -D warnings
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
 	cd odc-py && $(abspath $(VENV))/bin/mypy python
 
