@@ -21,13 +21,14 @@ import os
 import resource
 from typing import Any
 
+from . import train as _train
 from .report import table
 
 __all__ = ["FORMULA_KEYS", "KEYS", "VARIANTS", "formula", "landing_chunk", "memory_rank", "parse_count", "render",
            "render_formula"]
 
-# What the ranks import lazily, imported once by the fork server they start from (odc.bench.launch).
-RANK_PRELOAD = ["torch.distributed.fsdp", "transformers.models.qwen2.modeling_qwen2"]
+# The ranks train odc-bench train's model: its fork server preloads the same modules (odc.bench.launch).
+RANK_PRELOAD = _train.RANK_PRELOAD
 
 # (label, comm, sharding)
 VARIANTS = (
