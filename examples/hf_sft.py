@@ -1,6 +1,6 @@
 """SFT of a Hugging Face causal LM with FSDP2 on packed variable-length sequences, over collectives or ODC.
 
-    python examples/hf_sft.py --nproc 2 --comm both                 # tiny random Qwen2, spawned CPU ranks
+    python examples/hf_sft.py --nproc 2 --comm both                 # tiny random Qwen2, forked CPU ranks
     python examples/hf_sft.py --nproc 4 --comm odc --strategy lb-mini
     torchrun --nproc-per-node 8 examples/hf_sft.py --model ./my-config-dir --comm odc --attn flash_attention_2
 
@@ -184,7 +184,7 @@ def parse(argv=None):
     p.add_argument("--cost", default="quadratic", help="the planner's cost model (see odc-pack --help)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--ckpt", action="store_true", help="activation checkpointing")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn when not under torchrun")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to start when not under torchrun")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0)
     # --minibatch: samples per rank per minibatch; --max-tokens: token budget of one packed row.
@@ -200,7 +200,8 @@ def parse(argv=None):
 
 
 def launch(fn, args) -> None:
-    """Runs ``fn(rank, world, args)`` on this rank under torchrun, else on ``--nproc`` spawned local ranks."""
+    """Runs ``fn(rank, world, args)`` on this rank under torchrun, else on ``--nproc`` local ranks (forked on CPU,
+    spawned on CUDA)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if "RANK" in os.environ:  # torchrun
         fn(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
@@ -208,11 +209,21 @@ def launch(fn, args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    torch.multiprocessing.spawn(fn, args=(args.nproc, args), nprocs=args.nproc)
+    # CPU ranks start as forks of this process, which has imported torch, FSDP2, ODC and the model code: a fresh
+    # interpreter per rank would import them again (about 15 s of CPU each on a 2-core machine). CUDA ranks are
+    # spawned, the safe start for processes that will each open a CUDA context.
+    method = "fork" if getattr(args, "device", "cpu") == "cpu" else "spawn"
+    torch.multiprocessing.start_processes(fn, args=(args.nproc, args), nprocs=args.nproc, start_method=method)
 
 
 def main() -> None:
-    launch(worker, parse())
+    args = parse()
+    if args.device == "cpu" and "RANK" not in os.environ:
+        # The forked ranks (launch) find the model's code imported: transformers' modeling module of its config.
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config(args))]
+    launch(worker, args)
 
 
 if __name__ == "__main__":
