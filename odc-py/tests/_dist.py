@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import faulthandler
 import functools
+import importlib.util
 import multiprocessing as mp
 import os
 import signal
@@ -13,7 +14,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
 from typing import Any
 
 import torch.distributed as dist
@@ -36,9 +37,29 @@ def need_gpu() -> None:
 # Each rank is still a new process (nothing is shared between cases), with the test's environment as it was
 # when the case started (see _entry). A module missing here is ignored by the fork server.
 # transformers' model code is most of a Hugging Face test's start-up (several seconds per rank, more than torch).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "odc", "odc.fsdp",
-           "odc.backend", "_fsdp_helpers", "transformers.models.qwen2.modeling_qwen2",
+# torch._dynamo (and the inductor modules it brings) is what fully_shard imports lazily in every rank; named here
+# so the fork server keeps it even if the model code stops importing it.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo", "odc",
+           "odc.fsdp", "odc.backend", "_fsdp_helpers", "transformers.models.qwen2.modeling_qwen2",
            "transformers.models.llama.modeling_llama"]
+
+
+
+
+def preload_for(modules: Any) -> list[str]:
+    """Adds to ``PRELOAD`` what the ranks of these test modules import (each module's ``RANK_PRELOAD``, e.g. a
+    trainer that takes 15 s of CPU to import in every rank), where its package is installed. conftest.py calls
+    it with the modules of the tests pytest selected, before the first rank starts the fork server, so a run
+    that selects none of them does not pay for their imports. Returns the names added."""
+    if _context.cache_info().currsize:
+        raise RuntimeError("preload_for: the fork server has started already; call it before the first rank")
+    added = []
+    for module in modules:
+        for name in getattr(module, "RANK_PRELOAD", ()):
+            if name not in PRELOAD and importlib.util.find_spec(name.split(".")[0]) is not None:
+                PRELOAD.append(name)
+                added.append(name)
+    return added
 
 
 @functools.cache
@@ -46,6 +67,17 @@ def _context():
     """The fork-server context; its server starts with the first rank and lives as long as pytest."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # Python 3.11's fork server is a new interpreter that never applies the sys.path it is handed (only each
+    # forked child does): the helpers beside this file reach its preload through PYTHONPATH, at its start.
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [before])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 
@@ -63,7 +95,7 @@ class _Fd:
         return dup.detach() if hasattr(dup, "detach") else dup
 
 
-def _entry(fn, rank, world, port, queue, kwargs, env=None, out=None):
+def _entry(fn, rank, world, port, queue, kwargs, env=None, out=None, preload=()):
     if env is not None:  # the environment the test runs in now, not the fork server's from its start
         os.environ.clear()
         os.environ.update(env)
@@ -72,6 +104,12 @@ def _entry(fn, rank, world, port, queue, kwargs, env=None, out=None):
         os.dup2(out[1], 2)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks a rank that hangs for its stacks
     try:
+        # A fork server skips a module it fails to import without a word: name it here, or every rank would
+        # import it again (seconds each) and nothing would say so.
+        missing = [m for m in preload if m not in sys.modules]
+        if missing:
+            raise ImportError(f"the tests' fork server did not import {', '.join(missing)} (listed in _dist.PRELOAD "
+                              "or a test module's RANK_PRELOAD): renamed, or failing to import")
         store = dist.TCPStore("127.0.0.1", port, world + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
         result = fn(rank, world, store, **kwargs)
         queue.put((rank, "ok", result))
@@ -103,8 +141,8 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, fresh:
     fresh = fresh or os.environ.get("ODC_TEST_SPAWN") == "1"  # every rank a new interpreter, as before
     ctx = mp.get_context("spawn") if fresh else _context()
     queue = ctx.Queue()
-    env, out = (None, None) if fresh else (dict(os.environ), (_Fd(1), _Fd(2)))
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, master.port, queue, kwargs, env, out))
+    env, out, preload = (None, None, ()) if fresh else (dict(os.environ), (_Fd(1), _Fd(2)), tuple(PRELOAD))
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, master.port, queue, kwargs, env, out, preload))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -1,5 +1,6 @@
 """The suite's time per test file (setup, call and teardown of its tests), printed at the end of every run, so
-that where make test spends its minutes stays visible."""
+that where make test spends its minutes stays visible; and the fork server's preload of what the selected test
+modules' ranks import (their ``RANK_PRELOAD``, see ``_dist.preload_for``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,13 @@ import pytest
 
 _seconds: dict[str, float] = defaultdict(float)
 _tests: dict[str, set[str]] = defaultdict(set)
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what does not run
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    import _dist
+
+    _dist.preload_for({item.module for item in items if getattr(item, "module", None) is not None})
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -17,6 +17,11 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed here (make setup installs it into .venv; torchtitan 0.3.0 needs torch "
                 "2.12 or newer)", allow_module_level=True)
 
+# Imported once by the fork server (conftest.py): most of the 8 s torchtitan's trainer takes to import, in each
+# of the six ranks this file starts otherwise. Not torchtitan itself: it picks its device module at import, which
+# the ranks' CPU shim (examples/torchtitan_cpu.py) must precede.
+RANK_PRELOAD = ["datasets", "torch._inductor.compile_fx"]
+
 
 def _ok(out):
     for rank, (status, value) in out.items():

@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any
 from .imbalance import BASELINE, STEAL, EmulatedCompute, steal_bound
 from .imbalance import CONFIGS as _IMBALANCE_CONFIGS
 
-# What the ranks import lazily, imported once by the fork server they start from (odc.bench.launch).
-RANK_PRELOAD = ["torch.distributed.fsdp", "transformers.models.qwen2.modeling_qwen2"]
+# What the ranks import lazily, imported once by the fork server they start from (odc.bench.launch):
+# fully_shard imports torch._dynamo on first use.
+RANK_PRELOAD = ["torch.distributed.fsdp", "torch._dynamo", "transformers.models.qwen2.modeling_qwen2"]
 
 if TYPE_CHECKING:
     from odc.packing import CostFit
