@@ -1,6 +1,7 @@
 """One rank of a test_multihost.py scenario, run inside its network namespace.
 
-``python _multihost_worker.py FOLDER STEPS_JSON`` runs the steps
+``python _multihost_worker.py FOLDER STEPS_JSON`` (or :func:`run`, in a rank
+forked into its namespace by ``_netns.py``) runs the steps
 ``[[scenario, params], ...]`` in order (several scenarios share one process
 start); the rank's identity and addresses come from the environment (see
 ``_netns.py``). Each step has its own store prefix and job key, and ends
@@ -261,7 +262,11 @@ def _run_step(ctx: Rank, scenario: str, params: dict) -> dict:
 
 
 def main() -> None:
-    folder, steps = Path(sys.argv[1]), json.loads(sys.argv[2])
+    run(Path(sys.argv[1]), json.loads(sys.argv[2]))
+
+
+def run(folder: Path, steps: list[Any]) -> None:
+    """Runs ``steps`` on this rank (its identity and addresses from the environment), writing each outcome."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world + 1, is_master=False,
                           timeout=datetime.timedelta(seconds=60))

@@ -1,11 +1,14 @@
-"""Ranks on emulated hosts: network namespaces joined by a bridge, one subprocess per rank.
+"""Ranks on emulated hosts: network namespaces joined by a bridge, one process per rank.
 
 :func:`cluster` (a context manager) makes ``hosts`` namespaces with
 :class:`odc.bench.netns.Namespaces` (loopback up, a veth to a bridge in the
 root namespace, addresses from a private /24), hosts a ``TCPStore`` in this
-process on the bridge address, and starts every rank as
-``ip netns exec <namespace> <python> _multihost_worker.py <folder> <steps>``
-with ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` /
+process on the bridge address, and starts every rank as a fork of the tests'
+fork server (``_dist``: torch and odc imported once) that enters its namespace
+(``setns``) and runs ``_multihost_worker.run(<folder>, <steps>)``
+(``ODC_TEST_SPAWN=1``: as
+``ip netns exec <namespace> <python> _multihost_worker.py <folder> <steps>``, a new
+interpreter per rank), with ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` /
 ``MASTER_PORT``, ``ODC_FABRIC_ADDR`` (its namespace's address),
 ``GLOO_SOCKET_IFNAME`` (its veth), ``ODC_JOB_KEY`` and ``ODC_TIMEOUT_S``.
 Consecutive ranks share a namespace (a "node").
@@ -35,9 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import _dist
 import pytest
 
-from odc.bench.netns import Namespaces, NetnsError, unavailable_reason
+from odc.bench.netns import Namespaces, NetnsError, enter, unavailable_reason
 
 WORKER = Path(__file__).resolve().with_name("_multihost_worker.py")
 
@@ -65,6 +69,53 @@ class Outcome:
         return head + f" (exit code {self.returncode})" + ("\n    " + "\n    ".join(tail) if tail else "")
 
 
+def _forked_rank(namespace: str, env: dict[str, str], err_path: str, folder: str, steps: list[Any]) -> None:
+    """One rank, forked from the tests' fork server (which imported torch and odc once): what
+    ``ip netns exec <namespace>`` gives a new interpreter (the namespace's network, the rank's environment, its
+    output in ``err_path``), then ``_multihost_worker.run``. The namespace is entered before any socket opens."""
+    fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    enter(namespace)
+    import _multihost_worker as worker
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # torch read OMP_NUM_THREADS in the server
+    worker.STARTED = time.monotonic()
+    worker.run(Path(folder), steps)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+class _Forked:
+    """A forked rank behind the part of ``subprocess.Popen`` :class:`Cluster` uses."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.exitcode
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.proc.name, timeout or 0.0)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+
 @dataclass
 class Cluster:
     """``hosts`` namespaces with ``per_host`` ranks each; see the module doc."""
@@ -73,7 +124,7 @@ class Cluster:
     per_host: int
     folder: Path
     store: Any
-    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    procs: dict[int, Any] = field(default_factory=dict)  # subprocess.Popen or _Forked
     killed: set[int] = field(default_factory=set)
 
     @property
@@ -104,10 +155,17 @@ class Cluster:
             })
             rank_env.pop("ODC_TRANSPORT", None)
             rank_env.update(env or {})
-            cmd = [*self.ns.exec_prefix(h), sys.executable, str(WORKER), str(self.folder), json.dumps(steps)]
-            with open(self.folder / f"rank{r}.err", "wb") as err:
-                self.procs[r] = subprocess.Popen(cmd, env=rank_env, stdout=err, stderr=subprocess.STDOUT,
-                                                 stdin=subprocess.DEVNULL)
+            err_path = self.folder / f"rank{r}.err"
+            if os.environ.get("ODC_TEST_SPAWN") == "1":  # a new interpreter per rank, as before
+                cmd = [*self.ns.exec_prefix(h), sys.executable, str(WORKER), str(self.folder), json.dumps(steps)]
+                with open(err_path, "wb") as err:
+                    self.procs[r] = subprocess.Popen(cmd, env=rank_env, stdout=err, stderr=subprocess.STDOUT,
+                                                     stdin=subprocess.DEVNULL)
+                continue
+            proc = _dist._context().Process(target=_forked_rank, name=f"rank{r}",
+                                            args=(self.ns.names[h], rank_env, str(err_path), str(self.folder), steps))
+            proc.start()
+            self.procs[r] = _Forked(proc)
 
     def wait(self, deadline_s: float, step: int = 0) -> dict[int, Outcome]:
         """Waits for every rank (killing those still running after ``deadline_s``); returns step ``step``'s outcomes."""
