@@ -57,7 +57,9 @@ def test_parity_with_gloo_collectives(world, variants, transport):
                 H.assert_params_close(gloo[2], odc_[2], 1e-5)
             assert len(gloo[0]) == 10
     if world == 4:
-        assert all("reshard_after_forward" in res["reshard_int_error"] for res in out.values())
+        for res in out.values():
+            assert "reshard_after_forward" in res["reshard_int_error"], res["reshard_int_error"]
+            assert "sharding='hybrid-zero'" in res["reshard_int_error"], res["reshard_int_error"]  # the way that works
 
 
 def test_lb_mini_uneven_microbatches_match_single_process():

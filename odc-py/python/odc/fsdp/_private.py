@@ -410,8 +410,10 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                 )
             if pg.post_forward_mesh_info is not None and pg.post_forward_mesh_info is not mesh:
                 raise ConfigError(
-                    f"odc.fsdp: {name} uses reshard_after_forward=<int> (gathers over a sub-mesh); "
-                    "use True or False with ODC"
+                    f"odc.fsdp: {name} uses reshard_after_forward=<int> (a copy sharded over a sub-mesh after the "
+                    "forward, re-gathered over it in the backward), which ODC does not support yet: pass True or "
+                    "False, or keep every gather inside the node with odc.fsdp.enable(..., sharding='hybrid-zero') "
+                    "(gathers and pushes within the node, optimizer state over every rank; docs/hybrid-zero.md)"
                 )
             # Before 2.15 the reduce-scatter packs in parameter order (FSDP refuses mixed reduce dtypes).
             if at_least("2.15") and pg._reduce_scatter_param_indices != list(range(len(pg.fsdp_params))):
