@@ -35,7 +35,8 @@ def need_gpu() -> None:
 # Ranks start from a fork server that has imported these once per pytest process: a rank costs a fork, not
 # an interpreter importing torch (5-10 s each on a 2-core machine, the larger part of most tests before).
 # Each rank is still a new process (nothing is shared between cases), with the test's environment as it was
-# when the case started (see _entry). A module missing here is ignored by the fork server.
+# when the case started (see _entry). The fork server skips a module it cannot import; the rank then fails
+# naming it (see _entry).
 # transformers' model code is most of a Hugging Face test's start-up (several seconds per rank, more than torch).
 # torch._dynamo (and the inductor modules it brings) is what fully_shard imports lazily in every rank; named here
 # so the fork server keeps it even if the model code stops importing it.
@@ -44,22 +45,17 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "transformers.models.llama.modeling_llama"]
 
 
-
-
-def preload_for(modules: Any) -> list[str]:
+def preload_for(modules: Any) -> None:
     """Adds to ``PRELOAD`` what the ranks of these test modules import (each module's ``RANK_PRELOAD``, e.g. a
     trainer that takes 15 s of CPU to import in every rank), where its package is installed. conftest.py calls
     it with the modules of the tests pytest selected, before the first rank starts the fork server, so a run
-    that selects none of them does not pay for their imports. Returns the names added."""
+    that selects none of them does not pay for their imports."""
     if _context.cache_info().currsize:
         raise RuntimeError("preload_for: the fork server has started already; call it before the first rank")
-    added = []
     for module in modules:
         for name in getattr(module, "RANK_PRELOAD", ()):
             if name not in PRELOAD and importlib.util.find_spec(name.split(".")[0]) is not None:
                 PRELOAD.append(name)
-                added.append(name)
-    return added
 
 
 @functools.cache
@@ -95,13 +91,18 @@ class _Fd:
         return dup.detach() if hasattr(dup, "detach") else dup
 
 
+def adopt(env: dict[str, str], stdout: int, stderr: int) -> None:
+    """Makes a rank forked from the fork server run in the test's environment as it is now (not the server's
+    from its start), writing to ``stdout`` / ``stderr`` (file descriptors) instead of the server's output."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+
+
 def _entry(fn, rank, world, port, queue, kwargs, env=None, out=None, preload=()):
-    if env is not None:  # the environment the test runs in now, not the fork server's from its start
-        os.environ.clear()
-        os.environ.update(env)
-    if out is not None:  # the test's stdout and stderr now (pytest's capture of this test), not the server's
-        os.dup2(out[0], 1)
-        os.dup2(out[1], 2)
+    if env is not None:  # forked: the test's environment and output now (pytest's capture of this test)
+        adopt(env, out[0], out[1])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks a rank that hangs for its stacks
     try:
         # A fork server skips a module it fails to import without a word: name it here, or every rank would

@@ -74,11 +74,8 @@ def _forked_rank(namespace: str, env: dict[str, str], err_path: str, folder: str
     ``ip netns exec <namespace>`` gives a new interpreter (the namespace's network, the rank's environment, its
     output in ``err_path``), then ``_multihost_worker.run``. The namespace is entered before any socket opens."""
     fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    _dist.adopt(env, fd, fd)
     os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
     enter(namespace)
     import _multihost_worker as worker
     import torch
