@@ -386,6 +386,7 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
         }
         core.transport
             .connect(peer, &theirs.endpoint, &theirs.regions)?;
+        prefault(core, plan, peer, c, p, a)?;
         peers.ctrl.push(c);
         peers.params.push(p);
         peers.pid.push(theirs.endpoint.pid);
@@ -399,6 +400,36 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     core.store.wait(&keys, deadline)?;
     Ok(peers)
+}
+
+/// Maps ahead what this rank touches of `peer`'s regions: its own two
+/// landing slots in the peer's control region (when the peer is in its
+/// shard group), and the published shards and partial sums it reads. The
+/// control words are left to fault in on first use: a handful of pages,
+/// once. Populating the whole control region instead (as the `shm`
+/// transport once did) gave every rank `G` peers × `2 · G` chunks of page
+/// tables and made registration quadratic in the group size.
+fn prefault(
+    core: &Core,
+    plan: &Plan,
+    peer: usize,
+    ctrl: RegionDesc,
+    params: RegionDesc,
+    accum: Option<RegionDesc>,
+) -> Result<()> {
+    let (t, g) = (&core.transport, &plan.groups);
+    if g.group.contains(&peer) {
+        let l = &plan.ctrl_layout;
+        let slots = l.slot_header(g.me, 0)..l.slot_data(g.me, 1) + l.chunk_bytes();
+        t.prefault(peer, &ctrl, slots, true)?;
+    }
+    if g.group.contains(&peer) || g.replicas.contains(&peer) {
+        t.prefault(peer, &params, 0..plan.host_params_len, false)?;
+    }
+    if let Some(a) = accum {
+        t.prefault(peer, &a, 0..plan.accum_len * 4, false)?;
+    }
+    Ok(())
 }
 
 /// Step 4, device transports only: connects the data plane (published

@@ -116,6 +116,20 @@ impl Transport for MixedTransport {
         }
     }
 
+    fn prefault(
+        &self,
+        peer: usize,
+        remote: &RegionDesc,
+        range: std::ops::Range<usize>,
+        write: bool,
+    ) -> Result<()> {
+        if self.is_local(peer) {
+            self.shm.prefault(peer, remote, range, write)
+        } else {
+            Ok(())
+        }
+    }
+
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()> {
         if self.is_local(peer) {
             self.shm.get(peer, remote, offset, dst)

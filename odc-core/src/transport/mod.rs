@@ -68,6 +68,23 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// `regions`. Called once per peer, after every region is registered.
     fn connect(&self, peer: usize, endpoint: &Endpoint, regions: &[RegionDesc]) -> Result<()>;
 
+    /// Maps ahead the pages of `peer`'s `remote` in `range` (bytes), for
+    /// writing or only reading, so that the first gather or push does not
+    /// pay a page fault per 4 KiB. Called at registration for what this
+    /// rank will touch: never the whole of a peer's control region, whose
+    /// landing slots are `2 · G` chunks and of which a client uses its own
+    /// two (populating all of them cost every rank `G²` chunks of page
+    /// tables). A transport that maps nothing ignores it.
+    fn prefault(
+        &self,
+        _peer: usize,
+        _remote: &RegionDesc,
+        _range: std::ops::Range<usize>,
+        _write: bool,
+    ) -> Result<()> {
+        Ok(())
+    }
+
     /// One-sided read of `dst.len()` bytes at `offset` of `peer`'s `remote`.
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()>;
 

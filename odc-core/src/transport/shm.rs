@@ -158,13 +158,9 @@ impl Segment {
 
     fn map(name: &str, lock: LockFile, owned: bool) -> Result<Segment> {
         let file = lock.file();
-        // A peer's segment is populated at connect (MAP_POPULATE): setup
-        // pays its page-table entries once, instead of the first gather or
-        // push paying a minor fault per 4 KiB page.
-        let mut opts = memmap2::MmapOptions::new();
-        if !owned {
-            opts.populate();
-        }
+        // A peer's segment is mapped lazily: the engine prefaults the parts
+        // this rank touches ([`Transport::prefault`]), not the whole of it.
+        let opts = memmap2::MmapOptions::new();
         // SAFETY: the segment is shared memory that peers write concurrently;
         // we never form long-lived references into it, only raw-pointer
         // copies and atomics whose ordering the protocol defines.
@@ -214,6 +210,32 @@ impl Drop for Segment {
                 // next start of the job.
                 eprintln!("odc: shm_unlink({}) failed: {e}", self.name);
             }
+        }
+    }
+}
+
+/// Maps in the pages of `[base, base + len)`, part of a shared mapping:
+/// `MADV_POPULATE_WRITE` / `_READ` (Linux 5.14), or, where the kernel lacks
+/// them, a read of one byte per page (on `/dev/shm` a read fault maps the
+/// page writable too). Only a cost saved, never a correctness matter.
+fn prefault_pages(base: *mut u8, len: usize, write: bool) {
+    let page = 4096usize;
+    let start = (base as usize) / page * page;
+    let end = (base as usize + len).div_ceil(page) * page;
+    let advice = if write {
+        libc::MADV_POPULATE_WRITE
+    } else {
+        libc::MADV_POPULATE_READ
+    };
+    // SAFETY: `[start, end)` lies inside one mapping of this process (the
+    // caller's range, widened to its pages); madvise only maps pages in.
+    let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, advice) };
+    if rc != 0 {
+        for p in (start..end).step_by(page) {
+            // SAFETY: `p` is inside the mapping (above); a volatile read
+            // of a shared word the protocol reads atomically elsewhere only
+            // faults the page in; its value is discarded.
+            unsafe { std::ptr::read_volatile(p.max(base as usize) as *const u8) };
         }
     }
 }
@@ -485,6 +507,21 @@ impl Transport for ShmTransport {
             regions: maps,
         })
         .map_err(|_| Error::transport("connect", format!("rank {peer} connected twice")))
+    }
+
+    fn prefault(
+        &self,
+        peer: usize,
+        remote: &RegionDesc,
+        range: std::ops::Range<usize>,
+        write: bool,
+    ) -> Result<()> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        let base = self.remote(peer, remote, range.start, range.len())?;
+        prefault_pages(base, range.len(), write);
+        Ok(())
     }
 
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()> {
