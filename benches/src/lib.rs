@@ -235,12 +235,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("'{s}' is too large"))
 }
 
-fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
+pub fn parse_transport(s: &str) -> Result<odc_core::TransportKind, String> {
     odc_core::TransportKind::parse(s)
         .ok_or_else(|| format!("unknown transport {s:?}: shm, fabric, mixed or auto"))
 }
 
-fn parse_sharding(s: &str) -> Result<odc_core::Sharding, String> {
+pub fn parse_sharding(s: &str) -> Result<odc_core::Sharding, String> {
     odc_core::Sharding::parse(s)
         .ok_or_else(|| format!("unknown sharding {s:?}: full, hybrid or hybrid-zero"))
 }
