@@ -321,8 +321,12 @@ fn allocate(core: &Core, plan: &Plan) -> Result<Regions> {
 }
 
 /// Step 3: posts this rank's endpoint and region descriptors, reads every
-/// peer's, checks them and connects to every rank (this one too). Then the
-/// one barrier, at setup only: every rank has mapped every segment before
+/// peer's, checks them and connects to every rank this one talks to (this
+/// one too): its shard group and its replicas, i.e. every rank under full
+/// sharding, and under hybrid sharding its node and its column (G + N − 1
+/// ranks of D = G · N, so that mappings, descriptors and prefaulted pages
+/// grow with the node size and the node count, not with D). Then the one
+/// barrier, at setup only: every rank has mapped every segment before
 /// anyone may drop (and unlink) its own.
 fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Result<Peers> {
     let (rank, world) = (core.topo.rank(), core.topo.world());
@@ -338,6 +342,10 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
     };
     core.store.set(&my_key, &json(&my_key, &ep)?)?;
     let my_host = ep.endpoint.host.clone();
+    let mut partner = vec![false; world];
+    for &r in plan.groups.group.iter().chain(&plan.groups.replicas) {
+        partner[r] = true;
+    }
     let mut peers = Peers {
         ctrl: Vec::with_capacity(world),
         params: Vec::with_capacity(world),
@@ -384,9 +392,11 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
                 theirs.endpoint.host
             )));
         }
-        core.transport
-            .connect(peer, &theirs.endpoint, &theirs.regions)?;
-        prefault(core, plan, peer, c, p, a)?;
+        if partner[peer] {
+            core.transport
+                .connect(peer, &theirs.endpoint, &theirs.regions)?;
+            prefault(core, plan, peer, c, p, a)?;
+        }
         peers.ctrl.push(c);
         peers.params.push(p);
         peers.pid.push(theirs.endpoint.pid);

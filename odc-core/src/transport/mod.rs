@@ -65,7 +65,9 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn register(&self, id: u32, len: usize) -> Result<LocalRegion>;
 
     /// Connects to `peer` (possibly this rank) and maps or keys all of its
-    /// `regions`. Called once per peer, after every region is registered.
+    /// `regions`. Called once for each peer this rank talks to (its shard
+    /// group and its replicas), after every region is registered; the other
+    /// ranks are never connected, and a call naming one of them is an error.
     fn connect(&self, peer: usize, endpoint: &Endpoint, regions: &[RegionDesc]) -> Result<()>;
 
     /// Maps ahead the pages of `peer`'s `remote` in `range` (bytes), for
