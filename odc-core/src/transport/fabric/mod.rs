@@ -123,8 +123,12 @@ const OP_SLOTS: usize = 64;
 pub const PROBE_PERIOD: Duration = Duration::from_millis(250);
 /// How long a liveness probe may take before the peer counts as dead.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
-/// The progress thread's longest block in `fi_cq_sread`.
-const PROGRESS_BLOCK_MS: i32 = 100;
+/// The progress thread's longest block in `fi_cq_sread`. Completions and
+/// arriving data wake it, and closing the transport wakes it explicitly,
+/// so this only sets how often an idle rank wakes for nothing: at 100 ms
+/// an idle engine on `mixed` cost 0.12 % of a core (`scale_perf`), the
+/// daemon's own 100 ms nap 0.04 % of it; at 250 ms, 0.07 %.
+const PROGRESS_BLOCK_MS: i32 = 250;
 const STATE_CLOSED: u64 = 1;
 /// Status region: word 0 state, word 1 blamed rank + 1, then one 16-byte
 /// signal cell (word and mailbox) per rank where that rank's close notice
