@@ -28,6 +28,23 @@ pub trait Store: Send + Sync {
     /// Atomically adds `delta` to the integer at `key` (0 when unset) and
     /// returns the new value.
     fn add(&self, key: &str, delta: i64) -> Result<i64>;
+
+    /// The values of `keys`, in order; every key must be set (call it after
+    /// [`wait`](Store::wait)). A store that can answer in one round trip
+    /// (torch's `multi_get`) should: registration reads every rank's posts
+    /// this way, so that a job of D ranks sends its store O(D) requests
+    /// rather than O(D²). The default reads the keys one by one.
+    fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>> {
+        keys.iter()
+            .map(|k| {
+                self.get(k)?.ok_or_else(|| Error::Store {
+                    op: "get",
+                    key: (*k).to_owned(),
+                    detail: "key not set".into(),
+                })
+            })
+            .collect()
+    }
 }
 
 /// Waits for `key` and returns its value.
@@ -38,6 +55,38 @@ pub(crate) fn wait_get(store: &dyn Store, key: &str, deadline: Instant) -> Resul
         key: key.to_owned(),
         detail: "key vanished after wait".into(),
     })
+}
+
+/// Waits for every key in `keys` and returns their values, in order: one
+/// wait and one [`Store::multi_get`]. When the deadline passes, the error
+/// names the first key that is still missing (the rank that never posted).
+pub(crate) fn wait_get_all(
+    store: &dyn Store,
+    keys: &[&str],
+    deadline: Instant,
+) -> Result<Vec<Vec<u8>>> {
+    if let Err(e) = store.wait(keys, deadline) {
+        for k in keys {
+            if matches!(store.get(k), Ok(None)) {
+                return Err(Error::Store {
+                    op: "wait",
+                    key: (*k).to_owned(),
+                    detail: "deadline passed before the key was set (is every rank running?)"
+                        .into(),
+                });
+            }
+        }
+        return Err(e);
+    }
+    let values = store.multi_get(keys)?;
+    if values.len() != keys.len() {
+        return Err(Error::Store {
+            op: "multi_get",
+            key: keys.first().map(|k| (*k).to_owned()).unwrap_or_default(),
+            detail: format!("{} values for {} keys", values.len(), keys.len()),
+        });
+    }
+    Ok(values)
 }
 
 /// A [`Store`] backed by a directory: one file per key, written to a
@@ -187,6 +236,23 @@ mod tests {
         assert!(matches!(err, Err(Error::Store { op: "wait", .. })));
         assert_eq!(s.add("n", 2).unwrap(), 2);
         assert_eq!(s.add("n", -5).unwrap(), -3);
+    }
+
+    #[test]
+    fn wait_get_all_reads_in_order_and_names_the_first_missing_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = FileStore::new(dir.path()).unwrap();
+        for (k, v) in [("r/0", "a"), ("r/1", "bb"), ("r/3", "dddd")] {
+            s.set(k, v.as_bytes()).unwrap();
+        }
+        let soon = || Instant::now() + Duration::from_millis(30);
+        let got = wait_get_all(&s, &["r/1", "r/0"], soon()).unwrap();
+        assert_eq!(got, vec![b"bb".to_vec(), b"a".to_vec()]);
+        let err = wait_get_all(&s, &["r/0", "r/1", "r/2", "r/3"], soon()).unwrap_err();
+        assert!(
+            matches!(&err, Error::Store { op: "wait", key, .. } if key == "r/2"),
+            "{err}"
+        );
     }
 
     #[test]

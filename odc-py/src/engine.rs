@@ -18,7 +18,8 @@
 //! host; the data moves on the stream after the call returns.
 //!
 //! The rendezvous store is any Python object with torch's `dist.Store`
-//! methods (`set`, `get`, `check`, `add`): [`PyStore`] adapts it to
+//! methods (`set`, `get`, `check`, `add`, and `multi_get` where it has
+//! it): [`PyStore`] adapts it to
 //! [`odc_core::Store`]. Waits poll `check` with the GIL released between
 //! polls, so a rank waiting at setup never blocks the interpreter.
 
@@ -114,6 +115,38 @@ impl Store for PyStore {
                 .and_then(|v| v.extract::<i64>())
                 .map_err(|e| store_err("add", key, e))
         })
+    }
+
+    /// torch's `Store.multi_get` (one request for every rank's post), or
+    /// the keys one by one on a store object without it.
+    fn multi_get(&self, keys: &[&str]) -> odc_core::Result<Vec<Vec<u8>>> {
+        let first = keys.first().copied().unwrap_or_default();
+        let batched = Python::attach(|py| -> odc_core::Result<Option<Vec<Vec<u8>>>> {
+            let obj = self.obj.bind(py);
+            if !obj
+                .hasattr("multi_get")
+                .map_err(|e| store_err("multi_get", first, e))?
+            {
+                return Ok(None);
+            }
+            obj.call_method1("multi_get", (keys.to_vec(),))
+                .and_then(|v| v.extract::<Vec<Vec<u8>>>())
+                .map(Some)
+                .map_err(|e| store_err("multi_get", first, e))
+        })?;
+        match batched {
+            Some(values) => Ok(values),
+            None => keys
+                .iter()
+                .map(|k| {
+                    self.get(k)?.ok_or_else(|| odc_core::Error::Store {
+                        op: "get",
+                        key: (*k).to_owned(),
+                        detail: "key not set".into(),
+                    })
+                })
+                .collect(),
+        }
     }
 }
 

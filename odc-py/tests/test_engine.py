@@ -255,3 +255,90 @@ def test_grad_shard_view_keeps_the_engine_memory_alive():
     assert all(s == "ok" for s, _ in out.values()), out
     for rank, (_, (same, first)) in out.items():
         assert same and first == 3.0, (rank, same, first)  # ranks pushed 1 and 2
+
+
+class _DictStore:
+    """What ODC needs of a store (torch's ``set`` / ``get`` / ``check`` / ``add``), as a user's own
+    store object may have it; ``multi_get`` only when asked for, and every read counted."""
+
+    def __init__(self, multi_get: bool):
+        import threading
+
+        self.data: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+        self.reads = {"get": 0, "multi_get": 0}
+        if multi_get:
+            self.multi_get = self._multi_get
+
+    def set(self, key, value):
+        with self.lock:
+            self.data[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def _wait(self, keys):
+        # torch's get blocks until the key is set.
+        import time
+
+        deadline = time.monotonic() + 30
+        while not self.check(keys):
+            assert time.monotonic() < deadline, f"store: {keys} never set"
+            time.sleep(0.001)
+
+    def get(self, key):
+        self._wait([key])
+        with self.lock:
+            self.reads["get"] += 1
+            return self.data[key]
+
+    def _multi_get(self, keys):
+        self._wait(keys)
+        with self.lock:
+            self.reads["multi_get"] += 1
+            return [self.data[k] for k in keys]
+
+    def check(self, keys):
+        with self.lock:
+            return all(k in self.data for k in keys)
+
+    def add(self, key, delta):
+        with self.lock:
+            value = int(self.data.get(key, b"0")) + delta
+            self.data[key] = str(value).encode()
+            return value
+
+
+@pytest.mark.parametrize("multi_get", [True, False], ids=["multi_get", "one-by-one"])
+def test_registration_reads_every_post_in_one_request_where_the_store_can(multi_get):
+    import threading
+
+    world, store = 4, _DictStore(multi_get)
+    gathered: dict[int, list[float]] = {}
+    failures: list[BaseException] = []
+
+    def rank(r):
+        try:
+            eng = odc.Engine(store, r, world, timeout=30, job_key=f"pytest-dict-{os.getpid()}")
+            eng.register([odc.Bucket("a", 4096, torch.float32)])
+            eng.publish("a", torch.full((eng.bucket("a")["shard_len"],), float(r)), 0)
+            out = torch.empty(4096)
+            eng.gather("a", 0, out)
+            eng.finish_minibatch(0)
+            gathered[r] = out.tolist()
+            del eng
+        except BaseException as e:  # reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    # Every rank's shard of 1024 elements (4096 over 4 ranks) reached every rank.
+    assert all(gathered[r] == [float(i // 1024) for i in range(4096)] for r in range(world))
+    if multi_get:
+        # Three steps read every rank's post (host names, bucket lists, endpoints): one request
+        # each per rank, and the job id one get per rank: reads per rank do not grow with D.
+        assert store.reads["multi_get"] == 3 * world, store.reads
+        assert store.reads["get"] <= world, store.reads
+    else:
+        assert store.reads["get"] >= 2 * world * world, store.reads

@@ -16,7 +16,7 @@ use crate::control::{landing_chunk, CtrlLayout};
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{DataSizes, Plane};
 use crate::region::{Endpoint, HeapBlock, LocalRegion, RegionDesc};
-use crate::store::{wait_get, Store};
+use crate::store::{wait_get_all, Store};
 use crate::sync::{AtomicBool, AtomicU64};
 use crate::topology::Topology;
 use crate::{Error, Result};
@@ -196,10 +196,9 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         return Err(e);
     }
     core.store.set(&my_key, &json(&my_key, &post)?)?;
-    for peer in 0..world {
-        let key = format!("{prefix}/reg/{peer}");
-        let theirs: RegPost =
-            parse_post(&key, peer, &wait_get(core.store.as_ref(), &key, deadline)?)?;
+    let keys: Vec<String> = (0..world).map(|p| format!("{prefix}/reg/{p}")).collect();
+    for (peer, v) in read_posts(core, &keys, deadline)?.iter().enumerate() {
+        let theirs: RegPost = parse_post(&keys[peer], peer, v)?;
         compare(&post, &theirs, peer)?;
     }
     Ok(Plan {
@@ -352,10 +351,10 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
         accum: Vec::with_capacity(world),
         pid: Vec::with_capacity(world),
     };
-    for peer in 0..world {
-        let key = format!("{prefix}/ep/{peer}");
-        let theirs: EndpointPost =
-            parse_post(&key, peer, &wait_get(core.store.as_ref(), &key, deadline)?)?;
+    let keys: Vec<String> = (0..world).map(|p| format!("{prefix}/ep/{p}")).collect();
+    for (peer, v) in read_posts(core, &keys, deadline)?.iter().enumerate() {
+        let key = &keys[peer];
+        let theirs: EndpointPost = parse_post(key, peer, v)?;
         let find = |id: u32| {
             theirs
                 .regions
@@ -538,6 +537,13 @@ fn post_failure(store: &dyn Store, key: &str, e: &Error) {
 }
 
 /// Parses `peer`'s post at `key`, or the failure it posted instead.
+/// Every rank's post under `keys` (one per rank, in rank order): one wait
+/// and one batched read, not a round trip per rank.
+fn read_posts(core: &Core, keys: &[String], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    wait_get_all(core.store.as_ref(), &keys, deadline)
+}
+
 fn parse_post<T: for<'de> Deserialize<'de>>(key: &str, peer: usize, v: &[u8]) -> Result<T> {
     if let Ok(FailedPost { failed }) = serde_json::from_slice::<FailedPost>(v) {
         return Err(Error::transport(

@@ -204,7 +204,11 @@ def _local_world_size(store: Any, rank: int, world: int, prefix: str) -> int:
     if world == 1:
         return 1
     store.set(f"{prefix}/hosts/{rank}", socket.gethostname())
-    hosts = [store.get(f"{prefix}/hosts/{r}").decode() for r in range(world)]
+    keys = [f"{prefix}/hosts/{r}" for r in range(world)]
+    # One request for every rank's host where the store batches reads (torch's stores do):
+    # a job of D ranks then sends its store O(D) reads here, not O(D²).
+    values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+    hosts = [bytes(v).decode() for v in values]
     g = hosts.count(hosts[0])
     blocks = [hosts[i : i + g] for i in range(0, world, g)]
     if world % g != 0 or any(len(set(b)) != 1 for b in blocks) or len({b[0] for b in blocks}) != len(blocks):
