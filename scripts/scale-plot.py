@@ -17,7 +17,7 @@ import sys
 PANELS = [
     ("register_s", "registration, slowest rank (s)"),
     ("register_cpu_s", "registration CPU per rank (s)"),
-    ("store_calls_per_rank", "store calls per rank"),
+    ("store_bytes_per_rank", "store bytes read and written per rank"),
     ("rss_mib", "resident memory per rank (MiB)"),
     ("mappings", "mappings per rank"),
     ("minibatch_cpu_s", "CPU per rank per minibatch (s)"),

@@ -330,13 +330,7 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
         transport: args.transport,
         sharding: args.sharding,
         chunk_bytes: usize::try_from(args.chunk_bytes).map_err(|e| e.to_string())?,
-        job_key: format!(
-            "scale{}",
-            job.file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default()
-        )
-        .replace(|c: char| !c.is_ascii_alphanumeric(), ""),
+        job_key: job_key(job),
         ..Default::default()
     };
     let numel = (args.bucket_bytes / 4) as usize;
@@ -464,6 +458,25 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
     Ok(report)
 }
 
+/// The engine's job key for the ranks of `job` (its segments' name prefix).
+fn job_key(job: &Path) -> String {
+    let dir = job.file_name().map(|n| n.to_string_lossy().into_owned());
+    format!("scale{}", dir.unwrap_or_default()).replace(|c: char| !c.is_ascii_alphanumeric(), "")
+}
+
+/// Removes what the killed rank of `job` left in `/dev/shm`, so that the
+/// next world size's shared-memory figure starts from an empty baseline.
+fn remove_leftovers(job: &Path) {
+    let prefix = format!("odc-{}-", job_key(job));
+    if let Ok(dir) = std::fs::read_dir("/dev/shm") {
+        for e in dir.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
 fn write_report(job: &Path, r: &RankReport) -> Result<(), String> {
     let text = serde_json::to_string(r).map_err(|e| e.to_string())?;
     std::fs::write(job.join(format!("rank-{}.json", r.rank)), text).map_err(|e| e.to_string())
@@ -519,6 +532,7 @@ fn launch(args: &Args, d: usize) -> Result<Vec<RankReport>, String> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+    remove_leftovers(job.path());
     use std::os::unix::process::ExitStatusExt;
     for (r, s) in status.iter().enumerate() {
         let s = s.expect("every rank ended");
