@@ -118,6 +118,17 @@ fn fabric_eight_ranks() {
     );
 }
 
+/// More peers than one fan-out batch of pure signals (versions, releases,
+/// done words go out 16 at a time, their completions awaited together).
+#[test]
+fn fabric_twenty_ranks_signal_in_batches() {
+    train(
+        "w20",
+        20,
+        &[("ODC_NUMELS", "4099,3"), ("ODC_MINIBATCHES", "3")],
+    );
+}
+
 #[test]
 fn fabric_four_ranks_large_chunks() {
     train(

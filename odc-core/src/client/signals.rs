@@ -31,10 +31,7 @@ impl Signals {
     }
 
     pub(crate) fn send(&self) -> Result<()> {
-        for (rank, desc) in self.targets.iter() {
-            self.transport
-                .put_signal(*rank, desc, 0, &[], self.sig, self.value)?;
-        }
-        Ok(())
+        self.transport
+            .put_signals(&self.targets, self.sig, self.value)
     }
 }

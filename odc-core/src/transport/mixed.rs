@@ -116,6 +116,20 @@ impl Transport for MixedTransport {
         }
     }
 
+    fn put_signals(
+        &self,
+        targets: &[(usize, RegionDesc)],
+        signal: SignalRef,
+        value: u64,
+    ) -> Result<()> {
+        let (local, remote): (Vec<_>, Vec<_>) = targets
+            .iter()
+            .copied()
+            .partition(|(p, _)| self.is_local(*p));
+        let remote = self.fabric.put_signals(&remote, signal, value);
+        self.shm.put_signals(&local, signal, value).and(remote)
+    }
+
     fn prefault(
         &self,
         peer: usize,

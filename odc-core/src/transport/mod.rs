@@ -117,6 +117,24 @@ pub trait Transport: Send + Sync + fmt::Debug {
         value: u64,
     ) -> Result<()>;
 
+    /// A pure signal (see [`put_signal`](Self::put_signal)) of one `value`
+    /// into the word `signal` of each target's region, `(peer, region)`: a
+    /// version, release or done word to every rank of the shard group. The
+    /// default sends them one after the other and stops at the first
+    /// failure; a network transport overlaps them (each is a round trip)
+    /// and reports a failure once every signal has completed or failed.
+    fn put_signals(
+        &self,
+        targets: &[(usize, RegionDesc)],
+        signal: SignalRef,
+        value: u64,
+    ) -> Result<()> {
+        for (peer, desc) in targets {
+            self.put_signal(*peer, desc, 0, &[], signal, value)?;
+        }
+        Ok(())
+    }
+
     /// The epoch of this rank's `bell`; read before checking a condition.
     fn bell_epoch(&self, bell: Bell) -> u32;
 

@@ -119,6 +119,9 @@ pub const STATUS_ID: u32 = 7;
 const MAX_IOV: usize = 4;
 /// Operation slots (operations in flight from this rank).
 const OP_SLOTS: usize = 64;
+/// Pure signals of one fan-out in flight at once (a quarter of the slots:
+/// the daemon's acknowledgements and other threads' operations keep theirs).
+const FANOUT_BATCH: usize = OP_SLOTS / 4;
 /// How often `peer_status` reads a peer's status region at most.
 pub const PROBE_PERIOD: Duration = Duration::from_millis(250);
 /// How long a liveness probe may take before the peer counts as dead.
@@ -644,6 +647,44 @@ impl Transport for FabricTransport {
             Err(_) if c.notice(peer).is_some() => Ok(()),
             other => other,
         }
+    }
+
+    fn put_signals(
+        &self,
+        targets: &[(usize, RegionDesc)],
+        signal: SignalRef,
+        value: u64,
+    ) -> Result<()> {
+        let c = &self.core;
+        let mut remote = Vec::with_capacity(targets.len());
+        for (peer, desc) in targets {
+            let (peer, p) = (*peer, c.peer(*peer)?);
+            match p.addr {
+                // This rank, or a peer that closed its engine: as one signal.
+                Some(addr) if c.notice(peer).is_none() => {
+                    let r = c.bounds(peer, p, desc, 0, 0)?;
+                    c.bounds(peer, p, desc, signal.offset, 8 + MAILBOX)?;
+                    let imm = Imm {
+                        region: desc.id,
+                        offset: signal.offset,
+                        bell: signal.bell,
+                        update: Update::Raise,
+                    }
+                    .encode()?;
+                    remote.push((peer, addr, r, imm));
+                }
+                _ => self.put_signal(peer, desc, 0, &[], signal, value)?,
+            }
+        }
+        let outcomes = c.post_raise_all(&remote, signal.offset, value, c.timeout);
+        for ((peer, ..), out) in remote.iter().zip(outcomes) {
+            match out {
+                // The peer's close notice arrived while the write failed.
+                Err(_) if c.notice(*peer).is_some() => {}
+                other => other?,
+            }
+        }
+        Ok(())
     }
 
     fn bell_epoch(&self, bell: Bell) -> u32 {

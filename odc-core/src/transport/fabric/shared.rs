@@ -17,8 +17,8 @@ use super::safe::{Av, Cq, Domain, Ep, Granted, Mr};
 use super::signal::{Imm, Update, MAILBOX};
 use super::{result, sys};
 use super::{
-    EAGAIN_STALL, MAX_REGIONS, NOTICE_STRIDE, NOTICE_TIMEOUT, OFF_NOTICES, PROBE_PERIOD,
-    PROBE_TIMEOUT, PROGRESS_BLOCK_MS, STATE_CLOSED, STATUS_ID,
+    EAGAIN_STALL, FANOUT_BATCH, MAX_REGIONS, NOTICE_STRIDE, NOTICE_TIMEOUT, OFF_NOTICES,
+    PROBE_PERIOD, PROBE_TIMEOUT, PROGRESS_BLOCK_MS, STATE_CLOSED, STATUS_ID,
 };
 use crate::region::{Bell, RegionDesc, RemoteRegion};
 use crate::sync::{Backoff, EventCount, Ordering};
@@ -481,6 +481,22 @@ impl Core {
         deadline: Instant,
         post: impl Fn(*mut c_void) -> i32,
     ) -> Result<()> {
+        let i = self.start_op(peer, what, deadline, post)?;
+        self.finish_op(peer, what, deadline, i)
+    }
+
+    /// The first half of [`run_op`](Self::run_op): takes an operation slot
+    /// and posts, retrying `-FI_EAGAIN` (a connection being set up) until
+    /// the deadline. Returns the slot, whose completion
+    /// [`finish_op`](Self::finish_op) must then wait for (what the operation
+    /// reads or writes must live until then).
+    pub(super) fn start_op(
+        &self,
+        peer: usize,
+        what: &'static str,
+        deadline: Instant,
+        post: impl Fn(*mut c_void) -> i32,
+    ) -> Result<usize> {
         let (i, ctx) = self.acquire_slot(deadline)?;
         let slot = &self.ops[i];
         let mut backoff = Backoff::new();
@@ -499,9 +515,12 @@ impl Core {
             let free = || slot.state.store(SLOT_FREE, Ordering::Release);
             if ret != result::eagain() {
                 free();
-                return result::check(what, ret)
-                    .map(|_| ())
-                    .map_err(|e| with_peer(e, peer));
+                // A post returns 0 or a negative error code.
+                return Err(match result::check(what, ret) {
+                    Ok(_) => Error::transport(what, format!("returned {ret}")),
+                    Err(e) => e,
+                })
+                .map_err(|e| with_peer(e, peer));
             }
             let stalled = connected && first_try.elapsed() >= EAGAIN_STALL;
             if Instant::now() >= deadline || stalled {
@@ -522,6 +541,21 @@ impl Core {
                 backoff.snooze();
             }
         }
+        Ok(i)
+    }
+
+    /// The second half of [`run_op`](Self::run_op): waits for slot `i`'s
+    /// completion and frees the slot; past the deadline cancels the
+    /// operation and counts `peer` as dead.
+    pub(super) fn finish_op(
+        &self,
+        peer: usize,
+        what: &'static str,
+        deadline: Instant,
+        i: usize,
+    ) -> Result<()> {
+        let slot = &self.ops[i];
+        let ctx: *mut c_void = slot.ctx.get().cast();
         let mut backoff = Backoff::new();
         loop {
             let epoch = self.ops_done.epoch();
@@ -747,6 +781,72 @@ impl Core {
                 )
             }
         });
+        drop(mr);
+        out
+    }
+
+    /// Pure signals of one `value` into the word at `word` of each
+    /// target's region (peer, its address, the region, the immediate that
+    /// names the word): posted a batch at a time and their completions
+    /// awaited together, so a fan-out to D peers costs about one round trip
+    /// per batch instead of one per peer. Every posted write is waited for
+    /// before this returns (they read `value` from this frame). Returns each
+    /// target's outcome, in target order.
+    pub(super) fn post_raise_all(
+        &self,
+        targets: &[(usize, u64, RemoteRegion, u32)],
+        word: usize,
+        value: u64,
+        timeout: Duration,
+    ) -> Vec<Result<()>> {
+        let mut buf = value.to_le_bytes();
+        let mut out: Vec<Result<()>> = Vec::with_capacity(targets.len());
+        let mr = match self.local_mr(buf.as_mut_ptr(), buf.len()) {
+            Ok(mr) => mr,
+            Err(e) => {
+                let msg = e.to_string();
+                out.push(Err(e));
+                out.extend(
+                    targets[1..]
+                        .iter()
+                        .map(|_| Err(Error::transport("fi_mr_reg", msg.clone()))),
+                );
+                return out;
+            }
+        };
+        let desc = mr.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
+        let ptr = buf.as_mut_ptr().cast::<c_void>();
+        let deadline = Instant::now() + timeout;
+        for batch in targets.chunks(FANOUT_BATCH) {
+            let posted: Vec<Result<usize>> = batch
+                .iter()
+                .map(|&(peer, addr, ref r, imm)| {
+                    let raddr = r.base + (word + MAILBOX) as u64;
+                    self.start_op(peer, "fi_writemsg", deadline, |ctx| {
+                        let mut descs = [desc];
+                        // SAFETY: `buf` (registered by `mr` where the
+                        // provider wants it) lives until every operation
+                        // of this call has completed (finish_op below);
+                        // `ctx` is the slot's fi_context.
+                        unsafe {
+                            self.ep.post_writedata(
+                                &[ptr],
+                                &[8],
+                                &mut descs,
+                                addr,
+                                raddr,
+                                r.key,
+                                u64::from(imm),
+                                ctx,
+                            )
+                        }
+                    })
+                })
+                .collect();
+            for (&(peer, ..), p) in batch.iter().zip(posted) {
+                out.push(p.and_then(|i| self.finish_op(peer, "fi_writemsg", deadline, i)));
+            }
+        }
         drop(mr);
         out
     }
