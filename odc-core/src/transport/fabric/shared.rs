@@ -762,27 +762,49 @@ impl Core {
         let mr = self.local_mr(buf.as_mut_ptr(), buf.len())?;
         let desc = mr.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
         let ptr = buf.as_mut_ptr().cast::<c_void>();
-        let raddr = r.base + (word + MAILBOX) as u64;
         let out = self.run_op(peer, "fi_writemsg", Instant::now() + timeout, |ctx| {
-            let mut descs = [desc];
             // SAFETY: `buf` (registered by `mr` where the provider wants
             // it) lives until run_op has seen the completion; `ctx` is our
             // slot's fi_context.
-            unsafe {
-                self.ep.post_writedata(
-                    &[ptr],
-                    &[8],
-                    &mut descs,
-                    addr,
-                    raddr,
-                    r.key,
-                    u64::from(imm),
-                    ctx,
-                )
-            }
+            unsafe { self.post_mailbox(ctx, ptr, desc, addr, r, word, imm) }
         });
         drop(mr);
         out
+    }
+
+    /// Posts the 8-byte write of a pure signal, `buf` (registered as `desc`,
+    /// or null), into the mailbox of the word at `word` of `r` at `addr`,
+    /// with the immediate `imm` that names the word, as operation `ctx`.
+    ///
+    /// # Safety
+    /// `buf` must stay valid until the operation's completion is seen, and
+    /// `ctx` must be an operation slot's `fi_context` this caller holds.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn post_mailbox(
+        &self,
+        ctx: *mut c_void,
+        buf: *mut c_void,
+        desc: *mut c_void,
+        addr: u64,
+        r: &RemoteRegion,
+        word: usize,
+        imm: u32,
+    ) -> i32 {
+        let mut descs = [desc];
+        let raddr = r.base + (word + MAILBOX) as u64;
+        // SAFETY: per the contract above.
+        unsafe {
+            self.ep.post_writedata(
+                &[buf],
+                &[8],
+                &mut descs,
+                addr,
+                raddr,
+                r.key,
+                u64::from(imm),
+                ctx,
+            )
+        }
     }
 
     /// Pure signals of one `value` into the word at `word` of each
@@ -821,25 +843,12 @@ impl Core {
             let posted: Vec<Result<usize>> = batch
                 .iter()
                 .map(|&(peer, addr, ref r, imm)| {
-                    let raddr = r.base + (word + MAILBOX) as u64;
                     self.start_op(peer, "fi_writemsg", deadline, |ctx| {
-                        let mut descs = [desc];
                         // SAFETY: `buf` (registered by `mr` where the
                         // provider wants it) lives until every operation
                         // of this call has completed (finish_op below);
                         // `ctx` is the slot's fi_context.
-                        unsafe {
-                            self.ep.post_writedata(
-                                &[ptr],
-                                &[8],
-                                &mut descs,
-                                addr,
-                                raddr,
-                                r.key,
-                                u64::from(imm),
-                                ctx,
-                            )
-                        }
+                        unsafe { self.post_mailbox(ctx, ptr, desc, addr, r, word, imm) }
                     })
                 })
                 .collect();
