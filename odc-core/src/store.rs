@@ -35,16 +35,22 @@ pub trait Store: Send + Sync {
     /// this way, so that a job of D ranks sends its store O(D) requests
     /// rather than O(D²). The default reads the keys one by one.
     fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>> {
-        keys.iter()
-            .map(|k| {
-                self.get(k)?.ok_or_else(|| Error::Store {
-                    op: "get",
-                    key: (*k).to_owned(),
-                    detail: "key not set".into(),
-                })
-            })
-            .collect()
+        get_each(self, keys)
     }
+}
+
+/// The values of `keys` read one by one, each required to be set: what
+/// [`Store::multi_get`] does on a store that cannot batch.
+pub fn get_each<S: Store + ?Sized>(store: &S, keys: &[&str]) -> Result<Vec<Vec<u8>>> {
+    keys.iter()
+        .map(|k| {
+            store.get(k)?.ok_or_else(|| Error::Store {
+                op: "get",
+                key: (*k).to_owned(),
+                detail: "key not set".into(),
+            })
+        })
+        .collect()
 }
 
 /// Waits for `key` and returns its value.

@@ -136,16 +136,7 @@ impl Store for PyStore {
         })?;
         match batched {
             Some(values) => Ok(values),
-            None => keys
-                .iter()
-                .map(|k| {
-                    self.get(k)?.ok_or_else(|| odc_core::Error::Store {
-                        op: "get",
-                        key: (*k).to_owned(),
-                        detail: "key not set".into(),
-                    })
-                })
-                .collect(),
+            None => odc_core::store::get_each(self, keys),
         }
     }
 }

@@ -443,7 +443,8 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
             }
             Err(e) => e.to_string(),
         };
-        let killed: u128 = odc_core::store::FileStore::get(&sync, "killed-at")
+        let killed: u128 = sync
+            .get("killed-at")
             .ok()
             .flatten()
             .and_then(|v| String::from_utf8(v).ok())

@@ -411,9 +411,10 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
     Ok(peers)
 }
 
-/// Maps ahead what this rank touches of `peer`'s regions: its own two
-/// landing slots in the peer's control region (when the peer is in its
-/// shard group), and the published shards and partial sums it reads. The
+/// Maps ahead what this rank touches of `peer`'s regions (a peer it
+/// connects to: in its shard group or a replica): its own two landing
+/// slots in the peer's control region (when the peer is in its shard
+/// group), and the published shards and partial sums it reads. The
 /// control words are left to fault in on first use: a handful of pages,
 /// once. Populating the whole control region instead (as the `shm`
 /// transport once did) gave every rank `G` peers × `2 · G` chunks of page
@@ -432,9 +433,7 @@ fn prefault(
         let slots = l.slot_header(g.me, 0)..l.slot_data(g.me, 1) + l.chunk_bytes();
         t.prefault(peer, &ctrl, slots, true)?;
     }
-    if g.group.contains(&peer) || g.replicas.contains(&peer) {
-        t.prefault(peer, &params, 0..plan.host_params_len, false)?;
-    }
+    t.prefault(peer, &params, 0..plan.host_params_len, false)?;
     if let Some(a) = accum {
         t.prefault(peer, &a, 0..plan.accum_len * 4, false)?;
     }
@@ -536,7 +535,6 @@ fn post_failure(store: &dyn Store, key: &str, e: &Error) {
     }
 }
 
-/// Parses `peer`'s post at `key`, or the failure it posted instead.
 /// Every rank's post under `keys` (one per rank, in rank order): one wait
 /// and one batched read, not a round trip per rank.
 fn read_posts(core: &Core, keys: &[String], deadline: Instant) -> Result<Vec<Vec<u8>>> {
@@ -544,6 +542,7 @@ fn read_posts(core: &Core, keys: &[String], deadline: Instant) -> Result<Vec<Vec
     wait_get_all(core.store.as_ref(), &keys, deadline)
 }
 
+/// Parses `peer`'s post at `key`, or the failure it posted instead.
 fn parse_post<T: for<'de> Deserialize<'de>>(key: &str, peer: usize, v: &[u8]) -> Result<T> {
     if let Ok(FailedPost { failed }) = serde_json::from_slice::<FailedPost>(v) {
         return Err(Error::transport(

@@ -122,12 +122,18 @@ impl Transport for MixedTransport {
         signal: SignalRef,
         value: u64,
     ) -> Result<()> {
-        let (local, remote): (Vec<_>, Vec<_>) = targets
+        // The remote ones overlap (each a round trip); the local ones are
+        // stores into mapped memory.
+        let remote = self.fabric.put_signals_to(
+            targets.iter().filter(|(p, _)| !self.is_local(*p)),
+            signal,
+            value,
+        );
+        let local = targets
             .iter()
-            .copied()
-            .partition(|(p, _)| self.is_local(*p));
-        let remote = self.fabric.put_signals(&remote, signal, value);
-        self.shm.put_signals(&local, signal, value).and(remote)
+            .filter(|(p, _)| self.is_local(*p))
+            .try_for_each(|(p, desc)| self.shm.put_signal(*p, desc, 0, &[], signal, value));
+        local.and(remote)
     }
 
     fn prefault(

@@ -463,6 +463,55 @@ fn check_id(id: u32) -> Result<()> {
     Ok(())
 }
 
+impl FabricTransport {
+    /// [`Transport::put_signals`] to the targets `targets` yields (`mixed`
+    /// passes its remote ones): validated and posted [`FANOUT_BATCH`] at a
+    /// time from a fixed array, so the fan-out allocates nothing. This rank
+    /// and a peer that closed its engine get [`Transport::put_signal`].
+    pub fn put_signals_to<'a>(
+        &self,
+        targets: impl Iterator<Item = &'a (usize, RegionDesc)>,
+        signal: SignalRef,
+        value: u64,
+    ) -> Result<()> {
+        let c = &self.core;
+        let none = RemoteRegion {
+            id: 0,
+            base: 0,
+            len: 0,
+            key: 0,
+        };
+        let mut batch = [(0, 0, none, 0); FANOUT_BATCH];
+        let (mut n, mut first) = (0, Ok(()));
+        for (peer, desc) in targets {
+            let (peer, p) = (*peer, c.peer(*peer)?);
+            let addr = match p.addr {
+                Some(addr) if c.notice(peer).is_none() => addr,
+                _ => {
+                    self.put_signal(peer, desc, 0, &[], signal, value)?;
+                    continue;
+                }
+            };
+            let r = c.bounds(peer, p, desc, 0, 0)?;
+            c.bounds(peer, p, desc, signal.offset, 8 + MAILBOX)?;
+            let imm = Imm {
+                region: desc.id,
+                offset: signal.offset,
+                bell: signal.bell,
+                update: Update::Raise,
+            }
+            .encode()?;
+            batch[n] = (peer, addr, r, imm);
+            n += 1;
+            if n == FANOUT_BATCH {
+                first = first.and(c.post_raise_batch(&batch, signal.offset, value, c.timeout));
+                n = 0;
+            }
+        }
+        first.and(c.post_raise_batch(&batch[..n], signal.offset, value, c.timeout))
+    }
+}
+
 impl Transport for FabricTransport {
     fn name(&self) -> &'static str {
         "fabric"
@@ -655,36 +704,7 @@ impl Transport for FabricTransport {
         signal: SignalRef,
         value: u64,
     ) -> Result<()> {
-        let c = &self.core;
-        let mut remote = Vec::with_capacity(targets.len());
-        for (peer, desc) in targets {
-            let (peer, p) = (*peer, c.peer(*peer)?);
-            match p.addr {
-                // This rank, or a peer that closed its engine: as one signal.
-                Some(addr) if c.notice(peer).is_none() => {
-                    let r = c.bounds(peer, p, desc, 0, 0)?;
-                    c.bounds(peer, p, desc, signal.offset, 8 + MAILBOX)?;
-                    let imm = Imm {
-                        region: desc.id,
-                        offset: signal.offset,
-                        bell: signal.bell,
-                        update: Update::Raise,
-                    }
-                    .encode()?;
-                    remote.push((peer, addr, r, imm));
-                }
-                _ => self.put_signal(peer, desc, 0, &[], signal, value)?,
-            }
-        }
-        let outcomes = c.post_raise_all(&remote, signal.offset, value, c.timeout);
-        for ((peer, ..), out) in remote.iter().zip(outcomes) {
-            match out {
-                // The peer's close notice arrived while the write failed.
-                Err(_) if c.notice(*peer).is_some() => {}
-                other => other?,
-            }
-        }
-        Ok(())
+        self.put_signals_to(targets.iter(), signal, value)
     }
 
     fn bell_epoch(&self, bell: Bell) -> u32 {

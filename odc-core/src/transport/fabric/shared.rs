@@ -807,57 +807,51 @@ impl Core {
         }
     }
 
-    /// Pure signals of one `value` into the word at `word` of each
-    /// target's region (peer, its address, the region, the immediate that
-    /// names the word): posted a batch at a time and their completions
-    /// awaited together, so a fan-out to D peers costs about one round trip
-    /// per batch instead of one per peer. Every posted write is waited for
-    /// before this returns (they read `value` from this frame). Returns each
-    /// target's outcome, in target order.
-    pub(super) fn post_raise_all(
+    /// Pure signals of one `value` into the word at `word` of each target's
+    /// region (peer, its address, the region, the immediate that names the
+    /// word; at most [`FANOUT_BATCH`] of them): all posted, then their
+    /// completions awaited together, so a batch costs about one round trip
+    /// instead of one per peer. Every posted write is waited for before
+    /// this returns (they read `value` from this frame). Returns the first
+    /// failure in target order, except a peer's whose close notice arrived
+    /// (nobody reads its words any more). Allocates nothing.
+    pub(super) fn post_raise_batch(
         &self,
-        targets: &[(usize, u64, RemoteRegion, u32)],
+        batch: &[(usize, u64, RemoteRegion, u32)],
         word: usize,
         value: u64,
         timeout: Duration,
-    ) -> Vec<Result<()>> {
+    ) -> Result<()> {
+        debug_assert!(batch.len() <= FANOUT_BATCH);
         let mut buf = value.to_le_bytes();
-        let mut out: Vec<Result<()>> = Vec::with_capacity(targets.len());
-        let mr = match self.local_mr(buf.as_mut_ptr(), buf.len()) {
-            Ok(mr) => mr,
-            Err(e) => {
-                let msg = e.to_string();
-                out.push(Err(e));
-                out.extend(
-                    targets[1..]
-                        .iter()
-                        .map(|_| Err(Error::transport("fi_mr_reg", msg.clone()))),
-                );
-                return out;
-            }
-        };
+        let mr = self.local_mr(buf.as_mut_ptr(), buf.len())?;
         let desc = mr.as_ref().map_or(std::ptr::null_mut(), Mr::desc);
         let ptr = buf.as_mut_ptr().cast::<c_void>();
         let deadline = Instant::now() + timeout;
-        for batch in targets.chunks(FANOUT_BATCH) {
-            let posted: Vec<Result<usize>> = batch
-                .iter()
-                .map(|&(peer, addr, ref r, imm)| {
-                    self.start_op(peer, "fi_writemsg", deadline, |ctx| {
-                        // SAFETY: `buf` (registered by `mr` where the
-                        // provider wants it) lives until every operation
-                        // of this call has completed (finish_op below);
-                        // `ctx` is the slot's fi_context.
-                        unsafe { self.post_mailbox(ctx, ptr, desc, addr, r, word, imm) }
-                    })
-                })
-                .collect();
-            for (&(peer, ..), p) in batch.iter().zip(posted) {
-                out.push(p.and_then(|i| self.finish_op(peer, "fi_writemsg", deadline, i)));
+        let mut posted: [Option<Result<usize>>; FANOUT_BATCH] = std::array::from_fn(|_| None);
+        for (slot, &(peer, addr, ref r, imm)) in posted.iter_mut().zip(batch) {
+            *slot = Some(self.start_op(peer, "fi_writemsg", deadline, |ctx| {
+                // SAFETY: `buf` (registered by `mr` where the provider
+                // wants it) lives until every operation of this call has
+                // completed (finish_op below); `ctx` is the slot's
+                // fi_context.
+                unsafe { self.post_mailbox(ctx, ptr, desc, addr, r, word, imm) }
+            }));
+        }
+        let mut first = Ok(());
+        for (&(peer, ..), p) in batch.iter().zip(posted.iter_mut()) {
+            let out = p
+                .take()
+                .unwrap_or(Ok(usize::MAX))
+                .and_then(|i| self.finish_op(peer, "fi_writemsg", deadline, i));
+            if let Err(e) = out {
+                if first.is_ok() && self.notice(peer).is_none() {
+                    first = Err(e);
+                }
             }
         }
         drop(mr);
-        out
+        first
     }
 
     pub(super) fn probe(&self, peer: usize, p: &Peer) {
