@@ -110,6 +110,8 @@ def train(args, comm: str, strategy: str, data: list[torch.Tensor], rank: int, w
 def worker(rank: int, world: int, args) -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world)
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it; forked ranks share the cores as torchrun would
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
     data = [torch.randint(0, VOCAB, (rng.randint(8, args.max_len),)) for _ in range(args.samples)]
