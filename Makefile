@@ -49,15 +49,19 @@ demo: setup
 # ruff and mypy come from the venv (make setup installs them at pinned versions). The first clippy checks every
 # target with the libfabric transport; the second, what `cargo build` gives a user without libfabric-dev (the
 # library and the benchmark binaries without features: the workspace's odc-py switches odc-core's fabric on).
+# mypy (one core for about 75 s from a cold cache: it reads torch's sources) runs beside clippy; its output
+# follows clippy's, and either failing fails the stage.
 lint:
 	@test -x $(VENV)/bin/ruff && test -x $(VENV)/bin/mypy || \
 	    { echo "make lint: $(VENV)/bin/ruff or $(VENV)/bin/mypy is missing; run make setup first" >&2; exit 1; }
 	python3 scripts/module-graph.py
-	$(CARGO) fmt --all --check
-	$(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings
-	$(CARGO) clippy -p odc-core -p odc-benches --locked -- -D warnings
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
-	cd odc-py && $(abspath $(VENV))/bin/mypy python
+	@log=$$(mktemp); (cd odc-py && $(abspath $(VENV))/bin/mypy python) >"$$log" 2>&1 & mypy=$$!; \
+	    set -x; $(CARGO) fmt --all --check && \
+	    $(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings && \
+	    $(CARGO) clippy -p odc-core -p odc-benches --locked -- -D warnings; { rust=$$?; set +x; } 2>/dev/null; \
+	    wait $$mypy; py=$$?; echo "cd odc-py && $(VENV)/bin/mypy python"; cat "$$log"; rm -f "$$log"; \
+	    exit $$((rust || py))
 
 cargo-test:
 	$(CARGO) test --workspace --locked $(FEATURES)
