@@ -84,19 +84,6 @@ if [ ! -f "$stamp" ]; then
     printf '%s' "$want" >"$stamp"
 fi
 
-# --- bytecode --------------------------------------------------------------
-# Every interpreter the tests start (a fork server per leg, the examples, console scripts, subprocess checks)
-# imports torch and friends. Without cached bytecode (PYTHONDONTWRITEBYTECODE=1 in the environment, or a
-# read-only venv) each one compiles them again: `import torch` took 7.3 s against 3.5 s, torchtitan's import
-# 30 s against 10 s on the 2-core machine. Compiled once here (about 45 s per venv with 2 cores).
-bytecode="$VENV/.odc-bytecode"
-if [ ! -f "$bytecode" ] || [ "$(cat "$bytecode")" != "$want" ]; then
-    log "compiling the bytecode of $VENV's packages"
-    # A few packages ship files for other Python versions that do not compile: they are never imported.
-    "$VENV/bin/python" -m compileall -q -j 0 "$VENV"/lib/python3*/site-packages >/dev/null 2>&1 || true
-    printf '%s' "$want" >"$bytecode"
-fi
-
 # --- odc-py ----------------------------------------------------------------
 # Rebuild only when a Rust or Python source of the package changed.
 src_hash=$(scripts/source-hash.sh)
