@@ -4,7 +4,8 @@
 #   make demo           the main job on one machine
 #   make lint           module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
 #   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal
-#                       (runs both setups first), and the time of each stage
+#                       (runs both setups first; the Rust builds run beside the Python tests), and the time of
+#                       each stage
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -25,8 +26,8 @@ export CARGO_TERM_COLOR ?= never
 # The libfabric transport builds against the headers of libfabric-dev (make setup installs it).
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
-.PHONY: help setup setup-torch211 demo test lint fmt cargo-test loom pytest pytest-torch211 gpu-bundle gpu-rehearse \
-	bench clean
+.PHONY: help setup setup-torch211 demo test lint lint-rust lint-python fmt cargo-test loom rust-builds pytest \
+	pytest-torch211 gpu-bundle gpu-rehearse rehearse bench clean
 
 help:
 	@echo "make setup | demo | test | lint | bench | gpu-bundle | clean"
@@ -57,19 +58,22 @@ demo: setup
 # ruff and mypy come from the venv (make setup installs them at pinned versions). The first clippy checks every
 # target with the libfabric transport; the second, what `cargo build` gives a user without libfabric-dev (the
 # library and the benchmark binaries without features: the workspace's odc-py switches odc-core's fabric on).
-# mypy (one core for about 75 s from a cold cache: it reads torch's sources) runs beside clippy; its output
-# follows clippy's, and either failing fails the stage.
+# `make lint` runs the two halves at once: mypy (one core for about 75 s from a cold cache: it reads torch's
+# sources) beside clippy, each half's output together.
 lint:
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint-python lint-rust
+
+lint-rust:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings
+	$(CARGO) clippy -p odc-core -p odc-benches --locked -- -D warnings
+
+lint-python:
 	@test -x $(VENV)/bin/ruff && test -x $(VENV)/bin/mypy || \
 	    { echo "make lint: $(VENV)/bin/ruff or $(VENV)/bin/mypy is missing; run make setup first" >&2; exit 1; }
 	python3 scripts/module-graph.py
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
-	@log=$$(mktemp); (cd odc-py && $(abspath $(VENV))/bin/mypy python) >"$$log" 2>&1 & mypy=$$!; \
-	    set -x; $(CARGO) fmt --all --check && \
-	    $(CARGO) clippy --workspace --all-targets --locked $(FEATURES) -- -D warnings && \
-	    $(CARGO) clippy -p odc-core -p odc-benches --locked -- -D warnings; { rust=$$?; set +x; } 2>/dev/null; \
-	    wait $$mypy; py=$$?; echo "cd odc-py && $(VENV)/bin/mypy python"; cat "$$log"; rm -f "$$log"; \
-	    exit $$((rust || py))
+	cd odc-py && $(abspath $(VENV))/bin/mypy python
 
 cargo-test:
 	$(CARGO) test --workspace --locked $(FEATURES)
@@ -77,8 +81,18 @@ cargo-test:
 # The loom model of the landing-slot / signal / acknowledge protocol. --cfg loom rebuilds every crate (its own
 # target folder); unoptimized, since the build is most of the time (54 s against 75 s for --release, whose run
 # takes 0.5 s against 2.5 s here).
+LOOM := RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p odc-core --locked --lib
 loom:
-	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p odc-core --locked --lib loom
+	$(LOOM) loom
+
+# What make test compiles beside the Python tests (scripts/stages.sh runs it at the lowest priority while the
+# Python stages use the cores; those wait on processes a good part of the time): clippy, the test executables
+# of cargo-test and loom, and the GPU bundle. cargo-test, loom and gpu-rehearse then run what it built.
+rust-builds: setup
+	@$(MAKE) --no-print-directory lint-rust
+	$(CARGO) test --workspace --locked $(FEATURES) --no-run
+	$(LOOM) --no-run
+	@scripts/gpu-bundle.sh .gpu-bundle
 
 pytest:
 	$(PY) -m pytest --durations=15 odc-py/tests
@@ -96,9 +110,15 @@ gpu-bundle: setup
 gpu-rehearse: gpu-bundle setup-torch211
 	@scripts/gpu-rehearse.sh .gpu-bundle
 
-# The stages in turn, each timed (scripts/stages.sh prints the times at the end, also after a failure).
+# The rehearsal of the bundle as it is (make test builds it in rust-builds).
+rehearse:
+	@scripts/gpu-rehearse.sh .gpu-bundle
+
+# The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure); the Rust builds
+# (&rust-builds) run beside the Python stages, and the stages that need them wait for them (=rust-builds).
 test:
-	@scripts/stages.sh setup setup-torch211 lint cargo-test loom pytest pytest-torch211 gpu-rehearse
+	@scripts/stages.sh setup setup-torch211 '&rust-builds' lint-python pytest pytest-torch211 '=rust-builds' \
+	    cargo-test loom rehearse
 
 fmt:
 	$(CARGO) fmt --all
