@@ -108,7 +108,7 @@ gpu-bundle: setup
 	@scripts/gpu-bundle.sh .gpu-bundle
 
 gpu-rehearse: gpu-bundle setup-torch211
-	@scripts/gpu-rehearse.sh .gpu-bundle
+	@$(MAKE) --no-print-directory rehearse
 
 # The rehearsal of the bundle as it is (make test builds it in rust-builds).
 rehearse:
