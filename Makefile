@@ -78,12 +78,10 @@ lint-python:
 cargo-test:
 	$(CARGO) test --workspace --locked $(FEATURES)
 
-# The loom model of the landing-slot / signal / acknowledge protocol. --cfg loom rebuilds every crate (its own
-# target folder); unoptimized, since the build is most of the time (54 s against 75 s for --release, whose run
-# takes 0.5 s against 2.5 s here).
-LOOM := RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom $(CARGO) test -p odc-core --locked --lib
+# The loom model of the landing-slot / signal / acknowledge protocol: odc-core's unit tests built with --cfg loom
+# for that crate alone, on the dependencies cargo-test built (scripts/loom.sh).
 loom:
-	$(LOOM) loom
+	@scripts/loom.sh
 
 # What make test compiles beside the Python tests (scripts/stages.sh runs it at the lowest priority while the
 # Python stages use the cores; those wait on processes a good part of the time): clippy, the test executables
@@ -91,7 +89,7 @@ loom:
 rust-builds: setup
 	@$(MAKE) --no-print-directory lint-rust
 	$(CARGO) test --workspace --locked $(FEATURES) --no-run
-	$(LOOM) --no-run
+	@scripts/loom.sh --no-run
 	@scripts/gpu-bundle.sh .gpu-bundle
 
 pytest:
@@ -125,7 +123,7 @@ fmt:
 
 bench:
 	$(CARGO) bench -p odc-packing --bench kk
-	$(CARGO) bench -p odc-kernels --bench accumulate
+	$(CARGO) bench -p odc-benches --bench accumulate
 
 clean:
 	$(CARGO) clean
