@@ -163,6 +163,8 @@ mod server;
 mod engine_tests;
 #[cfg(all(test, loom))]
 mod loom_model;
+#[cfg(all(loom, not(feature = "loom")))]
+compile_error!("--cfg loom needs odc-core's loom feature: run `make loom` (scripts/loom.sh)");
 
 #[cfg(not(loom))]
 pub use api::Engine;
