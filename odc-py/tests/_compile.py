@@ -3,12 +3,15 @@ over ODC must give the same per-step grad norms (torch's clip, active) and final
 
 Orders compiled: every block before ``fully_shard`` (torchtitan's), every block after it, and the whole model
 (``model.compile()`` after ``fully_shard``). Inductor on CPU; its caches make the second build of a graph cheap.
+
+Uneven microbatch counts (a rank idle at a step) cannot run over gloo, whose collectives need every rank at
+every layer: ``uneven_worker`` compares ODC with one process training the same microbatches (uncompiled).
 """
 
 from __future__ import annotations
 
 import torch
-from _fsdp_helpers import DIM, Tiny, data, full_params, init_pg, sample_loss
+from _fsdp_helpers import DIM, Tiny, as_nodes, data, full_params, init_pg, sample_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -34,6 +37,66 @@ def _build(world, order):
     elif order == "whole":
         model.compile()
     return model
+
+
+def _reference(table, clip):
+    """One process, every rank's microbatches of each step: the norms (torch's clip) and final parameters."""
+    torch.manual_seed(0)
+    ref = Tiny(dim=DIM)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    norms = []
+    for s, plan in enumerate(table):
+        norm = 27 * sum(plan)  # the tokens of the whole minibatch
+        for r, count in enumerate(plan):
+            for m in range(count):
+                (sample_loss(ref, data(s, m, r)) / norm).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "params": {k: v.detach().tolist() for k, v in ref.state_dict().items()}}
+
+
+def _uneven(rank, world, order, table, odc_kw):
+    """The compiled model (``order``) under ODC, rank r running ``table[s][r]`` microbatches at step s (torch's
+    clip at 0.3, SGD on the minibatch's mean loss); rank 0 also trains the same microbatches in one process."""
+    model = _build(world, order)
+    compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    odc.fsdp.enable(model, opt, timeout=120, **odc_kw)
+    sharding = model._odc_fsdp.engine.sharding
+    norms = []
+    for s, plan in enumerate(table):
+        norm = 27 * sum(plan)
+        for m in range(plan[rank]):
+            (sample_loss(model, data(s, m, rank)) / norm * world).backward()  # FSDP2 averages over the ranks
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)))
+        opt.step()
+        opt.zero_grad()
+    odc.fsdp.disable(model)
+    out = {"odc": {"norms": norms, "params": full_params(model)}, "compiled": len(compiled), "sharding": sharding}
+    if rank == 0:
+        out["ref"] = _reference(table, 0.3)
+    return out
+
+
+def _dynamo(counters):
+    """What dynamo compiled in the whole run (a later model of the same class reuses an earlier one's code), and
+    where it broke graphs."""
+    return {"graphs": int(counters["stats"]["unique_graphs"]),
+            "breaks": {str(k): int(v) for k, v in counters["graph_break"].items()}}
+
+
+def uneven_worker(rank, world, store, order, table, odc_kw, per_node):
+    """``_uneven`` on ranks that are emulated nodes of ``per_node`` (for ``sharding="hybrid-zero"``)."""
+    from torch._dynamo.utils import counters
+
+    as_nodes(per_node)
+    init_pg(rank, world, store)
+    torch.set_num_threads(1)
+    counters.clear()
+    out = _uneven(rank, world, order, table, odc_kw)
+    out["dynamo"] = _dynamo(counters)
+    return out
 
 
 def _train(model, rank, world, odc_kw):
@@ -66,8 +129,10 @@ def _train(model, rank, world, odc_kw):
     return {"norms": norms, "params": full_params(model), "compiled": len(compiled), "ran": ran}
 
 
-def compile_worker(rank, world, store, cases):
-    """``cases``: (order, ODC options) pairs; each trains the compiled model over gloo, then over ODC."""
+def compile_worker(rank, world, store, cases, uneven):
+    """``cases``: (order, ODC options) pairs; each trains the compiled model over gloo, then over ODC.
+    ``uneven``: (order, table) for ``_uneven`` under full sharding, in the same process (its graphs are
+    compiled already)."""
     from torch._dynamo.utils import counters
 
     init_pg(rank, world, store)
@@ -78,8 +143,7 @@ def compile_worker(rank, world, store, cases):
         name = order + "".join(f",{k}={v}" for k, v in odc_kw.items())
         out[name] = {"gloo": _train(_build(world, order), rank, world, None),
                      "odc": _train(_build(world, order), rank, world, odc_kw)}
-    # What dynamo compiled in the whole run (a later model of the same class reuses an earlier one's code), and
-    # where it broke graphs: under ODC and gloo alike, so a break ODC caused would show in the count.
-    out["dynamo"] = {"graphs": int(counters["stats"]["unique_graphs"]),
-                     "breaks": {str(k): int(v) for k, v in counters["graph_break"].items()}}
+    out["uneven"] = _uneven(rank, world, *uneven, {})
+    # Under ODC and gloo alike, so a break ODC caused would show in the count.
+    out["dynamo"] = _dynamo(counters)
     return out
