@@ -11,7 +11,11 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
   may cross nodes);
 - ``odc-hybrid``: ``sharding="hybrid"`` (HSDP layout, optimizer replicated
   per node);
-- ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D).
+- ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D);
+- ``odc-hybrid-zero-raf``: the same with ``reshard_after_forward=G`` on the
+  layers (ZeRO++'s hpZ: FSDP2 keeps 1/G of each gathered layer after the
+  forward and re-gathers it over the node in the backward, which ODC serves
+  from hybrid-zero's node copy: no more cross-node bytes than without it).
 
 Every rank runs the same microbatches (``--micros`` per minibatch of
 ``--seq`` tokens) and the same AdamW loop with torch's clip. Each rank reads
@@ -38,7 +42,7 @@ import sys
 import time
 from typing import Any
 
-MODES = ("collective-hsdp", "odc-full", "odc-hybrid", "odc-hybrid-zero")
+MODES = ("collective-hsdp", "odc-full", "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
 
 
 def _veth_rx_tx(ifname: str) -> tuple[int, int]:
@@ -72,13 +76,13 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     else:
         mesh = init_device_mesh("cpu", (ctx.world,))
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=g if mode == "odc-hybrid-zero-raf" else True)
     fully_shard(model, mesh=mesh)
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     asked = {"gathered": 0, "pushed": 0}
     if mode.startswith("odc-"):
-        odc.fsdp.enable(model, opt, sharding=mode.removeprefix("odc-"), timeout=120)
+        odc.fsdp.enable(model, opt, sharding=mode.removeprefix("odc-").removesuffix("-raf"), timeout=120)
         eng = model._odc_fsdp.engine
         gather, push = eng.gather, eng.scatter_accumulate
 
@@ -116,9 +120,11 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     after = _veth_rx_tx(ifname)
     counts = {"rx": after[0] - before[0], "tx": after[1] - before[1]}
     state = sum(t.to_local().numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim)
+    regathers = model._odc_fsdp.regathers if mode.startswith("odc-") else 0  # reshard_after_forward=int's
     if mode.startswith("odc-"):
         odc.fsdp.disable(model)
     every = ctx.all_gather_object({"spans": spans, "total": total, "veth": counts, "asked": asked,
+                                   "regathers": regathers,
                                    "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "state": state})
     return {"params": params, "ranks": every, "n": n, "g": g}
 
@@ -131,7 +137,7 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
         return 2 * (n - 1) / n * p / g * 4  # ring all-reduce of the node shard, once per minibatch
     if mode == "odc-hybrid":
         return (n - 1) * p / g * 4  # reads every other node's partial sums of its node shard
-    if mode == "odc-hybrid-zero":
+    if mode in ("odc-hybrid-zero", "odc-hybrid-zero-raf"):
         return 2 * (n - 1) * p / d * 4  # reads its piece of the others' partials, then their updated pieces
     # odc-full: of every gathered or pushed element, the (D - G) / D owned on other nodes cross.
     asked = statistics.mean(r["asked"]["gathered"] + r["asked"]["pushed"] for r in res["ranks"])
@@ -165,7 +171,8 @@ def main() -> int:
         per_rank = sum(r["veth"]["rx"] for r in res["ranks"] if r["local_rank"] == 0) / args.minibatches / args.world
         ms = 1e3 * max(r["total"] for r in res["ranks"]) / args.minibatches
         rows.append((mode, ms, per_rank, formula(mode, res, args.minibatches), res["ranks"][0]["state"], res["params"]))
-        print(f"# {mode}: done", file=sys.stderr, flush=True)
+        regathers = min(r["regathers"] for r in res["ranks"])
+        print(f"# {mode}: done ({regathers} backward re-gathers over the node per rank)", file=sys.stderr, flush=True)
     base = rows[0][1]
     print(f"{args.world} ranks over {args.netns} network namespaces (veth + bridge, libfabric tcp), "
           f"{args.micros} microbatches x {args.seq} tokens per rank per minibatch, {args.minibatches} timed "

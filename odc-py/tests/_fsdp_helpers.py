@@ -648,18 +648,23 @@ def cuda_fsdp_worker(rank, world, store, steps, micros=2, lr=1e-2, comm="odc.fsd
 
 
 def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_clip=False, lr=1e-2, clip=0.5,
-                       deterministic=False):
-    """The same AdamW + clip loop under sharding="hybrid-zero" and under "full", ranks running
-    table[s][r] microbatches at step s, on FSDP2's ordinary 1-D mesh.
+                       deterministic=False, modes=(("hybrid-zero", True), ("full", True))):
+    """The same AdamW + clip loop under each (sharding, reshard_after_forward) of ``modes`` (by default
+    sharding="hybrid-zero" and "full"), ranks running table[s][r] microbatches at step s, on FSDP2's ordinary
+    1-D mesh.
 
-    Returns per mode the clipped norms, the final full parameters, the optimizer state's local
-    sizes and the engine's bucket geometry; rank 0 also runs the single-process reference.
+    Returns per mode (its sharding, with ",reshard=k" for an int) the clipped norms, the final full
+    parameters, the optimizer state's local sizes, the engine's bucket geometry and the backward re-gathers;
+    rank 0 also runs the single-process reference.
     """
     as_nodes(per_node, transport)
     init_pg(rank, world, store)
     out = {}
-    for mode in ("hybrid-zero", "full"):
-        model = build(world)
+    labels = []
+    for mode, reshard in modes:
+        label = mode if reshard is True else f"{mode},reshard={reshard}"
+        labels.append(label)
+        model = build(world, reshard=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
         odc.fsdp.enable(model, opt, sharding=mode, timeout=60, deterministic=deterministic)
         engine = model._odc_fsdp.engine
@@ -677,9 +682,10 @@ def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_cli
         info["state"] = {name: [opt.state[p]["exp_avg"].to_local().numel(), p.to_local().numel(), p.shape[0],
                                 p.numel()]
                          for name, p in model.named_parameters()}
+        info["regathers"] = model._odc_fsdp.regathers
         odc.fsdp.disable(model)
         info["params"] = full_params(model)
-        out[mode] = info
+        out[label] = info
     if rank == 0:
         torch.manual_seed(0)
         ref = Tiny()
@@ -696,7 +702,7 @@ def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_cli
         out["max_diff"] = {
             mode: max((torch.tensor(out[mode]["params"][k]) - v.detach()).abs().max().item()
                       for k, v in ref.state_dict().items())
-            for mode in ("hybrid-zero", "full")
+            for mode in labels
         }
     return out
 

@@ -51,6 +51,29 @@ def test_uneven_microbatches_match_single_process_and_full(transport, torch_clip
     assert ref["max_diff"]["full"] < 1e-5, ref["max_diff"]
 
 
+def test_reshard_after_forward_int_regathers_within_the_node_as_with_true():
+    """reshard_after_forward=2 (a node's ranks: FSDP2 keeps half of each gathered parameter after the forward and
+    re-gathers over the node in the backward, ZeRO++'s hpZ) against True on the same plan: the same norms and
+    parameters, bit for bit (deterministic sums: otherwise the order the pushes land in moves the last bits),
+    and one process's. The re-gathers are served from hybrid-zero's node copy, which every gather reads within
+    the node."""
+    modes = (("hybrid-zero", PER_NODE), ("hybrid-zero", True))
+    out = H.all_ok(run_ranks(H.hybrid_zero_worker, WORLD, timeout=300, per_node=PER_NODE, table=TABLE,
+                             transport="auto", deterministic=True, modes=modes))
+    ref = out[0]
+    int_, true = "hybrid-zero,reshard=2", "hybrid-zero"
+    for r, res in out.items():
+        assert res[int_]["sharding"] == res[true]["sharding"] == "hybrid-zero", r
+        assert res[int_]["norms"] == res[true]["norms"], (r, res[int_]["norms"], res[true]["norms"])
+        assert res[int_]["norms"] == pytest.approx(ref["ref_norms"], rel=1e-5), (r, res[int_]["norms"])
+        # One re-gather per block per microbatch this rank ran (the root, resharded too, is gathered again
+        # for its backward as well); none with True, whose backward gathers as its forward does.
+        runs = sum(plan[r] for plan in TABLE)
+        assert res[int_]["regathers"] >= 2 * runs > 0 and res[true]["regathers"] == 0, (r, res[int_]["regathers"])
+        assert res[int_]["params"] == res[true]["params"], r
+    assert ref["max_diff"][int_] < 1e-5, ref["max_diff"]
+
+
 @pytest.mark.parametrize("victim", [2, 3])
 def test_a_rank_dying_on_the_other_node_is_named(victim):
     res = run_ranks(H.hybrid_zero_death_worker, WORLD, timeout=120, per_node=PER_NODE, victim=victim,

@@ -86,7 +86,8 @@ memory and host-thread streams).
 
 Settings whose semantics ODC cannot keep are refused with :class:`odc.ConfigError`:
 2-D meshes under ``sharding="full"``, 1-D meshes under ``sharding="hybrid"``,
-shard groups that are not the ranks of one node, ``reshard_after_forward=int``,
+shard groups that are not the ranks of one node, ``reshard_after_forward=int``
+outside ``sharding="hybrid-zero"`` (whose gathers, the backward's re-gather included, read within the node),
 tensor-subclass all-gather extensions, groups whose gradients are packed in
 another order than their parameters (mixed gradient dtypes). A group whose
 reduce-scatter input shrinks because a parameter got no gradient raises

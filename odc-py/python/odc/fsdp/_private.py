@@ -88,7 +88,10 @@ PRIVATE: tuple[PrivateName, ...] = (
                 "2.11 holds one group, _fsdp_param_group"),
     PrivateName("FSDPParamGroup", "fsdp_params", *_ALL, "the group's parameters, in all-gather order"),
     PrivateName("FSDPParamGroup", "mesh_info", *_ALL, "the mesh the group shards over (1-D or HSDP)"),
-    PrivateName("FSDPParamGroup", "post_forward_mesh_info", *_ALL, "refuses reshard_after_forward=int"),
+    PrivateName("FSDPParamGroup", "post_forward_mesh_info", *_ALL,
+                "reshard_after_forward=int: the sub-mesh of the backward's re-gather (refused outside hybrid-zero)"),
+    PrivateName("FSDPParamGroup", "is_sharded_post_forward", *_ALL,
+                "reshard_after_forward=int: an all-gather that re-gathers over the sub-mesh"),
     PrivateName("FSDPParamGroup", "_reduce_scatter_param_indices", "2.15", "2.15",
                 "refuses a group whose reduce-scatter packs gradients in another order than its parameters",
                 "before 2.15 the reduce-scatter packs in parameter order (mixed reduce dtypes are refused by FSDP)"),
@@ -408,12 +411,15 @@ def _describe(model: FSDPModule, sharding: str) -> list[_Group]:
                     f"(replicate, shard) = (nodes, ranks per node), but {name} uses {kind} mesh; build it "
                     f"with {_HSDP_MESH}, or use sharding='full'"
                 )
-            if pg.post_forward_mesh_info is not None and pg.post_forward_mesh_info is not mesh:
+            post = pg.post_forward_mesh_info
+            if post is not None and post is not mesh and sharding != "hybrid-zero":
                 raise ConfigError(
-                    f"odc.fsdp: {name} uses reshard_after_forward=<int> (a copy sharded over a sub-mesh after the "
-                    "forward, re-gathered over it in the backward), which ODC does not support yet: pass True or "
-                    "False, or keep every gather inside the node with odc.fsdp.enable(..., sharding='hybrid-zero') "
-                    "(gathers and pushes within the node, optimizer state over every rank; docs/hybrid-zero.md)"
+                    f"odc.fsdp: {name} uses reshard_after_forward={post.shard_mesh_size} (a copy sharded over "
+                    f"groups of {post.shard_mesh_size} ranks after the forward, re-gathered over them in the "
+                    f"backward); under sharding={sharding!r} ODC's gathers read every owner, so the re-gather "
+                    "would cross nodes all the same: pass odc.fsdp.enable(..., sharding='hybrid-zero'), where "
+                    "every gather, the backward's included, reads within the node (docs/hybrid-zero.md), or "
+                    "reshard_after_forward=True or False"
                 )
             # Before 2.15 the reduce-scatter packs in parameter order (FSDP refuses mixed reduce dtypes).
             if at_least("2.15") and pg._reduce_scatter_param_indices != list(range(len(pg.fsdp_params))):

@@ -42,6 +42,10 @@ class _OdcAllGather(AllGather):
                 f"odc.fsdp: all-gather of {g.name} got {output_tensor.numel()} {output_tensor.dtype} elements; "
                 f"registered {ws}·{n} {g.dtype} (did the parameters change after odc.fsdp.enable?)"
             )
+        post = g.pg.post_forward_mesh_info
+        if post is not None and post is not g.pg.mesh_info and g.pg.is_sharded_post_forward:
+            self._regather(output_tensor, input_tensor, post.shard_mesh_size)
+            return
         if sl == n:
             b.engine.gather(g.name, b.version, output_tensor, skip_own=True)
         else:
@@ -51,6 +55,30 @@ class _OdcAllGather(AllGather):
             b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
             output_tensor.view(ws, n).copy_(tmp[:, :n])
         return
+
+    def _regather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, k: int) -> None:
+        """The backward's re-gather under ``reshard_after_forward=k`` (sharding="hybrid-zero" only).
+
+        FSDP2 kept, after the forward, 1/k of each parameter's gathered rows (groups of k consecutive
+        ranks) and re-gathers over that group with its own layout: row j of the output holds chunk j of
+        every parameter in turn, chunk j being the shards of owners j·D/k … (j+1)·D/k − 1. The values are
+        the minibatch's published parameters, which hybrid-zero's gather reads within the node: the same
+        gather as the forward's, then the parameters' columns regrouped into those rows.
+        """
+        b, g = self._b, self._g
+        ws, n, sl = b.shards, g.n, g.shard_len
+        if input_tensor.numel() * k != ws * n:
+            raise LayoutError(
+                f"odc.fsdp: the backward re-gather of {g.name} (reshard_after_forward={k}) got an input of "
+                f"{input_tensor.numel()} elements, not {ws}·{n}/{k}"
+            )
+        tmp = torch.empty(ws, sl, dtype=g.dtype, device=output_tensor.device)
+        tmp[b.index, :n].copy_(g.staging()[:n])  # this rank's shard, as published (check_unchanged held)
+        b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
+        ends = [*g.offsets[1:], n]
+        columns = [tmp[:, start:end].reshape(k, -1) for start, end in zip(g.offsets, ends, strict=True)]
+        torch.cat(columns, dim=1, out=output_tensor.view(k, -1))
+        b.regathers += 1
 
 
 class _OdcReduceScatter(ReduceScatter):

@@ -55,6 +55,7 @@ class _Binding:
         self.published = False  # this rank published minibatch `version`'s parameters (its first operation does)
         self.seen: list[list[tuple[Any, int]]] = []  # per group: (parameter, its version counter) when published
         self.pushed = False  # this rank pushed gradients in the running minibatch
+        self.regathers = 0  # backward re-gathers under reshard_after_forward=int (hybrid-zero), for the tests
         self.finished_by = ""  # what finished the last minibatch (for errors)
         self.cleared = False  # gradients cleared after a finish without a step hook (a skipped or hand-made step)
         self.clipped = -1  # last minibatch whose gradients were clipped
