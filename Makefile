@@ -113,10 +113,13 @@ rehearse:
 	@scripts/gpu-rehearse.sh .gpu-bundle
 
 # The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure); the Rust builds
-# (&rust-builds) run beside the Python stages, and the stages that need them wait for them (=rust-builds).
+# (&rust-builds) run beside the Python stages, and the stages that need them wait for them (=rust-builds). The
+# rehearsal (one Python process at a time) runs at the lowest priority beside the cargo tests, which wait on
+# peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
+# bound how long a failure takes to be seen).
 test:
-	@scripts/stages.sh setup setup-torch211 '&rust-builds' lint-python pytest pytest-torch211 '=rust-builds' \
-	    cargo-test loom rehearse
+	@scripts/stages.sh setup '&rust-builds' setup-torch211 lint-python pytest pytest-torch211 '=rust-builds' \
+	    '&rehearse' cargo-test loom '=rehearse'
 
 fmt:
 	$(CARGO) fmt --all
