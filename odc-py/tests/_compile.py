@@ -57,23 +57,9 @@ def _reference(table, clip):
 
 
 def _uneven(rank, world, order, table, odc_kw):
-    """The compiled model (``order``) under ODC, rank r running ``table[s][r]`` microbatches at step s (torch's
-    clip at 0.3, SGD on the minibatch's mean loss); rank 0 also trains the same microbatches in one process."""
-    model = _build(world, order)
-    compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    odc.fsdp.enable(model, opt, timeout=120, **odc_kw)
-    sharding = model._odc_fsdp.engine.sharding
-    norms = []
-    for s, plan in enumerate(table):
-        norm = 27 * sum(plan)
-        for m in range(plan[rank]):
-            (sample_loss(model, data(s, m, rank)) / norm * world).backward()  # FSDP2 averages over the ranks
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)))
-        opt.step()
-        opt.zero_grad()
-    odc.fsdp.disable(model)
-    out = {"odc": {"norms": norms, "params": full_params(model)}, "compiled": len(compiled), "sharding": sharding}
+    """The compiled model (``order``) under ODC, rank r running ``table[s][r]`` microbatches at step s; rank 0
+    also trains the same microbatches in one process."""
+    out = {"odc": _train(_build(world, order), rank, world, odc_kw, table)}
     if rank == 0:
         out["ref"] = _reference(table, 0.3)
     return out
@@ -99,16 +85,19 @@ def uneven_worker(rank, world, store, order, table, odc_kw, per_node):
     return out
 
 
-def _train(model, rank, world, odc_kw):
+def _train(model, rank, world, odc_kw, table=None):
+    """Three SGD steps on the minibatch's mean loss, torch's clip at 0.3, over gloo (``odc_kw`` None) or ODC;
+    rank r runs ``table[s][r]`` microbatches at step s (default: two each)."""
     compiled = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     opt = torch.optim.SGD(model.parameters(), lr=0.5)  # scale-sensitive
-    steal = False
+    steal, sharding = False, None
     if odc_kw is not None:
         odc_kw = dict(odc_kw)
         steal = odc_kw.pop("steal", False)
         odc.fsdp.enable(model, opt, timeout=120, **odc_kw)
+        sharding = model._odc_fsdp.engine.sharding
     norms, ran = [], []
-    for s in range(3):
+    for s, plan in enumerate(table or [(2,) * world] * 3):
         # Microbatch (m, r) is data(s, m, r). Over gloo rank r runs (0, r) and (1, r); with stealing the same
         # four are listed unevenly (rank 0 three, the last rank one), so that the last rank steals.
         if steal:
@@ -116,17 +105,19 @@ def _train(model, rank, world, odc_kw):
             lists = [mine[:3]] + [[] for _ in range(world - 2)] + [mine[3:]]
             todo = odc.fsdp.microbatches(model, lists)
         else:
-            todo = [(m, rank) for m in range(2)]
+            todo = [(m, rank) for m in range(plan[rank])]
         ran.append([])
         for m, r in todo:
-            (sample_loss(model, data(s, m, r)) / 54).backward()
+            # The minibatch's tokens (27 a microbatch), times the ranks FSDP2 averages over.
+            (sample_loss(model, data(s, m, r)) / (27 * sum(plan) / world)).backward()
             ran[-1].append((m, r))
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)))
         opt.step()
         opt.zero_grad()
     if odc_kw is not None:
         odc.fsdp.disable(model)
-    return {"norms": norms, "params": full_params(model), "compiled": len(compiled), "ran": ran}
+    return {"norms": norms, "params": full_params(model), "compiled": len(compiled), "ran": ran,
+            "sharding": sharding}
 
 
 def compile_worker(rank, world, store, cases, uneven):

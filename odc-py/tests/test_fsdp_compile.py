@@ -38,8 +38,8 @@ def test_compiled_blocks_and_whole_model_train_as_over_gloo():
 def _assert_uneven(out, sharding):
     ref = out[0]["ref"]
     for rank, res in out.items():
-        assert res["sharding"] == sharding, (rank, res["sharding"])
-        assert res["compiled"] == 2, (rank, res["compiled"])  # both blocks, compiled before fully_shard
+        assert res["odc"]["sharding"] == sharding, (rank, res["odc"]["sharding"])
+        assert res["odc"]["compiled"] == 2, (rank, res["odc"]["compiled"])  # both blocks, compiled before fully_shard
         assert res["dynamo"]["graphs"] > 0 and not res["dynamo"]["breaks"], (rank, res["dynamo"])
         assert_runs_match(("uneven", sharding, rank), ref, res["odc"], clip=0.3)
 

@@ -49,12 +49,17 @@ class _OdcAllGather(AllGather):
         if sl == n:
             b.engine.gather(g.name, b.version, output_tensor, skip_own=True)
         else:
-            # ODC aligns shards to 64 bytes; FSDP packs them densely.
-            tmp = torch.empty(ws, sl, dtype=g.dtype, device=output_tensor.device)
-            tmp[b.index, :n].copy_(input_tensor)
-            b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
-            output_tensor.view(ws, n).copy_(tmp[:, :n])
+            output_tensor.view(ws, n).copy_(self._gather_rows(input_tensor))
         return
+
+    def _gather_rows(self, own: torch.Tensor) -> torch.Tensor:
+        """Every owner's shard, row r owner r's (``(ws, n)``, a view of an ODC-aligned buffer: ODC aligns
+        shards to 64 bytes, FSDP packs them densely); ``own`` is this rank's."""
+        b, g = self._b, self._g
+        tmp = torch.empty(b.shards, g.shard_len, dtype=g.dtype, device=own.device)
+        tmp[b.index, : g.n].copy_(own)
+        b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
+        return tmp[:, : g.n]
 
     def _regather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, k: int) -> None:
         """The backward's re-gather under ``reshard_after_forward=k`` (sharding="hybrid-zero" only).
@@ -66,17 +71,15 @@ class _OdcAllGather(AllGather):
         gather as the forward's, then the parameters' columns regrouped into those rows.
         """
         b, g = self._b, self._g
-        ws, n, sl = b.shards, g.n, g.shard_len
+        ws, n = b.shards, g.n
         if input_tensor.numel() * k != ws * n:
             raise LayoutError(
                 f"odc.fsdp: the backward re-gather of {g.name} (reshard_after_forward={k}) got an input of "
                 f"{input_tensor.numel()} elements, not {ws}·{n}/{k}"
             )
-        tmp = torch.empty(ws, sl, dtype=g.dtype, device=output_tensor.device)
-        tmp[b.index, :n].copy_(g.staging()[:n])  # this rank's shard, as published (check_unchanged held)
-        b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
+        rows = self._gather_rows(g.staging()[:n])  # this rank's shard as published (check_unchanged held)
         ends = [*g.offsets[1:], n]
-        columns = [tmp[:, start:end].reshape(k, -1) for start, end in zip(g.offsets, ends, strict=True)]
+        columns = [rows[:, start:end].reshape(k, -1) for start, end in zip(g.offsets, ends, strict=True)]
         torch.cat(columns, dim=1, out=output_tensor.view(k, -1))
         b.regathers += 1
 
