@@ -31,8 +31,12 @@ def install_cpu_platform() -> None:
     """Registers and selects verl's "cpu" platform and registers verl's FSDP engines for it. Idempotent."""
     os.environ["VERL_PLATFORM"] = "cpu"
     warnings.filterwarnings("ignore", message=".*engine is not available.*")
+    from torch.distributed.fsdp import _init_utils
     from verl.plugin.platform import PlatformBase, PlatformRegistry
 
+    # verl builds FSDP1 (strategy="fsdp") with sync_module_states=True, which FSDP1 refuses for CPU parameters
+    # (NCCL cannot broadcast them); gloo broadcasts CPU tensors, so on this CPU platform that check is lifted.
+    _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
     # verl's checkpoints save and restore the device RNG through the device module.
     if not hasattr(torch.cpu, "set_rng_state"):
         torch.cpu.get_rng_state, torch.cpu.set_rng_state = torch.get_rng_state, torch.set_rng_state
@@ -260,6 +264,11 @@ def count_forwards(module):
 
 
 def full_params(module) -> dict[str, torch.Tensor]:
-    """Every parameter, unsharded (a collective)."""
+    """Every parameter, unsharded (a collective); FSDP1's by their original names."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(module, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(module):
+            return {n.replace("_fsdp_wrapped_module.", ""): p.detach().clone() for n, p in module.named_parameters()}
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in module.named_parameters()}

@@ -111,6 +111,8 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
     out: dict = {"gloo": train(V.build_engine(model_dir, MAX_TOKENS), rank, model_dir)}
     out["gloo_critic"] = train(V.build_engine(model_dir, MAX_TOKENS, model_type="value_model"), rank, model_dir,
                                steps=1, critic=True)
+    # verl's default strategy, FSDP1, on its own collectives (before the hook below replaces verl's engines).
+    out["fsdp1"] = {"gloo": train(V.build_engine(model_dir, MAX_TOKENS, strategy="fsdp"), rank, model_dir)}
 
     # As a verl job turns it on: the model config's external_lib, imported before the engine is built.
     hook = "odc.integrations.verl_auto"
@@ -129,6 +131,12 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
     critic = V.build_engine(model_dir, MAX_TOKENS, model_type="value_model", external_lib=hook)
     out["engine"]["critic"] = odc.fsdp.is_enabled(critic.module)
     out["odc_critic"] = train(critic, rank, model_dir, steps=1, critic=True)
+
+    # FSDP1 (strategy="fsdp") on ODC through the same hook: no_sync on all but each rank's last microbatch,
+    # FSDP1's clip_grad_norm_.
+    fsdp1_actor = V.build_engine(model_dir, MAX_TOKENS, strategy="fsdp", external_lib=hook)
+    out["fsdp1"].update(enabled=odc.fsdp.is_enabled(fsdp1_actor.module), cls=type(fsdp1_actor.module).__name__,
+                        odc=train(fsdp1_actor, rank, model_dir))
 
     # The same uneven plan without ODC: LB-Mini's samples, verl's packing without the count all-reduce.
     from verl.utils import tensordict_utils as tu
@@ -160,3 +168,4 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
                                                                  for f in traceback.extract_tb(e.__traceback__)]}
     out["pid"] = os.getpid()
     return out
+

@@ -3,7 +3,8 @@
 The same three PPO minibatches (the second with a NaN advantage, so verl skips its step) are trained with
 verl's FSDP2 collectives, where verl raises every rank to the largest microbatch count, and under ODC (turned
 on through the model config's ``external_lib`` hook), where LB-Mini moves samples and each rank runs its own
-count. Then the uneven plan runs on FSDP2's collectives: it hangs until the process group's timeout.
+count. The same with verl's default strategy, FSDP1 (``strategy="fsdp"``). Then the uneven plan runs on FSDP2's
+collectives: it hangs until the process group's timeout.
 """
 
 from __future__ import annotations
@@ -99,6 +100,21 @@ def test_forward_only_passes_on_odc_keep_each_ranks_count_and_verls_log_probs(pp
         np.testing.assert_allclose(r["odc"]["infer"]["log_probs"], r["gloo"]["infer"]["log_probs"], rtol=0, atol=1e-5)
 
 
+def test_verls_default_fsdp1_strategy_runs_uneven_counts_on_odc_as_fsdp1_over_gloo(ppo_runs):
+    """strategy="fsdp" (FSDP1, use_orig_params=False, no_sync on all but each rank's last microbatch, FSDP1's own
+    clip_grad_norm_, the NaN minibatch's skipped step): the same norms and parameters as over gloo."""
+    r0, r1 = ppo_runs[0]["fsdp1"], ppo_runs[1]["fsdp1"]
+    for r in (r0, r1):
+        assert r["enabled"] and r["cls"] == "FullyShardedDataParallel", r
+        assert math.isnan(r["gloo"]["norms"][1]) and math.isnan(r["odc"]["norms"][1])  # verl skipped that step
+        for s in (0, 2):
+            assert math.isclose(r["odc"]["norms"][s], r["gloo"]["norms"][s], rel_tol=1e-5), (r["odc"], r["gloo"])
+        _same_parameters(r["odc"], r["gloo"])
+        np.testing.assert_allclose(r["odc"]["infer"]["log_probs"], r["gloo"]["infer"]["log_probs"], atol=1e-6)
+    assert r0["gloo"]["counts"] == r1["gloo"]["counts"] == [3, 2, 3]
+    assert (r0["odc"]["counts"][0], r1["odc"]["counts"][0]) == (2, 3)
+
+
 def test_the_same_uneven_plan_without_odc_hangs_in_fsdp2_collectives(ppo_runs):
     outcomes = [r["without_odc"] for r in ppo_runs.values()]
     # Neither rank completes; each waits out the timeout, unless its peer gave up first and closed the connection.
@@ -119,9 +135,13 @@ def test_engine_settings_odc_cannot_keep_are_refused_by_name(ppo_runs):
     from odc.integrations import verl as odc_verl
 
     assert "param_offload" in ppo_runs[0]["refused"], ppo_runs[0]["refused"]
-    cfg = types.SimpleNamespace(strategy="fsdp", param_offload=False, offload_policy=False,
+    cfg = types.SimpleNamespace(strategy="fsdp", use_orig_params=True, param_offload=False, offload_policy=False,
                                 ulysses_sequence_parallel_size=2)
-    with pytest.raises(odc.ConfigError, match=r"strategy='fsdp'.*ulysses_sequence_parallel_size=2"):
+    with pytest.raises(odc.ConfigError, match=r"use_orig_params=True under strategy='fsdp'.*"
+                                              r"ulysses_sequence_parallel_size=2"):
+        odc_verl._check_engine(cfg)
+    cfg.strategy = "megatron"
+    with pytest.raises(odc.ConfigError, match=r"strategy='megatron'"):
         odc_verl._check_engine(cfg)
     with pytest.raises(odc.ConfigError, match="unknown balance 'lb-micro'"):
         odc_verl.enable(balance="lb-micro")

@@ -100,6 +100,20 @@ The comms are installed with the public ``FSDPModule.set_custom_all_gather``
 per module; torch refuses a module whose ``fully_shard`` made several groups,
 from per-parameter meshes, and so does :func:`enable`).
 
+FSDP1 (``FullyShardedDataParallel``, verl's default ``strategy: fsdp``):
+:func:`enable` takes the root FSDP1 module as well, under
+``sharding="full"`` with ``ShardingStrategy.FULL_SHARD`` or ``SHARD_GRAD_OP``
+and ``use_orig_params=False``. Each ``FlatParameter`` is one bucket; the
+push goes through FSDP1's public ``register_comm_hook`` and the gather
+replaces each handle's ``_all_gather_flat_param`` (``odc.fsdp._fsdp1``,
+which lists the private FSDP1 names it uses). The loop contract, the
+minibatch protocol, deterministic sums and the clips (torch's, FSDP1's own
+``model.clip_grad_norm_`` and :func:`clip_grad_norm_`) are the same;
+``summon_full_params`` and FSDP1's state dicts unshard with FSDP1's own
+all-gather, so a checkpoint loaded between minibatches reaches every peer.
+Refused: hybrid strategies, ``NO_SHARD``, ``use_orig_params=True``, CPU
+offload, ``keep_low_precision_grads``.
+
 Supported torch: :data:`TORCH_RANGE` (2.11 to 2.15), tested on both ends.
 Private FSDP2 state is imported and checked in one module,
 ``odc.fsdp._private``, whose ``PRIVATE`` table lists every name read or
@@ -115,10 +129,12 @@ and a warning).
 The package: this module is the public API; ``_state`` the binding (the
 minibatch protocol and its hooks); ``_grads`` the gradient contract;
 ``_seams`` FSDP2's comm seams; ``_private`` the only reader of private FSDP2
-state; ``_transport`` the transport and device choice; ``_clip``
-:func:`clip_grad_norm_`; ``_steal`` :func:`microbatches` (work stealing).
-Arrows point one way: the API uses all of them, ``_seams``, ``_clip`` and
-``_steal`` use ``_state``, which uses ``_grads`` and ``_private``.
+state; ``_fsdp1`` FSDP1's buckets, gather and comm hook (and the only reader
+of private FSDP1 state); ``_transport`` the transport and device choice;
+``_clip`` :func:`clip_grad_norm_`; ``_steal`` :func:`microbatches` (work
+stealing). Arrows point one way: the API uses all of them, ``_fsdp1`` uses
+``_seams``, ``_seams``, ``_clip`` and ``_steal`` use ``_state``, which uses
+``_grads`` and ``_private``.
 """
 
 from __future__ import annotations
@@ -134,6 +150,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..deadline import deadline_for
 from ..engine import Bucket, Engine, _local_world_size
 from ..errors import ConfigError, ProtocolError
+from . import _fsdp1
 from ._clip import clip_grad_norm_
 from ._grads import wrap_zero_grad
 from ._private import (
@@ -210,7 +227,8 @@ def enable(
     Args:
         model: the root module returned by ``fully_shard``: over a 1-D mesh
             (``sharding="full"`` or ``"hybrid-zero"``) or a 2-D
-            ``(replicate, shard)`` mesh (``sharding="hybrid"``).
+            ``(replicate, shard)`` mesh (``sharding="hybrid"``); or the root
+            ``FullyShardedDataParallel`` module (FSDP1, ``sharding="full"``).
         optimizer: its optimizer; a step pre-hook finishes the minibatch and
             installs the gradients, a post-hook starts the next minibatch.
             Several (a list: a separate optimizer for the embeddings, say):
@@ -266,10 +284,11 @@ def enable(
     """
     check_fsdp2()
     optimizers = _optimizers(optimizer)
-    if not isinstance(model, FSDPModule):
+    fsdp1 = _fsdp1.is_fsdp1(model)
+    if not fsdp1 and not isinstance(model, FSDPModule):
         raise ConfigError(
-            f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard; "
-            f"got {type(model).__name__}"
+            f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard (FSDP2) or "
+            f"wrapped in FullyShardedDataParallel (FSDP1); got {type(model).__name__}"
         )
     if is_enabled(model):
         raise ConfigError("odc.fsdp.enable: this model is already enabled")
@@ -279,21 +298,26 @@ def enable(
             "'hybrid' (shard within a node, 2-D (replicate, shard) mesh) or 'hybrid-zero' (shard within a "
             "node, optimizer state over every rank, 1-D mesh)"
         )
-    groups = _describe(model, sharding)
-    if not groups:
+    if fsdp1:
+        groups, layout, process_group = _fsdp1.describe(model, sharding)
+    else:
+        groups = _describe(model, sharding)
+    if not groups and not (fsdp1 and layout.world == 1):
         raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
     requested: str | None = transport
     source = "the transport argument"
     if transport is None:
         requested, source = os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT"
-    device = _param_device(groups)
-    _pick_transport(groups, requested, source, nodes=None)
-    layout = _node_layout(groups, sharding)
+    if not fsdp1:
+        _pick_transport(groups, requested, source, nodes=None)
+        layout = _node_layout(groups, sharding)
+        process_group = cast(Any, groups[0].pg.mesh_info).shard_process_group
     if layout.world == 1:
         # FSDP bypasses both seams at world size 1; nothing to replace, every call a no-op.
         model.__dict__["_odc_fsdp"] = s = _Solo(model)
         _solos.add(s)
         return
+    device = _param_device(groups)
     store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/")
     # Ranks per node: the shard group under hybrid sharding; under full
     # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
@@ -303,7 +327,7 @@ def enable(
     nodes = layout.world // local if local else None
     chosen = _pick_transport(groups, requested, source, nodes, layout.sharding)
     # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
-    seconds, deadline_source = deadline_for(cast(Any, groups[0].pg.mesh_info).shard_process_group, explicit=timeout)
+    seconds, deadline_source = deadline_for(process_group, explicit=timeout)
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
                           "transport": chosen, "deterministic": deterministic}
     if device.type == "cuda":
@@ -323,9 +347,12 @@ def enable(
     if b.hybrid:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
-    _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
     b.grads.refuse_foreign_hooks()
-    b.grads.ensure_hooked(b.grads.params)
+    if fsdp1:
+        b.hooks.append(_fsdp1.install(b, model, groups))
+    else:
+        _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
+        b.grads.ensure_hooked(b.grads.params)
     b.grads.pend(0)  # a rank with no microbatch in minibatch 0 reads final gradients too
     for i, opt in enumerate(optimizers):
         b.hooks.append(opt.register_step_pre_hook(lambda *_: b.before_step()))
@@ -370,8 +397,9 @@ def disable(model: Any) -> None:
     b.finish("odc.fsdp.disable", install=False)
     b.grads.release()
     for h in b.hooks:
-        h.remove()
-    _install_comms(b.groups, [(DefaultAllGather(), DefaultReduceScatter()) for _ in b.groups])
+        h.remove()  # FSDP1: restores its all-gather and clears the comm hook
+    if isinstance(model, FSDPModule):
+        _install_comms(b.groups, [(DefaultAllGather(), DefaultReduceScatter()) for _ in b.groups])
     if b.hybrid:
         for g, was in zip(b.groups, b.all_reduce_was, strict=True):
             g.pg.all_reduce_grads = was

@@ -158,6 +158,9 @@ class PendingGrad(torch.Tensor):
 
 
 def _pending_cell(g: Any) -> _Cell | None:
+    """The cell of a pending ``.grad``: a DTensor around a PendingGrad (FSDP2), or a PendingGrad (FSDP1)."""
+    if isinstance(g, PendingGrad):
+        return g._cell
     if isinstance(g, DTensor) and isinstance(g._local_tensor, PendingGrad):
         return g._local_tensor._cell
     return None

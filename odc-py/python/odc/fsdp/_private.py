@@ -342,6 +342,10 @@ class _Group:
     index: int = 0  # position in the binding's group list (= bucket order)
     pushed_in: int = -1  # last minibatch in which this rank pushed the group's gradients
 
+    def gather_inputs(self) -> list[torch.Tensor]:
+        """This rank's shard as its peers gather it (all-gather dtype), in flat pieces of ``n`` elements in all."""
+        return [t.reshape(-1) for ts in _get_param_all_gather_inputs(self.pg.fsdp_params) for t in ts]
+
     def staging(self) -> torch.Tensor:
         """The staging buffer publishes copy this rank's shard into (made by ``enable``)."""
         if self.shard is None:

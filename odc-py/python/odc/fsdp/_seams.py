@@ -16,6 +16,15 @@ from ._private import AllGather, ReduceScatter, _get_gradient_divide_factors, _G
 from ._state import _Binding
 
 
+def gather_rows(b: _Binding, g: _Group, own: torch.Tensor) -> torch.Tensor:
+    """Every owner's shard of ``g``, row r owner r's (``(ws, n)``, a view of an ODC-aligned buffer: ODC aligns
+    shards to 64 bytes, FSDP packs them densely); ``own`` is this rank's."""
+    tmp = torch.empty(b.shards, g.shard_len, dtype=g.dtype, device=own.device)
+    tmp[b.index, : g.n].copy_(own)
+    b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
+    return tmp[:, : g.n]
+
+
 class _OdcAllGather(AllGather):
     """FSDP2 all-gather seam: reads the other owners' published shards."""
 
@@ -53,13 +62,7 @@ class _OdcAllGather(AllGather):
         return
 
     def _gather_rows(self, own: torch.Tensor) -> torch.Tensor:
-        """Every owner's shard, row r owner r's (``(ws, n)``, a view of an ODC-aligned buffer: ODC aligns
-        shards to 64 bytes, FSDP packs them densely); ``own`` is this rank's."""
-        b, g = self._b, self._g
-        tmp = torch.empty(b.shards, g.shard_len, dtype=g.dtype, device=own.device)
-        tmp[b.index, : g.n].copy_(own)
-        b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
-        return tmp[:, : g.n]
+        return gather_rows(self._b, self._g, own)
 
     def _regather(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, k: int) -> None:
         """The backward's re-gather under ``reshard_after_forward=k`` (sharding="hybrid-zero" only).

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..engine import Engine
 from ..errors import ConfigError, ProtocolError
 from ._grads import GradContract
-from ._private import _get_param_all_gather_inputs, _Group, _Layout, drop_partial_reduce
+from ._private import _Group, _Layout, drop_partial_reduce
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
 SHARDINGS = ("full", "hybrid", "hybrid-zero")
@@ -95,10 +95,8 @@ class _Binding:
         if check:
             self.grads.check_frozen()
         for g in self.groups:
-            inputs = _get_param_all_gather_inputs(g.pg.fsdp_params)
-            flat = [t.reshape(-1) for ts in inputs for t in ts]
             shard = g.staging()
-            torch.cat(flat, out=shard[: g.n])
+            torch.cat(g.gather_inputs(), out=shard[: g.n])
             self.engine.publish(g.name, shard, self.version)
         self.seen = [[(fp.sharded_param, fp.sharded_param._version) for fp in g.pg.fsdp_params] for g in self.groups]
         self.published = True

@@ -1,0 +1,224 @@
+"""Workers for test_fsdp1.py: FSDP1 (FullyShardedDataParallel, use_orig_params=False) on ODC and over gloo.
+
+The model is _fsdp_helpers' Tiny, each block its own FSDP1 instance (verl's auto-wrap of decoder layers),
+the root wrapping the embedding and head. Losses are per-sample sums divided by the minibatch's tokens,
+times D (FSDP1 averages over the ranks), so a minibatch's gradient is the same whichever rank ran which
+microbatch, and one process computes it on the whole minibatch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from _fsdp_helpers import Block, Tiny, data, init_pg, sample_loss
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 - FSDP1's own docs' name
+from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+import odc
+import odc.fsdp
+
+TOKENS = 27  # per microbatch: data()'s 3 sequences of 9, 8 predicted tokens... summed loss over 3·9 = 27 targets
+
+
+def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False):
+    torch.manual_seed(seed)
+    model = Tiny()
+    kw = {}
+    if mp:  # verl's: bf16 compute, f32 reduce and buffers
+        kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                               buffer_dtype=torch.float32)
+    return FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), sharding_strategy=ShardingStrategy[strategy],
+                use_orig_params=orig, device_id=torch.device("cpu"), **kw)
+
+
+def full_params(model):
+    with FSDP.summon_full_params(model):
+        return {k.replace("_fsdp_wrapped_module.", ""): v.detach().float().clone().tolist()
+                for k, v in model.module.named_parameters()}
+
+
+def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, deterministic=False):
+    """AdamW; ranks run table[s][r] microbatches at step s; clip: "fsdp1" (model.clip_grad_norm_), "torch"
+    (torch.nn.utils.clip_grad_norm_ on this rank's shards, as a user might), "odc" or None."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if odc_on:
+        odc.fsdp.enable(model, opt, timeout=60, deterministic=deterministic)
+    norms, losses = [], []
+    for s, plan in enumerate(table):
+        norm = TOKENS * sum(plan)
+        total = 0.0
+        for m in range(plan[rank]):
+            loss = sample_loss(model, data(s, m, rank)) / norm * world
+            loss.backward()
+            total += loss.item()
+        if clip == "fsdp1":
+            norms.append(float(model.clip_grad_norm_(0.5)))
+        elif clip == "torch":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        elif clip == "odc":
+            norms.append(float(odc.fsdp.clip_grad_norm_(model, 0.5)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    if odc_on:
+        odc.fsdp.disable(model)
+    return {"norms": norms, "losses": losses, "params": full_params(model)}
+
+
+def reference(table, world, lr=1e-2, clip=True):
+    """One process, the whole minibatch: norms and parameters the D-rank runs must match."""
+    torch.manual_seed(0)
+    ref = Tiny()
+    opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.01)
+    norms = []
+    for s, plan in enumerate(table):
+        norm = TOKENS * sum(plan)
+        for r in range(world):
+            for m in range(plan[r]):
+                (sample_loss(ref, data(s, m, r)) / norm).backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "params": {k: v.detach().tolist() for k, v in ref.named_parameters()}}
+
+
+#: Uneven-count variants: (sharding strategy, clip, deterministic sums).
+UNEVEN = {
+    "full": ("FULL_SHARD", "fsdp1", False),
+    "shard_grad_op": ("SHARD_GRAD_OP", "odc", False),
+    "deterministic": ("FULL_SHARD", "fsdp1", True),
+}
+
+
+def uneven_worker(rank, world, store, table, variants):
+    """ODC on FSDP1 with uneven counts (a rank idle at some steps), one run per variant of UNEVEN; rank 0 adds
+    the one-process reference."""
+    init_pg(rank, world, store)
+    out = {}
+    for v in variants:
+        strategy, clip, deterministic = UNEVEN[v]
+        out[v] = train(build(strategy=strategy), rank, world, table, odc_on=True, clip=clip,
+                       deterministic=deterministic)
+    if rank == 0:
+        out["ref"] = reference(table, world)
+    return out
+
+
+def gloo_parity_worker(rank, world, store, table, variants):
+    """The same even-count loop over FSDP1's own collectives (gloo) and over ODC; variants: (clip, mixed
+    precision)."""
+    init_pg(rank, world, store)
+    out = {}
+    for clip, mp in variants:
+        gloo = train(build(mp=mp), rank, world, table, odc_on=False, clip=clip)
+        odc_ = train(build(mp=mp), rank, world, table, odc_on=True, clip=clip)
+        out[f"{clip}/{'bf16' if mp else 'f32'}"] = {"gloo": gloo, "odc": odc_}
+    return out
+
+
+def _load_run(rank, odc_on, kind):
+    """Three steps; after step 1 the checkpoint saved after step 0 is loaded (FSDP1 ``kind`` state dict)."""
+    from torch.distributed.fsdp import StateDictType
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if odc_on:
+        odc.fsdp.enable(model, opt, timeout=60)
+    saved, norms = None, []
+    for s in range(3):
+        sample_loss(model, data(s, 0, rank)).backward()
+        norms.append(float(model.clip_grad_norm_(0.5)))
+        opt.step()
+        opt.zero_grad()
+        with FSDP.state_dict_type(model, StateDictType[kind]):
+            if s == 0:
+                saved = {k: v.clone() for k, v in model.state_dict().items()}
+            elif s == 1:
+                model.load_state_dict(saved)
+    if odc_on:
+        odc.fsdp.disable(model)
+    return {"norms": norms, "params": full_params(model)}
+
+
+def params_worker(rank, world, store):
+    """The parameter contract on FSDP1: a checkpoint loaded between minibatches (full and sharded state dicts)
+    is what every peer gathers next, as over gloo; an in-place edit inside a minibatch is refused."""
+    init_pg(rank, world, store)
+    out = {kind: {"gloo": _load_run(rank, False, kind), "odc": _load_run(rank, True, kind)}
+           for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")}
+    model = build()
+    odc.fsdp.enable(model, torch.optim.AdamW(model.parameters(), lr=1e-2), timeout=60)
+    sample_loss(model, data(0, 0, rank)).backward()
+    with torch.no_grad():
+        model.blocks[1]._flat_param.mul_(0.5)
+    try:
+        sample_loss(model, data(0, 1, rank)).backward()
+        out["inside"] = "no error"
+    except odc.ProtocolError as e:
+        out["inside"] = str(e)
+    return out
+
+
+def refusals_worker(rank, world, store):
+    """What odc.fsdp.enable refuses on FSDP1, by message; and that nothing was left enabled."""
+    init_pg(rank, world, store)
+    out = {}
+    cases = {
+        "orig": functools.partial(build, orig=True),
+        "hybrid": functools.partial(build, strategy="HYBRID_SHARD"),
+        "no_shard": functools.partial(build, strategy="NO_SHARD"),
+    }
+    for name, make in cases.items():
+        try:
+            model = make()
+        except Exception as e:  # a strategy this torch cannot build on CPU: reported, the test decides
+            out[name] = f"build failed: {type(e).__name__}: {e}"
+            continue
+        try:
+            odc.fsdp.enable(model, None, timeout=30)
+            out[name] = "no error"
+        except odc.ConfigError as e:
+            out[name] = str(e)
+        out[name + "_enabled"] = odc.fsdp.is_enabled(model)
+    try:
+        odc.fsdp.enable(build(), None, timeout=30, sharding="hybrid")
+        out["sharding"] = "no error"
+    except odc.ConfigError as e:
+        out["sharding"] = str(e)
+    return out
+
+
+def missing_names_worker(rank, world, store):
+    """Takes each private FSDP1 attribute odc.fsdp reads of an FSDP1 object away in turn (from the instance, or
+    from the class where the instance finds it) and calls enable: ``{"owner.name": message or what happened}``."""
+    from odc.fsdp import _fsdp1
+
+    init_pg(rank, world, store)
+    model = build()
+    model.check_is_root()  # FSDP1's lazy init (the first forward's), which sets the flat parameters' attributes
+    handle = model.blocks[0]._handle
+    holders = {"FullyShardedDataParallel": model.blocks[0], "FlatParamHandle": handle,
+               "FlatParameter": handle.flat_param}
+    out = {}
+    for n in _fsdp1.PRIVATE_FSDP1:
+        obj = holders.get(n.owner)
+        if obj is None or n.name == "_saved_grad_shard":  # a module, or set only around a backward
+            continue
+        target = obj if n.name in vars(obj) else next(k for k in type(obj).__mro__ if n.name in vars(k))
+        keep = vars(target)[n.name]
+        delattr(target, n.name)
+        try:
+            odc.fsdp.enable(model, None, timeout=30)
+            out[f"{n.owner}.{n.name}"] = "no error"
+        except odc.ConfigError as e:
+            out[f"{n.owner}.{n.name}"] = str(e)
+        except Exception as e:  # the test reports what escaped
+            out[f"{n.owner}.{n.name}"] = f"{type(e).__name__}: {e}"
+        finally:
+            setattr(target, n.name, keep)
+        if odc.fsdp.is_enabled(model):
+            out[f"{n.owner}.{n.name}"] += " | left enabled"
+    return out
