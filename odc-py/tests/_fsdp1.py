@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from _fsdp_helpers import Block, Tiny, data, init_pg, sample_loss
+from _fsdp_helpers import Block, Tiny, data, enable_without, init_pg, sample_loss
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 - FSDP1's own docs' name
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -207,18 +207,7 @@ def missing_names_worker(rank, world, store):
         obj = holders.get(n.owner)
         if obj is None or n.name == "_saved_grad_shard":  # a module, or set only around a backward
             continue
-        target = obj if n.name in vars(obj) else next(k for k in type(obj).__mro__ if n.name in vars(k))
-        keep = vars(target)[n.name]
-        delattr(target, n.name)
-        try:
-            odc.fsdp.enable(model, None, timeout=30)
-            out[f"{n.owner}.{n.name}"] = "no error"
-        except odc.ConfigError as e:
-            out[f"{n.owner}.{n.name}"] = str(e)
-        except Exception as e:  # the test reports what escaped
-            out[f"{n.owner}.{n.name}"] = f"{type(e).__name__}: {e}"
-        finally:
-            setattr(target, n.name, keep)
+        out[f"{n.owner}.{n.name}"] = enable_without(model, obj, n.name)
         if odc.fsdp.is_enabled(model):
             out[f"{n.owner}.{n.name}"] += " | left enabled"
     return out

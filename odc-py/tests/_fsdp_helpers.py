@@ -276,7 +276,6 @@ def missing_names_worker(rank, world, store):
     Returns ``{"owner.name": message}``: the ConfigError's message, or what happened instead (another error,
     a model left enabled, a binding left alive, a comm left installed).
     """
-    import inspect
 
     from odc.fsdp import _private, _state
 
@@ -291,30 +290,37 @@ def missing_names_worker(rank, world, store):
     out = {}
     for owner, objs in holders.items():
         for name in _private.names_of(owner):
-            obj = objs[-1]
-            target = obj if name in vars(obj) else next(k for k in type(obj).__mro__ if name in vars(k))
-            keep = vars(target)[name]
-            delattr(target, name)
-            try:
-                inspect.getattr_static(obj, name)
-                out[f"{owner}.{name}"] = "still there"
-                continue
-            except AttributeError:
-                pass
-            try:
-                odc.fsdp.enable(model, None, timeout=30)
-                out[f"{owner}.{name}"] = "no error"
-            except odc.ConfigError as e:
-                out[f"{owner}.{name}"] = str(e)
-            except Exception as e:  # the test reports what escaped
-                out[f"{owner}.{name}"] = f"{type(e).__name__}: {e}"
-            finally:
-                setattr(target, name, keep)
+            out[f"{owner}.{name}"] = enable_without(model, objs[-1], name)
             left = [odc.fsdp.is_enabled(model) and "enabled", len(_state._live) and "a live binding",
                     [(pg._all_gather_comm, pg._reduce_scatter_comm) for pg in groups] != comms and "comms"]
             if any(left):
                 out[f"{owner}.{name}"] += f" | left behind: {[x for x in left if x]}"
     return out
+
+
+def enable_without(model, obj, name):
+    """Takes attribute ``name`` away from ``obj`` (from the instance, or from the class where the instance finds
+    it), calls ``odc.fsdp.enable(model, None)`` and puts it back: the ConfigError's message, or what happened
+    instead."""
+    import inspect
+
+    target = obj if name in vars(obj) else next(k for k in type(obj).__mro__ if name in vars(k))
+    keep = vars(target)[name]
+    delattr(target, name)
+    try:
+        inspect.getattr_static(obj, name)
+        return "still there"
+    except AttributeError:
+        pass
+    try:
+        odc.fsdp.enable(model, None, timeout=30)
+        return "no error"
+    except odc.ConfigError as e:
+        return str(e)
+    except Exception as e:  # the test reports what escaped
+        return f"{type(e).__name__}: {e}"
+    finally:
+        setattr(target, name, keep)
 
 
 def _installs_through_public_setters(world):

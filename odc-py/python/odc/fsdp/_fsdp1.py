@@ -52,7 +52,7 @@ import torch.distributed as dist
 from ..errors import ConfigError, LayoutError
 from ._grads import _local, _Param, _pending_cell
 from ._private import _ALL, PrivateName, _Group, _Layout, _where
-from ._seams import gather_rows
+from ._seams import gather_rows, push_rows
 from ._state import _Binding, _Undo
 
 #: Private FSDP1 names this module reads or writes (owner, name, first, last checked release, use).
@@ -259,20 +259,13 @@ class _FlatComms:
         b, g = self.b, self.g
         what = f"reduce-scatter of {g.name}"
         b.begin(what)
-        ws, n, sl = b.shards, g.n, g.shard_len
+        ws, n = b.shards, g.n
         if padded_unsharded_grad.numel() != ws * n:
             raise LayoutError(f"odc.fsdp: {what}: the gradient holds {padded_unsharded_grad.numel()} elements, "
                               f"not {ws}·{n}")
         self._hand_back_base(what)
-        scale = 1.0 / b.layout.world  # FSDP1's mean over the ranks (it divides only on its default path)
-        if sl == n:
-            b.engine.scatter_accumulate(g.name, padded_unsharded_grad.contiguous(), scale=scale)
-        else:
-            tmp = torch.zeros(ws, sl, dtype=padded_unsharded_grad.dtype, device=padded_unsharded_grad.device)
-            tmp[:, :n].copy_(padded_unsharded_grad.view(ws, n))
-            b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
-        g.pushed_in = b.version
-        b.pushed = True
+        # FSDP1's mean over the ranks (it divides only on its default path, not around a comm hook).
+        push_rows(b, g, padded_unsharded_grad, 1.0 / b.layout.world)
         new_sharded_grad.zero_()
         bw = self.backward
         if not bw.queued:

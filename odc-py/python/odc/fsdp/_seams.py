@@ -25,6 +25,20 @@ def gather_rows(b: _Binding, g: _Group, own: torch.Tensor) -> torch.Tensor:
     return tmp[:, : g.n]
 
 
+def push_rows(b: _Binding, g: _Group, grads: torch.Tensor, scale: float) -> None:
+    """Pushes ``grads`` (``ws · n``, owner-major as FSDP packs it) to the owners, each row into an ODC-aligned
+    row of ``shard_len``; marks the group and the binding as pushed in the running minibatch."""
+    ws, n, sl = b.shards, g.n, g.shard_len
+    if sl == n:
+        b.engine.scatter_accumulate(g.name, grads.contiguous(), scale=scale)
+    else:
+        tmp = torch.zeros(ws, sl, dtype=grads.dtype, device=grads.device)
+        tmp[:, :n].copy_(grads.view(ws, n))
+        b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
+    g.pushed_in = b.version
+    b.pushed = True
+
+
 class _OdcAllGather(AllGather):
     """FSDP2 all-gather seam: reads the other owners' published shards."""
 
@@ -142,7 +156,7 @@ class _OdcReduceScatter(ReduceScatter):
                 "ODC reduces across nodes once per minibatch and keeps it off: make those calls before "
                 "the forward, or after odc.fsdp.disable"
             )
-        ws, n, sl = b.shards, g.n, g.shard_len
+        ws, n = b.shards, g.n
         if input_tensor.numel() != ws * n:
             frozen = [fp._param_fqn or "<root>" for fp in g.pg.fsdp_params if not fp.sharded_param.requires_grad]
             advice = (
@@ -163,14 +177,7 @@ class _OdcReduceScatter(ReduceScatter):
             b.grads.pend_group(g.index, pushed_before, f"reduce-scatter of {g.name}")
         else:
             b.grads.hand_to_fsdp(g.index, pushed_before, f"reduce-scatter of {g.name}")
-        if sl == n:
-            b.engine.scatter_accumulate(g.name, input_tensor, scale=scale)
-        else:
-            tmp = torch.zeros(ws, sl, dtype=input_tensor.dtype, device=input_tensor.device)
-            tmp[:, :n].copy_(input_tensor.view(ws, n))
-            b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
-        g.pushed_in = b.version
-        b.pushed = True
+        push_rows(b, g, input_tensor, scale)
         output_tensor.zero_()
         return
 
