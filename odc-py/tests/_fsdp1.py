@@ -8,12 +8,13 @@ microbatch, and one process computes it on the whole minibatch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from _fsdp_helpers import Block, Tiny, data, enable_without, init_pg, sample_loss
+from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 - FSDP1's own docs' name
-from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 import odc
@@ -22,10 +23,12 @@ import odc.fsdp
 TOKENS = 27  # per microbatch: data()'s 3 sequences of 9, 8 predicted tokens... summed loss over 3·9 = 27 targets
 
 
-def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False):
+def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False, offload=False):
     torch.manual_seed(seed)
     model = Tiny()
     kw = {}
+    if offload:
+        kw["cpu_offload"] = CPUOffload(offload_params=True)
     if mp:  # verl's: bf16 compute, f32 reduce and buffers
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                buffer_dtype=torch.float32)
@@ -39,9 +42,12 @@ def full_params(model):
                 for k, v in model.module.named_parameters()}
 
 
-def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, deterministic=False):
+def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, deterministic=False, no_sync=False,
+          keep=False):
     """AdamW; ranks run table[s][r] microbatches at step s; clip: "fsdp1" (model.clip_grad_norm_), "torch"
-    (torch.nn.utils.clip_grad_norm_ on this rank's shards, as a user might), "odc" or None."""
+    (torch.nn.utils.clip_grad_norm_ on this rank's shards, as a user might), "odc" or None; ``no_sync``: all
+    but each rank's last microbatch under FSDP1's no_sync() (verl's default); ``keep``: no zero_grad after the
+    first step, so the second minibatch's gradients add onto the first's."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if odc_on:
         odc.fsdp.enable(model, opt, timeout=60, deterministic=deterministic)
@@ -50,8 +56,9 @@ def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, determini
         norm = TOKENS * sum(plan)
         total = 0.0
         for m in range(plan[rank]):
-            loss = sample_loss(model, data(s, m, rank)) / norm * world
-            loss.backward()
+            with model.no_sync() if no_sync and m < plan[rank] - 1 else contextlib.nullcontext():
+                loss = sample_loss(model, data(s, m, rank)) / norm * world
+                loss.backward()
             total += loss.item()
         if clip == "fsdp1":
             norms.append(float(model.clip_grad_norm_(0.5)))
@@ -60,7 +67,8 @@ def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, determini
         elif clip == "odc":
             norms.append(float(odc.fsdp.clip_grad_norm_(model, 0.5)))
         opt.step()
-        opt.zero_grad()
+        if not (keep and s == 0):
+            opt.zero_grad()
         losses.append(total)
     if odc_on:
         odc.fsdp.disable(model)
@@ -85,11 +93,15 @@ def reference(table, world, lr=1e-2, clip=True):
     return {"norms": norms, "params": {k: v.detach().tolist() for k, v in ref.named_parameters()}}
 
 
-#: Uneven-count variants: (sharding strategy, clip, deterministic sums).
+#: Uneven-count variants: build() and train() settings.
 UNEVEN = {
-    "full": ("FULL_SHARD", "fsdp1", False),
-    "shard_grad_op": ("SHARD_GRAD_OP", "odc", False),
-    "deterministic": ("FULL_SHARD", "fsdp1", True),
+    "full": {"clip": "fsdp1"},
+    "shard_grad_op": {"strategy": "SHARD_GRAD_OP", "clip": "odc"},
+    "deterministic": {"clip": "fsdp1", "deterministic": True},
+    "no_sync": {"clip": "fsdp1", "no_sync": True},
+    "orig": {"clip": "fsdp1", "orig": True},
+    "orig_no_sync": {"clip": "odc", "orig": True, "no_sync": True},
+    "orig_shard_grad_op": {"strategy": "SHARD_GRAD_OP", "clip": "odc", "orig": True},
 }
 
 
@@ -99,9 +111,9 @@ def uneven_worker(rank, world, store, table, variants):
     init_pg(rank, world, store)
     out = {}
     for v in variants:
-        strategy, clip, deterministic = UNEVEN[v]
-        out[v] = train(build(strategy=strategy), rank, world, table, odc_on=True, clip=clip,
-                       deterministic=deterministic)
+        kw = dict(UNEVEN[v])
+        model = build(strategy=kw.pop("strategy", "FULL_SHARD"), orig=kw.pop("orig", False))
+        out[v] = train(model, rank, world, table, odc_on=True, **kw)
     if rank == 0:
         out["ref"] = reference(table, world)
     return out
@@ -109,21 +121,22 @@ def uneven_worker(rank, world, store, table, variants):
 
 def gloo_parity_worker(rank, world, store, table, variants):
     """The same even-count loop over FSDP1's own collectives (gloo) and over ODC; variants: (clip, mixed
-    precision)."""
+    precision, use_orig_params, gradients kept over the first step)."""
     init_pg(rank, world, store)
     out = {}
-    for clip, mp in variants:
-        gloo = train(build(mp=mp), rank, world, table, odc_on=False, clip=clip)
-        odc_ = train(build(mp=mp), rank, world, table, odc_on=True, clip=clip)
-        out[f"{clip}/{'bf16' if mp else 'f32'}"] = {"gloo": gloo, "odc": odc_}
+    for clip, mp, orig, keep in variants:
+        gloo = train(build(mp=mp, orig=orig), rank, world, table, odc_on=False, clip=clip, keep=keep)
+        odc_ = train(build(mp=mp, orig=orig), rank, world, table, odc_on=True, clip=clip, keep=keep)
+        name = f"{clip}/{'bf16' if mp else 'f32'}{'/orig' if orig else ''}{'/keep' if keep else ''}"
+        out[name] = {"gloo": gloo, "odc": odc_}
     return out
 
 
-def _load_run(rank, odc_on, kind):
+def _load_run(rank, odc_on, kind, orig):
     """Three steps; after step 1 the checkpoint saved after step 0 is loaded (FSDP1 ``kind`` state dict)."""
     from torch.distributed.fsdp import StateDictType
 
-    model = build()
+    model = build(orig=orig)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if odc_on:
         odc.fsdp.enable(model, opt, timeout=60)
@@ -147,18 +160,22 @@ def params_worker(rank, world, store):
     """The parameter contract on FSDP1: a checkpoint loaded between minibatches (full and sharded state dicts)
     is what every peer gathers next, as over gloo; an in-place edit inside a minibatch is refused."""
     init_pg(rank, world, store)
-    out = {kind: {"gloo": _load_run(rank, False, kind), "odc": _load_run(rank, True, kind)}
-           for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")}
-    model = build()
-    odc.fsdp.enable(model, torch.optim.AdamW(model.parameters(), lr=1e-2), timeout=60)
-    sample_loss(model, data(0, 0, rank)).backward()
-    with torch.no_grad():
-        model.blocks[1]._flat_param.mul_(0.5)
-    try:
-        sample_loss(model, data(0, 1, rank)).backward()
-        out["inside"] = "no error"
-    except odc.ProtocolError as e:
-        out["inside"] = str(e)
+    out = {}
+    for orig in (False, True):
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+            out[f"{kind}{'/orig' if orig else ''}"] = {"gloo": _load_run(rank, False, kind, orig),
+                                                      "odc": _load_run(rank, True, kind, orig)}
+        model = build(orig=orig)
+        odc.fsdp.enable(model, torch.optim.AdamW(model.parameters(), lr=1e-2), timeout=60)
+        sample_loss(model, data(0, 0, rank)).backward()
+        with torch.no_grad():
+            # up.bias: the original parameter with a part in both ranks' shards
+            (model.blocks[1].up.bias if orig else model.blocks[1]._flat_param).mul_(0.5)
+        try:
+            sample_loss(model, data(0, 1, rank)).backward()
+            out["inside" + ("/orig" if orig else "")] = "no error"
+        except odc.ProtocolError as e:
+            out["inside" + ("/orig" if orig else "")] = str(e)
     return out
 
 
@@ -167,7 +184,7 @@ def refusals_worker(rank, world, store):
     init_pg(rank, world, store)
     out = {}
     cases = {
-        "orig": functools.partial(build, orig=True),
+        "offload": functools.partial(build, offload=True),
         "hybrid": functools.partial(build, strategy="HYBRID_SHARD"),
         "no_shard": functools.partial(build, strategy="NO_SHARD"),
     }

@@ -13,12 +13,13 @@ from _fsdp_helpers import all_ok, assert_params_close
 pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
 
 #: Microbatches per rank per step: rank 1 idle at step 0, rank 0 at step 1 (they still clip and step).
-UNEVEN = [[2, 0], [0, 2], [1, 2]]
+UNEVEN = [[3, 0], [0, 2], [1, 2]]
 
 
-def test_uneven_counts_on_fsdp1_match_one_process_with_fsdp1s_clip_odcs_and_deterministic_sums():
+def test_uneven_counts_on_fsdp1_match_one_process_with_either_use_orig_params_no_sync_and_deterministic_sums():
     """A rank idle at a step still reads final gradients (FSDP1's clip all-reduces a norm on every rank), and
-    FULL_SHARD, SHARD_GRAD_OP and deterministic sums all train as one process on the whole minibatch would."""
+    FULL_SHARD, SHARD_GRAD_OP, no_sync() on all but the last microbatch, deterministic sums and
+    use_orig_params=True all train as one process on the whole minibatch would."""
     out = all_ok(run_ranks(W.uneven_worker, 2, timeout=240, table=UNEVEN, variants=tuple(W.UNEVEN)))
     ref = out[0]["ref"]
     assert all(n > 0.5 for n in ref["norms"]), ref["norms"]  # the clip is active at every step
@@ -32,14 +33,17 @@ def test_uneven_counts_on_fsdp1_match_one_process_with_fsdp1s_clip_odcs_and_dete
 
 
 def test_even_counts_on_fsdp1_match_fsdp1_over_gloo_with_torchs_clip_fsdp1s_clip_and_bf16_compute():
-    """torch's clip_grad_norm_ on FSDP1's flat shards (a per-rank norm, as a user's loop may call it) and
-    FSDP1's own model.clip_grad_norm_, in f32 and with verl's MixedPrecision (bf16 compute, f32 reduce)."""
-    variants = (("torch", False), ("fsdp1", False), ("fsdp1", True))
+    """torch's clip_grad_norm_ on FSDP1's shards (a per-rank norm, as a user's loop may call it) and FSDP1's own
+    model.clip_grad_norm_, in f32 and with verl's MixedPrecision (bf16 compute, f32 reduce), with either
+    use_orig_params, and a loop that keeps the first step's gradients (no zero_grad) to add the second's onto."""
+    variants = (("torch", False, False, False), ("fsdp1", False, False, True), ("fsdp1", True, False, False),
+                ("torch", False, True, False), ("fsdp1", True, True, False), ("fsdp1", False, True, True))
     out = all_ok(run_ranks(W.gloo_parity_worker, 2, timeout=240, table=[[1, 1], [2, 2], [1, 1]],
                            variants=variants))
     per_rank = {}
     for rank, res in out.items():
-        assert set(res) == {"torch/f32", "fsdp1/f32", "fsdp1/bf16"}, sorted(res)
+        assert set(res) == {"torch/f32", "fsdp1/f32/keep", "fsdp1/bf16", "torch/f32/orig", "fsdp1/bf16/orig",
+                            "fsdp1/f32/orig/keep"}, sorted(res)
         for name, runs in res.items():
             gloo, odc_ = runs["gloo"], runs["odc"]
             assert all(n > 0.1 for n in gloo["norms"]), (name, gloo["norms"])
@@ -55,24 +59,26 @@ def test_a_checkpoint_loaded_between_minibatches_reaches_every_peer_and_an_edit_
     loaded parameters are what the next minibatch publishes: the same norms and parameters as over gloo."""
     out = all_ok(run_ranks(W.params_worker, 2, timeout=240))
     for rank, res in out.items():
-        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
+        for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT", "FULL_STATE_DICT/orig", "SHARDED_STATE_DICT/orig"):
             gloo, odc_ = res[kind]["gloo"], res[kind]["odc"]
             for s, (x, y) in enumerate(zip(odc_["norms"], gloo["norms"], strict=True)):
                 assert math.isclose(x, y, rel_tol=1e-5), (kind, rank, s, odc_["norms"], gloo["norms"])
             assert_params_close(gloo["params"], odc_["params"], 1e-5)
         msg = res["inside"]
-        assert "blocks.1._fsdp_wrapped_module._flat_param" in msg and "minibatch 0" in msg, msg
+        assert "blocks.1._flat_param" in msg and "minibatch 0" in msg, msg
+        msg = res["inside/orig"]  # use_orig_params=True: the original parameter is named
+        assert "blocks.1.up.bias" in msg and "minibatch 0" in msg, msg
 
 
 def test_fsdp1_settings_odc_cannot_serve_are_refused_by_name_and_enable_nothing():
     out = all_ok(run_ranks(W.refusals_worker, 2, timeout=120))
     for res in out.values():
-        assert "use_orig_params=True" in res["orig"] and "use_orig_params=False" in res["orig"], res["orig"]
+        assert "CPUOffload" in res["offload"], res["offload"]
         assert "NO_SHARD" in res["no_shard"] and "FULL_SHARD" in res["no_shard"], res["no_shard"]
         # On one host without GPUs FSDP1 makes HYBRID_SHARD a one-rank NO_SHARD group per rank.
         assert "HYBRID_SHARD" in res["hybrid"] or "process group of one rank" in res["hybrid"], res["hybrid"]
         assert "sharding='hybrid'" in res["sharding"] and "FSDP2" in res["sharding"], res["sharding"]
-        assert not any(res[k + "_enabled"] for k in ("orig", "no_shard", "hybrid")), res
+        assert not any(res[k + "_enabled"] for k in ("offload", "no_shard", "hybrid")), res
 
 
 def test_every_private_fsdp1_name_missing_in_turn_is_a_config_error_that_enables_nothing():

@@ -102,8 +102,8 @@ from per-parameter meshes, and so does :func:`enable`).
 
 FSDP1 (``FullyShardedDataParallel``, verl's default ``strategy: fsdp``):
 :func:`enable` takes the root FSDP1 module as well, under
-``sharding="full"`` with ``ShardingStrategy.FULL_SHARD`` or ``SHARD_GRAD_OP``
-and ``use_orig_params=False``. Each ``FlatParameter`` is one bucket; the
+``sharding="full"`` with ``ShardingStrategy.FULL_SHARD`` or ``SHARD_GRAD_OP``,
+``use_orig_params`` False or True. Each ``FlatParameter`` is one bucket; the
 push goes through FSDP1's public ``register_comm_hook`` and the gather
 replaces each handle's ``_all_gather_flat_param`` (``odc.fsdp._fsdp1``,
 which lists the private FSDP1 names it uses). The loop contract, the
@@ -111,8 +111,8 @@ minibatch protocol, deterministic sums and the clips (torch's, FSDP1's own
 ``model.clip_grad_norm_`` and :func:`clip_grad_norm_`) are the same;
 ``summon_full_params`` and FSDP1's state dicts unshard with FSDP1's own
 all-gather, so a checkpoint loaded between minibatches reaches every peer.
-Refused: hybrid strategies, ``NO_SHARD``, ``use_orig_params=True``, CPU
-offload, ``keep_low_precision_grads``.
+Refused: hybrid strategies, ``NO_SHARD``, CPU offload,
+``keep_low_precision_grads``.
 
 Supported torch: :data:`TORCH_RANGE` (2.11 to 2.15), tested on both ends.
 Private FSDP2 state is imported and checked in one module,

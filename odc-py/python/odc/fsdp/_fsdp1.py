@@ -30,15 +30,26 @@ real tensor the pending gradient stands for back there, and a callback
 queued behind FSDP1's own end-of-backward callback makes ``.grad`` pending
 again once FSDP1 has assigned it.
 
+Under ``use_orig_params=True`` the optimizer holds the original parameters,
+whose sharded ``.data`` and ``.grad`` FSDP1 keeps as 1-D views into the
+FlatParameter and its gradient. There each original parameter with a part
+in this rank's shard carries the pending gradient of that part (its
+offset in the bucket shard); the FlatParameter's ``.grad`` stays None, and
+two handle methods are replaced on each instance: ``_use_sharded_grad_views``
+(after every reshard and reduce-scatter FSDP1 would point the parameters'
+``.grad`` at its own, zero, gradient) leaves ODC's gradients in place, and
+``_writeback_orig_params`` (every pre-unshard, where FSDP1 compares each
+``.grad`` with its gradient's storage, a read a pending gradient cannot
+answer without finishing the minibatch) runs with the gradients out of its
+sight.
+
 Supported: ``ShardingStrategy.FULL_SHARD`` and ``SHARD_GRAD_OP``,
-``use_orig_params=False`` (verl's default), mixed precision, every FSDP
-instance over the same process group, ``sharding="full"``. Refused with a
-:class:`odc.ConfigError`: hybrid strategies (FSDP1 runs no comm hook under
-them), ``NO_SHARD``, ``use_orig_params=True`` (FSDP1 then reads each
-original parameter's gradient storage before every unshard, which a pending
-gradient cannot answer without finishing the minibatch), CPU offload,
-``keep_low_precision_grads``. Every private FSDP1 name used here is listed in
-:data:`PRIVATE_FSDP1` with the releases it was checked on.
+``use_orig_params`` False (verl's default) or True, mixed precision, every
+FSDP instance over the same process group, ``sharding="full"``. Refused
+with a :class:`odc.ConfigError`: hybrid strategies (FSDP1 runs no comm hook
+under them), ``NO_SHARD``, CPU offload, ``keep_low_precision_grads``. Every
+private FSDP1 name used here is listed in :data:`PRIVATE_FSDP1` with the
+releases it was checked on.
 """
 
 from __future__ import annotations
@@ -67,8 +78,20 @@ PRIVATE_FSDP1: tuple[PrivateName, ...] = (
     PrivateName("FlatParamHandle", "_training_state", *_ALL,
                 "SUMMON_FULL_PARAMS (state dicts, summon_full_params): FSDP1's own all-gather serves the unshard"),
     PrivateName("_common_utils", "HandleTrainingState", *_ALL, "its SUMMON_FULL_PARAMS member"),
+    PrivateName("FlatParamHandle", "_writeback_orig_params", *_ALL,
+                "use_orig_params=True: wrapped on each handle instance, the gradients out of its sight"),
+    PrivateName("FlatParamHandle", "_use_sharded_grad_views", *_ALL,
+                "use_orig_params=True: replaced on each handle instance, ODC's gradients stay on the parameters"),
+    PrivateName("FlatParamHandle", "_use_unsharded_grad_views", *_ALL,
+                "use_orig_params=True: wrapped on each handle instance, the pending gradients taken off first"),
+    PrivateName("FlatParamHandle", "is_sharded", *_ALL, "whether the FlatParameter is sharded now"),
+    PrivateName("FlatParameter", "_params", *_ALL, "use_orig_params=True: the original parameters"),
+    PrivateName("FlatParameter", "_shard_param_infos", *_ALL, "use_orig_params=True: each one's part of the shard"),
+    PrivateName("FlatParameter", "_fqns", *_ALL, "use_orig_params=True: their names"),
+    PrivateName("FlatParameter", "_shared_params", *_ALL, "use_orig_params=True: tied parameters' gradients"),
+    PrivateName("FlatParameter", "_shared_param_infos", *_ALL, "use_orig_params=True: where they are tied"),
     PrivateName("FlatParamHandle", "_fwd_bwd_param_dtype", *_ALL, "the all-gather dtype (mixed precision)"),
-    PrivateName("FlatParamHandle", "_use_orig_params", *_ALL, "use_orig_params=True is refused"),
+    PrivateName("FlatParamHandle", "_use_orig_params", *_ALL, "which parameters carry the gradients"),
     PrivateName("FlatParamHandle", "_offload_params", *_ALL, "CPU offload is refused"),
     PrivateName("FlatParamHandle", "_keep_low_precision_grads", *_ALL, "keep_low_precision_grads is refused"),
     PrivateName("FlatParamHandle", "device", *_ALL, "the compute device (the transport's choice)"),
@@ -107,13 +130,45 @@ class _FlatParam:
         return t  # FSDP1's gradients are plain tensors
 
 
+class _OrigParam:
+    """Under ``use_orig_params=True``: an original parameter with a part in this rank's shard (its sharded
+    ``.data`` and ``.grad`` are 1-D, ``numel_in_shard`` long), as odc.fsdp reads an FSDP2 ``FSDPParam``."""
+
+    def __init__(self, handle: Any, index: int, fqn: str) -> None:
+        self.handle = handle
+        self.index = index
+        self._param_fqn = fqn
+        info = handle.flat_param._shard_param_infos[index]
+        self.offset = int(info.offset_in_shard)
+        self.sharded_size = torch.Size([int(info.numel_in_shard)])
+        self.sharded_grad_dtype = handle.flat_param._local_shard.dtype
+
+    @property
+    def sharded_param(self) -> Any:
+        return self.handle.flat_param._params[self.index]
+
+    @staticmethod
+    def to_sharded_dtensor(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
 class _FlatParamGroup:
-    """One FSDP1 handle, with the attributes odc.fsdp reads of an FSDP2 ``FSDPParamGroup``."""
+    """One FSDP1 handle, with the attributes odc.fsdp reads of an FSDP2 ``FSDPParamGroup``: its FlatParameter,
+    or under ``use_orig_params=True`` the original parameters with a part in this rank's shard."""
 
     def __init__(self, handle: Any, fqn: str) -> None:
-        self.fsdp_params = [_FlatParam(handle, fqn)]
         self.device = handle.device
         self._module_fqn = fqn
+        self.fsdp_params: list[Any] = [_FlatParam(handle, fqn)]
+        if handle._use_orig_params:
+            fp = handle.flat_param
+            prefix = "" if fqn == "<root>" else fqn + "."
+            self.fsdp_params = [_OrigParam(handle, i, prefix + name) for i, (info, name)
+                                in enumerate(zip(fp._shard_param_infos, fp._fqns, strict=True)) if info.in_shard]
+
+    @property
+    def offsets(self) -> list[int]:
+        return [getattr(fp, "offset", 0) for fp in self.fsdp_params]
 
 
 @dataclass
@@ -152,14 +207,23 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
 
     instances = FullyShardedDataParallel.fsdp_modules(model)
     _check_private(instances, ("FullyShardedDataParallel", "FlatParamHandle"))
+    for inst in instances:  # before the lazy init, which CPU offload cannot run without a GPU
+        h = inst._handle
+        where = f"a FullyShardedDataParallel module ({type(inst.module).__name__})"
+        if h is not None and h._offload_params:
+            raise ConfigError(f"odc.fsdp.enable: {where} offloads parameters to CPU (CPUOffload), which ODC does "
+                              "not serve on FSDP1; drop the offload or use FSDP2")
+        if h is not None and h._keep_low_precision_grads:
+            raise ConfigError(f"odc.fsdp.enable: {where} keeps low-precision gradients "
+                              "(MixedPrecision(keep_low_precision_grads=True)), which ODC does not serve on FSDP1")
     if not model.check_is_root():  # public; runs FSDP1's lazy init (the first forward's), idempotent
         raise ConfigError("odc.fsdp.enable: pass the root FullyShardedDataParallel module (the one that runs forward)")
     _check_private(instances, ("FlatParameter",))  # attributes FSDP1's lazy init sets
-    pg = model.process_group
-    world = dist.get_world_size(pg)
-    members = tuple(dist.get_process_group_ranks(pg))
-    layout = _Layout("full", world=world, rank=dist.get_rank(pg), shards=world, index=dist.get_rank(pg),
-                     members=members)
+    process_group = model.process_group
+    world = dist.get_world_size(process_group)
+    members = tuple(dist.get_process_group_ranks(process_group))
+    rank = dist.get_rank(process_group)
+    layout = _Layout("full", world=world, rank=rank, shards=world, index=rank, members=members)
     if world == 1 and dist.get_world_size() > 1:
         raise ConfigError(
             f"odc.fsdp.enable: the FSDP1 model shards over a process group of one rank out of "
@@ -167,14 +231,15 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
             "NO_SHARD): there is nothing to gather; shard over every rank (ShardingStrategy.FULL_SHARD)"
         )
     if world == 1:  # FSDP1 runs NO_SHARD on one rank; the caller makes it a solo model
-        return [], layout, pg
+        return [], layout, process_group
     if sharding != "full":
         raise ConfigError(
             f"odc.fsdp.enable: sharding={sharding!r} on an FSDP1 (FullyShardedDataParallel) model; ODC runs "
             "FSDP1 under sharding='full' (ShardingStrategy.FULL_SHARD or SHARD_GRAD_OP over every rank); for "
             "hybrid sharding use FSDP2 (fully_shard over a 2-D mesh)"
         )
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
+             for n, m in model.named_modules()}
     groups: list[_Group] = []
     for inst in instances:
         h = inst._handle
@@ -192,25 +257,14 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
             )
         if tuple(dist.get_process_group_ranks(inst.process_group)) != members:
             raise ConfigError(f"odc.fsdp.enable: {where} shards over other ranks than the root ({members})")
-        if h._use_orig_params:
-            raise ConfigError(
-                f"odc.fsdp.enable: {where} was built with use_orig_params=True, which ODC does not serve on "
-                "FSDP1 yet (FSDP1 reads every original parameter's gradient storage before each unshard); build "
-                "it with use_orig_params=False (verl's default), or use FSDP2 (fully_shard)"
-            )
-        if h._offload_params:
-            raise ConfigError(f"odc.fsdp.enable: {where} offloads parameters to CPU (CPUOffload), which ODC does "
-                              "not serve on FSDP1; drop the offload or use FSDP2")
-        if h._keep_low_precision_grads:
-            raise ConfigError(f"odc.fsdp.enable: {where} keeps low-precision gradients "
-                              "(MixedPrecision(keep_low_precision_grads=True)), which ODC does not serve on FSDP1")
         fp = h.flat_param
         n = fp._local_shard.numel()
         name = f"fsdp1-{len(groups)}:{fqn}"
         dtype = cast(torch.dtype, h._fwd_bwd_param_dtype)
-        groups.append(_FlatGroup(name=name, pg=cast(Any, _FlatParamGroup(h, fqn)), module=cast(Any, inst), n=n,
-                                 dtype=dtype, offsets=[0], index=len(groups), handle=h))
-    return groups, layout, pg
+        pg = _FlatParamGroup(h, fqn)
+        groups.append(_FlatGroup(name=name, pg=cast(Any, pg), module=cast(Any, inst), n=n, dtype=dtype,
+                                 offsets=pg.offsets, index=len(groups), handle=h))
+    return groups, layout, process_group
 
 
 @dataclass(eq=False)
@@ -219,7 +273,8 @@ class _Backward:
 
     binding: _Binding
     queued: bool = False
-    pushed: list[_Param] = field(default_factory=list)  # records pushed in this backward
+    pushed: list[_Param] = field(default_factory=list)  # records pushed in this backward (FlatParameter grads)
+    pushed_groups: set[int] = field(default_factory=set)  # groups pushed in this backward
 
 
 class _FlatComms:
@@ -263,7 +318,9 @@ class _FlatComms:
         if padded_unsharded_grad.numel() != ws * n:
             raise LayoutError(f"odc.fsdp: {what}: the gradient holds {padded_unsharded_grad.numel()} elements, "
                               f"not {ws}·{n}")
-        self._hand_back_base(what)
+        if not g.handle._use_orig_params:
+            self._hand_back_base(what)
+        self.backward.pushed_groups.add(g.index)
         # FSDP1's mean over the ranks (it divides only on its default path, not around a comm hook).
         push_rows(b, g, padded_unsharded_grad, 1.0 / b.layout.world)
         new_sharded_grad.zero_()
@@ -290,6 +347,65 @@ class _FlatComms:
             self.backward.pushed.append(rec)
 
 
+    # -- use_orig_params=True: FSDP1 derives the original parameters' .grad from the FlatParameter's ---------
+    def writeback_orig_params(self) -> bool:
+        """``FlatParamHandle._writeback_orig_params`` (every pre-unshard) with the pending gradients out of its sight.
+
+        FSDP1 compares each original parameter's ``.grad`` with the FlatParameter's gradient storage there
+        (a read a pending gradient cannot answer without finishing the minibatch); ODC keeps those gradients
+        itself (the FlatParameter's ``.grad`` stays None), so only the parameters are checked.
+        """
+        h = self.g.handle
+        fp = h.flat_param
+        if not h.is_sharded(fp):
+            return cast(bool, type(h)._writeback_orig_params(h))  # returns before reading any gradient
+        # Only the pending ones: real gradients are FSDP1's to check (its unsharded views after a no_sync()
+        # backward, with the accumulation in the FlatParameter's .grad).
+        held = [(p, p.grad) for p in fp._params if _pending_cell(p.grad) is not None]
+        for p, _ in held:
+            p.grad = None
+        try:
+            return cast(bool, type(h)._writeback_orig_params(h))
+        finally:
+            for p, grad in held:
+                if p.grad is None:
+                    p.grad = grad
+
+    def use_unsharded_grad_views(self) -> None:
+        """``FlatParamHandle._use_unsharded_grad_views`` (after a ``no_sync()`` backward, and in
+        ``summon_full_params(with_grads=True)``) with the pending gradients taken off the parameters first:
+        FSDP1 repoints an existing ``.grad`` with ``.grad.data = view``, which would rewrite the pending
+        tensor itself. They come back at FSDP1's next ``_use_sharded_grad_views`` (:meth:`use_sharded_grad_views`)."""
+        h = self.g.handle
+        for p in h.flat_param._params:
+            if _pending_cell(p.grad) is not None:
+                p.grad = None
+        type(h)._use_unsharded_grad_views(h)
+
+    def use_sharded_grad_views(self) -> None:
+        """``FlatParamHandle._use_sharded_grad_views``: the gradients the contract holds, not views of FSDP1's.
+
+        FSDP1 calls it after each reshard and each reduce-scatter to point the original parameters' ``.grad``
+        at its sharded FlatParameter gradient (zeros under ODC); ODC's pending (or, once the minibatch
+        finished, final) gradients stay instead.
+        """
+        b, g = self.b, self.g
+        fp = g.handle.flat_param
+        recs = {rec.fp.index: rec for rec in b.grads.by_group[g.index]}
+        for i, param in enumerate(fp._params):
+            rec = recs.get(i)
+            if rec is None:  # no part in this rank's shard, or frozen: no gradient here, as FSDP1 has it
+                param.grad = None
+            elif rec.cell is not None and rec.cell.real is None and rec.pending is not None:
+                param.grad = rec.pending
+            elif rec.cell is not None:
+                param.grad = rec.installed
+        for param, info in zip(fp._shared_params, fp._shared_param_infos, strict=True):
+            prim_name, prim_module = info[3], info[4]
+            prim = getattr(prim_module, prim_name, None)
+            param.grad = prim.grad if prim is not None and param.requires_grad else None
+
+
 def _summoning() -> Any:
     from torch.distributed.fsdp._common_utils import HandleTrainingState
 
@@ -299,6 +415,10 @@ def _summoning() -> Any:
 def _after_backward(bw: _Backward) -> None:
     """FSDP1 assigned ``.grad`` (the base plus its zeros): every sharded ``.grad`` pending again."""
     b = bw.binding
+    for gi in bw.pushed_groups:
+        g = b.groups[gi]
+        if isinstance(g, _FlatGroup) and g.handle._use_orig_params:
+            g.handle.flat_param.grad = None  # FSDP1's zeros; the original parameters' gradients are ODC's
     pushed = {id(rec) for rec in bw.pushed}
     for rec in b.grads.params:
         g = rec.param.grad
@@ -312,6 +432,7 @@ def _after_backward(bw: _Backward) -> None:
         rec.restored = None
         b.grads._pend(rec, b.version, base)
     bw.pushed.clear()
+    bw.pushed_groups.clear()
     bw.queued = False
 
 
@@ -321,15 +442,24 @@ def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
     comms = [_FlatComms(b, g, backward) for g in groups if isinstance(g, _FlatGroup)]
     # Public: on the root, refuses hybrid strategies and a hook already registered.
     model.register_comm_hook(comms[0], _push)
+    replaced = ["_all_gather_flat_param"]
     for c in comms:
         cast(Any, c.g.module)._comm_hook_state = c  # each instance its own state: the hook learns whose gradient it is
-        c.g.handle._all_gather_flat_param = c.gather
+        h = c.g.handle
+        h._all_gather_flat_param = c.gather
+        if h._use_orig_params:
+            h._writeback_orig_params = c.writeback_orig_params
+            h._use_sharded_grad_views = c.use_sharded_grad_views
+            h._use_unsharded_grad_views = c.use_unsharded_grad_views
+            h.flat_param.grad = None  # the original parameters' .grad (pending since enable) are the gradients
+    replaced += ["_writeback_orig_params", "_use_sharded_grad_views", "_use_unsharded_grad_views"]
 
     def undo() -> None:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         for c in comms:
-            c.g.handle.__dict__.pop("_all_gather_flat_param", None)
+            for name in replaced:
+                c.g.handle.__dict__.pop(name, None)
         for inst in FullyShardedDataParallel.fsdp_modules(model):
             inst._comm_hook = None
             inst._comm_hook_state = None

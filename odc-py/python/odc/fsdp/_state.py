@@ -114,7 +114,9 @@ class _Binding:
             now = fp.sharded_param
             if now is p and now._version == seen:
                 continue
-            names = {id(q): n for n, q in self.model.named_parameters()}  # type: ignore[attr-defined]
+            # FSDP1's wrapper prefix out: the names the user's model defines.
+            names = {id(q): n.replace("_fsdp_wrapped_module.", "")
+                     for n, q in self.model.named_parameters()}  # type: ignore[attr-defined]
             name = names.get(id(now), f"{g.name}'s parameter {g.pg.fsdp_params.index(fp)}")
             raise ProtocolError(
                 f"odc.fsdp: parameter {name} changed in place during minibatch {self.version}, after this rank "

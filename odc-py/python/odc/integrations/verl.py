@@ -46,14 +46,13 @@ patch, the registry replacement and every verl name this module reads are
 checked here against :data:`VERL_VERSIONS_CHECKED`: a missing name is an
 :class:`odc.ConfigError` naming it, an unchecked version a warning.
 
-verl's default strategy, FSDP1 (``strategy="fsdp"``, ``use_orig_params=False``),
-runs the same way on ODC's FSDP1 support (``odc.fsdp.enable`` on the
-``FullyShardedDataParallel`` module): verl's ``no_sync()`` on all but each
-rank's last microbatch and FSDP1's own ``clip_grad_norm_`` (one all-reduce
-per minibatch) are kept.
+verl's default strategy, FSDP1 (``strategy="fsdp"``), runs the same way on
+ODC's FSDP1 support (``odc.fsdp.enable`` on the ``FullyShardedDataParallel``
+module): verl's ``no_sync()`` on all but each rank's last microbatch and
+FSDP1's own ``clip_grad_norm_`` (one all-reduce per minibatch) are kept.
 
-Settings ODC cannot keep are refused when the engine is built: FSDP1 with
-``use_orig_params=True``, parameter offload (``param_offload``,
+Settings ODC cannot keep are refused when the engine is built: parameter
+offload (``param_offload``,
 ``offload_policy``), Ulysses sequence parallelism (its all-to-all per layer
 would need equal counts); LB-Mini further needs dynamic batching
 (``use_dynamic_bsz=True``) and no forced sample groups.
@@ -304,9 +303,6 @@ def _check_engine(cfg: Any) -> None:
     refuse = []
     if cfg.strategy not in _BACKENDS:
         refuse.append(f"strategy={cfg.strategy!r} (ODC runs on FSDP1 and FSDP2: set strategy='fsdp' or 'fsdp2')")
-    if cfg.strategy == "fsdp" and getattr(cfg, "use_orig_params", False):
-        refuse.append("use_orig_params=True under strategy='fsdp' (ODC serves FSDP1 with use_orig_params=False, "
-                      "verl's default; or set strategy='fsdp2')")
     if getattr(cfg, "param_offload", False) or getattr(cfg, "offload_policy", False):
         refuse.append("param_offload / offload_policy (parameters must stay where ODC registered them)")
     if getattr(cfg, "ulysses_sequence_parallel_size", 1) > 1:
