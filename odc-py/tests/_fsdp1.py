@@ -228,3 +228,29 @@ def missing_names_worker(rank, world, store):
         if odc.fsdp.is_enabled(model):
             out[f"{n.owner}.{n.name}"] += " | left enabled"
     return out
+
+
+def death_worker(rank, world, store, orig):
+    """Rank 1 dies (os._exit) between two microbatches of minibatch 1, after pushing the first one's
+    gradients; rank 0 runs its two and steps: the error it gets, the peer it names and how long it took."""
+    import os
+    import time
+
+    init_pg(rank, world, store)
+    model = build(orig=orig)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    odc.fsdp.enable(model, opt, timeout=20)
+    t0 = time.monotonic()
+    try:
+        for s in range(3):
+            for m in range(2):
+                if s == 1 and m == 1 and rank == 1:
+                    os._exit(3)  # dies in the middle of the minibatch, without a word
+                sample_loss(model, data(s, m, rank)).backward()
+            t0 = time.monotonic()
+            opt.step()
+            opt.zero_grad()
+    except odc.OdcError as e:
+        return {"error": type(e).__name__, "peer": getattr(e, "peer", None), "message": str(e),
+                "seconds": time.monotonic() - t0, "step": s, "peer_error": isinstance(e, odc.PeerError)}
+    return {"error": None}

@@ -90,3 +90,14 @@ def test_every_private_fsdp1_name_missing_in_turn_is_a_config_error_that_enables
     assert set(out) == expected and len(expected) >= 9, sorted(set(out) ^ expected)
     for key, msg in out.items():
         assert f"has no {key.split('.')[1]!r}" in msg and "FSDP1" in msg and "left enabled" not in msg, (key, msg)
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "orig"])
+def test_a_rank_dying_mid_minibatch_is_named_by_its_peer_not_a_hang(orig):
+    out = run_ranks(W.death_worker, 2, timeout=120, orig=orig)
+    assert out[1] == ("exited", 3), out[1]
+    status, res = out[0]
+    assert status == "ok", out[0]
+    assert res["peer_error"] and res["peer"] == 1 and res["step"] == 1, res
+    assert "rank 1" in res["message"], res["message"]
+    assert res["seconds"] < 20, res  # named well before the 20 s deadline (a death, not a timeout)
