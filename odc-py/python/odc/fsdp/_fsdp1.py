@@ -66,7 +66,10 @@ from ._private import _ALL, PrivateName, _Group, _Layout, _where
 from ._seams import gather_rows, push_rows
 from ._state import _Binding, _Undo
 
-#: Private FSDP1 names this module reads or writes (owner, name, first, last checked release, use).
+#: The torch releases whose FSDP1 sources :data:`PRIVATE_FSDP1` was checked against (the two legs of make test;
+#: FSDP1 is in maintenance upstream, and none of these names changed between them).
+FSDP1_VERSIONS_CHECKED = ("2.11.0", "2.15.0")
+#: Private FSDP1 names this module reads or writes (owner, name, first, last supported release, use).
 PRIVATE_FSDP1: tuple[PrivateName, ...] = (
     PrivateName("FullyShardedDataParallel", "_handle", *_ALL, "the instance's FlatParamHandle (None: no params)"),
     PrivateName("FullyShardedDataParallel", "_comm_hook", *_ALL,
