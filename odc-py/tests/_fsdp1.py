@@ -13,6 +13,7 @@ import functools
 
 import torch
 from _fsdp_helpers import Block, Tiny, data, enable_without, init_pg, sample_loss
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 - FSDP1's own docs' name
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -23,10 +24,14 @@ import odc.fsdp
 TOKENS = 27  # per microbatch: data()'s 3 sequences of 9, 8 predicted tokens... summed loss over 3·9 = 27 targets
 
 
-def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False, offload=False):
+def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False, offload=False, nodes=None):
+    """Tiny under FSDP1; ``nodes``: a hybrid strategy over a (nodes, ranks per node) mesh, as verl builds one."""
     torch.manual_seed(seed)
     model = Tiny()
     kw = {}
+    if nodes is not None:
+        world = torch.distributed.get_world_size()
+        kw["device_mesh"] = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
     if offload:
         kw["cpu_offload"] = CPUOffload(offload_params=True)
     if mp:  # verl's: bf16 compute, f32 reduce and buffers
@@ -43,14 +48,14 @@ def full_params(model):
 
 
 def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, deterministic=False, no_sync=False,
-          keep=False):
+          keep=False, sharding="full"):
     """AdamW; ranks run table[s][r] microbatches at step s; clip: "fsdp1" (model.clip_grad_norm_), "torch"
     (torch.nn.utils.clip_grad_norm_ on this rank's shards, as a user might), "odc" or None; ``no_sync``: all
     but each rank's last microbatch under FSDP1's no_sync() (verl's default); ``keep``: no zero_grad after the
     first step, so the second minibatch's gradients add onto the first's."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if odc_on:
-        odc.fsdp.enable(model, opt, timeout=60, deterministic=deterministic)
+        odc.fsdp.enable(model, opt, timeout=60, deterministic=deterministic, sharding=sharding)
     norms, losses = [], []
     for s, plan in enumerate(table):
         norm = TOKENS * sum(plan)
@@ -132,6 +137,34 @@ def gloo_parity_worker(rank, world, store, table, variants):
     return out
 
 
+def hybrid_worker(rank, world, store, table, per_node):
+    """FSDP1's HYBRID_SHARD and _HYBRID_SHARD_ZERO2 over emulated nodes (LOCAL_WORLD_SIZE) under
+    sharding="hybrid": uneven counts against one process (a whole node idle at a step), even counts against
+    the same FSDP1 over gloo; each rank's shards, which the other node's replica must hold too."""
+    from _fsdp_helpers import as_nodes
+
+    as_nodes(per_node)
+    init_pg(rank, world, store)
+    nodes = world // per_node
+    out = {}
+    for strategy, orig in (("HYBRID_SHARD", False), ("_HYBRID_SHARD_ZERO2", True)):
+        model = build(strategy=strategy, orig=orig, nodes=nodes)
+        out[strategy] = train(model, rank, world, table, odc_on=True, sharding="hybrid")
+        out[strategy]["local"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    even = [[1] * world, [2] * world]
+    out["gloo"] = train(build(strategy="HYBRID_SHARD", nodes=nodes), rank, world, even, odc_on=False)
+    out["odc_even"] = train(build(strategy="HYBRID_SHARD", nodes=nodes), rank, world, even, odc_on=True,
+                            sharding="hybrid")
+    try:
+        odc.fsdp.enable(build(strategy="HYBRID_SHARD", nodes=nodes), None, timeout=30)
+        out["full"] = "no error"
+    except odc.ConfigError as e:
+        out["full"] = str(e)
+    if rank == 0:
+        out["ref"] = reference(table, world)
+    return out
+
+
 def _load_run(rank, odc_on, kind, orig):
     """Three steps; after step 1 the checkpoint saved after step 0 is loaded (FSDP1 ``kind`` state dict)."""
     from torch.distributed.fsdp import StateDictType
@@ -201,7 +234,7 @@ def refusals_worker(rank, world, store):
             out[name] = str(e)
         out[name + "_enabled"] = odc.fsdp.is_enabled(model)
     try:
-        odc.fsdp.enable(build(), None, timeout=30, sharding="hybrid")
+        odc.fsdp.enable(build(), None, timeout=30, sharding="hybrid-zero")
         out["sharding"] = "no error"
     except odc.ConfigError as e:
         out["sharding"] = str(e)
@@ -222,7 +255,7 @@ def missing_names_worker(rank, world, store):
     out = {}
     for n in _fsdp1.PRIVATE_FSDP1:
         obj = holders.get(n.owner)
-        if obj is None or n.name == "_saved_grad_shard":  # a module, or set only around a backward
+        if obj is None or n.name in ("_saved_grad_shard", "_inter_node_pg"):  # a module, or set only sometimes
             continue
         out[f"{n.owner}.{n.name}"] = enable_without(model, obj, n.name)
         if odc.fsdp.is_enabled(model):

@@ -54,6 +54,26 @@ def test_even_counts_on_fsdp1_match_fsdp1_over_gloo_with_torchs_clip_fsdp1s_clip
     assert per_rank[0] != per_rank[1]  # torch's clip saw each rank's own shards, as over gloo
 
 
+def test_fsdp1_hybrid_strategies_run_under_hybrid_sharding_against_one_process_and_gloo():
+    """HYBRID_SHARD (flat parameters) and _HYBRID_SHARD_ZERO2 (use_orig_params=True) on 2 emulated nodes × 2:
+    uneven counts with a whole node idle at a step match one process, both nodes end with the same replica;
+    even counts match FSDP1's own HYBRID_SHARD over gloo; sharding='full' on a hybrid strategy is refused."""
+    table = [[2, 1, 0, 0], [0, 1, 2, 1], [1, 0, 1, 2]]
+    out = all_ok(run_ranks(W.hybrid_worker, 4, timeout=240, table=table, per_node=2))
+    ref = out[0]["ref"]
+    for rank, res in out.items():
+        for strategy in ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"):
+            got = res[strategy]
+            for s, (x, y) in enumerate(zip(got["norms"], ref["norms"], strict=True)):
+                assert math.isclose(x, y, rel_tol=1e-5), (strategy, rank, s, got["norms"], ref["norms"])
+            assert_params_close(ref["params"], got["params"], 2e-6)
+            assert res[strategy]["local"] == out[rank ^ 2][strategy]["local"], (strategy, rank)  # replicas
+        for s, (x, y) in enumerate(zip(res["odc_even"]["norms"], res["gloo"]["norms"], strict=True)):
+            assert math.isclose(x, y, rel_tol=1e-5), (rank, s, res["odc_even"]["norms"], res["gloo"]["norms"])
+        assert_params_close(res["gloo"]["params"], res["odc_even"]["params"], 1e-5)
+        assert "HYBRID_SHARD" in res["full"] and "sharding='hybrid'" in res["full"], res["full"]
+
+
 def test_a_checkpoint_loaded_between_minibatches_reaches_every_peer_and_an_edit_inside_one_is_refused():
     """FSDP1's state dicts unshard with its own all-gather (every rank calls them at the same point), so the
     loaded parameters are what the next minibatch publishes: the same norms and parameters as over gloo."""
@@ -75,9 +95,9 @@ def test_fsdp1_settings_odc_cannot_serve_are_refused_by_name_and_enable_nothing(
     for res in out.values():
         assert "CPUOffload" in res["offload"], res["offload"]
         assert "NO_SHARD" in res["no_shard"] and "FULL_SHARD" in res["no_shard"], res["no_shard"]
-        # On one host without GPUs FSDP1 makes HYBRID_SHARD a one-rank NO_SHARD group per rank.
-        assert "HYBRID_SHARD" in res["hybrid"] or "process group of one rank" in res["hybrid"], res["hybrid"]
-        assert "sharding='hybrid'" in res["sharding"] and "FSDP2" in res["sharding"], res["sharding"]
+        # Without a mesh, on one host without GPUs, FSDP1 makes HYBRID_SHARD a one-rank NO_SHARD group per rank.
+        assert "process group of one rank" in res["hybrid"], res["hybrid"]
+        assert "sharding='hybrid-zero'" in res["sharding"] and "FSDP2" in res["sharding"], res["sharding"]
         assert not any(res[k + "_enabled"] for k in ("offload", "no_shard", "hybrid")), res
 
 
@@ -86,7 +106,8 @@ def test_every_private_fsdp1_name_missing_in_turn_is_a_config_error_that_enables
 
     out = all_ok(run_ranks(W.missing_names_worker, 1, timeout=120))[0]
     owners = ("FullyShardedDataParallel", "FlatParamHandle", "FlatParameter")
-    expected = {f"{n.owner}.{n.name}" for n in PRIVATE_FSDP1 if n.owner in owners and n.name != "_saved_grad_shard"}
+    expected = {f"{n.owner}.{n.name}" for n in PRIVATE_FSDP1
+                if n.owner in owners and n.name not in ("_saved_grad_shard", "_inter_node_pg")}
     assert set(out) == expected and len(expected) >= 9, sorted(set(out) ^ expected)
     for key, msg in out.items():
         assert f"has no {key.split('.')[1]!r}" in msg and "FSDP1" in msg and "left enabled" not in msg, (key, msg)

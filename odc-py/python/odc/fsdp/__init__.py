@@ -102,8 +102,9 @@ from per-parameter meshes, and so does :func:`enable`).
 
 FSDP1 (``FullyShardedDataParallel``, verl's default ``strategy: fsdp``):
 :func:`enable` takes the root FSDP1 module as well, under
-``sharding="full"`` with ``ShardingStrategy.FULL_SHARD`` or ``SHARD_GRAD_OP``,
-``use_orig_params`` False or True. Each ``FlatParameter`` is one bucket; the
+``sharding="full"`` with ``ShardingStrategy.FULL_SHARD`` or ``SHARD_GRAD_OP``
+and under ``sharding="hybrid"`` with ``HYBRID_SHARD`` or
+``_HYBRID_SHARD_ZERO2``, ``use_orig_params`` False or True. Each ``FlatParameter`` is one bucket; the
 push goes through FSDP1's public ``register_comm_hook`` and the gather
 replaces each handle's ``_all_gather_flat_param`` (``odc.fsdp._fsdp1``,
 which lists the private FSDP1 names it uses). The loop contract, the
@@ -111,7 +112,7 @@ minibatch protocol, deterministic sums and the clips (torch's, FSDP1's own
 ``model.clip_grad_norm_`` and :func:`clip_grad_norm_`) are the same;
 ``summon_full_params`` and FSDP1's state dicts unshard with FSDP1's own
 all-gather, so a checkpoint loaded between minibatches reaches every peer.
-Refused: hybrid strategies, ``NO_SHARD``, CPU offload,
+Refused: ``NO_SHARD``, ``sharding="hybrid-zero"``, CPU offload,
 ``keep_low_precision_grads``.
 
 Supported torch: :data:`TORCH_RANGE` (2.11 to 2.15), tested on both ends.
@@ -228,7 +229,8 @@ def enable(
         model: the root module returned by ``fully_shard``: over a 1-D mesh
             (``sharding="full"`` or ``"hybrid-zero"``) or a 2-D
             ``(replicate, shard)`` mesh (``sharding="hybrid"``); or the root
-            ``FullyShardedDataParallel`` module (FSDP1, ``sharding="full"``).
+            ``FullyShardedDataParallel`` module (FSDP1: ``sharding="full"``, or ``"hybrid"`` for its
+            hybrid strategies).
         optimizer: its optimizer; a step pre-hook finishes the minibatch and
             installs the gradients, a post-hook starts the next minibatch.
             Several (a list: a separate optimizer for the embeddings, say):
@@ -344,7 +346,7 @@ def enable(
         g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
         g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
     b = _Binding(model, groups, engine, layout)  # the first operation of minibatch 0 publishes its parameters
-    if b.hybrid:
+    if b.hybrid and not fsdp1:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
     b.grads.refuse_foreign_hooks()
@@ -400,7 +402,7 @@ def disable(model: Any) -> None:
         h.remove()  # FSDP1: restores its all-gather and clears the comm hook
     if isinstance(model, FSDPModule):
         _install_comms(b.groups, [(DefaultAllGather(), DefaultReduceScatter()) for _ in b.groups])
-    if b.hybrid:
+    if b.all_reduce_was:  # FSDP2 under hybrid sharding
         for g, was in zip(b.groups, b.all_reduce_was, strict=True):
             g.pg.all_reduce_grads = was
     del model.__dict__["_odc_fsdp"]

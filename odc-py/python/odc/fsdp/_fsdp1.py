@@ -43,17 +43,27 @@ two handle methods are replaced on each instance: ``_use_sharded_grad_views``
 answer without finishing the minibatch) runs with the gradients out of its
 sight.
 
-Supported: ``ShardingStrategy.FULL_SHARD`` and ``SHARD_GRAD_OP``,
-``use_orig_params`` False (verl's default) or True, mixed precision, every
-FSDP instance over the same process group, ``sharding="full"``. Refused
-with a :class:`odc.ConfigError`: hybrid strategies (FSDP1 runs no comm hook
-under them), ``NO_SHARD``, CPU offload, ``keep_low_precision_grads``. Every
-private FSDP1 name used here is listed in :data:`PRIVATE_FSDP1` with the
-releases it was checked on.
+Hybrid strategies (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``: shard within a
+node, replicate across nodes) run under ``sharding="hybrid"``, on the
+engine's hybrid sharding: gathers and pushes stay in the node and each
+gradient shard is summed across the nodes once per minibatch. FSDP1's
+``register_comm_hook`` refuses hybrid strategies (its own hooks would skip
+the inter-node all-reduce), so there the hook is set on each instance as
+``register_comm_hook`` sets it; the shard group must be one node's ranks,
+node-major (``LOCAL_WORLD_SIZE``, else host names).
+
+Supported: ``ShardingStrategy.FULL_SHARD`` and ``SHARD_GRAD_OP`` under
+``sharding="full"``, ``HYBRID_SHARD`` and ``_HYBRID_SHARD_ZERO2`` under
+``sharding="hybrid"``, ``use_orig_params`` False (verl's default) or True,
+mixed precision, every FSDP instance over the same process group. Refused
+with a :class:`odc.ConfigError`: ``NO_SHARD``, ``sharding="hybrid-zero"``,
+CPU offload, ``keep_low_precision_grads``. Every private FSDP1 name used
+here is listed in :data:`PRIVATE_FSDP1` with the releases it was checked on.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -62,7 +72,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError, LayoutError
 from ._grads import _local, _Param, _pending_cell
-from ._private import _ALL, PrivateName, _Group, _Layout, _where
+from ._private import _ALL, PrivateName, _Group, _hosts, _Layout, _where
 from ._seams import gather_rows, push_rows
 from ._state import _Binding, _Undo
 
@@ -73,7 +83,8 @@ FSDP1_VERSIONS_CHECKED = ("2.11.0", "2.15.0")
 PRIVATE_FSDP1: tuple[PrivateName, ...] = (
     PrivateName("FullyShardedDataParallel", "_handle", *_ALL, "the instance's FlatParamHandle (None: no params)"),
     PrivateName("FullyShardedDataParallel", "_comm_hook", *_ALL,
-                "written: cleared by disable (FSDP1 has no public way to unregister a comm hook)"),
+                "written: set under hybrid strategies (register_comm_hook refuses them), cleared by disable"),
+    PrivateName("FullyShardedDataParallel", "_inter_node_pg", *_ALL, "hybrid strategies: the replicate group"),
     PrivateName("FullyShardedDataParallel", "_comm_hook_state", *_ALL,
                 "written: each instance's own state object, so the hook knows whose gradient it pushes"),
     PrivateName("FlatParamHandle", "_all_gather_flat_param", *_ALL,
@@ -105,7 +116,10 @@ PRIVATE_FSDP1: tuple[PrivateName, ...] = (
                 "the end-of-backward callback that makes .grad pending again (as FSDP1 queues its own)"),
 )
 
+#: Names FSDP1 sets only on some objects (around a backward, under hybrid strategies): not checked up front.
+_WHERE_USED = ("_saved_grad_shard", "_inter_node_pg")
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
 
 def is_fsdp1(model: Any) -> bool:
@@ -184,6 +198,9 @@ class _FlatGroup(_Group):
         # The full-precision shard, cast as FSDP1 casts it before its all-gather (mixed precision).
         return [self.handle.flat_param._local_shard.to(self.dtype)]
 
+    def drop_parked(self) -> None:
+        pass  # FSDP1 parks nothing: under a comm hook it runs no all-reduce of its own
+
 
 def _check_private(instances: list[Any], owners: tuple[str, ...]) -> None:
     for inst in instances:
@@ -194,7 +211,7 @@ def _check_private(instances: list[Any], owners: tuple[str, ...]) -> None:
             obj = objs.get(n.owner) if n.owner in owners else None
             if obj is None:
                 continue
-            if n.name == "_saved_grad_shard":  # set and deleted by FSDP1 around each backward
+            if n.name in _WHERE_USED:  # looked up where they are used
                 continue
             if not hasattr(obj, n.name):
                 raise ConfigError(
@@ -206,7 +223,7 @@ def _check_private(instances: list[Any], owners: tuple[str, ...]) -> None:
 def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
     """The FSDP1 model's buckets (one per FlatParameter, in FSDP1's traversal order), this rank's layout
     and the process group; refuses what ODC cannot keep (see the module doc)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     instances = FullyShardedDataParallel.fsdp_modules(model)
     _check_private(instances, ("FullyShardedDataParallel", "FlatParamHandle"))
@@ -224,9 +241,9 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
     _check_private(instances, ("FlatParameter",))  # attributes FSDP1's lazy init sets
     process_group = model.process_group
     world = dist.get_world_size(process_group)
-    members = tuple(dist.get_process_group_ranks(process_group))
+    shard_ranks = tuple(dist.get_process_group_ranks(process_group))
     rank = dist.get_rank(process_group)
-    layout = _Layout("full", world=world, rank=rank, shards=world, index=rank, members=members)
+    layout = _Layout("full", world=world, rank=rank, shards=world, index=rank, members=shard_ranks)
     if world == 1 and dist.get_world_size() > 1:
         raise ConfigError(
             f"odc.fsdp.enable: the FSDP1 model shards over a process group of one rank out of "
@@ -235,12 +252,15 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
         )
     if world == 1:  # FSDP1 runs NO_SHARD on one rank; the caller makes it a solo model
         return [], layout, process_group
-    if sharding != "full":
+    if sharding == "hybrid-zero":
         raise ConfigError(
-            f"odc.fsdp.enable: sharding={sharding!r} on an FSDP1 (FullyShardedDataParallel) model; ODC runs "
-            "FSDP1 under sharding='full' (ShardingStrategy.FULL_SHARD or SHARD_GRAD_OP over every rank); for "
-            "hybrid sharding use FSDP2 (fully_shard over a 2-D mesh)"
+            "odc.fsdp.enable: sharding='hybrid-zero' on an FSDP1 (FullyShardedDataParallel) model; ODC runs FSDP1 "
+            "under sharding='full' (ShardingStrategy.FULL_SHARD or SHARD_GRAD_OP) or 'hybrid' (HYBRID_SHARD or "
+            "_HYBRID_SHARD_ZERO2); for hybrid-zero use FSDP2 (fully_shard over a 1-D mesh)"
         )
+    strategies = _HYBRID if sharding == "hybrid" else _STRATEGIES
+    if sharding == "hybrid":
+        layout = _hybrid_layout(instances[0], process_group)
     names = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
              for n, m in model.named_modules()}
     groups: list[_Group] = []
@@ -251,15 +271,19 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
         if h is None:
             continue
         strategy = inst.sharding_strategy
-        if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
-            why = ("FSDP1 runs no comm hook under hybrid strategies" if "HYBRID" in strategy.name
-                   else "it shards nothing, so there is nothing to gather")
+        if strategy.name not in strategies:
+            if strategy.name in _HYBRID:
+                fix = "pass odc.fsdp.enable(..., sharding='hybrid') for FSDP1's hybrid strategies"
+            elif strategy.name in _STRATEGIES:
+                fix = "pass sharding='full' for FULL_SHARD and SHARD_GRAD_OP (sharding='hybrid' serves HYBRID_SHARD)"
+            else:
+                fix = (f"it shards nothing, so there is nothing to gather; use {' or '.join(_STRATEGIES)} or "
+                       f"{' or '.join(_HYBRID)}")
             raise ConfigError(
-                f"odc.fsdp.enable: {where} uses ShardingStrategy.{strategy.name}, which ODC cannot serve ({why}); "
-                f"use {' or '.join(_STRATEGIES)}, or FSDP2 (fully_shard) for hybrid sharding"
+                f"odc.fsdp.enable: {where} uses ShardingStrategy.{strategy.name} and sharding={sharding!r}: {fix}"
             )
-        if tuple(dist.get_process_group_ranks(inst.process_group)) != members:
-            raise ConfigError(f"odc.fsdp.enable: {where} shards over other ranks than the root ({members})")
+        if tuple(dist.get_process_group_ranks(inst.process_group)) != shard_ranks:
+            raise ConfigError(f"odc.fsdp.enable: {where} shards over other ranks than the root ({shard_ranks})")
         fp = h.flat_param
         n = fp._local_shard.numel()
         name = f"fsdp1-{len(groups)}:{fqn}"
@@ -268,6 +292,34 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
         groups.append(_FlatGroup(name=name, pg=cast(Any, pg), module=cast(Any, inst), n=n, dtype=dtype,
                                  offsets=pg.offsets, index=len(groups), handle=h))
     return groups, layout, process_group
+
+
+def _hybrid_layout(root: Any, shard_group: Any) -> _Layout:
+    """FSDP1's hybrid strategies: the shard group must be the ranks of one node, node-major, the replicate
+    group (``_inter_node_pg``) one rank of each node."""
+    shard_ranks = list(dist.get_process_group_ranks(shard_group))
+    replicas = getattr(root, "_inter_node_pg", None)
+    if replicas is None:
+        raise ConfigError(f"odc.fsdp cannot run FSDP1 on {_where()}: its hybrid state has no '_inter_node_pg'")
+    nodes, g = dist.get_world_size(replicas), len(shard_ranks)
+    node, index = dist.get_rank(replicas), dist.get_rank(shard_group)
+    world = nodes * g
+    env = os.environ.get("LOCAL_WORLD_SIZE", "")
+    per_node = int(env) if env.isdigit() and int(env) > 0 else None
+    fix = (f"build FSDP1 with device_mesh=init_device_mesh(device, ({nodes}, {g}), mesh_dim_names=('replicate', "
+           "'shard')) over node-major ranks")
+    if shard_ranks != list(range(node * g, node * g + g)) or dist.get_world_size() != world:
+        raise ConfigError(f"odc.fsdp.enable: FSDP1's shard group is ranks {shard_ranks}, not one node's "
+                          f"node-major ranks of {world}; {fix}")
+    if per_node is not None and per_node != g:
+        raise ConfigError(f"odc.fsdp.enable: FSDP1's shard group has {g} ranks, but a node runs {per_node} "
+                          f"(LOCAL_WORLD_SIZE); {fix}")
+    if per_node is None:
+        hosts = _hosts(tuple(range(world)))
+        if len({hosts[r] for r in shard_ranks}) != 1:
+            raise ConfigError(f"odc.fsdp.enable: FSDP1's shard group (ranks {shard_ranks}) spans several hosts; "
+                              f"{fix}")
+    return _Layout("hybrid", world=world, rank=node * g + index, shards=g, index=index, members=tuple(range(world)))
 
 
 @dataclass(eq=False)
@@ -441,10 +493,20 @@ def _after_backward(bw: _Backward) -> None:
 
 def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
     """Installs ODC's gather on each handle and its push as FSDP1's comm hook; returns the undo."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     backward = _Backward(b)
     comms = [_FlatComms(b, g, backward) for g in groups if isinstance(g, _FlatGroup)]
-    # Public: on the root, refuses hybrid strategies and a hook already registered.
-    model.register_comm_hook(comms[0], _push)
+    if b.hybrid:
+        # FSDP1's register_comm_hook refuses its hybrid strategies (its default hooks do not do the
+        # inter-node all-reduce); ODC's push does it, once per minibatch: set as register_comm_hook does.
+        for inst in FullyShardedDataParallel.fsdp_modules(model):
+            if inst._comm_hook is not None:
+                raise ConfigError("odc.fsdp.enable: the FSDP1 model already has a communication hook")
+            inst._comm_hook, inst._comm_hook_state = _push, comms[0]
+    else:
+        # Public: on the root, refuses a hook already registered.
+        model.register_comm_hook(comms[0], _push)
     replaced = ["_all_gather_flat_param"]
     for c in comms:
         cast(Any, c.g.module)._comm_hook_state = c  # each instance its own state: the hook learns whose gradient it is
@@ -458,8 +520,6 @@ def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
     replaced += ["_writeback_orig_params", "_use_sharded_grad_views", "_use_unsharded_grad_views"]
 
     def undo() -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
         for c in comms:
             for name in replaced:
                 c.g.handle.__dict__.pop(name, None)

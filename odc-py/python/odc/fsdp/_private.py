@@ -346,6 +346,10 @@ class _Group:
         """This rank's shard as its peers gather it (all-gather dtype), in flat pieces of ``n`` elements in all."""
         return [t.reshape(-1) for ts in _get_param_all_gather_inputs(self.pg.fsdp_params) for t in ts]
 
+    def drop_parked(self) -> None:
+        """Hybrid, at each finish: FSDP2's parked (zero) reduce output, awaiting an all-reduce that never comes."""
+        drop_partial_reduce(self.pg)
+
     def staging(self) -> torch.Tensor:
         """The staging buffer publishes copy this rank's shard into (made by ``enable``)."""
         if self.shard is None:

@@ -17,7 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from ..engine import Engine
 from ..errors import ConfigError, ProtocolError
 from ._grads import GradContract
-from ._private import _Group, _Layout, drop_partial_reduce
+from ._private import _Group, _Layout
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
 SHARDINGS = ("full", "hybrid", "hybrid-zero")
@@ -149,7 +149,7 @@ class _Binding:
             # awaiting an all-reduce that never comes; they would stay
             # allocated, a gradient's worth per group.
             for g in self.groups:
-                drop_partial_reduce(g.pg)
+                g.drop_parked()
         if install:
             self.grads.install([self.engine.grad_shard(g.name) for g in self.groups])
         self.engine.zero_grad()
