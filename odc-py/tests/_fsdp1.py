@@ -24,10 +24,15 @@ import odc.fsdp
 TOKENS = 27  # per microbatch: data()'s 3 sequences of 9, 8 predicted tokens... summed loss over 3·9 = 27 targets
 
 
-def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False, offload=False, nodes=None):
-    """Tiny under FSDP1; ``nodes``: a hybrid strategy over a (nodes, ranks per node) mesh, as verl builds one."""
+def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False, offload=False, nodes=None, freeze=False):
+    """Tiny under FSDP1; ``nodes``: a hybrid strategy over a (nodes, ranks per node) mesh, as verl builds one;
+    ``freeze``: each block's LayerNorm frozen, the rest of its FlatParameter trained (LoRA's pattern; FSDP1
+    needs use_orig_params=True for it)."""
     torch.manual_seed(seed)
     model = Tiny()
+    if freeze:
+        for b in model.blocks:
+            b.norm.requires_grad_(False)
     kw = {}
     if nodes is not None:
         world = torch.distributed.get_world_size()
@@ -125,14 +130,15 @@ def uneven_worker(rank, world, store, table, variants):
 
 
 def gloo_parity_worker(rank, world, store, table, variants):
-    """The same even-count loop over FSDP1's own collectives (gloo) and over ODC; variants: (clip, mixed
-    precision, use_orig_params, gradients kept over the first step)."""
+    """The same even-count loop over FSDP1's own collectives (gloo) and over ODC; ``variants``: name ->
+    build() and train() settings (clip, mp, orig, keep, freeze)."""
     init_pg(rank, world, store)
     out = {}
-    for clip, mp, orig, keep in variants:
-        gloo = train(build(mp=mp, orig=orig), rank, world, table, odc_on=False, clip=clip, keep=keep)
-        odc_ = train(build(mp=mp, orig=orig), rank, world, table, odc_on=True, clip=clip, keep=keep)
-        name = f"{clip}/{'bf16' if mp else 'f32'}{'/orig' if orig else ''}{'/keep' if keep else ''}"
+    for name, kw in variants.items():
+        kw = dict(kw)
+        made = {k: kw.pop(k) for k in ("mp", "orig", "freeze") if k in kw}
+        gloo = train(build(**made), rank, world, table, odc_on=False, **kw)
+        odc_ = train(build(**made), rank, world, table, odc_on=True, **kw)
         out[name] = {"gloo": gloo, "odc": odc_}
     return out
 

@@ -35,15 +35,22 @@ def test_uneven_counts_on_fsdp1_match_one_process_with_either_use_orig_params_no
 def test_even_counts_on_fsdp1_match_fsdp1_over_gloo_with_torchs_clip_fsdp1s_clip_and_bf16_compute():
     """torch's clip_grad_norm_ on FSDP1's shards (a per-rank norm, as a user's loop may call it) and FSDP1's own
     model.clip_grad_norm_, in f32 and with verl's MixedPrecision (bf16 compute, f32 reduce), with either
-    use_orig_params, and a loop that keeps the first step's gradients (no zero_grad) to add the second's onto."""
-    variants = (("torch", False, False, False), ("fsdp1", False, False, True), ("fsdp1", True, False, False),
-                ("torch", False, True, False), ("fsdp1", True, True, False), ("fsdp1", False, True, True))
+    use_orig_params, a loop that keeps the first step's gradients (no zero_grad) to add the second's onto,
+    and LoRA's pattern (part of each FlatParameter frozen, use_orig_params=True)."""
+    variants = {
+        "torch/f32": {"clip": "torch"},
+        "fsdp1/f32/keep": {"clip": "fsdp1", "keep": True},
+        "fsdp1/bf16": {"clip": "fsdp1", "mp": True},
+        "torch/f32/orig": {"clip": "torch", "orig": True},
+        "fsdp1/bf16/orig": {"clip": "fsdp1", "mp": True, "orig": True},
+        "fsdp1/f32/orig/keep": {"clip": "fsdp1", "orig": True, "keep": True},
+        "torch/f32/orig/frozen": {"clip": "torch", "orig": True, "freeze": True},
+    }
     out = all_ok(run_ranks(W.gloo_parity_worker, 2, timeout=240, table=[[1, 1], [2, 2], [1, 1]],
                            variants=variants))
     per_rank = {}
     for rank, res in out.items():
-        assert set(res) == {"torch/f32", "fsdp1/f32/keep", "fsdp1/bf16", "torch/f32/orig", "fsdp1/bf16/orig",
-                            "fsdp1/f32/orig/keep"}, sorted(res)
+        assert set(res) == set(variants), sorted(res)
         for name, runs in res.items():
             gloo, odc_ = runs["gloo"], runs["odc"]
             assert all(n > 0.1 for n in gloo["norms"]), (name, gloo["norms"])
