@@ -134,8 +134,8 @@ def gloo_parity_worker(rank, world, store, table, variants):
     build() and train() settings (clip, mp, orig, keep, freeze)."""
     init_pg(rank, world, store)
     out = {}
-    for name, kw in variants.items():
-        kw = dict(kw)
+    for name, settings in variants.items():
+        kw = dict(settings)
         made = {k: kw.pop(k) for k in ("mp", "orig", "freeze") if k in kw}
         gloo = train(build(**made), rank, world, table, odc_on=False, **kw)
         odc_ = train(build(**made), rank, world, table, odc_on=True, **kw)
