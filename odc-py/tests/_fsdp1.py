@@ -239,11 +239,12 @@ def refusals_worker(rank, world, store):
         except odc.ConfigError as e:
             out[name] = str(e)
         out[name + "_enabled"] = odc.fsdp.is_enabled(model)
-    try:
-        odc.fsdp.enable(build(), None, timeout=30, sharding="hybrid-zero")
-        out["sharding"] = "no error"
-    except odc.ConfigError as e:
-        out["sharding"] = str(e)
+    for sharding in ("hybrid-zero", "hybrid"):
+        try:
+            odc.fsdp.enable(build(), None, timeout=30, sharding=sharding)
+            out[f"sharding={sharding}"] = "no error"
+        except odc.ConfigError as e:
+            out[f"sharding={sharding}"] = str(e)
     return out
 
 

@@ -104,7 +104,10 @@ def test_fsdp1_settings_odc_cannot_serve_are_refused_by_name_and_enable_nothing(
         assert "NO_SHARD" in res["no_shard"] and "FULL_SHARD" in res["no_shard"], res["no_shard"]
         # Without a mesh, on one host without GPUs, FSDP1 makes HYBRID_SHARD a one-rank NO_SHARD group per rank.
         assert "process group of one rank" in res["hybrid"], res["hybrid"]
-        assert "sharding='hybrid-zero'" in res["sharding"] and "FSDP2" in res["sharding"], res["sharding"]
+        msg = res["sharding=hybrid-zero"]
+        assert "sharding='hybrid-zero'" in msg and "FSDP2" in msg, msg
+        msg = res["sharding=hybrid"]  # a FULL_SHARD model under sharding="hybrid"
+        assert "ShardingStrategy.FULL_SHARD and sharding='hybrid'" in msg and "sharding='full'" in msg, msg
         assert not any(res[k + "_enabled"] for k in ("offload", "no_shard", "hybrid")), res
 
 

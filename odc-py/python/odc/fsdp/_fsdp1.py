@@ -259,8 +259,6 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
             "_HYBRID_SHARD_ZERO2); for hybrid-zero use FSDP2 (fully_shard over a 1-D mesh)"
         )
     strategies = _HYBRID if sharding == "hybrid" else _STRATEGIES
-    if sharding == "hybrid":
-        layout = _hybrid_layout(instances[0], process_group)
     names = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
              for n, m in model.named_modules()}
     groups: list[_Group] = []
@@ -291,6 +289,8 @@ def describe(model: Any, sharding: str) -> tuple[list[_Group], _Layout, Any]:
         pg = _FlatParamGroup(h, fqn)
         groups.append(_FlatGroup(name=name, pg=cast(Any, pg), module=cast(Any, inst), n=n, dtype=dtype,
                                  offsets=pg.offsets, index=len(groups), handle=h))
+    if sharding == "hybrid":  # every instance runs a hybrid strategy (checked above)
+        layout = _hybrid_layout(instances[0], process_group)
     return groups, layout, process_group
 
 
