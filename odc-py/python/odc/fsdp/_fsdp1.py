@@ -35,13 +35,15 @@ whose sharded ``.data`` and ``.grad`` FSDP1 keeps as 1-D views into the
 FlatParameter and its gradient. There each original parameter with a part
 in this rank's shard carries the pending gradient of that part (its
 offset in the bucket shard); the FlatParameter's ``.grad`` stays None, and
-two handle methods are replaced on each instance: ``_use_sharded_grad_views``
+three handle methods are replaced on each instance: ``_use_sharded_grad_views``
 (after every reshard and reduce-scatter FSDP1 would point the parameters'
-``.grad`` at its own, zero, gradient) leaves ODC's gradients in place, and
-``_writeback_orig_params`` (every pre-unshard, where FSDP1 compares each
-``.grad`` with its gradient's storage, a read a pending gradient cannot
-answer without finishing the minibatch) runs with the gradients out of its
-sight.
+``.grad`` at its own, zero, gradient) leaves ODC's gradients in place;
+``_use_unsharded_grad_views`` (after a ``no_sync()`` backward) takes the
+pending gradients off first, since FSDP1 repoints an existing ``.grad``
+with ``.grad.data = view``; and ``_writeback_orig_params`` (every
+pre-unshard, where FSDP1 compares each ``.grad`` with its gradient's
+storage, a read a pending gradient cannot answer without finishing the
+minibatch) runs with the pending gradients out of its sight.
 
 Hybrid strategies (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``: shard within a
 node, replicate across nodes) run under ``sharding="hybrid"``, on the
@@ -118,6 +120,9 @@ PRIVATE_FSDP1: tuple[PrivateName, ...] = (
 
 #: Names FSDP1 sets only on some objects (around a backward, under hybrid strategies): not checked up front.
 _WHERE_USED = ("_saved_grad_shard", "_inter_node_pg")
+#: The handle methods replaced on each instance (the last three under use_orig_params=True only).
+_REPLACED = ("_all_gather_flat_param", "_writeback_orig_params", "_use_sharded_grad_views",
+             "_use_unsharded_grad_views")
 _STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP")
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
@@ -507,7 +512,6 @@ def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
     else:
         # Public: on the root, refuses a hook already registered.
         model.register_comm_hook(comms[0], _push)
-    replaced = ["_all_gather_flat_param"]
     for c in comms:
         cast(Any, c.g.module)._comm_hook_state = c  # each instance its own state: the hook learns whose gradient it is
         h = c.g.handle
@@ -517,11 +521,10 @@ def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
             h._use_sharded_grad_views = c.use_sharded_grad_views
             h._use_unsharded_grad_views = c.use_unsharded_grad_views
             h.flat_param.grad = None  # the original parameters' .grad (pending since enable) are the gradients
-    replaced += ["_writeback_orig_params", "_use_sharded_grad_views", "_use_unsharded_grad_views"]
 
     def undo() -> None:
         for c in comms:
-            for name in replaced:
+            for name in _REPLACED:
                 c.g.handle.__dict__.pop(name, None)
         for inst in FullyShardedDataParallel.fsdp_modules(model):
             inst._comm_hook = None
