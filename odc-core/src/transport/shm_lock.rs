@@ -110,6 +110,9 @@ impl LockFile {
     /// that holds it for a moment); `name` is for the error.
     pub(crate) fn hold(file: File, name: &str) -> Result<LockFile> {
         let l = flock(libc::F_RDLCK as libc::c_short);
+        // Tracked before it is locked: a fork by another thread between the
+        // two would otherwise give the child the lock.
+        track(file.as_raw_fd());
         loop {
             // SAFETY: a valid descriptor and a valid flock for the call.
             let rc = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLKW, &l) };
@@ -118,6 +121,7 @@ impl LockFile {
             }
             let e = std::io::Error::last_os_error();
             if e.kind() != std::io::ErrorKind::Interrupted {
+                untrack(file.as_raw_fd());
                 return Err(Error::transport_io(
                     "fcntl(F_OFD_SETLKW)",
                     format!("lock {name}"),
@@ -125,7 +129,6 @@ impl LockFile {
                 ));
             }
         }
-        track(file.as_raw_fd());
         Ok(LockFile { file, holds: true })
     }
 
@@ -151,6 +154,12 @@ impl LockFile {
 impl Drop for LockFile {
     fn drop(&mut self) {
         if self.holds {
+            // Released while still tracked, then untracked, then closed: a
+            // fork by another thread at any point in between gives the child
+            // no lock (before the release its copy is pointed elsewhere).
+            let l = flock(libc::F_UNLCK as libc::c_short);
+            // SAFETY: a valid descriptor and a valid flock for the call.
+            unsafe { libc::fcntl(self.file.as_raw_fd(), libc::F_OFD_SETLK, &l) };
             untrack(self.file.as_raw_fd());
         }
     }
