@@ -23,12 +23,23 @@ pub const LIVENESS_PERIOD: Duration = Duration::from_millis(50);
 pub enum PeerStatus {
     /// Running, as far as the backend can tell.
     Alive,
-    /// Its process is gone or it closed its engine.
+    /// Its process is gone or it closed its engine; or (a network peer,
+    /// whose probe reads its blame) it runs but failed on a wait for the
+    /// third rank it blames, so it will not deliver either.
     Dead {
         /// Its process id (0 when unknown).
         pid: u32,
         /// The rank it blamed for its own failure, if it failed on a peer.
         blamed: Option<usize>,
+    },
+    /// Not reached (its probe is pending or failed to say), but rank `by`
+    /// failed because of it: `by` recorded it as the rank it blames, which
+    /// a rank does only when a wait on it failed. The job cannot go on
+    /// without `by` either, so the waiter fails now, naming the peer and
+    /// `by`, instead of waiting out a probe's timeout.
+    Reported {
+        /// The rank whose failure named this peer.
+        by: usize,
     },
 }
 
@@ -236,13 +247,15 @@ impl<B: Bells + ?Sized> Waiter<'_, B> {
         bucket: Option<&str>,
         waited_for: &dyn Fn() -> String,
     ) -> Option<(usize, Error)> {
-        let PeerStatus::Dead { pid, blamed } = self.bells.peer_status(peer) else {
-            return None;
-        };
-        let (root, reported_by) = blame(self.me, self.world, peer, blamed);
-        let pid = match reported_by {
-            Some(_) => self.pids.get(root).copied().unwrap_or(0),
-            None => pid,
+        let (root, reported_by, pid) = match self.bells.peer_status(peer) {
+            PeerStatus::Alive => return None,
+            PeerStatus::Dead { pid, blamed } => match blame(self.me, self.world, peer, blamed) {
+                (root, None) => (root, None, pid),
+                (root, by) => (root, by, self.pids.get(root).copied().unwrap_or(0)),
+            },
+            PeerStatus::Reported { by } => {
+                (peer, Some(by), self.pids.get(peer).copied().unwrap_or(0))
+            }
         };
         Some((
             root,
@@ -283,6 +296,65 @@ mod tests {
         assert_eq!(p.step(t3), Step::Probe);
         assert_eq!(p.after_probe(t3), Step::Sleep(Duration::from_millis(10)));
         assert_eq!(p.step(t0 + Duration::from_millis(130)), Step::Expired);
+    }
+
+    /// Bells whose every peer answers `status` and whose bell never rings.
+    struct Fixed {
+        status: PeerStatus,
+        blamed: std::sync::Mutex<Option<usize>>,
+    }
+
+    impl Bells for Fixed {
+        fn bell_epoch(&self, _: Bell) -> u32 {
+            0
+        }
+        fn bell_wait(&self, _: Bell, _: u32, timeout: Duration) -> Result<()> {
+            std::thread::sleep(timeout.min(Duration::from_millis(1)));
+            Ok(())
+        }
+        fn peer_status(&self, _: usize) -> PeerStatus {
+            self.status
+        }
+        fn set_blame(&self, peer: usize) {
+            *self.blamed.lock().unwrap_or_else(|e| e.into_inner()) = Some(peer);
+        }
+    }
+
+    #[test]
+    fn a_reported_peer_is_named_with_its_pid_and_the_reporter() {
+        let bells = Fixed {
+            status: PeerStatus::Reported { by: 1 },
+            blamed: std::sync::Mutex::new(None),
+        };
+        let pids = [10, 11, 12, 13];
+        let w = Waiter {
+            bells: &bells,
+            me: 0,
+            world: 4,
+            timeout: Duration::from_secs(30),
+            pids: &pids,
+        };
+        let err = w
+            .wait(Some("b"), &|| "its gradients".into(), || Ok(Some(2)))
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::PeerDied {
+                    peer: 2,
+                    pid: 12,
+                    reported_by: Some(1),
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(
+            *bells.blamed.lock().unwrap_or_else(|e| e.into_inner()),
+            Some(2)
+        );
+        assert!(err.to_string().contains("rank 2 (pid 12)"), "{err}");
+        assert!(err.to_string().contains("reported by rank 1"), "{err}");
     }
 
     #[test]

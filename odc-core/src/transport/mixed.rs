@@ -74,6 +74,17 @@ impl MixedTransport {
         let fabric = FabricTransport::with_config(rank, world, timeout, config)?;
         let bell = Arc::clone(&shm);
         fabric.forward_bells(Arc::new(move |b| bell.ring(b)))?;
+        // A killed remote peer is seen at once by the ranks of its node
+        // (`shm` liveness), which fail naming it; so may ranks of this node
+        // be before this one: their blame words (one load each) end this
+        // rank's probe of the peer and its posts to it.
+        let (node, local) = (topo.node_of(rank) * topo.local_world(), topo.local_world());
+        let blames = Arc::clone(&shm);
+        fabric.forward_reports(Arc::new(move |peer| {
+            (node..node + local)
+                .filter(|&q| q != rank && q != peer)
+                .find(|&q| blames.blame_of(q) == Some(peer))
+        }))?;
         Ok(MixedTransport { fabric, shm, topo })
     }
 
@@ -303,6 +314,38 @@ mod tests {
     }
 
     #[test]
+    fn a_remote_peer_that_a_failed_rank_blames_is_reported_without_a_probe() {
+        let name = key("report");
+        let Some((mut ts, regions)) = job(&name, 4096) else {
+            return;
+        };
+        assert_eq!(ts[0].peer_status(2), PeerStatus::Alive);
+        // Rank 1 (rank 0's node) failed because of rank 2 (the other node):
+        // rank 0 reads it from rank 1's blame word, although rank 2 still
+        // runs and answers probes.
+        ts[1].set_blame(2);
+        assert_eq!(ts[0].peer_status(2), PeerStatus::Reported { by: 1 });
+        assert_eq!(ts[0].peer_status(3), PeerStatus::Alive);
+        // A local peer is judged by shm alone.
+        ts[1].set_blame(0);
+        assert_eq!(ts[1].peer_status(0), PeerStatus::Alive);
+        // Rank 3 (rank 2's node) failed because of rank 2 and closed: its
+        // close notice tells rank 1, whose own node reports nothing of 2.
+        ts[3].set_blame(2);
+        drop(ts.remove(3));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while ts[1].peer_status(2) != (PeerStatus::Reported { by: 3 }) {
+            assert!(
+                Instant::now() < deadline,
+                "rank 1 never read rank 3's notice"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drop(ts);
+        drop(regions);
+    }
+
+    #[test]
     fn blame_and_closing_reach_local_and_remote_peers() {
         let name = key("close");
         let Some((mut ts, regions)) = job(&name, 4096) else {
@@ -334,6 +377,7 @@ mod tests {
                     assert!(Instant::now() < deadline, "rank 2 never saw rank 1 close");
                     std::thread::sleep(Duration::from_millis(20));
                 }
+                other => panic!("rank 2 sees rank 1 as {other:?}"),
             }
         }
         drop(ts);

@@ -623,6 +623,16 @@ impl Transport for ShmTransport {
     }
 }
 
+impl ShmTransport {
+    /// The rank `peer` (connected) recorded as the one it failed because
+    /// of, if it failed on one: a load from its bell page.
+    pub fn blame_of(&self, peer: usize) -> Option<usize> {
+        let p = self.peer(peer).ok()?;
+        let blame = p.bell.word(OFF_BLAME).load(Ordering::Acquire);
+        blame.checked_sub(1).and_then(|b| usize::try_from(b).ok())
+    }
+}
+
 impl Drop for ShmTransport {
     fn drop(&mut self) {
         // Peers that still wait on this rank see it as gone at once.

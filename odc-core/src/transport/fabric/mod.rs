@@ -84,6 +84,22 @@
 //! engine closed: [`Transport::peer_status`] reads the peer's small status
 //! region (closed flag, blamed rank) at most every [`PROBE_PERIOD`].
 //! A dead peer is `PeerStatus::Dead { pid: 0, blamed }`.
+//!
+//! A rank that closes its engine sends every live peer a close notice
+//! naming the rank it blames, if it failed on one. A probe reads the
+//! blame too: a peer that runs but failed on a wait for a third rank counts
+//! as dead, blaming that rank (it will not deliver what the waiter waits
+//! for), before its notice comes.
+//!
+//! A killed process is not seen at once: tcp leaves a read of its status
+//! pending (rxm logs the refused reconnection and keeps the operation)
+//! until [`PROBE_TIMEOUT`], and answers posts to it with `-FI_EAGAIN`. Its
+//! own node's ranks see it gone at once and fail naming it, and that news
+//! is what ends the wait here: a notice from any rank that blames the peer,
+//! or (a mixed transport passes these, [`FabricTransport::forward_reports`])
+//! a rank of this node whose blame word names it. Either answers
+//! `PeerStatus::Reported` before a probe, cuts one in flight short, and
+//! stops retrying a post to the peer.
 
 pub mod result;
 pub mod safe;
@@ -104,8 +120,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use self::safe::{Av, Cq, Domain, Ep, Fabric, Granted, Info, Mr};
-pub use self::shared::BellForward;
 use self::shared::{bell_index, peer_died, with_peer, Core, OpSlot, OwnRegion, Peer, SLOT_FREE};
+pub use self::shared::{BellForward, PeerReports};
 use super::{PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, RemoteRegion, SignalRef};
 use crate::sync::{EventCount, Ordering};
@@ -305,6 +321,7 @@ impl FabricTransport {
             credit_freed: EventCount::default(),
             bells: [EventCount::default(), EventCount::default()],
             forward: OnceLock::new(),
+            reports: OnceLock::new(),
             stop: AtomicBool::new(false),
             progress_errors: AtomicU64::new(0),
             local_keys: AtomicU64::new(shared::random_key()?),
@@ -337,6 +354,19 @@ impl FabricTransport {
             .forward
             .set(forward)
             .map_err(|_| Error::transport("forward_bells", "bells already forwarded"))
+    }
+
+    /// Makes `reports` part of what this transport knows of peers'
+    /// failures: a rank it names (as having failed because of the peer)
+    /// ends a wait on that peer with [`PeerStatus::Reported`], cuts a probe
+    /// of it short, and stops retrying a post to it (see the module docs).
+    /// The mixed transport passes its node's blame words. At most once per
+    /// transport; `reports` must not block.
+    pub fn forward_reports(&self, reports: PeerReports) -> Result<()> {
+        self.core
+            .reports
+            .set(reports)
+            .map_err(|_| Error::transport("forward_reports", "reports already forwarded"))
     }
 
     /// Registers memory that something else allocated (another
@@ -512,6 +542,61 @@ impl FabricTransport {
     }
 }
 
+impl FabricTransport {
+    fn status_of(&self, peer: usize) -> PeerStatus {
+        let c = &self.core;
+        if peer == c.rank {
+            return PeerStatus::Alive;
+        }
+        if let Some(closed) = c.notice(peer) {
+            return closed;
+        }
+        let Ok(p) = c.peer(peer) else {
+            return PeerStatus::Alive;
+        };
+        if !p.dead.load(Ordering::Acquire) {
+            if let Some(by) = c.reported(peer) {
+                return PeerStatus::Reported { by };
+            }
+            c.probe(peer, p);
+        }
+        if p.dead.load(Ordering::Acquire) && !p.notice_awaited.swap(true, Ordering::AcqRel) {
+            // A peer that closed its engine sent its close notice (whom it
+            // blamed) before its endpoint went, but on an unordered network
+            // the notice may complete after the operation that failed on
+            // it: give it a moment, once per peer.
+            let until = Instant::now() + NOTICE_GRACE;
+            while Instant::now() < until {
+                if let Some(closed) = c.notice(peer) {
+                    return closed;
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        if let Some(closed) = c.notice(peer) {
+            return closed;
+        }
+        let blamed = p
+            .blamed
+            .load(Ordering::Acquire)
+            .checked_sub(1)
+            .and_then(|b| usize::try_from(b).ok());
+        if p.dead.load(Ordering::Acquire) {
+            return PeerStatus::Dead { pid: 0, blamed };
+        }
+        // Running, but a wait of its own failed on a third rank (the blame
+        // the probe read): it will not deliver what this rank waits for, and
+        // the root cause is that rank. Its close notice says so later.
+        if blamed.is_some_and(|b| b != c.rank && b != peer) {
+            return PeerStatus::Dead { pid: 0, blamed };
+        }
+        match c.reported(peer) {
+            Some(by) => PeerStatus::Reported { by },
+            None => PeerStatus::Alive,
+        }
+    }
+}
+
 impl Transport for FabricTransport {
     fn name(&self) -> &'static str {
         "fabric"
@@ -579,6 +664,7 @@ impl Transport for FabricTransport {
             warm: AtomicBool::new(peer == c.rank),
             notice_awaited: AtomicBool::new(false),
             last_probe: AtomicU64::new(0),
+            probe_buf: Default::default(),
         };
         slot.set(p)
             .map_err(|_| Error::transport("connect", format!("rank {peer} connected twice")))?;
@@ -722,44 +808,7 @@ impl Transport for FabricTransport {
     }
 
     fn peer_status(&self, peer: usize) -> PeerStatus {
-        let c = &self.core;
-        if peer == c.rank {
-            return PeerStatus::Alive;
-        }
-        if let Some(closed) = c.notice(peer) {
-            return closed;
-        }
-        let Ok(p) = c.peer(peer) else {
-            return PeerStatus::Alive;
-        };
-        if !p.dead.load(Ordering::Acquire) {
-            c.probe(peer, p);
-        }
-        if p.dead.load(Ordering::Acquire) && !p.notice_awaited.swap(true, Ordering::AcqRel) {
-            // A peer that closed its engine sent its close notice (whom it
-            // blamed) before its endpoint went, but on an unordered network
-            // the notice may complete after the operation that failed on
-            // it: give it a moment, once per peer.
-            let until = Instant::now() + NOTICE_GRACE;
-            while Instant::now() < until {
-                if let Some(closed) = c.notice(peer) {
-                    return closed;
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-        }
-        if let Some(closed) = c.notice(peer) {
-            return closed;
-        }
-        if p.dead.load(Ordering::Acquire) {
-            let blamed = p
-                .blamed
-                .load(Ordering::Acquire)
-                .checked_sub(1)
-                .and_then(|b| usize::try_from(b).ok());
-            return PeerStatus::Dead { pid: 0, blamed };
-        }
-        PeerStatus::Alive
+        self.status_of(peer)
     }
 
     fn set_blame(&self, peer: usize) {

@@ -80,7 +80,26 @@ pub(super) struct Peer {
     pub(super) notice_awaited: AtomicBool,
     /// Milliseconds since the transport started, of the last probe.
     pub(super) last_probe: AtomicU64,
+    /// Where a probe reads the peer's status region into.
+    pub(super) probe_buf: ProbeBuf,
 }
+
+/// The destination of a probe's read. It lives as long as the transport,
+/// not the probe: a probe that gives up or passes its deadline abandons a
+/// read that may still land.
+#[derive(Default)]
+pub(super) struct ProbeBuf(UnsafeCell<[u8; 16]>);
+
+impl std::fmt::Debug for ProbeBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProbeBuf")
+    }
+}
+
+// SAFETY: only the thread holding `Peer::probing` touches the buffer, and
+// the read it posted; a probe whose read was abandoned leaves `probing`
+// set for good, so nothing reads or posts into it again.
+unsafe impl Sync for ProbeBuf {}
 
 impl Peer {
     pub(super) fn region(&self, id: u32) -> Option<RemoteRegion> {
@@ -131,6 +150,9 @@ pub(super) struct Core {
     /// Rung after `bells` whenever they are (see
     /// [`FabricTransport::forward_bells`](super::FabricTransport::forward_bells)).
     pub(super) forward: OnceLock<BellForward>,
+    /// What the owning transport knows of peers' failures (see
+    /// [`FabricTransport::forward_reports`](super::FabricTransport::forward_reports)).
+    pub(super) reports: OnceLock<PeerReports>,
     pub(super) stop: AtomicBool,
     pub(super) progress_errors: AtomicU64,
     /// Next key for a per-operation local registration (`FI_MR_LOCAL`).
@@ -161,6 +183,10 @@ impl std::fmt::Debug for Core {
 
 /// A callback that rings another transport's bell.
 pub type BellForward = Arc<dyn Fn(Bell) + Send + Sync>;
+
+/// A callback that names a rank known (to the caller) to have failed
+/// because of the given peer, if there is one.
+pub type PeerReports = Arc<dyn Fn(usize) -> Option<usize> + Send + Sync>;
 
 pub(super) fn bell_index(bell: Bell) -> usize {
     match bell {
@@ -522,6 +548,16 @@ impl Core {
                 })
                 .map_err(|e| with_peer(e, peer));
             }
+            // A killed or closed peer's connection answers -FI_EAGAIN until
+            // EAGAIN_STALL; its close notice, or a rank that failed because
+            // of it, says so sooner. Nothing is posted yet, so giving up
+            // leaves nothing in flight.
+            let gone = || self.notice(peer).is_some() || self.reported(peer).is_some();
+            if backoff.is_completed() && gone() {
+                free();
+                // The caller's attribution names the rank that reported it.
+                return Err(peer_died(peer, format!("its {what} to be accepted")));
+            }
             let stalled = connected && first_try.elapsed() >= EAGAIN_STALL;
             if Instant::now() >= deadline || stalled {
                 free();
@@ -554,6 +590,21 @@ impl Core {
         deadline: Instant,
         i: usize,
     ) -> Result<()> {
+        self.finish_op_or(peer, what, deadline, i, &|| false)
+    }
+
+    /// [`finish_op`](Self::finish_op) that also stops waiting once
+    /// `give_up` says so (checked at least every 10 ms): the operation is
+    /// then cancelled as at the deadline, but `peer` is not marked dead by
+    /// it (whoever gave up knows why).
+    pub(super) fn finish_op_or(
+        &self,
+        peer: usize,
+        what: &'static str,
+        deadline: Instant,
+        i: usize,
+        give_up: &dyn Fn() -> bool,
+    ) -> Result<()> {
         let slot = &self.ops[i];
         let ctx: *mut c_void = slot.ctx.get().cast();
         let mut backoff = Backoff::new();
@@ -575,7 +626,8 @@ impl Core {
                 }
                 _ => {}
             }
-            if Instant::now() >= deadline {
+            let gave_up = backoff.is_completed() && give_up();
+            if gave_up || Instant::now() >= deadline {
                 // SAFETY: our slot is still POSTED: its completion is unread.
                 let _ = unsafe { self.ep.cancel(ctx) };
                 // Give the cancellation its completion; otherwise leave the
@@ -596,6 +648,9 @@ impl Core {
                     .is_err()
                 {
                     slot.state.store(SLOT_FREE, Ordering::Release);
+                }
+                if gave_up {
+                    return Err(peer_died(peer, format!("its {what} (given up)")));
                 }
                 self.mark_dead(peer);
                 return Err(peer_died(
@@ -635,6 +690,22 @@ impl Core {
         dst: &mut [u8],
         deadline: Instant,
     ) -> Result<()> {
+        self.read_or(peer, p, r, offset, dst, deadline, &|| false)
+    }
+
+    /// [`read`](Self::read) that stops waiting once `give_up` says so (see
+    /// [`finish_op_or`](Self::finish_op_or)).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn read_or(
+        &self,
+        peer: usize,
+        p: &Peer,
+        r: &RemoteRegion,
+        offset: usize,
+        dst: &mut [u8],
+        deadline: Instant,
+        give_up: &dyn Fn() -> bool,
+    ) -> Result<()> {
         let Some(addr) = p.addr else {
             return Err(Error::transport("get", "read from self over the fabric"));
         };
@@ -650,12 +721,15 @@ impl Core {
                 let n = (dst.len() - done).min(max);
                 let buf = dst[done..].as_mut_ptr();
                 let raddr = r.base + (offset + done) as u64;
-                self.run_op(peer, "fi_read", deadline, |ctx| {
+                let post = |ctx| {
                     // SAFETY: `buf` has `n` bytes and stays borrowed (and
-                    // registered) until run_op has seen the completion;
-                    // `ctx` is our slot's fi_context.
+                    // registered) until finish_op_or has seen the
+                    // completion or abandoned the slot; `ctx` is our slot's
+                    // fi_context.
                     unsafe { self.ep.post_read(buf, n, desc, addr, raddr, r.key, ctx) }
-                })?;
+                };
+                let i = self.start_op(peer, "fi_read", deadline, post)?;
+                self.finish_op_or(peer, "fi_read", deadline, i, give_up)?;
                 done += n;
             }
             drop(mr);
@@ -717,9 +791,13 @@ impl Core {
     }
 
     /// Tells every live peer that this rank closes (and whom it blames),
-    /// with a pure signal that raises the notice word.
+    /// with a pure signal that raises the notice word: [`FANOUT_BATCH`]
+    /// peers at a time, their completions awaited together (one at a time,
+    /// a rank with many remote peers on a loaded host took seconds to tell
+    /// the last of them, who waited that long to name a killed rank).
     pub(super) fn send_close_notices(&self) {
         let blame = self.status_word(8).map_or(0, |w| w.load(Ordering::Acquire));
+        let value = blame << 1 | 1;
         let at = OFF_NOTICES + NOTICE_STRIDE * self.rank;
         let Ok(imm) = (Imm {
             region: STATUS_ID,
@@ -730,18 +808,29 @@ impl Core {
         .encode() else {
             return;
         };
-        for peer in 0..self.world {
-            let Some(p) = self.peers.get(peer).and_then(OnceLock::get) else {
-                continue;
-            };
-            let (Some(addr), Some(r)) = (p.addr, p.region(STATUS_ID)) else {
-                continue;
-            };
-            if p.dead.load(Ordering::Acquire) || self.notice(peer).is_some() {
-                continue;
+        let live = (0..self.world).filter_map(|peer| {
+            let p = self.peers.get(peer).and_then(OnceLock::get)?;
+            let (addr, r) = (p.addr?, p.region(STATUS_ID)?);
+            let gone = p.dead.load(Ordering::Acquire) || self.notice(peer).is_some();
+            (!gone).then_some((peer, addr, r, imm))
+        });
+        let none = RemoteRegion {
+            id: 0,
+            base: 0,
+            len: 0,
+            key: 0,
+        };
+        let mut batch = [(0, 0, none, 0); FANOUT_BATCH];
+        let mut n = 0;
+        for target in live {
+            batch[n] = target;
+            n += 1;
+            if n == FANOUT_BATCH {
+                let _ = self.post_raise_batch(&batch, at, value, NOTICE_TIMEOUT);
+                n = 0;
             }
-            let _ = self.post_raise(peer, addr, &r, at, imm, blame << 1 | 1, NOTICE_TIMEOUT);
         }
+        let _ = self.post_raise_batch(&batch[..n], at, value, NOTICE_TIMEOUT);
     }
 
     /// A pure signal: one 8-byte write of `value` into the mailbox of the
@@ -854,7 +943,14 @@ impl Core {
         first
     }
 
+    /// Reads `peer`'s status region (closed flag, blamed rank), at most
+    /// every [`PROBE_PERIOD`]. A read that fails or passes
+    /// [`PROBE_TIMEOUT`] marks the peer dead; one cut short because a rank
+    /// reported the peer ([`reported`](Self::reported)) leaves that to the
+    /// caller. Either way the abandoned read keeps the peer's probe slot:
+    /// the peer is not probed again.
     pub(super) fn probe(&self, peer: usize, p: &Peer) {
+        let give_up = || self.reported(peer).is_some();
         let now = self.elapsed_ms();
         let last = p.last_probe.load(Ordering::Relaxed);
         if now.saturating_sub(last) < PROBE_PERIOD.as_millis() as u64
@@ -863,27 +959,46 @@ impl Core {
             return;
         }
         p.last_probe.store(now, Ordering::Relaxed);
-        let mut status = [0u8; 16];
-        let outcome = p.region(STATUS_ID).map(|r| {
-            let deadline = Instant::now() + PROBE_TIMEOUT.min(self.timeout);
-            self.read(peer, p, &r, 0, &mut status, deadline)
-        });
-        match outcome {
-            Some(Ok(())) => {
-                let word = |i: usize| {
-                    let mut w = [0u8; 8];
-                    w.copy_from_slice(&status[i * 8..i * 8 + 8]);
-                    u64::from_ne_bytes(w)
-                };
-                p.blamed.store(word(1), Ordering::Release);
-                if word(0) == STATE_CLOSED {
-                    p.dead.store(true, Ordering::Release);
-                }
+        let Some(r) = p.region(STATUS_ID) else {
+            p.probing.store(false, Ordering::Release);
+            return;
+        };
+        let deadline = Instant::now() + PROBE_TIMEOUT.min(self.timeout);
+        // SAFETY: this thread holds `probing` (see ProbeBuf).
+        let status = unsafe { &mut *p.probe_buf.0.get() };
+        if self
+            .read_or(peer, p, &r, 0, status, deadline, &give_up)
+            .is_err()
+        {
+            if !give_up() {
+                p.dead.store(true, Ordering::Release);
             }
-            Some(Err(_)) => p.dead.store(true, Ordering::Release),
-            None => {}
+            return;
+        }
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&status[i * 8..i * 8 + 8]);
+            u64::from_ne_bytes(w)
+        };
+        p.blamed.store(word(1), Ordering::Release);
+        if word(0) == STATE_CLOSED {
+            p.dead.store(true, Ordering::Release);
         }
         p.probing.store(false, Ordering::Release);
+    }
+
+    /// A rank known to have failed because of `peer`: one the owning
+    /// transport reports, or one whose close notice blamed `peer`. Loads
+    /// only, no round trip.
+    pub(super) fn reported(&self, peer: usize) -> Option<usize> {
+        if let Some(by) = self.reports.get().and_then(|f| f(peer)) {
+            return Some(by);
+        }
+        (0..self.world)
+            .filter(|&q| q != self.rank && q != peer)
+            .find(|&q| {
+                matches!(self.notice(q), Some(PeerStatus::Dead { blamed: Some(b), .. }) if b == peer)
+            })
     }
 }
 

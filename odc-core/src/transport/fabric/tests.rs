@@ -392,6 +392,75 @@ fn a_closed_peer_is_reported_dead() {
 }
 
 #[test]
+fn a_report_cuts_a_hanging_probe_short() {
+    need_libfabric!();
+    let (mut ts, regions) = pair(4096);
+    assert_eq!(ts[0].peer_status(1), PeerStatus::Alive);
+    // Rank 1 stops answering: its progress thread ends, so a read of its
+    // status hangs as one of a killed process does over tcp.
+    ts[1].core.stop.store(true, Ordering::Release);
+    ts[1].core.cq.signal().unwrap();
+    ts[1].progress.take().unwrap().join().unwrap();
+    std::thread::sleep(PROBE_PERIOD + Duration::from_millis(50));
+    // 200 ms into the probe, word arrives that rank 1 is gone (this test's
+    // stand-in for a node-mate's report, which a mixed transport forwards).
+    let reported = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = Arc::clone(&reported);
+    ts[0]
+        .forward_reports(Arc::new(move |peer| {
+            (peer == 1 && flag.load(Ordering::Acquire)).then_some(0)
+        }))
+        .unwrap();
+    let t0 = Instant::now();
+    let status = std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(200));
+            reported.store(true, Ordering::Release);
+        });
+        ts[0].peer_status(1)
+    });
+    let took = t0.elapsed();
+    assert_eq!(status, PeerStatus::Reported { by: 0 });
+    assert!(
+        took < PROBE_TIMEOUT / 2,
+        "the probe ran {took:?}: the report did not cut it short"
+    );
+    // The abandoned probe is not retried, and the peer is not marked dead
+    // by it: the report stands.
+    assert_eq!(ts[0].peer_status(1), PeerStatus::Reported { by: 0 });
+    drop(ts);
+    drop(regions);
+}
+
+#[test]
+fn a_running_peer_that_failed_on_a_third_rank_counts_as_dead_blaming_it() {
+    need_libfabric!();
+    let ts: Vec<FabricTransport> = (0..3)
+        .map(|r| FabricTransport::new(r, 3, Duration::from_secs(20)).unwrap())
+        .collect();
+    let regions: Vec<LocalRegion> = ts.iter().map(|t| t.register(0, 4096).unwrap()).collect();
+    for t in &ts {
+        for (peer, other) in ts.iter().enumerate() {
+            t.connect(peer, &other.endpoint(), &[regions[peer].desc()])
+                .unwrap();
+        }
+    }
+    assert_eq!(ts[0].peer_status(1), PeerStatus::Alive);
+    // Rank 1 failed on rank 2 (and runs on, its engine open).
+    ts[1].set_blame(2);
+    std::thread::sleep(PROBE_PERIOD + Duration::from_millis(50));
+    let dead = PeerStatus::Dead {
+        pid: 0,
+        blamed: Some(2),
+    };
+    assert_eq!(ts[0].peer_status(1), dead, "rank 0's probe reads the blame");
+    // Rank 2, the one blamed, is not told that rank 1 is gone by it.
+    assert_eq!(ts[2].peer_status(1), PeerStatus::Alive);
+    drop(ts);
+    drop(regions);
+}
+
+#[test]
 fn large_writes_both_ways() {
     need_libfabric!();
     let (ts, regions) = pair(5 << 20);
