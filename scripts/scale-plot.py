@@ -3,7 +3,8 @@
 
     .venv/bin/python scripts/scale-plot.py --out docs/scale.png full.json hybrid-zero.json
 
-Each line is labelled with the file's transport and sharding and each panel's title carries the
+Each line is labelled with the file's transport and sharding (or its "label", where a file has one
+added by hand: a run with settings of its own) and each panel's title carries the
 fitted growth exponents scale_perf wrote (slope of log figure against log D), so the plot and the
 table in the README come from the same run.
 """
@@ -23,6 +24,8 @@ PANELS = [
     ("minibatch_cpu_s", "CPU per rank per minibatch (s)"),
     ("idle_cpu_pct", "idle CPU per rank (% of a core)"),
     ("detect_s", "killed rank named by all (s)"),
+    ("steal_s", "stealing phase, slowest rank (s)"),
+    ("steal_rtt_ms", "steal round trip, median (ms)"),
 ]
 
 
@@ -47,14 +50,14 @@ def main(argv: list[str]) -> int:
             print(f"scale-plot: {path} is not scale_perf output", file=sys.stderr)
             return 2
         docs.append(doc)
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7.5))
+    fig, axes = plt.subplots(2, 5, figsize=(20, 7.5))
     for ax, (field, title) in zip(axes.flat, PANELS, strict=True):
         slopes = []
         for doc in docs:
             pts = [(p["ranks"], p[field]) for p in doc["points"] if p.get(field)]
             if not pts:
                 continue
-            label = f"{doc['transport']} / {doc['sharding']}"
+            label = doc.get("label") or f"{doc['transport']} / {doc['sharding']}"
             ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=label)
             e = doc.get("exponents", {}).get(field)
             slopes.append("-" if e is None else f"{e:.2f}")

@@ -22,6 +22,12 @@
 //!   checked exactly;
 //! - **idle**: the process's CPU time (every thread: the daemon is the only
 //!   one awake) over `--idle-s` seconds with nothing to do;
+//! - **stealing**: rank 0 gets a list of `--steal-items` microbatches per
+//!   rank of its shard group (every rank under full sharding, its node
+//!   under hybrid), the others none; rank 0 runs its own from the front
+//!   (`--steal-work-ms` each) while every other rank of the group steals
+//!   from the back until the list is drained: every microbatch must be
+//!   claimed exactly once; the phase's time and each steal's round trip;
 //! - **a killed rank**: the last rank kills itself (`SIGKILL`) while every
 //!   other rank waits for it in `finish_minibatch`; each survivor records
 //!   how long after the kill its error came and whether it names the rank.
@@ -83,6 +89,13 @@ struct Args {
     /// Skip the killed-rank measurement.
     #[arg(long = "no-kill")]
     no_kill: bool,
+    /// Microbatches of rank 0's list per rank of its shard group (the
+    /// stealing phase; 0 skips it).
+    #[arg(long = "steal-items", default_value_t = 4)]
+    steal_items: u64,
+    /// Emulated run time of each microbatch rank 0 claims for itself (ms).
+    #[arg(long = "steal-work-ms", default_value_t = 1.0)]
+    steal_work_ms: f64,
     /// Seconds any wait on a peer may take (the engine's deadline).
     #[arg(long = "timeout", default_value_t = 120)]
     timeout_s: u64,
@@ -281,6 +294,12 @@ struct RankReport {
     idle_cpu_s: f64,
     idle_s: f64,
     wrong: u64,
+    /// Stealing phase: the indices of rank 0's list this rank claimed (its
+    /// own claims for rank 0, steals for the others), each steal's round
+    /// trip (s), and the phase's time on this rank (s).
+    claimed: Vec<u64>,
+    steal_rtt_s: Vec<f64>,
+    steal_s: f64,
     /// Survivors: seconds from the kill to this rank's error, and the error.
     detect_s: Option<f64>,
     detect_error: Option<String>,
@@ -413,6 +432,10 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
     report.idle_s = t_a.elapsed().as_secs_f64();
     barrier(&sync, "idle", world, deadline())?;
 
+    if args.steal_items > 0 {
+        steal_phase(args, &host, rank, world, &sync, &mut report)?;
+    }
+
     if !args.no_kill {
         let victim = world - 1;
         if rank == victim {
@@ -457,6 +480,56 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
         report.detect_error = Some(err);
     }
     Ok(report)
+}
+
+/// The stealing phase (see the module docs), on minibatch
+/// `--minibatches`: claims are their own protocol, apart from the
+/// gradients the killed-rank phase then pushes for that minibatch.
+fn steal_phase(
+    args: &Args,
+    host: &odc_core::Host<'_>,
+    rank: usize,
+    world: usize,
+    sync: &FileStore,
+    report: &mut RankReport,
+) -> Result<(), String> {
+    use odc_core::protocol::claims::Claim;
+
+    let timeout = Duration::from_secs(args.timeout_s.max(1));
+    let group = match args.sharding {
+        Sharding::Full => world,
+        _ => args.local(world),
+    };
+    let k = args.minibatches;
+    let items = args.steal_items * group as u64;
+    let count = if rank == 0 { items } else { 0 };
+    // Every rank starts minibatch k of its claim word with its first claim
+    // before anyone steals (a thief's request before that is answered
+    // NotYet).
+    let mut claim = host.claim_own(k, count).map_err(|e| e.to_string())?;
+    barrier(sync, "steal", world, Instant::now() + timeout)?;
+    let t = Instant::now();
+    let work = Duration::from_secs_f64(args.steal_work_ms.max(0.0) / 1000.0);
+    if rank == 0 {
+        while let Claim::Got(i) = claim {
+            report.claimed.push(i);
+            std::thread::sleep(work);
+            claim = host.claim_own(k, count).map_err(|e| e.to_string())?;
+        }
+    } else if rank < group {
+        loop {
+            let a = Instant::now();
+            let got = host.steal(0, k).map_err(|e| e.to_string())?;
+            report.steal_rtt_s.push(a.elapsed().as_secs_f64());
+            match got {
+                Claim::Got(i) => report.claimed.push(i),
+                Claim::Empty => break,
+                Claim::NotYet => return Err("rank 0 had not started the stealing minibatch".into()),
+            }
+        }
+    }
+    report.steal_s = t.elapsed().as_secs_f64();
+    barrier(sync, "stolen", world, Instant::now() + timeout)
 }
 
 /// The engine's job key for the ranks of `job` (its segments' name prefix).
@@ -585,8 +658,18 @@ struct Point {
     /// Idle CPU per rank, percent of one core: mean and worst rank.
     idle_cpu_pct: f64,
     idle_cpu_pct_max: f64,
-    /// Slowest survivor's detection (s); how many survivors named the rank.
+    /// Stealing: rank 0's list, how much of it thieves took, how many of
+    /// its items were claimed other than exactly once, the slowest rank's
+    /// phase (s) and the median steal round trip (ms).
+    steal_items: u64,
+    stolen: u64,
+    steal_wrong: u64,
+    steal_s: f64,
+    steal_rtt_ms: f64,
+    /// Slowest and median survivor's detection (s); how many survivors
+    /// named the rank.
     detect_s: Option<f64>,
+    detect_p50_s: Option<f64>,
     named: usize,
     survivors: usize,
     wrong: u64,
@@ -611,6 +694,24 @@ fn point(args: &Args, d: usize, reports: &[RankReport]) -> Point {
         .collect();
     let victim = format!("rank {}", d - 1);
     let survivors: Vec<&RankReport> = reports.iter().filter(|r| r.detect_s.is_some()).collect();
+    let group = match args.sharding {
+        Sharding::Full => d,
+        _ => args.local(d),
+    };
+    let steal_items = if args.steal_items > 0 {
+        args.steal_items * group as u64
+    } else {
+        0
+    };
+    let mut times_claimed = vec![0u64; steal_items as usize];
+    let mut steal_wrong = 0;
+    for i in reports.iter().flat_map(|r| &r.claimed) {
+        match times_claimed.get_mut(*i as usize) {
+            Some(n) => *n += 1,
+            None => steal_wrong += 1,
+        }
+    }
+    steal_wrong += times_claimed.iter().filter(|&&n| n != 1).count() as u64;
     Point {
         ranks: d,
         node_ranks: args.local(d),
@@ -636,6 +737,8 @@ fn point(args: &Args, d: usize, reports: &[RankReport]) -> Point {
         idle_cpu_pct: idle.iter().sum::<f64>() / n,
         idle_cpu_pct_max: idle.iter().copied().fold(0.0, f64::max),
         detect_s: survivors.iter().filter_map(|r| r.detect_s).reduce(f64::max),
+        detect_p50_s: (!survivors.is_empty())
+            .then(|| median(survivors.iter().filter_map(|r| r.detect_s).collect())),
         named: survivors
             .iter()
             .filter(|r| {
@@ -645,6 +748,15 @@ fn point(args: &Args, d: usize, reports: &[RankReport]) -> Point {
             })
             .count(),
         survivors: survivors.len(),
+        steal_items,
+        stolen: reports
+            .iter()
+            .filter(|r| r.rank != 0)
+            .map(|r| r.claimed.len() as u64)
+            .sum(),
+        steal_wrong,
+        steal_s: reports.iter().map(|r| r.steal_s).fold(0.0, f64::max),
+        steal_rtt_ms: 1e3 * median(reports.iter().flat_map(|r| r.steal_rtt_s.clone()).collect()),
         wrong: reports.iter().map(|r| r.wrong).sum(),
     }
 }
@@ -671,7 +783,7 @@ fn exponent(points: &[(f64, f64)]) -> Option<f64> {
 
 type Figure = (&'static str, fn(&Point) -> f64);
 
-const FIGURES: [Figure; 11] = [
+const FIGURES: [Figure; 13] = [
     ("register_s", |p| p.register_s),
     ("register_cpu_s", |p| p.register_cpu_s),
     ("store_calls_per_rank", |p| p.store_calls_per_rank),
@@ -683,6 +795,8 @@ const FIGURES: [Figure; 11] = [
     ("minibatch_cpu_s", |p| p.minibatch_cpu_s),
     ("idle_cpu_pct", |p| p.idle_cpu_pct),
     ("detect_s", |p| p.detect_s.unwrap_or(0.0)),
+    ("steal_s", |p| p.steal_s),
+    ("steal_rtt_ms", |p| p.steal_rtt_ms),
 ];
 
 fn exponents(points: &[Point]) -> BTreeMap<&'static str, Option<f64>> {
@@ -713,15 +827,15 @@ fn print_header(args: &Args) {
         args.idle_s
     );
     println!(
-        "# {:>5} {:>9} {:>9} {:>9} {:>10} {:>8} {:>8} {:>9} {:>6} {:>5} {:>8} {:>9} {:>9} {:>8} {:>9} {:>6} {:>6}",
+        "# {:>5} {:>9} {:>9} {:>9} {:>10} {:>8} {:>8} {:>9} {:>6} {:>5} {:>8} {:>9} {:>9} {:>8} {:>11} {:>8} {:>8} {:>9} {:>8} {:>6} {:>6}",
         "D", "reg s", "reg cpu s", "st calls", "st bytes", "rss MiB", "shm MiB", "virt MiB", "maps", "fds",
-        "shm/rk", "mb s", "mb cpu s", "idle %", "detect s", "named", "wrong"
+        "shm/rk", "mb s", "mb cpu s", "idle %", "stolen", "steal s", "rtt ms", "detect s", "det p50", "named", "wrong"
     );
 }
 
 fn print_point(p: &Point) {
     println!(
-        "  {:>5} {:>9.3} {:>9.4} {:>9.0} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>6} {:>5} {:>8.2} {:>9.4} {:>9.4} {:>8.4} {:>9} {:>6} {:>6}",
+        "  {:>5} {:>9.3} {:>9.4} {:>9.0} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>6} {:>5} {:>8.2} {:>9.4} {:>9.4} {:>8.4} {:>11} {:>8.3} {:>8.3} {:>9} {:>8} {:>6} {:>6}",
         p.ranks,
         p.register_s,
         p.register_cpu_s,
@@ -736,7 +850,11 @@ fn print_point(p: &Point) {
         p.minibatch_s,
         p.minibatch_cpu_s,
         p.idle_cpu_pct,
+        format!("{}/{}", p.stolen, p.steal_items),
+        p.steal_s,
+        p.steal_rtt_ms,
         p.detect_s.map_or("-".into(), |s| format!("{s:.3}")),
+        p.detect_p50_s.map_or("-".into(), |s| format!("{s:.3}")),
         format!("{}/{}", p.named, p.survivors),
         p.wrong
     );
@@ -765,7 +883,7 @@ fn main() -> ExitCode {
             Ok(reports) => {
                 let p = point(&args, d, &reports);
                 print_point(&p);
-                if p.wrong > 0 || (!args.no_kill && p.named != p.survivors) {
+                if p.wrong > 0 || p.steal_wrong > 0 || (!args.no_kill && p.named != p.survivors) {
                     failed = true;
                 }
                 points.push(p);
@@ -795,6 +913,8 @@ fn main() -> ExitCode {
             "chunk_bytes": args.chunk_bytes,
             "minibatches": args.minibatches,
             "idle_s": args.idle_s,
+            "steal_items": args.steal_items,
+            "steal_work_ms": args.steal_work_ms,
             "points": points,
             "exponents": exps,
         });
@@ -805,7 +925,10 @@ fn main() -> ExitCode {
         }
     }
     if failed {
-        eprintln!("error: wrong sums, a rank not named, or a world that failed (see above)");
+        eprintln!(
+            "error: wrong sums, a microbatch not claimed exactly once, a rank not named, or a \
+             world that failed (see above)"
+        );
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
