@@ -120,7 +120,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use self::safe::{Av, Cq, Domain, Ep, Fabric, Granted, Info, Mr};
-use self::shared::{bell_index, peer_died, with_peer, Core, OpSlot, OwnRegion, Peer, SLOT_FREE};
+use self::shared::{
+    bell_index, no_targets, peer_died, with_peer, Core, OpSlot, OwnRegion, Peer, SLOT_FREE,
+};
 pub use self::shared::{BellForward, PeerReports};
 use super::{PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, RemoteRegion, SignalRef};
@@ -505,13 +507,7 @@ impl FabricTransport {
         value: u64,
     ) -> Result<()> {
         let c = &self.core;
-        let none = RemoteRegion {
-            id: 0,
-            base: 0,
-            len: 0,
-            key: 0,
-        };
-        let mut batch = [(0, 0, none, 0); FANOUT_BATCH];
+        let mut batch = no_targets();
         let (mut n, mut first) = (0, Ok(()));
         for (peer, desc) in targets {
             let (peer, p) = (*peer, c.peer(*peer)?);

@@ -184,6 +184,21 @@ impl std::fmt::Debug for Core {
 /// A callback that rings another transport's bell.
 pub type BellForward = Arc<dyn Fn(Bell) + Send + Sync>;
 
+/// One pure signal of a fan-out: the peer, its address, the region and
+/// the immediate that names the word (see `Core::post_raise_batch`).
+pub(super) type Target = (usize, u64, RemoteRegion, u32);
+
+/// A fan-out batch's storage, filled from the front.
+pub(super) fn no_targets() -> [Target; FANOUT_BATCH] {
+    let none = RemoteRegion {
+        id: 0,
+        base: 0,
+        len: 0,
+        key: 0,
+    };
+    [(0, 0, none, 0); FANOUT_BATCH]
+}
+
 /// A callback that names a rank known (to the caller) to have failed
 /// because of the given peer, if there is one.
 pub type PeerReports = Arc<dyn Fn(usize) -> Option<usize> + Send + Sync>;
@@ -814,13 +829,7 @@ impl Core {
             let gone = p.dead.load(Ordering::Acquire) || self.notice(peer).is_some();
             (!gone).then_some((peer, addr, r, imm))
         });
-        let none = RemoteRegion {
-            id: 0,
-            base: 0,
-            len: 0,
-            key: 0,
-        };
-        let mut batch = [(0, 0, none, 0); FANOUT_BATCH];
+        let mut batch = no_targets();
         let mut n = 0;
         for target in live {
             batch[n] = target;
@@ -906,7 +915,7 @@ impl Core {
     /// (nobody reads its words any more). Allocates nothing.
     pub(super) fn post_raise_batch(
         &self,
-        batch: &[(usize, u64, RemoteRegion, u32)],
+        batch: &[Target],
         word: usize,
         value: u64,
         timeout: Duration,
