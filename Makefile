@@ -96,9 +96,10 @@ pytest:
 	$(PY) -m pytest --durations=15 odc-py/tests
 
 # Only what depends on torch's version (the tests marked torch_versions) and verl, which must run here, on its
-# own pins. verl's requirements bring pytest-asyncio, which warns at start-up about a setting of its own.
+# own pins. verl's requirements bring pytest-asyncio, which warns at start-up about a setting of its own. No
+# pytest cache: make test runs this leg beside the other, which keeps it.
 pytest-torch211:
-	ODC_REQUIRE_VERL=1 $(PY211) -m pytest -p no:asyncio -m "torch_versions or verl" --durations=15 odc-py/tests
+	ODC_REQUIRE_VERL=1 $(PY211) -m pytest -p no:asyncio -p no:cacheprovider -m "torch_versions or verl" --durations=15 odc-py/tests
 
 # The GPU test executables and the wheel the GPU test machine runs, and its rehearsal here (scripts/gpu-rehearse.sh:
 # as the machine runs it, up to the first device call).
@@ -112,14 +113,17 @@ gpu-rehearse: gpu-bundle setup-torch211
 rehearse:
 	@scripts/gpu-rehearse.sh .gpu-bundle
 
-# The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure); the Rust builds
-# (&rust-builds) run beside the Python stages, and the stages that need them wait for them (=rust-builds). The
-# rehearsal (one Python process at a time) runs at the lowest priority beside the cargo tests, which wait on
-# peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
+# The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure). The two pytest
+# legs run at once (+pytest-torch211 beside pytest, as equals: each alone left about 40 % of the two cores idle,
+# its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds) and the Python
+# linters (&lint-python: mypy is one core for a minute from a cold cache) run beside them at the lowest priority
+# on what the legs leave idle; the stages that need them wait for them (=..., a failure stops the run there).
+# The rehearsal (one Python process at a time) runs at the lowest priority beside the cargo tests, which wait
+# on peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
 # bound how long a failure takes to be seen).
 test:
-	@scripts/stages.sh setup '&rust-builds' setup-torch211 lint-python pytest pytest-torch211 '=rust-builds' \
-	    '&rehearse' cargo-test loom '=rehearse'
+	@scripts/stages.sh setup '&rust-builds' '&lint-python' setup-torch211 '+pytest-torch211' pytest \
+	    '=pytest-torch211' '=lint-python' '=rust-builds' '&rehearse' cargo-test loom '=rehearse'
 
 fmt:
 	$(CARGO) fmt --all
