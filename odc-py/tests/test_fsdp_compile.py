@@ -8,6 +8,8 @@ from _dist import run_ranks
 from _fsdp_helpers import all_ok, assert_runs_match
 
 pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+# The workers, and inductor's check of the CPU's vector instructions (_inductor_isa), once in the fork server.
+RANK_PRELOAD = ["_compile", "_inductor_isa"]
 
 CASES = [(order, {}) for order in C.ORDERS] + [("blocks_before", {"deterministic": True}),
                                                ("blocks_before", {"steal": True})]
