@@ -42,7 +42,18 @@ fn check_json(path: &std::path::Path, bench: &str) {
     assert_eq!(rows.len(), 3, "sizes 4K, 16K, 64K");
     for r in rows {
         assert_eq!(r["wrong"], 0, "{r}");
-        assert!(r["busbw"].as_f64().unwrap() > 0.0);
+        let busbw = r["busbw"].as_f64().unwrap();
+        assert!(busbw > 0.0);
+        assert!(r["ceiling_busbw"].as_f64().unwrap() > 0.0, "{r}");
+        // %ceil's operation side is the slowest rank's fastest iteration
+        // of the better variant, never below that variant's mean.
+        let mean = r["in_place"]["busbw"]
+            .as_f64()
+            .map_or(busbw, |ip| ip.max(busbw));
+        assert!(
+            r["best_busbw"].as_f64().unwrap() >= mean * (1.0 - 1e-9),
+            "{r}"
+        );
     }
 }
 

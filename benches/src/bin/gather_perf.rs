@@ -14,8 +14,8 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    ceiling_note, decode, encode, gbps, make_in_place, make_row, pattern, perf_main, print_row,
-    slowest_best, timed_interleaved, CopyWork, PerfArgs, RankCtx, Row,
+    ceiling_note, ceiling_pct, decode, encode, gbps, make_in_place, make_row, pattern, perf_main,
+    print_row, slowest_best, timed_interleaved, CopyWork, PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -83,19 +83,21 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         page.barrier()?;
         let in_place = (rank == 0).then(|| make_in_place(args, size, &page));
         page.barrier()?;
-        let slow_oop = slowest_best(&page, rank, &oop[1..])?;
-        let slow_ip = slowest_best(&page, rank, &ip[1..])?;
+        // [operation, ceiling, limit], each the slowest rank's fastest.
+        let slow_oop = slowest_best(&page, rank, &oop)?;
+        let slow_ip = slowest_best(&page, rank, &ip)?;
         if let (Some(mut row), Some(ip_row)) = (row, in_place) {
             row.in_place = Some(ip_row);
-            // The baselines of the loop of the better variant.
-            let (best, op_t, base, slow) = if ip_row.busbw >= row.busbw {
-                (ip_row.busbw, ip[0], ip[1], slow_ip)
+            // The better variant (by mean) and the baselines of its loop.
+            let (op_t, base, slow) = if ip_row.busbw >= row.busbw {
+                (ip[0], ip[1], slow_ip)
             } else {
-                (row.busbw, oop[0], oop[1], slow_oop)
+                (oop[0], oop[1], slow_oop)
             };
-            row.ceiling_busbw = gbps(moved, slow[0]);
-            row.limit_busbw = gbps(moved, slow[1]);
-            let pct = 100.0 * best / row.ceiling_busbw.max(1e-12);
+            row.best_busbw = gbps(moved, slow[0]);
+            row.ceiling_busbw = gbps(moved, slow[1]);
+            row.limit_busbw = gbps(moved, slow[2]);
+            let pct = ceiling_pct(row.best_busbw, row.ceiling_busbw);
             row.ceiling_note = ceiling_note(size, pct, op_t, base);
             print_row(&row);
             rows.push(row);

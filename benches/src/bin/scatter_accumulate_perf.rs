@@ -13,7 +13,7 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    ceiling_note, encode, gbps, make_row, pattern, perf_main, print_row, slowest_best,
+    ceiling_note, ceiling_pct, encode, gbps, make_row, pattern, perf_main, print_row, slowest_best,
     timed_interleaved, CopyAddPipe, PerfArgs, RankCtx, Row,
 };
 
@@ -92,11 +92,13 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         page.barrier()?;
         let row = (rank == 0).then(|| make_row(args, size, "sum", &page, 0.0));
         page.barrier()?;
-        let slow = slowest_best(&page, rank, &times[1..])?;
+        // [operation, ceiling, limit], each the slowest rank's fastest.
+        let slow = slowest_best(&page, rank, &times)?;
         if let Some(mut row) = row {
-            row.ceiling_busbw = gbps(moved, slow[0]);
-            row.limit_busbw = gbps(moved, slow[1]);
-            let pct = 100.0 * row.busbw / row.ceiling_busbw.max(1e-12);
+            row.best_busbw = gbps(moved, slow[0]);
+            row.ceiling_busbw = gbps(moved, slow[1]);
+            row.limit_busbw = gbps(moved, slow[2]);
+            let pct = ceiling_pct(row.best_busbw, row.ceiling_busbw);
             row.ceiling_note = ceiling_note(size, pct, times[0], times[1]);
             print_row(&row);
             rows.push(row);
