@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_odc-pack");
@@ -45,8 +45,11 @@ fn assert_bad(o: &Output, needles: &[&str]) {
     }
 }
 
+/// A file under cargo's scratch folder for integration tests (inside
+/// `target/`, one per name, rewritten by every run), so a run leaves nothing
+/// in the system's temporary folder.
 fn temp_file(name: &str, contents: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("odc-pack-cli-{}", std::process::id()));
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("odc-pack-cli");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(name);
     std::fs::write(&path, contents).unwrap();
@@ -167,8 +170,7 @@ fn bad_synthetic_spec() {
 fn missing_and_unreadable_files() {
     let missing = "/nonexistent/odc-pack/lengths.txt";
     assert_bad(&run(&["--lengths", missing]), &[missing]);
-    let dir = std::env::temp_dir();
-    let shown = dir.display().to_string();
+    let shown = env!("CARGO_TARGET_TMPDIR").to_string();
     assert_bad(&run(&["--lengths", &shown]), &[&shown]);
 }
 
