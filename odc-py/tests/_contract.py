@@ -270,12 +270,18 @@ def deadline_worker(rank, world, store):
     out = {"timeout": eng.timeout, "source": eng.deadline_source}
     sample_loss(model, data(0, 0, rank)).backward()
     if rank == 1:
-        time.sleep(8)  # stalls before its step: rank 0's minibatch cannot finish
+        # Stalls before its step, alive and silent, so rank 0's minibatch cannot finish: until rank 0 has timed
+        # out on it (30 s at most), no longer than that takes.
+        store.wait(["deadline_seen"], datetime.timedelta(seconds=30))
         return out
+    start = time.monotonic()
     try:
         opt.step()
     except odc.PeerTimeout as e:
         out["error"] = str(e)
         out["notes"] = list(getattr(e, "__notes__", []))
         out["peer"] = e.peer
+    finally:
+        out["waited"] = time.monotonic() - start
+        store.set("deadline_seen", "1")
     return out

@@ -174,3 +174,4 @@ def test_the_deadline_follows_the_process_group_and_a_timeout_names_it():
     r0 = out[0][1]
     assert r0["peer"] == 1 and "rank 1" in r0["error"], r0
     assert r0["notes"] == ["ODC's deadline: 3 s, from the process group's timeout"], r0
+    assert 3.0 <= r0["waited"] < 15.0, r0  # the step waited out the group's 3 s, not a default of its own
