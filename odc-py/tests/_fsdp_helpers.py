@@ -742,6 +742,12 @@ def steal_worker(rank, world, store, counts, slow_rank, slow_s, transport, steal
     ``runs`` microbatches (holding the ones it claimed). ``jitter=seed``: every rank also sleeps a random
     0-30 ms (seeded by ``seed`` and the rank) before each microbatch, so who steals what and when pushes arrive
     change with the seed. ``deterministic`` is passed to ``odc.fsdp.enable``.
+
+    The sleeps are the suite's smallest that keep the assertions meaningful: a microbatch of the tests' model
+    computes in a few milliseconds, so ``slow_s`` of 0.05-0.15 s per microbatch keeps the slow rank on its own
+    list long after the others have run theirs (its list is stolen from on every run, also under make test's
+    load), and 0-30 ms of jitter is several microbatches' worth, enough to change who steals what; longer
+    sleeps only add wall time.
     """
     import hashlib
     import random
