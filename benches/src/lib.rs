@@ -300,6 +300,27 @@ pub struct Row {
     pub in_place: Option<InPlace>,
 }
 
+impl Row {
+    /// Sets the operation's best, the ceiling and the limit from `slow`
+    /// (`[operation, ceiling, limit]`, each the slowest rank's fastest
+    /// iteration, from [`slowest_best`]) for `moved` bytes per rank, and the
+    /// note of a row above 100 %; `op` and `ceiling` are rank 0's times in
+    /// the loop `slow` came from.
+    pub fn set_baselines(
+        &mut self,
+        moved: usize,
+        slow: &[Duration],
+        op: PhaseTime,
+        ceiling: PhaseTime,
+    ) {
+        self.best_busbw = gbps(moved, slow[0]);
+        self.ceiling_busbw = gbps(moved, slow[1]);
+        self.limit_busbw = gbps(moved, slow[2]);
+        let pct = ceiling_pct(self.best_busbw, self.ceiling_busbw);
+        self.ceiling_note = ceiling_note(self.size, pct, op, ceiling);
+    }
+}
+
 /// Time, bandwidths and errors of an in-place run of the same size.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct InPlace {
@@ -670,8 +691,8 @@ pub fn gbps(bytes: usize, t: Duration) -> f64 {
 /// the slowest rank's, in percent (0 without a ceiling). Like against like:
 /// a mean against a fastest iteration would count the host's noise as the
 /// engine's cost (at 64 MiB on the 2-core development VM that alone read as
-/// 5-10 points).
-pub fn ceiling_pct(best_busbw: f64, ceiling_busbw: f64) -> f64 {
+/// 5-15 points).
+fn ceiling_pct(best_busbw: f64, ceiling_busbw: f64) -> f64 {
     if ceiling_busbw > 0.0 {
         100.0 * best_busbw / ceiling_busbw
     } else {
@@ -685,7 +706,7 @@ pub fn ceiling_pct(best_busbw: f64, ceiling_busbw: f64) -> f64 {
 /// work is cheaper than the ceiling's or the ceiling's best iteration was
 /// slowed; `op` and `ceiling` are rank 0's iteration times, printed to show
 /// it.
-pub fn ceiling_note(size: u64, pct: f64, op: PhaseTime, ceiling: PhaseTime) -> Option<String> {
+fn ceiling_note(size: u64, pct: f64, op: PhaseTime, ceiling: PhaseTime) -> Option<String> {
     if pct <= 100.0 {
         return None;
     }

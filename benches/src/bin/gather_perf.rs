@@ -14,8 +14,8 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    ceiling_note, ceiling_pct, decode, encode, gbps, make_in_place, make_row, pattern, perf_main,
-    print_row, slowest_best, timed_interleaved, CopyWork, PerfArgs, RankCtx, Row,
+    decode, encode, make_in_place, make_row, pattern, perf_main, print_row, slowest_best,
+    timed_interleaved, CopyWork, PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -94,11 +94,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
             } else {
                 (oop[0], oop[1], slow_oop)
             };
-            row.best_busbw = gbps(moved, slow[0]);
-            row.ceiling_busbw = gbps(moved, slow[1]);
-            row.limit_busbw = gbps(moved, slow[2]);
-            let pct = ceiling_pct(row.best_busbw, row.ceiling_busbw);
-            row.ceiling_note = ceiling_note(size, pct, op_t, base);
+            row.set_baselines(moved, &slow, op_t, base);
             print_row(&row);
             rows.push(row);
         }

@@ -13,8 +13,8 @@
 use std::process::ExitCode;
 
 use odc_benches::{
-    ceiling_note, ceiling_pct, encode, gbps, make_row, pattern, perf_main, print_row, slowest_best,
-    timed_interleaved, CopyAddPipe, PerfArgs, RankCtx, Row,
+    encode, make_row, pattern, perf_main, print_row, slowest_best, timed_interleaved, CopyAddPipe,
+    PerfArgs, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -95,11 +95,7 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
         // [operation, ceiling, limit], each the slowest rank's fastest.
         let slow = slowest_best(&page, rank, &times)?;
         if let Some(mut row) = row {
-            row.best_busbw = gbps(moved, slow[0]);
-            row.ceiling_busbw = gbps(moved, slow[1]);
-            row.limit_busbw = gbps(moved, slow[2]);
-            let pct = ceiling_pct(row.best_busbw, row.ceiling_busbw);
-            row.ceiling_note = ceiling_note(size, pct, times[0], times[1]);
+            row.set_baselines(moved, &slow, times[0], times[1]);
             print_row(&row);
             rows.push(row);
         }
