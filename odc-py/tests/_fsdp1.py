@@ -12,6 +12,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from _fsdp_helpers import Block, Tiny, data, enable_without, init_pg, sample_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
@@ -215,6 +216,7 @@ def params_worker(rank, world, store):
             out["inside" + ("/orig" if orig else "")] = "no error"
         except odc.ProtocolError as e:
             out["inside" + ("/orig" if orig else "")] = str(e)
+        dist.barrier()  # this rank's daemon serves the peer's pushes until the peer is refused too
     return out
 
 
