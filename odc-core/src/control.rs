@@ -280,6 +280,10 @@ pub struct SlotHeader {
     pub len: u64,
     /// Factor applied while accumulating.
     pub scale: f32,
+    /// The client's running minibatch (how many it finished): the owner adds
+    /// the chunk only once its accumulator takes that minibatch
+    /// ([`crate::protocol::admit`]).
+    pub minibatch: u64,
 }
 
 impl SlotHeader {
@@ -292,6 +296,7 @@ impl SlotHeader {
         b[16..24].copy_from_slice(&self.offset.to_le_bytes());
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..36].copy_from_slice(&self.scale.to_le_bytes());
+        b[40..48].copy_from_slice(&self.minibatch.to_le_bytes());
         b
     }
 
@@ -314,6 +319,7 @@ impl SlotHeader {
             offset: u64_at(16),
             len: u64_at(24),
             scale,
+            minibatch: u64_at(40),
         })
     }
 }
@@ -331,6 +337,7 @@ mod tests {
             offset: 1 << 40,
             len: 99,
             scale: 0.5,
+            minibatch: 12,
         };
         assert_eq!(SlotHeader::decode(&h.encode()), Some(h));
         let mut bad = h.encode();

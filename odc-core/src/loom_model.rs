@@ -18,6 +18,7 @@
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 
+use crate::protocol::admit::{self, Admit};
 use crate::protocol::claims::{self, Claim};
 use crate::protocol::finish;
 use crate::protocol::pieces::{self, Piece};
@@ -47,6 +48,9 @@ enum Mistake {
     /// Work stealing: a claim stores the new word instead of swapping it
     /// in (load, decide, store).
     ClaimWithoutSwap,
+    /// The daemon adds a chunk whatever minibatch it belongs to (no
+    /// admission rule).
+    AddUnopened,
 }
 
 fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -336,6 +340,132 @@ fn loom_versions_catch_a_publish_before_the_release() {
 #[should_panic]
 fn loom_finish_catches_done_before_the_acknowledgement() {
     minibatch_model(Mistake::DoneBeforeAck);
+}
+
+/// An owner's accumulator, its daemon's admission rule and a client whose
+/// first operation of minibatch 1 is a push; the two bells the engine's
+/// waiters sleep on.
+struct Admitting {
+    slots: Slots,
+    accum: UnsafeCell<u64>,
+    /// The minibatch the accumulator takes (the engine's `Registered::open`).
+    open: AtomicU64,
+    /// The client's done word.
+    done: AtomicU64,
+    /// The daemon's bell: rung after a slot's signal and after an opening.
+    server: EventCount,
+    /// The owner's bell: rung after a done word and after an acknowledgement.
+    owner: EventCount,
+}
+
+/// The minibatch a chunk of [`grad_value`] belongs to: in the engine its
+/// header names it, written with the data before the signal.
+fn minibatch_of(value: u64) -> u64 {
+    value / 1000 - 1
+}
+
+/// Sleeps on `bell` until `ready` holds, as the engine's waiters do.
+fn wait_on(bell: &EventCount, ready: impl Fn() -> bool) {
+    loop {
+        let epoch = bell.epoch();
+        if ready() {
+            return;
+        }
+        bell.wait(epoch, ());
+    }
+}
+
+/// Pushes belong to their minibatch: the client finishes minibatch 0 (it
+/// pushed nothing there) and pushes minibatch 1's chunk at once (no gather
+/// first: every group still unsharded), while the owner reads minibatch
+/// 0's sum, zeroes it and only then opens its accumulator for minibatch 1.
+/// The daemon, a thread of its own as in the engine, holds the chunk in its
+/// slot until then. The accumulator sits in an `UnsafeCell`, so an add
+/// racing the owner's read or zeroing fails the model, as does a sum
+/// counted in the wrong minibatch.
+fn admit_model(mistake: Mistake) {
+    check(2, move || {
+        let s = Arc::new(Admitting {
+            slots: Slots::new(),
+            accum: UnsafeCell::new(0),
+            open: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            server: EventCount::default(),
+            owner: EventCount::default(),
+        });
+        let daemon = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                let mut receiver = SlotReceiver::default();
+                let slot = receiver.order()[0];
+                wait_on(&s.server, || {
+                    let count = s.slots.signal[slot].load(Ordering::Acquire);
+                    let Some(seq) = receiver.waiting(slot, count) else {
+                        return false;
+                    };
+                    // SAFETY (model): the count was raised after the data.
+                    let v = s.slots.data[slot].with(|d| unsafe { *d });
+                    let open = s.open.load(Ordering::Acquire);
+                    mistake == Mistake::AddUnopened
+                        || admit::admit(minibatch_of(v), open) != Admit::Hold
+                });
+                let seq = receiver.waiting(slot, 1).unwrap();
+                receiver.take(slot, seq);
+                let v = s.slots.data[slot].with(|d| unsafe { *d });
+                // SAFETY (model): the rule orders this add after the owner's
+                // zeroing; loom checks the claim.
+                s.accum.with_mut(|a| unsafe { *a += v });
+                s.slots.ack[slot].store(seq, Ordering::Release);
+                s.owner.notify();
+            })
+        };
+        let client = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                // Done with minibatch 0 (it pushed nothing there), then
+                // minibatch 1's first operation: a push.
+                s.done
+                    .store(finish::done_stamp(0, 0).unwrap(), Ordering::Release);
+                s.owner.notify();
+                s.slots
+                    .push(&mut SlotSender::default(), grad_value(1), Mistake::None);
+                s.server.notify();
+            })
+        };
+        // Minibatch 0: the client is done; read its sum, zero it, open 1.
+        wait_on(&s.owner, || {
+            finish::unfinished_client([s.done.load(Ordering::Acquire)], 1).is_none()
+        });
+        // SAFETY (model): no chunk of minibatch 1 is added before `open`.
+        let sum = s.accum.with(|a| unsafe { *a });
+        assert_eq!(sum, 0, "minibatch 0: a push of minibatch 1 counted in it");
+        s.accum.with_mut(|a| unsafe { *a = 0 });
+        s.open.store(admit::opened(0, 1), Ordering::Release);
+        s.server.notify();
+        // Minibatch 1: its chunk is added and acknowledged (the client's
+        // done follows the acknowledgement).
+        wait_on(&s.owner, || s.slots.acks() != [0, 0]);
+        // SAFETY (model): the acknowledgement follows the add.
+        let sum = s.accum.with(|a| unsafe { *a });
+        assert_eq!(
+            sum,
+            grad_value(1),
+            "minibatch 1: its push was zeroed with minibatch 0"
+        );
+        client.join().unwrap();
+        daemon.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_pushes_are_added_in_their_own_minibatch() {
+    admit_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_admission_catches_a_push_added_before_its_minibatch() {
+    admit_model(Mistake::AddUnopened);
 }
 
 /// One rank's side of hybrid-zero's piece exchange: its working copy of a

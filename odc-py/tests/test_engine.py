@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -66,6 +67,34 @@ def test_gather_and_scatter_exact_over_libfabric():
     # The tcp provider over loopback: the same exact sums through fi_read / fi_writemsg.
     res = run_ranks(_gather_scatter, 2, numel=1001, minibatches=2, transport="fabric")
     assert all(s == "ok" for s, _ in res.values()), res
+
+
+def _slow_reader(rank, world, store, delay, transport):
+    """Push-only minibatches (no publish, no gather), as the odc process group's reduce-scatter runs them: each
+    rank pushes, finishes and reads its sums; rank 1 is slow to read, so rank 0's first push of the next
+    minibatch reaches it while it still holds the last one's. Returns each minibatch's sums."""
+    eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-{os.getppid()}", transport=transport)
+    eng.register([odc.Bucket("w", 64, torch.float32)])
+    sums = []
+    for k, value in enumerate((1.0, 10.0, 100.0)):
+        eng.scatter_accumulate("w", torch.full((64,), value), scale=1.0)
+        eng.finish_minibatch(k)
+        if rank == 1:
+            time.sleep(delay)  # the owner still reads minibatch k's sums
+        sums.append(sorted(set(eng.grad_shard("w").tolist())))
+        eng.zero_grad()
+    return sums
+
+
+@pytest.mark.parametrize("transport", ["shm", "fabric"])
+def test_a_push_of_the_next_minibatch_waits_until_a_slow_owner_read_the_last(transport):
+    """Each owner's sums of minibatch k are exactly the world's pushes of k: none of k + 1 counted in k (landed
+    before the read) or lost (landed between the read and the zeroing)."""
+    res = run_ranks(_slow_reader, 2, delay=1.0, transport=transport)
+    assert all(s == "ok" for s, _ in res.values()), res
+    for rank, (_, sums) in res.items():
+        for k, value in enumerate((1.0, 10.0, 100.0)):
+            assert sums[k] in ([2 * value], [0.0, 2 * value]), (rank, k, sums)  # padding past numel reads 0
 
 
 def _hybrid(rank, world, store, local, numel, transport):

@@ -438,6 +438,14 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
 
     if !args.no_kill {
         let victim = world - 1;
+        // No publish: under hybrid-zero a publish waits for the other
+        // nodes' pieces, the victim's among them, before the kill. Every
+        // rank pushes minibatch k, the victim too: its push opens its
+        // accumulator for k, without which its daemon would hold the
+        // others' chunks of k until it started k (it dies before that).
+        let k = args.minibatches;
+        host.scatter_accumulate(id, bytes_of(&grads), DType::F32, 1.0)
+            .map_err(|e| e.to_string())?;
         if rank == victim {
             // Write the report first: this process ends without returning.
             write_report(job, &report)?;
@@ -450,11 +458,6 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
             unsafe { libc::raise(libc::SIGKILL) };
             unreachable!("SIGKILL returned");
         }
-        // No publish: under hybrid-zero a publish waits for the other
-        // nodes' pieces, the victim's among them, before the kill.
-        let k = args.minibatches;
-        host.scatter_accumulate(id, bytes_of(&grads), DType::F32, 1.0)
-            .map_err(|e| e.to_string())?;
         barrier(&sync, "armed", world, deadline())?;
         let result = host.finish_minibatch(k);
         let at = epoch_ns();

@@ -229,7 +229,7 @@ impl<'e> Device<'e> {
     ) -> Result<()> {
         let (reg, plane) = (self.w.reg, self.plane);
         let b = reg.bucket(bucket)?;
-        let (mut guard, own) = self.w.start_push(b, offset, bytes, dtype)?;
+        let (mut guard, own) = self.w.start_push(b, bucket, offset, bytes, dtype)?;
         if !own.is_empty() {
             let size = dtype.size_bytes();
             // Device engines are never blocked (registration refuses
@@ -312,7 +312,10 @@ impl<'e> Device<'e> {
         // push adds into them before this rank's next publish, which comes
         // after this on `stream`.
         unsafe { ops.zero_on_server(addr, len * 4)? };
-        ops.order(stream, server)
+        ops.order(stream, server)?;
+        // The adds of the chunks held until now queue behind the zeroing on
+        // the daemon's stream.
+        self.w.open_accumulators(Some(bucket))
     }
 
     /// [`zero_grad`](Self::zero_grad) for every bucket.

@@ -225,7 +225,7 @@ impl<'e> Host<'e> {
     ) -> Result<()> {
         let (core, reg) = (self.w.core, self.w.reg);
         let b = reg.bucket(bucket)?;
-        let (mut guard, own) = self.w.start_push(b, offset, grads.len(), dtype)?;
+        let (mut guard, own) = self.w.start_push(b, bucket, offset, grads.len(), dtype)?;
         let push = &mut *guard;
         let src = (addr(grads), offset, dtype);
         if own.is_empty() {
@@ -372,7 +372,7 @@ impl<'e> Host<'e> {
         let (ptr, len) = reg.accum_ptr(bucket.0);
         // SAFETY: as in `read_grad_shard`; all-zero bits are 0.0f32.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
-        Ok(())
+        self.w.open_accumulators(Some(bucket))
     }
 
     /// Zeroes every accumulator.

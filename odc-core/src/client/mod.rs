@@ -34,7 +34,8 @@ pub(crate) use signals::Signals;
 use crate::control::{SlotHeader, HEADER_BYTES};
 use crate::engine::{load, BucketId, Core, PushState, Registered};
 use crate::layout::BucketLayout;
-use crate::protocol::{finish, versions};
+use crate::protocol::{admit, finish, versions};
+use crate::region::Bell;
 use crate::sync::Ordering;
 use crate::{Error, Result};
 
@@ -186,6 +187,9 @@ impl<'e> Worker<'e> {
             .lock()
             .map_err(|_| Error::protocol(Some(b.name()), "a publish panicked"))?;
         let stamp = self.publish_wait(b, bucket, version)?;
+        // Past the wait for the other nodes' reads of the partial sums: a
+        // publish ends the window in which the caller reads the gradients.
+        self.open_accumulators(Some(bucket))?;
         let at = reg.piece() * b.block_bytes();
         // SAFETY: the caller vouches for `src`; the wait above is the rule.
         unsafe { path.write_shard(reg, bucket.0, at, src, bytes)? };
@@ -334,17 +338,22 @@ impl<'e> Worker<'e> {
     /// The start of a push of `bytes` of `dtype` from element `offset` of
     /// bucket `b`: checks the range, takes the push lock, points every
     /// owner's cursor at its part, and takes this rank's own part out of
-    /// them (it never goes through a landing slot). Returns the lock and the
+    /// them (it never goes through a landing slot); this rank's accumulator
+    /// of the bucket takes the running minibatch from here on
+    /// ([`Self::open_accumulators`]). Returns the lock and the
     /// own part, in elements of this rank's shard.
     pub(crate) fn start_push(
         &self,
         b: &BucketLayout,
+        bucket: BucketId,
         offset: usize,
         bytes: usize,
         dtype: DType,
     ) -> Result<(MutexGuard<'e, PushState>, Range<usize>)> {
         let elems = elems_of(b, bytes, dtype, "gradient")?;
         let end = b.check_range(offset, elems)?;
+        // This rank's own slice goes into its own accumulator right away.
+        self.open_accumulators(Some(bucket))?;
         let mut push = self
             .core
             .push
@@ -380,6 +389,8 @@ impl<'e> Worker<'e> {
         let size = dtype.size_bytes();
         let chunk = lay.chunk_bytes() / size;
         let bucket_u32 = u32::try_from(bucket.0).unwrap_or(u32::MAX);
+        // The owner adds the chunks once its accumulator takes this minibatch.
+        let minibatch = reg.finished.load(Ordering::Acquire);
         loop {
             let (mut pending, mut pushed) = (false, false);
             for step in 1..=world {
@@ -407,6 +418,7 @@ impl<'e> Worker<'e> {
                     offset: range.start as u64,
                     len: len as u64,
                     scale,
+                    minibatch,
                 }
                 .encode();
                 let src = grads + (first * size) as u64;
@@ -424,7 +436,12 @@ impl<'e> Worker<'e> {
             if !pushed {
                 self.core.wait(
                     Some(b.name()),
-                    &|| "acknowledgement of a landing slot".to_owned(),
+                    &|| {
+                        format!(
+                            "acknowledgement of a landing slot (an owner adds minibatch \
+                             {minibatch}'s pushes once it has started minibatch {minibatch})"
+                        )
+                    },
                     || {
                         let mut lagging = None;
                         for o in (0..world).filter(|&o| !push.cursor[o].is_empty()) {
@@ -452,6 +469,9 @@ impl<'e> Worker<'e> {
         let reg = self.reg;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let world = gs.group.len();
+        // Every accumulator takes this minibatch's pushes (a rank that
+        // published, zeroed or pushed nothing in it opens them here).
+        self.open_accumulators(None)?;
         let stamp;
         {
             let guard = self
@@ -509,6 +529,35 @@ impl<'e> Worker<'e> {
 }
 
 impl Worker<'_> {
+    /// Opens this rank's accumulator of `bucket` (every bucket: `None`) for
+    /// the running minibatch: from here on the daemon adds the peers'
+    /// chunks of this minibatch, which it held in their landing slots until
+    /// now ([`admit`]). Called by the calls that end the window in which a
+    /// caller reads the previous minibatch's gradients: a publish, a zeroing,
+    /// a push, a finish. Under hybrid sharding across nodes it first waits
+    /// until the other nodes have read this rank's partial sums. One load
+    /// per bucket when open already.
+    pub(crate) fn open_accumulators(&self, bucket: Option<BucketId>) -> Result<()> {
+        let reg = self.reg;
+        let running = reg.finished.load(Ordering::Acquire);
+        let open = match bucket {
+            Some(b) => &reg.open[b.0..=b.0],
+            None => &reg.open[..],
+        };
+        if open.iter().all(|o| o.load(Ordering::Acquire) >= running) {
+            return Ok(());
+        }
+        self.wait_partials_read(bucket.and_then(|b| reg.buckets.get(b.0)).map(|b| b.name()))?;
+        for o in open {
+            o.store(
+                admit::opened(o.load(Ordering::Acquire), running),
+                Ordering::Release,
+            );
+        }
+        self.core.transport.ring(Bell::Server);
+        Ok(())
+    }
+
     /// Deterministic mode, once this rank's gradients of a minibatch are
     /// final: reads every exact accumulator the daemon added into out into
     /// the f32 one (what the optimizer, `read_grad_shard` and the other

@@ -110,6 +110,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         plane,
         released: (0..nb).map(|_| AtomicU64::new(0)).collect(),
         finished: AtomicU64::new(0),
+        open: (0..nb).map(|_| AtomicU64::new(0)).collect(),
         partials_out: AtomicU64::new(0),
         steal_seq: (0..world_group).map(|_| AtomicU64::new(0)).collect(),
     };

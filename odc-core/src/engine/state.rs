@@ -64,8 +64,13 @@ pub(crate) struct Registered {
     pub(crate) plane: Option<Box<dyn Plane>>,
     /// Highest version + 1 this client released per bucket (local only).
     pub(crate) released: Vec<AtomicU64>,
-    /// Highest minibatch + 1 this client finished.
+    /// Highest minibatch + 1 this client finished: its running minibatch,
+    /// as pushed chunks name it.
     pub(crate) finished: AtomicU64,
+    /// Per bucket, the minibatch this rank's accumulator takes pushes of
+    /// ([`crate::protocol::admit`]); raised by the worker, read by the
+    /// daemon.
+    pub(crate) open: Vec<AtomicU64>,
     /// Highest minibatch + 1 whose partial sums this rank handed to the
     /// other nodes (hybrid); they must have read them before the
     /// accumulators change again.

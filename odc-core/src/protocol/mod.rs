@@ -6,6 +6,7 @@
 //!
 //! | module | the rule |
 //! |---|---|
+//! | [`admit`] | a pushed chunk is added only once the owner's accumulator takes its minibatch (the owner read and may clear the previous one first) |
 //! | [`slots`] | a landing slot is reused only after its last chunk was acknowledged; the owner adds a client's chunks in push order |
 //! | [`versions`] | a shard's next version is published only after every reader released the previous one; a reader reads a shard only at the version it needs |
 //! | [`finish`] | a client's minibatch ends when its pushes are acknowledged; an owner's gradients are final when every client's done word reads the minibatch |
@@ -20,6 +21,7 @@
 //! This module may use [`crate::sync`] (for the hand-off's atomics) and
 //! [`crate::error`]; nothing above it.
 
+pub mod admit;
 pub mod claims;
 pub mod finish;
 pub(crate) mod handoff;

@@ -80,12 +80,21 @@ impl SlotReceiver {
     /// Slot `slot`'s signal reads `count`: the sequence number of a chunk not
     /// yet taken, which the owner now adds and then acknowledges.
     pub fn arrived(&mut self, slot: usize, count: u64) -> Option<u64> {
-        let seq = slot_seq(slot, count);
-        if seq == self.last[slot] {
-            return None;
-        }
-        self.last[slot] = seq;
+        let seq = self.waiting(slot, count)?;
+        self.take(slot, seq);
         Some(seq)
+    }
+
+    /// Like [`arrived`](Self::arrived) without taking the chunk: an owner
+    /// that holds it ([`crate::protocol::admit`]) looks at it again later.
+    pub fn waiting(&self, slot: usize, count: u64) -> Option<u64> {
+        let seq = slot_seq(slot, count);
+        (seq != self.last[slot]).then_some(seq)
+    }
+
+    /// Takes chunk `seq` of `slot` (as [`waiting`](Self::waiting) named it).
+    pub fn take(&mut self, slot: usize, seq: u64) {
+        self.last[slot] = seq;
     }
 }
 

@@ -3,7 +3,9 @@
 //!
 //! It sleeps on the rank's server bell, which clients ring after writing a
 //! landing-slot signal; it scans every client's two slot signals (acquire),
-//! reads the slot header, adds `scale · data` into the bucket's f32
+//! reads the slot header, holds a chunk of a minibatch this rank's
+//! accumulator does not take yet in its slot ([`crate::protocol::admit`]:
+//! the worker rings the bell when it opens the accumulator), adds `scale · data` into the bucket's f32
 //! accumulator with `odc-kernels` (in deterministic mode into its exact
 //! fixed-point accumulator, [`odc_kernels::cpu::exact`]), and acknowledges
 //! with a `put_signal` of no data into the client's ack word. No lock, no
@@ -37,6 +39,7 @@ use odc_kernels::DType;
 use crate::control::{SlotHeader, HEADER_BYTES};
 use crate::engine::{load, record_error, Core, Registered};
 use crate::plane::Plane;
+use crate::protocol::admit::{self, Admit};
 use crate::protocol::claims;
 use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::SlotReceiver;
@@ -115,9 +118,22 @@ fn run(core: &Core) {
             // own slice pairs with them front to back.
             for slot in receiver.order() {
                 let count = load(reg.word(reg.ctrl_layout.slot_signal(client, slot)));
-                let Some(seq) = receiver.arrived(slot, count) else {
+                let Some(seq) = receiver.waiting(slot, count) else {
                     continue;
                 };
+                match admission(reg, client, slot) {
+                    // The client's younger chunk waits behind this one.
+                    Admit::Hold => break,
+                    Admit::Add => {}
+                    Admit::Stale => {
+                        receiver.take(slot, seq);
+                        core.record_server_error(stale_push(reg, client, slot));
+                        acknowledge(core, reg, client, slot, seq);
+                        progressed = true;
+                        continue;
+                    }
+                }
+                receiver.take(slot, seq);
                 progressed = true;
                 if let Some(plane) = &reg.plane {
                     add_on_device(core, reg, plane.as_ref(), client, slot, seq);
@@ -154,6 +170,55 @@ fn run(core: &Core) {
             let _ = core.transport.bell_wait(Bell::Server, epoch, NAP);
         }
     }
+}
+
+/// Whether the chunk in landing slot `[client][slot]` may be added now: the
+/// minibatch its header names against the one its bucket's accumulator
+/// takes. A header that does not decode or names no bucket is added (and
+/// refused there, by [`checked_header`]).
+fn admission(reg: &Registered, client: usize, slot: usize) -> Admit {
+    let Some(h) = read_header(reg, client, slot) else {
+        return Admit::Add;
+    };
+    match usize::try_from(h.bucket).ok().and_then(|b| reg.open.get(b)) {
+        Some(open) => admit::admit(h.minibatch, open.load(Ordering::Acquire)),
+        None => Admit::Add,
+    }
+}
+
+/// The error a stale chunk records: a client pushed into a minibatch this
+/// rank had closed (it broke the protocol: its finish acknowledged chunks
+/// it had not pushed yet).
+fn stale_push(reg: &Registered, client: usize, slot: usize) -> String {
+    let rank = reg.groups.group[client];
+    let h = read_header(reg, client, slot);
+    let (b, m) = h.map_or((u32::MAX, 0), |h| (h.bucket, h.minibatch));
+    let open = usize::try_from(b)
+        .ok()
+        .and_then(|b| reg.open.get(b))
+        .map_or(0, |o| o.load(Ordering::Acquire));
+    format!(
+        "rank {rank}: a push of minibatch {m} into bucket {b} after this rank's accumulator moved \
+         on to minibatch {open}; dropped"
+    )
+}
+
+/// The header of landing slot `[client][slot]`, decoded (unchecked).
+fn read_header(reg: &Registered, client: usize, slot: usize) -> Option<SlotHeader> {
+    let mut raw = [0u8; HEADER_BYTES];
+    // SAFETY: the header lies inside the control region; the client wrote it
+    // before the signal observed with acquire and leaves the slot alone
+    // until the acknowledgement.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            reg.ctrl
+                .as_ptr()
+                .add(reg.ctrl_layout.slot_header(client, slot)),
+            raw.as_mut_ptr(),
+            HEADER_BYTES,
+        )
+    };
+    SlotHeader::decode(&raw)
 }
 
 /// Answers every client's new steal request: claims one of this rank's
@@ -470,18 +535,7 @@ fn checked_header(
     let lay = &reg.ctrl_layout;
     // `client` indexes the shard group; messages name the global rank.
     let rank = reg.groups.group[client];
-    let mut raw = [0u8; HEADER_BYTES];
-    // SAFETY: the header lies inside the control region; the client wrote it
-    // before the signal we observed with acquire and will not touch the slot
-    // again until we acknowledge.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            reg.ctrl.as_ptr().add(lay.slot_header(client, slot)),
-            raw.as_mut_ptr(),
-            HEADER_BYTES,
-        )
-    };
-    let h = SlotHeader::decode(&raw)
+    let h = read_header(reg, client, slot)
         .ok_or_else(|| format!("rank {rank}: landing slot with an unknown dtype"))?;
     if h.seq != seq {
         return Err(format!(
