@@ -127,15 +127,15 @@ range where the torch is outside it or a name it reads is missing, before
 anything is registered (a newer torch runs with ``ODC_ALLOW_UNCHECKED_TORCH=1``
 and a warning).
 
-The package: this module is the public API; ``_state`` the binding (the
-minibatch protocol and its hooks); ``_grads`` the gradient contract;
-``_seams`` FSDP2's comm seams; ``_private`` the only reader of private FSDP2
-state; ``_fsdp1`` FSDP1's buckets, gather and comm hook (and the only reader
-of private FSDP1 state); ``_transport`` the transport and device choice;
-``_clip`` :func:`clip_grad_norm_`; ``_steal`` :func:`microbatches` (work
-stealing). Arrows point one way: the API uses all of them, ``_fsdp1`` uses
-``_seams``, ``_seams``, ``_clip`` and ``_steal`` use ``_state``, which uses
-``_grads`` and ``_private``.
+The package, one way from the top: this module is the public API;
+``_seams`` FSDP2's comm seams and ``_fsdp1`` FSDP1's buckets, gather and
+comm hook (the only reader of private FSDP1 state), with ``_clip``
+(:func:`clip_grad_norm_`) and ``_steal`` (:func:`microbatches`, work
+stealing) beside them; all of them call ``_binding``, the hooks of one
+enabled model, which drive ``_grads``, the gradient contract, which drives
+``_state``, the minibatch state machine. ``_private`` (the only reader of
+private FSDP2 state) and ``_transport`` (the transport and device choice)
+sit under them all. No module imports one above it (``make lint`` checks).
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ from ..deadline import deadline_for
 from ..engine import Bucket, Engine, _local_world_size
 from ..errors import ConfigError, ProtocolError
 from . import _fsdp1
+from ._binding import SHARDINGS, _Binding, _binding, _enables, _live, _Solo, _solos, _Undo, solo
 from ._clip import clip_grad_norm_
 from ._grads import wrap_zero_grad
 from ._private import (
@@ -166,7 +167,7 @@ from ._private import (
     prefix_store,
 )
 from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
-from ._state import _NORM_BUCKET, SHARDINGS, _Binding, _binding, _enables, _live, _Solo, _solos, _Undo, solo
+from ._state import _NORM_BUCKET
 from ._steal import microbatches
 from ._transport import _param_device, _pick_transport
 
@@ -345,8 +346,9 @@ def enable(
     for g in groups:
         g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
         g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
-    b = _Binding(model, groups, engine, layout)  # the first operation of minibatch 0 publishes its parameters
-    if b.hybrid and not fsdp1:
+    reshard = (lambda: _fsdp1.reshard(model)) if fsdp1 else (lambda: _reshard(model))
+    b = _Binding(model, groups, engine, layout, reshard)  # the first operation of minibatch 0 publishes
+    if b.state.hybrid and not fsdp1:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
     b.grads.refuse_foreign_hooks()
@@ -391,9 +393,9 @@ def disable(model: Any) -> None:
         del model.__dict__["_odc_fsdp"]
         return
     b = _binding(model)
-    if b.open and b.pushed:
+    if b.state.open and b.state.pushed:
         raise ProtocolError(
-            f"odc.fsdp.disable: gradients of minibatch {b.version} are pending; step the optimizer first"
+            f"odc.fsdp.disable: gradients of minibatch {b.state.version} are pending; step the optimizer first"
         )
     # A teardown fence: once every peer finished, nobody reads this rank's shards.
     b.finish("odc.fsdp.disable", install=False)
@@ -407,7 +409,14 @@ def disable(model: Any) -> None:
             g.pg.all_reduce_grads = was
     del model.__dict__["_odc_fsdp"]
     _live.discard(b)
-    b.engine = None  # type: ignore[assignment]  # drops the engine (unmaps, joins the daemon)
+    b.state.engine = None  # type: ignore[assignment]  # drops the engine (unmaps, joins the daemon)
+
+
+def _reshard(model: Any) -> None:
+    """Reshards every FSDP2 module of ``model`` (public ``FSDPModule.reshard``): its next forward gathers."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 @contextlib.contextmanager
@@ -422,14 +431,27 @@ def minibatch(model: Any) -> Iterator[None]:
             for mb in microbatches:       # any number per rank, zero included
                 model(mb).sum().backward()
         optimizer.step(); optimizer.zero_grad()
+
+    An exception out of the block still finishes the minibatch, with the
+    microbatches that ran before it, and warns that it did (``RuntimeWarning``):
+    the peers are not left waiting, and the next block is the next minibatch.
+    A loop that catches it and moves on (skipping a bad batch) clears those
+    gradients with ``optimizer.zero_grad()``, or steps on them. Where the
+    minibatch cannot be finished (a peer died or stalled, a ``KeyboardInterrupt``,
+    the finish failing too), every later ODC operation on the model raises
+    :class:`odc.ProtocolError` naming the minibatch and the exception.
     """
     if solo(model) is not None:
         yield
         return
     b = _binding(model)
-    b.advance()
-    yield
-    b.finish("leaving odc.fsdp.minibatch")
+    b.enter_minibatch()
+    try:
+        yield
+    except BaseException as exc:
+        b.leave_minibatch(exc)
+        raise
+    b.leave_minibatch(None)
 
 
 @contextlib.contextmanager
@@ -449,7 +471,11 @@ def evaluation(model: Any) -> Iterator[None]:
     The block is a minibatch of its own: its first gather publishes the
     swapped-in weights, which every peer's gathers in it read, and leaving
     it synchronizes once, like a minibatch's finish, so no peer still reads
-    them when the next minibatch publishes the swapped-back ones. Enter it
+    them when the next minibatch publishes the swapped-back ones. Leaving it
+    also reshards every FSDP module (FSDP2 keeps the root, and any module with
+    ``reshard_after_forward=False``, unsharded after a forward; FSDP1 likewise
+    under ``SHARD_GRAD_OP``), so the next forward gathers the swapped-back
+    weights instead of computing with the evaluated ones. Enter it
     between minibatches (after the step, or after ``zero_grad`` where the
     step was skipped); a backward inside it is refused. Without it, the
     swap back is refused as a change inside the minibatch the evaluation's

@@ -10,7 +10,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, ProtocolError
-from ._state import _NORM_BUCKET, _Binding, _binding, _live, _solos, solo
+from ._binding import _Binding, _binding, _live, _solos, solo
+from ._state import _NORM_BUCKET
 
 
 def _binding_of(model_or_params: Any) -> tuple[_Binding | None, list[Any]]:
@@ -52,9 +53,9 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
     if b is None:  # one rank: torch's clip, nothing to exchange
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     b.finish("odc.fsdp.clip_grad_norm_")
-    if b.clipped == b.version:
-        raise ProtocolError(f"odc.fsdp.clip_grad_norm_: already called in minibatch {b.version}")
-    b.clipped = b.version
+    if b.state.clipped == b.state.version:
+        raise ProtocolError(f"odc.fsdp.clip_grad_norm_: already called in minibatch {b.state.version}")
+    b.state.clipped = b.state.version
     norm_type = float(norm_type)
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     local = 0.0
@@ -71,13 +72,13 @@ def clip_grad_norm_(model_or_params: Any, max_norm: float, norm_type: float = 2.
     hi = torch.tensor(local, dtype=torch.float32)
     words = torch.zeros(sl, dtype=torch.float32)
     words[0], words[1] = hi, torch.tensor(local - hi.double().item(), dtype=torch.float32)
-    shard = words.to(b.device)  # the engine's device (cuda-ipc: the parameters' GPU)
-    version = b.version + 1  # above every version the done words of minibatches <= k imply
+    shard = words.to(b.state.device)  # the engine's device (cuda-ipc: the parameters' GPU)
+    version = b.state.version + 1  # above every version the done words of minibatches <= k imply
     b.engine.publish(_NORM_BUCKET, shard, version)
-    everyone = torch.empty(info["padded_len"], dtype=torch.float32, device=b.device)
+    everyone = torch.empty(info["padded_len"], dtype=torch.float32, device=b.state.device)
     b.engine.gather(_NORM_BUCKET, version, everyone)
     b.engine.release(_NORM_BUCKET, version)
-    parts = everyone.view(b.shards, sl)[:, :2].double().sum(dim=1).tolist()
+    parts = everyone.view(b.state.shards, sl)[:, :2].double().sum(dim=1).tolist()
     total = max(parts) if math.isinf(norm_type) else sum(parts) ** (1.0 / norm_type)
     coef = float(max_norm) / (total + 1e-6)
     if coef < 1.0:

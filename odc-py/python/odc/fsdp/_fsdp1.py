@@ -73,10 +73,10 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError, LayoutError
+from ._binding import _Binding, _Undo
 from ._grads import _local, _Param, _pending_cell
 from ._private import _ALL, PrivateName, _Group, _hosts, _Layout, _where
 from ._seams import gather_rows, push_rows
-from ._state import _Binding, _Undo
 
 #: The torch releases whose FSDP1 sources :data:`PRIVATE_FSDP1` was checked against (the two legs of make test;
 #: FSDP1 is in maintenance upstream, and none of these names changed between them).
@@ -116,6 +116,11 @@ PRIVATE_FSDP1: tuple[PrivateName, ...] = (
                 "written: the sharded gradient FSDP1 accumulates onto, the pending gradient's real base"),
     PrivateName("Variable._execution_engine", "queue_callback", *_ALL,
                 "the end-of-backward callback that makes .grad pending again (as FSDP1 queues its own)"),
+    PrivateName("FlatParamHandle", "needs_unshard", *_ALL,
+                "leaving odc.fsdp.evaluation: whether a forward kept the unsharded FlatParameter allocated"),
+    PrivateName("FlatParamHandle", "uses_sharded_strategy", *_ALL, "leaving odc.fsdp.evaluation: as above"),
+    PrivateName("_runtime_utils", "_reshard", *_ALL,
+                "leaving odc.fsdp.evaluation: FSDP1's own reshard of a handle its forward left unsharded"),
 )
 
 #: Names FSDP1 sets only on some objects (around a backward, under hybrid strategies): not checked up front.
@@ -354,27 +359,27 @@ class _FlatComms:
             # same point, outside any minibatch's compute; FSDP1's own all-gather serves them, so a load between
             # minibatches is what the next minibatch's first operation publishes.
             return cast(torch.Tensor, type(g.handle)._all_gather_flat_param(g.handle, out))
-        b.begin(f"all-gather of {g.name}")
-        b.check_unchanged(g)
+        b.state.begin(f"all-gather of {g.name}")
+        b.state.check_unchanged(g)
         own = g.handle.flat_param.data  # this rank's shard in the all-gather dtype (FSDP1's pre-unshard cast it)
-        if out.numel() != b.shards * g.n or own.numel() != g.n or out.dtype != g.dtype:
+        if out.numel() != b.state.shards * g.n or own.numel() != g.n or out.dtype != g.dtype:
             raise LayoutError(
                 f"odc.fsdp: all-gather of {g.name} got {out.numel()} {out.dtype} elements from a shard of "
-                f"{own.numel()}; registered {b.shards}·{g.n} {g.dtype} (did the parameters change after enable?)"
+                f"{own.numel()}; registered {b.state.shards}·{g.n} {g.dtype} (did the parameters change after enable?)"
             )
         if g.shard_len == g.n:
-            out.view(b.shards, g.n)[b.index].copy_(own)
-            b.engine.gather(g.name, b.version, out, skip_own=True)
+            out.view(b.state.shards, g.n)[b.state.index].copy_(own)
+            b.engine.gather(g.name, b.state.version, out, skip_own=True)
         else:
-            out.view(b.shards, g.n).copy_(gather_rows(b, g, own))
+            out.view(b.state.shards, g.n).copy_(gather_rows(b, g, own))
         return out
 
     def push(self, padded_unsharded_grad: torch.Tensor, new_sharded_grad: torch.Tensor) -> None:
         """The comm hook: pushes each owner's rows (scale 1/D), leaves zeros for FSDP1 to accumulate."""
         b, g = self.b, self.g
         what = f"reduce-scatter of {g.name}"
-        b.begin(what)
-        ws, n = b.shards, g.n
+        b.state.begin(what)
+        ws, n = b.state.shards, g.n
         if padded_unsharded_grad.numel() != ws * n:
             raise LayoutError(f"odc.fsdp: {what}: the gradient holds {padded_unsharded_grad.numel()} elements, "
                               f"not {ws}·{n}")
@@ -382,7 +387,7 @@ class _FlatComms:
             self._hand_back_base(what)
         self.backward.pushed_groups.add(g.index)
         # FSDP1's mean over the ranks (it divides only on its default path, not around a comm hook).
-        push_rows(b, g, padded_unsharded_grad, 1.0 / b.layout.world)
+        push_rows(b, g, padded_unsharded_grad, 1.0 / b.state.layout.world)
         new_sharded_grad.zero_()
         bw = self.backward
         if not bw.queued:
@@ -396,7 +401,7 @@ class _FlatComms:
         fp = g.handle.flat_param
         for rec in b.grads.by_group[g.index]:
             saved = getattr(fp, "_saved_grad_shard", None)
-            b.grads._check_not_cleared(rec, saved, g.pushed_in == b.version, what)
+            b.grads._check_not_cleared(rec, saved, g.pushed_in == b.state.version, what)
             base = _local(saved)
             if _pending_cell(saved) is not None:
                 if base is None:
@@ -466,6 +471,20 @@ class _FlatComms:
             param.grad = prim.grad if prim is not None and param.requires_grad else None
 
 
+def reshard(model: Any) -> None:
+    """Frees every unsharded FlatParameter a forward kept (the root's, and every one under ``SHARD_GRAD_OP``)
+    with FSDP1's own reshard, as its post-forward does for the others: the next forward gathers."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._runtime_utils import _reshard
+
+    for inst in FullyShardedDataParallel.fsdp_modules(model):
+        h = inst._handle
+        # After a forward FSDP1 points the root's FlatParameter (and every one under SHARD_GRAD_OP) back at its
+        # shard but keeps the unsharded storage, and the next forward computes with that instead of gathering.
+        if h is not None and h.uses_sharded_strategy and not h.needs_unshard():
+            _reshard(inst, h, True)
+
+
 def _summoning() -> Any:
     from torch.distributed.fsdp._common_utils import HandleTrainingState
 
@@ -483,14 +502,14 @@ def _after_backward(bw: _Backward) -> None:
     for rec in b.grads.params:
         g = rec.param.grad
         cell = _pending_cell(g)
-        if cell is not None and cell.version == b.version and cell.real is None:
+        if cell is not None and cell.version == b.state.version and cell.real is None:
             continue
         if id(rec) in pushed:
             base = rec.restored if rec.restored is not None and _local(g) is rec.restored else None
         else:
             base = _local(g)
         rec.restored = None
-        b.grads._pend(rec, b.version, base)
+        b.grads._pend(rec, b.state.version, base)
     bw.pushed.clear()
     bw.pushed_groups.clear()
     bw.queued = False
@@ -502,7 +521,7 @@ def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
 
     backward = _Backward(b)
     comms = [_FlatComms(b, g, backward) for g in groups if isinstance(g, _FlatGroup)]
-    if b.hybrid:
+    if b.state.hybrid:
         # FSDP1's register_comm_hook refuses its hybrid strategies (its default hooks do not do the
         # inter-node all-reduce); ODC's push does it, once per minibatch: set as register_comm_hook does.
         for inst in FullyShardedDataParallel.fsdp_modules(model):

@@ -28,13 +28,17 @@ A parameter's ``.grad`` through minibatch ``k``:
   parameter's post-accumulate-grad hook then makes ``.grad`` pending again.
   Under hybrid sharding FSDP2 parks its outputs and leaves ``.grad`` alone;
 - a read, ``optimizer.step()``, ``odc.fsdp.finish`` or leaving
-  ``odc.fsdp.minibatch``: final.
+  ``odc.fsdp.minibatch``: final (:meth:`GradContract.finish`: the engine's
+  finish, the install, then the accumulators cleared).
 
 Gradients a loop did not clear before the minibatch are accumulated onto,
 as FSDP2 does. ``zero_()`` on a pending gradient before this rank pushed
 anything in the minibatch drops what it would accumulate onto, without
 finishing anything; after a push, clearing a gradient is a
 :class:`odc.ProtocolError` (ODC cannot take pushed gradients back).
+
+It sits on the minibatch state machine (:mod:`._state`), which it drives
+through a finish; the optimizer hooks and FSDP's seams sit on it.
 """
 
 from __future__ import annotations
@@ -42,16 +46,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import ProtocolError
-
-if TYPE_CHECKING:
-    from ._state import _Binding
+from ..errors import ConfigError, ProtocolError
+from ._state import Minibatch
 
 aten = torch.ops.aten
 _ALIASES = (aten.detach.default, aten.alias.default)
@@ -205,8 +207,8 @@ class _Param:
 class GradContract:
     """Keeps every sharded ``.grad`` of an enabled model final-on-read (see the module doc)."""
 
-    def __init__(self, binding: _Binding, groups: list[Any]) -> None:
-        self.b = binding
+    def __init__(self, state: Minibatch, groups: list[Any]) -> None:
+        self.state = state
         self.params: list[_Param] = []
         self.by_group: list[list[_Param]] = []
         for gi, g in enumerate(groups):
@@ -221,30 +223,9 @@ class GradContract:
             self.params.extend(recs)
         self.by_id: dict[int, _Param] = {}
 
-    def check_frozen(self) -> None:
-        """Refuses parameters frozen or unfrozen since ``enable`` (ODC lays out and installs gradients for
-        the parameters that required one then)."""
-        trained = {id(rec.fp) for rec in self.params}
-        changed = [(fp._param_fqn or "<root>", fp.sharded_param.requires_grad)
-                   for g in self.b.groups for fp in g.pg.fsdp_params
-                   if fp.sharded_param.requires_grad != (id(fp) in trained)]
-        if changed:
-            from ..errors import ConfigError
-
-            what = ", ".join(f"{n} ({'unfrozen' if rg else 'frozen'})" for n, rg in changed[:5])
-            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
-            raise ConfigError(
-                f"odc.fsdp: {what}{more} changed requires_grad after odc.fsdp.enable, which laid out gradients "
-                "for the parameters that required one then (a frozen one would still get a gradient, and weight "
-                "decay would move it); change requires_grad between odc.fsdp.disable(model) and "
-                "odc.fsdp.enable(model, optimizer), on every rank"
-            )
-
     # -- hooks -------------------------------------------------------------------
     def refuse_foreign_hooks(self) -> None:
         """Optimizer-in-backward hooks would read gradients before they are final: refused."""
-        from ..errors import ConfigError
-
         for rec in self.params:
             if getattr(rec.param, "_post_accumulate_grad_hooks", None):
                 raise ConfigError(
@@ -280,7 +261,7 @@ class GradContract:
             return
         base = rec.restored if rec.restored is not None and _local(p.grad) is rec.restored else None
         rec.restored = None
-        self._pend(rec, self.b.version, base)
+        self._pend(rec, self.state.version, base)
 
     # -- states ------------------------------------------------------------------
     def _pend(self, rec: _Param, version: int, base: torch.Tensor | None) -> None:
@@ -319,21 +300,21 @@ class GradContract:
         recs = self.by_group[group]
         for rec in recs:
             self._check_not_cleared(rec, rec.param.grad, pushed_before, what)
-        self.pend(self.b.version, recs)
+        self.pend(self.state.version, recs)
 
     def _check_not_cleared(self, rec: _Param, g: Any, pushed_before: bool, what: str) -> None:
         if g is None and pushed_before:
             raise ProtocolError(
                 f"odc.fsdp: {what}: the gradient of {rec.fqn} was set to None in the middle of minibatch "
-                f"{self.b.version}, after this rank had pushed earlier microbatches' gradients of "
-                f"{self.b.groups[rec.group].name} to their owners, which ODC cannot take back; clear gradients "
+                f"{self.state.version}, after this rank had pushed earlier microbatches' gradients of "
+                f"{self.state.groups[rec.group].name} to their owners, which ODC cannot take back; clear gradients "
                 "only between minibatches (optimizer.zero_grad() after optimizer.step())"
             )
 
     def drop_base(self, cell: _Cell) -> None:
         """``zero_()`` on a pending gradient: forget what it accumulates onto (before any push)."""
-        b = self.b
-        if cell.version == b.version and b.open and b.pushed:
+        s = self.state
+        if cell.version == s.version and s.open and s.pushed:
             raise ProtocolError(
                 f"odc.fsdp: the gradient of {cell.rec.fqn} was zeroed in the middle of minibatch {cell.version}, "
                 "after this rank had pushed gradients to their owners, which ODC cannot take back; zero "
@@ -344,21 +325,40 @@ class GradContract:
     def finish_for(self, cell: _Cell, reason: str) -> None:
         """A read of a pending gradient: finishes its minibatch if it is the running one (or the next one,
         once the previous minibatch's gradients were cleared without a step hook)."""
-        b = self.b
-        if cell.version == b.version + 1 and not b.open and b.cleared:
-            b.begin(reason)
-        if cell.version == b.version and b.open:
-            b.finish(reason)
+        s = self.state
+        if cell.version == s.version + 1 and not s.open and s.cleared:
+            s.begin(reason)
+        if cell.version == s.version and s.open:
+            self.finish(reason)
             return
         raise ProtocolError(
             f"odc.fsdp: {reason} read a gradient of minibatch {cell.version}, which is not the running one (this "
-            f"rank's minibatch {b.version} {'runs' if b.open else 'finished'}); read gradients after the "
+            f"rank's minibatch {s.version} {'runs' if s.open else 'finished'}); read gradients after the "
             "minibatch's last backward"
         )
 
+    def finish(self, reason: str, install: bool = True) -> None:
+        """Ends the running minibatch: the engine's finish (this rank's gradient shards final), the shards
+        installed as ``.grad`` (``install``; not when :func:`odc.fsdp.disable` tears down or an evaluation
+        block ends), then the accumulators cleared, which opens them for the next minibatch's pushes.
+
+        Raises:
+            ProtocolError: the loop left ``odc.fsdp.microbatches`` with microbatches of this rank's own list
+                unclaimed (after finishing with the ones that ran).
+        """
+        s = self.state
+        if not s.open:
+            return
+        left = s.end(reason, check=install)
+        if install:
+            self.install([s.engine.grad_shard(g.name) for g in s.groups])
+        s.clear()
+        if left:
+            raise s.left_early(left)
+
     def install(self, accums: list[torch.Tensor]) -> None:
         """The minibatch finished: each ``.grad`` becomes the final gradient (accumulator slice + base)."""
-        version = self.b.version
+        version = self.state.version
         for rec in self.params:
             p = rec.param
             g = p.grad

@@ -115,6 +115,11 @@ PRIVATE: tuple[PrivateName, ...] = (
     PrivateName("FSDPParam", "padded_sharded_param_size", *_ALL, "the parameter's offset in the bucket shard"),
     PrivateName("FSDPParam", "to_sharded_dtensor", *_ALL, "wraps installed and pending local gradients"),
     PrivateName("FSDPParam", "_param_fqn", *_ALL, "names in errors"),
+    PrivateName("FSDPParam", "sharded_state", *_ALL,
+                "whether FSDP has the all-gather inputs (not while the group is unsharded)"),
+    PrivateName("FSDPParam", "_sharded_param_data", *_ALL,
+                "the padded flat shard, published while the group is unsharded (FSDP's all-gather input then)"),
+    PrivateName("FSDPParam", "param_dtype", *_ALL, "the all-gather dtype the published shard is cast to"),
     PrivateName("FSDPParam", "sharded_grad_dtype", "2.15", "2.15", "the installed gradient's dtype",
                 "before 2.15 the gradient takes the parameter's dtype"),
     PrivateName("_fsdp_api", "AllGather", *_ALL, "base class of ODC's all-gather seam"),
@@ -343,8 +348,18 @@ class _Group:
     pushed_in: int = -1  # last minibatch in which this rank pushed the group's gradients
 
     def gather_inputs(self) -> list[torch.Tensor]:
-        """This rank's shard as its peers gather it (all-gather dtype), in flat pieces of ``n`` elements in all."""
-        return [t.reshape(-1) for ts in _get_param_all_gather_inputs(self.pg.fsdp_params) for t in ts]
+        """This rank's shard as its peers gather it (all-gather dtype), in flat pieces of ``n`` elements in all.
+
+        A group left unsharded (FSDP2's root after a forward under ``no_grad``, ``reshard_after_forward=False``
+        after an evaluation, ``set_reshard_after_backward(False)``) publishes when its minibatch starts with a
+        push: FSDP2 has no all-gather inputs in that state, so they are built as it builds them, from the
+        padded flat shard cast to the all-gather dtype (ODC refuses the tensor-subclass extensions that
+        would build them otherwise).
+        """
+        fps = self.pg.fsdp_params
+        if any(fp.sharded_state.name == "UNSHARDED" for fp in fps):
+            return [fp._sharded_param_data.to(fp.param_dtype or fp._sharded_param_data.dtype) for fp in fps]
+        return [t.reshape(-1) for ts in _get_param_all_gather_inputs(fps) for t in ts]
 
     def drop_parked(self) -> None:
         """Hybrid, at each finish: FSDP2's parked (zero) reduce output, awaiting an all-reduce that never comes."""

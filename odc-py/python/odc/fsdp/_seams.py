@@ -12,31 +12,31 @@ import torch.distributed as dist
 
 from .._c10d import premul_factor
 from ..errors import ConfigError, LayoutError
+from ._binding import _Binding
 from ._private import AllGather, ReduceScatter, _get_gradient_divide_factors, _Group, unused_params_advice
-from ._state import _Binding
 
 
 def gather_rows(b: _Binding, g: _Group, own: torch.Tensor) -> torch.Tensor:
     """Every owner's shard of ``g``, row r owner r's (``(ws, n)``, a view of an ODC-aligned buffer: ODC aligns
     shards to 64 bytes, FSDP packs them densely); ``own`` is this rank's."""
-    tmp = torch.empty(b.shards, g.shard_len, dtype=g.dtype, device=own.device)
-    tmp[b.index, : g.n].copy_(own)
-    b.engine.gather(g.name, b.version, tmp.view(-1), skip_own=True)
+    tmp = torch.empty(b.state.shards, g.shard_len, dtype=g.dtype, device=own.device)
+    tmp[b.state.index, : g.n].copy_(own)
+    b.engine.gather(g.name, b.state.version, tmp.view(-1), skip_own=True)
     return tmp[:, : g.n]
 
 
 def push_rows(b: _Binding, g: _Group, grads: torch.Tensor, scale: float) -> None:
     """Pushes ``grads`` (``ws · n``, owner-major as FSDP packs it) to the owners, each row into an ODC-aligned
     row of ``shard_len``; marks the group and the binding as pushed in the running minibatch."""
-    ws, n, sl = b.shards, g.n, g.shard_len
+    ws, n, sl = b.state.shards, g.n, g.shard_len
     if sl == n:
         b.engine.scatter_accumulate(g.name, grads.contiguous(), scale=scale)
     else:
         tmp = torch.zeros(ws, sl, dtype=grads.dtype, device=grads.device)
         tmp[:, :n].copy_(grads.view(ws, n))
         b.engine.scatter_accumulate(g.name, tmp.view(-1), scale=scale)
-    g.pushed_in = b.version
-    b.pushed = True
+    g.pushed_in = b.state.version
+    b.state.pushed = True
 
 
 class _OdcAllGather(AllGather):
@@ -53,13 +53,13 @@ class _OdcAllGather(AllGather):
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
     ) -> None:
         b, g = self._b, self._g
-        b.begin(f"all-gather of {g.name}")
-        b.check_unchanged(g)
-        if b.hybrid:
+        b.state.begin(f"all-gather of {g.name}")
+        b.state.check_unchanged(g)
+        if b.state.hybrid:
             # Re-asserted before every backward: set_requires_gradient_sync(True)
             # turns HSDP's all-reduce back on.
             g.pg.all_reduce_grads = False
-        ws, n, sl = b.shards, g.n, g.shard_len
+        ws, n, sl = b.state.shards, g.n, g.shard_len
         if output_tensor.numel() != ws * n or output_tensor.dtype != g.dtype:
             raise LayoutError(
                 f"odc.fsdp: all-gather of {g.name} got {output_tensor.numel()} {output_tensor.dtype} elements; "
@@ -70,7 +70,7 @@ class _OdcAllGather(AllGather):
             self._regather(output_tensor, input_tensor, post.shard_mesh_size)
             return
         if sl == n:
-            b.engine.gather(g.name, b.version, output_tensor, skip_own=True)
+            b.engine.gather(g.name, b.state.version, output_tensor, skip_own=True)
         else:
             output_tensor.view(ws, n).copy_(self._gather_rows(input_tensor))
         return
@@ -88,7 +88,7 @@ class _OdcAllGather(AllGather):
         gather as the forward's, then the parameters' columns regrouped into those rows.
         """
         b, g = self._b, self._g
-        ws, n = b.shards, g.n
+        ws, n = b.state.shards, g.n
         if input_tensor.numel() * k != ws * n:
             raise LayoutError(
                 f"odc.fsdp: the backward re-gather of {g.name} (reshard_after_forward={k}) got an input of "
@@ -98,7 +98,7 @@ class _OdcAllGather(AllGather):
         ends = [*g.offsets[1:], n]
         columns = [rows[:, start:end].reshape(k, -1) for start, end in zip(g.offsets, ends, strict=True)]
         torch.cat(columns, dim=1, out=output_tensor.view(k, -1))
-        b.regathers += 1
+        b.state.regathers += 1
 
 
 class _OdcReduceScatter(ReduceScatter):
@@ -124,12 +124,12 @@ class _OdcReduceScatter(ReduceScatter):
             # averages over the shard group, then over the replicas), or one
             # equal to the shard group's size.
             f = pg.gradient_divide_factor
-            return 1.0 / (f if f is not None else self._b.layout.world)
+            return 1.0 / (f if f is not None else self._b.state.layout.world)
         if kind == dist.ReduceOp.SUM:
             # FSDP divides the *output* after a SUM (forced sum, or fp16 with a
             # pre-divide already applied to the input); our output is zeros, so
             # the post-divide moves into the push.
-            replicas = pg._all_reduce_process_group if self._b.hybrid else None
+            replicas = pg._all_reduce_process_group if self._b.state.hybrid else None
             _, post, _, _ = _get_gradient_divide_factors(
                 cast(Any, pg.mesh_info).shard_process_group, replicas, dtype, pg.device.type,
                 pg.gradient_divide_factor, pg.force_sum_reduction_for_comms,
@@ -146,8 +146,8 @@ class _OdcReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> None:
         b, g = self._b, self._g
-        b.begin(f"reduce-scatter of {g.name}")
-        if b.hybrid and g.pg.all_reduce_grads:
+        b.state.begin(f"reduce-scatter of {g.name}")
+        if b.state.hybrid and g.pg.all_reduce_grads:
             # FSDP's replicate all-reduce follows this call, with this flag
             # already read: it would pair up with peers' minibatch ends.
             raise ConfigError(
@@ -156,7 +156,7 @@ class _OdcReduceScatter(ReduceScatter):
                 "ODC reduces across nodes once per minibatch and keeps it off: make those calls before "
                 "the forward, or after odc.fsdp.disable"
             )
-        ws, n = b.shards, g.n
+        ws, n = b.state.shards, g.n
         if input_tensor.numel() != ws * n:
             frozen = [fp._param_fqn or "<root>" for fp in g.pg.fsdp_params if not fp.sharded_param.requires_grad]
             advice = (
@@ -172,8 +172,8 @@ class _OdcReduceScatter(ReduceScatter):
         scale = self._scale(op, input_tensor.dtype)
         # .grad back to what FSDP adds onto (full sharding; it then calls our post-accumulate-grad
         # hook), or pending now (hybrid: FSDP parks its output and leaves .grad alone).
-        pushed_before = g.pushed_in == b.version
-        if b.hybrid:
+        pushed_before = g.pushed_in == b.state.version
+        if b.state.hybrid:
             b.grads.pend_group(g.index, pushed_before, f"reduce-scatter of {g.name}")
         else:
             b.grads.hand_to_fsdp(g.index, pushed_before, f"reduce-scatter of {g.name}")

@@ -1,48 +1,39 @@
-"""The ODC state of one enabled model (:class:`_Binding`): its engine, its groups, the minibatch
-protocol (begin, finish, advance) and the optimizer and zero_grad hooks that drive it.
+"""The minibatch state machine of one enabled model (:class:`Minibatch`): its engine, its groups, and the
+protocol's steps in the order a loop drives them.
 
-It uses the gradient contract (:mod:`._grads`) and the groups :mod:`._private` describes; the FSDP2
-seams (:mod:`._seams`) and the public API call into it, never the other way round.
+``begin`` (every gather and push: the first one of a minibatch publishes this rank's parameters) →
+``end`` (the engine's finish: this rank's gradient shards are final) → ``clear`` (the accumulators zeroed,
+which opens them for the next minibatch's pushes) → ``advance`` (the next minibatch). It knows nothing of
+``.grad`` (the gradient contract, :mod:`._grads`, drives ``end`` and ``clear`` around its install), of the
+optimizer hooks or of FSDP2's seams (:mod:`._binding`, :mod:`._seams`): those call into it, never the other
+way round. It reads FSDP2 only through :mod:`._private`'s groups.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from ..engine import Engine
 from ..errors import ConfigError, ProtocolError
-from ._grads import GradContract
 from ._private import _Group, _Layout
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
-SHARDINGS = ("full", "hybrid", "hybrid-zero")
-_enables = itertools.count()  # one per enable() in this process; equal on every rank
-_live: weakref.WeakSet[_Binding] = weakref.WeakSet()
-_solos: weakref.WeakSet[_Solo] = weakref.WeakSet()  # models enabled on one rank
 
 
-class _Binding:
-    """The ODC state of one enabled model (one engine, one bucket per group).
-
-    The minibatch protocol, in the order a loop drives it: :meth:`begin`
-    (every gather and push), :meth:`finish` (a gradient read, the
-    optimizer's step pre-hook, :func:`finish`), :meth:`advance` (the step
-    post-hook, or the first forward after a skipped step).
+class Minibatch:
+    """The protocol state of one enabled model (one engine, one bucket per group).
 
     The parameter contract: a minibatch's parameters are published by this
-    rank's first operation in it (:meth:`begin` or :meth:`finish`), not by
-    the step that made them, so whatever changed them in between (a
-    state-dict load, a second optimizer, an in-place edit) is what every
-    peer gathers. A change after that, within the minibatch, is refused at
-    this rank's next gather (:meth:`check_unchanged`).
+    rank's first operation in it (:meth:`begin`, or :meth:`end` on a rank
+    that ran nothing), not by the step that made them, so whatever changed
+    them in between (a state-dict load, a second optimizer, an in-place edit)
+    is what every peer gathers. A change after that, within the minibatch, is
+    refused at this rank's next gather (:meth:`check_unchanged`).
     """
 
-    def __init__(self, model: FSDPModule, groups: list[_Group], engine: Engine, layout: _Layout) -> None:
+    def __init__(self, model: Any, groups: list[_Group], engine: Engine, layout: _Layout) -> None:
         self.model = model
         self.groups = groups
         self.engine = engine
@@ -50,6 +41,7 @@ class _Binding:
         self.shards = layout.shards
         self.index = layout.index
         self.hybrid = layout.sharding == "hybrid"
+        self.device = engine.device  # where the engine's tensors live (the parameters' device)
         self.version = 0  # the running (or last finished) minibatch; its gathers read this version
         self.open = True  # minibatch `version` is running (not finished)
         self.published = False  # this rank published minibatch `version`'s parameters (its first operation does)
@@ -59,16 +51,12 @@ class _Binding:
         self.finished_by = ""  # what finished the last minibatch (for errors)
         self.cleared = False  # gradients cleared after a finish without a step hook (a skipped or hand-made step)
         self.clipped = -1  # last minibatch whose gradients were clipped
-        self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
-        self.optimizers = 0  # optimizers hooked by enable
-        self.stepped: set[int] = set()  # those that stepped since the minibatch finished
-        self.abandoned: tuple[int, list[int]] | None = None  # (minibatch, own microbatches left unrun)
-        self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
-        self.param_ids = {id(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params}
-        self.device = engine.device  # where the engine's tensors live (the parameters' device)
-        self.grads = GradContract(self, groups)
+        self.broken = ""  # why a minibatch was left without its finish (an exception it could not finish after)
+        self.iterated: dict[int, int] = {}  # minibatch -> length of this rank's own list in odc.fsdp.microbatches
+        #: The parameters that trained at enable (ODC laid out gradients for them).
+        self.trained = {id(fp) for g in groups for fp in g.pg.fsdp_params if fp.sharded_param.requires_grad}
 
-    # -- protocol ------------------------------------------------------------
+    # -- the steps -----------------------------------------------------------
     def begin(self, what: str) -> None:
         """A gather, a push or a gradient read of the running minibatch.
 
@@ -77,6 +65,7 @@ class _Binding:
         hand), starts the next minibatch: the current parameters are its
         version.
         """
+        self.check_not_broken(what)
         if not self.open:
             if not self.cleared:
                 raise ProtocolError(
@@ -89,17 +78,47 @@ class _Binding:
         if not self.published:
             self.publish_all()
 
+    def check_not_broken(self, what: str) -> None:
+        """Refuses to go on after a minibatch an exception left unfinished (see :meth:`break_off`)."""
+        if self.broken:
+            raise ProtocolError(
+                f"odc.fsdp: {what}, but {self.broken}; this rank's peers are still in that minibatch or past it, "
+                "so the next one cannot start here. Let the error end the job (a restart resumes from the last "
+                "checkpoint), or fix what raised it"
+            )
+
+    def break_off(self, why: str) -> None:
+        """Marks the running minibatch as left by an exception it could not be finished after: every later
+        operation is refused, naming it (the peers would otherwise pair this rank's next minibatch with it)."""
+        self.broken = f"minibatch {self.version} was left by an exception and could not be finished ({why})"
+
     def publish_all(self, check: bool = True) -> None:
         """Publishes this rank's shards, as they are now, as minibatch ``version``'s parameters (``check``:
         refuse parameters frozen since ``enable`` first)."""
         if check:
-            self.grads.check_frozen()
+            self.check_frozen()
         for g in self.groups:
             shard = g.staging()
             torch.cat(g.gather_inputs(), out=shard[: g.n])
             self.engine.publish(g.name, shard, self.version)
         self.seen = [[(fp.sharded_param, fp.sharded_param._version) for fp in g.pg.fsdp_params] for g in self.groups]
         self.published = True
+
+    def check_frozen(self) -> None:
+        """Refuses parameters frozen or unfrozen since ``enable`` (ODC lays out and installs gradients for
+        the parameters that required one then)."""
+        changed = [(fp._param_fqn or "<root>", fp.sharded_param.requires_grad)
+                   for g in self.groups for fp in g.pg.fsdp_params
+                   if fp.sharded_param.requires_grad != (id(fp) in self.trained)]
+        if changed:
+            what = ", ".join(f"{n} ({'unfrozen' if rg else 'frozen'})" for n, rg in changed[:5])
+            more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+            raise ConfigError(
+                f"odc.fsdp: {what}{more} changed requires_grad after odc.fsdp.enable, which laid out gradients "
+                "for the parameters that required one then (a frozen one would still get a gradient, and weight "
+                "decay would move it); change requires_grad between odc.fsdp.disable(model) and "
+                "odc.fsdp.enable(model, optimizer), on every rank"
+            )
 
     def check_unchanged(self, g: _Group) -> None:
         """Refuses a gather of ``g`` after one of its parameters changed in place since this minibatch's publish.
@@ -115,8 +134,7 @@ class _Binding:
             if now is p and now._version == seen:
                 continue
             # FSDP1's wrapper prefix out: the names the user's model defines.
-            names = {id(q): n.replace("_fsdp_wrapped_module.", "")
-                     for n, q in self.model.named_parameters()}  # type: ignore[attr-defined]
+            names = {id(q): n.replace("_fsdp_wrapped_module.", "") for n, q in self.model.named_parameters()}
             name = names.get(id(now), f"{g.name}'s parameter {g.pg.fsdp_params.index(fp)}")
             raise ProtocolError(
                 f"odc.fsdp: parameter {name} changed in place during minibatch {self.version}, after this rank "
@@ -127,20 +145,29 @@ class _Binding:
                 "`with odc.fsdp.evaluation(model):` on every rank, and swap them back after it"
             )
 
-    def finish(self, reason: str, install: bool = True) -> None:
-        """Ends the running minibatch: own gradient shards final, installed as ``.grad``."""
-        if not self.open:
-            return
-        if self.abandoned is not None and self.abandoned[0] == self.version:
-            left, self.abandoned = self.abandoned[1], None
-            raise ProtocolError(
-                f"odc.fsdp.microbatches: the loop left minibatch {self.version}'s iteration early (a break or an "
-                f"exception) with {len(left)} of this rank's own microbatches unclaimed (indices {left} of its "
-                "list); they ran nowhere, so the minibatch's gradients would miss them. Iterate "
-                "odc.fsdp.microbatches to the end on every rank (to skip a microbatch, continue inside the loop)"
-            )
+    def iterating(self, own: int) -> None:
+        """``odc.fsdp.microbatches`` hands out this rank's own list of ``own`` microbatches in this minibatch;
+        :meth:`end` checks from the claim counts that every one of them was claimed (run here or stolen)."""
+        self.iterated[self.version] = own
+
+    def unclaimed(self) -> list[int]:
+        """Claims what is left unclaimed of this rank's own list of the running minibatch (none, unless the loop
+        left ``odc.fsdp.microbatches`` early, whatever became of the iterator): those ran nowhere, and once
+        claimed here no thief runs one of them after the finish either."""
+        own = self.iterated.pop(self.version, 0)
+        left: list[int] = []
+        if own:
+            while (j := self.engine.claim_own(self.version, own)) is not None:
+                left.append(j)
+        return left
+
+    def end(self, reason: str, check: bool = True) -> list[int]:
+        """Ends the running minibatch in the engine: this rank's own gradient shards are final in its
+        accumulators (the gradient contract reads them next, then :meth:`clear`). Returns the indices of this
+        rank's own microbatches that ran nowhere (see :meth:`unclaimed`; :meth:`left_early` words the error)."""
+        left = self.unclaimed()
         if not self.published:  # a rank that ran nothing in this minibatch publishes for its peers here
-            self.publish_all(check=install)  # disable (install=False) tears down whatever was frozen
+            self.publish_all(check=check)  # disable (check=False) tears down whatever was frozen
         self.engine.finish_minibatch(self.version)
         self.open = False
         self.finished_by = reason
@@ -150,106 +177,43 @@ class _Binding:
             # allocated, a gradient's worth per group.
             for g in self.groups:
                 g.drop_parked()
-        if install:
-            self.grads.install([self.engine.grad_shard(g.name) for g in self.groups])
+        return left
+
+    def left_early(self, left: list[int]) -> ProtocolError:
+        """The error for a minibatch finished with ``left`` of this rank's own microbatches unrun."""
+        return ProtocolError(
+            f"odc.fsdp.microbatches: the loop left minibatch {self.version}'s iteration early (a break, an "
+            f"exception, an iterator no longer iterated) with {len(left)} of this rank's own microbatches "
+            f"unclaimed (indices {left} of its list); they ran nowhere, so the minibatch's gradients miss them "
+            "(it was finished with the microbatches that ran). Iterate odc.fsdp.microbatches to the end on "
+            "every rank (to skip a microbatch, continue inside the loop)"
+        )
+
+    def clear(self) -> None:
+        """Zeroes the accumulators once their sums were read; the peers' pushes of the next minibatch, held
+        in their landing slots until now, are added from here on."""
         self.engine.zero_grad()
         self.pushed = False
 
     def advance(self) -> None:
-        """Starts the next minibatch (after :meth:`finish`); its first operation publishes its parameters."""
+        """Starts the next minibatch (after :meth:`end`); its first operation publishes its parameters."""
         if self.open:
             return
         self.version += 1
         self.published = False
         self.open = True
         self.cleared = False
-        self.stepped.clear()
 
-    # -- evaluation on other weights (odc.fsdp.evaluation) -------------------------
-    def begin_evaluation(self) -> None:
-        """Enters :func:`odc.fsdp.evaluation`: only between minibatches (nothing of the next one ran yet)."""
+    def check_between(self, what: str) -> None:
+        """Refuses ``what`` (an evaluation block) unless it comes between minibatches: nothing of the next one
+        ran yet."""
         if not self.open and self.cleared:
             self.advance()
         if not self.open or self.published or self.pushed:
             raise ProtocolError(
-                f"odc.fsdp.evaluation entered during minibatch {self.version}"
+                f"{what} entered during minibatch {self.version}"
                 + (" after its gradients were finished and before the optimizer step" if not self.open
                    else ", after this rank's first forward or backward of it")
                 + ": enter it between minibatches, after optimizer.step() (or after optimizer.zero_grad() where "
                 "the step is skipped) and before the next minibatch's first forward, on every rank"
             )
-
-    def end_evaluation(self) -> None:
-        """Leaves :func:`odc.fsdp.evaluation`: finishes its minibatch (one synchronization, no gradients) and opens
-        the next, whose first operation publishes the parameters as they are then."""
-        pushed = self.pushed
-        self.finish("leaving odc.fsdp.evaluation", install=False)
-        self.advance()
-        self.grads.pend(self.version)
-        if pushed:
-            raise ProtocolError(
-                f"odc.fsdp.evaluation: a backward inside the block pushed gradients (minibatch {self.version - 1}); "
-                "they were dropped when it ended. Evaluate under torch.no_grad() and train outside the block"
-            )
-
-    # -- optimizer and zero_grad hooks -----------------------------------------
-    def before_step(self) -> None:
-        if self.open and not self.pushed and self.grads.stepped_twice():
-            raise ProtocolError(
-                f"odc.fsdp: optimizer.step() again in minibatch {self.version}: every gradient is still the one "
-                "the previous step used (no backward and no zero_grad since). Step once per minibatch; a rank "
-                "that runs no microbatch in a minibatch must still call optimizer.zero_grad() after each step, "
-                "so that ODC installs the new minibatch's gradients"
-            )
-        self.finish("optimizer.step()")
-
-    def after_step(self, which: int) -> None:
-        """Optimizer ``which`` stepped; the next minibatch starts once every hooked optimizer has."""
-        self.stepped.add(which)
-        if len(self.stepped) == self.optimizers:
-            self.stepped.clear()
-            self.advance()
-
-    def check_zero_grad(self) -> None:
-        if self.open and self.pushed:
-            raise ProtocolError(
-                f"odc.fsdp: zero_grad() in the middle of minibatch {self.version}, after this rank had pushed "
-                "gradients to their owners, which ODC cannot take back; clear gradients only between minibatches "
-                "(after optimizer.step(), or before the minibatch's first backward)"
-            )
-
-    def after_zero_grad(self) -> None:
-        if not self.open:
-            self.cleared = True
-        # Pending again, so that a rank with no microbatch in the next minibatch reads final gradients.
-        self.grads.pend(self.version if self.open else self.version + 1)
-
-
-class _Undo:
-    """A removable handle (like torch's hook handles) around an undo function."""
-
-    def __init__(self, undo: Any) -> None:
-        self.remove = undo
-
-
-class _Solo:
-    """An enabled model on one rank: FSDP2 bypasses both seams at world size 1, so there is nothing to
-    replace, and every ``odc.fsdp`` call does what it does on many ranks with nothing to wait for."""
-
-    def __init__(self, model: Any) -> None:
-        self.param_ids = {id(p) for p in model.parameters()}
-
-
-def solo(model: Any) -> _Solo | None:
-    """The model's :class:`_Solo` where it was enabled on one rank."""
-    s = getattr(model, "_odc_fsdp", None)
-    return s if isinstance(s, _Solo) else None
-
-
-def _binding(model: Any) -> _Binding:
-    b = getattr(model, "_odc_fsdp", None)
-    if not isinstance(b, _Binding):
-        raise ConfigError("odc.fsdp: this model is not enabled; call odc.fsdp.enable(model, optimizer) first")
-    return b
-
-

@@ -4,7 +4,8 @@ Every rank's list of microbatches (from the plan, equal on every rank) becomes c
 list from the front, then takes unstarted microbatches from the back of the list of the rank with the most
 predicted work left. Claims go through the engine (``Engine.claim_own`` / ``Engine.steal``): one compare-and-swap
 in the owner's memory per claim, made by the owner or, for a thief, by the owner's server daemon, so every
-microbatch runs exactly once whichever ranks race for it. It uses the binding (:mod:`._state`) only.
+microbatch runs exactly once whichever ranks race for it. It uses the binding
+(:mod:`._binding`) and its minibatch state machine only.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from ..errors import ConfigError
-from ._state import _binding, solo
+from ..errors import ConfigError, ProtocolError
+from ._binding import _Binding, _binding, solo
 
 T = TypeVar("T")
+
 
 def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T], float] | None = None,
                  steal: bool = True) -> Iterator[T]:
@@ -33,9 +35,10 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
 
     Every rank must iterate it once per minibatch, to the end (a rank with no microbatch of its own too: it
     starts the minibatch for thieves and may steal). Left early (a ``break``, an exception out of the
-    loop) with microbatches of its own list unclaimed, those run nowhere: the minibatch's finish on this
-    rank (the gradient read or the step) raises :class:`odc.ProtocolError` naming them. With
-    ``steal=False`` it yields this rank's own list only.
+    loop, an iterator kept and no longer iterated) with microbatches of its own list unclaimed, those run
+    nowhere: the minibatch's finish on this rank (the gradient read or the step) counts the claims, finishes
+    the minibatch with what ran and raises :class:`odc.ProtocolError` naming them. An iterator resumed after
+    its minibatch finished raises too. With ``steal=False`` it yields this rank's own list only.
 
     Args:
         model: the model :func:`odc.fsdp.enable` was called on.
@@ -51,34 +54,39 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
     if solo(model) is not None:
         if len(lists) != 1:
             raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the 1")
-        yield from lists[0]
-        return
+        return iter(lists[0])
     b = _binding(model)
-    world = b.layout.world
+    s = b.state
+    world = s.layout.world
     if len(lists) != world:
         raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the {world}")
-    b.begin("odc.fsdp.microbatches")
+    s.begin("odc.fsdp.microbatches")
+    # The finish checks from the claim counts that this rank's own list was claimed to the end, whatever
+    # becomes of the iterator.
+    s.iterating(len(lists[s.layout.rank]))
     weigh = None if cost is None else (lambda r, i: cost(lists[r][i]))
-    version, mine, drained = b.version, len(lists[b.layout.rank]), False
-    try:
-        for owner, i in b.engine.claimed(version, [len(x) for x in lists], ranks=_stealable(b), cost=weigh,
-                                         steal=steal):
-            yield lists[owner][i]
-        drained = True
-    finally:
-        if not drained:
-            # Left early (a break, an exception): what is left of this rank's own list would run nowhere once
-            # the thieves are done. Claimed here, so that none runs half, and named when the minibatch finishes.
-            left = []
-            while (j := b.engine.claim_own(version, mine)) is not None:
-                left.append(j)
-            if left:
-                b.abandoned = (version, left)
+    claims = b.engine.claimed(s.version, [len(x) for x in lists], ranks=_stealable(b), cost=weigh, steal=steal)
+    return _yield(b, s.version, claims, lists)
+
+
+def _yield(b: _Binding, version: int, claims: Iterator[tuple[int, int]], lists: Sequence[Sequence[T]]) -> Iterator[T]:
+    """The microbatches of ``claims``, as long as minibatch ``version`` runs."""
+    while True:
+        if b.state.version != version or not b.state.open:
+            raise ProtocolError(
+                f"odc.fsdp.microbatches: the iterator of minibatch {version} was resumed after that minibatch "
+                f"finished (this rank is at minibatch {b.state.version}); start a new iteration each minibatch"
+            )
+        try:
+            owner, i = next(claims)
+        except StopIteration:
+            return
+        yield lists[owner][i]
 
 
 def _stealable(b: Any) -> range:
     """The ranks this rank may steal from: its shard group (every rank, or its node under hybrid sharding)."""
-    layout = b.layout
+    layout = b.state.layout
     if layout.sharding == "full":
         return range(layout.world)
     g = layout.shards if layout.sharding == "hybrid" else (layout.per_node or layout.world)

@@ -1,0 +1,192 @@
+"""What ``odc.fsdp.enable`` leaves on a model (:class:`_Binding`): the minibatch state machine
+(:mod:`._state`) and the gradient contract (:mod:`._grads`) of one enabled model, driven by the loop's
+optimizer and ``zero_grad`` hooks, ``odc.fsdp.minibatch`` and ``odc.fsdp.evaluation``.
+
+FSDP2's seams (:mod:`._seams`), FSDP1's (:mod:`._fsdp1`), the clip (:mod:`._clip`) and the work-stealing
+iterator (:mod:`._steal`) call into it; it calls into the contract and the state machine, never back up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from ..engine import Engine
+from ..errors import ConfigError, PeerError, ProtocolError
+from ._grads import GradContract
+from ._private import _Group, _Layout
+from ._state import Minibatch
+
+SHARDINGS = ("full", "hybrid", "hybrid-zero")
+_enables = itertools.count()  # one per enable() in this process; equal on every rank
+_live: weakref.WeakSet[_Binding] = weakref.WeakSet()
+_solos: weakref.WeakSet[_Solo] = weakref.WeakSet()  # models enabled on one rank
+
+
+class _Binding:
+    """The ODC state of one enabled model: its minibatch state machine (``state``), its gradient contract
+    (``grads``) and the hooks that drive them.
+
+    The minibatch protocol, in the order a loop drives it: ``state.begin``
+    (every gather and push), :meth:`finish` (a gradient read, the optimizer's
+    step pre-hook, :func:`odc.fsdp.finish`), ``state.advance`` (the step
+    post-hook, or the first forward after a skipped step).
+    """
+
+    def __init__(self, model: Any, groups: list[_Group], engine: Engine, layout: _Layout,
+                 reshard: Callable[[], None]) -> None:
+        self.model = model
+        self.state = Minibatch(model, groups, engine, layout)
+        self.grads = GradContract(self.state, groups)
+        self.reshard = reshard  # reshards every FSDP module of the model (FSDP2's or FSDP1's way)
+        self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
+        self.optimizers = 0  # optimizers hooked by enable
+        self.stepped: set[int] = set()  # those that stepped since the minibatch finished
+        self.stepped_in = -1  # the minibatch they stepped after (a start by another path resets the set)
+        self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
+        # Every parameter the loop may hand to odc.fsdp.clip_grad_norm_, on every rank the same set: the
+        # model's (FSDP1 with use_orig_params=True: also those wholly in another rank's shard) and FSDP's.
+        self.param_ids = {id(p) for p in model.parameters()} | {
+            id(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params}
+
+    # Read by the tests and the integrations.
+    @property
+    def engine(self) -> Engine:
+        return self.state.engine
+
+    @property
+    def groups(self) -> list[_Group]:
+        return self.state.groups
+
+    def finish(self, reason: str, install: bool = True) -> None:
+        """Ends the running minibatch: own gradient shards final, installed as ``.grad``."""
+        self.grads.finish(reason, install)
+
+    # -- odc.fsdp.minibatch ----------------------------------------------------
+    def enter_minibatch(self) -> None:
+        """Entering ``odc.fsdp.minibatch``: the next minibatch (or the first), never one left by an exception."""
+        self.state.check_not_broken("odc.fsdp.minibatch entered")
+        self.state.advance()
+
+    def leave_minibatch(self, exc: BaseException | None) -> None:
+        """Leaving ``odc.fsdp.minibatch``: finishes the minibatch, also after an exception out of the block.
+
+        After an exception the minibatch is finished with what ran (the peers are not left waiting for
+        this rank, and its next block is the next minibatch, not this one again), with a warning that
+        says so; the loop that moves past it holds those gradients and clears them to skip the step
+        (``optimizer.zero_grad()``). Where it cannot be finished (a peer died or stalled, a Ctrl-C, a
+        second failure), every later operation is refused naming the minibatch instead.
+        """
+        if exc is None:
+            self.finish("leaving odc.fsdp.minibatch")
+            return
+        s = self.state
+        what = f"{type(exc).__name__}: {exc}"
+        if not s.open:
+            return  # finished already (a gradient read, an explicit finish) before the exception
+        if isinstance(exc, PeerError) or not isinstance(exc, Exception):
+            s.break_off(what)
+            return
+        try:
+            self.finish(f"an exception out of odc.fsdp.minibatch ({type(exc).__name__})")
+        except Exception as e:
+            s.break_off(f"{what}; then, finishing it: {type(e).__name__}: {e}")
+            return
+        warnings.warn(
+            f"odc.fsdp.minibatch: {what} left minibatch {s.version} early; it was finished with the "
+            "microbatches that ran before it (their gradients are in .grad now, and the peers went on). To skip "
+            "the minibatch, call optimizer.zero_grad() before the next one; to train on what ran, step",
+            RuntimeWarning, stacklevel=4,
+        )
+
+    # -- evaluation on other weights (odc.fsdp.evaluation) -------------------------
+    def begin_evaluation(self) -> None:
+        """Enters :func:`odc.fsdp.evaluation`: only between minibatches (nothing of the next one ran yet)."""
+        self.state.check_not_broken("odc.fsdp.evaluation entered")
+        self.state.check_between("odc.fsdp.evaluation")
+
+    def end_evaluation(self) -> None:
+        """Leaves :func:`odc.fsdp.evaluation`: reshards every FSDP module (the evaluated weights are not the
+        next minibatch's), finishes its minibatch (one synchronization, no gradients) and opens the next,
+        whose first operation publishes the parameters as they are then."""
+        s = self.state
+        pushed = s.pushed
+        self.reshard()
+        self.finish("leaving odc.fsdp.evaluation", install=False)
+        s.advance()
+        self.grads.pend(s.version)
+        if pushed:
+            raise ProtocolError(
+                f"odc.fsdp.evaluation: a backward inside the block pushed gradients (minibatch {s.version - 1}); "
+                "they were dropped when it ended. Evaluate under torch.no_grad() and train outside the block"
+            )
+
+    # -- optimizer and zero_grad hooks -----------------------------------------
+    def before_step(self) -> None:
+        s = self.state
+        if s.open and not s.pushed and self.grads.stepped_twice():
+            raise ProtocolError(
+                f"odc.fsdp: optimizer.step() again in minibatch {s.version}: every gradient is still the one "
+                "the previous step used (no backward and no zero_grad since). Step once per minibatch; a rank "
+                "that runs no microbatch in a minibatch must still call optimizer.zero_grad() after each step, "
+                "so that ODC installs the new minibatch's gradients"
+            )
+        s.check_not_broken("optimizer.step()")
+        self.finish("optimizer.step()")
+
+    def after_step(self, which: int) -> None:
+        """Optimizer ``which`` stepped; the next minibatch starts once every hooked optimizer has."""
+        if self.stepped_in != self.state.version:
+            self.stepped.clear()
+            self.stepped_in = self.state.version
+        self.stepped.add(which)
+        if len(self.stepped) == self.optimizers:
+            self.stepped.clear()
+            self.state.advance()
+
+    def check_zero_grad(self) -> None:
+        s = self.state
+        if s.open and s.pushed:
+            raise ProtocolError(
+                f"odc.fsdp: zero_grad() in the middle of minibatch {s.version}, after this rank had pushed "
+                "gradients to their owners, which ODC cannot take back; clear gradients only between minibatches "
+                "(after optimizer.step(), or before the minibatch's first backward)"
+            )
+
+    def after_zero_grad(self) -> None:
+        s = self.state
+        if not s.open:
+            s.cleared = True
+        # Pending again, so that a rank with no microbatch in the next minibatch reads final gradients.
+        self.grads.pend(s.version if s.open else s.version + 1)
+
+
+class _Undo:
+    """A removable handle (like torch's hook handles) around an undo function."""
+
+    def __init__(self, undo: Any) -> None:
+        self.remove = undo
+
+
+class _Solo:
+    """An enabled model on one rank: FSDP2 bypasses both seams at world size 1, so there is nothing to
+    replace, and every ``odc.fsdp`` call does what it does on many ranks with nothing to wait for."""
+
+    def __init__(self, model: Any) -> None:
+        self.param_ids = {id(p) for p in model.parameters()}
+
+
+def solo(model: Any) -> _Solo | None:
+    """The model's :class:`_Solo` where it was enabled on one rank."""
+    s = getattr(model, "_odc_fsdp", None)
+    return s if isinstance(s, _Solo) else None
+
+
+def _binding(model: Any) -> _Binding:
+    b = getattr(model, "_odc_fsdp", None)
+    if not isinstance(b, _Binding):
+        raise ConfigError("odc.fsdp: this model is not enabled; call odc.fsdp.enable(model, optimizer) first")
+    return b

@@ -1,0 +1,111 @@
+"""A minibatch's edges, each against a reference computed in one process from the same samples (workers in
+_boundaries.py): a push that is a minibatch's first operation reaches a slow owner only once it has read the
+previous minibatch's sums; an evaluation block reshards what its forward left unsharded; an exception out of
+``odc.fsdp.minibatch`` finishes the minibatch with what ran (or leaves it refused); an iterator of
+``odc.fsdp.microbatches`` left early is named from the claim counts; ``odc.fsdp.clip_grad_norm_`` over a list of
+parameters behaves the same on every rank; world size 1 trains as one process does."""
+
+from __future__ import annotations
+
+import math
+
+import _boundaries as W
+import pytest
+from _dist import run_ranks
+from _fsdp_helpers import all_ok
+
+pytestmark = pytest.mark.torch_versions  # runs on every torch leg of make test
+
+
+def test_a_minibatchs_first_push_waits_for_a_slow_owner_to_read_the_last_one():
+    """No group gathers after the first minibatch (every parameter stays unsharded), so each later minibatch
+    starts with a push, while the owner still holds the previous sums: the result matches FSDP2 over gloo."""
+    runs = {comm: all_ok(run_ranks(W.push_first_worker, 2, timeout=240, steps=4, delay=0.5, comm=comm))
+            for comm in ("gloo", "odc")}
+    for rank in (0, 1):
+        worst, ok = W.close(runs["gloo"][rank], runs["odc"][rank], 1e-5)
+        assert ok, f"rank {rank}: parameters differ from FSDP2 over gloo by {worst}"
+
+
+@pytest.mark.parametrize("variant", ["fsdp2-root", "fsdp2-no-reshard", "fsdp1-shard-grad-op"])
+def test_an_evaluation_block_reshards_what_its_forward_left_unsharded(variant):
+    """The evaluated (halved) weights stay out of the next minibatch: FSDP2's root, FSDP2 modules with
+    reshard_after_forward=False and FSDP1's SHARD_GRAD_OP handles are gathered again after the block."""
+    out = all_ok(run_ranks(W.evaluation_worker, 2, timeout=240, variant=variant))
+    ref = W.evaluation_reference(2)
+    for rank, res in out.items():
+        assert math.isclose(res["evals"][0], ref["evals"][0][rank], rel_tol=1e-5), (rank, res["evals"], ref)
+        worst, ok = W.close(ref["params"], res["params"], 1e-5)
+        assert ok, f"{variant}, rank {rank}: parameters differ from one process by {worst}"
+
+
+def test_an_exception_out_of_a_minibatch_block_finishes_it_with_what_ran_and_says_so():
+    """The skip-a-bad-batch loop: rank 0's data raises in the middle of a minibatch, the loop catches it and
+    moves on without stepping; the minibatch was finished with what ran (a warning says so), rank 1 stepped
+    on it, and the next minibatches stay apart (the same minibatch count on both ranks)."""
+    out = all_ok(run_ranks(W.skip_worker, 2, timeout=240))
+    ref = W.skip_reference(2)
+    (msg,) = out[0]["warnings"]
+    assert "BadBatch" in msg and f"minibatch {W.SKIP}" in msg and "zero_grad" in msg, msg
+    assert out[1]["warnings"] == []
+    assert out[0]["version"] == out[1]["version"] == len(W.SKIP_PLAN) - 1, out
+    for rank, res in out.items():
+        worst, ok = W.close(ref, res["params"], 1e-5)
+        assert ok, f"rank {rank}: parameters differ from one process by {worst}"
+
+
+def test_a_minibatch_that_cannot_be_finished_after_an_exception_is_refused_at_the_next_block():
+    out = all_ok(run_ranks(W.interrupted_worker, 2, timeout=120))
+    assert out[0].startswith("ProtocolError") and "minibatch 0" in out[0] and "KeyboardInterrupt" in out[0], out[0]
+    assert out[1].startswith(("PeerTimeout", "PeerDied")) and "rank 0" in out[1], out[1]
+
+
+@pytest.mark.parametrize("steal", [False, True])
+def test_an_iterator_left_early_and_kept_is_named_from_the_claim_counts(steal):
+    """Rank 0 breaks out of a loop over an iterator it keeps (the generator is never finalized): the step
+    finishes the minibatch with what ran and names every microbatch of its own list that ran nowhere; each
+    microbatch ran at most once, the parameters are one process's step on what ran, and the iterator refuses
+    to resume."""
+    out = all_ok(run_ranks(W.held_iterator_worker, 2, timeout=240, steal=steal))
+    ran = out[0]["ran"] + out[1]["ran"]
+    assert len(ran) == len(set(ran)), ran
+    unrun = sorted(set(range(5)) - set(ran))
+    if unrun:
+        err = out[0]["error"]
+        assert err.startswith("odc.fsdp.microbatches") and f"indices {unrun}" in err, (err, ran)
+    else:
+        assert out[0]["error"] == "", out[0]
+    if not steal:
+        assert unrun == [1, 2, 3], ran
+    assert out[1]["error"] == ""
+    assert "resumed after that minibatch finished" in out[0]["resumed"], out[0]["resumed"]
+    assert out[1]["resumed"] == "StopIteration"  # drained
+    ref = W.ran_reference(sorted(ran))
+    for rank, res in out.items():
+        worst, ok = W.close(ref, res["params"], 1e-5)
+        assert ok, f"rank {rank}: parameters differ from one process by {worst}"
+
+
+def test_odc_clip_over_a_list_of_fsdp1_original_parameters_agrees_on_every_rank():
+    """FSDP1 with use_orig_params=True, where a parameter lies wholly in the other rank's shard: accepted on
+    both ranks, FSDP1's own norms; a foreign tensor in the list is refused on both, before any exchange."""
+    out = all_ok(run_ranks(W.clip_list_worker, 2, timeout=180))
+    for rank, res in out.items():
+        assert res["missing"] == [], (rank, res["missing"])
+        for s, (x, y) in enumerate(zip(res["odc"], res["fsdp1"], strict=True)):
+            assert math.isclose(x, y, rel_tol=1e-5), (rank, s, res["odc"], res["fsdp1"])
+        assert res["foreign"].startswith("ConfigError") and "do not belong" in res["foreign"], res["foreign"]
+    assert out[0]["odc"] == out[1]["odc"]
+
+
+def test_every_odc_fsdp_call_works_at_world_size_one_and_trains_as_one_process():
+    """ODC at world size 1 (FSDP2 bypasses its seams there) against one process without FSDP, in another
+    process: the same norms (the clip active) and parameters."""
+    out = all_ok(run_ranks(W.solo_worker, 1, timeout=120))[0]
+    ref = W.solo_reference()
+    assert out["enabled"] and out["disabled"]
+    assert ref["norms"][0] > 0.05  # the clip is active
+    for s, (x, y) in enumerate(zip(out["norms"], ref["norms"], strict=True)):
+        assert math.isclose(x, y, rel_tol=1e-6), (s, out["norms"], ref["norms"])
+    worst, ok = W.close(ref["params"], out["params"], 1e-6)
+    assert ok, f"parameters differ from one process by {worst}"
