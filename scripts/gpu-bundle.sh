@@ -4,7 +4,7 @@
 #   bin/<name>          the Rust GPU test executables of odc-kernels and odc-core and the kernel benchmark
 #                       gpu_kernels_perf, release, debug info stripped, named without cargo's hashes
 #                       (bin/odc_kernels-lib, bin/gpu_engine, ...)
-#   odc-*.whl           the odc abi3 wheel (Python 3.10+), its native library stripped
+#   fsdp_odc-*.whl      the fsdp-odc abi3 wheel (Python 3.10+), its native library stripped
 #   MANIFEST            the commit, the source hash scripts/gpu-run.sh checks the tree against, every
 #                       file's size
 # Refuses to finish above 48 MiB (what travels to the machine is at most 64 MiB with the tree).

@@ -117,7 +117,7 @@ def require_matplotlib() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise UsageError(
-            f"--plot needs matplotlib ({e}); install it with `pip install matplotlib` or `pip install 'odc[plot]'`"
+            f"--plot needs matplotlib ({e}); install it with `pip install matplotlib` or `pip install 'fsdp-odc[plot]'`"
         ) from None
     return plt
 
