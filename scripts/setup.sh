@@ -21,7 +21,8 @@ default)
         "ruff==0.17.6" "mypy==2.4.1"  # the linters make lint runs, pinned: a new release's rules would fail it
         # make wheel: zig links the extension against glibc 2.28's symbols (the manylinux_2_28 tag torch's own
         # wheels carry) on any build host; auditwheel checks the tag and the libraries the wheel needs.
-        "ziglang==0.17.1" "auditwheel==6.8.2")
+        "ziglang==0.17.1" "auditwheel==6.8.2"
+        "tqdm==4.70.1")  # odc-bench's progress bars (the `bench` extra)
     # torchtitan 0.3.0 (fsdp-odc[torchtitan]) and the packages it pulls, pinned as resolved with torch 2.15.0
     # (it does not pin torch). verl is not here: it pins torch 2.11.0 and lives in .venv-torch211.
     PY_PKGS+=("torchtitan==0.3.0" "torch-checkpointing==0.1.1" "spmd-types==0.2.3" "tyro==1.0.17" "einops==0.8.2"
