@@ -4,8 +4,9 @@
 For each torch version (2.11.0, the one verl's lock pins in scripts/requirements-torch211.txt, and 2.15.0, the
 newest supported), this
 
-1. makes a fresh venv (``uv venv``) and installs ``torch==VERSION`` into it, then the one
-   ``fsdp_odc-*.whl`` of the wheel folder (``uv pip install``, no source builds), and nothing else;
+1. makes a fresh venv (``uv venv``) and installs ``torch==VERSION`` into it (2.11.0's dependencies at that
+   lock's versions), then the one ``fsdp_odc-*.whl`` of the wheel folder (``uv pip install``, no source
+   builds), and nothing else;
 2. copies the README's ``## Quickstart`` blocks out of README.md as they are written: the block after
    ``<!-- quickstart:train.py -->`` (a ```python fence) into ``train.py``, the one after
    ``<!-- quickstart:run -->`` (a ```bash fence) as the command, the one after ``<!-- quickstart:backend -->``
@@ -17,9 +18,9 @@ newest supported), this
    group's own collectives (clip_grad_norm_'s all-reduce among them) run on ODC too;
 5. checks what each run prints: every rank its step lines (``rank R step S: loss L grad norm N``) for the
    same steps 0, 1, ..., each step's grad norm the same on every rank (clip_grad_norm_ all-reduces it), and
-   the backend run's grad norms those of the gloo run (within a unit of the fourth printed decimal: the
+   the backend run's grad norms those of the gloo run (within 1.5e-4, about the fourth printed decimal: the
    same seeded model and data, only the collectives moved), which an all-reduce over ODC that summed wrong
-   would not be.
+   would not be (one that doubled its sums printed 0.0925 for 0.0654).
 
 A missing or misplaced block, a failed install or run, or a print that does not match fails the test (exit 1);
 the time of each step (venv, installs, runs) is printed at the end.
@@ -48,8 +49,8 @@ NUMBER = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 STEP = re.compile(rf"rank (\d+) step (\d+): loss {NUMBER} grad norm {NUMBER}")
 # Torch versions and the constraints their install takes (the lock verl's pins come from, for 2.11).
 CONSTRAINTS = {"2.11.0": ROOT / "scripts" / "requirements-torch211.txt"}
-# How far the backend run's printed grad norms may be from the gloo run's: a unit of the fourth decimal (the
-# gradients are summed in arrival order, so the last bits may differ; a wrong all-reduce is far off).
+# How far the backend run's printed grad norms may be from the gloo run's: about a unit of the fourth printed
+# decimal (the gradients are summed in arrival order, so the last bits may differ; a wrong all-reduce is far off).
 NORM_TOLERANCE = 1.5e-4
 
 
