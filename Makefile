@@ -3,10 +3,13 @@
 #   make setup-torch211 idempotent: .venv-torch211 (verl 0.9.1's own pins: torch 2.11.0), odc-py installed into it
 #   make demo           the main job on one machine
 #   make lint           module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
-#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal
+#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal,
+#                       the wheel's quickstart in fresh venvs
 #                       (runs both setups first; the Rust builds run beside the Python tests), and the time of
 #                       each stage
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
+#   make wheel          dist/fsdp_odc-*-cp310-abi3-manylinux_2_28_x86_64.whl, the wheel users install, checked
+#   make wheel-test     the wheel in fresh venvs holding only torch (2.11.0, 2.15.0): the README's quickstart as written
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
@@ -27,10 +30,10 @@ export CARGO_TERM_COLOR ?= never
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
 .PHONY: help setup setup-torch211 demo test lint lint-rust lint-python fmt cargo-test loom rust-builds pytest \
-	pytest-torch211 gpu-bundle gpu-rehearse rehearse bench clean
+	pytest-torch211 gpu-bundle gpu-rehearse rehearse wheel wheel-test wheel-quickstart bench clean
 
 help:
-	@echo "make setup | demo | test | lint | bench | gpu-bundle | clean"
+	@echo "make setup | demo | test | lint | bench | wheel | wheel-test | gpu-bundle | clean"
 
 setup:
 	@scripts/setup.sh
@@ -85,7 +88,8 @@ loom:
 
 # What make test compiles beside the Python tests (scripts/stages.sh runs it at the lowest priority while the
 # Python stages use the cores; those wait on processes a good part of the time): clippy, the test executables
-# of cargo-test and loom, and the GPU bundle. cargo-test, loom and gpu-rehearse then run what it built.
+# of cargo-test and loom, and the GPU bundle with the wheel (dist/). cargo-test, loom, rehearse and
+# wheel-quickstart then run what it built.
 rust-builds: setup
 	@$(MAKE) --no-print-directory lint-rust
 	$(CARGO) test --workspace --locked $(FEATURES) --no-run
@@ -113,17 +117,32 @@ gpu-rehearse: gpu-bundle setup-torch211
 rehearse:
 	@scripts/gpu-rehearse.sh .gpu-bundle
 
+# The wheel users install (scripts/wheel.sh: abi3, manylinux_2_28 by linking with zig, auditwheel's check), and
+# the test of it as a user meets it (scripts/wheel-test.py: fresh venvs with only torch 2.11.0 or 2.15.0 and the
+# wheel, no Rust toolchain on PATH, the README's quickstart blocks run as written).
+wheel: setup
+	@scripts/wheel.sh dist
+
+wheel-test: wheel
+	@$(MAKE) --no-print-directory wheel-quickstart
+
+# The test of the wheel in dist/ as it is (make test builds it in rust-builds).
+wheel-quickstart:
+	@python3 scripts/wheel-test.py --wheels dist
+
 # The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure). The two pytest
 # legs run at once (+pytest-torch211 beside pytest, as equals: each alone left about 40 % of the two cores idle,
 # its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds) and the Python
 # linters (&lint-python: mypy is one core for a minute from a cold cache) run beside them at the lowest priority
 # on what the legs leave idle; the stages that need them wait for them (=..., a failure stops the run there).
-# The rehearsal (one Python process at a time) runs at the lowest priority beside the cargo tests, which wait
-# on peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
+# The rehearsal (one Python process at a time) and the wheel's fresh-venv test (needs the wheel rust-builds
+# made; one torchrun of 2 ranks at a time) run at the lowest priority beside the cargo tests, which wait on
+# peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
 # bound how long a failure takes to be seen).
 test:
 	@scripts/stages.sh setup '&rust-builds' '&lint-python' setup-torch211 '+pytest-torch211' pytest \
-	    '=pytest-torch211' '=lint-python' '=rust-builds' '&rehearse' cargo-test loom '=rehearse'
+	    '=pytest-torch211' '=lint-python' '=rust-builds' '&rehearse' '&wheel-quickstart' cargo-test loom \
+	    '=rehearse' '=wheel-quickstart'
 
 fmt:
 	$(CARGO) fmt --all
@@ -134,4 +153,4 @@ bench:
 
 clean:
 	$(CARGO) clean
-	rm -rf $(VENV)/.odc-py-built .venv-torch211/.odc-py-built
+	rm -rf dist $(VENV)/.odc-py-built .venv-torch211/.odc-py-built

@@ -4,7 +4,7 @@
 #   bin/<name>          the Rust GPU test executables of odc-kernels and odc-core and the kernel benchmark
 #                       gpu_kernels_perf, release, debug info stripped, named without cargo's hashes
 #                       (bin/odc_kernels-lib, bin/gpu_engine, ...)
-#   odc-*.whl           the odc abi3 wheel (Python 3.10+), its native library stripped
+#   fsdp_odc-*.whl      the fsdp-odc abi3 wheel (Python 3.10+) users install, as make wheel builds it into dist/
 #   MANIFEST            the commit, the source hash scripts/gpu-run.sh checks the tree against, every
 #                       file's size
 # Refuses to finish above 48 MiB (what travels to the machine is at most 64 MiB with the tree).
@@ -58,10 +58,10 @@ EOF
 rm -f "$OUT/.cargo.json"
 strip --strip-debug "$OUT"/bin/*
 
-# The wheel as users build it (the workspace's release profile, thin LTO), in the workspace's target folder,
-# where make setup built the same crates into the venvs: only the extension itself is linked again.
-log "building the odc wheel (abi3, stripped)"
-PATH="$PWD/.venv/bin:$PATH" .venv/bin/maturin build --release --strip --locked -q -m odc-py/Cargo.toml -o "$OUT" >&2
+# The wheel users install, the very file: make wheel's (scripts/wheel.sh: manylinux_2_28, checked by auditwheel),
+# built into dist/ and copied here.
+scripts/wheel.sh dist
+cp dist/fsdp_odc-*.whl "$OUT/"
 
 hash=$(scripts/source-hash.sh)
 {

@@ -4,7 +4,7 @@
 #
 #   scripts/gpu-run.sh BUNDLE        e.g. `timeout 420 bash scripts/gpu-run.sh .gpu-bundle`
 #
-# In order: the bundle is checked against the tree (its source hash); the odc wheel is installed with pip
+# In order: the bundle is checked against the tree (its source hash); the fsdp-odc wheel is installed with pip
 # --no-index --target into a scratch folder; what loads is probed (NVRTC, NVSHMEM, the CUDA driver and
 # device: which file, which version); the checks that need no device run (the odc.fsdp private state of
 # this torch, NVRTC compiling every kernel, NVSHMEM's symbols and layouts); then, with a GPU, the Rust GPU
@@ -95,7 +95,7 @@ if ! command -v "$PYTHON" >/dev/null; then
     say "no $PYTHON here"
     finish 5 "missing python"
 fi
-wheel=$(ls "$BUNDLE"/odc-*.whl 2>/dev/null | head -1)
+wheel=$(ls "$BUNDLE"/fsdp_odc-*.whl 2>/dev/null | head -1)
 if ! "$PYTHON" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$WORK/site" "$wheel" \
     >>"$LOG" 2>&1; then
     say "pip could not install $wheel into $WORK/site with $PYTHON (see tests.log)"

@@ -18,8 +18,12 @@ default)
     VENV=.venv
     PY_PKGS=("torch==${TORCH_VERSION}" "transformers==5.24.0" "numpy" "pytest" "pytest-timeout" "maturin>=1.7,<2"
         "matplotlib" "nvidia-cuda-nvrtc-cu12" "nvidia-nvshmem-cu12"
-        "ruff==0.17.6" "mypy==2.4.1")  # the linters make lint runs, pinned: a new release's rules would fail it
-    # torchtitan 0.3.0 (odc[torchtitan]) and the packages it pulls, pinned as resolved with torch 2.15.0
+        "ruff==0.17.6" "mypy==2.4.1"  # the linters make lint runs, pinned: a new release's rules would fail it
+        # make wheel: zig links the extension against glibc 2.28's symbols (the manylinux_2_28 tag torch's own
+        # wheels carry) on any build host; auditwheel checks the tag and the libraries the wheel needs.
+        "ziglang==0.17.1" "auditwheel==6.8.2"
+        "tqdm==4.70.1")  # odc-bench's progress bars (the `bench` extra)
+    # torchtitan 0.3.0 (fsdp-odc[torchtitan]) and the packages it pulls, pinned as resolved with torch 2.15.0
     # (it does not pin torch). verl is not here: it pins torch 2.11.0 and lives in .venv-torch211.
     PY_PKGS+=("torchtitan==0.3.0" "torch-checkpointing==0.1.1" "spmd-types==0.2.3" "tyro==1.0.17" "einops==0.8.2"
         "datasets==4.7.0" "tensorboard==2.21.0" "wandb==0.31.0" "torchdata==0.11.0")
@@ -88,6 +92,13 @@ fi
 # Rebuild only when a Rust or Python source of the package changed.
 src_hash=$(scripts/source-hash.sh)
 built="$VENV/.odc-py-built"
+# The distribution was named odc before fsdp-odc: a venv that still holds it would hold both (two sets of
+# entry points for the one package); it goes, and the package is built in again.
+if "$UV" pip show -q --python "$VENV/bin/python" odc 2>/dev/null; then
+    log "removing the distribution odc (now fsdp-odc) from $VENV"
+    "$UV" pip uninstall -q --python "$VENV/bin/python" odc
+    rm -f "$built"
+fi
 if [ ! -f "$built" ] || [ "$(cat "$built")" != "$src_hash" ]; then
     log "building odc-py into $VENV"
     VIRTUAL_ENV="$PWD/$VENV" PATH="$(dirname "$UV"):$PWD/$VENV/bin:$PATH" \

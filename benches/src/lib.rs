@@ -49,7 +49,7 @@ use std::process::{Child, Command, ExitCode};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use memmap2::MmapMut;
 use odc_core::sync::EventCount;
 use odc_kernels::DType;
@@ -125,7 +125,29 @@ pub struct PerfArgs {
     pub job_dir: Option<PathBuf>,
 }
 
+/// What a perf binary's `--help` says beyond the shared flags: what it
+/// measures (first) and how to run it (examples, last).
+#[derive(Debug, Clone, Copy)]
+pub struct PerfHelp {
+    /// One line: what the binary measures.
+    pub about: &'static str,
+    /// The text after the flags: examples with what each does.
+    pub examples: &'static str,
+}
+
 impl PerfArgs {
+    /// Parses the process's arguments as the binary `name`, whose `--help`
+    /// gives `help`; exits with clap's message and status 2 on a bad flag.
+    pub fn parse_as(name: &'static str, help: PerfHelp) -> Self {
+        let matches = Self::command()
+            .name(name)
+            .bin_name(name)
+            .about(help.about)
+            .after_help(help.examples)
+            .get_matches();
+        Self::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+    }
+
     /// Checks the flags; the message names the offending one.
     pub fn validate(&self) -> Result<(), String> {
         if self.ranks < 2 || self.ranks > MAX_RANKS {
@@ -1034,11 +1056,12 @@ pub fn decode(bytes: &[u8], dtype: DType) -> Vec<f32> {
 
 /// The main of a perf binary: launcher when `--rank` is absent, else one rank.
 pub fn perf_main(
-    title: &str,
+    title: &'static str,
+    help: PerfHelp,
     in_place: bool,
     run_rank: fn(&PerfArgs, RankCtx) -> Result<Vec<Row>, String>,
 ) -> ExitCode {
-    let args = PerfArgs::parse();
+    let args = PerfArgs::parse_as(title, help);
     let Some(rank) = args.rank else {
         return launch(&args);
     };

@@ -94,6 +94,44 @@ fn scatter_accumulate_perf_small_sweep_is_correct() {
 }
 
 #[test]
+fn help_says_what_each_binary_measures_and_gives_examples() {
+    for (bin, name, what) in [
+        (env!("CARGO_BIN_EXE_gather_perf"), "gather_perf", "gather"),
+        (
+            env!("CARGO_BIN_EXE_scatter_accumulate_perf"),
+            "scatter_accumulate_perf",
+            "scatter-accumulate",
+        ),
+        (
+            env!("CARGO_BIN_EXE_scale_perf"),
+            "scale_perf",
+            "grow with D",
+        ),
+        (
+            env!("CARGO_BIN_EXE_gpu_kernels_perf"),
+            "gpu_kernels_perf",
+            "device-to-device copy",
+        ),
+    ] {
+        let out = Command::new(bin).arg("--help").output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(0), "{name} --help: {text}");
+        assert!(text.contains(&format!("Usage: {name}")), "{name}: {text}");
+        assert!(text.contains(what), "{name}: {text}");
+        // The examples come after the flags, each a command line of the binary itself.
+        let (flags, examples) = text
+            .split_once("\nExamples:\n")
+            .unwrap_or_else(|| panic!("{name}: {text}"));
+        assert!(flags.contains("Options:"), "{name}: {text}");
+        let commands: Vec<&str> = examples
+            .lines()
+            .filter(|l| l.trim_start().starts_with(&format!("{name} ")) || l.trim() == name)
+            .collect();
+        assert!(commands.len() >= 2, "{name}: {examples}");
+    }
+}
+
+#[test]
 fn bad_flags_exit_2_with_a_message() {
     let (code, _, stderr) = run(env!("CARGO_BIN_EXE_gather_perf"), &["-g", "1"]);
     assert_eq!(code, 2);

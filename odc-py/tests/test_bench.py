@@ -4,22 +4,28 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import sys
 import time
 
 import pytest
 import torch
 
-from odc.bench import main
+from odc.bench import EXAMPLES, _build_parser, main
 from odc.bench.imbalance import CONFIGS, EmulatedCompute, _Model
+from odc.bench.report import Progress, UsageError
 
 
 def test_primitives_every_dtype_is_exact(tmp_path, capsys):
     out = tmp_path / "prim.json"
     code = main(["primitives", "-g", "2", "-b", "4K", "-e", "16K", "-n", "2", "-w", "1", "-d", "all",
                  "--json", str(out)])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert code == 0, text
     assert "#wrong" in text and "ratio" in text
+    # The run's last word: where its results went.
+    assert captured.err.splitlines()[-1] == f"odc-bench: wrote {out} (JSON)", captured.err
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     # 3 dtypes x 2 sizes (4K, 16K) x 2 ops
@@ -149,8 +155,10 @@ def test_imbalance_sweep_gives_one_table_and_one_plot(sweep, labels, field, valu
     code = main(["imbalance", "--world", "2", "--minibatches", "1", "--minibatch-size", "2", "--layers", "1",
                  "--layer-bytes", "4K", "--compute-scale", "0.00001", "--configs", "odc+lb-mini", "--sweep", sweep,
                  "--json", str(out), "--plot", str(png)])
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert code == 0, text
+    assert captured.err.splitlines()[-1] == f"odc-bench: wrote {out} (JSON) and {png} (plot)", captured.err
     name = sweep.partition("=")[0]
     headers = [line for line in text.splitlines() if line.startswith("#") and "config" in line]
     assert len(headers) == 1 and headers[0].split()[1] == name, text
@@ -189,6 +197,42 @@ def test_a_stealing_sweep_plots_bubbles_beside_the_steal_bound(tmp_path, capsys,
     assert speedups == "speedup vs collective+lb-micro" and bubbles == "bubble (%)", drawn
     assert "odc+lb-mini+steal: the policy's bound (simulated)" in bubble_lines, bubble_lines
     assert "odc+lb-mini+steal measured" in speed_lines and "odc+lb-mini+steal measured" in bubble_lines
+
+
+@pytest.mark.parametrize("command", ["odc-bench", "primitives", "imbalance", "train", "memory"])
+def test_help_ends_with_examples_that_parse(command, capsys):
+    assert main(["--help"] if command == "odc-bench" else [command, "--help"]) == 0
+    text = capsys.readouterr().out
+    flags, sep, examples = text.partition("\nexamples:\n")
+    assert sep and "-h, --help" in flags, text
+    prog = command if command == "odc-bench" else f"odc-bench {command}"
+    lines = [line.strip() for line in examples.splitlines() if line.strip().startswith("odc-bench ")]
+    assert len(lines) >= 2 and all(line.startswith(prog) for line in lines), examples
+    # Each example is a command line this odc-bench takes (an example that no longer parses is a wrong one).
+    for line in lines:
+        _build_parser().parse_args(shlex.split(line)[1:])
+    assert examples.strip() == EXAMPLES[command].partition("examples:\n")[2].strip()
+
+
+def test_progress_bar_is_tqdms_and_counts_to_its_total(capsys):
+    bar = Progress(2, "primitives 2 ranks", enabled=True)
+    bar.step("all_gather 4096")
+    bar.step("reduce_scatter 4096")
+    bar.step("one too many")
+    assert bar.done == 2 and bar._bar.n == 2
+    bar.close()
+    err = capsys.readouterr().err
+    assert "primitives 2 ranks" in err and "0/2" in err, err
+
+
+def test_progress_without_tqdm(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `from tqdm import tqdm` raises ImportError
+    with pytest.raises(UsageError, match=r"--progress on needs tqdm.*fsdp-odc\[bench\]"):
+        Progress(3, "imbalance 2 ranks", enabled=True)
+    quiet = Progress(3, "imbalance 2 ranks", enabled=False)
+    quiet.step("x")
+    assert quiet.done == 1
+    assert capsys.readouterr().err == ""
 
 
 class _Ctx:

@@ -272,7 +272,10 @@ def test_memory_formula_sizes_any_model():
 def test_memory_formula_prints_every_mode(capsys):
     assert main(["memory", "--formula", "7B", "--world", "16", "--per-node", "8", "--gather-dtype", "bf16",
                  "--markdown"]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert text.count("\n| ") == 5 and "| ODC hybrid-zero |" in text and "ODC landing slots" in text
+    assert captured.err.splitlines()[-1] == ("odc-bench: wrote no files (the results are printed above; --json FILE "
+                                             "keeps them)"), captured.err
     assert main(["memory", "--formula", "7B", "--world", "16", "--per-node", "8", "--deterministic"]) == 0
     assert "ODC exact (deterministic)" in capsys.readouterr().out

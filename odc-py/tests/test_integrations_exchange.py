@@ -91,4 +91,4 @@ def test_each_trainer_integration_imports_or_names_the_torch_it_needs():
     elif importlib.util.find_spec("torchtitan") is not None:
         assert p.returncode == 0, p.stderr
     else:
-        assert "ConfigError" in p.stderr and "odc[torchtitan]" in p.stderr, p.stderr
+        assert "ConfigError" in p.stderr and "fsdp-odc[torchtitan]" in p.stderr, p.stderr

@@ -306,6 +306,11 @@ def test_odc_pack_console_script(tmp_path):
     )
     assert bad.returncode == 2
     assert "nope" in bad.stderr
+    # The Rust command's own help, examples last.
+    helped = subprocess.run([sys.executable, "-m", "odc.packing", "--help"], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert helped.returncode == 0, helped.stderr
+    assert "Usage: odc-pack" in helped.stdout and "\nExamples:\n  odc-pack --synthetic" in helped.stdout, helped.stdout
 
 
 def test_fit_cost_recovers_known_coefficients_from_pairs():

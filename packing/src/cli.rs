@@ -38,7 +38,17 @@ Synthetic: lognormal:n=N[,median=10000][,sigma=1.0][,min=1][,max=65536][,seed=0]
 
 Bubble rates: collective = 1 - sum(C) / (D * sum_m max_d C[m,d]);
               odc        = 1 - sum(C) / (D * max_d sum_m C[m,d]).
-Exit status: 0 ok, 2 bad input or usage, 1 output could not be written.";
+Exit status: 0 ok, 2 bad input or usage, 1 output could not be written.
+
+Examples:
+  odc-pack --synthetic lognormal:n=4096,seed=0 --world 8 --minibatch-size 4 --compare
+      every strategy's predicted bubble under collectives and ODC
+  odc-pack --lengths lengths.txt --world 8 --strategy lb-mini --json
+      LB-Mini's plan for the lengths in a file, as JSON
+  odc-pack --lengths lengths.txt --partition 8 --equal-size --cost linear
+      8 parts of equal size, balanced by cost (Karmarkar-Karp)
+  odc-pack --fit-cost timings.txt --lengths lengths.txt --compare
+      plan with a cost model fitted to measured `length seconds` pairs";
 
 /// Plan sequence packing for data-parallel training and predict the
 /// bubble rate under collectives and under ODC.

@@ -197,6 +197,15 @@ fn help() {
     ] {
         assert!(out.contains(needle), "{needle}");
     }
+    // Examples at the end, each an odc-pack command line with what it does beneath.
+    let (_, examples) = out
+        .split_once("\nExamples:\n")
+        .expect("an Examples section");
+    let commands = examples
+        .lines()
+        .filter(|l| l.trim_start().starts_with("odc-pack --"))
+        .count();
+    assert!(commands >= 3, "{examples}");
 }
 
 #[test]

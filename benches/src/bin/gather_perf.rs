@@ -15,7 +15,7 @@ use std::process::ExitCode;
 
 use odc_benches::{
     decode, encode, make_in_place, make_row, pattern, perf_main, print_row, slowest_best,
-    timed_interleaved, CopyWork, PerfArgs, RankCtx, Row,
+    timed_interleaved, CopyWork, PerfArgs, PerfHelp, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -116,6 +116,22 @@ fn count_wrong(args: &PerfArgs, layout: &odc_core::BucketLayout, out: &[u8]) -> 
         .count() as u64
 }
 
+const HELP: PerfHelp = PerfHelp {
+    about: "ODC gather across local ranks, nccl-tests style, against the same copies done without the engine",
+    examples: "\
+Examples:
+  gather_perf -g 2 -b 64K -e 64M -f 4 -n 20 -w 5
+      2 ranks, 64 KiB to 64 MiB by 4x, f32, 20 timed iterations after 5
+  gather_perf -g 4 -d bf16 -J gather.json
+      4 ranks, bf16, the rows also as JSON
+  gather_perf -g 2 --transport fabric
+      over libfabric (built with --features fabric)
+
+Columns: size count type redop | time algbw busbw #wrong, out of place and in
+place (this rank's shard already in the output); GB = 1e9 B, busbw = algbw *
+(n-1)/n; %ceil against the same reads done by every rank at once.",
+};
+
 fn main() -> ExitCode {
-    perf_main("gather_perf", true, run)
+    perf_main("gather_perf", HELP, true, run)
 }

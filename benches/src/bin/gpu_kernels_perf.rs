@@ -20,8 +20,21 @@ use clap::Parser;
 use odc_kernels::cuda::{CudaKernels, CudaSlice, CudaStream};
 use odc_kernels::{DType, Error};
 
+const EXAMPLES: &str = "\
+Examples:
+  gpu_kernels_perf
+      16 MiB to 256 MiB accumulators on device 0
+  gpu_kernels_perf -b 1M -e 1G -f 2 --json kernels.json
+      1 MiB to 1 GiB by 2x, the rows also as JSON
+
+Per size: a device-to-device copy of the accumulator's bytes (its bandwidth,
+read + written, is the limit), then acc += scale * x for f32 += f32 and
+f32 += bf16 against that limit (1.0: as fast as the copy). Exits 3 without a
+GPU.";
+
 #[derive(Parser, Debug)]
 #[command(about = "ODC's CUDA accumulate kernels against a device-to-device copy (one GPU)")]
+#[command(after_help = EXAMPLES)]
 struct Args {
     /// Smallest accumulator size in bytes (K, M, G suffixes).
     #[arg(short = 'b', long = "minbytes", default_value = "16M", value_parser = parse_size)]

@@ -52,9 +52,24 @@ use odc_core::{BucketId, BucketSpec, Engine, EngineConfig, FileStore, Sharding, 
 use odc_kernels::DType;
 use serde::{Deserialize, Serialize};
 
+const EXAMPLES: &str = "\
+Examples:
+  scale_perf --ranks 2,4,8,16 --no-kill
+      shm, full sharding, 2 to 16 ranks, without the killed-rank measurement
+  scale_perf --ranks 8,16,32,64 --sharding hybrid-zero -J hz.json
+      nodes of 8 (--node-ranks), hybrid-zero sharding, the figures as JSON
+  scale_perf --ranks 8,16 --transport mixed
+      shm within a node, libfabric across (built with --features fabric)
+
+Each world size D runs D copies of this binary as ranks on one host (nodes of
+--node-ranks emulated) and prints one row: registration, memory per rank,
+time and CPU per minibatch, the daemon's idle CPU, stealing, and how fast a
+killed rank is named.";
+
 /// Command-line flags.
 #[derive(Debug, Clone, Parser)]
 #[command(about = "How ODC's registration, memory, daemon and failure detection grow with D")]
+#[command(after_help = EXAMPLES)]
 struct Args {
     /// World sizes to run, in order (each at least 2).
     #[arg(

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use odc_benches::{
     encode, make_row, pattern, perf_main, print_row, slowest_best, timed_interleaved, CopyAddPipe,
-    PerfArgs, RankCtx, Row,
+    PerfArgs, PerfHelp, RankCtx, Row,
 };
 
 fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
@@ -104,6 +104,23 @@ fn run(args: &PerfArgs, ctx: RankCtx) -> Result<Vec<Row>, String> {
     Ok(rows)
 }
 
+const HELP: PerfHelp = PerfHelp {
+    about: "ODC scatter-accumulate across local ranks, nccl-tests style, against the same copies and adds done \
+            without the engine",
+    examples: "\
+Examples:
+  scatter_accumulate_perf -g 2 -b 64K -e 64M -f 4 -n 20 -w 5
+      2 ranks, 64 KiB to 64 MiB by 4x, f32, 20 timed iterations after 5
+  scatter_accumulate_perf -g 4 -d bf16 -J scatter.json
+      4 ranks, bf16 gradients, the rows also as JSON
+  scatter_accumulate_perf -g 2 -b 256K -e 64M --deterministic
+      into the exact (deterministic) accumulator
+
+Each iteration pushes the whole bucket and finishes the minibatch (a
+reduce-scatter's semantics). Columns: size count type redop | time algbw
+busbw #wrong; GB = 1e9 B, busbw = algbw * (n-1)/n.",
+};
+
 fn main() -> ExitCode {
-    perf_main("scatter_accumulate_perf", false, run)
+    perf_main("scatter_accumulate_perf", HELP, false, run)
 }

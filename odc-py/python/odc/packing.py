@@ -383,7 +383,8 @@ def synthetic(spec: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``odc-pack`` command line (same as the Rust binary)."""
-    args = list(sys.argv if argv is None else ["odc-pack", *argv])
+    # Named odc-pack in its messages however it was started (the console script, `python -m odc.packing`).
+    args = ["odc-pack", *(sys.argv[1:] if argv is None else argv)]
     sys.stdout.flush()
     code = _odc.pack_cli(args)
     if argv is None:

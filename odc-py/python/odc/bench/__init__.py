@@ -85,12 +85,62 @@ def _size(flag: str) -> Callable[[str], int]:
     return parse
 
 
+# What each command's --help ends with: command lines to copy, each with what it does.
+EXAMPLES = {
+    "odc-bench": """\
+examples:
+  odc-bench primitives -g 2 -b 64K -e 64M -f 4 --json prim.json --plot prim.png
+      gloo's all-gather / reduce-scatter against ODC's gather / scatter-accumulate, 2 ranks
+  odc-bench imbalance --world 4 --sweep minibatch-size=2,4,8 --run-seconds 3 --plot imbalance.png
+      emulated compute on 4 ranks: measured speedups beside the packer's predictions
+  odc-bench train --minibatch-size 4 --minibatches 4 --repeats 1 --plot train.png
+      real FSDP2 training of a tiny Qwen2 on 2 ranks, collectives against ODC
+  odc-bench memory --world 4 --per-node 2 --markdown
+      bytes per rank of FSDP2 over gloo and of ODC, full and hybrid sharding
+
+Tables go to stdout, the progress bar to stderr; the last line says where --json and --plot went.""",
+    "primitives": """\
+examples:
+  odc-bench primitives -g 2 -b 64K -e 64M -f 4 -n 20 -w 5 --in-place --json prim.json --plot prim.png
+      2 ranks, 64 KiB to 64 MiB by 4x, f32, out of place and in place, saved as JSON and a plot
+  odc-bench primitives -g 2,4 -b 1M -e 16M -d bf16,f32
+      2 and then 4 ranks, two dtypes
+  odc-bench primitives --netns 2 -g 2 -b 64K -e 64M --transport fabric
+      the ranks in two network namespaces (emulated hosts; root, iproute2), ODC over libfabric""",
+    "imbalance": """\
+examples:
+  odc-bench imbalance --world 4 --sweep minibatch-size=2,4,8 --run-seconds 3 --plot imbalance.png
+      4 ranks, three minibatch sizes, compute scaled so that the baseline computes 3 s per point
+  odc-bench imbalance --world 8 --minibatch-size 8 --configs odc+lb-mini+steal --straggler 0:1.5
+      work stealing from a rank that computes 1.5x slower than the plan thinks
+  odc-bench imbalance --lengths lengths.txt --world 8 --cost linear --json imbalance.json
+      your own sequence lengths (one per line) under a linear cost model""",
+    "train": """\
+examples:
+  odc-bench train --minibatch-size 4 --minibatches 4 --repeats 1 --plot train.png
+      the five configurations once each on 2 ranks
+  odc-bench train --sweep minibatch-size=4,8,16 --repeats 3 --json train.json --plot train.png
+      the speedup table and plot over three minibatch sizes, 3 interleaved repeats
+  odc-bench train --curves --minibatch-size 4 --minibatches 120 --plot curves.png
+      loss curves of ODC + LB-Mini against the collectives' on the same samples""",
+    "memory": """\
+examples:
+  odc-bench memory --world 4 --per-node 2 --markdown --json memory.json
+      measured: 4 ranks in 2 emulated nodes, every sharding, as a Markdown table and JSON
+  odc-bench memory --formula 32B --world 32 --per-node 8 --gather-dtype bf16
+      by formula: a 32B-parameter model on 4 nodes of 8, bf16 gathers""",
+}
+
+
 def _build_parser() -> _Parser:
-    p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).")
+    raw = argparse.RawDescriptionHelpFormatter
+    p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).",
+                epilog=EXAMPLES["odc-bench"], formatter_class=raw)
     sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train,memory}", parser_class=_Parser)
 
     pr = sub.add_parser("primitives", help="all-gather / reduce-scatter against ODC gather / scatter-accumulate",
-                        description="nccl-tests-style sweep: collective baseline against ODC, same run.")
+                        description="nccl-tests-style sweep: collective baseline against ODC, same run.",
+                        epilog=EXAMPLES["primitives"], formatter_class=raw)
     pr.add_argument("-g", "--ranks", default="2", help="world sizes to run, comma-separated (default 2)")
     pr.add_argument("-b", "--minbytes", type=_size("-b"), default=64 << 10, help="smallest size (default 64K)")
     pr.add_argument("-e", "--maxbytes", type=_size("-e"), default=64 << 20, help="largest size (default 64M)")
@@ -116,7 +166,8 @@ def _build_parser() -> _Parser:
     im = sub.add_parser("imbalance", help="FSDP-shaped loop with emulated compute: collectives against ODC",
                         description="Measured speedup of ODC and packing strategies against the packer's prediction. "
                                     "Compute is EMULATED (sleep proportional to the cost model); "
-                                    "communication is real.")
+                                    "communication is real.",
+                        epilog=EXAMPLES["imbalance"], formatter_class=argparse.RawDescriptionHelpFormatter)
     src = im.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="sequence lengths: one integer per line, or a JSON array")
     src.add_argument("--synthetic", metavar="SPEC",
@@ -209,7 +260,8 @@ def _train_parser(sub: Any) -> None:
                         description="Measured speedup of ODC and packing strategies in real training (FSDP2, a Hugging "
                                     "Face model from a tiny config, packed variable-length rows, varlen attention) "
                                     "against the packer's prediction with a cost model fitted in the same run. "
-                                    "--curves: loss curves instead.")
+                                    "--curves: loss curves instead.",
+                        epilog=EXAMPLES["train"], formatter_class=argparse.RawDescriptionHelpFormatter)
     src = tr.add_mutually_exclusive_group()
     src.add_argument("--lengths", metavar="FILE", help="sequence lengths: one integer per line, or a JSON array")
     src.add_argument("--synthetic", metavar="SPEC",
@@ -252,7 +304,8 @@ def _train_parser(sub: Any) -> None:
 
     me = sub.add_parser("memory", help="memory per rank: FSDP2 over gloo and ODC, full and hybrid sharding",
                         description="Trains odc-bench train's model for a few minibatches under each variant and "
-                                    "prints the bytes per rank by kind (max over ranks).")
+                                    "prints the bytes per rank by kind (max over ranks).",
+                        epilog=EXAMPLES["memory"], formatter_class=argparse.RawDescriptionHelpFormatter)
     me.add_argument("--world", type=_positive(int, "--world"), default=4, help="ranks (default 4)")
     me.add_argument("--per-node", type=_positive(int, "--per-node"), default=2,
                     help="ranks per emulated node for the hybrid rows (default 2)")
@@ -312,7 +365,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=_positive(float, "--timeout"), default=300.0,
                    help="seconds any wait on a peer may take (default 300)")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
-                   help="progress line on stderr (auto: when stderr is a terminal)")
+                   help="progress bar on stderr (tqdm: pip install 'fsdp-odc[bench]'; auto: when stderr is a "
+                        "terminal and tqdm is installed)")
 
 
 def _configs(bench: str = "imbalance") -> tuple[Config, ...]:
@@ -369,7 +423,7 @@ def _title(kind: str) -> str:
 
 def _primitives(args: argparse.Namespace) -> int:
     from . import launch, primitives
-    from .report import Progress, write_json
+    from .report import Progress, say_written, write_json
 
     worlds = []
     for part in str(args.ranks).split(","):
@@ -471,6 +525,7 @@ def _primitives(args: argparse.Namespace) -> int:
         write_json(args.json, doc)
     if args.plot:
         primitives.plot(all_rows, args.plot, f"odc-bench primitives ({coll_label} vs odc over {transport}), busbw")
+    say_written(args.json, args.plot)
     wrong = sum(r["collective"]["wrong"] + r["odc"]["wrong"] for r in all_rows)
     if wrong:
         print(f"odc-bench: error: {wrong} wrong elements (see #wrong)", file=sys.stderr)
@@ -561,7 +616,7 @@ def _imbalance(args: argparse.Namespace) -> int:
     from odc.errors import PackingError
 
     from . import imbalance, launch
-    from .report import Progress, write_json
+    from .report import Progress, say_written, write_json
 
     if args.world < 2:
         raise UsageError(f"--world {args.world}: need at least 2 ranks")
@@ -686,6 +741,7 @@ def _imbalance(args: argparse.Namespace) -> int:
                  f"cost {args.cost}, {args.minibatches} minibatches\n"
                  f"EMULATED compute (sleep), real communication; measured vs predicted (odc.packing){stray}")
         imbalance.plot(rows, args.plot, short, sweep_name)
+    say_written(args.json, args.plot)
     wrong = sum(r["wrong"] for r in rows)
     if wrong:
         print(f"odc-bench: error: {wrong} wrong results (see #wrong)", file=sys.stderr)
@@ -700,7 +756,7 @@ def _memory(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from . import launch, memory
-    from .report import write_json
+    from .report import say_written, write_json
 
     if args.formula is not None:
         return _memory_formula(args)
@@ -747,6 +803,7 @@ def _memory(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, {"bench": "memory", "load_average": os.getloadavg(), "model": asdict(spec),
                                "params": numel, "args": vars(args), "rows": rows})
+    say_written(args.json, plots=False)
     return 0
 
 
@@ -762,7 +819,7 @@ def _model_numel(spec: Any) -> int:
 
 def _memory_formula(args: argparse.Namespace) -> int:
     from . import memory
-    from .report import write_json
+    from .report import say_written, write_json
 
     if args.world % args.per_node:
         raise UsageError(f"--world {args.world} --per-node {args.per_node}: the world must be whole nodes")
@@ -780,6 +837,7 @@ def _memory_formula(args: argparse.Namespace) -> int:
     print(memory.render_formula(rows, title, markdown=args.markdown), flush=True)
     if args.json:
         write_json(args.json, {"bench": "memory-formula", "params": args.formula, "args": vars(args), "rows": rows})
+    say_written(args.json, plots=False)
     return 0
 
 

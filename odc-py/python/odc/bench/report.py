@@ -1,4 +1,4 @@
-"""Output of the benchmarks: argument parsing helpers, the progress line, tables, JSON and plots.
+"""Output of the benchmarks: argument parsing helpers, the progress bar, tables, JSON and plots.
 
 Owns presentation only; nothing here talks to peers. Conventions follow
 nccl-tests (and the Rust ``*_perf`` binaries in ``benches/``): sizes accept
@@ -25,6 +25,7 @@ __all__ = [
     "format_size",
     "parse_size",
     "require_matplotlib",
+    "say_written",
     "write_json",
 ]
 
@@ -64,7 +65,12 @@ def busbw_factor(world: int) -> float:
 
 
 class Progress:
-    """A one-line progress indicator on stderr (only when stderr is a terminal, or forced).
+    """A progress bar on stderr (tqdm's), by default only when stderr is a terminal.
+
+    tqdm is imported lazily, as an optional dependency: the distribution requires no package (torch is the
+    user's own), and ``pip install 'fsdp-odc[bench]'`` brings it. Without it a bar that was asked for (``enabled=True``,
+    ``--progress on``) is a :class:`UsageError` saying what to install; the default runs without a bar and
+    says so once, on a terminal.
 
     Args:
         total: number of steps.
@@ -72,33 +78,62 @@ class Progress:
         enabled: ``None`` = when stderr is a TTY.
     """
 
+    _told_missing = False
+
     def __init__(self, total: int, label: str, enabled: bool | None = None) -> None:
         self.total = max(1, int(total))
-        self.label = label
         self.done = 0
-        self.start = time.monotonic()
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._width = 0
+        self._bar: Any = None
+        show = sys.stderr.isatty() if enabled is None else enabled
+        if not show:
+            return
+        try:
+            from tqdm import tqdm
+        except ImportError as e:
+            if enabled:
+                raise UsageError(f"--progress on needs tqdm ({e}); install it with `pip install tqdm` or "
+                                 f"`pip install 'fsdp-odc[bench]'`") from None
+            if not Progress._told_missing:
+                Progress._told_missing = True
+                print("odc-bench: no progress bar: tqdm is not installed (`pip install 'fsdp-odc[bench]'`)",
+                      file=sys.stderr)
+            return
+        self._bar = tqdm(total=self.total, desc=label, unit="step", file=sys.stderr, leave=False,
+                         dynamic_ncols=True)
 
     def step(self, note: str = "", n: int = 1) -> None:
-        self.done = min(self.total, self.done + n)
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        bar = "#" * int(24 * frac) + "." * (24 - int(24 * frac))
-        elapsed = time.monotonic() - self.start
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        line = f"\r{self.label} [{bar}] {self.done}/{self.total} {elapsed:5.0f}s eta {eta:4.0f}s {note}"
-        pad = max(0, self._width - len(line))
-        self._width = len(line)
-        sys.stderr.write(line + " " * pad)
-        sys.stderr.flush()
+        """Counts ``n`` steps done (never past ``total``) and shows ``note`` beside the bar."""
+        n = min(n, self.total - self.done)
+        self.done += n
+        if self._bar is not None:
+            if note:
+                self._bar.set_postfix_str(note, refresh=False)
+            self._bar.update(n)
 
     def close(self) -> None:
-        if self.enabled and self._width:
-            sys.stderr.write("\r" + " " * self._width + "\r")
-            sys.stderr.flush()
-            self._width = 0
+        """Takes the bar off the terminal."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def say_written(json_path: str | None, plot_path: str | None = None, *, plots: bool = True) -> None:
+    """The run's last line, on stderr: where its JSON and plot went, or how to keep them.
+
+    Args:
+        json_path: the ``--json`` file written, or None.
+        plot_path: the ``--plot`` file written, or None.
+        plots: whether the command takes ``--plot`` (for the hint when nothing was written).
+    """
+    written = [f"{os.path.abspath(path)} ({what})" for path, what in ((json_path, "JSON"), (plot_path, "plot"))
+               if path is not None]
+    sys.stdout.flush()
+    if written:
+        print(f"odc-bench: wrote {' and '.join(written)}", file=sys.stderr, flush=True)
+    else:
+        keep = "--json FILE or --plot FILE.png" if plots else "--json FILE"
+        print(f"odc-bench: wrote no files (the results are printed above; {keep} keeps them)", file=sys.stderr,
+              flush=True)
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
@@ -117,7 +152,7 @@ def require_matplotlib() -> Any:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise UsageError(
-            f"--plot needs matplotlib ({e}); install it with `pip install matplotlib` or `pip install 'odc[plot]'`"
+            f"--plot needs matplotlib ({e}); install it with `pip install matplotlib` or `pip install 'fsdp-odc[plot]'`"
         ) from None
     return plt
 

@@ -41,7 +41,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         launch,
         train,
     )
-    from .report import LoadSampler, Progress, write_json
+    from .report import LoadSampler, Progress, say_written, write_json
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else args.world
     if world < 2:
@@ -89,7 +89,10 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     every = sorted({s for p in points for s in p["lengths"]})
     fit_lengths = train.fit_lengths(every)
     repeats = 1 if args.curves else args.repeats
-    bar = Progress(1 + len(points) * len(configs) * repeats, f"train {world} ranks", _progress_flag(args))
+    # A step for the cost fit, one for each communication mode's fixed costs (not with --curves), one per run.
+    calibrated = 0 if args.curves else len({mode for name, mode, _ in train.CONFIGS if name in configs})
+    bar = Progress(1 + calibrated + len(points) * len(configs) * repeats, f"train {world} ranks",
+                   _progress_flag(args))
     from dataclasses import asdict
 
     with LoadSampler() as load:
@@ -135,6 +138,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         if args.plot:
             plot_curves(summary, args.plot, f"odc-bench train --curves: {world} ranks, {spec_.describe()}\n"
                                             f"{src}, minibatch size {args.minibatch_size}")
+        say_written(args.json, args.plot)
         return 0 if summary["ok"] else 1
     rows = summarize(points, out["points"], configs, fit, world)
     ovh = out["overheads"]
@@ -162,6 +166,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         plot_speedups(rows, args.plot, f"odc-bench train: {world} ranks, REAL compute, {spec_.describe()}\n"
                                        f"{src}, max tokens {args.max_tokens}; measured: median and min-max of "
                                        f"{repeats} interleaved repeats")
+    say_written(args.json, args.plot)
     bad = [r for r in rows if not r["params_ok"]]
     for r in bad:
         print(f"odc-bench: error: {r['config']} (minibatch size {r['label']}): final parameters differ from "

@@ -1,7 +1,7 @@
 """ODC inside the trainers people run.
 
 Each integration is imported on demand (its trainer is an optional
-dependency: ``pip install 'odc[verl]'`` or ``'odc[torchtitan]'``):
+dependency: ``pip install 'fsdp-odc[verl]'`` or ``'fsdp-odc[torchtitan]'``):
 
 - :mod:`odc.integrations.verl`: ``enable()`` before verl builds its engines;
   the actor's and critic's FSDP2 modules run on ODC, each rank keeps its own

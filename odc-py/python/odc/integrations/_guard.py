@@ -37,7 +37,7 @@ def import_trainer(
         module = importlib.import_module(package)
     except ImportError as e:
         raise ConfigError(
-            f"{integration} needs {package} ({e}); install it with `pip install 'odc[{package}]'`"
+            f"{integration} needs {package} ({e}); install it with `pip install 'fsdp-odc[{package}]'`"
         ) from None
     version = str(getattr(module, "__version__", "unknown"))
     where = f"{package} {version} ({integration} was checked on {', '.join(checked)})"
