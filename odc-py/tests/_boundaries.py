@@ -74,8 +74,10 @@ def _build_variant(variant, world):
         from _fsdp1 import build as build1
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 - FSDP1's own name
 
-        return build1(strategy="SHARD_GRAD_OP" if variant == "fsdp1-shard-grad-op" else "FULL_SHARD"), FSDP
-    return build(world, reshard=(variant != "fsdp2-no-reshard")), None
+        strategy = {"fsdp1-full-shard": "FULL_SHARD", "fsdp1-shard-grad-op": "SHARD_GRAD_OP"}[variant]
+        return build1(strategy=strategy), FSDP
+    # fully_shard's default (None): the root keeps its parameters unsharded after a forward, the others not.
+    return build(world, reshard={"fsdp2-root": None, "fsdp2-no-reshard": False}[variant]), None
 
 
 def _full(model, fsdp1):
@@ -91,7 +93,7 @@ EVAL_PLAN = [(2, 1), (1, 0), (1, 2), (2, 2)]
 EVAL_AFTER = 1
 
 
-def evaluation_worker(rank, world, store, variant, evaluate=True):
+def evaluation_worker(rank, world, store, variant):
     """Trains EVAL_PLAN under ODC; after step EVAL_AFTER every rank halves its shards in place (the weights to
     evaluate), evaluates under ``odc.fsdp.evaluation``, and doubles them back. FSDP2's root (default), every
     FSDP2 module with ``reshard_after_forward=False``, or FSDP1 under ``SHARD_GRAD_OP`` keeps its parameters
@@ -107,7 +109,7 @@ def evaluation_worker(rank, world, store, variant, evaluate=True):
             (sample_loss(model, data(s, m, rank)) * world / (27 * sum(counts))).backward()
         opt.step()
         opt.zero_grad()
-        if s == EVAL_AFTER and evaluate:
+        if s == EVAL_AFTER:
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.5)

@@ -47,6 +47,21 @@ def build(seed=0, strategy="FULL_SHARD", mp=False, orig=False, offload=False, no
                 use_orig_params=orig, device_id=torch.device("cpu"), **kw)
 
 
+def local_shards(model):
+    """This rank's own shard of every FlatParameter (use_orig_params=False), read without any all-gather, with
+    the names of the parameters it flattens in order and the shard's index: a reference checks it directly."""
+    names = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("._fsdp_wrapped_module")
+             for n, m in model.named_modules()}
+    out = []
+    for inst in FSDP.fsdp_modules(model):
+        fp = inst._handle.flat_param
+        prefix = names.get(id(inst), "")
+        prefix = f"{prefix}." if prefix else ""
+        out.append({"names": [prefix + f for f in fp._fqns], "shard": fp._local_shard.detach().float().tolist(),
+                    "index": dist.get_rank(inst.process_group)})
+    return out
+
+
 def full_params(model):
     with FSDP.summon_full_params(model):
         return {k.replace("_fsdp_wrapped_module.", ""): v.detach().float().clone().tolist()
@@ -83,7 +98,8 @@ def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, determini
         losses.append(total)
     if odc_on:
         odc.fsdp.disable(model)
-    return {"norms": norms, "losses": losses, "params": full_params(model)}
+    local = local_shards(model) if not getattr(model._handle, "_use_orig_params", True) else None
+    return {"norms": norms, "losses": losses, "params": full_params(model), "local": local}
 
 
 def reference(table, world, lr=1e-2, clip=True):

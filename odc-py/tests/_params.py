@@ -135,40 +135,6 @@ def inside_edit_worker(rank, world, store):
     return found
 
 
-def solo_worker(rank, world, store):
-    """World size 1: every odc.fsdp call works, and trains as FSDP2 alone does (full parameters, per-step norms)."""
-    init_pg(rank, world, store)
-    out: dict = {}
-    for comm in ("fsdp2", "odc"):
-        model = build(1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        if comm == "odc":
-            odc.fsdp.enable(model, opt)
-            out["enabled"] = odc.fsdp.is_enabled(model)
-        norms = []
-        for s in range(3):
-            if comm == "odc":
-                with odc.fsdp.minibatch(model):
-                    for m in odc.fsdp.microbatches(model, [[0, 1, 2]]):
-                        (sample_loss(model, data(s, m, 0)) / 81).backward()
-                odc.fsdp.finish(model)
-                # Both forms of ODC's clip: the model, and its parameters.
-                target = model if s % 2 == 0 else list(model.parameters())
-                norm = odc.fsdp.clip_grad_norm_(target, 0.05)
-            else:
-                for m in (0, 1, 2):
-                    (sample_loss(model, data(s, m, 0)) / 81).backward()
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-            opt.step()
-            opt.zero_grad()
-        if comm == "odc":
-            odc.fsdp.disable(model)
-            out["disabled"] = not odc.fsdp.is_enabled(model)
-        out[comm] = {"norms": norms, "params": full_params(model)}
-    return out
-
-
 def left_early_worker(rank, world, store):
     """Rank 0 breaks out of odc.fsdp.microbatches after the first of its three microbatches: its step names the
     two unrun ones; stepping again after the error finishes the minibatch, so that the peer is not left waiting."""

@@ -27,10 +27,11 @@ def test_a_minibatchs_first_push_waits_for_a_slow_owner_to_read_the_last_one():
         assert ok, f"rank {rank}: parameters differ from FSDP2 over gloo by {worst}"
 
 
-@pytest.mark.parametrize("variant", ["fsdp2-root", "fsdp2-no-reshard", "fsdp1-shard-grad-op"])
+@pytest.mark.parametrize("variant", ["fsdp2-root", "fsdp2-no-reshard", "fsdp1-full-shard", "fsdp1-shard-grad-op"])
 def test_an_evaluation_block_reshards_what_its_forward_left_unsharded(variant):
-    """The evaluated (halved) weights stay out of the next minibatch: FSDP2's root, FSDP2 modules with
-    reshard_after_forward=False and FSDP1's SHARD_GRAD_OP handles are gathered again after the block."""
+    """The evaluated (halved) weights stay out of the next minibatch: FSDP2's root (fully_shard's default),
+    FSDP2 modules with reshard_after_forward=False, FSDP1's root and its SHARD_GRAD_OP handles are gathered again
+    after the block."""
     out = all_ok(run_ranks(W.evaluation_worker, 2, timeout=240, variant=variant))
     ref = W.evaluation_reference(2)
     for rank, res in out.items():
