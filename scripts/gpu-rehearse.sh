@@ -6,7 +6,8 @@
 #   - scripts/gpu-run.sh there under `env -i` (no cargo on PATH, no VIRTUAL_ENV), without a network
 #     (`unshare -n`, loopback only), with .venv-torch211's python (torch 2.11.0+cu130 and CUDA 13's NVRTC
 #     and NVSHMEM wheels, as the machine's python3 has) standing in for the machine's python3;
-#   - it must pass every step up to the first device call and then stop with exit code 3 ("no GPU here"),
+#   - it must pass every step up to the first device call (the Python GPU tests' collection among them, so an
+#     import error in one shows here) and then stop with exit code 3 ("no GPU here"),
 #     write at most 8 files to $OUT, and the command the device runs must be under 2,000 characters.
 # Usage: scripts/gpu-rehearse.sh [BUNDLE] (default .gpu-bundle, made by make gpu-bundle).
 set -euo pipefail
@@ -54,7 +55,8 @@ if [ "$rc" -ne 3 ]; then
     fail "gpu-run.sh exited $rc; without a GPU it must pass every step before the first device call and exit 3"
 fi
 [ "$files" -le 8 ] || fail "gpu-run.sh wrote $files files to \$OUT (the device brings back 8 at most)"
-for must in "ok      odc.fsdp reads" "ok      NVRTC compiles" "ok      NVSHMEM's symbols" "probe   nvrtc: path"; do
+for must in "ok      odc.fsdp reads" "ok      NVRTC compiles" "ok      NVSHMEM's symbols" "probe   nvrtc: path" \
+    "ok      the Python GPU tests collect"; do
     grep -q "$must" "$scratch/out/summary.txt" || fail "the summary lacks '$must'"
 done
 log "ok: every step before the first device call passed, then 'no GPU here' (exit 3); $files files in \$OUT"

@@ -122,6 +122,8 @@ def _site_packages_for_native_libraries() -> None:
         return
     getsitepackages = getattr(_site, "getsitepackages", None)  # absent in some embedded interpreters
     dirs: list[str] = list(getsitepackages()) if getsitepackages is not None else []
+    if _site.ENABLE_USER_SITE:  # `pip install --user`'s wheels (off under python -s)
+        dirs.append(_site.getusersitepackages())
     dirs.extend(p for p in _sys.path if p.endswith(("site-packages", "dist-packages")))
     seen = [d for i, d in enumerate(dirs) if d and d not in dirs[:i] and _os.path.isdir(d)]
     if seen:
