@@ -2,8 +2,8 @@
 #   make setup          idempotent: Debian packages, .venv (uv, torch 2.15.0), odc-py installed into it
 #   make setup-torch211 idempotent: .venv-torch211 (verl 0.9.1's own pins: torch 2.11.0), odc-py installed into it
 #   make demo           the main job on one machine
-#   make lint           module graph, the environment table, fmt, clippy, ruff, mypy (ruff and mypy from the venv:
-#                       make setup)
+#   make lint           module graph, the environment table, docstrings, fmt, clippy, ruff, mypy (the Python
+#                       tools from the venv: make setup)
 #   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal
 #                       (runs both setups first; the Rust builds run beside the Python tests), and the time of
 #                       each stage
@@ -74,6 +74,7 @@ lint-python:
 	    { echo "make lint: $(VENV)/bin/ruff or $(VENV)/bin/mypy is missing; run make setup first" >&2; exit 1; }
 	python3 scripts/module-graph.py
 	python3 scripts/env-check.py
+	$(PY) scripts/docstring-check.py
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
 	cd odc-py && $(abspath $(VENV))/bin/mypy python
 

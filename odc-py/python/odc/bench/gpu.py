@@ -136,6 +136,10 @@ def _size(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the single-GPU figures (``python -m odc.bench.gpu``); returns the exit status.
+
+    0 when every figure meets its target, 1 otherwise; ``--json`` writes the rows and verdicts.
+    """
     p = argparse.ArgumentParser(prog="python -m odc.bench.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda:0", help="the device both ranks share (default cuda:0)")
     p.add_argument("--transport", default="cuda-ipc", help="cuda-ipc on a GPU; emu-ipc with --device cpu")

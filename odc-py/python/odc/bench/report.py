@@ -81,6 +81,7 @@ class Progress:
         self._width = 0
 
     def step(self, note: str = "", n: int = 1) -> None:
+        """Counts ``n`` more steps done and redraws the line, ``note`` after it."""
         self.done = min(self.total, self.done + n)
         if not self.enabled:
             return
@@ -95,6 +96,7 @@ class Progress:
         sys.stderr.flush()
 
     def close(self) -> None:
+        """Erases the line."""
         if self.enabled and self._width:
             sys.stderr.write("\r" + " " * self._width + "\r")
             sys.stderr.flush()
@@ -184,6 +186,7 @@ class LoadSampler:
         self._take()
 
     def describe(self) -> str:
+        """The samples in one line: the range and median of the load average."""
         loads = [v for _, v in self.samples]
         if not loads:
             return "load average during the run: unknown"
