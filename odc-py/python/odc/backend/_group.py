@@ -40,20 +40,30 @@ _SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
 
 
 class UnsupportedCollective(OdcError, NotImplementedError):
-    """The ``odc`` backend has no implementation of this collective / reduce op / dtype."""
+    """The ``odc`` backend has no implementation of this collective / reduce op / dtype.
+
+    Raised by the group's reduce-scatter for a reduce op other than sum, average
+    and premul-sum (a premul-sum whose factor it cannot read included); the
+    message names the op and the dtype. Also a :class:`NotImplementedError`.
+
+    What to do: reduce with a supported op, or run that collective on a gloo or
+    NCCL group of its own.
+    """
 
 
 class NotInitialized(ProtocolError, RuntimeError):
     """An ``odc`` backend helper was called before ``init_process_group``.
 
-    Also a :class:`RuntimeError`, which this used to be.
+    Also a :class:`RuntimeError`. What to do: call
+    ``torch.distributed.init_process_group("odc")`` first.
     """
 
 
 class NotAnOdcGroup(ConfigError, RuntimeError):
     """A process group passed to an ``odc`` backend helper uses another backend.
 
-    Also a :class:`RuntimeError`, which this used to be.
+    Also a :class:`RuntimeError`. What to do: pass a group made with
+    ``init_process_group("odc")`` or ``new_group(backend="odc")``.
     """
 
 

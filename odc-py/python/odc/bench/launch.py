@@ -37,7 +37,11 @@ EventHandler = Callable[[str, Any], None]
 
 
 class BenchError(RuntimeError):
-    """A rank failed or the ranks could not be started; the message names the rank."""
+    """A rank failed or the ranks could not be started; the message names the rank.
+
+    ``odc-bench`` prints it and exits with status 1; ``ODC_BENCH_TRACEBACK=1``
+    adds the rank's traceback.
+    """
 
 
 def under_torchrun() -> bool:

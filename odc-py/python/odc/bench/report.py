@@ -36,7 +36,7 @@ __all__ = [
 
 
 class UsageError(ValueError):
-    """A bad command-line value; the message names it. Exit status 2."""
+    """A bad command-line value; the message names it. ``odc-bench`` exits with status 2."""
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
