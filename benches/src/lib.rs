@@ -885,8 +885,21 @@ pub fn provenance() -> serde_json::Value {
             c
         }
     });
-    let command: Vec<String> = std::env::args().collect();
-    serde_json::json!({"command": command.join(" "), "commit": commit, "date": utc_now()})
+    serde_json::json!({"command": command_line(std::env::args().collect()), "commit": commit, "date": utc_now()})
+}
+
+/// The command a user typed, from a rank's arguments: the launcher appends `--rank R` (and `--world`,
+/// `--job-dir`) to what it was given, and starts the ranks by their absolute path.
+fn command_line(mut args: Vec<String>) -> String {
+    if let Some(i) = args.iter().rposition(|a| a == "--rank") {
+        args.truncate(i);
+    }
+    if let (Some(exe), Ok(cwd)) = (args.first_mut(), std::env::current_dir()) {
+        if let Ok(rel) = Path::new(exe.as_str()).strip_prefix(&cwd) {
+            *exe = rel.display().to_string();
+        }
+    }
+    args.join(" ")
 }
 
 /// The current UTC time as `YYYY-MM-DDTHH:MM:SS+00:00`.
@@ -935,6 +948,22 @@ pub fn write_json(path: &Path, bench: &str, args: &PerfArgs, rows: &[Row]) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_command_line_is_the_users() {
+        let cwd = std::env::current_dir().unwrap().display().to_string();
+        let args = |s: &str| s.split(' ').map(str::to_string).collect::<Vec<_>>();
+        let rank =
+            format!("{cwd}/target/release/gather_perf -g 2 -J x.json --rank 1 --job-dir /tmp/j");
+        assert_eq!(
+            command_line(args(&rank)),
+            "target/release/gather_perf -g 2 -J x.json"
+        );
+        assert_eq!(
+            command_line(args("/elsewhere/scale_perf --ranks 2,4")),
+            "/elsewhere/scale_perf --ranks 2,4"
+        );
+    }
 
     #[test]
     fn utc_dates_are_civil() {
