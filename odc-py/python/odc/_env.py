@@ -39,7 +39,7 @@ SECTIONS: dict[str, str] = {
     "fabric": "libfabric, between hosts",
     "gpu": "GPUs and the device data path",
     "python": "The Python package: process group, FSDP, trainers, tools",
-    "tests": "Tests and harnesses only (not settings: the test suites and their helper processes read these)",
+    "tests": "Tests and harnesses (not settings: the test suites and their helper processes read these)",
 }
 """Section key → heading, in the order the configuration page shows them."""
 
