@@ -183,6 +183,16 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _straggler(value: Any) -> str:
+    """``--straggler`` as it was stored (``[rank, factor]`` or ``"rank:factor"``), in words."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return f"rank {value[0]} {value[1]:g}× slower"
+    if isinstance(value, str) and ":" in value:
+        rank, factor = value.split(":", 1)
+        return f"rank {rank} {factor}× slower"
+    return str(value)
+
+
 def _pct(x: Any) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
 
@@ -273,12 +283,12 @@ def bench_train_steal(doc: dict[str, Any]) -> str:
         rows.append([r["config"], _f(r["time_per_minibatch_s"], 3), f"{r['speedup_measured']:.3f}×",
                      _pct(1 - r["bubble_measured"]) if "bubble_measured" in r else "–",
                      _pct(1 - r["steal_bound"]) if r.get("steal_bound") is not None else "",
-                     _f(r.get("stolen_per_minibatch"), 1) if r.get("stolen_per_minibatch") is not None else "",
+                     _f(r.get("stolen_per_minibatch"), 1) if "+steal" in r["config"] else "",
                      "–" if r["dparam"] is None else f"{r['dparam']:.1e}"])
     head = ["configuration", "s / minibatch", "speedup vs collective + LB-Micro", "busy (1 − bubble)",
             "busy the stealing policy can reach", "stolen / minibatch", "parameters vs the same plan"]
     straggler = doc["args"].get("straggler")
-    where = f"; straggler {straggler}" if straggler else ""
+    where = f"; {_straggler(straggler)}" if straggler else ""
     return f"{doc['world']} ranks, minibatch size {doc['args']['minibatch_size']}{where}:\n\n" + table(head, rows)
 
 
@@ -310,7 +320,7 @@ def bench_imbalance(doc: dict[str, Any]) -> str:
             r = by.get((p, c))
             row.append("–" if r is None else f"{r['speedup_measured']:.3f} / {r['speedup_predicted']:.3f}")
         rows.append(row)
-    head = [key or "minibatch size", *configs]
+    head = [(key or "minibatch size").replace("-", " "), *configs]
     wrong = sum(r["wrong"] for r in doc["rows"])
     a = doc["args"]
     fixed = [f"{a['world']} ranks" if key != "world" else None,
@@ -325,12 +335,12 @@ def bench_imbalance_bubbles(doc: dict[str, Any]) -> str:
     rows = []
     for r in doc["rows"]:
         bound = _pct(r["steal_bound"]) if r.get("steal_bound") is not None else ""
-        stolen = _f(r.get("stolen_per_minibatch"), 1) if r.get("stolen_per_minibatch") is not None else ""
+        stolen = _f(r.get("stolen_per_minibatch"), 1) if "+steal" in r["config"] else ""
         rows.append([r["config"], _pct(r["bubble_measured"]), _pct(r["bubble_predicted"]), bound, stolen,
                      f"{r['speedup_measured']:.3f}×"])
     a = doc["args"]
-    strays = [f"noise σ {a['noise']}" if a.get("noise") else "", f"straggler {a['straggler']}"
-              if a.get("straggler") else ""]
+    strays = [f"noise σ {a['noise']}" if a.get("noise") else "",
+              _straggler(a["straggler"]) if a.get("straggler") else ""]
     what = ", ".join(s for s in strays if s) or "the cost model exactly"
     head = ["configuration", "bubble measured", "bubble predicted", "stealing policy's bound", "stolen / minibatch",
             "speedup"]
