@@ -4,9 +4,11 @@
 #   make demo           the main job on one machine
 #   make lint           module graph, the environment table, docstrings, fmt, clippy, ruff, mypy (the Python
 #                       tools from the venv: make setup)
-#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal
-#                       (runs both setups first; the Rust builds run beside the Python tests), and the time of
-#                       each stage
+#   make docs           the docs site in site/ (mkdocs --strict, the Rust crates' cargo doc under site/rust/), opened
+#                       in headless Chromium: every warning, broken link, failed request or empty page an error
+#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the docs, the GPU
+#                       rehearsal (runs both setups first; the Rust builds and the docs run beside the Python
+#                       tests), and the time of each stage
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -27,11 +29,11 @@ export CARGO_TERM_COLOR ?= never
 # The libfabric transport builds against the headers of libfabric-dev (make setup installs it).
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
-.PHONY: help setup setup-torch211 demo test lint lint-rust lint-python fmt cargo-test loom rust-builds pytest \
+.PHONY: help setup setup-torch211 demo test lint lint-rust lint-python docs fmt cargo-test loom rust-builds pytest \
 	pytest-torch211 gpu-bundle gpu-rehearse rehearse bench clean
 
 help:
-	@echo "make setup | demo | test | lint | bench | gpu-bundle | clean"
+	@echo "make setup | demo | test | lint | docs | bench | gpu-bundle | clean"
 
 setup:
 	@scripts/setup.sh
@@ -78,6 +80,21 @@ lint-python:
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
 	cd odc-py && $(abspath $(VENV))/bin/mypy python
 
+# The docs site (mkdocs.yml; docs/development.md says what each step checks): the pages with every warning an
+# error (a broken link or anchor, a reference mkdocstrings cannot resolve; the configuration, errors and benchmark
+# tables rendered by scripts/docs_hooks.py from the code and the committed JSON), the public Rust crates' cargo doc
+# (missing docs and broken doc links are errors) copied to site/rust/, the README's measured results against the
+# same JSON, and the built pages opened in headless Chromium (scripts/docs-check.py). NO_MKDOCS_2_WARNING: the
+# theme's banner about its successor, printed on every build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	rm -rf target/doc  # only these crates' pages (an earlier cargo doc may have left others)
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --lib --locked -p odc-core -p odc-kernels -p odc-packing \
+	    --features odc-core/fabric
+	rm -rf site/rust && cp -r target/doc site/rust
+	$(PY) scripts/docs_hooks.py --check-readme
+	$(PY) scripts/docs-check.py
+
 cargo-test:
 	$(CARGO) test --workspace --locked $(FEATURES)
 
@@ -118,15 +135,16 @@ rehearse:
 
 # The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure). The two pytest
 # legs run at once (+pytest-torch211 beside pytest, as equals: each alone left about 40 % of the two cores idle,
-# its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds) and the Python
-# linters (&lint-python: mypy is one core for a minute from a cold cache) run beside them at the lowest priority
-# on what the legs leave idle; the stages that need them wait for them (=..., a failure stops the run there).
+# its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds), the Python
+# linters (&lint-python: mypy is one core for a minute from a cold cache) and the docs (&docs: mkdocs, cargo doc,
+# a headless browser) run beside them at the lowest priority on what the legs leave idle; the stages that need
+# them wait for them (=..., a failure stops the run there).
 # The rehearsal (one Python process at a time) runs at the lowest priority beside the cargo tests, which wait
 # on peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
 # bound how long a failure takes to be seen).
 test:
-	@scripts/stages.sh setup '&rust-builds' '&lint-python' setup-torch211 '+pytest-torch211' pytest \
-	    '=pytest-torch211' '=lint-python' '=rust-builds' '&rehearse' cargo-test loom '=rehearse'
+	@scripts/stages.sh setup '&rust-builds' '&lint-python' '&docs' setup-torch211 '+pytest-torch211' pytest \
+	    '=pytest-torch211' '=lint-python' '=docs' '=rust-builds' '&rehearse' cargo-test loom '=rehearse'
 
 fmt:
 	$(CARGO) fmt --all

@@ -281,7 +281,7 @@ def bench_train_steal(doc: dict[str, Any]) -> str:
     rows = []
     for r in doc["rows"]:
         rows.append([r["config"], _f(r["time_per_minibatch_s"], 3), f"{r['speedup_measured']:.3f}×",
-                     _pct(1 - r["bubble_measured"]) if "bubble_measured" in r else "–",
+                     _pct(r["busy"]) if r.get("busy") is not None else "–",
                      _pct(1 - r["steal_bound"]) if r.get("steal_bound") is not None else "",
                      _f(r.get("stolen_per_minibatch"), 1) if "+steal" in r["config"] else "",
                      "–" if r["dparam"] is None else f"{r['dparam']:.1e}"])
