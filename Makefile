@@ -87,7 +87,7 @@ lint-python:
 # same JSON, and the built pages opened in headless Chromium (scripts/docs-check.py). NO_MKDOCS_2_WARNING: the
 # theme's banner about its successor, printed on every build.
 docs: setup
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # not --quiet: it hides the warnings --strict counts
 	rm -rf target/doc  # only these crates' pages (an earlier cargo doc may have left others)
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --lib --locked -p odc-core -p odc-kernels -p odc-packing \
 	    --features odc-core/fabric
