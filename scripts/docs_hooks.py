@@ -17,7 +17,8 @@ A marker with an unknown kind, a missing file or JSON the renderer cannot read f
 imports odc (no torch): the table of variables is read by path, the errors from their source.
 
 ``python scripts/docs_hooks.py --readme`` prints the README's measured-results table (the block between
-``<!-- results:begin -->`` and ``<!-- results:end -->``); ``--check-readme`` fails when the README's differs.
+``<!-- results:begin -->`` and ``<!-- results:end -->``), ``--write-readme`` writes it there, and
+``--check-readme`` (in ``make docs``) fails when the README's differs or a README link names a missing file.
 """
 
 from __future__ import annotations
@@ -541,10 +542,15 @@ def main(argv: list[str]) -> int:
         want = readme_results() + "\n"
         if block != want:
             print("docs: README.md's measured results differ from the committed JSON; regenerate the block with\n"
-                  "    python3 scripts/docs_hooks.py --readme\n"
+                  "    python3 scripts/docs_hooks.py --write-readme\n"
                   f"expected:\n{want}", file=sys.stderr)
             return 1
-        print("docs: README.md's measured results match the committed JSON")
+        text = (ROOT / "README.md").read_text(encoding="utf-8")
+        dead = [t for t in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text) if not (ROOT / t).exists()]
+        if dead:
+            print(f"docs: README.md links to files that do not exist: {', '.join(dead)}", file=sys.stderr)
+            return 1
+        print("docs: README.md's measured results match the committed JSON, and its links reach files")
         return 0
     if argv == ["--write-readme"]:
         head, _, tail = _readme_block()
