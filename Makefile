@@ -155,4 +155,4 @@ bench:
 
 clean:
 	$(CARGO) clean
-	rm -rf $(VENV)/.odc-py-built .venv-torch211/.odc-py-built
+	rm -rf $(VENV)/.odc-py-built .venv-torch211/.odc-py-built site
