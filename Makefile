@@ -2,11 +2,13 @@
 #   make setup          idempotent: Debian packages, .venv (uv, torch 2.15.0), odc-py installed into it
 #   make setup-torch211 idempotent: .venv-torch211 (verl 0.9.1's own pins: torch 2.11.0), odc-py installed into it
 #   make demo           the main job on one machine
-#   make lint           module graph, fmt, clippy, ruff, mypy (ruff and mypy from the venv: make setup)
-#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the GPU rehearsal,
-#                       the wheel's quickstart in fresh venvs
-#                       (runs both setups first; the Rust builds run beside the Python tests), and the time of
-#                       each stage
+#   make lint           module graph, the environment table, docstrings, fmt, clippy, ruff, mypy (the Python
+#                       tools from the venv: make setup)
+#   make docs           the docs site in site/ (mkdocs --strict, the Rust crates' cargo doc under site/rust/), opened
+#                       in headless Chromium: every warning, broken link, failed request or empty page an error
+#   make test           fmt, clippy, cargo tests, pytest on torch 2.15.0 and on torch 2.11.0, the docs, the GPU
+#                       rehearsal, the wheel's quickstart in fresh venvs (runs both setups first; the Rust builds
+#                       and the docs run beside the Python tests), and the time of each stage
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
 #   make wheel          dist/fsdp_odc-*-cp310-abi3-manylinux_2_28_x86_64.whl, the wheel users install, checked
 #   make wheel-test     the wheel in fresh venvs holding only torch (2.11.0, 2.15.0): the README's quickstart as written
@@ -29,11 +31,11 @@ export CARGO_TERM_COLOR ?= never
 # The libfabric transport builds against the headers of libfabric-dev (make setup installs it).
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
-.PHONY: help setup setup-torch211 demo test lint lint-rust lint-python fmt cargo-test loom rust-builds pytest \
+.PHONY: help setup setup-torch211 demo test lint lint-rust lint-python docs fmt cargo-test loom rust-builds pytest \
 	pytest-torch211 gpu-bundle gpu-rehearse rehearse wheel wheel-test wheel-quickstart bench clean
 
 help:
-	@echo "make setup | demo | test | lint | bench | wheel | wheel-test | gpu-bundle | clean"
+	@echo "make setup | demo | test | lint | docs | bench | wheel | wheel-test | gpu-bundle | clean"
 
 setup:
 	@scripts/setup.sh
@@ -75,8 +77,25 @@ lint-python:
 	@test -x $(VENV)/bin/ruff && test -x $(VENV)/bin/mypy || \
 	    { echo "make lint: $(VENV)/bin/ruff or $(VENV)/bin/mypy is missing; run make setup first" >&2; exit 1; }
 	python3 scripts/module-graph.py
+	python3 scripts/env-check.py
+	$(PY) scripts/docstring-check.py
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
 	cd odc-py && $(abspath $(VENV))/bin/mypy python
+
+# The docs site (mkdocs.yml; docs/development.md says what each step checks): the pages with every warning an
+# error (a broken link or anchor, a reference mkdocstrings cannot resolve; the configuration, errors and benchmark
+# tables rendered by scripts/docs_hooks.py from the code and the committed JSON), the public Rust crates' cargo doc
+# (missing docs and broken doc links are errors) copied to site/rust/, the README's measured results against the
+# same JSON, and the built pages opened in headless Chromium (scripts/docs-check.py). NO_MKDOCS_2_WARNING: the
+# theme's banner about its successor, printed on every build.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict  # not --quiet: it hides the warnings --strict counts
+	rm -rf target/doc  # only these crates' pages (an earlier cargo doc may have left others)
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --no-deps --lib --locked -p odc-core -p odc-kernels -p odc-packing \
+	    --features odc-core/fabric
+	rm -rf site/rust && cp -r target/doc site/rust
+	$(PY) scripts/docs_hooks.py --check-readme
+	$(PY) scripts/docs-check.py
 
 cargo-test:
 	$(CARGO) test --workspace --locked $(FEATURES)
@@ -132,16 +151,17 @@ wheel-quickstart:
 
 # The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure). The two pytest
 # legs run at once (+pytest-torch211 beside pytest, as equals: each alone left about 40 % of the two cores idle,
-# its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds) and the Python
-# linters (&lint-python: mypy is one core for a minute from a cold cache) run beside them at the lowest priority
-# on what the legs leave idle; the stages that need them wait for them (=..., a failure stops the run there).
+# its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds), the Python
+# linters (&lint-python: mypy is one core for a minute from a cold cache) and the docs (&docs: mkdocs, cargo doc,
+# a headless browser) run beside them at the lowest priority on what the legs leave idle; the stages that need
+# them wait for them (=..., a failure stops the run there).
 # The rehearsal (one Python process at a time) and the wheel's fresh-venv test (needs the wheel rust-builds
 # made; one torchrun of 2 ranks at a time) run at the lowest priority beside the cargo tests, which wait on
 # peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
 # bound how long a failure takes to be seen).
 test:
-	@scripts/stages.sh setup '&rust-builds' '&lint-python' setup-torch211 '+pytest-torch211' pytest \
-	    '=pytest-torch211' '=lint-python' '=rust-builds' '&rehearse' '&wheel-quickstart' cargo-test loom \
+	@scripts/stages.sh setup '&rust-builds' '&lint-python' '&docs' setup-torch211 '+pytest-torch211' pytest \
+	    '=pytest-torch211' '=lint-python' '=docs' '=rust-builds' '&rehearse' '&wheel-quickstart' cargo-test loom \
 	    '=rehearse' '=wheel-quickstart'
 
 fmt:
@@ -153,4 +173,4 @@ bench:
 
 clean:
 	$(CARGO) clean
-	rm -rf dist $(VENV)/.odc-py-built .venv-torch211/.odc-py-built
+	rm -rf dist $(VENV)/.odc-py-built .venv-torch211/.odc-py-built site

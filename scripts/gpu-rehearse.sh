@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 BUNDLE=${1:-.gpu-bundle}
 PY=${REHEARSE_PYTHON:-$PWD/.venv-torch211/bin/python}
-# The command scripts/gpu-run.sh is launched with on the device (the README's GPU section shows it).
+# The command scripts/gpu-run.sh is launched with on the device (docs/gpu.md shows it).
 DEVICE_CMD='set -o pipefail; timeout 420 bash scripts/gpu-run.sh .gpu-bundle 2>&1 | tee $OUT/run.log'
 LIMIT=$((64 * 1024 * 1024))
 

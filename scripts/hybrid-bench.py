@@ -36,7 +36,7 @@ Usage (root; about 3 minutes)::
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
 import sys
 import time
@@ -184,8 +184,10 @@ def main() -> int:
         print(f"| {mode} | {ms:.0f} | {ms / base:.2f} | {got / 2**20:.2f} | {want / 2**20:.2f} | "
               f"{got / want:.2f} | {state} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "raw": raw}, f)
+        from odc.bench.report import write_json  # with the command, commit and date that made it
+
+        write_json(args.json, {"bench": "hybrid-bench", "load_average": os.getloadavg(), "cpus": os.cpu_count(),
+                               "args": vars(args), "rows": rows, "raw": raw})
     return 0
 
 

@@ -3,8 +3,8 @@
 # odc-py built into it. Fast when everything is already in place.
 #
 #   scripts/setup.sh           .venv: torch 2.15.0 (the newest supported torch; torchtitan 0.3.0 needs torch
-#                              2.12 or newer), the linters, the NVRTC / NVSHMEM wheels the GPU checks load,
-#                              torchtitan 0.3.0 with the packages it pulls
+#                              2.12 or newer), the linters, the docs site's tools, the NVRTC / NVSHMEM wheels
+#                              the GPU checks load, torchtitan 0.3.0 with the packages it pulls
 #   scripts/setup.sh torch211  .venv-torch211: verl 0.9.1's `cpu` extra as verl resolves it (torch 2.11.0,
 #                              transformers 5.9.0, ...), pinned in scripts/requirements-torch211.txt, plus
 #                              pytest; the oldest supported torch, and verl on its own pins
@@ -23,6 +23,10 @@ default)
         # wheels carry) on any build host; auditwheel checks the tag and the libraries the wheel needs.
         "ziglang==0.17.1" "auditwheel==6.8.2"
         "tqdm==4.70.1")  # odc-bench's progress bars (the `bench` extra)
+    # What make docs builds the site with (mkdocs --strict; griffe reads the sources, and make lint's docstring
+    # check runs on it), pinned for the same reason: a new release's warnings would fail the build.
+    PY_PKGS+=("mkdocs==1.6.1" "mkdocs-material==9.8.1" "pymdown-extensions==13.1.2" "mkdocstrings==1.0.8"
+        "mkdocstrings-python==2.0.11" "griffe==2.4.1")
     # torchtitan 0.3.0 (fsdp-odc[torchtitan]) and the packages it pulls, pinned as resolved with torch 2.15.0
     # (it does not pin torch). verl is not here: it pins torch 2.11.0 and lives in .venv-torch211.
     PY_PKGS+=("torchtitan==0.3.0" "torch-checkpointing==0.1.1" "spmd-types==0.2.3" "tyro==1.0.17" "einops==0.8.2"
@@ -40,7 +44,8 @@ torch211)
     exit 2
     ;;
 esac
-DEB_PKGS=(build-essential pkg-config libfabric-dev iproute2)
+# chromium: make docs opens the built site headless and fails on an empty page or a request that fails.
+DEB_PKGS=(build-essential pkg-config libfabric-dev iproute2 chromium)
 
 log() { printf '[setup] %s\n' "$*" >&2; }
 

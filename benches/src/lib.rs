@@ -883,7 +883,75 @@ impl Drop for CopyAddPipe {
     }
 }
 
-/// Writes `rows` as JSON: `{"benchmark":..,"ranks":..,"dtype":..,"rows":[..]}`.
+/// What made a result, for the JSON files the docs render: the command line, the commit of the checkout
+/// the binary was built from (`+dirty` when tracked files differ from it; `null` outside a git checkout)
+/// and the UTC time.
+pub fn provenance() -> serde_json::Value {
+    let checkout = env!("CARGO_MANIFEST_DIR");
+    let git = |args: &[&str]| {
+        Command::new("git")
+            .arg("-C")
+            .arg(checkout)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let commit = git(&["rev-parse", "--short=12", "HEAD"]).map(|c| {
+        let dirty =
+            git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+        if dirty {
+            c + "+dirty"
+        } else {
+            c
+        }
+    });
+    serde_json::json!({"command": command_line(std::env::args().collect()), "commit": commit, "date": utc_now()})
+}
+
+/// The command a user typed, from a rank's arguments: the launcher appends `--rank R` (and `--world`,
+/// `--job-dir`) to what it was given, and starts the ranks by their absolute path.
+fn command_line(mut args: Vec<String>) -> String {
+    if let Some(i) = args.iter().rposition(|a| a == "--rank") {
+        args.truncate(i);
+    }
+    if let (Some(exe), Ok(cwd)) = (args.first_mut(), std::env::current_dir()) {
+        if let Ok(rel) = Path::new(exe.as_str()).strip_prefix(&cwd) {
+            *exe = rel.display().to_string();
+        }
+    }
+    args.join(" ")
+}
+
+/// The current UTC time as `YYYY-MM-DDTHH:MM:SS+00:00`.
+fn utc_now() -> String {
+    utc(std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs()))
+}
+
+/// Seconds since the Unix epoch as `YYYY-MM-DDTHH:MM:SS+00:00` (the civil-from-days algorithm: no date crate).
+fn utc(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}+00:00",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+/// Writes `rows` as JSON: `{"benchmark":..,"ranks":..,"dtype":..,"rows":[..],"provenance":{..}}`.
 pub fn write_json(path: &Path, bench: &str, args: &PerfArgs, rows: &[Row]) -> Result<(), String> {
     let doc = serde_json::json!({
         "benchmark": bench,
@@ -893,6 +961,7 @@ pub fn write_json(path: &Path, bench: &str, args: &PerfArgs, rows: &[Row]) -> Re
         "iters": args.iters,
         "warmup": args.warmup,
         "rows": rows,
+        "provenance": provenance(),
     });
     let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
     std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {}: {e}", path.display()))
@@ -901,6 +970,29 @@ pub fn write_json(path: &Path, bench: &str, args: &PerfArgs, rows: &[Row]) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_command_line_is_the_users() {
+        let cwd = std::env::current_dir().unwrap().display().to_string();
+        let args = |s: &str| s.split(' ').map(str::to_string).collect::<Vec<_>>();
+        let rank =
+            format!("{cwd}/target/release/gather_perf -g 2 -J x.json --rank 1 --job-dir /tmp/j");
+        assert_eq!(
+            command_line(args(&rank)),
+            "target/release/gather_perf -g 2 -J x.json"
+        );
+        assert_eq!(
+            command_line(args("/elsewhere/scale_perf --ranks 2,4")),
+            "/elsewhere/scale_perf --ranks 2,4"
+        );
+    }
+
+    #[test]
+    fn utc_dates_are_civil() {
+        assert_eq!(utc(0), "1970-01-01T00:00:00+00:00");
+        assert_eq!(utc(951_782_400 + 3_661), "2000-02-29T01:01:01+00:00");
+        assert_eq!(utc(1_796_083_199), "2026-11-30T23:59:59+00:00");
+    }
 
     #[test]
     fn sizes_parse_with_units() {

@@ -38,6 +38,18 @@ fn check_json(path: &std::path::Path, bench: &str) {
     let doc: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     assert_eq!(doc["benchmark"], bench);
+    // What made it, as the docs' benchmark pages show it: the command as typed (not a rank's, with the
+    // launcher's --rank and --job-dir), the commit, the date.
+    let command = doc["provenance"]["command"].as_str().unwrap();
+    assert!(
+        command.contains(bench) && command.contains(" -J ") && !command.contains("--rank"),
+        "{command}"
+    );
+    assert!(doc["provenance"]["date"]
+        .as_str()
+        .unwrap()
+        .ends_with("+00:00"));
+    assert!(doc["provenance"].get("commit").is_some());
     let rows = doc["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3, "sizes 4K, 16K, 64K");
     for r in rows {

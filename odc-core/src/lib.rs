@@ -128,6 +128,7 @@
 //! [`EngineConfig::job_key`].
 
 #![warn(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
 #![cfg_attr(loom, allow(dead_code))]
 
 pub mod control;

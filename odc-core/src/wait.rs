@@ -142,8 +142,9 @@ pub fn blame(
 pub struct Waiter<'a, B: Bells + ?Sized> {
     /// The transport.
     pub bells: &'a B,
-    /// This rank and the world, for the blame rule.
+    /// This rank, for the blame rule.
     pub me: usize,
+    /// The world size, for the blame rule.
     pub world: usize,
     /// Deadline of every wait.
     pub timeout: Duration,

@@ -78,6 +78,8 @@
 //!
 //! Kernels never allocate; there is nothing to release.
 
+#![warn(missing_docs)]
+
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

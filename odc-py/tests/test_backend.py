@@ -354,7 +354,7 @@ def _init_odc(imports):
 
 def test_entry_point_no_import():
     """A fresh interpreter that never imports odc gets the backend from torch's entry point where torch reads
-    it (2.14 and later); torch 2.11 to 2.13 do not, and say the backend is unknown (the README says so)."""
+    it (2.14 and later); torch 2.11 to 2.13 do not, and say the backend is unknown (docs/backend.md says so)."""
     proc = _init_odc('assert "odc" not in sys.modules')
     if _READS_ENTRY_POINTS:
         assert proc.returncode == 0, proc.stderr

@@ -62,6 +62,8 @@
 //! lengths, unknown names, `k > n`, or a sample longer than the token
 //! budget are [`Error`] values naming the offending value and its index.
 
+#![warn(missing_docs)]
+
 pub mod cli;
 pub mod cost;
 mod error;

@@ -935,6 +935,7 @@ fn main() -> ExitCode {
             "steal_work_ms": args.steal_work_ms,
             "points": points,
             "exponents": exps,
+            "provenance": odc_benches::provenance(),
         });
         let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
         if let Err(e) = std::fs::write(path, text) {

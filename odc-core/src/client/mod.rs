@@ -1,7 +1,7 @@
 //! The worker API: publish, gather, release, scatter-accumulate, finish a
 //! minibatch, and read or zero the gradients.
 //!
-//! The protocol's steps are written once ([`Worker`]), over a [`DataPath`]
+//! The protocol's steps are written once (`Worker`), over a `DataPath`
 //! that moves the data: [`Host`] moves host memory through the transport
 //! on the calling thread; [`Device`] moves device memory on the caller's
 //! stream, with the signals that announce data sent by work on the stream

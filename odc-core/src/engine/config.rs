@@ -156,7 +156,7 @@ pub struct EngineConfig {
     /// own data regions, for the engines this process creates later in the
     /// same job, which share this engine's NVSHMEM session (one per
     /// process; its heap is fixed when it starts). Compute it with
-    /// [`Engine::heap_bytes`] of those engines (default 0).
+    /// [`Engine::heap_bytes`](crate::Engine::heap_bytes) of those engines (default 0).
     pub heap_reserve: usize,
 }
 
@@ -190,6 +190,6 @@ impl Default for EngineConfig {
     }
 }
 
-/// A registered bucket's index, as returned by [`Engine::bucket_id`].
+/// A registered bucket's index, as returned by [`Engine::bucket_id`](crate::Engine::bucket_id).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketId(pub usize);

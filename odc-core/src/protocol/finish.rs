@@ -15,7 +15,12 @@ use super::stamp;
 pub enum FinishError {
     /// `finish_minibatch(k)` after `finish_minibatch(earlier)` with
     /// `earlier > k`.
-    Backwards { k: u64, earlier: u64 },
+    Backwards {
+        /// The minibatch this finish was asked for.
+        k: u64,
+        /// The later minibatch this client already finished.
+        earlier: u64,
+    },
 }
 
 /// The stamp a finish of `k` writes, given the highest stamp this client

@@ -12,7 +12,7 @@
 //! | [`finish`] | a client's minibatch ends when its pushes are acknowledged; an owner's gradients are final when every client's done word reads the minibatch |
 //! | [`partials`] | hybrid sharding: accumulators change again only after every other node read this rank's partial sums |
 //! | [`pieces`] | hybrid-zero: a piece is overwritten only after every other node copied it; a node shard is announced only when every piece of its version is in |
-//! | [`handoff`] | a client's own slice goes to its own server by pointer, read only under a claim |
+//! | `handoff` | a client's own slice goes to its own server by pointer, read only under a claim |
 //! | [`claims`] | work stealing: each microbatch of a rank's list is claimed once, by the rank from the front or for a thief from the back, by one compare-and-swap in the rank's memory |
 //!
 //! Every word stores a **stamp**, value + 1 (0: never written), except the

@@ -16,9 +16,19 @@ pub enum VersionError {
     /// `u64::MAX` has no stamp.
     Reserved,
     /// A publish of `version` after `current` (versions must increase).
-    NotIncreasing { version: u64, current: u64 },
+    NotIncreasing {
+        /// The version this publish was asked for.
+        version: u64,
+        /// The version the shard already holds.
+        current: u64,
+    },
     /// A gather of `version` while the owner holds the newer `current`.
-    Newer { version: u64, current: u64 },
+    Newer {
+        /// The version this gather was asked for.
+        version: u64,
+        /// The newer version the owner holds.
+        current: u64,
+    },
 }
 
 /// The stamp to signal for a publish of `version` over an own word that

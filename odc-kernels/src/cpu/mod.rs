@@ -406,7 +406,7 @@ pub const STREAM_COPY_MIN: usize = 16 << 20;
 /// development VM). The copied bytes are then in memory, not in cache.
 /// Shorter copies are plain `memcpy`s, except with AVX2 where the
 /// destination lies just past the source modulo 4 KiB, which `memcpy`
-/// copies 15–20× slower on some CPUs ([`near_alias`]): those take an AVX2
+/// copies 15–20× slower on some CPUs (`near_alias`): those take an AVX2
 /// loop through the cache. Every copy under [`ISA_ENV`]` = scalar` is a
 /// `memcpy`. Either way every byte is
 /// visible to other threads, in order with the caller's later stores,
@@ -437,7 +437,7 @@ pub unsafe fn copy_raw(dst: *mut u8, src: *const u8, len: usize) {
 /// [`copy_raw`] that never streams: for bytes read again right after (a
 /// landing-slot chunk the owner's daemon adds at once, a published shard).
 /// A `memcpy` but where the destination lies just past the source modulo
-/// 4 KiB ([`near_alias`]).
+/// 4 KiB (`near_alias`).
 ///
 /// # Safety
 ///

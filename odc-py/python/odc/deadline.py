@@ -18,8 +18,8 @@ from .errors import ConfigError
 
 __all__ = ["DEFAULT_TIMEOUT_S", "deadline_for"]
 
-#: ODC's own default (the Rust engine's), used when nothing else applies.
 DEFAULT_TIMEOUT_S = 300.0
+"""ODC's own default deadline in seconds (the Rust engine's), used when nothing else applies."""
 
 
 def _seconds(value: Any, what: str) -> float:

@@ -82,6 +82,11 @@ class Bucket:
     dtype: Any
 
     def spec(self) -> tuple[str, int, str]:
+        """``(name, numel, dtype name)``, as the native engine takes a bucket.
+
+        Raises:
+            LayoutError: ``numel`` is not a positive integer, or the dtype is not one ODC moves.
+        """
         if not isinstance(self.numel, int) or self.numel < 1:
             raise LayoutError(f"bucket {self.name!r}: numel must be a positive integer, got {self.numel!r}")
         return (str(self.name), int(self.numel), dtype_name(self.dtype))
@@ -98,12 +103,12 @@ def _buffer(t: torch.Tensor, what: str) -> tuple[int, int, str]:
     return t.data_ptr(), t.numel() * t.element_size(), dtype_name(t.dtype)
 
 
-#: The transport names :class:`Engine` accepts.
 TRANSPORTS = ("auto", "shm", "fabric", "mixed", "cuda-ipc", "emu-ipc", "nvshmem", "emu-shmem")
-#: Transports whose data lives in device memory (their calls take a stream).
+"""The transport names :class:`Engine` accepts."""
 DEVICE_TRANSPORTS = ("cuda-ipc", "emu-ipc", "nvshmem", "emu-shmem")
-#: Transports whose calls take CUDA tensors (the others' take CPU tensors).
+"""Transports whose data lives in device memory (their calls take a stream)."""
 CUDA_TRANSPORTS = ("cuda-ipc", "nvshmem")
+"""Transports whose calls take CUDA tensors (the others' take CPU tensors)."""
 
 
 def transport_name(name: str | None) -> str | None:
@@ -421,10 +426,12 @@ class Engine:
     # -- setup ---------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This rank, 0 ≤ rank < :attr:`world_size`."""
         return self._native.rank
 
     @property
     def world_size(self) -> int:
+        """The number of ranks D."""
         return self._native.world_size
 
     @property
@@ -462,6 +469,7 @@ class Engine:
 
     @property
     def timeout(self) -> float:
+        """The deadline of every wait on a peer, in seconds (see :attr:`deadline_source`)."""
         return self._native.timeout
 
     def register(self, buckets: Iterable[Bucket]) -> None:

@@ -62,7 +62,9 @@ __all__ = [
 ]
 
 STRATEGIES = ("local-sort", "lb-micro", "lb-mini", "verl-native")
+"""The strategies :func:`plan` takes (see the module docstring)."""
 COST_MODELS = ("linear", "quadratic", "qwen2-1.5b", "qwen2-7b", "verl", "flops:hidden=H,layers=L,query=Q")
+"""The cost models :func:`plan` takes by name; ``quadratic:a=..,b=..`` and a :class:`CostFit` work too."""
 
 DEFAULT_MAX_TOKENS = 65536
 
@@ -101,6 +103,7 @@ class Plan:
 
     @property
     def num_minibatches(self) -> int:
+        """The number of minibatches planned."""
         return len(self.minibatches)
 
     def rank(self, r: int) -> list[list[list[int]]]:
@@ -226,6 +229,7 @@ class CostFit:
         return self.a * length * length + self.b * length
 
     def to_dict(self) -> dict[str, Any]:
+        """The fit as plain data (JSON-ready): the cost spec, ``a``, ``b``, residuals and the points."""
         return {"cost": self.cost, "a": self.a, "b": self.b, "rms_relative": self.rms_relative,
                 "max_relative": self.max_relative, "rms_seconds": self.rms_seconds, "overhead_s": self.overhead_s,
                 "points": [list(p) for p in self.points]}

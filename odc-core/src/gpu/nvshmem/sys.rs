@@ -254,7 +254,7 @@ const LAYOUTS: &[odc_kernels::wheels::Layout] = &[odc_kernels::wheels::Layout {
 /// Files tried, in order, before the system loader: `$ODC_NVSHMEM_LIB`
 /// (a file or a directory), then the wheel layouts in every Python
 /// `site-packages` ([`odc_kernels::wheels::site_packages`]: the running
-/// interpreter's first), then the system folders of [`LAYOUTS`].
+/// interpreter's first), then the system folders of `LAYOUTS`.
 pub fn candidates() -> Vec<PathBuf> {
     odc_kernels::wheels::candidates(NVSHMEM_ENV, LAYOUTS)
 }

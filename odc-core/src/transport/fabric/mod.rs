@@ -42,7 +42,7 @@
 //!   `ODC_FABRIC_READS`).
 //! - `put_signal`: **one** `fi_writemsg` with 4 bytes of remote CQ data
 //!   (an RDMA immediate) that names the signal word, never its value (see
-//!   [`signal`]): a put with data writes the data and the owner's progress
+//!   `signal`): a put with data writes the data and the owner's progress
 //!   thread **counts** the completion into the word; a pure signal writes
 //!   its 8-byte value into the word's mailbox and the progress thread
 //!   raises the word to it. A remote completion is reported only once the
@@ -93,7 +93,7 @@
 //!
 //! A killed process is not seen at once: tcp leaves a read of its status
 //! pending (rxm logs the refused reconnection and keeps the operation)
-//! until [`PROBE_TIMEOUT`], and answers posts to it with `-FI_EAGAIN`. Its
+//! until `PROBE_TIMEOUT`, and answers posts to it with `-FI_EAGAIN`. Its
 //! own node's ranks see it gone at once and fail naming it, and that news
 //! is what ends the wait here: a notice from any rank that blames the peer,
 //! or (a mixed transport passes these, [`FabricTransport::forward_reports`])
@@ -497,7 +497,7 @@ fn check_id(id: u32) -> Result<()> {
 
 impl FabricTransport {
     /// [`Transport::put_signals`] to the targets `targets` yields (`mixed`
-    /// passes its remote ones): validated and posted [`FANOUT_BATCH`] at a
+    /// passes its remote ones): validated and posted `FANOUT_BATCH` at a
     /// time from a fixed array, so the fan-out allocates nothing. This rank
     /// and a peer that closed its engine get [`Transport::put_signal`].
     pub fn put_signals_to<'a>(

@@ -29,28 +29,41 @@ if TYPE_CHECKING:
 AllgatherOptions: Any = getattr(dist.distributed_c10d, "AllgatherOptions", None)
 
 BACKEND_NAME = "odc"
+"""The name torch.distributed knows the backend by: ``init_process_group("odc")``."""
 SCRATCH_ENV = "ODC_BACKEND_SCRATCH_MB"
+"""The environment variable that sets the scratch shard size, in MiB."""
 DEFAULT_SCRATCH_MB = 16.0
+"""The scratch shard per rank and engine when :data:`SCRATCH_ENV` is unset, in MiB."""
 
 _ReduceOp = dist.ReduceOp
 _SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
 
 
 class UnsupportedCollective(OdcError, NotImplementedError):
-    """The ``odc`` backend has no implementation of this collective / reduce op / dtype."""
+    """The ``odc`` backend has no implementation of this collective / reduce op / dtype.
+
+    Raised by the group's reduce-scatter for a reduce op other than sum, average
+    and premul-sum (a premul-sum whose factor it cannot read included); the
+    message names the op and the dtype. Also a :class:`NotImplementedError`.
+
+    What to do: reduce with a supported op, or run that collective on a gloo or
+    NCCL group of its own.
+    """
 
 
 class NotInitialized(ProtocolError, RuntimeError):
     """An ``odc`` backend helper was called before ``init_process_group``.
 
-    Also a :class:`RuntimeError`, which this used to be.
+    Also a :class:`RuntimeError`. What to do: call
+    ``torch.distributed.init_process_group("odc")`` first.
     """
 
 
 class NotAnOdcGroup(ConfigError, RuntimeError):
     """A process group passed to an ``odc`` backend helper uses another backend.
 
-    Also a :class:`RuntimeError`, which this used to be.
+    Also a :class:`RuntimeError`. What to do: pass a group made with
+    ``init_process_group("odc")`` or ``new_group(backend="odc")``.
     """
 
 
@@ -223,18 +236,23 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     # -- identity (a Python group keeps its own name; torch sets it after creation)
     def getBackendName(self) -> str:
+        """The backend's name, ``"odc"``."""
         return BACKEND_NAME
 
     def setGroupName(self, name: str) -> None:
+        """Keeps the group name torch gives the group after creating it."""
         self._group_name = name
 
     def getGroupName(self) -> str:
+        """The group name torch gave the group."""
         return self._group_name
 
     def setGroupDesc(self, desc: str) -> None:
+        """Keeps the group description torch gives the group after creating it."""
         self._group_desc = desc
 
     def getGroupDesc(self) -> str:
+        """The group description torch gave the group."""
         return self._group_desc
 
     def __repr__(self) -> str:
@@ -358,6 +376,11 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     # -- all-gather ----------------------------------------------------------------
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        """All-gather into one tensor (``all_gather_into_tensor``) as an ODC gather.
+
+        f32 / bf16 / f16 run on ODC; other dtypes go to the group's gloo backend. Completes before it returns on
+        CPU tensors; on CUDA tensors it is enqueued on the current stream.
+        """
         if input.dtype not in _DTYPES:
             return self._delegate("all_gather_single", output, input, opts or AllgatherOptions())
         device = self._all_gather_into(output, input, "all_gather_single")
@@ -368,6 +391,7 @@ class ProcessGroupODC(dist.ProcessGroup):
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
+        """Several :meth:`all_gather_single` calls, one after the other, as one Work."""
         device = _op_device("all_gather_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
             self.all_gather_single(out, inp).wait()
@@ -376,6 +400,10 @@ class ProcessGroupODC(dist.ProcessGroup):
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """The list form of all-gather: an ODC gather into a flat buffer, copied out to the list.
+
+        A list whose tensors differ from the input in dtype or size goes to gloo.
+        """
         device = _op_device("allgather", _tensors((outputs, inputs)))
         for outs, inp in zip(outputs, inputs, strict=True):
             if inp.dtype in _DTYPES and all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs):
@@ -389,6 +417,11 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     # -- reduce-scatter ------------------------------------------------------------
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        """Reduce-scatter from one tensor (``reduce_scatter_tensor``) as an ODC scatter-accumulate.
+
+        Sum, average and premul-sum on f32 / bf16 / f16, accumulated in f32; another op raises
+        :class:`UnsupportedCollective`, another dtype a :class:`~odc.LayoutError`.
+        """
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
         device = self._reduce_scatter_into(output, input, op, "reduce_scatter_single")
         return _CompletedWork([output], device)
@@ -398,6 +431,7 @@ class ProcessGroupODC(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
+        """Several :meth:`reduce_scatter_single` calls as one Work."""
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
         device = _op_device("reduce_scatter_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
@@ -409,6 +443,11 @@ class ProcessGroupODC(dist.ProcessGroup):
     def reduce_scatter(  # type: ignore[override]
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
+        """The list form of reduce-scatter: the inputs concatenated, then one ODC scatter-accumulate.
+
+        Raises:
+            LayoutError: not one input per rank, or inputs whose size differs from the output's.
+        """
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
         device = _op_device("reduce_scatter", _tensors((outputs, inputs)))
         for out, ins in zip(outputs, inputs, strict=True):
@@ -422,6 +461,10 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     # -- all-reduce ----------------------------------------------------------------
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """All-reduce as an ODC reduce-scatter and gather, for sum-like ops on f32 / bf16 / f16.
+
+        Max, min, integer dtypes and the rest go to gloo.
+        """
         opts = opts or dist.AllreduceOptions()
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce", tensors, opts)
@@ -431,6 +474,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         return _CompletedWork(list(tensors), device)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        """All-reduce of several tensors, each as :meth:`allreduce`."""
         opts = opts or dist.AllreduceCoalescedOptions()
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce_coalesced", tensors, opts)
@@ -441,18 +485,23 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     # -- delegated to gloo ---------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """Broadcast, on the group's internal gloo backend."""
         return self._delegate("broadcast", tensors, opts or dist.BroadcastOptions())
 
     def barrier(self, opts: Any = None) -> dist.Work:
+        """Barrier, on the group's internal gloo backend."""
         return self._delegate("barrier", opts or dist.BarrierOptions())
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """Reduce to one rank, on the group's internal gloo backend."""
         return self._delegate("reduce", tensors, opts or dist.ReduceOptions())
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """Gather to one rank, on the group's internal gloo backend."""
         return self._delegate("gather", outputs, inputs, opts or dist.GatherOptions())
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
+        """Scatter from one rank, on the group's internal gloo backend."""
         return self._delegate("scatter", outputs, inputs, opts or dist.ScatterOptions())
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -485,18 +534,22 @@ class ProcessGroupODC(dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: Any = None,
     ) -> dist.Work:
+        """All-to-all of one tensor with split sizes, on the group's internal gloo backend."""
         opts = opts or dist.AllToAllOptions()
         return self._delegate("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
 
     alltoall_base = all_to_all_single  # type: ignore[assignment]
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
+        """Point-to-point send, on the group's internal gloo backend."""
         return self._delegate("send", tensors, dst, tag)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
+        """Point-to-point receive from ``src``, on the group's internal gloo backend."""
         return self._delegate("recv", tensors, src, tag)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        """Point-to-point receive from any rank, on the group's internal gloo backend."""
         return self._delegate("recv_anysource", tensors, tag)
 
     recvAnysource = recv_anysource
@@ -511,6 +564,7 @@ class ProcessGroupODC(dist.ProcessGroup):
                 self._failure = OdcError("the process group was shut down")
 
     def abort(self) -> None:
+        """What torch calls on a failed job: the same as :meth:`shutdown`."""
         self.shutdown()
 
 

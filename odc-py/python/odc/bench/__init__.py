@@ -846,7 +846,11 @@ def _memory_formula(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``odc-bench`` command line; returns (or, from the console script, exits with) its status."""
-    code = _main(list(sys.argv[1:] if argv is None else argv))
+    args = list(sys.argv[1:] if argv is None else argv)
+    from .report import set_command
+
+    set_command(["odc-bench", *args])  # what the JSON files' provenance names
+    code = _main(args)
     if argv is None:
         raise SystemExit(code)
     return code

@@ -59,7 +59,6 @@ __all__ = ["CONFIGS", "STEAL", "build_point", "imbalance_rank", "plot", "render"
 Mode = Literal["collective", "odc"]
 Config = tuple[str, Mode, str]
 
-# (name, mode, strategy); the first is the baseline of every speedup.
 CONFIGS: tuple[Config, ...] = (
     ("collective+lb-micro", "collective", "lb-micro"),
     ("collective+local-sort", "collective", "local-sort"),
@@ -68,8 +67,12 @@ CONFIGS: tuple[Config, ...] = (
     ("odc+local-sort", "odc", "local-sort"),
     ("odc+lb-mini+steal", "odc", "lb-mini"),
 )
+"""The configurations, ``(name, mode, strategy)``; the first is the baseline of every speedup."""
 BASELINE = CONFIGS[0][0]
-STEAL = "+steal"  # a configuration whose ranks steal each other's unstarted microbatches (Engine.claim_own / steal)
+"""The baseline's name: ``collective+lb-micro``."""
+STEAL = "+steal"
+"""The suffix of a configuration whose ranks steal each other's unstarted microbatches (``Engine.claim_own`` /
+``steal``)."""
 
 
 def sample_weight(i: int) -> int:
@@ -232,10 +235,12 @@ class EmulatedCompute:
         self.requested = 0.0
 
     def reset(self) -> None:
+        """Forgets what was owed and requested (a new measurement)."""
         self.owed = 0.0
         self.requested = 0.0
 
     def run(self, seconds: float) -> None:
+        """Sleeps ``seconds`` of emulated compute, less what earlier sleeps overslept."""
         if seconds <= 0:
             return
         self.requested += seconds
@@ -547,6 +552,7 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
 
 
 def render(rows: list[dict[str, Any]], title: list[str], sweep_name: str | None) -> str:
+    """The results as an nccl-tests style table, ``title`` lines first (one row per configuration and point)."""
     header = ["config", "mb/rank", "t/minibatch(s)", "samples/s", "bubble", "pred", "speedup", "pred", "error",
               "#wrong"]
     widths = [22, 7, 14, 9, 7, 7, 8, 7, 7, 6]

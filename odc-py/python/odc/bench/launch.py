@@ -37,7 +37,11 @@ EventHandler = Callable[[str, Any], None]
 
 
 class BenchError(RuntimeError):
-    """A rank failed or the ranks could not be started; the message names the rank."""
+    """A rank failed or the ranks could not be started; the message names the rank.
+
+    ``odc-bench`` prints it and exits with status 1; ``ODC_BENCH_TRACEBACK=1``
+    adds the rank's traceback.
+    """
 
 
 def under_torchrun() -> bool:
@@ -79,6 +83,7 @@ class RankContext:
             self._emit(kind, payload)
 
     def barrier(self) -> None:
+        """A barrier of every rank, through the gloo control group."""
         import torch.distributed as dist
 
         dist.barrier(group=self.ctrl)
@@ -110,9 +115,10 @@ class RankContext:
         return out
 
     def close(self) -> None:
-        # Engines unmap and unlink their shared memory when dropped; drop
-        # them before the process exits (the spawned ranks exit with
-        # os._exit, which runs no finalizers).
+        """Drops this rank's engines, which unmaps and unlinks their shared memory.
+
+        Called before the process exits: the spawned ranks exit with ``os._exit``, which runs no finalizers.
+        """
         self._engines.clear()
         import gc
 

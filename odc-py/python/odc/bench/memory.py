@@ -30,7 +30,6 @@ __all__ = ["FORMULA_KEYS", "KEYS", "VARIANTS", "formula", "landing_chunk", "memo
 # The ranks train odc-bench train's model: its fork server preloads the same modules (odc.bench.launch).
 RANK_PRELOAD = _train.RANK_PRELOAD
 
-# (label, comm, sharding)
 VARIANTS = (
     ("FSDP2 full (gloo)", "collective", "full"),
     ("ODC full", "odc", "full"),
@@ -38,7 +37,9 @@ VARIANTS = (
     ("ODC hybrid", "odc", "hybrid"),
     ("ODC hybrid-zero", "odc", "hybrid-zero"),
 )
+"""The measured rows, ``(label, comm, sharding)``."""
 KEYS = ("params", "grads", "optim", "odc_shm", "rss_peak")
+"""The measured columns, per rank: parameters, gradients, optimizer state, ODC's shared memory, peak RSS."""
 HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "odc_shm": "ODC shared memory",
           "rss_peak": "process RSS (peak)"}
 
@@ -131,6 +132,8 @@ def render(rows: list[dict[str, Any]], title: list[str], markdown: bool = False)
 # -- the formula -----------------------------------------------------------------------------------
 
 FORMULA_KEYS = ("params", "grads", "optim", "published", "accum", "exact", "cross", "landing")
+"""The columns of ``--formula``: FSDP2's tensors, then ODC's published copy, f32 accumulators, exact
+(deterministic) accumulators, cross-node sums and landing slots."""
 FORMULA_HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "published": "ODC published",
                   "accum": "ODC f32 accumulators", "exact": "ODC exact (deterministic)",
                   "cross": "ODC cross-node sums", "landing": "ODC landing slots"}

@@ -33,16 +33,17 @@ from .report import busbw_factor, fmt, format_size, table
 
 __all__ = ["OPS", "plot", "primitives_rank", "render"]
 
-# (op key, redop, collective name, ODC name)
 OPS = (
     ("all_gather", "none", "all_gather_into_tensor", "gather"),
     ("reduce_scatter", "sum", "reduce_scatter_tensor", "scatter_accumulate"),
 )
+"""The operations compared, ``(op key, redop, collective name, ODC name)``."""
 
 ELEM_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
 
 
 def torch_dtype(name: str) -> Any:
+    """The torch dtype of a ``-d`` name: ``f32``, ``bf16`` or ``f16``."""
     import torch
 
     return {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[name]

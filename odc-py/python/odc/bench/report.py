@@ -12,9 +12,13 @@ import contextlib
 import json
 import math
 import os
+import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -24,14 +28,16 @@ __all__ = [
     "busbw_factor",
     "format_size",
     "parse_size",
+    "provenance",
     "require_matplotlib",
     "say_written",
+    "set_command",
     "write_json",
 ]
 
 
 class UsageError(ValueError):
-    """A bad command-line value; the message names it. Exit status 2."""
+    """A bad command-line value; the message names it. ``odc-bench`` exits with status 2."""
 
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
@@ -136,8 +142,56 @@ def say_written(json_path: str | None, plot_path: str | None = None, *, plots: b
               flush=True)
 
 
+_COMMAND: list[str] | None = None
+
+
+def set_command(argv: Sequence[str]) -> None:
+    """The command line :func:`provenance` reports (``odc-bench`` sets its own; else ``sys.argv``)."""
+    global _COMMAND  # noqa: PLW0603 - one command per process
+    _COMMAND = list(argv)
+
+
+def provenance() -> dict[str, Any]:
+    """What made a result: the command line, the commit of the ODC checkout it ran from and the UTC time.
+
+    ``commit`` ends in ``+dirty`` when tracked files differ from it, and is ``None`` outside a git checkout
+    (an installed wheel: ``version`` says which).
+    """
+    from odc import __version__
+
+    if _COMMAND is not None:
+        command = _COMMAND
+    else:
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        if spec is not None and spec.name:  # python -m odc.bench.gpu ...
+            prog = f"python -m {spec.name.removesuffix('.__main__')}"
+        elif sys.argv and sys.argv[0]:
+            prog = sys.argv[0] if not os.path.isabs(sys.argv[0]) else os.path.basename(sys.argv[0])
+        else:
+            prog = "python"
+        command = [prog, *sys.argv[1:]]
+    here = str(Path(__file__).resolve().parent)
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", here, *args], check=False, capture_output=True, text=True,
+                                 timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    commit = git("rev-parse", "--short=12", "HEAD")
+    if commit is not None and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+dirty"
+    return {"command": shlex.join(command), "commit": commit, "version": __version__,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def write_json(path: str, doc: dict[str, Any]) -> None:
-    """Writes ``doc`` as indented JSON; the parent folder must exist."""
+    """Writes ``doc`` as indented JSON, with its :func:`provenance` under ``"provenance"``; the parent folder
+    must exist."""
+    doc = {**doc, "provenance": doc.get("provenance") or provenance()}
     with open(path, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2, sort_keys=False)
         f.write("\n")
@@ -219,6 +273,7 @@ class LoadSampler:
         self._take()
 
     def describe(self) -> str:
+        """The samples in one line: the range and median of the load average."""
         loads = [v for _, v in self.samples]
         if not loads:
             return "load average during the run: unknown"

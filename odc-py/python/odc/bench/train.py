@@ -59,18 +59,21 @@ __all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "DET", "STEAL", "ModelSpec"
            "markov_tokens", "packed_row", "same_plan", "steals", "train_rank", "varlen_attention"]
 
 VARLEN = "odc_bench_varlen"
-# An ODC configuration with deterministic accumulation (odc.fsdp.enable(..., deterministic=True)), on request.
 DET = "+det"
+"""The suffix of an ODC configuration with deterministic accumulation (``odc.fsdp.enable(..., deterministic=True)``),
+run on request."""
 CONFIGS = _IMBALANCE_CONFIGS + tuple((name + DET, mode, strategy) for name, mode, strategy in _IMBALANCE_CONFIGS
                                      if mode == "odc")
+"""Every configuration ``odc-bench train`` can run, ``(name, mode, strategy)``: ``odc-bench imbalance``'s and their
+deterministic twins."""
 
 
 def steals(name: str) -> bool:
     """Whether configuration ``name`` runs its plan through work stealing."""
     return name.removesuffix(DET).endswith(STEAL)
 
-# What runs without --configs: every configuration but stealing and deterministic accumulation (on request).
 DEFAULT_CONFIGS = tuple(c[0] for c in CONFIGS if not steals(c[0]) and not c[0].endswith(DET))
+"""What runs without ``--configs``: every configuration but stealing and deterministic accumulation."""
 # The run each configuration's final parameters are compared with: a stealing configuration's, the same one without
 # stealing (the same plan, microbatches run by whichever rank claims them); otherwise the collective run with the
 # same plan (same samples in the same microbatches), else the baseline (same samples per minibatch, packed
@@ -104,6 +107,7 @@ class ModelSpec:
     path: str = ""
 
     def describe(self) -> str:
+        """The model in one line, for reports."""
         if self.path:
             return f"config {self.path}"
         return (f"Qwen2 hidden {self.hidden}, {self.layers} layers, {self.heads} heads ({self.kv_heads} kv), "

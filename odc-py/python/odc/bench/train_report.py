@@ -276,6 +276,7 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
 
 
 def render(rows: list[dict[str, Any]], title: list[str], sweep: bool) -> str:
+    """The measured and predicted speedups as a table, ``title`` lines first, one row per configuration."""
     from .train import BASELINE
 
     header = ["config", "mb/rank", "t/minibatch(s)", "[min..max]", "speedup", "[min..max]", "packer", "error",
@@ -399,6 +400,7 @@ def curves_summary(res: dict[str, Any], configs: list[str]) -> dict[str, Any]:
 
 
 def render_curves(s: dict[str, Any], title: list[str]) -> str:
+    """The loss curves' summary as a table: losses every few minibatches and the largest gaps."""
     names = list(s["losses"])
     n = len(s["losses"][names[0]])
     step = max(1, n // 12)

@@ -43,12 +43,13 @@ from ..errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-#: The supported torch releases, oldest and newest (major.minor): ``make test`` runs the suite on both.
 TORCH_RANGE = ("2.11", "2.15")
-#: The torch versions the test suite runs on (the two legs of ``make test``).
+"""The supported torch releases, oldest and newest (major.minor): ``make test`` runs the suite on both;
+:func:`odc.fsdp.enable` refuses a torch outside them (a newer one runs under ``ODC_ALLOW_UNCHECKED_TORCH=1``)."""
 TORCH_VERSIONS_TESTED = ("2.11.0", "2.15.0")
-#: torch releases whose FSDP2 sources :data:`PRIVATE` was checked against, name by name.
+"""The torch versions the test suite runs on (the two legs of ``make test``)."""
 TORCH_VERSIONS_CHECKED = ("2.11.0", "2.12.0", "2.13.0", "2.14.0", "2.15.0")
+"""The torch releases whose FSDP2 sources :data:`PRIVATE` was checked against, name by name."""
 #: Set to ``1`` to run ``odc.fsdp`` on a torch newer than :data:`TORCH_RANGE` (it warns instead of refusing).
 ALLOW_ENV = "ODC_ALLOW_UNCHECKED_TORCH"
 

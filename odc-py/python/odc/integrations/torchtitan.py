@@ -48,8 +48,8 @@ from ._guard import import_trainer
 
 __all__ = ["TORCHTITAN_VERSIONS_CHECKED", "PlannedDataLoader", "Trainer", "plan_documents"]
 
-#: torchtitan versions whose trainer this module was checked against.
 TORCHTITAN_VERSIONS_CHECKED = ("0.3.0",)
+"""torchtitan versions whose trainer this module was checked against (another one warns)."""
 
 
 def _torchtitan() -> Any:
@@ -90,6 +90,7 @@ class PlannedDataLoader(_BaseDataLoader):  # type: ignore[misc,valid-type]
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(_BaseDataLoader.Config):  # type: ignore[misc,name-defined]
+        """What torchtitan's config holds for this loader: the plan, its documents and the row padding."""
         plan: Any = None
         """An odc.packing.Plan over ``documents`` (see plan_documents)."""
         documents: Any = None
@@ -137,6 +138,11 @@ class PlannedDataLoader(_BaseDataLoader):  # type: ignore[misc,valid-type]
             yield self.row(mb)
 
     def row(self, microbatch: Sequence[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One microbatch's documents packed back to back into one row: ``({'input', 'positions'}, labels)``.
+
+        Positions restart at every document, as torchtitan's own loader emits them; the row is padded to a
+        multiple of ``pad_multiple`` with a document whose labels are ignored.
+        """
         inputs: list[int] = []
         labels: list[int] = []
         positions: list[int] = []
@@ -153,9 +159,11 @@ class PlannedDataLoader(_BaseDataLoader):  # type: ignore[misc,valid-type]
         return row, torch.tensor([labels])
 
     def state_dict(self) -> dict[str, Any]:
+        """The loader's position (microbatches handed out), for torchtitan's checkpoint."""
         return {"consumed": self.consumed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores the position :meth:`state_dict` saved."""
         self.consumed = int(state_dict["consumed"])
 
 
@@ -201,6 +209,11 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
         super().__init__(config)
 
     def train_step(self, data_iterator: Any) -> Any:
+        """torchtitan's ``train_step``, with this rank's planned microbatch count and ODC on from the first step.
+
+        At the first step it calls ``odc.fsdp.enable(model, optimizers)`` (after torchtitan initialized the
+        weights, built the optimizers and loaded a checkpoint), with ``set_reduce_scatter_unused_params(True)``.
+        """
         if isinstance(self.dataloader, PlannedDataLoader):
             self.gradient_accumulation_steps = self.dataloader.microbatches(self.step)
         model = self.model_parts[0]

@@ -80,10 +80,10 @@ from ._guard import import_trainer
 
 __all__ = ["BALANCES", "VERL_VERSIONS_CHECKED", "disable", "enable", "is_enabled"]
 
-#: verl versions whose engine internals this module was checked against.
 VERL_VERSIONS_CHECKED = ("0.9.1",)
-#: ``balance=`` values: LB-Mini across ranks per minibatch, or each rank keeps the samples verl gave it.
+"""verl versions whose engine internals this module was checked against (another one warns)."""
 BALANCES = ("lb-mini", None)
+"""``balance=`` values: LB-Mini across ranks per minibatch, or ``None``: each rank keeps the samples verl gave it."""
 _MODEL_TYPES = ("language_model", "value_model")
 _BACKENDS = ("fsdp", "fsdp2")
 

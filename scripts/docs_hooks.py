@@ -1,0 +1,564 @@
+"""The docs site's generated parts (a mkdocs hook, named in mkdocs.yml): tables rendered from the code and from
+committed JSON, so that no figure on a page is typed by hand.
+
+A page asks for a part with a marker on a line of its own:
+
+    <!-- odc:env -->                              the environment variables (odc-py/python/odc/_env.py)
+    <!-- odc:error-tree -->                       the exception hierarchy (odc-py/python/odc/errors.py)
+    <!-- odc:bench KIND FILE -->                  a benchmark table from FILE (relative to docs/), e.g.
+                                                  <!-- odc:bench primitives bench/primitives.json -->
+    <!-- odc:exceptions PATH... -->               each exception class at PATH (odc.backend.NotInitialized, ...):
+                                                  its bases and docstring, linked to its API entry
+    <!-- odc:quickstart NAME -->                  the README's block marked <!-- quickstart:NAME --> (the one
+                                                  make test runs), so that the docs' copy cannot drift
+
+Every benchmark table is followed by the command, commit and date that made its JSON (its "provenance").
+A marker with an unknown kind, a missing file or JSON the renderer cannot read fails the build. Nothing here
+imports odc (no torch): the table of variables is read by path, the errors from their source.
+
+``python scripts/docs_hooks.py --readme`` prints the README's measured-results table (the block between
+``<!-- results:begin -->`` and ``<!-- results:end -->``), ``--write-readme`` writes it there, and
+``--check-readme`` (in ``make docs``) fails when the README's differs or a README link names a missing file.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+MARKER = re.compile(r"^<!-- odc:([a-z-]+)((?: [^ \n]+)*) -->$", re.M)
+
+
+class DocsError(Exception):
+    """A marker that cannot be rendered; mkdocs reports it and the build fails."""
+
+
+def _load(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise DocsError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _md(text: str) -> str:
+    """A table cell: pipes escaped."""
+    return text.replace("|", "\\|")
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
+    out = ["| " + " | ".join(_md(h) for h in head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(_md(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+# -- the code's tables ---------------------------------------------------------------------------------------
+
+
+def env_tables() -> str:
+    """Every section of odc._env.ENVIRONMENT as a heading and a table."""
+    env = _load(ROOT / "odc-py" / "python" / "odc" / "_env.py", "_odc_env_for_docs")
+    out = []
+    for key, title in env.SECTIONS.items():
+        rows = [[f"`{v.name}`", v.default, v.meaning, v.reader] for v in env.ENVIRONMENT if v.section == key]
+        if not rows:
+            raise DocsError(f"odc/_env.py: section {key!r} has no variable")
+        out += [f"## {title} {{#{key}}}", "", table(["variable", "default", "meaning", "read by"], rows), ""]
+    unknown = {v.section for v in env.ENVIRONMENT} - set(env.SECTIONS)
+    if unknown:
+        raise DocsError(f"odc/_env.py: unknown sections {sorted(unknown)}")
+    return "\n".join(out)
+
+
+def error_tree() -> str:
+    """The exception classes of odc/errors.py as a nested list, each linked to its entry on the page."""
+    tree = ast.parse((ROOT / "odc-py" / "python" / "odc" / "errors.py").read_text(encoding="utf-8"))
+    bases: dict[str, list[str]] = {}
+    summary: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+            summary[node.name] = (ast.get_docstring(node) or "").split("\n\n")[0].replace("\n", " ")
+    if "OdcError" not in bases:
+        raise DocsError("odc/errors.py defines no OdcError")
+    lines: list[str] = []
+
+    def walk(name: str, depth: int) -> None:
+        also = [b for b in bases[name] if b not in bases]  # ValueError, OSError: builtins
+        extra = f" (also `{'`, `'.join(also)}`)" if also and name != "OdcError" else ""
+        lines.append(f"{'    ' * depth}- [`{name}`][odc.errors.{name}]{extra}: {summary[name]}")
+        for child in bases:
+            if bases[child] and bases[child][0] == name:
+                walk(child, depth + 1)
+
+    walk("OdcError", 0)
+    return "\n".join(lines)
+
+
+def quickstart(name: str) -> str:
+    """The fenced block that follows ``<!-- quickstart:NAME -->`` in the README."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(rf"^<!-- quickstart:{re.escape(name)} -->\n(```[a-z]*\n.*?^```)$", text, re.M | re.S)
+    if m is None:
+        raise DocsError(f"README.md has no block marked <!-- quickstart:{name} -->")
+    return m.group(1)
+
+
+@functools.cache
+def _package() -> Any:
+    """The odc package as the API pages read it (griffe, statically; the same role rewriting)."""
+    import griffe
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from docs_griffe import SphinxRoles
+
+    return griffe.load("odc", search_paths=[str(ROOT / "odc-py" / "python")], allow_inspection=False,
+                       extensions=griffe.load_extensions(SphinxRoles()))
+
+
+def exceptions(paths: list[str]) -> str:
+    """Each exception class as a heading, its bases and its docstring, linked to its entry in the API pages."""
+    import griffe
+
+    out = []
+    for path in paths:
+        try:
+            obj = _package()[path.removeprefix("odc.")]
+            cls = obj.final_target if obj.is_alias else obj
+        except (KeyError, griffe.AliasResolutionError) as e:
+            raise DocsError(f"no class {path}: {e}") from None
+        if not cls.is_class or not cls.docstring:
+            raise DocsError(f"{path} is not a documented class")
+        bases = ", ".join(f"`{b}`" for b in cls.bases)
+        out += [f"### `{path.rsplit('.', 1)[1]}`", "", f"`{path}` ({bases}): [API][{path}]", "",
+                cls.docstring.value, ""]
+    return "\n".join(out)
+
+
+# -- provenance ----------------------------------------------------------------------------------------------
+
+
+def provenance(doc: dict[str, Any], rel: str, link: str) -> str:
+    """The line under a benchmark table: command, commit, date, and the machine's load while it ran."""
+    p = doc.get("provenance")
+    if not isinstance(p, dict) or not p.get("command") or not p.get("date"):
+        raise DocsError(f"{rel}: no provenance (command, commit, date); rerun the benchmark that writes it")
+    commit = p.get("commit") or f"none (version {p.get('version', '?')})"
+    load = doc.get("load_average")
+    load_txt = ""
+    if isinstance(load, list) and load:
+        load_txt = f"; load average {' '.join(f'{x:.1f}' for x in load)} at the end"
+        if doc.get("cpus"):
+            load_txt += f" on {doc['cpus']} cores"
+    note = f" ({p['note']})" if p.get("note") else ""
+    return (f"<small>Made by `{p['command']}` at commit `{commit}` on {str(p['date'])[:10]}{load_txt}{note}; "
+            f"the data: [`docs/{rel}`]({link}).</small>")
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.{digits}f}"
+
+
+def _size(n: int) -> str:
+    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % m == 0:
+            return f"{n // m}{unit}"
+    return str(n)
+
+
+def _straggler(value: Any) -> str:
+    """``--straggler`` as it was stored (``[rank, factor]`` or ``"rank:factor"``), in words."""
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return f"rank {value[0]} {value[1]:g}× slower"
+    if isinstance(value, str) and ":" in value:
+        rank, factor = value.split(":", 1)
+        return f"rank {rank} {factor}× slower"
+    return str(value)
+
+
+def _pct(x: Any) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f} %"
+
+
+# -- benchmark renderers -------------------------------------------------------------------------------------
+
+
+def bench_primitives(doc: dict[str, Any]) -> str:
+    """odc-bench primitives: busbw (GB/s) of the collective and of ODC, and their ratio, per size and world."""
+    ops = [("all_gather", "all-gather", "gather"), ("all_gather_in_place", "all-gather in place", "gather in place"),
+           ("reduce_scatter", "reduce-scatter", "scatter-accumulate")]
+    ops = [o for o in ops if any(r["op"] == o[0] for r in doc["rows"])]
+    coll = doc.get("backend", "collective")
+    out = []
+    for world in sorted({r["world"] for r in doc["rows"]}):
+        for dtype in sorted({r["type"] for r in doc["rows"] if r["world"] == world}):
+            head = ["size"]
+            for _, c, o in ops:
+                head += [f"{coll} {c}", f"ODC {o}", "ratio"]
+            by = {(r["size"], r["op"]): r for r in doc["rows"] if r["world"] == world and r["type"] == dtype}
+            rows = []
+            for size in sorted({s for s, _ in by}):
+                row = [_size(size)]
+                for op, _, _ in ops:
+                    r = by.get((size, op))
+                    row += ([_f(r["collective"]["busbw"]), _f(r["odc"]["busbw"]), f"{r['busbw_ratio']:.1f}×"]
+                            if r else ["–"] * 3)
+                rows.append(row)
+            wrong = sum(r["collective"]["wrong"] + r["odc"]["wrong"] for r in by.values())
+            out += [f"{world} ranks, {dtype}, busbw in GB/s (#wrong {wrong}):", "", table(head, rows), ""]
+    return "\n".join(out)
+
+
+def bench_perf(doc: dict[str, Any]) -> str:
+    """gather_perf / scatter_accumulate_perf: time, busbw, the copy limit and ceiling, %ceil."""
+    gather = doc["benchmark"] == "gather_perf"
+    rows = []
+    for r in doc["rows"]:
+        best = r.get("best_busbw")
+        ceil = r.get("ceiling_busbw")
+        pct = f"{100 * best / ceil:.0f} %" if best and ceil else "–"
+        row = [_size(r["size"]), _f(r["time_us"]), _f(r["busbw"])]
+        if gather:
+            ip = r.get("in_place") or {}
+            row += [_f(ip.get("time_us")), _f(ip.get("busbw"))]
+        row += [_f(r.get("limit_busbw")), _f(ceil), pct, str(r["wrong"] + (r.get("in_place") or {}).get("wrong", 0))]
+        rows.append(row)
+    name = "gather" if gather else "scatter-accumulate"
+    head = ["size", f"{name} µs", "busbw"] + (["in place µs", "busbw"] if gather else [])
+    head += ["limit", "ceiling", "%ceil", "#wrong"]
+    return (f"{doc['ranks']} ranks, {doc['dtype']}, transport {doc['transport']}, {doc['warmup']} warm-up + "
+            f"{doc['iters']} timed iterations; busbw, limit and ceiling in GB/s:\n\n" + table(head, rows))
+
+
+def _train_rows(doc: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in doc["rows"]:
+        mbs = r["microbatches"]
+        counts = sorted({c for per in mbs for c in per}) if mbs and isinstance(mbs[0], list) else []
+        spread = f"{min(counts)}–{max(counts)}" if counts and min(counts) != max(counts) else str(
+            r.get("max_microbatches", "–"))
+        name = f"**{r['config']}**" if r["config"] == "odc+lb-mini" else r["config"]
+        rows.append([str(r["minibatch_size"]), name, spread, _f(r["time_per_minibatch_s"], 3),
+                     f"{r['speedup_measured']:.3f}× [{r['speedup_min']:.2f}–{r['speedup_max']:.2f}]",
+                     f"{r['speedup_predicted']:.3f}× ({100 * r['error']:+.1f} %)",
+                     f"{r['speedup_predicted_with_overheads']:.3f}× ({100 * r['error_with_overheads']:+.1f} %)",
+                     "–" if r["dparam"] is None else f"{r['dparam']:.1e}"])
+    return rows
+
+
+def bench_train(doc: dict[str, Any]) -> str:
+    """odc-bench train: measured speedup against the packer's prediction, per minibatch size and configuration."""
+    fit = doc["fit"]
+    ovh = doc.get("overheads", {})
+    ovh_txt = "; ".join(f"{m}: {1e3 * o['microbatch_s']:.0f} ms per microbatch, {1e3 * o['minibatch_s']:.0f} ms per "
+                        f"minibatch" for m, o in ovh.items())
+    head = ["minibatch size", "config", "microbatches / rank", "s / minibatch", "speedup measured [min–max]",
+            "packer (error)", "+fixed (error)", "dparam"]
+    return (f"{doc['world']} ranks, real compute; speedup against `collective+lb-micro`; cost model fitted in the "
+            f"run: `{fit['cost']}`, residual {100 * fit['rms_relative']:.0f} % rms; fixed costs measured apart: "
+            f"{ovh_txt or '–'}.\n\n" + table(head, _train_rows(doc)))
+
+
+def bench_train_steal(doc: dict[str, Any]) -> str:
+    """odc-bench train with stealing / deterministic configurations: time, speedup, busy fraction, stolen."""
+    rows = []
+    for r in doc["rows"]:
+        rows.append([r["config"], _f(r["time_per_minibatch_s"], 3), f"{r['speedup_measured']:.3f}×",
+                     _pct(r["busy"]) if r.get("busy") is not None else "–",
+                     _pct(1 - r["steal_bound"]) if r.get("steal_bound") is not None else "",
+                     _f(r.get("stolen_per_minibatch"), 1) if "+steal" in r["config"] else "",
+                     "–" if r["dparam"] is None else f"{r['dparam']:.1e}"])
+    head = ["configuration", "s / minibatch", "speedup vs collective + LB-Micro", "busy (1 − bubble)",
+            "busy the stealing policy can reach", "stolen / minibatch", "parameters vs the same plan"]
+    straggler = doc["args"].get("straggler")
+    where = f"; {_straggler(straggler)}" if straggler else ""
+    return f"{doc['world']} ranks, minibatch size {doc['args']['minibatch_size']}{where}:\n\n" + table(head, rows)
+
+
+def bench_train_curves(doc: dict[str, Any]) -> str:
+    """odc-bench train --curves: the loss at a few minibatches, and the largest differences from the baseline."""
+    s = doc["curves"]
+    names = list(s["losses"])
+    n = len(s["losses"][names[0]])
+    picks = sorted(set(range(0, n, max(1, n // 8))) | {n - 1})
+    rows = [[str(k), *[f"{s['losses'][c][k]:.6f}" for c in names]] for k in picks]
+    diffs = [[name, f"{d:.1e}"] for name, d in s["max_abs_loss_diff"].items()]
+    return (table(["minibatch", *names], rows) + "\n\nLargest |loss difference| from `collective+lb-micro` over "
+            f"all {n} minibatches (the control, `collective+local-sort`, differs only in the order of float sums):"
+            "\n\n" + table(["configuration", "max abs loss difference"], diffs))
+
+
+def bench_imbalance(doc: dict[str, Any]) -> str:
+    """odc-bench imbalance: speedup measured / predicted per swept value and configuration."""
+    sweep = doc["args"].get("sweep")
+    key = sweep.split("=")[0] if sweep else None
+    col = {"minibatch-size": "minibatch_size", "world": "world", None: "minibatch_size"}.get(key, "label")
+    configs = list(dict.fromkeys(r["config"] for r in doc["rows"]))
+    points = list(dict.fromkeys(r[col] for r in doc["rows"]))
+    by = {(r[col], r["config"]): r for r in doc["rows"]}
+    rows = []
+    for p in points:
+        row = [str(p)]
+        for c in configs:
+            r = by.get((p, c))
+            row.append("–" if r is None else f"{r['speedup_measured']:.3f} / {r['speedup_predicted']:.3f}")
+        rows.append(row)
+    head = [(key or "minibatch size").replace("-", " "), *configs]
+    wrong = sum(r["wrong"] for r in doc["rows"])
+    a = doc["args"]
+    fixed = [f"{a['world']} ranks" if key != "world" else None,
+             f"minibatch size {a['minibatch_size']}" if key != "minibatch-size" else None]
+    return (f"Emulated compute; {', '.join(x for x in fixed if x)}, {a['minibatches']} minibatches, "
+            f"{a['layers']} layers of {_size(a['layer_bytes'])}; speedup against `collective+lb-micro`, "
+            f"measured / predicted (#wrong {wrong}):\n\n" + table(head, rows))
+
+
+def bench_imbalance_bubbles(doc: dict[str, Any]) -> str:
+    """odc-bench imbalance with noise, a straggler or stealing: bubbles measured against the policy's bound."""
+    rows = []
+    for r in doc["rows"]:
+        bound = _pct(r["steal_bound"]) if r.get("steal_bound") is not None else ""
+        stolen = _f(r.get("stolen_per_minibatch"), 1) if "+steal" in r["config"] else ""
+        rows.append([r["config"], _pct(r["bubble_measured"]), _pct(r["bubble_predicted"]), bound, stolen,
+                     f"{r['speedup_measured']:.3f}×"])
+    a = doc["args"]
+    strays = [f"noise σ {a['noise']}" if a.get("noise") else "",
+              _straggler(a["straggler"]) if a.get("straggler") else ""]
+    what = ", ".join(s for s in strays if s) or "the cost model exactly"
+    head = ["configuration", "bubble measured", "bubble predicted", "stealing policy's bound", "stolen / minibatch",
+            "speedup"]
+    return (f"Emulated compute; {a['world']} ranks, minibatch size {a['minibatch_size']}, {a['minibatches']} "
+            f"minibatches; compute: {what} (#wrong {sum(r['wrong'] for r in doc['rows'])}):\n\n" + table(head, rows))
+
+
+def bench_hybrid(doc: dict[str, Any]) -> str:
+    """scripts/hybrid-bench.py: time per minibatch, cross-node bytes measured against the formula, optimizer state."""
+    rows = doc["rows"]
+    base = rows[0][1]
+    out = []
+    for mode, ms, got, want, state, _params in rows:
+        out.append([f"`{mode}`", f"{ms:.0f}", f"{ms / base:.2f}", f"{got / 2**20:.2f}", f"{want / 2**20:.2f}",
+                    f"{got / want:.2f}" if want else "–", f"{state:,}" if isinstance(state, int) else str(state)])
+    a = doc["args"]
+    head = ["mode", "ms / minibatch", f"vs {rows[0][0]}", "cross-node MiB / minibatch / rank (veth rx)",
+            "payload by formula", "measured / formula", "AdamW state per rank (elements)"]
+    return (f"{a['world']} ranks as {a['netns']} network namespaces, a model of {rows[0][5] / 1e6:.2f} M parameters, "
+            f"{a['micros']} microbatches of {a['seq']} tokens per rank per minibatch, {a['minibatches']} timed "
+            f"minibatches:\n\n" + table(head, out))
+
+
+def _bytes(n: float) -> str:
+    for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= m:
+            return f"{n / m:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def bench_memory(doc: dict[str, Any]) -> str:
+    """odc-bench memory (measured, or --formula): bytes per rank by kind, max over ranks."""
+    rows = [{"label": r["label"], **r["max"]} if "max" in r else r for r in doc["rows"]]  # measured: max over ranks
+    keys = [k for k in ("params", "grads", "optim", "published", "accum", "exact", "cross", "landing", "odc_shm",
+                        "rss_peak", "total") if any(k in r for r in rows)]
+    names = {"params": "params", "grads": "grads", "optim": "optimizer state", "published": "ODC published",
+             "accum": "ODC f32 accumulators", "exact": "ODC exact (deterministic)", "cross": "ODC cross-node sums",
+             "landing": "ODC landing slots", "odc_shm": "ODC shared memory", "rss_peak": "process RSS (peak)",
+             "total": "total"}
+    body = [[r["label"], *[("–" if r.get(k) is None else _bytes(r[k])) for k in keys]] for r in rows]
+    return table(["per rank", *[names[k] for k in keys]], body)
+
+
+def bench_scale(doc: dict[str, Any]) -> str:
+    """scale_perf: one row per world size (scripts/scale-plot.py's table)."""
+    plot = _load(ROOT / "scripts" / "scale-plot.py", "_odc_scale_plot_for_docs")
+    t: str = plot.table(doc)
+    return f"Transport `{doc['transport']}`, sharding `{doc['sharding']}`, nodes of {doc['node_ranks']}:\n\n{t}"
+
+
+BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "primitives": bench_primitives,
+    "perf": bench_perf,
+    "train": bench_train,
+    "train-steal": bench_train_steal,
+    "train-curves": bench_train_curves,
+    "imbalance": bench_imbalance,
+    "imbalance-bubbles": bench_imbalance_bubbles,
+    "hybrid": bench_hybrid,
+    "memory": bench_memory,
+    "scale": bench_scale,
+}
+
+
+def read_json(rel: str, docs: Path = DOCS) -> dict[str, Any]:
+    """A committed benchmark file, relative to docs/."""
+    path = docs / rel
+    if not path.is_file():
+        raise DocsError(f"docs/{rel}: no such file")
+    doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return doc
+
+
+def bench(kind: str, rel: str, page_dir: str, docs: Path = DOCS) -> str:
+    """One benchmark table and its provenance line; links relative to the page's folder."""
+    if kind not in BENCHES:
+        raise DocsError(f"unknown benchmark kind {kind!r} (known: {', '.join(BENCHES)})")
+    doc = read_json(rel, docs)
+    try:
+        body = BENCHES[kind](doc)
+    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, statistics.StatisticsError) as e:
+        raise DocsError(f"docs/{rel}: cannot render as {kind}: {type(e).__name__}: {e}") from None
+    return body + "\n\n" + provenance(doc, rel, os.path.relpath(rel, page_dir or "."))
+
+
+def render(markdown: str, page_path: str, docs: Path = DOCS) -> str:
+    """Every marker of a page replaced by its part; ``page_path`` is the page's path relative to ``docs``."""
+    page_dir = os.path.dirname(page_path)
+
+    def one(m: re.Match[str]) -> str:
+        kind, args = m.group(1), m.group(2).split()
+        if kind == "env" and not args:
+            return env_tables()
+        if kind == "error-tree" and not args:
+            return error_tree()
+        if kind == "exceptions" and args:
+            return exceptions(args)
+        if kind == "quickstart" and len(args) == 1:
+            return quickstart(args[0])
+        if kind == "bench" and len(args) == 2:
+            return bench(args[0], args[1], page_dir, docs)
+        raise DocsError(f"{page_path}: cannot read the marker {m.group(0)!r}")
+
+    return MARKER.sub(one, markdown)
+
+
+# -- mkdocs --------------------------------------------------------------------------------------------------
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
+    """mkdocs' hook: renders the page's markers; an error stops the build, naming the page."""
+    from mkdocs.exceptions import PluginError
+
+    try:
+        return render(markdown, page.file.src_uri, Path(config["docs_dir"]))
+    except DocsError as e:
+        raise PluginError(str(e)) from None
+
+
+# -- the README's measured results ---------------------------------------------------------------------------
+
+
+def _load_avg(doc: dict[str, Any]) -> str:
+    """The 1-minute load average at the end of a run, against the machine's cores."""
+    load, cpus = doc.get("load_average"), doc.get("cpus")
+    if not isinstance(load, list) or not load:
+        return "–"
+    return f"{load[0]:.1f}" + (f" on {cpus} cores" if cpus else "")
+
+
+def readme_results() -> str:
+    """The README's measured-results table: each row a headline figure from a committed JSON, linked to its page."""
+    def rows_of(doc: dict[str, Any], config: str) -> list[dict[str, Any]]:
+        rows = [r for r in doc["rows"] if r["config"] == config]
+        if not rows:
+            raise DocsError(f"no {config} row")
+        return rows
+
+    site = "docs/benchmarks"
+    out: list[list[str]] = []
+    train = read_json("bench/train.json")
+    sp = [r["speedup_measured"] for r in rows_of(train, "odc+lb-mini")]
+    out.append(["real training (FSDP2, 2 CPU ranks, tiny Qwen2): ODC + LB-Mini against FSDP2's gloo collectives "
+                "+ LB-Micro", f"{min(sp):.2f}–{max(sp):.2f}× per minibatch", _load_avg(train),
+                f"[real training]({site}/train.md#odc-bench-train)"])
+    curves_doc = read_json("bench/train-curves.json")
+    curves = curves_doc["curves"]
+    d = curves["max_abs_loss_diff"]["odc+lb-mini"]
+    out.append([f"loss over {len(curves['losses']['odc+lb-mini'])} minibatches, ODC + LB-Mini against the same "
+                "samples over gloo", f"within {d:.1e}", _load_avg(curves_doc),
+                f"[real training]({site}/train.md#convergence)"])
+    peak = read_json("bench/imbalance-8ranks-peak.json")
+    r = max(rows_of(peak, "odc+lb-mini"), key=lambda x: x["speedup_predicted"])
+    out.append([f"emulated compute, {r['world']} ranks, minibatch size {r['minibatch_size']}: ODC + LB-Mini, measured "
+                "/ predicted", f"{r['speedup_measured']:.2f}× / {r['speedup_predicted']:.2f}×", _load_avg(peak),
+                f"[imbalance]({site}/imbalance.md#where-the-prediction-peaks)"])
+    steal = read_json("bench/imbalance-steal-straggler.json")
+    plain, stolen = rows_of(steal, "odc+lb-mini")[0], rows_of(steal, "odc+lb-mini+steal")[0]
+    out.append([f"one rank 1.5× slower, {stolen['world']} ranks (emulated): bubble without → with work stealing",
+                f"{_pct(plain['bubble_measured'])} → {_pct(stolen['bubble_measured'])}", _load_avg(steal),
+                f"[imbalance]({site}/imbalance.md#work-stealing)"])
+    prim = read_json("bench/primitives.json")
+    for op, what in (("all_gather_in_place", "gather in place (FSDP's case)"),
+                     ("reduce_scatter", "scatter-accumulate")):
+        big = max((x for x in prim["rows"] if x["op"] == op), key=lambda x: x["size"])
+        out.append([f"{what} against gloo, {_size(big['size'])}, {big['world']} ranks on one host",
+                    f"{big['busbw_ratio']:.1f}× busbw", _load_avg(prim), f"[collectives vs ODC]({site}/primitives.md)"])
+    hyb = read_json("bench/hybrid.json")
+    modes = {m[0]: m for m in hyb["rows"]}
+    if "odc-hybrid-zero" in modes and "odc-full" in modes:
+        hz, full = modes["odc-hybrid-zero"], modes["odc-full"]
+        out.append(["cross-node bytes per rank, `hybrid-zero` against `full` sharding, 2 network namespaces",
+                    f"{hz[2] / full[2]:.2f}× (measured on the veth)", _load_avg(hyb), f"[hybrid]({site}/hybrid.md)"])
+    scale = read_json("scale/shm-full.json")
+    top = max(scale["points"], key=lambda p: p["ranks"])
+    out.append([f"{top['ranks']} processes on one host: a killed rank named by every survivor",
+                f"in {top['detect_s']:.2f} s", "–", f"[number of ranks]({site}/scale.md)"])
+    return table(["what", "measured", "load average", "details"], out)
+
+
+def _readme_block() -> tuple[str, str, str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    begin, end = "<!-- results:begin -->\n", "<!-- results:end -->"
+    if begin not in text or end not in text:
+        raise DocsError("README.md has no <!-- results:begin --> ... <!-- results:end --> block")
+    head, rest = text.split(begin, 1)
+    block, tail = rest.split(end, 1)
+    return head + begin, block, end + tail
+
+
+def main(argv: list[str]) -> int:
+    """``--readme``: print the README's results table; ``--check-readme``: fail when the README's differs."""
+    if argv == ["--readme"]:
+        print(readme_results())
+        return 0
+    if argv == ["--check-readme"]:
+        _, block, _ = _readme_block()
+        want = readme_results() + "\n"
+        if block != want:
+            print("docs: README.md's measured results differ from the committed JSON; regenerate the block with\n"
+                  "    python3 scripts/docs_hooks.py --write-readme\n"
+                  f"expected:\n{want}", file=sys.stderr)
+            return 1
+        text = (ROOT / "README.md").read_text(encoding="utf-8")
+        dead = [t for t in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text) if not (ROOT / t).exists()]
+        if dead:
+            print(f"docs: README.md links to files that do not exist: {', '.join(dead)}", file=sys.stderr)
+            return 1
+        print("docs: README.md's measured results match the committed JSON, and its links reach files")
+        return 0
+    if argv == ["--write-readme"]:
+        head, _, tail = _readme_block()
+        (ROOT / "README.md").write_text(head + readme_results() + "\n" + tail, encoding="utf-8")
+        return 0
+    print("usage: scripts/docs_hooks.py --readme | --check-readme | --write-readme", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
