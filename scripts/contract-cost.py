@@ -51,6 +51,15 @@ class StepHookOnly:
     def ensure_hooked(self, *a, **k): pass
     def stepped_twice(self): return False
 
+    def finish(self, reason, install=True):
+        s = self.real.state  # the contract's finish with this install
+        if not s.open:
+            return
+        s.end(reason, check=install)
+        if install:
+            self.install([s.engine.grad_shard(g.name) for g in s.groups])
+        s.clear()
+
     def install(self, accums):
         for rec in self.real.params:
             src = accums[rec.group][rec.offset : rec.offset + rec.numel].view(rec.fp.sharded_size)
