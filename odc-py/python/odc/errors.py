@@ -13,6 +13,7 @@ __all__ = [
     "FabricError",
     "GpuUnavailable",
     "LayoutError",
+    "MalformedError",
     "NvshmemError",
     "OdcError",
     "OdcOSError",
@@ -46,6 +47,13 @@ class RegistrationError(OdcError):
 
 class ProtocolError(OdcError):
     """Calls in an order the protocol forbids: publish before register, versions that do not increase."""
+
+
+class MalformedError(ProtocolError):
+    """A peer wrote a landing-slot header, control word or descriptor that does not fit the registered layout.
+
+    It was refused, never applied; the message names the peer, what it wrote and the field.
+    """
 
 
 class ConfigError(OdcError, ValueError):
