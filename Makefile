@@ -7,6 +7,7 @@
 #                       (runs both setups first; the Rust builds run beside the Python tests), and the time of
 #                       each stage
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
+#   make fuzz           every fuzz target (fuzz/, docs/fuzzing.md) for FUZZ_SECONDS (25) each; fails on any crash
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
@@ -27,10 +28,10 @@ export CARGO_TERM_COLOR ?= never
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
 .PHONY: help setup setup-torch211 demo test lint lint-rust lint-python fmt cargo-test loom rust-builds pytest \
-	pytest-torch211 gpu-bundle gpu-rehearse rehearse bench clean
+	pytest-torch211 gpu-bundle gpu-rehearse rehearse fuzz bench clean
 
 help:
-	@echo "make setup | demo | test | lint | bench | gpu-bundle | clean"
+	@echo "make setup | demo | test | lint | bench | gpu-bundle | fuzz | clean"
 
 setup:
 	@scripts/setup.sh
@@ -113,6 +114,13 @@ gpu-rehearse: gpu-bundle setup-torch211
 rehearse:
 	@scripts/gpu-rehearse.sh .gpu-bundle
 
+# The fuzz targets, coverage-guided on stable Rust (scripts/fuzz.sh: libFuzzer through libfuzzer-sys, rustc's
+# SanitizerCoverage pass, debug assertions and overflow checks on; the C++ compiler comes with make setup's
+# build-essential): builds them, runs each for FUZZ_SECONDS, fails on any crash, hang or out-of-memory.
+FUZZ_SECONDS ?= 25
+fuzz:
+	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS)
+
 # The stages, each timed (scripts/stages.sh prints the times at the end, also after a failure). The two pytest
 # legs run at once (+pytest-torch211 beside pytest, as equals: each alone left about 40 % of the two cores idle,
 # its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds) and the Python
@@ -120,10 +128,12 @@ rehearse:
 # on what the legs leave idle; the stages that need them wait for them (=..., a failure stops the run there).
 # The rehearsal (one Python process at a time) runs at the lowest priority beside the cargo tests, which wait
 # on peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
-# bound how long a failure takes to be seen).
+# bound how long a failure takes to be seen). The fuzz targets (&fuzz: their instrumented build, about 150
+# core-seconds from a clean clone, then 7 x FUZZ_SECONDS of one core) take what is left beside all of them, at
+# the lowest priority, and are waited for last.
 test:
-	@scripts/stages.sh setup '&rust-builds' '&lint-python' setup-torch211 '+pytest-torch211' pytest \
-	    '=pytest-torch211' '=lint-python' '=rust-builds' '&rehearse' cargo-test loom '=rehearse'
+	@scripts/stages.sh setup '&rust-builds' '&lint-python' '&fuzz' setup-torch211 '+pytest-torch211' pytest \
+	    '=pytest-torch211' '=lint-python' '=rust-builds' '&rehearse' cargo-test loom '=rehearse' '=fuzz'
 
 fmt:
 	$(CARGO) fmt --all

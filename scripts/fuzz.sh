@@ -14,13 +14,17 @@
 #   TARGET...     only these (default: every target, in TARGETS order)
 #
 # Corpora grow in target/fuzz-corpus/TARGET (seeded from fuzz/corpus/TARGET, which stays as committed); a
-# failing input lands in target/fuzz-artifacts/TARGET/ — replay it with `TARGET_BINARY FILE`, or commit it to
-# fuzz/regressions/TARGET/ so that `cargo test -p odc-fuzz` replays it.
+# failing input lands in target/fuzz-artifacts/TARGET/ — replay it with
+# `target/fuzz-build/<host triple>/fuzz/TARGET FILE`, or commit it to fuzz/regressions/TARGET/ so that
+# `cargo test -p odc-fuzz` replays it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARGO=${CARGO:-cargo}
 TARGETS=(slot_header control_words claims fabric_imm store_values gpu_descriptors pack_input)
 seconds=25 jobs=1 timeout=10 record="" build=1 chosen=()
+invocation="scripts/fuzz.sh $*"
+niceness=$(nice)
+[ "$niceness" = 0 ] || invocation="nice -n $niceness $invocation"
 while [ $# -gt 0 ]; do
     case "$1" in
         --seconds) seconds=$2; shift 2 ;;
@@ -36,12 +40,15 @@ done
 [ ${#chosen[@]} -gt 0 ] && TARGETS=("${chosen[@]}")
 
 host=$(rustc -vV | sed -n 's/^host: //p')
+# A target folder of its own: beside make test's other cargo builds (make test runs this in a lane of its own)
+# a shared one would make each wait for the other's lock.
+export CARGO_TARGET_DIR=${ODC_FUZZ_TARGET_DIR:-target/fuzz-build}
 # With --target, RUSTFLAGS reach only the code built for the target (the fuzz targets and everything they link),
 # not build scripts and proc macros.
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares"
-bins=target/$host/fuzz
+bins=$CARGO_TARGET_DIR/$host/fuzz
 if [ $build = 1 ]; then
     started=$(date +%s)
     "$CARGO" build --locked --profile fuzz --target "$host" -p odc-fuzz --features libfuzzer --bins
@@ -63,12 +70,13 @@ run_one() {  # target: runs it, writes its figures into $out/target.json
     began=$(date +%s)
     ODC_FUZZ_SCRATCH=$scratch "${cmd[@]}" >"$log" 2>&1 || rc=$?
     local took=$(( $(date +%s) - began ))
-    local execs
-    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
-    local crashes
+    stat() { sed -n "s/^stat::$1: *//p" "$log" | tail -1; }
+    local execs slowest rss crashes
+    execs=$(stat number_of_executed_units) slowest=$(stat slowest_unit_time_sec) rss=$(stat peak_rss_mb)
     crashes=$(find "$artifacts" -type f | wc -l)
-    printf '{"target": "%s", "seconds": %d, "executions": %s, "corpus_size": %d, "crashes": %d, "exit": %d}\n' \
-        "$t" "$took" "${execs:-0}" "$(find "$corpus" -type f | wc -l)" "$crashes" "$rc" >"$out/$t.json"
+    printf '{"target": "%s", "seconds": %d, "executions": %s, "corpus_size": %d, "crashes": %d, "exit": %d, %s}\n' \
+        "$t" "$took" "${execs:-0}" "$(find "$corpus" -type f | wc -l)" "$crashes" "$rc" \
+        "\"slowest_input_s\": ${slowest:-0}, \"peak_rss_mb\": ${rss:-0}" >"$out/$t.json"
     rm -rf "$scratch"
     if [ "$rc" != 0 ] || [ "$crashes" != 0 ]; then
         echo "fuzz: $t FAILED (exit $rc, $crashes inputs in $artifacts); the end of $log:" >&2
@@ -91,13 +99,13 @@ done
 for p in "${pids[@]}"; do wait "$p" || status=1; done
 
 # The figures, one line per target (and into --record).
-python3 - "$out" "$seconds" "$record" "$commit" "${TARGETS[@]}" <<'PY'
+python3 - "$out" "$seconds" "$record" "$commit" "$invocation" "${TARGETS[@]}" <<'PY'
 import datetime, json, sys
-out, seconds, record, commit, targets = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
+out, seconds, record, commit, invocation, targets = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]
 rows = [json.load(open(f"{out}/{t}.json")) for t in targets]
 for r in rows:
     print(f"fuzz: {r['target']:<16} {r['seconds']:>5} s {r['executions']:>11} executions  corpus {r['corpus_size']:>5}  "
-          f"crashes {r['crashes']}")
+          f"crashes {r['crashes']}  slowest input {r['slowest_input_s']} s  peak {r['peak_rss_mb']} MB")
 if record:
     try:
         doc = json.load(open(record))
@@ -109,14 +117,14 @@ if record:
         old[r["target"]] = {
             "target": r["target"], "seconds": r["seconds"], "executions": r["executions"],
             "corpus_size": r["corpus_size"], "crashes": r["crashes"],
-            "commit": commit, "date": date,
-            "command": f"nice -n 15 scripts/fuzz.sh --seconds {seconds} {r['target']}",
+            "slowest_input_s": r["slowest_input_s"], "peak_rss_mb": r["peak_rss_mb"],
+            "commit": commit, "date": date, "command": invocation,
         }
     order = {t: i for i, t in enumerate(["slot_header", "control_words", "claims", "fabric_imm", "store_values", "gpu_descriptors", "pack_input"])}
     doc["campaigns"] = sorted(old.values(), key=lambda c: order.get(c["target"], 99))
     with open(record, "w") as f:
         json.dump(doc, f, indent=2)
         f.write("\n")
-    print(f"fuzz: figures written to {record}")
+    print(f"fuzz: figures written to {record} (scripts/fuzz-table.py renders them into docs/fuzzing.md)")
 PY
 exit $status
