@@ -73,6 +73,7 @@ lint-python:
 	@test -x $(VENV)/bin/ruff && test -x $(VENV)/bin/mypy || \
 	    { echo "make lint: $(VENV)/bin/ruff or $(VENV)/bin/mypy is missing; run make setup first" >&2; exit 1; }
 	python3 scripts/module-graph.py
+	python3 scripts/fuzz-table.py --check
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
 	cd odc-py && $(abspath $(VENV))/bin/mypy python
 
