@@ -11,6 +11,7 @@
 #   --jobs J      targets run at once (default 1)
 #   --record FILE writes each run's figures into FILE (fuzz/campaigns.json: target, seconds, executions, corpus
 #                 size, crashes, commit, date, command)
+#   --no-build    runs the binaries built last time
 #   TARGET...     only these (default: every target, in TARGETS order)
 #
 # Corpora grow in target/fuzz-corpus/TARGET (seeded from fuzz/corpus/TARGET, which stays as committed); a
@@ -32,7 +33,7 @@ while [ $# -gt 0 ]; do
         --timeout) timeout=$2; shift 2 ;;
         --record) record=$2; shift 2 ;;
         --no-build) build=0; shift ;;
-        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -e/p' "$0" | sed '$d'; exit 0 ;;
         -*) echo "scripts/fuzz.sh: unknown option $1" >&2; exit 2 ;;
         *) chosen+=("$1"); shift ;;
     esac
