@@ -12,6 +12,7 @@
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
 #   make wheel          dist/fsdp_odc-*-cp310-abi3-manylinux_2_28_x86_64.whl, the wheel users install, checked
 #   make wheel-test     the wheel in fresh venvs holding only torch (2.11.0, 2.15.0): the README's quickstart as written
+#   make fuzz           every fuzz target (fuzz/, docs/fuzzing.md) for FUZZ_SECONDS (25) each; fails on any crash
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
@@ -32,10 +33,10 @@ export CARGO_TERM_COLOR ?= never
 FEATURES := --features odc-core/fabric,odc-tests/fabric,odc-benches/fabric
 
 .PHONY: help setup setup-torch211 demo test lint lint-rust lint-python docs fmt cargo-test loom rust-builds pytest \
-	pytest-torch211 gpu-bundle gpu-rehearse rehearse wheel wheel-test wheel-quickstart bench clean
+	pytest-torch211 gpu-bundle gpu-rehearse rehearse wheel wheel-test wheel-quickstart fuzz bench clean
 
 help:
-	@echo "make setup | demo | test | lint | docs | bench | wheel | wheel-test | gpu-bundle | clean"
+	@echo "make setup | demo | test | lint | docs | bench | wheel | wheel-test | gpu-bundle | fuzz | clean"
 
 setup:
 	@scripts/setup.sh
@@ -79,6 +80,7 @@ lint-python:
 	python3 scripts/module-graph.py
 	python3 scripts/env-check.py
 	$(PY) scripts/docstring-check.py
+	python3 scripts/fuzz-table.py --check
 	cd odc-py && $(abspath $(VENV))/bin/ruff check python tests ../examples ../scripts
 	cd odc-py && $(abspath $(VENV))/bin/mypy python
 
@@ -136,6 +138,13 @@ gpu-rehearse: gpu-bundle setup-torch211
 rehearse:
 	@scripts/gpu-rehearse.sh .gpu-bundle
 
+# The fuzz targets, coverage-guided on stable Rust (scripts/fuzz.sh: libFuzzer through libfuzzer-sys, rustc's
+# SanitizerCoverage pass, debug assertions and overflow checks on; the C++ compiler comes with make setup's
+# build-essential): builds them, runs each for FUZZ_SECONDS, fails on any crash, hang or out-of-memory.
+FUZZ_SECONDS ?= 25
+fuzz:
+	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS)
+
 # The wheel users install (scripts/wheel.sh: abi3, manylinux_2_28 by linking with zig, auditwheel's check), and
 # the test of it as a user meets it (scripts/wheel-test.py: fresh venvs with only torch 2.11.0 or 2.15.0 and the
 # wheel, no Rust toolchain on PATH, the README's quickstart blocks run as written).
@@ -153,16 +162,17 @@ wheel-quickstart:
 # legs run at once (+pytest-torch211 beside pytest, as equals: each alone left about 40 % of the two cores idle,
 # its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds), the Python
 # linters (&lint-python: mypy is one core for a minute from a cold cache) and the docs (&docs: mkdocs, cargo doc,
-# a headless browser) run beside them at the lowest priority on what the legs leave idle; the stages that need
-# them wait for them (=..., a failure stops the run there).
+# a headless browser) and the fuzz targets (&fuzz: their instrumented build, about 150 core-seconds from a clean
+# clone, then 7 x FUZZ_SECONDS of one core) run beside them at the lowest priority on what the legs leave idle;
+# the stages that need them wait for them (=..., a failure stops the run there; the fuzz targets last).
 # The rehearsal (one Python process at a time) and the wheel's fresh-venv test (needs the wheel rust-builds
 # made; one torchrun of 2 ranks at a time) run at the lowest priority beside the cargo tests, which wait on
 # peers, sockets and timeouts more than they compute; nothing runs beside them at their own priority (some
 # bound how long a failure takes to be seen).
 test:
-	@scripts/stages.sh setup '&rust-builds' '&lint-python' '&docs' setup-torch211 '+pytest-torch211' pytest \
-	    '=pytest-torch211' '=lint-python' '=docs' '=rust-builds' '&rehearse' '&wheel-quickstart' cargo-test loom \
-	    '=rehearse' '=wheel-quickstart'
+	@scripts/stages.sh setup '&rust-builds' '&lint-python' '&docs' '&fuzz' setup-torch211 '+pytest-torch211' \
+	    pytest '=pytest-torch211' '=lint-python' '=docs' '=rust-builds' '&rehearse' '&wheel-quickstart' cargo-test \
+	    loom '=rehearse' '=wheel-quickstart' '=fuzz'
 
 fmt:
 	$(CARGO) fmt --all

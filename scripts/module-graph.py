@@ -25,7 +25,7 @@ LAYERS = [
     {"transport", "plane", "gpu"},
     {"engine"},
     {"client", "server"},
-    {"api"},
+    {"api", "fuzzing"},
 ]
 FORBIDDEN = {("client", "server"), ("server", "client")}
 SKIP = {"lib", "engine_tests", "loom_model"}  # the crate root and test-only modules

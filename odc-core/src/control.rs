@@ -41,6 +41,7 @@
 
 use odc_kernels::DType;
 
+use crate::layout::BucketLayout;
 use crate::{Error, Result};
 
 /// Bytes of slot header on the wire.
@@ -322,6 +323,107 @@ impl SlotHeader {
             minibatch: u64_at(40),
         })
     }
+}
+
+/// A landing-slot chunk the server accepted: `len` elements of `dtype`
+/// (`bytes` bytes of slot data) to add, times `scale`, into elements
+/// `[offset, offset + len)` of bucket `bucket`'s shard.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Chunk {
+    /// Sequence number (equals the slot's signal).
+    pub seq: u64,
+    /// Bucket index, below the registered bucket count.
+    pub bucket: usize,
+    /// First element, relative to the owner's shard.
+    pub offset: usize,
+    /// Elements; `offset + len` is at most the shard's length.
+    pub len: usize,
+    /// Bytes of slot data the chunk covers, at most the slot's capacity.
+    pub bytes: usize,
+    /// Element type of the data.
+    pub dtype: DType,
+    /// Factor applied while accumulating.
+    pub scale: f32,
+}
+
+/// What the owner's daemon may do with the header `raw` that client rank
+/// `peer` wrote in front of a landing slot's data, the slot's signal
+/// reading `seq`: the chunk to add if the header fits the registered
+/// layout (`buckets`, slots of `chunk_bytes`), else an
+/// [`Error::Malformed`] naming the peer and the first field that does not:
+/// `dtype` (an unknown code), `seq` (not the signal's), `bucket` (not
+/// registered), `offset` / `len` (the range leaves the shard) or `len`
+/// (more bytes than a slot holds).
+pub fn check_header(
+    raw: &[u8; HEADER_BYTES],
+    seq: u64,
+    peer: usize,
+    buckets: &[BucketLayout],
+    chunk_bytes: usize,
+) -> Result<Chunk> {
+    const WHAT: &str = "landing-slot header";
+    let bad = |field, detail: String| Error::malformed(peer, WHAT, field, detail);
+    let h = SlotHeader::decode(raw)
+        .ok_or_else(|| bad("dtype", format!("code {} is no element type", raw[12])))?;
+    if h.seq != seq {
+        return Err(bad(
+            "seq",
+            format!("{} differs from the slot's signal ({seq})", h.seq),
+        ));
+    }
+    let bucket = usize::try_from(h.bucket)
+        .ok()
+        .and_then(|b| Some((b, buckets.get(b)?)));
+    let Some((b, layout)) = bucket else {
+        return Err(bad(
+            "bucket",
+            format!("{} is not registered ({} buckets)", h.bucket, buckets.len()),
+        ));
+    };
+    let shard = layout.shard_len();
+    let offset = usize::try_from(h.offset).ok().filter(|&o| o <= shard);
+    let Some(offset) = offset else {
+        return Err(bad(
+            "offset",
+            format!(
+                "{} lies outside the shard of bucket {:?} ({shard} elements)",
+                h.offset,
+                layout.name()
+            ),
+        ));
+    };
+    let len = usize::try_from(h.len).ok().filter(|&l| l <= shard - offset);
+    let Some(len) = len else {
+        return Err(bad(
+            "len",
+            format!(
+                "{} elements at {offset} leave the shard of bucket {:?} ({shard} elements)",
+                h.len,
+                layout.name()
+            ),
+        ));
+    };
+    let bytes = len
+        .checked_mul(h.dtype.size_bytes())
+        .filter(|&n| n <= chunk_bytes);
+    let Some(bytes) = bytes else {
+        return Err(bad(
+            "len",
+            format!(
+                "{len} elements of {} exceed a landing slot ({chunk_bytes} bytes)",
+                h.dtype.name()
+            ),
+        ));
+    };
+    Ok(Chunk {
+        seq,
+        bucket: b,
+        offset,
+        len,
+        bytes,
+        dtype: h.dtype,
+        scale: h.scale,
+    })
 }
 
 #[cfg(test)]

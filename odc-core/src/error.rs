@@ -2,7 +2,7 @@
 //!
 //! Variants are few on purpose: the Python layer maps each one to an
 //! exception class (`PeerTimeout`, `PeerDied`, `RegistrationError`,
-//! `LayoutError`, `ProtocolError`, `ConfigError`, `TransportError`,
+//! `LayoutError`, `ProtocolError`, `MalformedError`, `ConfigError`, `TransportError`,
 //! `ShmSpaceError`,
 //! `StoreError`, `OSError`). Every variant carries enough context (peer rank,
 //! bucket, what was awaited) for a user to act on it without a debugger.
@@ -82,6 +82,21 @@ pub enum Error {
         /// The bucket involved, if any.
         bucket: Option<String>,
         /// What happened.
+        detail: String,
+    },
+
+    /// A peer wrote something this rank cannot accept: a landing-slot
+    /// header, a control word or a descriptor whose field does not fit the
+    /// registered layout. It is refused, never applied.
+    #[error("rank {peer} wrote a malformed {what}: {field} {detail}")]
+    Malformed {
+        /// The rank that wrote it (a landing slot's client, a descriptor's owner).
+        peer: usize,
+        /// What it wrote (`"landing-slot header"`, `"IPC handle"`, ...).
+        what: &'static str,
+        /// The offending field (`"bucket"`, `"offset"`, `"len"`, ...).
+        field: &'static str,
+        /// Its value and what was expected.
         detail: String,
     },
 
@@ -195,6 +210,20 @@ impl Error {
     pub(crate) fn protocol(bucket: Option<&str>, detail: impl Into<String>) -> Error {
         Error::Protocol {
             bucket: bucket.map(str::to_owned),
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn malformed(
+        peer: usize,
+        what: &'static str,
+        field: &'static str,
+        detail: impl Into<String>,
+    ) -> Error {
+        Error::Malformed {
+            peer,
+            what,
+            field,
             detail: detail.into(),
         }
     }

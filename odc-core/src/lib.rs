@@ -160,6 +160,10 @@ mod engine;
 #[cfg(not(loom))]
 mod server;
 
+#[cfg(all(feature = "fuzzing", not(loom)))]
+#[doc(hidden)]
+pub mod fuzzing;
+
 #[cfg(all(test, not(loom)))]
 mod engine_tests;
 #[cfg(all(test, loom))]

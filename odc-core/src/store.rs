@@ -208,14 +208,7 @@ impl Store for FileStore {
             return Err(Self::err("add", key, std::io::Error::last_os_error()));
         }
         let result = (|| {
-            let current = match self.get(key)? {
-                Some(v) => std::str::from_utf8(&v)
-                    .ok()
-                    .and_then(|s| s.trim().parse::<i64>().ok())
-                    .ok_or_else(|| Self::err("add", key, "value is not an integer"))?,
-                None => 0,
-            };
-            let new = current + delta;
+            let new = added(key, self.get(key)?.as_deref(), delta)?;
             self.write_atomic(key, new.to_string().as_bytes())?;
             Ok(new)
         })();
@@ -223,6 +216,28 @@ impl Store for FileStore {
         unsafe { libc::flock(fd, libc::LOCK_UN) };
         result
     }
+}
+
+/// What [`Store::add`] of `delta` stores over `current`, the value of
+/// `key` (`None`: unset, counts as 0): a decimal integer, surrounding
+/// blanks allowed. A value that is no integer, or a sum beyond `i64`, is an
+/// [`Error::Store`] naming the key; the value is left as it was.
+pub fn added(key: &str, current: Option<&[u8]>, delta: i64) -> Result<i64> {
+    let err = |detail: &str| Error::Store {
+        op: "add",
+        key: key.to_owned(),
+        detail: detail.to_owned(),
+    };
+    let current = match current {
+        Some(v) => std::str::from_utf8(v)
+            .ok()
+            .and_then(|s| s.trim().parse::<i64>().ok())
+            .ok_or_else(|| err("value is not an integer"))?,
+        None => 0,
+    };
+    current
+        .checked_add(delta)
+        .ok_or_else(|| err(&format!("{current} + {delta} overflows a 64-bit integer")))
 }
 
 #[cfg(test)]
@@ -242,6 +257,26 @@ mod tests {
         assert!(matches!(err, Err(Error::Store { op: "wait", .. })));
         assert_eq!(s.add("n", 2).unwrap(), 2);
         assert_eq!(s.add("n", -5).unwrap(), -3);
+    }
+
+    #[test]
+    fn add_refuses_a_sum_beyond_64_bits_and_a_value_that_is_no_integer() {
+        // `current + delta` overflowed (a panic in debug builds) on a
+        // counter near i64::MAX.
+        let max = i64::MAX.to_string();
+        let e = added("n", Some(max.as_bytes()), 1).unwrap_err();
+        assert!(
+            matches!(&e, Error::Store { op: "add", key, .. } if key == "n"),
+            "{e}"
+        );
+        assert!(added("n", Some(b"12abc"), 1).is_err());
+        assert_eq!(added("n", Some(b" 41\n"), 1).unwrap(), 42);
+        assert_eq!(added("n", None, -3).unwrap(), -3);
+        let dir = tempfile::tempdir().unwrap();
+        let s = FileStore::new(dir.path()).unwrap();
+        s.set("n", max.as_bytes()).unwrap();
+        assert!(s.add("n", 1).is_err());
+        assert_eq!(s.get("n").unwrap().as_deref(), Some(max.as_bytes()));
     }
 
     #[test]

@@ -31,6 +31,7 @@ fn class_name(e: &odc_core::Error) -> &'static str {
         E::Registration { .. } => "RegistrationError",
         E::Layout { .. } => "LayoutError",
         E::Protocol { .. } => "ProtocolError",
+        E::Malformed { .. } => "MalformedError",
         E::Config(_) => "ConfigError",
         E::Transport { .. } => "TransportError",
         E::Store { .. } => "StoreError",
@@ -102,6 +103,15 @@ fn examples() -> Vec<(&'static str, odc_core::Error)> {
             E::Protocol {
                 bucket,
                 detail: "example".into(),
+            },
+        ),
+        (
+            "Malformed",
+            E::Malformed {
+                peer: 1,
+                what: "landing-slot header",
+                field: "bucket",
+                detail: "9 is not registered (3 buckets)".into(),
             },
         ),
         ("Config", E::Config("example".into())),

@@ -120,7 +120,7 @@ def broken_loops_worker(rank, world, store):
     # 6. A pending gradient prints what it is, without finishing anything.
     model, opt = _enabled(world)
     found["repr"] = repr(next(model.parameters()).grad)
-    found["repr_open"] = model._odc_fsdp.open
+    found["repr_open"] = model._odc_fsdp.state.open
     opt.zero_grad()
     odc.fsdp.disable(model)
     return found

@@ -277,7 +277,7 @@ def missing_names_worker(rank, world, store):
     a model left enabled, a binding left alive, a comm left installed).
     """
 
-    from odc.fsdp import _private, _state
+    from odc.fsdp import _binding, _private
 
     init_pg(rank, world, store)
     model = build(world)
@@ -291,7 +291,7 @@ def missing_names_worker(rank, world, store):
     for owner, objs in holders.items():
         for name in _private.names_of(owner):
             out[f"{owner}.{name}"] = enable_without(model, objs[-1], name)
-            left = [odc.fsdp.is_enabled(model) and "enabled", len(_state._live) and "a live binding",
+            left = [odc.fsdp.is_enabled(model) and "enabled", len(_binding._live) and "a live binding",
                     [(pg._all_gather_comm, pg._reduce_scatter_comm) for pg in groups] != comms and "comms"]
             if any(left):
                 out[f"{owner}.{name}"] += f" | left behind: {[x for x in left if x]}"
@@ -688,7 +688,7 @@ def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_cli
         info["state"] = {name: [opt.state[p]["exp_avg"].to_local().numel(), p.to_local().numel(), p.shape[0],
                                 p.numel()]
                          for name, p in model.named_parameters()}
-        info["regathers"] = model._odc_fsdp.regathers
+        info["regathers"] = model._odc_fsdp.state.regathers
         odc.fsdp.disable(model)
         info["params"] = full_params(model)
         out[label] = info

@@ -220,6 +220,7 @@ CORE_ERROR_CLASSES = {
     "Registration": (odc.RegistrationError, odc.OdcError),
     "Layout": (odc.LayoutError, odc.OdcError),
     "Protocol": (odc.ProtocolError, odc.OdcError),
+    "Malformed": (odc.MalformedError, odc.ProtocolError),
     "Config": (odc.ConfigError, odc.OdcError),
     "Transport": (odc.TransportError, odc.OdcError),
     "Store": (odc.StoreError, odc.OdcError),
@@ -248,6 +249,7 @@ def test_error_hierarchy():
     assert raised["PeerDied"].peer == 1 and "rank 1" in str(raised["PeerDied"])
     assert "fi_getinfo" in str(raised["Fabric"]) and "nvshmemx_init_attr" in str(raised["Nvshmem"])
     assert "cuMemCreate" in str(raised["Cuda"])
+    assert "rank 1" in str(raised["Malformed"]) and "bucket" in str(raised["Malformed"])
     with pytest.raises(odc.LayoutError):
         odc.Bucket("x", 0, torch.float32).spec()
     with pytest.raises(odc.LayoutError, match="int64"):

@@ -21,7 +21,7 @@ use clap::{ArgGroup, Parser};
 use crate::cost::CostModel;
 use crate::error::{Error, Result};
 use crate::fit::{fit_quadratic, parse_timings, CostFit};
-use crate::input::{parse_lengths, synthetic};
+use crate::input::{parse_lengths, synthetic, total_tokens};
 use crate::kk::{karmarkar_karp, lower_bound, max_part_sum, part_sum};
 use crate::planner::{compare, plan, Plan, PlanConfig};
 
@@ -160,7 +160,20 @@ fn read_lengths(args: &Args) -> Result<Vec<u64>> {
     if let Some(spec) = &args.synthetic {
         return synthetic(spec);
     }
-    parse_lengths(&read_text(args.lengths.as_deref())?)
+    let path = args.lengths.as_deref();
+    parse_lengths(&read_text(path)?).map_err(|e| in_file(path, e))
+}
+
+/// `e`, a refusal of what `path` (none or `-`: stdin) holds, naming it.
+fn in_file(path: Option<&std::path::Path>, e: Error) -> Error {
+    let path = match path {
+        Some(p) if p.as_os_str() != "-" => p.display().to_string(),
+        _ => "stdin".to_owned(),
+    };
+    Error::InFile {
+        path,
+        source: Box::new(e),
+    }
 }
 
 /// The text of `path` (`-` or none: stdin).
@@ -183,7 +196,11 @@ fn read_text(path: Option<&std::path::Path>) -> Result<String> {
 
 fn execute(args: &Args) -> Result<String> {
     let fit = match &args.fit_cost {
-        Some(path) => Some(fit_quadratic(&parse_timings(&read_text(Some(path))?)?)?),
+        Some(path) => {
+            let timings =
+                parse_timings(&read_text(Some(path))?).map_err(|e| in_file(Some(path), e))?;
+            Some(fit_quadratic(&timings).map_err(|e| in_file(Some(path), e))?)
+        }
         None => None,
     };
     let cost: CostModel = match &fit {
@@ -250,6 +267,8 @@ fn partition(lengths: &[u64], k: usize, args: &Args, cfg: &PlanConfig) -> Result
             at: crate::error::Location::Index(index),
         });
     }
+    // Every part's token count is at most the total.
+    total_tokens(lengths)?;
     let weights: Vec<f64> = lengths.iter().map(|&s| cfg.cost.cost(s)).collect();
     let parts = karmarkar_karp(&weights, k, args.equal_size)?;
     let costs: Vec<f64> = parts.iter().map(|p| part_sum(&weights, p)).collect();

@@ -75,6 +75,18 @@ pub enum Error {
         source: serde_json::Error,
     },
 
+    /// The lengths add up to more tokens than 2^64 − 1: no sum of them
+    /// (a microbatch's, a part's, the whole input's) may overflow.
+    #[error(
+        "the sequence lengths add up to more than 2^64 - 1 tokens by sample {index} (of {count})"
+    )]
+    TotalTooLarge {
+        /// Index of the sample whose length makes the sum overflow.
+        index: usize,
+        /// Number of samples.
+        count: usize,
+    },
+
     /// A single sample holds more tokens than a microbatch may.
     #[error("sample {index} has {length} tokens, more than max_tokens = {max_tokens}")]
     SampleTooLong {
@@ -217,6 +229,17 @@ pub enum Error {
     TooFewTimings {
         /// Distinct lengths timed.
         distinct: usize,
+    },
+
+    /// A value in a file was refused: which file, and (in `source`) which
+    /// value and why.
+    #[error("{path}: {source}")]
+    InFile {
+        /// The path as given (`stdin` for `-`).
+        path: String,
+        /// What is wrong with the contents.
+        #[source]
+        source: Box<Error>,
     },
 
     /// A file could not be read.

@@ -53,6 +53,30 @@ pub fn parse_lengths(text: &str) -> Result<Vec<u64>> {
     Ok(lengths)
 }
 
+/// The tokens of all `lengths` together: every sum the planner and the
+/// command make of some of them is at most this.
+///
+/// ```
+/// assert_eq!(odc_packing::input::total_tokens(&[3, 5])?, 8);
+/// assert!(odc_packing::input::total_tokens(&[u64::MAX, 1]).is_err());
+/// # Ok::<(), odc_packing::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::TotalTooLarge`] naming the sample at which the sum passes
+/// 2^64 − 1.
+pub fn total_tokens(lengths: &[u64]) -> Result<u64> {
+    let mut total = 0u64;
+    for (index, &s) in lengths.iter().enumerate() {
+        total = total.checked_add(s).ok_or(Error::TotalTooLarge {
+            index,
+            count: lengths.len(),
+        })?;
+    }
+    Ok(total)
+}
+
 fn one_length(value: &str, at: Location) -> Result<u64> {
     match value.parse::<u64>() {
         Ok(0) => Err(Error::ZeroLength { at }),
@@ -220,6 +244,19 @@ mod tests {
             parse_lengths("[1,"),
             Err(Error::InvalidJson { .. })
         ));
+    }
+
+    #[test]
+    fn lengths_whose_sum_overflows_are_refused() {
+        // Two lengths of 2^63 overflowed the token sums of `odc-pack
+        // --partition` and of the planner (found by the pack_input fuzz
+        // target): a panic in debug builds, a wrong sum in release.
+        let e = total_tokens(&[1, 1 << 63, 1 << 63]).unwrap_err();
+        assert!(
+            matches!(e, Error::TotalTooLarge { index: 2, count: 3 }),
+            "{e}"
+        );
+        assert_eq!(total_tokens(&[u64::MAX]).unwrap(), u64::MAX);
     }
 
     #[test]

@@ -192,6 +192,7 @@ impl Batching {
                 });
             }
         }
+        crate::input::total_tokens(lengths)?;
         if let Some((index, &value)) = costs
             .iter()
             .enumerate()
@@ -212,8 +213,9 @@ impl Batching {
 ///
 /// [`Error::InvalidConfig`] for a zero world, minibatch size or budget;
 /// [`Error::EmptyLengths`]; [`Error::ZeroLength`]; [`Error::SampleTooLong`]
-/// naming the first sample over `max_tokens`; [`Error::InvalidWeight`] for
-/// a non-finite or negative cost.
+/// naming the first sample over `max_tokens`; [`Error::TotalTooLarge`]
+/// when the lengths add up past 2^64 − 1; [`Error::InvalidWeight`] for a
+/// non-finite or negative cost.
 pub fn assign(
     strategy: Strategy,
     lengths: &[u64],

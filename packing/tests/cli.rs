@@ -68,7 +68,23 @@ fn empty_input() {
 fn zero_length() {
     assert_bad(
         &run_stdin(&["--lengths", "-"], "5\n0\n7\n"),
-        &["line 2", "zero"],
+        &["stdin: ", "line 2", "zero"],
+    );
+}
+
+#[test]
+fn a_refused_value_names_its_file() {
+    let path = temp_file("bad-lengths.txt", "5\nabc\n");
+    let shown = path.display().to_string();
+    assert_bad(
+        &run(&["--lengths", &shown]),
+        &[&format!("{shown}: "), "line 2", "abc"],
+    );
+    let path = temp_file("bad-timings.txt", "100 0.1\n200 -3\n");
+    let shown = path.display().to_string();
+    assert_bad(
+        &run(&["--fit-cost", &shown]),
+        &[&format!("{shown}: "), "line 2", "-3"],
     );
 }
 

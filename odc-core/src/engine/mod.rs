@@ -6,7 +6,7 @@
 //! and the worker handles; this module depends on neither.
 
 mod config;
-mod register;
+pub(crate) mod register;
 mod state;
 
 use std::sync::{Arc, Mutex, OnceLock};

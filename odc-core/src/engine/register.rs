@@ -199,8 +199,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     core.store.set(&my_key, &json(&my_key, &post)?)?;
     let keys: Vec<String> = (0..world).map(|p| format!("{prefix}/reg/{p}")).collect();
     for (peer, v) in read_posts(core, &keys, deadline)?.iter().enumerate() {
-        let theirs: RegPost = parse_post(&keys[peer], peer, v)?;
-        compare(&post, &theirs, peer)?;
+        compare(&post, &parse_reg_post(&keys[peer], peer, v)?, peer)?;
     }
     Ok(Plan {
         groups,
@@ -234,7 +233,7 @@ fn control_layout(groups: &Groups, buckets: usize, config: &EngineConfig) -> Res
 }
 
 /// Whether `theirs` (rank `peer`'s post) registers what `ours` does.
-fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<()> {
+pub(crate) fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<()> {
     if theirs.hash != ours.hash || theirs.specs != ours.specs {
         let n = ours.specs.len().max(theirs.specs.len());
         let show = |l: &[(String, usize, String)], i: usize| {
@@ -354,37 +353,13 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
     };
     let keys: Vec<String> = (0..world).map(|p| format!("{prefix}/ep/{p}")).collect();
     for (peer, v) in read_posts(core, &keys, deadline)?.iter().enumerate() {
-        let key = &keys[peer];
-        let theirs: EndpointPost = parse_post(key, peer, v)?;
-        let find = |id: u32| {
-            theirs
-                .regions
-                .iter()
-                .copied()
-                .find(|r| r.id == id)
-                .ok_or_else(|| Error::Store {
-                    op: "get",
-                    key: key.clone(),
-                    detail: format!("rank {peer} published no region {id}"),
-                })
+        let want = RegionSizes {
+            ctrl: plan.ctrl_layout.len(),
+            params: plan.host_params_len,
+            accum: (plan.accum_region > 0 && plan.groups.replicas.contains(&peer))
+                .then_some(plan.accum_len * 4),
         };
-        let (c, p) = (find(CTRL_REGION)?, find(PARAMS_REGION)?);
-        if c.len < plan.ctrl_layout.len() as u64 || p.len < plan.host_params_len as u64 {
-            return Err(Error::Config(format!(
-                "rank {peer} registered regions of a different size"
-            )));
-        }
-        let a = if plan.accum_region > 0 && plan.groups.replicas.contains(&peer) {
-            let a = find(ACCUM_REGION)?;
-            if a.len < (plan.accum_len * 4) as u64 {
-                return Err(Error::Config(format!(
-                    "rank {peer} registered accumulators of a different size"
-                )));
-            }
-            Some(a)
-        } else {
-            None
-        };
+        let (theirs, [c, p], a) = check_endpoint(&keys[peer], peer, v, &want)?;
         if core.transport.name() == "shm" && theirs.endpoint.host != my_host {
             return Err(Error::Config(format!(
                 "rank {peer} runs on host {:?}, this rank on {my_host:?}: the shm transport \
@@ -410,6 +385,93 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
     core.store.wait(&keys, deadline)?;
     Ok(peers)
+}
+
+/// The bytes this rank touches of a peer's regions: what it registered
+/// itself (every rank registers the same layout).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RegionSizes {
+    /// The control region.
+    pub(crate) ctrl: usize,
+    /// The published shards.
+    pub(crate) params: usize,
+    /// The accumulators, when this rank reads the peer's (a replica under
+    /// hybrid sharding across nodes).
+    pub(crate) accum: Option<usize>,
+}
+
+/// Rank `peer`'s endpoint post `v` (the value of `key`), or the failure it
+/// posted instead, checked: the endpoint is rank `peer`'s, every region
+/// descriptor is owned by it and names its id once, and the control
+/// region, the published shards and (when `want` asks for them) the
+/// accumulators are there and at least as large as this rank's. Returns
+/// the post and those descriptors.
+pub(crate) fn check_endpoint(
+    key: &str,
+    peer: usize,
+    v: &[u8],
+    want: &RegionSizes,
+) -> Result<(EndpointPost, [RegionDesc; 2], Option<RegionDesc>)> {
+    const WHAT: &str = "endpoint post";
+    let theirs: EndpointPost = parse_post(key, peer, v)?;
+    if theirs.endpoint.rank != peer {
+        return Err(Error::malformed(
+            peer,
+            WHAT,
+            "rank",
+            format!("{} in {key}, expected {peer}", theirs.endpoint.rank),
+        ));
+    }
+    for (i, d) in theirs.regions.iter().enumerate() {
+        if usize::try_from(d.owner).ok() != Some(peer) {
+            return Err(Error::malformed(
+                peer,
+                WHAT,
+                "owner",
+                format!("of region {} is rank {}", d.id, d.owner),
+            ));
+        }
+        if theirs.regions[..i].iter().any(|e| e.id == d.id) {
+            return Err(Error::malformed(
+                peer,
+                WHAT,
+                "id",
+                format!("{} is published twice", d.id),
+            ));
+        }
+    }
+    let find = |id: u32, what: &str, len: usize| {
+        let d = theirs
+            .regions
+            .iter()
+            .copied()
+            .find(|r| r.id == id)
+            .ok_or_else(|| Error::Store {
+                op: "get",
+                key: key.to_owned(),
+                detail: format!("rank {peer} published no region {id}"),
+            })?;
+        if d.len < len as u64 {
+            return Err(Error::Config(format!(
+                "rank {peer} registered {what} of {} bytes, this rank {len}: a different layout",
+                d.len
+            )));
+        }
+        Ok(d)
+    };
+    let c = find(CTRL_REGION, "a control region", want.ctrl)?;
+    let p = find(PARAMS_REGION, "published shards", want.params)?;
+    let a = match want.accum {
+        Some(len) => Some(find(ACCUM_REGION, "accumulators", len)?),
+        None => None,
+    };
+    Ok((theirs, [c, p], a))
+}
+
+/// Rank `peer`'s registration post `v` (the value of `key`), or the
+/// failure it posted instead; [`compare`] checks it against this rank's.
+pub(crate) fn parse_reg_post(key: &str, peer: usize, v: &[u8]) -> Result<RegPost> {
+    parse_post(key, peer, v)
 }
 
 /// Maps ahead what this rank touches of `peer`'s regions (a peer it
@@ -504,7 +566,7 @@ pub(crate) fn random_job_id() -> Result<String> {
 }
 
 #[derive(Serialize, Deserialize)]
-struct RegPost {
+pub(crate) struct RegPost {
     hash: u64,
     chunk_bytes: usize,
     sharding: String,
@@ -514,9 +576,9 @@ struct RegPost {
 }
 
 #[derive(Serialize, Deserialize)]
-struct EndpointPost {
-    endpoint: Endpoint,
-    regions: Vec<RegionDesc>,
+pub(crate) struct EndpointPost {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) regions: Vec<RegionDesc>,
 }
 
 /// What a rank posts instead of its registration or endpoint when it
@@ -623,4 +685,59 @@ fn offsets(buckets: &[BucketLayout]) -> (Vec<usize>, Vec<usize>, usize, usize) {
         accum_len += b.shard_len();
     }
     (params_off, accum_off, params_len, accum_len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn post(rank: usize, regions: &[(u32, u32, u64)]) -> Vec<u8> {
+        let regions: Vec<RegionDesc> = regions
+            .iter()
+            .map(|&(owner, id, len)| RegionDesc {
+                owner,
+                id,
+                len,
+                key: 0,
+            })
+            .collect();
+        let endpoint = Endpoint {
+            rank,
+            pid: 1,
+            host: "h".into(),
+            address: String::new(),
+            regions: Vec::new(),
+        };
+        serde_json::to_vec(&EndpointPost { endpoint, regions }).unwrap_or_default()
+    }
+
+    #[test]
+    fn an_endpoint_post_is_the_peers_own_and_as_large_as_this_ranks() {
+        let want = RegionSizes {
+            ctrl: 4096,
+            params: 100,
+            accum: None,
+        };
+        let key = "odc/ep/2";
+        let ok = check_endpoint(key, 2, &post(2, &[(2, 0, 4096), (2, 1, 128)]), &want);
+        assert!(ok.is_ok(), "{:?}", ok.err());
+        let e = |v: Vec<u8>| {
+            check_endpoint(key, 2, &v, &want)
+                .err()
+                .map(|e| e.to_string())
+        };
+        let named = |m: Option<String>, needle: &str| {
+            m.is_some_and(|m| m.contains("rank 2") && m.contains(needle))
+        };
+        assert!(named(e(post(3, &[(2, 0, 4096), (2, 1, 128)])), "rank 3"));
+        assert!(named(e(post(2, &[(5, 0, 4096), (2, 1, 128)])), "owner"));
+        assert!(named(e(post(2, &[(2, 0, 4096), (2, 0, 4096)])), "twice"));
+        assert!(named(e(post(2, &[(2, 0, 4095), (2, 1, 128)])), "4095"));
+        assert!(named(e(post(2, &[(2, 0, 4096)])), "no region 1"));
+        let failed = serde_json::to_vec(&FailedPost {
+            failed: "no room".into(),
+        })
+        .unwrap_or_default();
+        assert!(named(e(failed), "no room"));
+    }
 }

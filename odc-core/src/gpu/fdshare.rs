@@ -103,7 +103,6 @@ const REQUEST_MAGIC: [u8; 4] = *b"ODF1";
 /// length of the error message that follows.
 const STATUS_OK: u32 = 0;
 const STATUS_ERR: u32 = 1;
-const MAX_MESSAGE: usize = 4096;
 
 /// Which path [`import`] may use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -351,12 +350,11 @@ fn serve_one(
         }
     }
     admit_client(our_uid, &cred).map_err(refuse)?;
-    if request[..4] != REQUEST_MAGIC {
+    let Some(id) = decode_request(&request) else {
         return Err(refuse(format!(
             "malformed request {request:02x?} (not an ODC fd client?)"
         )));
-    }
-    let id = u32::from_le_bytes([request[4], request[5], request[6], request[7]]);
+    };
     let Some(fd) = table.get(&id) else {
         let mut ids: Vec<_> = table.keys().collect();
         ids.sort();
@@ -366,6 +364,47 @@ fn serve_one(
     reply[..4].copy_from_slice(&STATUS_OK.to_le_bytes());
     send_all(conn, &reply, Some(fd.as_fd()), Some(deadline), Some(wake))
         .map_err(|e| format!("sending region {id} to pid {}: {e}", cred.pid))
+}
+
+/// The region id a client's 8-byte request asks for; `None` without the
+/// magic.
+pub fn decode_request(request: &[u8; 8]) -> Option<u32> {
+    (request[..4] == REQUEST_MAGIC)
+        .then(|| u32::from_le_bytes([request[4], request[5], request[6], request[7]]))
+}
+
+/// The request for region `id`.
+pub fn encode_request(id: u32) -> [u8; 8] {
+    let mut request = [0u8; 8];
+    request[..4].copy_from_slice(&REQUEST_MAGIC);
+    request[4..].copy_from_slice(&id.to_le_bytes());
+    request
+}
+
+/// What the 8-byte header of a server's reply says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// The descriptor is attached.
+    Granted,
+    /// Refused; an error message of this many bytes follows (at most
+    /// [`MAX_MESSAGE`] of them are read).
+    Refused(usize),
+    /// A status this client does not know.
+    Unknown(u32),
+}
+
+/// The most bytes of a refusal's message a client reads.
+pub const MAX_MESSAGE: usize = 4096;
+
+/// Decodes a reply header: status, then the message length (little endian).
+pub fn decode_reply(header: &[u8; 8]) -> Reply {
+    let status = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
+    let len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
+    match status {
+        STATUS_OK => Reply::Granted,
+        STATUS_ERR => Reply::Refused(usize::try_from(len).unwrap_or(usize::MAX).min(MAX_MESSAGE)),
+        other => Reply::Unknown(other),
+    }
 }
 
 /// The server's rule: only a client under the server's own uid may receive
@@ -602,9 +641,7 @@ fn import_socket(who: &Peer, name: &str, deadline: Instant, timeout: Duration) -
         )
     })?;
 
-    let mut request = [0u8; 8];
-    request[..4].copy_from_slice(&REQUEST_MAGIC);
-    request[4..].copy_from_slice(&id.to_le_bytes());
+    let request = encode_request(id);
     send_all(sock.as_fd(), &request, None, Some(deadline), None).map_err(|e| io_err("send", e))?;
 
     let mut header = [0u8; 8];
@@ -621,16 +658,14 @@ fn import_socket(who: &Peer, name: &str, deadline: Instant, timeout: Duration) -
             received = fd;
         }
     }
-    let status = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
-    let len = u32::from_le_bytes([header[4], header[5], header[6], header[7]]) as usize;
-    match (status, received) {
-        (STATUS_OK, Some(fd)) => Ok(fd),
-        (STATUS_OK, None) => Err(Error::transport(
+    match (decode_reply(&header), received) {
+        (Reply::Granted, Some(fd)) => Ok(fd),
+        (Reply::Granted, None) => Err(Error::transport(
             "recvmsg",
             format!("rank {rank} (pid {pid}) answered for region {id} without a descriptor"),
         )),
-        (STATUS_ERR, _) => {
-            let mut msg = vec![0u8; len.min(MAX_MESSAGE)];
+        (Reply::Refused(len), _) => {
+            let mut msg = vec![0u8; len];
             let mut got = 0;
             while got < msg.len() {
                 match recv_some(sock.as_fd(), &mut msg[got..], Some(deadline), None) {
@@ -647,7 +682,7 @@ fn import_socket(who: &Peer, name: &str, deadline: Instant, timeout: Duration) -
                 ),
             ))
         }
-        (other, _) => Err(Error::transport(
+        (Reply::Unknown(other), _) => Err(Error::transport(
             "recvmsg",
             format!("rank {rank} (pid {pid}) answered region {id} with unknown status {other}"),
         )),
@@ -677,6 +712,20 @@ mod tests {
 
     fn cred(pid: i32, uid: u32) -> libc::ucred {
         libc::ucred { pid, uid, gid: 0 }
+    }
+
+    #[test]
+    fn requests_and_replies_decode_only_what_they_say() {
+        assert_eq!(decode_request(&encode_request(9)), Some(9));
+        assert_eq!(decode_request(b"ODF2\x09\0\0\0"), None);
+        assert_eq!(decode_reply(&[0; 8]), Reply::Granted);
+        // A refusal's message length is bounded, whatever the header says.
+        assert_eq!(
+            decode_reply(&[1, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
+            Reply::Refused(MAX_MESSAGE)
+        );
+        assert_eq!(decode_reply(&[1, 0, 0, 0, 5, 0, 0, 0]), Reply::Refused(5));
+        assert_eq!(decode_reply(&[7, 0, 0, 0, 0, 0, 0, 0]), Reply::Unknown(7));
     }
 
     #[test]

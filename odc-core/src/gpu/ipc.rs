@@ -217,20 +217,96 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 fn unhex(peer: usize, s: &str) -> Result<[u8; 64]> {
-    let bad = || {
-        Error::protocol(
-            None,
-            format!("rank {peer} published a malformed IPC handle"),
-        )
-    };
-    if s.len() != 128 {
-        return Err(bad());
-    }
+    let bad = |detail: String| Error::malformed(peer, "IPC post", "legacy", detail);
+    let digit = |c: u8| char::from(c).to_digit(16);
     let mut out = [0u8; 64];
-    for (i, b) in out.iter_mut().enumerate() {
-        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    if s.len() != 2 * out.len() {
+        return Err(bad(format!(
+            "handle is {} hex digits, not {}",
+            s.len(),
+            2 * out.len()
+        )));
+    }
+    for (b, pair) in out.iter_mut().zip(s.as_bytes().chunks_exact(2)) {
+        *b = match (digit(pair[0]), digit(pair[1])) {
+            (Some(hi), Some(lo)) => (hi << 4 | lo) as u8,
+            _ => return Err(bad(format!("handle {s:?} is not hex"))),
+        };
     }
     Ok(out)
+}
+
+/// How this rank maps one region of a peer: the peer's descriptor number
+/// (imported by [`fdshare::import_with`]) or a legacy IPC handle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Handle {
+    /// A descriptor number in the owner's process.
+    Fd(i32),
+    /// A legacy IPC handle.
+    Legacy([u8; 64]),
+}
+
+/// Rank `peer`'s post `bytes` (the JSON value of its `ipc/<peer>` key),
+/// checked against the regions this rank registered (`regions`, `(id,
+/// len)`, the same on every rank): the same ids in the same order, each at
+/// least `len` bytes (this rank touches that much of the mapping), each
+/// with a descriptor or a legacy handle of 64 bytes. Returns the post and,
+/// per region, the bytes to map and how.
+///
+/// Errors: [`Error::Config`] when the ids differ (the ranks registered
+/// different regions); [`Error::Malformed`] naming the peer and the field
+/// for a post that does not parse, a region smaller than this rank's, too
+/// large to map, or without a usable handle.
+pub fn parse_post(
+    peer: usize,
+    bytes: &[u8],
+    regions: &[(u32, usize)],
+) -> Result<(IpcPost, Vec<(usize, Handle)>)> {
+    const WHAT: &str = "IPC post";
+    let theirs: IpcPost = serde_json::from_slice(bytes)
+        .map_err(|e| Error::malformed(peer, WHAT, "value", format!("does not parse: {e}")))?;
+    let ids: Vec<u32> = theirs.regions.iter().map(|r| r.id).collect();
+    let want: Vec<u32> = regions.iter().map(|r| r.0).collect();
+    if ids != want {
+        return Err(Error::Config(format!(
+            "rank {peer} registered regions {ids:?}, this rank {want:?}"
+        )));
+    }
+    let handles = theirs
+        .regions
+        .iter()
+        .zip(regions)
+        .map(|(r, &(_, len))| {
+            let size = usize::try_from(r.size)
+                .ok()
+                .filter(|&s| s >= len && s <= isize::MAX as usize)
+                .ok_or_else(|| {
+                    Error::malformed(
+                        peer,
+                        WHAT,
+                        "size",
+                        format!(
+                            "of region {} is {} bytes, this rank's needs {len}",
+                            r.id, r.size
+                        ),
+                    )
+                })?;
+            let handle = match (r.fd, &r.legacy) {
+                (Some(fd), _) => Handle::Fd(fd),
+                (None, Some(h)) => Handle::Legacy(unhex(peer, h)?),
+                (None, None) => {
+                    return Err(Error::malformed(
+                        peer,
+                        WHAT,
+                        "fd",
+                        format!("region {} has neither a descriptor nor a handle", r.id),
+                    ))
+                }
+            };
+            Ok((size, handle))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((theirs, handles))
 }
 
 /// Allocates `regions` (`(id, len)`) from `memory`, exchanges them with
@@ -308,25 +384,11 @@ pub fn exchange<M: SharedMemory>(
             continue;
         }
         let key = format!("{prefix}/ipc/{peer}");
-        let theirs: IpcPost = serde_json::from_slice(&wait_get(store, &key, deadline)?)
-            .map_err(|e| Error::protocol(None, format!("rank {peer} published bad {key}: {e}")))?;
-        let ids: Vec<u32> = theirs.regions.iter().map(|r| r.id).collect();
-        let want: Vec<u32> = regions.iter().map(|r| r.0).collect();
-        if ids != want {
-            return Err(Error::Config(format!(
-                "rank {peer} registered regions {ids:?}, this rank {want:?}"
-            )));
-        }
-        let mut maps = Vec::with_capacity(theirs.regions.len());
-        for r in &theirs.regions {
-            let size = usize::try_from(r.size).map_err(|_| {
-                Error::protocol(
-                    None,
-                    format!("rank {peer}: region {} of {} bytes", r.id, r.size),
-                )
-            })?;
-            let shareable = match (r.fd, &r.legacy) {
-                (Some(fd), _) => {
+        let (theirs, handles) = parse_post(peer, &wait_get(store, &key, deadline)?, regions)?;
+        let mut maps = Vec::with_capacity(handles.len());
+        for (r, (size, handle)) in theirs.regions.iter().zip(handles) {
+            let shareable = match handle {
+                Handle::Fd(fd) => {
                     let left = deadline.saturating_duration_since(Instant::now());
                     let (fd, _path) = fdshare::import_with(
                         policy,
@@ -339,16 +401,7 @@ pub fn exchange<M: SharedMemory>(
                     )?;
                     Shareable::Fd(fd)
                 }
-                (None, Some(h)) => Shareable::Legacy(unhex(peer, h)?),
-                (None, None) => {
-                    return Err(Error::protocol(
-                        None,
-                        format!(
-                            "rank {peer}: region {} has neither a descriptor nor a handle",
-                            r.id
-                        ),
-                    ))
-                }
+                Handle::Legacy(h) => Shareable::Legacy(h),
             };
             maps.push(memory.import(shareable, size)?);
         }
@@ -382,5 +435,83 @@ mod tests {
         assert_eq!(unhex(1, &hex(&h)).ok(), Some(h));
         assert!(unhex(1, "zz").is_err());
         assert!(unhex(1, &"g".repeat(128)).is_err());
+        assert!(unhex(1, &format!("+f{}", "0".repeat(126))).is_err());
+        // 128 bytes with a two-byte character across a digit pair: slicing
+        // the text by bytes panicked.
+        let e = unhex(2, &format!("a\u{e9}{}", "0".repeat(125))).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Malformed {
+                    peer: 2,
+                    field: "legacy",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_post_is_checked_against_this_ranks_regions() {
+        let post = |regions: &str| {
+            format!(r#"{{"pid": 7, "socket": "s", "regions": [{regions}]}}"#).into_bytes()
+        };
+        let ours = [(1, 4096), (2, 64)];
+        let h = "ab".repeat(64);
+        let good = post(&format!(
+            r#"{{"id": 1, "size": 8192, "fd": 5, "legacy": null}},
+               {{"id": 2, "size": 64, "fd": null, "legacy": "{h}"}}"#
+        ));
+        let (p, handles) = parse_post(3, &good, &ours).unwrap();
+        assert_eq!(p.pid, 7);
+        assert_eq!(
+            handles,
+            vec![(8192, Handle::Fd(5)), (64, Handle::Legacy([0xab; 64]))]
+        );
+        // A region smaller than this rank touches would be mapped short.
+        let small = post(r#"{"id": 1, "size": 4095, "fd": 5}, {"id": 2, "size": 64, "fd": 6}"#);
+        let e = parse_post(3, &small, &ours).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Malformed {
+                    peer: 3,
+                    field: "size",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let none = post(r#"{"id": 1, "size": 4096}, {"id": 2, "size": 64, "fd": 6}"#);
+        let e = parse_post(3, &none, &ours).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Malformed {
+                    peer: 3,
+                    field: "fd",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = parse_post(3, b"{", &ours).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Malformed {
+                    peer: 3,
+                    field: "value",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = parse_post(3, &post(r#"{"id": 2, "size": 64, "fd": 6}"#), &ours).unwrap_err();
+        assert!(
+            matches!(e, Error::Config(_)) && e.to_string().contains("rank 3"),
+            "{e}"
+        );
     }
 }

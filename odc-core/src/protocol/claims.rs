@@ -54,7 +54,7 @@ impl Word {
 
     /// Unclaimed microbatches of minibatch `k` (0 for any other minibatch).
     pub fn left(self, k: u64) -> u64 {
-        if self.stamp == k + 1 {
+        if Some(self.stamp) == k.checked_add(1) {
             self.back.saturating_sub(self.front)
         } else {
             0
@@ -119,10 +119,11 @@ pub fn own(word: u64, k: u64, count: u64) -> Result<(Option<u64>, Claim), ClaimE
 /// unchanged) and the outcome.
 pub fn steal(word: u64, k: u64) -> (Option<u64>, Claim) {
     let mut w = Word::unpack(word);
-    if w.stamp < k + 1 {
+    // `u64::MAX` has no stamp: no owner ever starts it.
+    let Some(s) = k.checked_add(1).filter(|&s| w.stamp >= s) else {
         return (None, Claim::NotYet);
-    }
-    if w.stamp > k + 1 || w.front >= w.back {
+    };
+    if w.stamp > s || w.front >= w.back {
         return (None, Claim::Empty);
     }
     w.back -= 1;
@@ -196,6 +197,21 @@ mod tests {
             Err(ClaimError::Backwards { k: 0, current: 1 })
         );
         assert_eq!(own(w, 2, MAX_COUNT + 1), Err(ClaimError::TooLarge));
+    }
+
+    #[test]
+    fn the_last_minibatch_number_has_no_stamp() {
+        // `k + 1` overflowed for k = u64::MAX (found by the claims fuzz
+        // target): a pure function of any word and number must not panic.
+        let w = Word {
+            stamp: (1 << 24) - 1,
+            front: 0,
+            back: 3,
+        }
+        .pack();
+        assert_eq!(steal(w, u64::MAX), (None, Claim::NotYet));
+        assert_eq!(Word::unpack(w).left(u64::MAX), 0);
+        assert_eq!(Word::unpack(w).left((1 << 24) - 2), 3);
     }
 
     #[test]

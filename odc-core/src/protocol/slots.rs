@@ -14,12 +14,15 @@ pub fn slot_count(seq: u64) -> u64 {
 }
 
 /// The sequence number of the `count`-th chunk (from 1) of `slot`; 0 for
-/// none.
+/// none. The count is whatever the peer (or its NIC) left in the slot's
+/// signal word: counts no push can reach (2^63 and more) saturate, and the
+/// header's check refuses the chunk.
 pub fn slot_seq(slot: usize, count: u64) -> u64 {
     if count == 0 {
         return 0;
     }
-    (2 * count).saturating_sub(slot as u64 & 1)
+    let seq = 2 * u128::from(count) - u128::from(slot as u64 & 1);
+    u64::try_from(seq).unwrap_or(u64::MAX)
 }
 
 /// A client's side of its two slots at one owner.
@@ -110,6 +113,22 @@ mod tests {
         }
         assert_eq!(slot_seq(0, 0), 0);
         assert_eq!(slot_seq(1, 0), 0);
+    }
+
+    #[test]
+    fn a_count_no_push_reaches_saturates() {
+        // A peer's signal word of 2^63 overflowed `2 * count` (found by the
+        // control_words fuzz target): the daemon panicked in debug builds.
+        assert_eq!(slot_seq(0, 1 << 63), u64::MAX);
+        assert_eq!(slot_seq(0, u64::MAX), u64::MAX);
+        assert_eq!(slot_seq(1, u64::MAX), u64::MAX);
+        // Up to the top, the map stays one to one.
+        assert_eq!(slot_seq(1, slot_count(u64::MAX)), u64::MAX);
+        assert_eq!(slot_seq(0, slot_count(u64::MAX - 1)), u64::MAX - 1);
+        let mut r = SlotReceiver::default();
+        assert_eq!(r.arrived(0, u64::MAX), Some(u64::MAX));
+        assert_eq!(r.arrived(0, u64::MAX), None);
+        assert_eq!(r.order(), [0, 1]);
     }
 
     #[test]

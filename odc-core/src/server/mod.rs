@@ -36,7 +36,7 @@ use odc_kernels::cpu::accumulate_into_f32;
 use odc_kernels::cpu::exact::accumulate_exact;
 use odc_kernels::DType;
 
-use crate::control::{SlotHeader, HEADER_BYTES};
+use crate::control::{check_header, Chunk, SlotHeader, HEADER_BYTES};
 use crate::engine::{load, record_error, Core, Registered};
 use crate::plane::Plane;
 use crate::protocol::admit::{self, Admit};
@@ -203,8 +203,9 @@ fn stale_push(reg: &Registered, client: usize, slot: usize) -> String {
     )
 }
 
-/// The header of landing slot `[client][slot]`, decoded (unchecked).
-fn read_header(reg: &Registered, client: usize, slot: usize) -> Option<SlotHeader> {
+/// The wire form of landing slot `[client][slot]`'s header, as the client
+/// wrote it.
+fn raw_header(reg: &Registered, client: usize, slot: usize) -> [u8; HEADER_BYTES] {
     let mut raw = [0u8; HEADER_BYTES];
     // SAFETY: the header lies inside the control region; the client wrote it
     // before the signal observed with acquire and leaves the slot alone
@@ -218,7 +219,14 @@ fn read_header(reg: &Registered, client: usize, slot: usize) -> Option<SlotHeade
             HEADER_BYTES,
         )
     };
-    SlotHeader::decode(&raw)
+    raw
+}
+
+/// The header of landing slot `[client][slot]`, decoded (unchecked: only
+/// the admission rule reads it so; [`checked_header`] checks it before an
+/// add).
+fn read_header(reg: &Registered, client: usize, slot: usize) -> Option<SlotHeader> {
+    SlotHeader::decode(&raw_header(reg, client, slot))
 }
 
 /// Answers every client's new steal request: claims one of this rank's
@@ -297,16 +305,16 @@ fn add_on_device(
 ) {
     let peer = reg.groups.group[client];
     let lay = &reg.ctrl_layout;
-    let enqueued = checked_header(reg, client, slot, seq).and_then(|(h, b)| {
+    let enqueued = checked_header(reg, client, slot, seq).and_then(|h| {
         let x = plane.local_landing() + lay.landing_data(client, slot) as u64;
-        let acc = reg.accum_addr(plane, b, h.offset as usize);
+        let acc = reg.accum_addr(plane, h.bucket, h.offset);
         // SAFETY: `checked_header` put the range inside the bucket's
         // accumulator and the data inside the slot; the client leaves the
         // slot alone until the acknowledgement, enqueued after the add.
         unsafe {
             plane
                 .ops()
-                .accumulate_on_server(acc, x, h.dtype, h.len as usize, h.scale)
+                .accumulate_on_server(acc, x, h.dtype, h.len, h.scale)
         }
         .map_err(|e| format!("rank {peer}: {e}"))?;
         let (transport, errors) = (Arc::clone(&core.transport), Arc::clone(&core.server_error));
@@ -460,10 +468,9 @@ fn accumulate(
     seq: u64,
     own_slot: &mut Option<Own>,
 ) -> Result<(), String> {
-    let (h, b) = checked_header(reg, client, slot, seq)?;
+    let h = checked_header(reg, client, slot, seq)?;
     let rank = reg.groups.group[client];
-    let (offset, len) = (h.offset as usize, h.len as usize);
-    let bytes = len * h.dtype.size_bytes();
+    let (b, offset, len, bytes) = (h.bucket, h.offset, h.len, h.bytes);
     // SAFETY: the server thread, one accumulator slice at a time.
     let mut acc = unsafe { accum_range(reg, b, offset, len) }
         .ok_or_else(|| format!("rank {rank}: push outside the shard"))?;
@@ -522,46 +529,18 @@ fn accumulate(
     result.map_err(rejected)
 }
 
-/// Reads and checks the header of landing slot `[client][slot]`, whose
-/// signal reads `seq`: the sequence number matches, the bucket exists, the
-/// range lies inside its shard and the data fits a slot. Returns the header
-/// and the bucket index.
-fn checked_header(
-    reg: &Registered,
-    client: usize,
-    slot: usize,
-    seq: u64,
-) -> Result<(SlotHeader, usize), String> {
+/// Reads the header of landing slot `[client][slot]`, whose signal reads
+/// `seq`, and checks it against the registered layout
+/// ([`check_header`]): the chunk to add, or why it is refused.
+fn checked_header(reg: &Registered, client: usize, slot: usize, seq: u64) -> Result<Chunk, String> {
     let lay = &reg.ctrl_layout;
-    // `client` indexes the shard group; messages name the global rank.
-    let rank = reg.groups.group[client];
-    let h = read_header(reg, client, slot)
-        .ok_or_else(|| format!("rank {rank}: landing slot with an unknown dtype"))?;
-    if h.seq != seq {
-        return Err(format!(
-            "rank {rank}: slot header seq {} but signal {seq}",
-            h.seq
-        ));
-    }
-    let b = usize::try_from(h.bucket).unwrap_or(usize::MAX);
-    let bucket = reg
-        .buckets
-        .get(b)
-        .ok_or_else(|| format!("rank {rank}: push into unknown bucket {b}"))?;
-    let (offset, len) = (
-        usize::try_from(h.offset).unwrap_or(usize::MAX),
-        usize::try_from(h.len).unwrap_or(usize::MAX),
-    );
-    let bytes = len.saturating_mul(h.dtype.size_bytes());
-    let inside = offset
-        .checked_add(len)
-        .is_some_and(|end| end <= bucket.shard_len());
-    if !inside || bytes > lay.chunk_bytes() {
-        return Err(format!(
-            "rank {rank}: push of {len} elements at {offset} outside shard of {:?} ({} elements)",
-            bucket.name(),
-            bucket.shard_len()
-        ));
-    }
-    Ok((h, b))
+    // `client` indexes the shard group; errors name the global rank.
+    check_header(
+        &raw_header(reg, client, slot),
+        seq,
+        reg.groups.group[client],
+        &reg.buckets,
+        lay.chunk_bytes(),
+    )
+    .map_err(|e| e.to_string())
 }

@@ -127,6 +127,9 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "odc-core and odc-kernels GPU tests; `odc-py/tests`",
            "`1`: a GPU test that finds no device fails instead of skipping (`scripts/gpu-run.sh` sets it).",
            "tests"),
+    EnvVar("ODC_FUZZ_SCRATCH", "the system's temporary folder", "the `pack_input` fuzz target (`fuzz/`)",
+           "Where the fuzz target writes the input files it hands `odc-pack`; `scripts/fuzz.sh` sets it to a "
+           "folder of its own.", "tests"),
     EnvVar("ODC_REQUIRE_NVRTC", "unset", "odc-kernels `tests/cuda_compile.rs`",
            "`1`: the kernel-compile tests fail without NVRTC instead of skipping.", "tests"),
     EnvVar("ODC_REQUIRE_NVSHMEM", "unset", "odc-core `tests/nvshmem_bindings.rs`",

@@ -13,6 +13,7 @@ __all__ = [
     "FabricError",
     "GpuUnavailable",
     "LayoutError",
+    "MalformedError",
     "NvshmemError",
     "OdcError",
     "OdcOSError",
@@ -94,6 +95,13 @@ class ProtocolError(OdcError):
     What to do: read gradients, step and change parameters only between
     minibatches (the docs' loop-contract page); wrap an evaluation of other
     weights in ``odc.fsdp.evaluation(model)``.
+    """
+
+
+class MalformedError(ProtocolError):
+    """A peer wrote a landing-slot header, control word or descriptor that does not fit the registered layout.
+
+    It was refused, never applied; the message names the peer, what it wrote and the field.
     """
 
 

@@ -217,14 +217,30 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
-        return None;
+/// The libfabric address rank `peer` published in its endpoint (the hex
+/// of its `fi_getname` bytes), checked to be exactly `len` bytes, the
+/// length of this rank's own address: every rank opens the same provider,
+/// and `fi_av_insert` reads an address of the provider's length from the
+/// pointer it is given, whatever the buffer behind it holds.
+pub fn peer_address(peer: usize, hex: &str, len: usize) -> Result<Vec<u8>> {
+    let bad = |detail: String| Error::malformed(peer, "endpoint", "address", detail);
+    let digit = |c: u8| char::from(c).to_digit(16);
+    let name = hex
+        .as_bytes()
+        .chunks(2)
+        .map(|p| match p {
+            [hi, lo] => Some((digit(*hi)? << 4 | digit(*lo)?) as u8),
+            _ => None,
+        })
+        .collect::<Option<Vec<u8>>>()
+        .ok_or_else(|| bad(format!("{hex:?} is not hex digits in pairs")))?;
+    if name.len() != len {
+        return Err(bad(format!(
+            "is {} bytes, the provider's addresses {len}",
+            name.len()
+        )));
     }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
+    Ok(name)
 }
 
 impl FabricTransport {
@@ -643,12 +659,7 @@ impl Transport for FabricTransport {
         let addr = if peer == c.rank {
             None
         } else {
-            let name = unhex(&endpoint.address).ok_or_else(|| {
-                Error::transport(
-                    "connect",
-                    format!("rank {peer}: bad address {:?}", endpoint.address),
-                )
-            })?;
+            let name = peer_address(peer, &endpoint.address, c.name.len())?;
             Some(c.av.insert(&name).map_err(|e| with_peer(e, peer))?)
         };
         let p = Peer {

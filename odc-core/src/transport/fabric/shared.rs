@@ -390,26 +390,26 @@ impl Core {
             .regions
             .get(imm.region as usize)
             .and_then(OnceLock::get);
-        let word = own.and_then(|r| r.word(imm.offset));
-        let updated = match (imm.update, word) {
+        let words = own.and_then(|r| {
+            let (word, mailbox) = imm.words(r.len)?;
+            Some((r.word(word)?, mailbox.and_then(|m| r.word(m))))
+        });
+        let updated = match (imm.update, words) {
             // The write is in memory (its completion says so): its data
             // for a count, the value in the mailbox for a raise. The
             // release order publishes it with the word.
-            (Update::Count, Some(w)) => {
+            (Update::Count, Some((w, _))) => {
                 w.fetch_add(1, Ordering::Release);
                 true
             }
-            (Update::Raise, Some(w)) => match own.and_then(|r| r.word(imm.offset + MAILBOX)) {
-                Some(mailbox) => {
-                    w.fetch_max(
-                        u64::from_le(mailbox.load(Ordering::Acquire)),
-                        Ordering::Release,
-                    );
-                    true
-                }
-                None => false,
-            },
-            (_, None) => false,
+            (Update::Raise, Some((w, Some(mailbox)))) => {
+                w.fetch_max(
+                    u64::from_le(mailbox.load(Ordering::Acquire)),
+                    Ordering::Release,
+                );
+                true
+            }
+            _ => false,
         };
         if updated {
             self.ring(imm.bell);

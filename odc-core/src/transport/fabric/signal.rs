@@ -97,6 +97,19 @@ impl Imm {
         Ok(count << COUNT_SHIFT | bell << BELL_SHIFT | region << REGION_SHIFT | word as u32)
     }
 
+    /// The words this immediate updates in its region of `len` bytes: the
+    /// signal word's offset and, for a raise, its mailbox's; `None` when
+    /// one of them is not an 8-byte word inside the region (a peer's
+    /// immediate names any offset below 1 GiB).
+    pub fn words(&self, len: usize) -> Option<(usize, Option<usize>)> {
+        let inside = |at: usize| (at % 8 == 0 && at.checked_add(8)? <= len).then_some(at);
+        let word = inside(self.offset)?;
+        match self.update {
+            Update::Count => Some((word, None)),
+            Update::Raise => Some((word, Some(inside(word.checked_add(MAILBOX)?)?))),
+        }
+    }
+
     /// Inverse of [`Imm::encode`]; the bits above 32 (a provider with
     /// wider CQ data may leave garbage there) are ignored.
     pub fn decode(data: u64) -> Imm {

@@ -77,6 +77,50 @@ fn immediates_fit_four_bytes_and_round_trip() {
 }
 
 #[test]
+fn an_immediate_names_only_words_inside_its_region() {
+    let imm = |offset, update| Imm {
+        region: 0,
+        offset,
+        bell: Bell::Server,
+        update,
+    };
+    assert_eq!(imm(0, Update::Count).words(8), Some((0, None)));
+    assert_eq!(imm(0, Update::Raise).words(16), Some((0, Some(8))));
+    // A raise needs its mailbox inside the region too.
+    assert_eq!(imm(8, Update::Raise).words(16), None);
+    assert_eq!(imm(8, Update::Count).words(16), Some((8, None)));
+    assert_eq!(imm(1 << 29, Update::Count).words(4096), None);
+}
+
+#[test]
+fn a_peer_address_must_be_hex_of_the_providers_length() {
+    assert_eq!(peer_address(1, "00ff", 2).unwrap(), vec![0, 255]);
+    assert_eq!(peer_address(1, "ABcd", 2).unwrap(), vec![0xab, 0xcd]);
+    // A short (or empty) address made fi_av_insert read past the buffer.
+    for (hex, len) in [
+        ("", 16),
+        ("00", 16),
+        ("00ff00", 2),
+        ("+f", 1),
+        ("0g", 1),
+        ("\u{e9}0", 1),
+    ] {
+        match peer_address(3, hex, len) {
+            Err(
+                e @ Error::Malformed {
+                    peer: 3,
+                    field: "address",
+                    ..
+                },
+            ) => {
+                assert!(e.to_string().contains("rank 3"), "{e}")
+            }
+            other => panic!("{hex:?}: {other:?}"),
+        }
+    }
+}
+
+#[test]
 fn get_reads_the_peer_region() {
     need_libfabric!();
     let (ts, regions) = pair(3 << 20);

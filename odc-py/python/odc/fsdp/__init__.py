@@ -152,7 +152,7 @@ from ..deadline import deadline_for
 from ..engine import Bucket, Engine, _local_world_size
 from ..errors import ConfigError, ProtocolError
 from . import _fsdp1
-from ._binding import SHARDINGS, _Binding, _binding, _enables, _live, _Solo, _solos, _Undo, solo
+from ._binding import SHARDINGS, _Binding, _bound, _enables, _live, _Solo, _solos, _Undo, solo
 from ._clip import clip_grad_norm_
 from ._grads import wrap_zero_grad
 from ._private import (
@@ -392,7 +392,7 @@ def disable(model: Any) -> None:
     if solo(model) is not None:
         del model.__dict__["_odc_fsdp"]
         return
-    b = _binding(model)
+    b = _bound(model)
     if b.state.open and b.state.pushed:
         raise ProtocolError(
             f"odc.fsdp.disable: gradients of minibatch {b.state.version} are pending; step the optimizer first"
@@ -444,7 +444,7 @@ def minibatch(model: Any) -> Iterator[None]:
     if solo(model) is not None:
         yield
         return
-    b = _binding(model)
+    b = _bound(model)
     b.enter_minibatch()
     try:
         yield
@@ -484,7 +484,7 @@ def evaluation(model: Any) -> Iterator[None]:
     if solo(model) is not None:
         yield
         return
-    b = _binding(model)
+    b = _bound(model)
     b.begin_evaluation()
     try:
         yield
@@ -499,6 +499,6 @@ def finish(model: Any) -> None:
     ``optimizer.step()``.
     """
     if solo(model) is None:
-        _binding(model).finish("odc.fsdp.finish")
+        _bound(model).finish("odc.fsdp.finish")
 
 

@@ -185,7 +185,7 @@ def solo(model: Any) -> _Solo | None:
     return s if isinstance(s, _Solo) else None
 
 
-def _binding(model: Any) -> _Binding:
+def _bound(model: Any) -> _Binding:
     b = getattr(model, "_odc_fsdp", None)
     if not isinstance(b, _Binding):
         raise ConfigError("odc.fsdp: this model is not enabled; call odc.fsdp.enable(model, optimizer) first")

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError, ProtocolError
-from ._binding import _Binding, _binding, _live, _solos, solo
+from ._binding import _Binding, _bound, _live, _solos, solo
 from ._state import _NORM_BUCKET
 
 
@@ -19,7 +19,7 @@ def _binding_of(model_or_params: Any) -> tuple[_Binding | None, list[Any]]:
     if isinstance(model_or_params, torch.nn.Module):
         if solo(model_or_params) is not None:
             return None, list(model_or_params.parameters())
-        b = _binding(model_or_params)
+        b = _bound(model_or_params)
         return b, [p for p in model_or_params.parameters() if id(p) in b.param_ids]
     params: list[Any] = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
     for b in list(_live):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ..errors import ConfigError, ProtocolError
-from ._binding import _Binding, _binding, solo
+from ._binding import _Binding, _bound, solo
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
         if len(lists) != 1:
             raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the 1")
         return iter(lists[0])
-    b = _binding(model)
+    b = _bound(model)
     s = b.state
     world = s.layout.world
     if len(lists) != world:
