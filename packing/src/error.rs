@@ -219,6 +219,16 @@ pub enum Error {
         distinct: usize,
     },
 
+    /// The fixed-cost fit needs minibatches of at least two distinct
+    /// microbatch counts.
+    #[error(
+        "fitting the fixed costs needs minibatches of at least 2 distinct microbatch counts, got {distinct}"
+    )]
+    TooFewMinibatchTimings {
+        /// Distinct microbatch counts timed.
+        distinct: usize,
+    },
+
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Io {
