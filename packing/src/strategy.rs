@@ -34,13 +34,16 @@
 //! (see [`crate::sim`]) instead of taking the fewest microbatches that fit
 //! and balancing the samples' costs alone: LB-Micro tries a few more steps
 //! than the fewest and keeps the count whose `Σ_m max_d C[m,d] + K·f` is
-//! smallest (ties: fewer); LB-Mini starts from the better of two
-//! Karmarkar–Karp partitions (by cost, and by cost plus each sample's share
-//! `f · tokens / max_tokens` of a microbatch) and moves or swaps samples
-//! between the rank with the largest `Σ C + n_d·f` and the lightest ranks
-//! while that lowers it, `n_d` being the fewest microbatches its samples
-//! pack into. Neither ever does worse by that measure than its plan
-//! without fixed costs, which is where both start. With `f = 0` (unknown)
+//! smallest (ties: fewer); LB-Mini starts from the best of three rank
+//! partitions (Karmarkar–Karp by cost, Karmarkar–Karp by cost plus each
+//! sample's share `f · tokens / max_tokens` of a microbatch, and the ranks'
+//! samples in LB-Micro's plan) and moves or swaps samples between the rank
+//! with the largest `Σ C + n_d·f` and the lightest ranks while that lowers
+//! it, `n_d` being the fewest microbatches its samples pack into; where
+//! LB-Micro's plan itself (an LB-Mini plan too, without its empty steps) is
+//! faster under ODC, that is LB-Mini's plan. Neither ever does worse by
+//! that measure than its plan without fixed costs, and LB-Mini never worse
+//! than LB-Micro's plan run under ODC. With `f = 0` (unknown)
 //! both plan exactly as without fixed costs. The per-minibatch cost is the
 //! same for every plan and changes no choice.
 
@@ -361,7 +364,7 @@ fn lb_mini(mb: &[usize], d: usize, packer: &Packer<'_>) -> Result<MinibatchAssig
             .map(|p| p.into_iter().map(|j| mb[j]).collect())
             .collect()
     };
-    let mut parts = to_samples(karmarkar_karp(&weights, k, false)?);
+    let parts = to_samples(karmarkar_karp(&weights, k, false)?);
     let f = packer.per_microbatch;
     if f > 0.0 && k >= 2 {
         // Each sample also carries its share of a microbatch's fixed cost.
@@ -371,21 +374,39 @@ fn lb_mini(mb: &[usize], d: usize, packer: &Packer<'_>) -> Result<MinibatchAssig
             .map(|&i| packer.costs[i] + f * packer.lengths[i] as f64 / budget)
             .collect();
         let other = to_samples(karmarkar_karp(&shared, k, false)?);
+        // LB-Micro's plan is an LB-Mini plan too (without its empty steps): its ranks' samples are a third start,
+        // and the plan itself what the result must beat.
+        let mut micro = lb_micro(mb, d, packer)?;
+        for rank in &mut micro {
+            rank.retain(|b| !b.is_empty());
+        }
+        let dealt: Vec<Vec<usize>> = micro
+            .iter()
+            .map(|r| {
+                let mut s: Vec<usize> = r.iter().flatten().copied().collect();
+                s.sort_unstable();
+                s
+            })
+            .filter(|s| !s.is_empty())
+            .collect();
         let mut search = RankSearch::new(packer, parts)?;
-        let alternative = RankSearch::new(packer, other)?;
-        if alternative.slowest().1 < search.slowest().1 {
-            search = alternative;
+        for start in [other, dealt] {
+            if start.len() == k {
+                let alternative = RankSearch::new(packer, start)?;
+                if alternative.slowest().1 < search.slowest().1 {
+                    search = alternative;
+                }
+            }
         }
         search.run(SEARCH_MIN_STEPS + SEARCH_STEPS_PER_RANK * k)?;
-        parts = search.parts;
+        let ranks = packer.pack_ranks(&search.parts, d)?;
+        return Ok(if packer.odc_time(&micro) < packer.odc_time(&ranks) {
+            micro
+        } else {
+            ranks
+        });
     }
-    let mut ranks: MinibatchAssignment = vec![Vec::new(); d];
-    for (rank, samples) in parts.iter().enumerate() {
-        let mut bins = packer.pack_min(samples, 1)?;
-        packer.sort_by_cost_desc(&mut bins);
-        ranks[rank] = bins;
-    }
-    Ok(ranks)
+    packer.pack_ranks(&parts, d)
 }
 
 /// LB-Mini's local search with a per-microbatch cost `f`: lowers the
@@ -603,6 +624,27 @@ impl Packer<'_> {
             })
             .sum::<f64>()
             + steps as f64 * self.per_microbatch
+    }
+
+    /// Each part's samples packed into its fewest microbatches, largest first; `d` ranks (the parts first).
+    fn pack_ranks(&self, parts: &[Vec<usize>], d: usize) -> Result<MinibatchAssignment> {
+        let mut ranks: MinibatchAssignment = vec![Vec::new(); d];
+        for (rank, samples) in parts.iter().enumerate() {
+            let mut bins = self.pack_min(samples, 1)?;
+            self.sort_by_cost_desc(&mut bins);
+            ranks[rank] = bins;
+        }
+        Ok(ranks)
+    }
+
+    /// Under ODC: `max_d (Σ C + n_d·f)` (the minibatch's fixed cost left out).
+    fn odc_time(&self, ranks: &MinibatchAssignment) -> f64 {
+        ranks
+            .iter()
+            .map(|r| {
+                r.iter().map(|mb| self.cost(mb)).sum::<f64>() + r.len() as f64 * self.per_microbatch
+            })
+            .fold(0.0, f64::max)
     }
 
     /// Under ODC, one rank's time: `Σ C + n·f` with `n` the microbatches

@@ -322,7 +322,7 @@ proptest! {
     /// plans without fixed costs and only take what lowers the predicted
     /// time with them: never slower by that measure, minibatch by minibatch,
     /// and every sample still once, within the budget, with equal counts for
-    /// LB-Micro.
+    /// LB-Micro; under ODC LB-Mini is never slower than LB-Micro's plan.
     #[test]
     fn fixed_cost_plans_are_never_slower_than_plans_without(
         lengths in lengths_strategy(),
@@ -360,6 +360,16 @@ proptest! {
                 }
             }
             prop_assert!(seen.iter().all(|&c| c == 1), "{strategy}: not every sample once");
+        }
+        // LB-Micro's plan runs under ODC too: LB-Mini's is never slower there.
+        let mini = assign_ordered(Strategy::LbMini, &lengths, &costs, &batching, &order, &fixed).unwrap();
+        let micro = assign_ordered(Strategy::LbMicro, &lengths, &costs, &batching, &order, &fixed).unwrap();
+        let without_empty: Vec<MinibatchAssignment> = micro
+            .iter()
+            .map(|mb| mb.iter().map(|r| r.iter().filter(|b| !b.is_empty()).cloned().collect()).collect())
+            .collect();
+        for (a, b) in times(&mini, &costs, &fixed, true).iter().zip(&times(&without_empty, &costs, &fixed, true)) {
+            prop_assert!(*a <= b * (1.0 + 1e-12), "lb-mini {a} > lb-micro {b} under ODC with {fixed:?}");
         }
     }
 
