@@ -2,8 +2,8 @@
 
 use std::ffi::OsString;
 
-use odc_packing::fit::{fit_quadratic, Timing};
-use odc_packing::{CostModel, Error, Location, PlanConfig, Strategy};
+use odc_packing::fit::{fit_quadratic, MinibatchTiming, Timing};
+use odc_packing::{CostModel, Error, FixedCost, Location, PlanConfig, Strategy};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt};
 
@@ -96,9 +96,11 @@ fn usize_arg(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<usi
         .map_err(|_| odc_error(py, "PackingError", format!("{name} is too large: {v}")))
 }
 
-/// Plans microbatches for every rank and minibatch; returns the plan as JSON text.
+/// Plans microbatches for every rank and minibatch; returns the plan as JSON text. The fixed costs per
+/// microbatch and per minibatch are in the cost model's units.
 #[pyfunction]
-#[pyo3(signature = (lengths, world_size, minibatch_size, strategy, max_tokens, cost, seed=None))]
+#[pyo3(signature = (lengths, world_size, minibatch_size, strategy, max_tokens, cost, seed=None,
+                    microbatch_cost=0.0, minibatch_cost=0.0))]
 #[allow(clippy::too_many_arguments)]
 fn plan_json(
     py: Python<'_>,
@@ -109,6 +111,8 @@ fn plan_json(
     max_tokens: Bound<'_, PyAny>,
     cost: &str,
     seed: Option<Bound<'_, PyAny>>,
+    microbatch_cost: f64,
+    minibatch_cost: f64,
 ) -> PyResult<String> {
     let lengths = lengths_from(py, &lengths)?;
     let world = usize_arg(py, "world_size", &world_size)?;
@@ -119,12 +123,18 @@ fn plan_json(
         .transpose()?;
     let strategy: Strategy = strategy.parse().map_err(|e| packing_error(py, e))?;
     let cost: CostModel = cost.parse().map_err(|e| packing_error(py, e))?;
+    let fixed = FixedCost {
+        microbatch: microbatch_cost,
+        minibatch: minibatch_cost,
+    };
+    fixed.check().map_err(|e| packing_error(py, e))?;
     let cfg = PlanConfig {
         world,
         minibatch_size,
         strategy,
         max_tokens,
         cost,
+        fixed,
         seed,
     };
     let plan = py
@@ -162,13 +172,16 @@ fn synthetic(py: Python<'_>, spec: &str) -> PyResult<Vec<u64>> {
     odc_packing::synthetic(spec).map_err(|e| packing_error(py, e))
 }
 
-/// Fits `a·s² + b·s` to measured `(length, seconds)` pairs; returns the fit as JSON text
-/// (`odc_packing::fit::CostFit`).
+/// Fits `a·s² + b·s` to measured `(length, seconds)` pairs and, given whole-minibatch timings
+/// `(microbatches, length, seconds)`, the fixed costs per microbatch and per minibatch; returns the fit as
+/// JSON text (`odc_packing::fit::CostFit`).
 #[pyfunction]
+#[pyo3(signature = (lengths, seconds, minibatches=Vec::new()))]
 fn fit_cost_json(
     py: Python<'_>,
     lengths: Vec<Bound<'_, PyAny>>,
     seconds: Vec<f64>,
+    minibatches: Vec<(u64, u64, f64)>,
 ) -> PyResult<String> {
     let lengths = lengths_from(py, &lengths)?;
     if lengths.len() != seconds.len() {
@@ -183,7 +196,18 @@ fn fit_cost_json(
         .zip(&seconds)
         .map(|(&length, &seconds)| Timing { length, seconds })
         .collect();
-    let fit = fit_quadratic(&timings).map_err(|e| packing_error(py, e))?;
+    let mut fit = fit_quadratic(&timings).map_err(|e| packing_error(py, e))?;
+    if !minibatches.is_empty() {
+        let timed: Vec<MinibatchTiming> = minibatches
+            .iter()
+            .map(|&(microbatches, length, seconds)| MinibatchTiming {
+                microbatches,
+                length,
+                seconds,
+            })
+            .collect();
+        fit = fit.with_fixed(&timed).map_err(|e| packing_error(py, e))?;
+    }
     serde_json::to_string(&fit).map_err(|e| odc_error(py, "OdcError", e.to_string()))
 }
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+import _baselines_worker
 import verl_cpu as V
 
 MAX_TOKENS = 64
@@ -101,7 +102,8 @@ def outputs_in_order(engine, rank: int, model_dir: str) -> dict:
     return {"lengths": [len(t) for t in got], "want": [len(t) for t in want], "diff": diff}
 
 
-def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang_timeout: float) -> dict:
+def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang_timeout: float,
+               split_cases=()) -> dict:
     import odc
     import odc.fsdp
     import odc.integrations.verl as odc_verl
@@ -137,6 +139,9 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
     fsdp1_actor = V.build_engine(model_dir, MAX_TOKENS, strategy="fsdp", external_lib=hook)
     out["fsdp1"].update(enabled=odc.fsdp.is_enabled(fsdp1_actor.module), cls=type(fsdp1_actor.module).__name__,
                         odc=train(fsdp1_actor, rank, model_dir))
+
+    # odc-bench's verl-maxcount against verl's own split with its data-parallel all-reduces, in this group.
+    out["maxcount_split"] = _baselines_worker.synced_split(rank, split_cases)
 
     # The same uneven plan without ODC: LB-Mini's samples, verl's packing without the count all-reduce.
     from verl.utils import tensordict_utils as tu

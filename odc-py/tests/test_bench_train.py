@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from odc.bench import main, memory, train
+from odc.bench import baselines, main, memory, train
 from odc.bench.train_report import PARAM_TOLERANCE
 
 pytest.importorskip("transformers")
@@ -18,10 +18,14 @@ TINY = ["--world", "2", "--hidden", "32", "--layers", "2", "--heads", "2", "--kv
         "--fit-repeats", "1", "--progress", "off", "--timeout", "120"]
 
 
+# The configurations with ODC and their collective twins (the baselines without ODC: the test below).
+WITH_ODC = [n for n in train.DEFAULT_CONFIGS if n not in {c[0] for c in baselines.CONFIGS}]
+
+
 def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, capsys):
     out, png = tmp_path / "train.json", tmp_path / "train.png"
     code = main(["train", *TINY, "--sweep", "minibatch-size=2,4", "--minibatches", "2", "--repeats", "2",
-                 "--json", str(out), "--plot", str(png)])
+                 "--configs", ",".join(WITH_ODC), "--json", str(out), "--plot", str(png)])
     text = capsys.readouterr().out
     assert code == 0, text
     assert "REAL COMPUTE" in text and "gloo collectives (TCP loopback)" in text
@@ -35,7 +39,7 @@ def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, ca
     assert set(doc["overheads"]) == {"collective", "odc"}
     assert all(len(o["calibration_minibatch_s"]) == 9 for o in doc["overheads"].values())
     rows = doc["rows"]
-    names = list(train.DEFAULT_CONFIGS)  # every configuration but stealing (tested below)
+    names = WITH_ODC  # every configuration with ODC but stealing (tested below)
     assert [(r["label"], r["config"]) for r in rows] == [(m, n) for m in (2, 4) for n in names]
     for r in rows:
         assert len(r["runs"]) == 2, r["config"]
@@ -56,6 +60,55 @@ def test_train_runs_every_configuration_and_matches_the_collectives(tmp_path, ca
     assert all(r["speedup_predicted"] == 1.0 and r["speedup_measured"] == 1.0 for r in base)
     assert all(r["speedup_predicted_with_overheads"] == 1.0 for r in base)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_runs_what_users_pick_instead_on_the_same_samples(tmp_path, capsys):
+    out = tmp_path / "baselines.json"
+    code = main(["train", *TINY, "--minibatch-size", "4", "--minibatches", "3", "--repeats", "1", "--configs",
+                 "odc+lb-mini,verl-maxcount,dummy-pad,fsdp2-accum", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "verl-maxcount = verl's split to the largest count" in text and "params+grads held" in text
+    doc = json.loads(out.read_text())
+    # Each way of running measured its own fixed costs: the collectives' (also dummy-pad's), ODC's, FSDP2's
+    # accumulation's.
+    assert set(doc["overheads"]) == {"collective", "odc", "accum"}
+    rows = {r["config"]: r for r in doc["rows"]}
+    assert list(rows) == ["collective+lb-micro", "odc+lb-mini", "verl-maxcount", "dummy-pad", "fsdp2-accum"]
+    for name, r in rows.items():
+        # The same samples per minibatch: losses and final parameters of the baseline up to float reordering.
+        assert r["dloss"] < 1e-4 and r["params_ok"] and (name == train.BASELINE or r["dparam_baseline"] < 1e-4), r
+        assert "within_target" in r and r["memory"]["held"] > 0, r
+        assert r["memory"]["rss_peak"] is None or r["memory"]["rss_peak"] > 100 << 20, r["memory"]
+        assert r["speedup_predicted"] > 0 and r["speedup_predicted_with_overheads"] > 0
+    verl, pad, accum = rows["verl-maxcount"], rows["dummy-pad"], rows["fsdp2-accum"]
+    assert verl["mode"] == "collective" and verl["plan_source"] in ("odc.bench.baselines", f"verl {_verl_version()}")
+    # In step: every rank runs the largest count (verl re-splits to it, dummy-pad pads to it).
+    assert all(len(set(m)) == 1 for m in verl["microbatches"] + pad["microbatches"]), (verl, pad)
+    # dummy-pad ran its padding: as many microbatches per rank as the largest count, the extra ones without samples.
+    run = pad["runs"][0]
+    for rank in range(2):
+        assert len(run["micro"][rank]) == sum(m[rank] for m in pad["microbatches"])
+    for k in range(3):  # the microbatches with samples hold each of the minibatch's samples once
+        ran = sorted(i for rank in run["micro"] for kk, mb, _ in rank if kk == k for i in mb)
+        assert ran == list(range(k * 8, (k + 1) * 8)), (k, ran)
+    # FSDP2's accumulation holds the unsharded parameters and gradients between microbatches: with 2 ranks about
+    # 3x the sharded parameters and gradients the others hold; ODC's engine adds shared memory of its own.
+    assert accum["memory"]["held"] > 2 * rows[train.BASELINE]["memory"]["held"], (accum, rows[train.BASELINE])
+    assert rows["odc+lb-mini"]["memory"]["odc_shm"] > 0 and verl["memory"]["odc_shm"] is None
+    pairs = {p["other"]: p for p in doc["pairs"]}
+    assert set(pairs) == {"verl-maxcount", "dummy-pad", "fsdp2-accum", "collective+lb-micro"}, pairs
+    for p in pairs.values():
+        assert p["measured"] > 0 and p["min"] <= p["measured"] <= p["max"] and p["with_fixed"] > 0, p
+
+
+def _verl_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("verl")
+    except PackageNotFoundError:
+        return "-"
 
 
 def test_train_steals_from_a_straggler_and_matches_odc_lb_mini(tmp_path, capsys):
@@ -265,6 +318,15 @@ def test_memory_formula_sizes_any_model():
     assert memory.landing_chunk(2 * mib, 1024, 256 * mib) == 128 * 1024
     with pytest.raises(ValueError, match="ODC_LANDING_MB to at least 512"):
         memory.landing_chunk(2 * mib, 4096, 256 * mib)
+    # The baselines: verl-maxcount and dummy-pad hold what FSDP2 holds; FSDP2's accumulation holds the unsharded
+    # parameters (gather dtype) and gradients (parameter dtype) beside, for the whole minibatch.
+    bf16 = {r["label"]: r for r in memory.formula(70 * 10**9, 64, 8, param_bytes=2, gather_bytes=2, layers=80)}
+    fsdp, accum, odc_full = bf16["FSDP2 full"], bf16["fsdp2-accum"], bf16["ODC full"]
+    assert bf16["verl-maxcount"]["total"] == bf16["dummy-pad"]["total"] == fsdp["total"]
+    assert accum["unsharded"] == 4 * 70e9 and fsdp["unsharded"] == odc_full["unsharded"] == 6 * 70e9 / 80
+    assert fsdp["total"] == (2 + 2 + 8) * 70e9 / 64 + 6 * 70e9 / 80
+    assert accum["total"] > 80e9 > odc_full["total"] > fsdp["total"]  # where accumulation stops fitting a GPU
+    assert rows["FSDP2 full"]["unsharded"] is None and rows["fsdp2-accum"]["unsharded"] == (2 + 4) * 32e9
     assert memory.parse_count("7B") == 7 * 10**9 and memory.parse_count("1.5M") == 1_500_000
     assert memory.parse_count("32e9") == 32 * 10**9 and gib == 2**30
 
@@ -274,7 +336,8 @@ def test_memory_formula_prints_every_mode(capsys):
                  "--markdown"]) == 0
     captured = capsys.readouterr()
     text = captured.out
-    assert text.count("\n| ") == 5 and "| ODC hybrid-zero |" in text and "ODC landing slots" in text
+    assert text.count("\n| ") == 8 and "| ODC hybrid-zero |" in text and "ODC landing slots" in text
+    assert "| fsdp2-accum |" in text and "unsharded params + grads" in text
     assert captured.err.splitlines()[-1] == ("odc-bench: wrote no files (the results are printed above; --json FILE "
                                              "keeps them)"), captured.err
     assert main(["memory", "--formula", "7B", "--world", "16", "--per-node", "8", "--deterministic"]) == 0

@@ -14,6 +14,7 @@ import math
 import os
 import types
 
+import _baselines_worker
 import numpy as np
 import pytest
 from _dist import run_ranks
@@ -27,6 +28,7 @@ if importlib.util.find_spec("verl") is None:
                 "(make setup-torch211); ODC_REQUIRE_VERL=1 makes this a failure", allow_module_level=True)
 
 HANG_TIMEOUT = 8.0
+SPLIT_CASES = _baselines_worker.split_cases(7, 40)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,8 @@ def ppo_runs(tmp_path_factory):
     model_dir = str(tmp_path_factory.mktemp("qwen2"))
     W.V.write_model(model_dir)
     ckpt_dir = str(tmp_path_factory.mktemp("checkpoint"))
-    out = run_ranks(W.ppo_worker, 2, timeout=400, model_dir=model_dir, ckpt_dir=ckpt_dir, hang_timeout=HANG_TIMEOUT)
+    out = run_ranks(W.ppo_worker, 2, timeout=400, model_dir=model_dir, ckpt_dir=ckpt_dir, hang_timeout=HANG_TIMEOUT,
+                    split_cases=SPLIT_CASES)
     for rank, (status, value) in out.items():
         assert status == "ok", (rank, status, value if not isinstance(value, tuple) else value[3])
     return {rank: value for rank, (_, value) in out.items()}
@@ -49,6 +52,21 @@ def _same_parameters(odc_run, gloo_run):
         np.testing.assert_array_equal(odc_run["init"][name], gloo_run["init"][name], err_msg=name)
         moved = max(moved, float(np.abs(want - gloo_run["init"][name]).max()))
     assert moved > 1e-3, moved  # training moved the parameters far beyond the tolerance
+
+
+def test_odc_bench_verl_maxcount_is_verls_synced_split(ppo_runs):
+    """verl's rearrange_micro_batches with its data-parallel all-reduces (these 2 gloo ranks) gives every rank what
+    odc-bench's verl-maxcount computes in one process (odc.bench.baselines.verl_split, on its transcription of
+    verl's functions), on cases where the largest count does not fit some rank."""
+    from odc.bench import baselines
+
+    raised = 0
+    for c, (per_rank, budget) in enumerate(SPLIT_CASES):
+        ours = baselines.verl_split(per_rank, budget, own=baselines._split_own)
+        assert [ppo_runs[r]["maxcount_split"][c] for r in range(2)] == ours, (per_rank, budget)
+        fewest = max(min(len(x), -(sum(x) // -budget)) for x in per_rank)
+        raised += len(ours[0]) > fewest
+    assert raised >= 3, raised  # the sync's raising loop was exercised
 
 
 def test_uneven_microbatch_counts_under_odc_match_verl_with_equalized_counts(ppo_runs):

@@ -95,8 +95,11 @@ def test_json_shape_matches_cli():
     lengths = [5, 9, 1, 7, 3, 3, 8, 2]
     p = packing.plan(lengths, 2, 2, strategy="lb-mini", max_tokens=100)
     d = p.to_dict()
-    assert set(d) == {"minibatches", "bubble_collective", "bubble_odc", "predicted_speedup"}
+    assert set(d) == {"minibatches", "bubble_collective", "bubble_odc", "predicted_speedup", "time_collective",
+                      "time_odc", "fixed"}
+    assert set(d["minibatches"][0]) == {"ranks", "bubble_collective", "bubble_odc", "time_collective", "time_odc"}
     assert set(d["minibatches"][0]["ranks"][0]) == {"microbatches", "cost"}
+    assert d["fixed"] == {"microbatch": 0.0, "minibatch": 0.0}
 
 
 def test_karmarkar_karp_verl_compatible():
@@ -350,6 +353,64 @@ def test_fit_cost_times_a_step_function(monkeypatch):
     # Rounds go over every length in turn: one warm-up round, then two timed ones.
     assert calls == [100, 400, 1600] * 3
     assert [p[0] for p in fit.points] == [100, 400, 1600]
+
+
+def test_fit_cost_fits_the_fixed_costs_and_plan_uses_them(monkeypatch):
+    """Whole minibatches on a fake clock: n microbatches of an L-token sample take g + n * (f + cost(L))."""
+    clock = [0.0]
+    calls = []
+
+    def step(s):
+        clock[0] += 1e-4 * s
+
+    def minibatch(n, length):
+        calls.append((n, length))
+        clock[0] += 0.25 + n * (0.03 + 1e-4 * length)
+
+    monkeypatch.setattr(packing.time, "perf_counter", lambda: clock[0])
+    fit = packing.fit_cost(step, [100, 400, 1600], repeats=2, warmup=1, minibatch=minibatch)
+    assert fit.microbatch_s == pytest.approx(0.03, rel=1e-6) and fit.minibatch_s == pytest.approx(0.25, rel=1e-6)
+    assert calls == [(n, packing.FIXED_LENGTH) for n in packing.FIXED_COUNTS] * 3
+    assert [p[0] for p in fit.fixed_points] == list(packing.FIXED_COUNTS)
+    assert fit.to_dict()["microbatch_s"] == fit.microbatch_s
+    # plan() takes the fit's fixed costs; the predicted times count them, explicit arguments override them.
+    lengths = packing.synthetic("lognormal:n=64,median=300,sigma=1.0,max=2048,seed=0")
+    p = packing.plan(lengths, 2, 8, "lb-mini", 2048, cost=fit)
+    assert (p.microbatch_cost, p.minibatch_cost) == (fit.microbatch_s, fit.minibatch_s)
+    per_rank = [sum(sum(fit.seconds(lengths[i]) for i in mb) + fit.microbatch_s for mb in r) for r in p.minibatches[0]]
+    assert p.minibatch_times[0][1] == pytest.approx(max(per_rank) + fit.minibatch_s)
+    assert p.time("odc") == pytest.approx(p.time_odc) and p.time("odc", 1) == pytest.approx(
+        p.time_odc - p.minibatch_times[0][1])
+    assert p.predicted_speedup == pytest.approx(p.time_collective / p.time_odc)
+    plain = packing.plan(lengths, 2, 8, "lb-mini", 2048, cost=fit, microbatch_cost=0.0, minibatch_cost=0.0)
+    assert plain.microbatch_cost == 0.0 and plain.time_odc < p.time_odc
+    with pytest.raises(odc.PackingError, match="microbatch_cost"):
+        packing.plan(lengths, 2, 8, "lb-mini", 2048, microbatch_cost=-1.0)
+    with pytest.raises(odc.PackingError, match="not both"):
+        packing.fit_cost(step, [100, 400], minibatch=minibatch, minibatch_timings=[(1, 16, 0.3), (4, 16, 0.4)])
+    with pytest.raises(odc.PackingError, match="2 distinct microbatch counts"):
+        packing.fit_cost([(100, 0.01), (200, 0.02)], minibatch_timings=[(4, 16, 0.3), (4, 16, 0.4)])
+
+
+def test_a_dear_microbatch_buys_lb_mini_fewer_microbatches():
+    """The fixed cost makes LB-Mini trade cost balance for a microbatch less on the slowest rank (the packer's
+    property tests hold it to never doing worse than without the cost)."""
+    lengths = packing.synthetic("lognormal:n=512,median=312,sigma=1.0,max=2048,seed=0")
+    cost = "quadratic:a=20,b=31.4"
+    per_micro = packing.sequence_cost(312, cost)  # a microbatch costs what a median sample does
+    base = packing.plan(lengths, 8, 4, "lb-mini", 2048, cost=cost)
+    dear = packing.plan(lengths, 8, 4, "lb-mini", 2048, cost=cost, microbatch_cost=per_micro)
+    again = packing.plan(lengths, 8, 4, "lb-mini", 2048, cost=cost, microbatch_cost=per_micro, minibatch_cost=1.0)
+    assert again.minibatches == dear.minibatches  # the minibatch's cost changes no plan
+    timed = packing.plan(lengths, 8, 4, "lb-micro", 2048, cost=cost, microbatch_cost=per_micro)
+    # Both plans' ODC time with the fixed cost, the way the packer predicts it.
+    def odc_time(p):
+        return sum(max(p_cost + per_micro * len(r) for p_cost, r in zip(costs, m, strict=True))
+                   for costs, m in zip(p.costs, p.minibatches, strict=True))
+    assert odc_time(dear) == pytest.approx(dear.time_odc)
+    assert odc_time(dear) < odc_time(base)
+    assert sum(len(r) for m in dear.minibatches for r in m) < sum(len(r) for m in base.minibatches for r in m)
+    assert timed.time_collective >= dear.time_odc
 
 
 def test_fit_cost_times_a_torch_module():

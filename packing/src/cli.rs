@@ -7,6 +7,7 @@
 //! odc-pack --lengths lengths.txt --partition 8 --equal-size --cost linear
 //! odc-pack --fit-cost timings.txt                      # fit a·s² + b·s to measured timings
 //! odc-pack --fit-cost timings.txt --lengths lengths.txt --compare
+//! odc-pack --lengths lengths.txt --cost linear --microbatch-cost 300 --compare
 //! ```
 //!
 //! Exit codes: 0 on success, 2 on bad input or usage (one `error:` line on
@@ -18,9 +19,9 @@ use std::path::PathBuf;
 
 use clap::{ArgGroup, Parser};
 
-use crate::cost::CostModel;
+use crate::cost::{CostModel, FixedCost};
 use crate::error::{Error, Result};
-use crate::fit::{fit_quadratic, parse_timings, CostFit};
+use crate::fit::{fit_quadratic, parse_timing_file, CostFit};
 use crate::input::{parse_lengths, synthetic, total_tokens};
 use crate::kk::{karmarkar_karp, lower_bound, max_part_sum, part_sum};
 use crate::planner::{compare, plan, Plan, PlanConfig};
@@ -32,12 +33,22 @@ Cost models: linear, quadratic (= quadratic:qwen2-7b), quadratic:qwen2-1.5b,
 Fitted cost: --fit-cost FILE reads `length seconds` pairs (forward + backward
   of single samples on your model; odc.packing.fit_cost times them), fits
   a·s² + b·s and prints the model and its residual; with --lengths or
-  --synthetic it plans with the fitted model instead of --cost.
+  --synthetic it plans with the fitted model instead of --cost. Lines
+  `minibatch N LENGTH SECONDS` (a minibatch of N microbatches of one
+  LENGTH-token sample took SECONDS) fit the fixed costs too.
+Fixed costs: --microbatch-cost / --minibatch-cost (in the cost model's units;
+  seconds with --fit-cost, overriding the fitted ones) are what a microbatch and
+  a minibatch cost beside their samples. lb-micro and lb-mini then minimise the
+  predicted time with them (fewer, fuller microbatches where that wins), and the
+  times and speedups count them.
 Synthetic: lognormal:n=N[,median=10000][,sigma=1.0][,min=1][,max=65536][,seed=0]
   (its seed draws the lengths; --seed only shuffles their order).
 
-Bubble rates: collective = 1 - sum(C) / (D * sum_m max_d C[m,d]);
-              odc        = 1 - sum(C) / (D * max_d sum_m C[m,d]).
+Times:        collective = sum_m max_d C[m,d] + K*f + g;
+              odc        = max_d (sum_m C[m,d] + n_d*f) + g
+              (f, g: fixed costs per microbatch and minibatch; speedup = ratio of times).
+Bubble rates: 1 - busy / (D * time), busy = sum(C) plus the fixed costs ranks run
+              (without fixed costs: 1 - sum(C) / (D * time)).
 Exit status: 0 ok, 2 bad input or usage, 1 output could not be written.
 
 Examples:
@@ -48,7 +59,9 @@ Examples:
   odc-pack --lengths lengths.txt --partition 8 --equal-size --cost linear
       8 parts of equal size, balanced by cost (Karmarkar-Karp)
   odc-pack --fit-cost timings.txt --lengths lengths.txt --compare
-      plan with a cost model fitted to measured `length seconds` pairs";
+      plan with a cost model fitted to measured `length seconds` pairs
+  odc-pack --lengths lengths.txt --cost linear --microbatch-cost 300 --compare
+      every strategy when a microbatch costs as much as 300 tokens beside its samples";
 
 /// Plan sequence packing for data-parallel training and predict the
 /// bubble rate under collectives and under ODC.
@@ -86,8 +99,19 @@ struct Args {
 
     /// Fit a·s² + b·s to the `length seconds` pairs in FILE (`-` is stdin)
     /// and use it as the cost model; alone, print the fit and its residual.
+    /// `minibatch N LENGTH SECONDS` lines fit the fixed costs too.
     #[arg(long, value_name = "FILE", conflicts_with = "cost")]
     fit_cost: Option<PathBuf>,
+
+    /// Fixed cost of every microbatch beside its samples, in the cost
+    /// model's units (seconds with --fit-cost).
+    #[arg(long, value_name = "COST")]
+    microbatch_cost: Option<f64>,
+
+    /// Fixed cost of every minibatch beside its microbatches, in the cost
+    /// model's units (seconds with --fit-cost).
+    #[arg(long, value_name = "COST")]
+    minibatch_cost: Option<f64>,
 
     /// Shuffle the samples with seed S before cutting minibatches (like a
     /// data loader's shuffle); without it minibatches take samples in input
@@ -197,9 +221,15 @@ fn read_text(path: Option<&std::path::Path>) -> Result<String> {
 fn execute(args: &Args) -> Result<String> {
     let fit = match &args.fit_cost {
         Some(path) => {
-            let timings =
-                parse_timings(&read_text(Some(path))?).map_err(|e| in_file(Some(path), e))?;
-            Some(fit_quadratic(&timings).map_err(|e| in_file(Some(path), e))?)
+            let (pairs, minibatches) =
+                parse_timing_file(&read_text(Some(path))?).map_err(|e| in_file(Some(path), e))?;
+            let fit = fit_quadratic(&pairs).map_err(|e| in_file(Some(path), e))?;
+            Some(if minibatches.is_empty() {
+                fit
+            } else {
+                fit.with_fixed(&minibatches)
+                    .map_err(|e| in_file(Some(path), e))?
+            })
         }
         None => None,
     };
@@ -207,12 +237,19 @@ fn execute(args: &Args) -> Result<String> {
         Some(f) => f.cost_model(),
         None => args.cost.parse()?,
     };
+    let fitted = fit.as_ref().map_or(FixedCost::NONE, CostFit::fixed_cost);
+    let fixed = FixedCost {
+        microbatch: args.microbatch_cost.unwrap_or(fitted.microbatch),
+        minibatch: args.minibatch_cost.unwrap_or(fitted.minibatch),
+    };
+    fixed.check()?;
     let cfg = PlanConfig {
         world: args.world,
         minibatch_size: args.minibatch_size,
         strategy: args.strategy.parse()?,
         max_tokens: args.max_tokens,
         cost,
+        fixed,
         seed: args.seed,
     };
     if args.lengths.is_none() && args.synthetic.is_none() {
@@ -336,6 +373,26 @@ fn fit_summary(f: &CostFit) -> String {
             100.0 * p.relative_error
         ));
     }
+    if let Some(x) = &f.fixed {
+        text.push_str(&format!(
+            "\nfixed costs:    {:.3e} s per microbatch, {:.3e} s per minibatch (the line's own: {:.3e}, {:.3e})\n\
+             {:>12} {:>10} {:>12} {:>12}",
+            x.microbatch_seconds,
+            x.minibatch_seconds,
+            x.raw_microbatch_seconds,
+            x.raw_minibatch_seconds,
+            "microbatches",
+            "length",
+            "seconds",
+            "fitted"
+        ));
+        for p in &x.points {
+            text.push_str(&format!(
+                "\n{:>12} {:>10} {:>12.6} {:>12.6}",
+                p.microbatches, p.length, p.seconds, p.predicted
+            ));
+        }
+    }
     text
 }
 
@@ -351,6 +408,8 @@ fn summary(p: &Plan, lengths: &[u64], cfg: &PlanConfig) -> String {
          strategy:       {} (cost {}, max {} tokens per microbatch)\n\
          minibatches:    {}\n\
          microbatches:   per rank per minibatch min {}, mean {:.2}, max {}\n\
+         fixed costs:    {} per microbatch, {} per minibatch\n\
+         time:           collective {:.6}, odc {:.6} (predicted, in the cost model's units, fixed costs included)\n\
          bubble:         collective {:.2}%, odc {:.2}%\n\
          speedup:        {:.3}x predicted for odc over collective",
         lengths.len(),
@@ -364,6 +423,10 @@ fn summary(p: &Plan, lengths: &[u64], cfg: &PlanConfig) -> String {
         min,
         mean,
         max,
+        cfg.fixed.microbatch,
+        cfg.fixed.minibatch,
+        p.time_collective,
+        p.time_odc,
         100.0 * p.bubble_collective,
         100.0 * p.bubble_odc,
         p.predicted_speedup,

@@ -23,6 +23,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Error, Result};
 use crate::spec::Params;
 
@@ -95,6 +97,63 @@ impl CostModel {
                 l * (24.0 * h * h * s + 2.0 * q * s * s)
             }
         }
+    }
+}
+
+/// Fixed costs in the cost model's units: per microbatch and per minibatch.
+///
+/// A microbatch of samples `S` costs `Σ_{i∈S} cost(i) + microbatch`; a
+/// minibatch adds `minibatch` once. `FixedCost::default()` (both 0) is the
+/// per-sample model alone; the strategies then plan as they always did
+/// (the fewest microbatches that fit), since a microbatch with no price
+/// would otherwise be bought for any balance at all.
+///
+/// ```
+/// use odc_packing::cost::FixedCost;
+/// let f = FixedCost { microbatch: 0.017, minibatch: 0.3 };
+/// assert!(f.check().is_ok() && !f.is_zero());
+/// assert!(FixedCost { microbatch: -1.0, minibatch: 0.0 }.check().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct FixedCost {
+    /// Cost of every microbatch on top of its samples' costs.
+    pub microbatch: f64,
+    /// Cost of every minibatch on top of its microbatches (once per rank,
+    /// all ranks at once).
+    pub minibatch: f64,
+}
+
+impl FixedCost {
+    /// No fixed cost: the per-sample model alone.
+    pub const NONE: FixedCost = FixedCost {
+        microbatch: 0.0,
+        minibatch: 0.0,
+    };
+
+    /// Whether both costs are zero.
+    pub fn is_zero(&self) -> bool {
+        self.microbatch == 0.0 && self.minibatch == 0.0
+    }
+
+    /// Both costs must be finite and non-negative.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::InvalidConfig`] naming the cost and its value.
+    pub fn check(&self) -> Result<()> {
+        for (field, value) in [
+            ("microbatch_cost", self.microbatch),
+            ("minibatch_cost", self.minibatch),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(Error::InvalidConfig {
+                    field,
+                    value: value.to_string(),
+                    reason: "a fixed cost must be finite and non-negative",
+                });
+            }
+        }
+        Ok(())
     }
 }
 

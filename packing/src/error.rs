@@ -241,6 +241,15 @@ pub enum Error {
         #[source]
         source: Box<Error>,
     },
+    /// The fixed-cost fit needs minibatches of at least two distinct
+    /// microbatch counts.
+    #[error(
+        "fitting the fixed costs needs minibatches of at least 2 distinct microbatch counts, got {distinct}"
+    )]
+    TooFewMinibatchTimings {
+        /// Distinct microbatch counts timed.
+        distinct: usize,
+    },
 
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]

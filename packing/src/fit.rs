@@ -13,10 +13,17 @@
 //! negative ones); a three-term fit `a·s² + b·s + c` is reported beside it as a diagnostic:
 //! `c` is a fixed cost per timed call (launches, interpreter overhead) that
 //! the per-sample model cannot express.
+//!
+//! What a training loop pays per microbatch and per minibatch beside its
+//! samples ([`FixedCost`]) is measured on whole minibatches:
+//! [`fit_fixed`] takes the times of minibatches of a few different
+//! microbatch counts, each microbatch one short sample, and fits
+//! `seconds = g + n·(f + cost(sample))` with the per-sample cost from the
+//! quadratic fit: `f` per microbatch, `g` per minibatch.
 
 use serde::Serialize;
 
-use crate::cost::{CostModel, QUADRATIC_SCALE};
+use crate::cost::{CostModel, FixedCost, QUADRATIC_SCALE};
 use crate::error::{Error, Location, Result};
 
 /// One measured timing.
@@ -62,9 +69,28 @@ pub struct CostFit {
     pub overhead_seconds: f64,
     /// Every timing with its prediction, in input order.
     pub points: Vec<FitPoint>,
+    /// The fixed costs per microbatch and per minibatch, when minibatch
+    /// timings were fitted ([`CostFit::with_fixed`]).
+    pub fixed: Option<FixedFit>,
 }
 
 impl CostFit {
+    /// This fit with the fixed costs [`fit_fixed`] finds in `timings`.
+    ///
+    /// # Errors
+    ///
+    /// As [`fit_fixed`].
+    pub fn with_fixed(mut self, timings: &[MinibatchTiming]) -> Result<Self> {
+        self.fixed = Some(fit_fixed(&self, timings)?);
+        Ok(self)
+    }
+
+    /// The fitted fixed costs in seconds, [`FixedCost::NONE`] when none
+    /// were fitted.
+    pub fn fixed_cost(&self) -> FixedCost {
+        self.fixed.as_ref().map_or(FixedCost::NONE, FixedFit::cost)
+    }
+
     /// The fitted cost model (costs in predicted seconds).
     pub fn cost_model(&self) -> CostModel {
         CostModel::Quadratic {
@@ -179,6 +205,169 @@ pub fn fit_quadratic(timings: &[Timing]) -> Result<CostFit> {
         rms_relative,
         max_relative,
         overhead_seconds,
+        points,
+        fixed: None,
+    })
+}
+
+/// One measured minibatch: `microbatches` microbatches of one sample of
+/// `length` tokens each (forward + backward), then the minibatch's own
+/// work (gradient clipping, the optimizer step), in `seconds`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MinibatchTiming {
+    /// Microbatches the minibatch ran.
+    pub microbatches: u64,
+    /// Tokens of the one sample of each microbatch.
+    pub length: u64,
+    /// Seconds of the whole minibatch.
+    pub seconds: f64,
+}
+
+/// One minibatch timing next to what the fitted costs predict for it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct FixedPoint {
+    /// Microbatches the minibatch ran.
+    pub microbatches: u64,
+    /// Tokens of each microbatch's sample.
+    pub length: u64,
+    /// Measured seconds.
+    pub seconds: f64,
+    /// Seconds `g + n·(f + cost(length))` predicts.
+    pub predicted: f64,
+}
+
+/// The result of [`fit_fixed`]: seconds per microbatch and per minibatch.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FixedFit {
+    /// Seconds per microbatch beside its samples, `f ≥ 0`.
+    pub microbatch_seconds: f64,
+    /// Seconds per minibatch beside its microbatches, `g ≥ 0`.
+    pub minibatch_seconds: f64,
+    /// Diagnostic: `f` of the unconstrained line (negative: the timings'
+    /// noise exceeds the cost).
+    pub raw_microbatch_seconds: f64,
+    /// Diagnostic: `g` of the unconstrained line.
+    pub raw_minibatch_seconds: f64,
+    /// Every timing with its prediction, in input order.
+    pub points: Vec<FixedPoint>,
+}
+
+impl FixedFit {
+    /// The fitted fixed costs, in seconds.
+    pub fn cost(&self) -> FixedCost {
+        FixedCost {
+            microbatch: self.microbatch_seconds,
+            minibatch: self.minibatch_seconds,
+        }
+    }
+}
+
+/// Fits the fixed costs `f` per microbatch and `g` per minibatch
+/// (`f, g ≥ 0`) to whole-minibatch `timings`: least squares of
+/// `seconds − n·cost(length) ≈ g + n·f`, with `cost` the per-sample
+/// seconds of `fit`. Time the minibatches as training runs them (every
+/// rank at once, the same communication), each microbatch one short sample
+/// so that the fixed costs dominate.
+///
+/// ```
+/// use odc_packing::fit::{fit_fixed, fit_quadratic, MinibatchTiming, Timing};
+/// let t: Vec<Timing> = [64u64, 256, 1024].iter()
+///     .map(|&s| Timing { length: s, seconds: 1e-4 * s as f64 }).collect();
+/// let fit = fit_quadratic(&t)?;
+/// let mb = |n: u64| MinibatchTiming { microbatches: n, length: 16, seconds: 0.3 + n as f64 * (0.02 + 1.6e-3) };
+/// let fixed = fit_fixed(&fit, &[mb(1), mb(4)])?;
+/// assert!((fixed.microbatch_seconds - 0.02).abs() < 1e-9 && (fixed.minibatch_seconds - 0.3).abs() < 1e-9);
+/// # Ok::<(), odc_packing::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidTiming`] for a zero microbatch count or length, or a
+/// time that is not a finite positive number (naming its index);
+/// [`Error::TooFewMinibatchTimings`] when fewer than two distinct
+/// microbatch counts were timed.
+pub fn fit_fixed(fit: &CostFit, timings: &[MinibatchTiming]) -> Result<FixedFit> {
+    for (i, t) in timings.iter().enumerate() {
+        let bad = |value: String, reason| Error::InvalidTiming {
+            at: Location::Index(i),
+            value,
+            reason,
+        };
+        if t.microbatches == 0 || t.length == 0 {
+            return Err(bad(
+                format!("{} microbatches of {} tokens", t.microbatches, t.length),
+                "a timed minibatch runs at least one microbatch of at least one token",
+            ));
+        }
+        if !(t.seconds.is_finite() && t.seconds > 0.0) {
+            return Err(bad(
+                format!("{} seconds", t.seconds),
+                "seconds must be finite and positive",
+            ));
+        }
+    }
+    let mut distinct: Vec<u64> = timings.iter().map(|t| t.microbatches).collect();
+    distinct.sort_unstable();
+    distinct.dedup();
+    if distinct.len() < 2 {
+        return Err(Error::TooFewMinibatchTimings {
+            distinct: distinct.len(),
+        });
+    }
+    // (n, seconds left once the samples' own cost is taken off)
+    let pts: Vec<(f64, f64)> = timings
+        .iter()
+        .map(|t| {
+            let n = t.microbatches as f64;
+            (n, t.seconds - n * fit.seconds(t.length))
+        })
+        .collect();
+    let m = pts.len() as f64;
+    let (sn, sr) = pts
+        .iter()
+        .fold((0.0, 0.0), |(a, b), &(n, r)| (a + n, b + r));
+    let (mean_n, mean_r) = (sn / m, sr / m);
+    let (mut sxx, mut sxy, mut snn, mut snr) = (0.0, 0.0, 0.0, 0.0);
+    for &(n, r) in &pts {
+        sxx += (n - mean_n) * (n - mean_n);
+        sxy += (n - mean_n) * (r - mean_r);
+        snn += n * n;
+        snr += n * r;
+    }
+    let raw_f = sxy / sxx; // sxx > 0: two distinct counts
+    let raw_g = mean_r - raw_f * mean_n;
+    let (f, g) = if raw_f >= 0.0 && raw_g >= 0.0 {
+        (raw_f, raw_g)
+    } else {
+        // The optimum of the bounded problem lies on a bound: no fixed cost
+        // per microbatch, or none per minibatch.
+        let sse =
+            |f: f64, g: f64| -> f64 { pts.iter().map(|&(n, r)| (g + n * f - r).powi(2)).sum() };
+        let only_g = (0.0, mean_r.max(0.0));
+        let only_f = ((snr / snn).max(0.0), 0.0);
+        if sse(only_g.0, only_g.1) <= sse(only_f.0, only_f.1) {
+            only_g
+        } else {
+            only_f
+        }
+    };
+    let points = timings
+        .iter()
+        .map(|t| {
+            let n = t.microbatches as f64;
+            FixedPoint {
+                microbatches: t.microbatches,
+                length: t.length,
+                seconds: t.seconds,
+                predicted: g + n * (f + fit.seconds(t.length)),
+            }
+        })
+        .collect();
+    Ok(FixedFit {
+        microbatch_seconds: f,
+        minibatch_seconds: g,
+        raw_microbatch_seconds: raw_f,
+        raw_minibatch_seconds: raw_g,
         points,
     })
 }
@@ -335,6 +524,72 @@ pub fn parse_timings(text: &str) -> Result<Vec<Timing>> {
     Ok(timings)
 }
 
+/// The contents of a timings file: single-sample timings and, optionally,
+/// whole-minibatch timings for [`fit_fixed`].
+///
+/// Lines are `length seconds` as for [`parse_timings`], or
+/// `minibatch N LENGTH SECONDS`: a minibatch of `N` microbatches of one
+/// `LENGTH`-token sample each took `SECONDS`. A JSON array holds pairs
+/// only.
+///
+/// ```
+/// use odc_packing::fit::parse_timing_file;
+/// let (samples, minibatches) = parse_timing_file("256 0.031\n512 0.07\nminibatch 4 16 0.41\n")?;
+/// assert_eq!((samples.len(), minibatches[0].microbatches, minibatches[0].seconds), (2, 4, 0.41));
+/// # Ok::<(), odc_packing::Error>(())
+/// ```
+///
+/// # Errors
+///
+/// As [`parse_timings`]; [`Error::InvalidTiming`] naming the line of a
+/// `minibatch` line that is not a positive microbatch count, a positive
+/// length and a finite positive time.
+pub fn parse_timing_file(text: &str) -> Result<(Vec<Timing>, Vec<MinibatchTiming>)> {
+    if text.trim_start().starts_with('[') {
+        return Ok((parse_timings(text)?, Vec::new()));
+    }
+    let mut pairs = String::new();
+    let mut minibatches = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let body = line.split('#').next().unwrap_or("").trim();
+        let fields: Vec<&str> = body
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|f| !f.is_empty())
+            .collect();
+        if fields.first() != Some(&"minibatch") {
+            pairs.push_str(line);
+            pairs.push('\n');
+            continue;
+        }
+        pairs.push('\n'); // keep the line numbers of what parse_timings reads
+        let bad = |reason| Error::InvalidTiming {
+            at: Location::Line(i + 1),
+            value: body.to_owned(),
+            reason,
+        };
+        let [_, n, len, secs] = fields.as_slice() else {
+            return Err(bad("expected `minibatch MICROBATCHES LENGTH SECONDS`"));
+        };
+        let count = |v: &str| v.parse::<u64>().ok().filter(|&x| x > 0);
+        let (Some(microbatches), Some(length)) = (count(n), count(len)) else {
+            return Err(bad(
+                "the microbatch count and the length must be positive integers",
+            ));
+        };
+        let seconds = secs
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .ok_or_else(|| bad("seconds must be a finite positive number"))?;
+        minibatches.push(MinibatchTiming {
+            microbatches,
+            length,
+            seconds,
+        });
+    }
+    Ok((parse_timings(&pairs)?, minibatches))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -403,6 +658,75 @@ mod tests {
         let fit = fit_quadratic(&t).unwrap();
         assert_eq!(fit.b_per_token, 0.0);
         assert!(fit.a_per_token2 > 0.0);
+    }
+
+    #[test]
+    fn fixed_costs_are_recovered_and_never_negative() {
+        let fit = fit_quadratic(&timings(2e-8, 1e-4, &[64, 256, 1024, 2048], &[0.0])).unwrap();
+        let sample = fit.seconds(16);
+        let mb = |n: u64, s: f64| MinibatchTiming {
+            microbatches: n,
+            length: 16,
+            seconds: s,
+        };
+        let exact: Vec<_> = [1u64, 2, 4, 4, 1]
+            .iter()
+            .map(|&n| mb(n, 0.25 + n as f64 * (0.017 + sample)))
+            .collect();
+        let f = fit_fixed(&fit, &exact).unwrap();
+        assert!((f.microbatch_seconds - 0.017).abs() < 1e-12, "{f:?}");
+        assert!((f.minibatch_seconds - 0.25).abs() < 1e-12, "{f:?}");
+        assert!(f
+            .points
+            .iter()
+            .all(|p| (p.predicted - p.seconds).abs() < 1e-12));
+        let with = fit.clone().with_fixed(&exact).unwrap();
+        assert_eq!(
+            with.fixed_cost(),
+            FixedCost {
+                microbatch: f.microbatch_seconds,
+                minibatch: f.minibatch_seconds
+            }
+        );
+        assert_eq!(fit.fixed_cost(), FixedCost::NONE);
+        // More microbatches taking less time is noise: no cost per microbatch, the mean per minibatch.
+        let noisy = fit_fixed(&fit, &[mb(1, 0.40), mb(4, 0.30)]).unwrap();
+        assert!(
+            noisy.raw_microbatch_seconds < 0.0 && noisy.microbatch_seconds == 0.0,
+            "{noisy:?}"
+        );
+        assert!(noisy.minibatch_seconds > 0.0, "{noisy:?}");
+        // A negative per-minibatch cost is clamped, the line refitted through the origin.
+        let steep = fit_fixed(&fit, &[mb(1, 0.01), mb(4, 0.2)]).unwrap();
+        assert!(
+            steep.raw_minibatch_seconds < 0.0 && steep.minibatch_seconds == 0.0,
+            "{steep:?}"
+        );
+        assert!(steep.microbatch_seconds > 0.0, "{steep:?}");
+        // Errors name the problem.
+        let e = fit_fixed(&fit, &[mb(2, 0.1), mb(2, 0.2)]).unwrap_err();
+        assert!(
+            e.to_string().contains("2 distinct microbatch counts"),
+            "{e}"
+        );
+        let e = fit_fixed(&fit, &[mb(1, 0.1), mb(0, 0.2)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("index 1") && e.contains("0 microbatches"), "{e}");
+        let (pairs, mbs) =
+            parse_timing_file("# t\n100 0.1\nminibatch 1 16 0.3\n200 0.2\n").unwrap();
+        assert_eq!((pairs.len(), mbs.len(), mbs[0].length), (2, 1, 16));
+        let e = parse_timing_file("100 0.1\nminibatch 1 x 0.3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 2") && e.contains("positive integers"),
+            "{e}"
+        );
+        let e = parse_timing_file("100 0.1\n200 x\nminibatch 1 16 0.3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("line 2"), "{e}");
     }
 
     #[test]

@@ -12,8 +12,8 @@
 //!
 //! | module | owns |
 //! |--------|------|
-//! | [`cost`] | per-sample cost models ([`CostModel`]) |
-//! | [`fit`] | the quadratic cost model fitted to measured timings ([`fit::fit_quadratic`]) |
+//! | [`cost`] | per-sample cost models ([`CostModel`]) and fixed costs per microbatch and minibatch ([`FixedCost`]) |
+//! | [`fit`] | the quadratic cost model fitted to measured timings ([`fit::fit_quadratic`]), the fixed costs ([`fit::fit_fixed`]) |
 //! | [`kk`] | Karmarkar–Karp largest differencing, LPT, bounds |
 //! | [`refine`] | local search that lowers the largest part sum |
 //! | [`strategy`] | minibatch → rank → microbatch assignment ([`Strategy`]) |
@@ -27,7 +27,7 @@
 //! # Quick start
 //!
 //! ```
-//! use odc_packing::{compare, plan, synthetic, PlanConfig, Strategy};
+//! use odc_packing::{compare, plan, synthetic, FixedCost, PlanConfig, Strategy};
 //!
 //! let lengths = synthetic("lognormal:n=256,median=10000,sigma=1.0,max=65536,seed=0")?;
 //! let cfg = PlanConfig {
@@ -36,6 +36,7 @@
 //!     strategy: Strategy::LbMini,
 //!     max_tokens: 65_536,
 //!     cost: "quadratic".parse()?,
+//!     fixed: FixedCost::NONE, // or what a microbatch and a minibatch cost beside their samples
 //!     seed: None, // dataset order; Some(s) shuffles samples before batching
 //! };
 //! let p = plan(&lengths, &cfg)?;
@@ -76,7 +77,7 @@ pub mod sim;
 mod spec;
 pub mod strategy;
 
-pub use cost::CostModel;
+pub use cost::{CostModel, FixedCost};
 pub use error::{Error, Location, Result};
 pub use input::{parse_lengths, synthetic};
 pub use kk::{karmarkar_karp, karmarkar_karp_u64, lpt};

@@ -5,10 +5,10 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
-use crate::cost::CostModel;
+use crate::cost::{CostModel, FixedCost};
 use crate::error::Result;
 use crate::input::SplitMix64;
-use crate::sim::{speedup, Timing};
+use crate::sim::{time_ratio, Timing};
 use crate::strategy::{assign_ordered, Batching, Strategy};
 
 /// Everything [`plan`] needs besides the lengths.
@@ -25,6 +25,11 @@ pub struct PlanConfig {
     pub max_tokens: u64,
     /// Per-sample cost model.
     pub cost: CostModel,
+    /// Fixed costs per microbatch and per minibatch, in the cost model's
+    /// units. LB-Micro and LB-Mini minimise the predicted time with them
+    /// (see [`crate::strategy`]); the predictions count them
+    /// ([`crate::sim`]). [`FixedCost::NONE`]: the per-sample model alone.
+    pub fixed: FixedCost,
     /// Shuffle seed of the sample order, like a data loader's. `None`
     /// forms minibatches from consecutive samples in dataset order;
     /// `Some(s)` first shuffles the samples with a permutation fixed by `s`
@@ -36,7 +41,8 @@ pub struct PlanConfig {
 
 impl Default for PlanConfig {
     /// 8 ranks, 4 samples per rank per minibatch, LB-Mini, 65 536 tokens,
-    /// the Qwen2-7B quadratic cost model, dataset order (no shuffle).
+    /// the Qwen2-7B quadratic cost model, no fixed costs, dataset order (no
+    /// shuffle).
     fn default() -> Self {
         Self {
             world: 8,
@@ -44,6 +50,7 @@ impl Default for PlanConfig {
             strategy: Strategy::LbMini,
             max_tokens: 65_536,
             cost: CostModel::default(),
+            fixed: FixedCost::NONE,
             seed: None,
         }
     }
@@ -59,9 +66,20 @@ pub struct Plan {
     pub bubble_collective: f64,
     /// Whole-run bubble rate under ODC.
     pub bubble_odc: f64,
-    /// `(1 − bubble_odc) / (1 − bubble_collective)`: how much faster this
-    /// plan runs on ODC than on collectives.
+    /// `time_collective / time_odc`: how much faster this plan runs on ODC
+    /// than on collectives (without fixed costs, `(1 − bubble_odc) /
+    /// (1 − bubble_collective)`).
     pub predicted_speedup: f64,
+    /// Predicted time of the whole run under collectives, in the cost
+    /// model's units, fixed costs included (see [`crate::sim`]).
+    #[serde(default)]
+    pub time_collective: f64,
+    /// Predicted time of the whole run under ODC, fixed costs included.
+    #[serde(default)]
+    pub time_odc: f64,
+    /// The fixed costs the plan was made and predicted with.
+    #[serde(default)]
+    pub fixed: FixedCost,
 }
 
 /// One global minibatch of a [`Plan`].
@@ -73,6 +91,13 @@ pub struct MinibatchPlan {
     pub bubble_collective: f64,
     /// This minibatch's bubble rate under ODC.
     pub bubble_odc: f64,
+    /// This minibatch's predicted time under collectives, fixed costs
+    /// included.
+    #[serde(default)]
+    pub time_collective: f64,
+    /// This minibatch's predicted time under ODC, fixed costs included.
+    #[serde(default)]
+    pub time_odc: f64,
 }
 
 /// One rank's share of a minibatch.
@@ -152,7 +177,7 @@ fn plan_with_costs(lengths: &[u64], costs: &[f64], cfg: &PlanConfig) -> Result<P
         max_tokens: cfg.max_tokens,
     };
     let order = sample_order(lengths.len(), cfg.seed);
-    let assignment = assign_ordered(cfg.strategy, lengths, costs, &batching, &order)?;
+    let assignment = assign_ordered(cfg.strategy, lengths, costs, &batching, &order, &cfg.fixed)?;
     let mut total = Timing {
         world: cfg.world,
         ..Timing::default()
@@ -160,7 +185,7 @@ fn plan_with_costs(lengths: &[u64], costs: &[f64], cfg: &PlanConfig) -> Result<P
     let minibatches = assignment
         .into_iter()
         .map(|ranks| {
-            let t = Timing::of_minibatch(&ranks, costs);
+            let t = Timing::of_minibatch_fixed(&ranks, costs, &cfg.fixed);
             total.add(&t);
             MinibatchPlan {
                 ranks: ranks
@@ -172,15 +197,19 @@ fn plan_with_costs(lengths: &[u64], costs: &[f64], cfg: &PlanConfig) -> Result<P
                     .collect(),
                 bubble_collective: t.bubble_collective(),
                 bubble_odc: t.bubble_odc(),
+                time_collective: t.collective,
+                time_odc: t.odc,
             }
         })
         .collect();
-    let (bc, bo) = (total.bubble_collective(), total.bubble_odc());
     Ok(Plan {
         minibatches,
-        bubble_collective: bc,
-        bubble_odc: bo,
-        predicted_speedup: speedup(bo, bc),
+        bubble_collective: total.bubble_collective(),
+        bubble_odc: total.bubble_odc(),
+        predicted_speedup: total.speedup(),
+        time_collective: total.collective,
+        time_odc: total.odc,
+        fixed: cfg.fixed,
     })
 }
 
@@ -212,7 +241,10 @@ pub struct ComparisonRow {
     pub mode: Mode,
     /// Whole-run bubble rate.
     pub bubble: f64,
-    /// Predicted speedup over collective + LB-Micro on the same data.
+    /// Predicted time of the whole run, fixed costs included.
+    pub time: f64,
+    /// Predicted speedup over collective + LB-Micro on the same data: the
+    /// ratio of the times.
     pub speedup: f64,
     /// Largest microbatch count any rank runs in any minibatch.
     pub max_microbatches: usize,
@@ -223,6 +255,10 @@ pub struct ComparisonRow {
 pub struct Comparison {
     /// Bubble rate of the baseline (collective + LB-Micro).
     pub baseline_bubble: f64,
+    /// Predicted time of the baseline, fixed costs included.
+    pub baseline_time: f64,
+    /// The fixed costs every plan was made and predicted with.
+    pub fixed: FixedCost,
     /// Rows in [`Strategy::ALL`] order, collective before ODC.
     pub rows: Vec<ComparisonRow>,
 }
@@ -242,42 +278,52 @@ pub fn compare(lengths: &[u64], base: &PlanConfig) -> Result<Comparison> {
             plan_with_costs(lengths, &costs, &cfg).map(|p| (strategy, p))
         })
         .collect::<Result<Vec<_>>>()?;
-    let baseline_bubble = plans
+    let (baseline_bubble, baseline_time) = plans
         .iter()
         .find(|(s, _)| *s == Strategy::LbMicro)
-        .map_or(0.0, |(_, p)| p.bubble_collective);
+        .map_or((0.0, 0.0), |(_, p)| {
+            (p.bubble_collective, p.time_collective)
+        });
     let rows = plans
         .iter()
         .flat_map(|(strategy, p)| {
             let max_microbatches = p.microbatch_counts().max().unwrap_or(0);
             [
-                (Mode::Collective, p.bubble_collective),
-                (Mode::Odc, p.bubble_odc),
+                (Mode::Collective, p.bubble_collective, p.time_collective),
+                (Mode::Odc, p.bubble_odc, p.time_odc),
             ]
-            .map(|(mode, bubble)| ComparisonRow {
+            .map(|(mode, bubble, time)| ComparisonRow {
                 strategy: *strategy,
                 mode,
                 bubble,
-                speedup: speedup(bubble, baseline_bubble),
+                time,
+                speedup: time_ratio(baseline_time, time),
                 max_microbatches,
             })
         })
         .collect();
     Ok(Comparison {
         baseline_bubble,
+        baseline_time,
+        fixed: base.fixed,
         rows,
     })
 }
 
 impl fmt::Display for Comparison {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(
+        let fixed = !self.fixed.is_zero();
+        write!(
             f,
             "{:<12} {:<11} {:>8} {:>9} {:>10}",
             "strategy", "mode", "bubble", "speedup", "max-micro"
         )?;
+        if fixed {
+            write!(f, " {:>12}", "time")?;
+        }
+        writeln!(f)?;
         for r in &self.rows {
-            writeln!(
+            write!(
                 f,
                 "{:<12} {:<11} {:>7.2}% {:>8.3}x {:>10}",
                 r.strategy.name(),
@@ -286,7 +332,19 @@ impl fmt::Display for Comparison {
                 r.speedup,
                 r.max_microbatches
             )?;
+            if fixed {
+                write!(f, " {:>12.6}", r.time)?;
+            }
+            writeln!(f)?;
         }
-        write!(f, "speedup is relative to collective + lb-micro")
+        write!(f, "speedup is relative to collective + lb-micro")?;
+        if fixed {
+            write!(
+                f,
+                "; with fixed costs {} per microbatch and {} per minibatch (plans and times)",
+                self.fixed.microbatch, self.fixed.minibatch
+            )?;
+        }
+        Ok(())
     }
 }

@@ -13,8 +13,22 @@
 //! summed over minibatches before the same formulas are applied
 //! ([`Timing::add`]). Since `max_d Σ_m ≤ Σ_m max_d`, the ODC bubble never
 //! exceeds the collective one for the same assignment.
+//!
+//! With [`FixedCost`]s `f` per microbatch and `g` per minibatch
+//! ([`Timing::of_minibatch_fixed`]) the times become what ranks run:
+//! under collectives every rank runs all `K` steps, time
+//! `Σ_m max_d C[m,d] + K·f + g`; under ODC rank `d` runs its own `n_d`
+//! microbatches, time `max_d (Σ_m C[m,d] + n_d·f) + g`. The busy time of
+//! the ranks is their samples and the fixed costs of their own
+//! microbatches, `ΣC + Σ_d n_d·f + D·g`, the same in both modes (the steps a
+//! collective makes a rank run beyond its own are idle), so the bubble
+//! stays the idle share `1 − busy / (D · time)`, the ODC bubble never
+//! exceeds the collective one, and the predicted speedup is the ratio of
+//! the times.
 
 use serde::Serialize;
+
+use crate::cost::FixedCost;
 
 /// Per-microbatch costs of one minibatch: `matrix[m][d]`.
 pub fn cost_matrix(ranks: &[Vec<Vec<usize>>], costs: &[f64]) -> Vec<Vec<f64>> {
@@ -43,6 +57,10 @@ pub struct Timing {
     pub collective: f64,
     /// Wall time under ODC, `max_d Σ_m C[m,d]`.
     pub odc: f64,
+    /// Rank time spent on the ranks' own work, summed over ranks: `ΣC`
+    /// plus the fixed costs of their own microbatches and of the minibatch,
+    /// `Σ_d n_d·f + D·g` (`ΣC` without fixed costs).
+    pub busy: f64,
 }
 
 impl Timing {
@@ -68,6 +86,7 @@ impl Timing {
             work,
             collective,
             odc,
+            busy: work,
         }
     }
 
@@ -76,20 +95,43 @@ impl Timing {
         Self::from_matrix(&cost_matrix(ranks, costs), ranks.len())
     }
 
+    /// Timing of one minibatch assignment `ranks[d][m]` with fixed costs
+    /// (see the module docs). A microbatch counts whether or not it holds
+    /// samples: an empty step still runs.
+    pub fn of_minibatch_fixed(ranks: &[Vec<Vec<usize>>], costs: &[f64], fixed: &FixedCost) -> Self {
+        let mut t = Self::of_minibatch(ranks, costs);
+        if fixed.is_zero() {
+            return t;
+        }
+        let d = ranks.len() as f64;
+        let steps = ranks.iter().map(Vec::len).max().unwrap_or(0) as f64;
+        let (f, g) = (fixed.microbatch, fixed.minibatch);
+        t.collective += steps * f + g;
+        t.odc = ranks
+            .iter()
+            .map(|r| r.iter().flatten().map(|&i| costs[i]).sum::<f64>() + r.len() as f64 * f)
+            .fold(0.0, f64::max)
+            + g;
+        let runs: usize = ranks.iter().map(Vec::len).sum();
+        t.busy += runs as f64 * f + d * g;
+        t
+    }
+
     /// Accumulates another minibatch into a run total.
     pub fn add(&mut self, other: &Timing) {
         self.world = self.world.max(other.world);
         self.work += other.work;
         self.collective += other.collective;
         self.odc += other.odc;
+        self.busy += other.busy;
     }
 
     fn bubble(&self, time: f64) -> f64 {
         let capacity = self.world as f64 * time;
-        if self.work <= 0.0 || capacity <= 0.0 {
+        if self.busy <= 0.0 || capacity <= 0.0 {
             0.0
         } else {
-            (1.0 - self.work / capacity).max(0.0)
+            (1.0 - self.busy / capacity).max(0.0)
         }
     }
 
@@ -101,6 +143,21 @@ impl Timing {
     /// Bubble rate under ODC.
     pub fn bubble_odc(&self) -> f64 {
         self.bubble(self.odc)
+    }
+
+    /// Predicted speedup of ODC over collectives on this assignment: the
+    /// ratio of the times (1 when nothing runs).
+    pub fn speedup(&self) -> f64 {
+        time_ratio(self.collective, self.odc)
+    }
+}
+
+/// `baseline / time`, or 1 when `time` is not positive (nothing runs).
+pub fn time_ratio(baseline: f64, time: f64) -> f64 {
+    if time > 0.0 {
+        baseline / time
+    } else {
+        1.0
     }
 }
 
@@ -137,5 +194,28 @@ mod tests {
         let t = Timing::of_minibatch(&ranks, &[3.0, 2.0]);
         assert_eq!((t.bubble_collective(), t.bubble_odc()), (0.5, 0.5));
         assert_eq!(Timing::default().bubble_odc(), 0.0);
+    }
+
+    #[test]
+    fn fixed_costs_by_hand() {
+        // Rank 0 runs [3] and [1], rank 1 runs [4]; f = 1 per microbatch, g = 2 per minibatch.
+        let ranks = vec![vec![vec![0], vec![1]], vec![vec![2]]];
+        let costs = [3.0, 1.0, 4.0];
+        let fixed = FixedCost {
+            microbatch: 1.0,
+            minibatch: 2.0,
+        };
+        let t = Timing::of_minibatch_fixed(&ranks, &costs, &fixed);
+        // Collectives: steps max(3,4) + max(1,0) = 5, plus 2 steps · 1, plus 2.
+        assert_eq!(t.collective, 9.0);
+        // ODC: rank 0 runs 4 + 2·1, rank 1 runs 4 + 1; plus 2.
+        assert_eq!(t.odc, 8.0);
+        assert_eq!(t.busy, 8.0 + 3.0 + 2.0 * 2.0);
+        assert!((t.bubble_odc() - (1.0 - 15.0 / 16.0)).abs() < 1e-12);
+        assert!((t.bubble_collective() - (1.0 - 15.0 / 18.0)).abs() < 1e-12);
+        assert_eq!(t.speedup(), 9.0 / 8.0);
+        let plain = Timing::of_minibatch_fixed(&ranks, &costs, &FixedCost::NONE);
+        assert_eq!(plain, Timing::of_minibatch(&ranks, &costs));
+        assert_eq!(plain.speedup(), 5.0 / 4.0);
     }
 }

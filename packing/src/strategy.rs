@@ -28,17 +28,52 @@
 //! | [`Strategy::LbMicro`] | every microbatch step | equal on all ranks |
 //! | [`Strategy::LbMini`] | each rank's minibatch total | free (may be 0) |
 //! | [`Strategy::VerlNative`] | the whole batch, then microbatches | equal on all ranks |
+//!
+//! Fixed costs ([`FixedCost`], [`assign_ordered`]). With a per-microbatch
+//! cost `f > 0`, LB-Micro and LB-Mini minimise the predicted time with it
+//! (see [`crate::sim`]) instead of taking the fewest microbatches that fit
+//! and balancing the samples' costs alone: LB-Micro tries a few more steps
+//! than the fewest and keeps the count whose `Σ_m max_d C[m,d] + K·f` is
+//! smallest (ties: fewer); LB-Mini starts from the best of three rank
+//! partitions (Karmarkar–Karp by cost, Karmarkar–Karp by cost plus each
+//! sample's share `f · tokens / max_tokens` of a microbatch, and the ranks'
+//! samples in LB-Micro's plan) and moves or swaps samples between the rank
+//! with the largest `Σ C + n_d·f` and the lightest ranks while that lowers
+//! it, `n_d` being the fewest microbatches its samples pack into; where
+//! LB-Micro's plan itself (an LB-Mini plan too, without its empty steps) is
+//! faster under ODC, that is LB-Mini's plan. Neither ever does worse by
+//! that measure than its plan without fixed costs, and LB-Mini never worse
+//! than LB-Micro's plan run under ODC. With `f = 0` (unknown)
+//! both plan exactly as without fixed costs. The per-minibatch cost is the
+//! same for every plan and changes no choice.
 
 use std::fmt;
 use std::str::FromStr;
 
 use serde::Serialize;
 
+use crate::cost::FixedCost;
 use crate::error::{Error, Location, Result};
 use crate::kk::{karmarkar_karp, lpt};
 
 /// Above this `n·k`, microbatch packing uses LPT instead of Karmarkar–Karp.
 const LARGE_PARTITION: usize = 1 << 24;
+
+/// With a per-microbatch cost, LB-Micro tries up to this many steps more
+/// than the fewest that fit.
+pub const MORE_STEPS: usize = 4;
+
+/// With a per-microbatch cost, LB-Mini's search takes samples from the
+/// slowest rank to at most this many of the fastest ranks per step ...
+pub const SEARCH_RANKS: usize = 8;
+
+/// ... for at most `SEARCH_MIN_STEPS + SEARCH_STEPS_PER_RANK · D` steps.
+const SEARCH_MIN_STEPS: usize = 64;
+const SEARCH_STEPS_PER_RANK: usize = 8;
+
+/// Swaps are tried between two ranks only while their sample counts
+/// multiply to at most this (moves always).
+const SWAP_LIMIT: usize = 1024;
 
 /// One microbatch: global sample indices, ascending.
 pub type Microbatch = Vec<usize>;
@@ -204,7 +239,8 @@ impl Batching {
     }
 }
 
-/// Assigns samples to minibatches, ranks and microbatches.
+/// Assigns samples to minibatches, ranks and microbatches, without fixed
+/// costs ([`assign_ordered`] takes them).
 ///
 /// `costs[i]` is the cost of sample `i` (see [`crate::cost`]). Returns one
 /// [`MinibatchAssignment`] per global minibatch.
@@ -223,31 +259,37 @@ pub fn assign(
     batching: &Batching,
 ) -> Result<Vec<MinibatchAssignment>> {
     let order: Vec<usize> = (0..lengths.len()).collect();
-    assign_ordered(strategy, lengths, costs, batching, &order)
+    assign_ordered(strategy, lengths, costs, batching, &order, &FixedCost::NONE)
 }
 
-/// [`assign`] with the samples taken in `order` rather than dataset order:
-/// minibatches are cut from `order` (a permutation of `0..lengths.len()`,
-/// a shuffled epoch say), while every index in the result still names a
-/// position in `lengths`.
+/// [`assign`] with the samples taken in `order` rather than dataset order,
+/// and with fixed costs: minibatches are cut from `order` (a permutation of
+/// `0..lengths.len()`, a shuffled epoch say), while every index in the
+/// result still names a position in `lengths`; `fixed` (in the units of
+/// `costs`) is what LB-Micro and LB-Mini weigh extra microbatches with
+/// (see the module docs).
 ///
 /// # Errors
 ///
-/// As [`assign`], and [`Error::InvalidConfig`] when `order` is not a
-/// permutation of `0..lengths.len()`.
+/// As [`assign`], [`Error::InvalidConfig`] when `order` is not a
+/// permutation of `0..lengths.len()` or a fixed cost is negative or not
+/// finite.
 pub fn assign_ordered(
     strategy: Strategy,
     lengths: &[u64],
     costs: &[f64],
     batching: &Batching,
     order: &[usize],
+    fixed: &FixedCost,
 ) -> Result<Vec<MinibatchAssignment>> {
     batching.validate(lengths, costs)?;
+    fixed.check()?;
     check_permutation(order, lengths.len())?;
     let packer = Packer {
         lengths,
         costs,
         max_tokens: batching.max_tokens,
+        per_microbatch: fixed.microbatch,
     };
     let d = batching.world;
     let global = batching.minibatch_size.saturating_mul(d);
@@ -280,30 +322,218 @@ fn local_sort(mb: &[usize], d: usize, lengths: &[u64]) -> MinibatchAssignment {
 }
 
 fn lb_micro(mb: &[usize], d: usize, packer: &Packer<'_>) -> Result<MinibatchAssignment> {
-    let mut bins = packer.pack_min(mb, d)?;
+    let mut best = deal(packer, packer.pack_min(mb, d)?, d);
+    let f = packer.per_microbatch;
+    if f > 0.0 {
+        // More steps balance each step better and cost f each: keep the
+        // count with the smallest predicted time, the fewest on a tie.
+        let fewest = best.iter().map(Vec::len).max().unwrap_or(0);
+        let most = mb.len().div_ceil(d).min(fewest + MORE_STEPS);
+        let mut best_time = packer.collective_time(&best);
+        for k in fewest + 1..=most {
+            if let Some(bins) = packer.try_pack(mb, k * d)? {
+                let candidate = deal(packer, bins, d);
+                let time = packer.collective_time(&candidate);
+                if time < best_time {
+                    (best, best_time) = (candidate, time);
+                }
+            }
+        }
+    }
+    Ok(best)
+}
+
+/// `bins` (a multiple of `d` of them) dealt into steps of `d`, largest
+/// first, in snake order, which evens out each rank's total across steps.
+fn deal(packer: &Packer<'_>, mut bins: Vec<Microbatch>, d: usize) -> MinibatchAssignment {
     packer.sort_by_cost_desc(&mut bins);
     let mut ranks: MinibatchAssignment = vec![Vec::new(); d];
     for (step, group) in bins.chunks(d).enumerate() {
-        // Snake order evens out each rank's total across steps.
         for (j, bin) in group.iter().enumerate() {
             let rank = if step % 2 == 0 { j } else { d - 1 - j };
             ranks[rank].push(bin.clone());
         }
     }
-    Ok(ranks)
+    ranks
 }
 
 fn lb_mini(mb: &[usize], d: usize, packer: &Packer<'_>) -> Result<MinibatchAssignment> {
+    let k = d.min(mb.len());
     let weights: Vec<f64> = mb.iter().map(|&i| packer.costs[i]).collect();
-    let parts = karmarkar_karp(&weights, d.min(mb.len()), false)?;
-    let mut ranks: MinibatchAssignment = vec![Vec::new(); d];
-    for (rank, part) in parts.iter().enumerate() {
-        let samples: Vec<usize> = part.iter().map(|&j| mb[j]).collect();
-        let mut bins = packer.pack_min(&samples, 1)?;
-        packer.sort_by_cost_desc(&mut bins);
-        ranks[rank] = bins;
+    let to_samples = |parts: Vec<Vec<usize>>| -> Vec<Vec<usize>> {
+        parts
+            .into_iter()
+            .map(|p| p.into_iter().map(|j| mb[j]).collect())
+            .collect()
+    };
+    let parts = to_samples(karmarkar_karp(&weights, k, false)?);
+    let f = packer.per_microbatch;
+    if f > 0.0 && k >= 2 {
+        // Each sample also carries its share of a microbatch's fixed cost.
+        let budget = packer.max_tokens as f64;
+        let shared: Vec<f64> = mb
+            .iter()
+            .map(|&i| packer.costs[i] + f * packer.lengths[i] as f64 / budget)
+            .collect();
+        let other = to_samples(karmarkar_karp(&shared, k, false)?);
+        // LB-Micro's plan is an LB-Mini plan too (without its empty steps): its ranks' samples are a third start,
+        // and the plan itself what the result must beat.
+        let mut micro = lb_micro(mb, d, packer)?;
+        for rank in &mut micro {
+            rank.retain(|b| !b.is_empty());
+        }
+        let dealt: Vec<Vec<usize>> = micro
+            .iter()
+            .map(|r| {
+                let mut s: Vec<usize> = r.iter().flatten().copied().collect();
+                s.sort_unstable();
+                s
+            })
+            .filter(|s| !s.is_empty())
+            .collect();
+        let mut search = RankSearch::new(packer, parts)?;
+        for start in [other, dealt] {
+            if start.len() == k {
+                let alternative = RankSearch::new(packer, start)?;
+                if alternative.slowest().1 < search.slowest().1 {
+                    search = alternative;
+                }
+            }
+        }
+        search.run(SEARCH_MIN_STEPS + SEARCH_STEPS_PER_RANK * k)?;
+        let ranks = packer.pack_ranks(&search.parts, d)?;
+        return Ok(if packer.odc_time(&micro) < packer.odc_time(&ranks) {
+            micro
+        } else {
+            ranks
+        });
     }
-    Ok(ranks)
+    packer.pack_ranks(&parts, d)
+}
+
+/// LB-Mini's local search with a per-microbatch cost `f`: lowers the
+/// largest rank time `Σ C + n·f` (`n` the fewest microbatches the rank's
+/// samples pack into) by moving one sample from the slowest rank to one of
+/// the [`SEARCH_RANKS`] fastest, or swapping one for a lighter one. Each
+/// accepted step strictly lowers the slowest rank's time and leaves the
+/// other rank below it, so the largest time never rises; no rank is
+/// emptied.
+struct RankSearch<'a> {
+    packer: &'a Packer<'a>,
+    parts: Vec<Vec<usize>>,
+    times: Vec<f64>,
+}
+
+impl<'a> RankSearch<'a> {
+    fn new(packer: &'a Packer<'a>, parts: Vec<Vec<usize>>) -> Result<Self> {
+        let times = parts
+            .iter()
+            .map(|p| packer.rank_time(p))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            packer,
+            parts,
+            times,
+        })
+    }
+
+    /// The slowest rank and its time (ties: the lowest rank).
+    fn slowest(&self) -> (usize, f64) {
+        self.times
+            .iter()
+            .copied()
+            .enumerate()
+            .fold((0, f64::NEG_INFINITY), |best, (r, t)| {
+                if t > best.1 {
+                    (r, t)
+                } else {
+                    best
+                }
+            })
+    }
+
+    fn run(&mut self, max_steps: usize) -> Result<()> {
+        for _ in 0..max_steps {
+            if !self.step()? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// One improving move or swap; `false` when none is found.
+    fn step(&mut self) -> Result<bool> {
+        let (p, top) = self.slowest();
+        let tol = 1e-12 * top.abs();
+        let mut others: Vec<usize> = (0..self.parts.len()).filter(|&q| q != p).collect();
+        others.sort_by(|&a, &b| self.times[a].total_cmp(&self.times[b]).then(a.cmp(&b)));
+        others.truncate(SEARCH_RANKS);
+        // The best (new time of p, new time of q, q, taken from p, taken from q).
+        let mut best: Option<(f64, f64, f64, usize, usize, Option<usize>)> = None;
+        let from = self.parts[p].clone();
+        for &q in &others {
+            if top - self.times[q] <= tol {
+                break;
+            }
+            let to = &self.parts[q];
+            let swaps = from.len().saturating_mul(to.len()) <= SWAP_LIMIT;
+            let takes = std::iter::once(None).chain(
+                to.iter()
+                    .copied()
+                    .map(Some)
+                    .filter(|_| swaps)
+                    .collect::<Vec<_>>(),
+            );
+            for back in takes {
+                if back.is_none() && from.len() < 2 {
+                    continue; // never empty a rank
+                }
+                for &out in &from {
+                    let (new_p, new_q) = traded(&from, to, out, back);
+                    let bound = self
+                        .packer
+                        .time_bound(&new_p)
+                        .max(self.packer.time_bound(&new_q));
+                    let goal = best.map_or(top - tol, |b| b.0);
+                    if bound >= goal {
+                        continue;
+                    }
+                    let (tp, tq) = (
+                        self.packer.rank_time(&new_p)?,
+                        self.packer.rank_time(&new_q)?,
+                    );
+                    let worst = tp.max(tq);
+                    if worst < goal {
+                        best = Some((worst, tp, tq, q, out, back));
+                    }
+                }
+            }
+        }
+        let Some((_, tp, tq, q, out, back)) = best else {
+            return Ok(false);
+        };
+        let (new_p, new_q) = traded(&self.parts[p], &self.parts[q], out, back);
+        (self.parts[p], self.parts[q]) = (new_p, new_q);
+        (self.times[p], self.times[q]) = (tp, tq);
+        Ok(true)
+    }
+}
+
+/// `from` without `out` (plus `back`) and `to` with `out` (without `back`),
+/// both ascending.
+fn traded(
+    from: &[usize],
+    to: &[usize],
+    out: usize,
+    back: Option<usize>,
+) -> (Vec<usize>, Vec<usize>) {
+    let mut a: Vec<usize> = from.iter().copied().filter(|&i| i != out).collect();
+    let mut b: Vec<usize> = to.iter().copied().filter(|&i| Some(i) != back).collect();
+    a.extend(back);
+    b.push(out);
+    a.sort_unstable();
+    b.sort_unstable();
+    (a, b)
 }
 
 fn verl_native(
@@ -378,9 +608,61 @@ struct Packer<'a> {
     lengths: &'a [u64],
     costs: &'a [f64],
     max_tokens: u64,
+    /// The fixed cost of a microbatch (0: the fewest that fit, as always).
+    per_microbatch: f64,
 }
 
 impl Packer<'_> {
+    /// Under collectives: `Σ_m max_d C[m,d] + K·f` (the minibatch's fixed
+    /// cost left out: the same for every plan).
+    fn collective_time(&self, ranks: &MinibatchAssignment) -> f64 {
+        let steps = ranks.iter().map(Vec::len).max().unwrap_or(0);
+        (0..steps)
+            .map(|m| {
+                ranks
+                    .iter()
+                    .map(|r| r.get(m).map_or(0.0, |mb| self.cost(mb)))
+                    .fold(0.0, f64::max)
+            })
+            .sum::<f64>()
+            + steps as f64 * self.per_microbatch
+    }
+
+    /// Each part's samples packed into its fewest microbatches, largest first; `d` ranks (the parts first).
+    fn pack_ranks(&self, parts: &[Vec<usize>], d: usize) -> Result<MinibatchAssignment> {
+        let mut ranks: MinibatchAssignment = vec![Vec::new(); d];
+        for (rank, samples) in parts.iter().enumerate() {
+            let mut bins = self.pack_min(samples, 1)?;
+            self.sort_by_cost_desc(&mut bins);
+            ranks[rank] = bins;
+        }
+        Ok(ranks)
+    }
+
+    /// Under ODC: `max_d (Σ C + n_d·f)` (the minibatch's fixed cost left out).
+    fn odc_time(&self, ranks: &MinibatchAssignment) -> f64 {
+        ranks
+            .iter()
+            .map(|r| {
+                r.iter().map(|mb| self.cost(mb)).sum::<f64>() + r.len() as f64 * self.per_microbatch
+            })
+            .fold(0.0, f64::max)
+    }
+
+    /// Under ODC, one rank's time: `Σ C + n·f` with `n` the microbatches
+    /// [`Packer::pack_min`] packs its samples into.
+    fn rank_time(&self, samples: &[usize]) -> Result<f64> {
+        let n = self.pack_min(samples, 1)?.len();
+        Ok(self.cost(samples) + n as f64 * self.per_microbatch)
+    }
+
+    /// A lower bound of [`Packer::rank_time`]: as many microbatches as the
+    /// tokens need at least.
+    fn time_bound(&self, samples: &[usize]) -> f64 {
+        let n = self.tokens(samples).div_ceil(self.max_tokens);
+        self.cost(samples) + n as f64 * self.per_microbatch
+    }
+
     fn tokens(&self, bin: &[usize]) -> u64 {
         bin.iter().map(|&i| self.lengths[i]).sum()
     }
@@ -640,14 +922,29 @@ mod tests {
             minibatch_size: 2,
             max_tokens: 100,
         };
-        let plan =
-            assign_ordered(Strategy::LocalSort, &lengths, &costs, &b, &[3, 0, 2, 1]).unwrap();
+        let plan = assign_ordered(
+            Strategy::LocalSort,
+            &lengths,
+            &costs,
+            &b,
+            &[3, 0, 2, 1],
+            &FixedCost::NONE,
+        )
+        .unwrap();
         assert_eq!(
             plan,
             vec![vec![vec![vec![3], vec![0]]], vec![vec![vec![2], vec![1]]]]
         );
         for bad in [&[0, 1, 2][..], &[0, 1, 1, 2], &[0, 1, 2, 4]] {
-            let e = assign_ordered(Strategy::LbMini, &lengths, &costs, &b, bad).unwrap_err();
+            let e = assign_ordered(
+                Strategy::LbMini,
+                &lengths,
+                &costs,
+                &b,
+                bad,
+                &FixedCost::NONE,
+            )
+            .unwrap_err();
             assert!(
                 matches!(e, Error::InvalidConfig { field: "order", .. }),
                 "{e}"

@@ -246,17 +246,22 @@ fn json_matches_schema() {
         [
             "bubble_collective",
             "bubble_odc",
+            "fixed",
             "minibatches",
-            "predicted_speedup"
+            "predicted_speedup",
+            "time_collective",
+            "time_odc"
         ]
     );
+    assert_eq!(top["fixed"]["microbatch"], 0.0);
     let mbs = top["minibatches"].as_array().unwrap();
     assert_eq!(mbs.len(), 2); // 7 samples, 4 per minibatch
     let mut seen = Vec::new();
     for mb in mbs {
         let mb = mb.as_object().unwrap();
-        assert_eq!(mb.len(), 3);
+        assert_eq!(mb.len(), 5);
         assert!(mb["bubble_collective"].is_f64() && mb["bubble_odc"].is_f64());
+        assert!(mb["time_collective"].as_f64().unwrap() >= mb["time_odc"].as_f64().unwrap());
         let ranks = mb["ranks"].as_array().unwrap();
         assert_eq!(ranks.len(), 2);
         for r in ranks {
@@ -456,5 +461,125 @@ fn fit_cost_prints_the_model_and_plans_with_it() {
     assert_bad(
         &run(&["--fit-cost", one.to_str().unwrap()]),
         &["2 distinct lengths"],
+    );
+}
+
+#[test]
+fn fixed_costs_change_the_plans_and_are_in_the_prediction() {
+    let common = [
+        "--synthetic",
+        "lognormal:n=512,median=312,max=2048,seed=0",
+        "--world",
+        "4",
+        "--minibatch-size",
+        "8",
+        "--max-tokens",
+        "2048",
+        "--cost",
+        "linear",
+    ];
+    let plain = run(&common);
+    let text = String::from_utf8_lossy(&plain.stdout).into_owned();
+    assert!(
+        text.contains("fixed costs:    0 per microbatch, 0 per minibatch"),
+        "{text}"
+    );
+    // A microbatch that costs as much as 600 tokens beside its samples.
+    let dear = run(&[
+        &common[..],
+        &["--microbatch-cost", "600", "--minibatch-cost", "50"],
+    ]
+    .concat());
+    assert_eq!(dear.status.code(), Some(0), "{}", stderr(&dear));
+    let out = String::from_utf8_lossy(&dear.stdout);
+    assert!(
+        out.contains("fixed costs:    600 per microbatch, 50 per minibatch")
+            && out.contains("time:"),
+        "{out}"
+    );
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let o = run(&[&common[..], extra, &["--json"]].concat());
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        serde_json::from_slice(&o.stdout).unwrap()
+    };
+    let p = json(&["--microbatch-cost", "600", "--minibatch-cost", "50"]);
+    let t = p["time_odc"].as_f64().unwrap();
+    assert!(t > json(&[])["time_odc"].as_f64().unwrap());
+    assert!(
+        (p["predicted_speedup"].as_f64().unwrap() - p["time_collective"].as_f64().unwrap() / t)
+            .abs()
+            < 1e-12
+    );
+    // The table gains the times and says which fixed costs it used.
+    let o = run(&[&common[..], &["--microbatch-cost", "600", "--compare"]].concat());
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        table.contains("time") && table.contains("with fixed costs 600 per microbatch"),
+        "{table}"
+    );
+    // Negative or non-finite fixed costs are refused by name.
+    assert_bad(
+        &run(&[&common[..], &["--microbatch-cost=-1"]].concat()),
+        &["microbatch_cost", "-1"],
+    );
+    assert_bad(
+        &run(&[&common[..], &["--minibatch-cost", "inf"]].concat()),
+        &["minibatch_cost", "inf"],
+    );
+}
+
+#[test]
+fn fit_cost_fits_the_fixed_costs_from_minibatch_lines() {
+    // Samples: 1e-4 s per token; minibatches of n microbatches of a 16-token sample: 0.3 + n·(0.02 + 0.0016) s.
+    let mut text: String = [128u64, 256, 512, 1024]
+        .iter()
+        .map(|&s| format!("{s} {}\n", 1e-4 * s as f64))
+        .collect();
+    for n in [1u64, 4, 1, 4] {
+        text.push_str(&format!(
+            "minibatch {n} 16 {}\n",
+            0.3 + n as f64 * (0.02 + 1.6e-3)
+        ));
+    }
+    let f = temp_file("timings-fixed.txt", &text);
+    let path = f.to_str().unwrap();
+    let o = run(&["--fit-cost", path]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("fixed costs:    2.000e-2 s per microbatch, 3.000e-1 s per minibatch"),
+        "{out}"
+    );
+    let o = run(&["--fit-cost", path, "--json"]);
+    let doc: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert!((doc["fixed"]["microbatch_seconds"].as_f64().unwrap() - 0.02).abs() < 1e-9);
+    // Planning with the fit uses its fixed costs; an explicit flag overrides one of them.
+    let common = [
+        "--synthetic",
+        "lognormal:n=64,median=300,max=2048",
+        "--world",
+        "2",
+        "--max-tokens",
+        "2048",
+        "--json",
+    ];
+    let p: serde_json::Value =
+        serde_json::from_slice(&run(&[&["--fit-cost", path][..], &common[..]].concat()).stdout)
+            .unwrap();
+    assert!((p["fixed"]["microbatch"].as_f64().unwrap() - 0.02).abs() < 1e-9);
+    assert!((p["fixed"]["minibatch"].as_f64().unwrap() - 0.3).abs() < 1e-9);
+    let q: serde_json::Value = serde_json::from_slice(
+        &run(&[
+            &["--fit-cost", path, "--microbatch-cost", "0"][..],
+            &common[..],
+        ]
+        .concat())
+        .stdout,
+    )
+    .unwrap();
+    assert_eq!(q["fixed"]["microbatch"], 0.0);
+    let bad = temp_file("bad-minibatch.txt", "128 0.01\n256 0.02\nminibatch 4 0.3\n");
+    assert_bad(
+        &run(&["--fit-cost", bad.to_str().unwrap()]),
+        &["line 3", "minibatch MICROBATCHES LENGTH SECONDS"],
     );
 }

@@ -5,11 +5,13 @@
 
 use odc_packing::kk::{largest_differencing, lower_bound, max_part_sum};
 use odc_packing::sim::Timing;
-use odc_packing::strategy::{assign, Batching};
+use odc_packing::strategy::{assign, assign_ordered, Batching, MinibatchAssignment};
 use odc_packing::{
-    karmarkar_karp, lpt, plan, sample_order, synthetic, CostModel, Plan, PlanConfig, Strategy,
+    karmarkar_karp, lpt, plan, sample_order, synthetic, CostModel, FixedCost, Plan, PlanConfig,
+    Strategy,
 };
 use proptest::prelude::*;
+use proptest::strategy::Strategy as _;
 
 fn config(cases: u32) -> ProptestConfig {
     ProptestConfig {
@@ -288,6 +290,196 @@ proptest! {
         let t = Timing::from_matrix(&matrix, 4);
         prop_assert!(t.bubble_odc() <= t.bubble_collective() + 1e-12);
     }
+}
+
+fn fixed_strategy() -> impl proptest::strategy::Strategy<Value = FixedCost> {
+    // Per-sample costs of the default model run from about 1e-3 (a few
+    // tokens) to 2.3 (4096 tokens): fixed costs from negligible to dominant.
+    (1e-4f64..3.0, 0.0f64..3.0).prop_map(|(microbatch, minibatch)| FixedCost {
+        microbatch,
+        minibatch,
+    })
+}
+
+/// Per minibatch: the time under `mode` with `fixed`, as the simulator counts it.
+fn times(plan: &[MinibatchAssignment], costs: &[f64], fixed: &FixedCost, odc: bool) -> Vec<f64> {
+    plan.iter()
+        .map(|ranks| {
+            let t = Timing::of_minibatch_fixed(ranks, costs, fixed);
+            if odc {
+                t.odc
+            } else {
+                t.collective
+            }
+        })
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(config(96))]
+
+    /// LB-Micro (under collectives) and LB-Mini (under ODC) start from their
+    /// plans without fixed costs and only take what lowers the predicted
+    /// time with them: never slower by that measure, minibatch by minibatch,
+    /// and every sample still once, within the budget, with equal counts for
+    /// LB-Micro; under ODC LB-Mini is never slower than LB-Micro's plan.
+    #[test]
+    fn fixed_cost_plans_are_never_slower_than_plans_without(
+        lengths in lengths_strategy(),
+        world in 1usize..9,
+        m in 1usize..6,
+        max_tokens in 4096u64..12000,
+        fixed in fixed_strategy(),
+        seed in proptest::option::of(any::<u64>()),
+    ) {
+        let costs: Vec<f64> = lengths.iter().map(|&s| CostModel::default().cost(s)).collect();
+        let batching = Batching { world, minibatch_size: m, max_tokens };
+        let order = sample_order(lengths.len(), seed);
+        for (strategy, odc) in [(Strategy::LbMicro, false), (Strategy::LbMini, true)] {
+            let with = assign_ordered(strategy, &lengths, &costs, &batching, &order, &fixed).unwrap();
+            let without = assign_ordered(strategy, &lengths, &costs, &batching, &order, &FixedCost::NONE).unwrap();
+            let (t_with, t_without) = (times(&with, &costs, &fixed, odc), times(&without, &costs, &fixed, odc));
+            for (a, b) in t_with.iter().zip(&t_without) {
+                prop_assert!(*a <= b * (1.0 + 1e-12), "{strategy}: {a} > {b} with {fixed:?}");
+            }
+            let mut seen = vec![0u8; lengths.len()];
+            for (mb, plain) in with.iter().zip(&without) {
+                prop_assert_eq!(mb.len(), world);
+                if strategy == Strategy::LbMicro {
+                    prop_assert!(mb.iter().all(|r| r.len() == mb[0].len()), "unequal counts");
+                } else {
+                    // No rank loses all its samples to the search.
+                    let empty = |a: &MinibatchAssignment| a.iter().filter(|r| r.is_empty()).count();
+                    prop_assert_eq!(empty(mb), empty(plain));
+                }
+                for micro in mb.iter().flatten() {
+                    prop_assert!(micro.iter().map(|&i| lengths[i]).sum::<u64>() <= max_tokens);
+                    for &i in micro {
+                        seen[i] += 1;
+                    }
+                }
+            }
+            prop_assert!(seen.iter().all(|&c| c == 1), "{strategy}: not every sample once");
+        }
+        // LB-Micro's plan runs under ODC too: LB-Mini's is never slower there.
+        let mini = assign_ordered(Strategy::LbMini, &lengths, &costs, &batching, &order, &fixed).unwrap();
+        let micro = assign_ordered(Strategy::LbMicro, &lengths, &costs, &batching, &order, &fixed).unwrap();
+        let without_empty: Vec<MinibatchAssignment> = micro
+            .iter()
+            .map(|mb| mb.iter().map(|r| r.iter().filter(|b| !b.is_empty()).cloned().collect()).collect())
+            .collect();
+        for (a, b) in times(&mini, &costs, &fixed, true).iter().zip(&times(&without_empty, &costs, &fixed, true)) {
+            prop_assert!(*a <= b * (1.0 + 1e-12), "lb-mini {a} > lb-micro {b} under ODC with {fixed:?}");
+        }
+    }
+
+    /// The plan's times are the fixed-cost arithmetic of its own
+    /// microbatches, and its speedup their ratio.
+    #[test]
+    fn plan_times_count_every_fixed_cost(
+        lengths in lengths_strategy(),
+        strategy in strategy_strategy(),
+        world in 1usize..9,
+        m in 1usize..6,
+        fixed in fixed_strategy(),
+    ) {
+        let cfg = PlanConfig { world, minibatch_size: m, strategy, fixed, ..PlanConfig::default() };
+        let p = plan(&lengths, &cfg).unwrap();
+        let cost = |mb: &[usize]| mb.iter().map(|&i| cfg.cost.cost(lengths[i])).sum::<f64>();
+        let (mut coll, mut odc) = (0.0, 0.0);
+        for mb in &p.minibatches {
+            let steps = mb.ranks.iter().map(|r| r.microbatches.len()).max().unwrap();
+            let c: f64 = (0..steps)
+                .map(|j| mb.ranks.iter().map(|r| r.microbatches.get(j).map_or(0.0, |x| cost(x))).fold(0.0, f64::max))
+                .sum::<f64>() + steps as f64 * fixed.microbatch + fixed.minibatch;
+            let o = mb.ranks.iter()
+                .map(|r| r.microbatches.iter().map(|x| cost(x) + fixed.microbatch).sum::<f64>())
+                .fold(0.0, f64::max) + fixed.minibatch;
+            prop_assert!((mb.time_collective - c).abs() <= 1e-9 * c.max(1.0), "{} vs {c}", mb.time_collective);
+            prop_assert!((mb.time_odc - o).abs() <= 1e-9 * o.max(1.0), "{} vs {o}", mb.time_odc);
+            prop_assert!(mb.bubble_odc <= mb.bubble_collective + 1e-12);
+            coll += c;
+            odc += o;
+        }
+        prop_assert!((p.time_collective - coll).abs() <= 1e-9 * coll);
+        prop_assert!((p.time_odc - odc).abs() <= 1e-9 * odc);
+        prop_assert!((p.predicted_speedup - coll / odc).abs() <= 1e-9 * p.predicted_speedup);
+        prop_assert!(p.predicted_speedup >= 1.0 - 1e-12);
+        prop_assert_eq!(p.fixed, fixed);
+    }
+
+    /// LB-Micro's step count is the argmin of `Σ_m max_d C + K·f`: a dearer
+    /// microbatch never buys more steps.
+    #[test]
+    fn dearer_microbatches_never_buy_lb_micro_more_steps(
+        lengths in lengths_strategy(),
+        world in 1usize..9,
+        m in 1usize..6,
+        f in 1e-4f64..1.0,
+        more in 1.0f64..20.0,
+    ) {
+        let costs: Vec<f64> = lengths.iter().map(|&s| CostModel::default().cost(s)).collect();
+        let batching = Batching { world, minibatch_size: m, max_tokens: 4096 };
+        let order: Vec<usize> = (0..lengths.len()).collect();
+        let steps = |f: f64| -> Vec<usize> {
+            let fixed = FixedCost { microbatch: f, minibatch: 0.0 };
+            assign_ordered(Strategy::LbMicro, &lengths, &costs, &batching, &order, &fixed)
+                .unwrap()
+                .iter()
+                .map(|mb| mb[0].len())
+                .collect()
+        };
+        let (cheap, dear) = (steps(f), steps(f * more));
+        for (a, b) in cheap.iter().zip(&dear) {
+            prop_assert!(b <= a, "{f} -> {}: {cheap:?} vs {dear:?}", f * more);
+        }
+    }
+}
+
+#[test]
+fn a_dear_microbatch_makes_lb_mini_trade_balance_for_fewer_microbatches() {
+    // Costs that grow faster than tokens: balancing cost alone leaves rank 1
+    // with 120 tokens, two microbatches of a 100-token budget.
+    let lengths = [80, 20, 60, 40];
+    let costs = [6400.0, 400.0, 3600.0, 1600.0];
+    let batching = Batching {
+        world: 2,
+        minibatch_size: 2,
+        max_tokens: 100,
+    };
+    let order = [0, 1, 2, 3];
+    // Which samples each rank runs, whichever rank that is.
+    let ranks = |f: f64| -> Vec<Vec<usize>> {
+        let fixed = FixedCost {
+            microbatch: f,
+            minibatch: 0.0,
+        };
+        let mut sets: Vec<Vec<usize>> = assign_ordered(
+            Strategy::LbMini,
+            &lengths,
+            &costs,
+            &batching,
+            &order,
+            &fixed,
+        )
+        .unwrap()[0]
+            .iter()
+            .map(|r| {
+                let mut s: Vec<usize> = r.iter().flatten().copied().collect();
+                s.sort_unstable();
+                s
+            })
+            .collect();
+        sets.sort();
+        sets
+    };
+    // Without fixed costs: 6400 against 5600 (one microbatch against two).
+    assert_eq!(ranks(0.0), vec![vec![0], vec![1, 2, 3]]);
+    // At 2000 a microbatch: 6400 + 2000 against 5600 + 4000 loses to one
+    // microbatch each, 6800 + 2000 against 5200 + 2000.
+    assert_eq!(ranks(2000.0), vec![vec![0, 1], vec![2, 3]]);
+    // Cheap microbatches keep the cost balance.
+    assert_eq!(ranks(100.0), vec![vec![0], vec![1, 2, 3]]);
 }
 
 /// The samples of each minibatch, ascending.

@@ -26,7 +26,12 @@ Example:
 The cost model can be fitted to the user's own model: :func:`fit_cost`
 times forward + backward of single samples of a few lengths (or takes
 measured ``(length, seconds)`` pairs), fits ``a·s² + b·s`` and returns a
-:class:`CostFit` that :func:`plan` takes as ``cost``.
+:class:`CostFit` that :func:`plan` takes as ``cost``. Given whole minibatches
+of a few microbatch counts to time as well (``minibatch=``, or measured
+``minibatch_timings=``), it also fits what every microbatch and every
+minibatch costs beside its samples; :func:`plan` then minimises the
+predicted time with those fixed costs (LB-Micro and LB-Mini: fewer, fuller
+microbatches where that wins) and predicts with them.
 
 The verl-compatible helpers :func:`karmarkar_karp` and
 :func:`get_seqlen_balanced_partitions` are drop-in replacements for the
@@ -58,6 +63,7 @@ __all__ = [
     "plan",
     "sequence_cost",
     "synthetic",
+    "time_minibatches",
     "time_samples",
 ]
 
@@ -91,6 +97,14 @@ class Plan:
         bubble_collective: predicted idle fraction under per-layer collectives.
         bubble_odc: predicted idle fraction under ODC (sync once per minibatch).
         minibatch_bubbles: ``(collective, odc)`` bubble rates of each minibatch.
+        time_collective: predicted time of the run under collectives, in the
+            cost model's units (seconds for a :class:`CostFit`), fixed costs
+            included: ``Σ_m max_d C[m,d] + K·f + g`` per minibatch.
+        time_odc: the same under ODC: ``max_d (Σ_m C[m,d] + n_d·f) + g``.
+        minibatch_times: ``(collective, odc)`` predicted times of each minibatch.
+        microbatch_cost: the fixed cost ``f`` of a microbatch the plan was made
+            and predicted with.
+        minibatch_cost: the fixed cost ``g`` of a minibatch.
     """
 
     minibatches: tuple[tuple[tuple[tuple[int, ...], ...], ...], ...]
@@ -100,6 +114,11 @@ class Plan:
     minibatch_bubbles: tuple[tuple[float, float], ...]
     world_size: int
     strategy: str
+    time_collective: float = 0.0
+    time_odc: float = 0.0
+    minibatch_times: tuple[tuple[float, float], ...] = ()
+    microbatch_cost: float = 0.0
+    minibatch_cost: float = 0.0
 
     @property
     def num_minibatches(self) -> int:
@@ -122,9 +141,16 @@ class Plan:
 
     @property
     def predicted_speedup(self) -> float:
-        """``(1 - bubble_odc) / (1 - bubble_collective)``: ODC over collectives on this plan."""
-        denom = 1.0 - self.bubble_collective
-        return (1.0 - self.bubble_odc) / denom if denom > 0 else 1.0
+        """``time_collective / time_odc``: ODC over collectives on this plan (without fixed costs,
+        ``(1 - bubble_odc) / (1 - bubble_collective)``)."""
+        return self.time_collective / self.time_odc if self.time_odc > 0 else 1.0
+
+    def time(self, mode: Literal["collective", "odc"] = "odc", start: int = 0) -> float:
+        """Predicted time of minibatches ``start..`` under ``mode``, fixed costs included."""
+        if mode not in ("collective", "odc"):
+            raise PackingError(f"unknown mode {mode!r}; expected 'collective' or 'odc'")
+        column = 0 if mode == "collective" else 1
+        return sum(t[column] for t in self.minibatch_times[start:])
 
     def to_dict(self) -> dict[str, Any]:
         """The plan in the same JSON shape ``odc-pack --json`` prints."""
@@ -137,12 +163,17 @@ class Plan:
                     ],
                     "bubble_collective": self.minibatch_bubbles[m][0],
                     "bubble_odc": self.minibatch_bubbles[m][1],
+                    "time_collective": self.minibatch_times[m][0],
+                    "time_odc": self.minibatch_times[m][1],
                 }
                 for m, ranks in enumerate(self.minibatches)
             ],
             "bubble_collective": self.bubble_collective,
             "bubble_odc": self.bubble_odc,
             "predicted_speedup": self.predicted_speedup,
+            "time_collective": self.time_collective,
+            "time_odc": self.time_odc,
+            "fixed": {"microbatch": self.microbatch_cost, "minibatch": self.minibatch_cost},
         }
 
 
@@ -152,8 +183,11 @@ def plan(
     minibatch_size: int,
     strategy: str = "lb-mini",
     max_tokens: int = DEFAULT_MAX_TOKENS,
-    cost: str = "linear",
+    cost: str | CostFit = "linear",
     seed: int | None = None,
+    *,
+    microbatch_cost: float | None = None,
+    minibatch_cost: float | None = None,
 ) -> Plan:
     """Plans microbatches for every rank and minibatch.
 
@@ -171,14 +205,27 @@ def plan(
             with a permutation fixed by the seed, so it decides which samples
             share a minibatch. Either way the plan's indices are positions in
             ``lengths``, and the same seed gives the same plan.
+        microbatch_cost: what every microbatch costs beside its samples, in
+            the cost model's units (seconds for a :class:`CostFit`). ``None``:
+            the fit's :attr:`CostFit.microbatch_s`, else 0. With a positive
+            cost LB-Micro and LB-Mini minimise the predicted time with it
+            (never worse by that measure than the plan without); 0 plans the
+            fewest microbatches that fit, as without fixed costs.
+        minibatch_cost: what every minibatch costs beside its microbatches
+            (the optimizer step); ``None``: the fit's, else 0. In the
+            predictions only: it changes no plan.
 
     Raises:
         PackingError: bad lengths (naming the value and its index), an
             out-of-range size or seed, unknown strategy or cost, a sample over
-            budget.
+            budget, a negative or non-finite fixed cost.
     """
+    fit = cost if isinstance(cost, CostFit) else None
+    per_micro = microbatch_cost if microbatch_cost is not None else fit.microbatch_s if fit else 0.0
+    per_mini = minibatch_cost if minibatch_cost is not None else fit.minibatch_s if fit else 0.0
     raw = json.loads(
-        _odc.plan_json(_lengths(lengths), world_size, minibatch_size, str(strategy), max_tokens, str(cost), seed)
+        _odc.plan_json(_lengths(lengths), world_size, minibatch_size, str(strategy), max_tokens, str(cost), seed,
+                       float(per_micro), float(per_mini))
     )
     mbs = raw["minibatches"]
     return Plan(
@@ -189,6 +236,11 @@ def plan(
         minibatch_bubbles=tuple((m["bubble_collective"], m["bubble_odc"]) for m in mbs),
         world_size=int(world_size),
         strategy=str(strategy),
+        time_collective=raw["time_collective"],
+        time_odc=raw["time_odc"],
+        minibatch_times=tuple((m["time_collective"], m["time_odc"]) for m in mbs),
+        microbatch_cost=raw["fixed"]["microbatch"],
+        minibatch_cost=raw["fixed"]["minibatch"],
     )
 
 
@@ -210,6 +262,14 @@ class CostFit:
             timed call ``c`` of a fit ``a·s² + b·s + c`` (interpreter and
             launch overhead a per-sample model cannot express).
         points: ``(length, measured seconds, fitted seconds)`` per timing.
+        microbatch_s: seconds every microbatch costs beside its samples
+            (0 unless minibatches were timed); :func:`plan` plans with it.
+        minibatch_s: seconds every minibatch costs beside its microbatches.
+        fixed_points: ``(microbatches, length, measured seconds, fitted
+            seconds)`` per timed minibatch.
+        raw_fixed_s: diagnostic: ``(per microbatch, per minibatch)`` of the
+            unconstrained line (a negative value: the timings' noise exceeds
+            that cost, which is then 0).
     """
 
     cost: str
@@ -220,6 +280,10 @@ class CostFit:
     rms_seconds: float
     overhead_s: float
     points: tuple[tuple[int, float, float], ...]
+    microbatch_s: float = 0.0
+    minibatch_s: float = 0.0
+    fixed_points: tuple[tuple[int, int, float, float], ...] = ()
+    raw_fixed_s: tuple[float, float] = (0.0, 0.0)
 
     def __str__(self) -> str:
         return self.cost
@@ -229,10 +293,13 @@ class CostFit:
         return self.a * length * length + self.b * length
 
     def to_dict(self) -> dict[str, Any]:
-        """The fit as plain data (JSON-ready): the cost spec, ``a``, ``b``, residuals and the points."""
+        """The fit as plain data (JSON-ready): the cost spec, ``a``, ``b``, residuals, the points and the fixed
+        costs."""
         return {"cost": self.cost, "a": self.a, "b": self.b, "rms_relative": self.rms_relative,
                 "max_relative": self.max_relative, "rms_seconds": self.rms_seconds, "overhead_s": self.overhead_s,
-                "points": [list(p) for p in self.points]}
+                "points": [list(p) for p in self.points], "microbatch_s": self.microbatch_s,
+                "minibatch_s": self.minibatch_s, "fixed_points": [list(p) for p in self.fixed_points],
+                "raw_fixed_s": list(self.raw_fixed_s)}
 
 
 def time_samples(step: Callable[[int], Any], lengths: Sequence[int], *, repeats: int = 3, warmup: int = 1,
@@ -288,9 +355,16 @@ def _module_step(model: Any, vocab_size: int | None,
     return step, (torch.cuda.synchronize if device.type == "cuda" else None)
 
 
+# The fixed costs are timed on minibatches of these many microbatches, each one sample this short (nearly all
+# fixed cost).
+FIXED_COUNTS = (1, 4)
+FIXED_LENGTH = 16
+
+
 def fit_cost(source: Any, lengths: Sequence[int] | None = None, *, repeats: int = 3, warmup: int = 1,
-             vocab_size: int | None = None, seed: int = 0) -> CostFit:
-    """Fits the planner's quadratic cost model ``a·s² + b·s`` to a model's measured speed.
+             vocab_size: int | None = None, seed: int = 0, minibatch: Callable[[int, int], Any] | None = None,
+             minibatch_timings: Sequence[tuple[int, int, float]] | None = None) -> CostFit:
+    """Fits the planner's quadratic cost model ``a·s² + b·s`` to a model's measured speed, and the fixed costs.
 
     Args:
         source: one of
@@ -306,8 +380,19 @@ def fit_cost(source: Any, lengths: Sequence[int] | None = None, *, repeats: int 
         warmup: untimed rounds first.
         vocab_size: token ids are drawn below it (default: the model's).
         seed: seed of the random token ids.
+        minibatch: a callable ``minibatch(n, length)`` that runs one whole
+            minibatch of the training loop as it trains (on every rank at
+            once): ``n`` microbatches of one ``length``-token sample each,
+            forward + backward, then clipping and the optimizer step. It is
+            timed for ``n`` in ``FIXED_COUNTS`` (``warmup`` untimed rounds,
+            then ``repeats``, the median counts) with ``FIXED_LENGTH``
+            tokens, and the fixed costs per microbatch and per minibatch are
+            fitted to the times: ``seconds = g + n·(f + a·L² + b·L)``.
+        minibatch_timings: instead, measured ``(n, length, seconds)`` of whole
+            minibatches.
 
-    The fit minimises squared relative errors with ``a, b >= 0``. Time on
+    The fit minimises squared relative errors with ``a, b >= 0``; the fixed
+    costs are least squares with ``f, g >= 0``. Time on
     the device and in the setting of training (on a GPU: the GPU; on a
     shared host: with the other ranks running too). A sharded (FSDP) model
     issues collectives in forward: call it on every rank with the same
@@ -333,7 +418,14 @@ def fit_cost(source: Any, lengths: Sequence[int] | None = None, *, repeats: int 
         pairs = time_samples(step, _lengths(lengths), repeats=repeats, warmup=warmup, sync=sync)
     if not pairs:
         raise PackingError("fit_cost: no timings given")
-    raw = json.loads(_odc.fit_cost_json(_lengths([p[0] for p in pairs]), [p[1] for p in pairs]))
+    if minibatch is not None and minibatch_timings is not None:
+        raise PackingError("fit_cost: give minibatch= (to time) or minibatch_timings= (measured), not both")
+    if minibatch is not None:
+        minibatch_timings = time_minibatches(minibatch, repeats=repeats, warmup=warmup)
+    timed = [(int(n), int(length), float(t)) for n, length, t in minibatch_timings or ()]
+    raw = json.loads(_odc.fit_cost_json(_lengths([p[0] for p in pairs]), [p[1] for p in pairs], timed))
+    fixed = raw["fixed"] or {"microbatch_seconds": 0.0, "minibatch_seconds": 0.0, "points": [],
+                             "raw_microbatch_seconds": 0.0, "raw_minibatch_seconds": 0.0}
     return CostFit(
         cost=raw["model"],
         a=raw["a_per_token2"],
@@ -343,7 +435,35 @@ def fit_cost(source: Any, lengths: Sequence[int] | None = None, *, repeats: int 
         rms_seconds=raw["rms_seconds"],
         overhead_s=raw["overhead_seconds"],
         points=tuple((p["length"], p["seconds"], p["predicted"]) for p in raw["points"]),
+        microbatch_s=fixed["microbatch_seconds"],
+        minibatch_s=fixed["minibatch_seconds"],
+        fixed_points=tuple((p["microbatches"], p["length"], p["seconds"], p["predicted"]) for p in fixed["points"]),
+        raw_fixed_s=(fixed["raw_microbatch_seconds"], fixed["raw_minibatch_seconds"]),
     )
+
+
+def time_minibatches(minibatch: Callable[[int, int], Any], *, counts: Sequence[int] = FIXED_COUNTS,
+                     length: int = FIXED_LENGTH, repeats: int = 3, warmup: int = 1,
+                     sync: Callable[[], Any] | None = None) -> list[tuple[int, int, float]]:
+    """Times ``minibatch(n, length)`` for every ``n`` in ``counts``: ``(n, length, median seconds)``.
+
+    Rounds go over the counts in turn, as :func:`time_samples` does. What
+    :func:`fit_cost` fits the fixed costs to.
+    """
+    if repeats < 1 or warmup < 0:
+        raise PackingError(f"repeats must be positive and warmup non-negative, got {repeats} and {warmup}")
+    times: dict[int, list[float]] = {int(n): [] for n in counts}
+    for r in range(warmup + repeats):
+        for n in times:
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            minibatch(n, length)
+            if sync is not None:
+                sync()
+            if r >= warmup:
+                times[n].append(time.perf_counter() - t0)
+    return [(n, int(length), statistics.median(t)) for n, t in times.items()]
 
 
 def karmarkar_karp(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:

@@ -8,11 +8,13 @@ Subcommands:
   of every row (:mod:`odc.bench.primitives`).
 - ``imbalance`` — an FSDP-shaped training loop with emulated compute over
   packed sequence lengths: Collective + LB-Micro / LocalSort against ODC +
-  LB-Micro / LB-Mini / LocalSort, measured speedups beside the packer's
-  predictions (:mod:`odc.bench.imbalance`).
+  LB-Micro / LB-Mini / LocalSort, and what a user runs without ODC
+  (verl-maxcount, dummy-pad, fsdp2-accum: :mod:`odc.bench.baselines`),
+  measured speedups beside the packer's predictions
+  (:mod:`odc.bench.imbalance`).
 - ``train`` — real FSDP2 training of a Hugging Face transformer on packed
-  variable-length microbatches, the same five configurations, measured
-  speedups beside the packer's predictions with a cost model fitted to the
+  variable-length microbatches, the same configurations, measured speedups
+  and memory beside the packer's predictions with a cost model fitted to the
   model in the same run; ``--curves``: loss curves of ODC + LB-Mini and
   Collective + LB-Micro (:mod:`odc.bench.train`).
 
@@ -118,7 +120,9 @@ examples:
     "train": """\
 examples:
   odc-bench train --minibatch-size 4 --minibatches 4 --repeats 1 --plot train.png
-      the five configurations once each on 2 ranks
+      every configuration once on 2 ranks: collectives, ODC, and the baselines without ODC
+  odc-bench train --configs odc+lb-mini,verl-maxcount,dummy-pad,fsdp2-accum --json baselines.json
+      ODC + LB-Mini against what users run instead (time, memory, losses and parameters)
   odc-bench train --sweep minibatch-size=4,8,16 --repeats 3 --json train.json --plot train.png
       the speedup table and plot over three minibatch sizes, 3 interleaved repeats
   odc-bench train --curves --minibatch-size 4 --minibatches 120 --plot curves.png
@@ -128,7 +132,9 @@ examples:
   odc-bench memory --world 4 --per-node 2 --markdown --json memory.json
       measured: 4 ranks in 2 emulated nodes, every sharding, as a Markdown table and JSON
   odc-bench memory --formula 32B --world 32 --per-node 8 --gather-dtype bf16
-      by formula: a 32B-parameter model on 4 nodes of 8, bf16 gathers""",
+      by formula: a 32B-parameter model on 4 nodes of 8, bf16 gathers
+  odc-bench memory --formula 70B --world 64 --per-node 8 --param-dtype bf16 --gather-dtype bf16 --formula-layers 80
+      by formula: where FSDP2's accumulation (fsdp2-accum) stops fitting and ODC still does""",
 }
 
 
@@ -325,6 +331,12 @@ def _train_parser(sub: Any) -> None:
                          "MixedPrecisionPolicy; default fp32)")
     me.add_argument("--optim-bytes", type=_positive(int, "--optim-bytes"), default=8,
                     help="with --formula: optimizer state bytes per parameter (default 8: AdamW's two f32 moments)")
+    me.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="with --formula: the dtype of the sharded parameters and of the gradients (default fp32)")
+    me.add_argument("--formula-layers", type=_positive(int, "--formula-layers"), default=None, metavar="L",
+                    help="with --formula: the model's decoder layers, for the working set a ZeRO-3 step holds "
+                         "unsharded (two layers' parameters, one layer's gradients); without it that column holds "
+                         "fsdp2-accum's whole unsharded model only")
     me.add_argument("--deterministic", action="store_true",
                     help="with --formula: ODC rows with deterministic accumulation (an exact accumulator, 16 bytes "
                          "per gradient-shard element)")
@@ -823,17 +835,23 @@ def _memory_formula(args: argparse.Namespace) -> int:
 
     if args.world % args.per_node:
         raise UsageError(f"--world {args.world} --per-node {args.per_node}: the world must be whole nodes")
-    gather = {"fp32": 4, "bf16": 2}[args.gather_dtype]
+    sizes = {"fp32": 4, "bf16": 2}
+    gather = sizes[args.gather_dtype]
     try:
-        rows = memory.formula(args.formula, args.world, args.per_node, gather_bytes=gather,
-                              optim_bytes=args.optim_bytes, deterministic=args.deterministic)
+        rows = memory.formula(args.formula, args.world, args.per_node, param_bytes=sizes[args.param_dtype],
+                              gather_bytes=gather, optim_bytes=args.optim_bytes, deterministic=args.deterministic,
+                              layers=args.formula_layers)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    working = ("unsharded: fsdp2-accum's whole model for the minibatch; the others' working set of "
+               f"{args.formula_layers} layers (two layers' parameters, one layer's gradients)" if args.formula_layers
+               else "unsharded: fsdp2-accum's whole model for the minibatch (the others' per-layer working set left "
+                    "out)")
     title = [f"odc-bench memory --formula: {args.formula:,} parameters, {args.world} ranks in nodes of "
-             f"{args.per_node}; fp32 sharded parameters and gradients, {args.optim_bytes} optimizer bytes per "
-             f"parameter, ODC gathers {args.gather_dtype}; 2 MiB landing chunks within ODC_LANDING_MB=256",
-             "by formula, not measured (odc-bench memory without --formula measures a small model); hybrid-zero is "
-             "the ZeRO++-style hybrid of docs/hybrid-zero.md"]
+             f"{args.per_node}; {args.param_dtype} sharded parameters and gradients, {args.optim_bytes} optimizer "
+             f"bytes per parameter, ODC gathers {args.gather_dtype}; 2 MiB landing chunks within ODC_LANDING_MB=256",
+             f"by formula, not measured (odc-bench memory without --formula measures a small model); activations "
+             f"left out; {working}; hybrid-zero is the ZeRO++-style hybrid of docs/hybrid-zero.md"]
     print(memory.render_formula(rows, title, markdown=args.markdown), flush=True)
     if args.json:
         write_json(args.json, {"bench": "memory-formula", "params": args.formula, "args": vars(args), "rows": rows})

@@ -25,6 +25,15 @@ hand-off that would hide it on an oversubscribed host.
   ``Engine.scatter_accumulate``, then ``finish_minibatch(k)``, an optimizer
   step on its own shards, ``zero_grad`` and ``publish`` of version ``k+1``
   (which waits for every reader's release of ``k``: the causal edge).
+- **pad** (``dummy-pad``): as collective, with LB-Mini's plan; a rank with
+  fewer microbatches runs dummy ones (zero weight, the cost of a
+  ``DUMMY_LENGTH``-token sample) up to the largest count.
+- **accum** (``fsdp2-accum``): LB-Mini's plan under FSDP2-style
+  accumulation: every layer gathered once, at the rank's first microbatch,
+  and kept; gradients accumulated locally and reduce-scattered once, at its
+  last (a rank without microbatches runs one dummy).
+- ``verl-maxcount`` runs verl's split to the largest count
+  (:mod:`odc.bench.baselines`) as collective.
 - **odc ... +steal**: the same, but the plan's per-rank lists are claimable
   work: a rank runs its own list (``Engine.claim_own``), then takes
   unstarted microbatches from the back of the list with the most predicted
@@ -56,7 +65,7 @@ from .report import fmt, table
 
 __all__ = ["CONFIGS", "STEAL", "build_point", "imbalance_rank", "plot", "render", "steal_bound", "summarize"]
 
-Mode = Literal["collective", "odc"]
+Mode = Literal["collective", "odc", "pad", "accum"]
 Config = tuple[str, Mode, str]
 
 CONFIGS: tuple[Config, ...] = (
@@ -66,8 +75,13 @@ CONFIGS: tuple[Config, ...] = (
     ("odc+lb-mini", "odc", "lb-mini"),
     ("odc+local-sort", "odc", "local-sort"),
     ("odc+lb-mini+steal", "odc", "lb-mini"),
+    ("verl-maxcount", "collective", "verl-maxcount"),
+    ("dummy-pad", "pad", "lb-mini"),
+    ("fsdp2-accum", "accum", "lb-mini"),
 )
-"""The configurations, ``(name, mode, strategy)``; the first is the baseline of every speedup."""
+"""The configurations, ``(name, mode, strategy)``; the first is the baseline of every speedup. The last three are
+what a user runs without ODC (:mod:`odc.bench.baselines`): ``mode`` ``pad`` runs in step with zero-loss padding
+microbatches up to the largest count, ``accum`` under FSDP2-style gradient accumulation."""
 BASELINE = CONFIGS[0][0]
 """The baseline's name: ``collective+lb-micro``."""
 STEAL = "+steal"
@@ -119,18 +133,24 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
     """
     from odc import packing
 
+    from . import baselines
+
     n = settings.minibatches * minibatch_size * world
     lengths = list(lengths[:n])
     costs = [packing.sequence_cost(s, settings.cost) for s in lengths]
     # The plans and predictions use the model's costs; the emulated compute runs the true ones.
     true = true_costs(costs, settings.noise, settings.noise_seed)
+    dummy = packing.sequence_cost(baselines.DUMMY_LENGTH, settings.cost)
     slow = dict([settings.straggler]) if settings.straggler else {}
-    plans: dict[str, packing.Plan] = {}
+    plans: dict[str, Any] = {}
     configs: dict[str, dict[str, Any]] = {}
     for name, mode, strategy in settings.configs:
         if strategy not in plans:
-            plans[strategy] = packing.plan(lengths, world, minibatch_size, strategy, max_tokens, settings.cost,
-                                           settings.seed)
+            if strategy == baselines.VERL_MAXCOUNT:
+                plans[strategy] = baselines.verl_maxcount_plan(lengths, world, minibatch_size, max_tokens)
+            else:
+                plans[strategy] = packing.plan(lengths, world, minibatch_size, strategy, max_tokens, settings.cost,
+                                               settings.seed)
         p = plans[strategy]
         steal = name.endswith(STEAL)
         # A stealing rank may run another's microbatch: its costs are the samples' own, and the rank that runs
@@ -138,15 +158,29 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
         per_rank = [[[((1.0 if steal else slow.get(r, 1.0)) * sum(true[i] for i in mb),
                        sum(sample_weight(i) for i in mb))
                       for mb in minibatch] for minibatch in p.rank(r)] for r in range(world)]
+        # The baselines' dummy microbatches (weight 0): up to the largest count (pad), one for a rank without any
+        # (accum). The same in the predictions, with the model's costs.
+        model_costs = [[[sum(costs[i] for i in mb) for mb in minibatch] for minibatch in p.rank(r)]
+                       for r in range(world)]
+        for k in range(p.num_minibatches):
+            runs = baselines.padded_counts([len(per_rank[r][k]) for r in range(world)], mode)
+            for r in range(world):
+                extra = runs[r] - len(per_rank[r][k])
+                per_rank[r][k] += [(slow.get(r, 1.0) * dummy, 0)] * extra
+                model_costs[r][k] += [dummy] * extra
         steps = [max(len(per_rank[r][k]) for r in range(world)) for k in range(p.num_minibatches)]
         weights = [sum(w for r in range(world) for _, w in per_rank[r][k]) for k in range(p.num_minibatches)]
         # Emulated-compute time of the plan in cost units (one unit = one layer's forward at scale 1).
-        if mode == "collective":
+        if mode in ("collective", "pad"):
             units = sum(sum(max((per_rank[r][k][s][0] if s < len(per_rank[r][k]) else 0.0) for r in range(world))
                             for s in range(steps[k])) for k in range(p.num_minibatches))
         else:
             units = sum(max(sum(c for c, _ in per_rank[r][k]) * (slow.get(r, 1.0) if steal else 1.0)
                             for r in range(world)) for k in range(p.num_minibatches))
+        if isinstance(p, packing.Plan) and mode in ("collective", "odc"):
+            bubble = p.bubble_rate(mode)
+        else:
+            bubble = _predicted_bubble(model_costs, mode, sum(costs))
         configs[name] = {
             "mode": mode,
             "strategy": strategy,
@@ -155,9 +189,10 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
             "per_rank": per_rank,
             "steps": steps,
             "weights": weights,
-            "bubble_pred": p.bubble_rate(mode),
+            "bubble_pred": bubble,
             "units": units,
             "max_microbatches": max(max(len(m) for m in r) for r in per_rank),
+            "plan_source": getattr(p, "source", "") or "odc.packing",
         }
         if steal:
             configs[name]["steal_bound"] = steal_bound(per_rank, slow)
@@ -177,6 +212,21 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
         "compute_scale": compute_scale,
         "configs": configs,
     }
+
+
+def _predicted_bubble(costs: Sequence[Sequence[Sequence[float]]], mode: str, work: float) -> float:
+    """The bubble ``1 - work / (D * time)`` of per-rank microbatch costs ``costs[r][k][j]`` (dummies included)
+    under ``mode``: every step its slowest rank (collective, pad) or every minibatch its slowest rank (odc,
+    accum)."""
+    world = len(costs)
+    span = 0.0
+    for k in range(len(costs[0])):
+        mine = [costs[r][k] for r in range(world)]
+        if mode in ("collective", "pad"):
+            span += sum(max(c[j] if j < len(c) else 0.0 for c in mine) for j in range(max(len(c) for c in mine)))
+        else:
+            span += max(sum(c) for c in mine)
+    return 1.0 - work / (world * span) if span > 0 else 0.0
 
 
 def steal_bound(per_rank: Sequence[Sequence[Sequence[tuple[float, int]]]], slow: dict[int, float]) -> float:
@@ -271,6 +321,7 @@ class _Model:
         self.params = [t.clone() for t in self.init_shard]
         self.grads = [torch.zeros(shard_len) for _ in range(layers)]
         self.buffers = [torch.empty(padded) for _ in range(2)]
+        self.kept: list[Any] = []  # every layer's gathered parameters, under accumulation
 
     def reset(self) -> None:
         for p, i in zip(self.params, self.init_shard, strict=True):
@@ -384,6 +435,38 @@ def _microbatch(comm: Any, model: _Model, compute: EmulatedCompute, cost: float,
         w.wait()
 
 
+def _accum_minibatch(comm: Any, model: _Model, compute: EmulatedCompute, items: Sequence[tuple[float, int]],
+                     scale: float, j: int, stats: dict[str, int]) -> None:
+    """One minibatch under FSDP2-style gradient accumulation: every layer gathered once, in the first
+    microbatch's forward, and kept (``reshard_after_forward=False``); gradients accumulated unsharded; every layer
+    pushed once, in the last microbatch's backward (no gradient sync before)."""
+    import torch
+
+    layers = model.layers
+    if len(model.kept) != layers:
+        model.kept = [torch.empty(model.shard_len * model.world) for _ in range(layers)]
+    acc = [torch.zeros_like(p) for p in model.pattern]
+    pushes = []
+    for m, (cost, weight) in enumerate(items):
+        first, last = m == 0, m == len(items) - 1
+        pending = comm.gather(0, model.kept[0], j) if first else _DONE
+        for layer in range(layers):
+            pending.wait()
+            if first:
+                if not model.gathered_ok(layer, model.kept[layer], j):
+                    stats["gather_wrong"] += 1
+                if layer + 1 < layers:
+                    pending = comm.gather(layer + 1, model.kept[layer + 1], j)
+            compute.run(scale * cost)
+        for layer in reversed(range(layers)):
+            compute.run(2.0 * scale * cost)
+            acc[layer] += model.pattern[layer] * float(weight)
+            if last:
+                pushes.append(comm.push(layer, acc[layer]))
+    for w in pushes:
+        w.wait()
+
+
 def _claimed(ctx: Any, cfg: dict[str, Any], engine: Any, claim_k: int, k: int, stats: dict[str, int]) -> Any:
     """This rank's microbatches of minibatch ``k`` as ``(cost, weight)``: its own list, and under stealing the
     microbatches it claims (its own from the front, then other ranks' from the back of the list with the most
@@ -431,6 +514,11 @@ def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engi
             if k + 1 < n:
                 for layer in range(model.layers):
                     engine.publish(layer, model.params[layer], base + k + 1)
+        elif cfg["mode"] == "accum":
+            _accum_minibatch(comm, model, compute, mine[k], scale, k, stats)
+            stats["grad_wrong"] += model.step(model.grads, cfg["weights"][k])
+            for g in model.grads:
+                g.zero_()
         else:
             for s in range(cfg["steps"][k]):
                 cost, weight = mine[k][s] if s < len(mine[k]) else (0.0, 0)
@@ -442,10 +530,12 @@ def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engi
         progress()
     if cfg["mode"] == "odc":
         state["next_version"] = base + n
+    # Padding (the baselines' dummy microbatches, weight 0) is compute no sample needed: not counted as busy.
+    dummy_s = sum(3 * model.layers * scale * c for mbs in mine for c, w in mbs if w == 0 and c > 0)
     return {
         "t0": t0,
         "ends": ends,
-        "compute_s": compute.requested,
+        "compute_s": compute.requested - dummy_s,
         "stolen": stats["stolen"],
         "gather_wrong": stats["gather_wrong"],
         "grad_wrong": stats["grad_wrong"],
@@ -475,7 +565,7 @@ def imbalance_rank(ctx: Any, *, points: list[dict[str, Any]], layers: int, layer
                 runs = []
                 for rep in range(repeats):
                     note = f"{point['label'] if point['label'] is not None else ''} {name} #{rep + 1}".strip()
-                    on = overlap == "on" or (overlap == "auto" and cfg["mode"] == "collective")
+                    on = overlap == "on" or (overlap == "auto" and cfg["mode"] != "odc")
                     per_rank = _run_config(ctx, cfg, point["compute_scale"], model, engine, executor if on else None,
                                            state,
                                            functools.partial(ctx.emit, "progress", note))
@@ -531,6 +621,7 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
                 "config": name,
                 "mode": cfg["mode"],
                 "strategy": cfg["strategy"],
+                "plan_source": cfg.get("plan_source"),
                 "max_microbatches": cfg["max_microbatches"],
                 "compute_scale": point["compute_scale"],
                 "time_per_minibatch_s": total / max(1, point["num_minibatches"]),

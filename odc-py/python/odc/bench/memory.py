@@ -24,8 +24,8 @@ from typing import Any
 from . import train as _train
 from .report import table
 
-__all__ = ["FORMULA_KEYS", "KEYS", "VARIANTS", "formula", "landing_chunk", "memory_rank", "parse_count", "render",
-           "render_formula"]
+__all__ = ["FORMULA_KEYS", "KEYS", "VARIANTS", "formula", "landing_chunk", "memory_rank", "parse_count", "peak_rss",
+           "render", "render_formula", "reset_peak_rss", "shm_bytes"]
 
 # The ranks train odc-bench train's model: its fork server preloads the same modules (odc.bench.launch).
 RANK_PRELOAD = _train.RANK_PRELOAD
@@ -47,6 +47,49 @@ HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "odc
 def _bytes(t: Any) -> int:
     t = t.to_local() if hasattr(t, "to_local") else t
     return int(t.numel() * t.element_size())
+
+
+def reset_peak_rss() -> int | None:
+    """Starts a new peak of this process's resident set; returns the resident set now, in bytes.
+
+    Freed heap memory goes back to the system first (glibc's ``malloc_trim``), then the kernel's high-water mark
+    is reset (``5`` into ``/proc/self/clear_refs``, Linux 4.0 and newer), so that :func:`peak_rss` reads the peak
+    of what runs next rather than of the process's life. ``None`` where either is not available.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, AttributeError):
+        return None
+    return _status_bytes("VmRSS")
+
+
+def peak_rss() -> int | None:
+    """This process's peak resident set since :func:`reset_peak_rss` (or its start), in bytes (``VmHWM``)."""
+    return _status_bytes("VmHWM")
+
+
+def _status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def shm_bytes(rank: int) -> int:
+    """Bytes of the shared-memory segments this process created for rank ``rank`` (its ODC engine's)."""
+    return _shm_bytes(rank)
 
 
 def _shm_bytes(rank: int) -> int:
@@ -131,10 +174,11 @@ def render(rows: list[dict[str, Any]], title: list[str], markdown: bool = False)
 
 # -- the formula -----------------------------------------------------------------------------------
 
-FORMULA_KEYS = ("params", "grads", "optim", "published", "accum", "exact", "cross", "landing")
-"""The columns of ``--formula``: FSDP2's tensors, then ODC's published copy, f32 accumulators, exact
-(deterministic) accumulators, cross-node sums and landing slots."""
-FORMULA_HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state", "published": "ODC published",
+FORMULA_KEYS = ("params", "grads", "optim", "unsharded", "published", "accum", "exact", "cross", "landing")
+"""The columns of ``--formula``: FSDP2's tensors, the unsharded parameters and gradients a step holds, then ODC's
+published copy, f32 accumulators, exact (deterministic) accumulators, cross-node sums and landing slots."""
+FORMULA_HEADER = {"params": "params", "grads": "grads", "optim": "optimizer state",
+                  "unsharded": "unsharded params + grads", "published": "ODC published",
                   "accum": "ODC f32 accumulators", "exact": "ODC exact (deterministic)",
                   "cross": "ODC cross-node sums", "landing": "ODC landing slots"}
 # Deterministic accumulation: an i128 per f32 accumulator element (odc_kernels::cpu::exact).
@@ -151,11 +195,17 @@ def landing_chunk(chunk: int, group: int, budget: int) -> int:
 
 def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gather_bytes: int = 4,
             optim_bytes: int = 8, chunk: int = 2 << 20, landing_mb: int = 256,
-            deterministic: bool = False) -> list[dict[str, Any]]:
+            deterministic: bool = False, layers: int | None = None) -> list[dict[str, Any]]:
     """Bytes per rank by kind for a model of ``params`` parameters on ``world`` ranks in nodes of ``per_node``.
 
     FSDP2 keeps the sharded parameters (the optimizer's master copy, ``param_bytes`` each), the sharded gradients
-    (as many bytes) and the optimizer state (``optim_bytes`` per parameter: AdamW's two f32 moments). ODC adds the
+    (as many bytes) and the optimizer state (``optim_bytes`` per parameter: AdamW's two f32 moments).
+    ``verl-maxcount`` and ``dummy-pad`` run FSDP2 as it is (ZeRO-3) and keep the same. ``fsdp2-accum`` (FSDP2's
+    gradient accumulation, :mod:`odc.bench.baselines`) keeps besides, for the whole minibatch, the unsharded
+    parameters of every layer (``gather_bytes`` each) and their unsharded gradients (``param_bytes`` each): the
+    ``unsharded`` column. For the other rows that column is the step's working set when ``layers`` (the model's
+    decoder layers) is given: two layers' unsharded parameters (the one computing and the one prefetched) and one
+    layer's unsharded gradients, else left out with the activations (which every row needs alike). ODC adds the
     published copy of the shard in the gather dtype, the f32 accumulators the owner's daemon adds into, across
     nodes an f32 buffer for the cross-node sum (of the node shard under hybrid, of the rank's 1/D piece under
     hybrid-zero), and the landing slots ``2 * group * chunk`` (the chunk shrunk to fit ``ODC_LANDING_MB``).
@@ -169,12 +219,15 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
         raise ValueError(f"world {world} must be a positive multiple of per_node {per_node}")
     budget = landing_mb << 20
 
-    def row(label: str, comm: str, group: int, fsdp_group: int, cross: float, clients: int) -> dict[str, Any]:
+    working = (2 * gather_bytes + param_bytes) * params / layers if layers else None
+
+    def row(label: str, comm: str, group: int, fsdp_group: int, cross: float, clients: int,
+            unsharded: float | None = working) -> dict[str, Any]:
         shard = params / group
         piece = params / fsdp_group
         r: dict[str, Any] = {"label": label, "comm": comm, "group": group,
                              "params": piece * param_bytes, "grads": piece * param_bytes,
-                             "optim": piece * optim_bytes}
+                             "optim": piece * optim_bytes, "unsharded": unsharded}
         odc = comm == "odc"
         r["published"] = shard * gather_bytes if odc else None
         r["accum"] = shard * 4 if odc else None
@@ -189,6 +242,9 @@ def formula(params: int, world: int, per_node: int, *, param_bytes: int = 4, gat
     return [
         row("FSDP2 full", "collective", world, world, 0, world),
         row("ODC full", "odc", world, world, 0, world),
+        row("verl-maxcount", "collective", world, world, 0, world),
+        row("dummy-pad", "collective", world, world, 0, world),
+        row("fsdp2-accum", "collective", world, world, 0, world, unsharded=(gather_bytes + param_bytes) * params),
         row("FSDP2 HSDP", "collective", g, g, 0, g),
         row("ODC hybrid", "odc", g, g, params / g if nodes > 1 else 0, g),
         # FSDP2 shards D ways (pieces of node shards); ODC keeps the node shard's working copy and accumulator and
@@ -229,4 +285,4 @@ def render_formula(rows: list[dict[str, Any]], title: list[str], markdown: bool 
         lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
         return "\n".join(lines)
-    return table(header, body, [58, 11, 11, 15, 13, 20, 25, 19, 17, 11], title)
+    return table(header, body, [58, 11, 11, 15, 24, 13, 20, 25, 19, 17, 11], title)

@@ -12,7 +12,16 @@ sum of its samples' costs. Compute is real; one thread per rank.
 Every configuration (collective = FSDP2's own gloo collectives, odc =
 ``odc.fsdp.enable``) trains the same model from the same initial weights on
 the same global minibatches; only the packing differs, so every run computes
-the same gradients up to the order of float sums. ``odc+lb-mini+steal``
+the same gradients up to the order of float sums. Three configurations are
+what a user runs without ODC (:mod:`odc.bench.baselines`): ``verl-maxcount``
+(verl's split of every rank's samples into the largest count, over gloo),
+``dummy-pad`` (LB-Mini's plan, zero-loss padding microbatches up to the
+largest count, over gloo) and ``fsdp2-accum`` (LB-Mini's plan under FSDP2's
+own gradient accumulation: parameters and gradients unsharded for the whole
+minibatch, one all-gather and one reduce-scatter per group). Each run also
+records its memory: the process's peak resident set (CPU: no allocator
+figures) and the bytes of parameters and gradients FSDP holds between
+microbatches, read from the tensors. ``odc+lb-mini+steal``
 (on request) runs LB-Mini's plan through :func:`odc.fsdp.microbatches`: a
 rank that runs out of its own microbatches takes unstarted ones of the rank
 with the most predicted seconds left, losses scaled by the minibatch's
@@ -26,7 +35,12 @@ rank times forward + backward of single samples on an unsharded copy of the
 model (:func:`odc.packing.time_samples`, all ranks at once, as they compute
 during training), the pooled timings are fitted by
 :func:`odc.packing.fit_cost`, and the planner predicts each plan's bubble with
-that cost model.
+that cost model. Then, still before the runs, each way of running
+(collectives, ODC, FSDP2's accumulation) trains minibatches of 1 and of 4
+microbatches of one short sample, which :func:`odc.packing.fit_cost` turns
+into its fixed costs per microbatch and per minibatch; LB-Micro and LB-Mini
+plan with them (fewer, fuller microbatches where that wins) and the second
+prediction (``+fixed``) counts them.
 
 Samples are token sequences of a fixed random first-order Markov chain (four
 likely successors per token), so the loss has something to learn: it falls
@@ -44,6 +58,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from . import baselines
+
 # The imbalance benchmark's configurations (name, mode, strategy); the first is the baseline.
 from .imbalance import BASELINE, STEAL, EmulatedCompute, steal_bound
 from .imbalance import CONFIGS as _IMBALANCE_CONFIGS
@@ -55,8 +71,9 @@ RANK_PRELOAD = ["torch.distributed.fsdp", "torch._dynamo", "transformers.models.
 if TYPE_CHECKING:
     from odc.packing import CostFit
 
-__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "DET", "STEAL", "ModelSpec", "build_model", "fit_lengths",
-           "markov_tokens", "packed_row", "same_plan", "steals", "train_rank", "varlen_attention"]
+__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "DET", "STEAL", "ModelSpec", "build_model",
+           "fit_lengths", "markov_tokens", "packed_row", "plan_mode", "predict_span", "same_plan", "steals",
+           "train_rank", "varlen_attention"]
 
 VARLEN = "odc_bench_varlen"
 DET = "+det"
@@ -239,19 +256,29 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
          tokens: list[int], lr: float, clip: float, timeout: float, record: bool, *,
          lists: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
          cost: Callable[[Sequence[int]], float] | None = None, slow: float = 1.0,
-         deterministic: bool = False) -> dict[str, Any]:
+         deterministic: bool = False, pad_to: Sequence[int] | None = None) -> dict[str, Any]:
     """One training run of ``minibatches`` (this rank's microbatches per minibatch); timed from a barrier.
 
-    Stealing (``lists``, ODC only): every rank's microbatches per minibatch
-    (``plan.minibatches``); this rank runs what :func:`odc.fsdp.microbatches`
-    hands it, its own list first, then other ranks' unstarted microbatches,
-    ``cost`` the predicted seconds of a microbatch. Every rank's list is
-    ordered largest first (the same order on every rank), so thieves take the
-    short ones from the back. ``slow`` (a straggler, ``>= 1``): after each
-    microbatch this rank sleeps ``slow - 1`` times the microbatch's compute
-    time (CPU time of this thread: waits on peers are not counted), so its
-    compute takes ``slow`` times as long; the sleep counts as microbatch time.
-    ``deterministic`` (ODC only) is passed to ``odc.fsdp.enable``.
+    ``mode``: ``collective`` (FSDP2's gloo collectives, every rank the same
+    count), ``odc`` (``odc.fsdp.enable``), ``pad`` (collectives; after its own
+    microbatches a rank runs zero-loss dummy microbatches up to ``pad_to[k]``,
+    the largest count of minibatch ``k``) or ``accum`` (FSDP2's gradient
+    accumulation: ``reshard_after_forward=False``, no gradient sync and no
+    reshard after backward but at the rank's last microbatch; a rank without
+    microbatches runs one dummy). Stealing (``lists``, ODC only): every rank's
+    microbatches per minibatch (``plan.minibatches``); this rank runs what
+    :func:`odc.fsdp.microbatches` hands it, its own list first, then other
+    ranks' unstarted microbatches, ``cost`` the predicted seconds of a
+    microbatch. Every rank's list is ordered largest first (the same order on
+    every rank), so thieves take the short ones from the back. ``slow`` (a
+    straggler, ``>= 1``): after each microbatch this rank sleeps ``slow - 1``
+    times the microbatch's compute time (CPU time of this thread: waits on
+    peers are not counted), so its compute takes ``slow`` times as long; the
+    sleep counts as microbatch time. ``deterministic`` (ODC only) is passed to
+    ``odc.fsdp.enable``. The run's memory: the process's resident set at the
+    start and its peak during the run (``/proc/self/clear_refs`` resets the
+    peak), and the most bytes of parameters and gradients (sharded and
+    unsharded) FSDP held after a microbatch.
     """
     import torch
     import torch.distributed as dist
@@ -260,12 +287,20 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
 
     import odc.fsdp
 
+    from . import memory
+
     if lists is not None and mode != "odc":
         raise ValueError("stealing needs mode odc")
+    if mode == "pad" and pad_to is None:
+        raise ValueError("mode pad needs pad_to")
+    rss_start = memory.reset_peak_rss()
     model = build_model(spec, seed=0)
+    # fsdp2-accum keeps each group's parameters unsharded from its first forward to its last backward.
+    kw: dict[str, Any] = {"reshard_after_forward": False} if mode == "accum" else {}
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    sharded = list(model.parameters())  # the sharded DTensors; while unsharded, FSDP registers other tensors
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if mode == "odc":
         odc.fsdp.enable(model, opt, timeout=timeout, deterministic=deterministic)
@@ -276,30 +311,45 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
         ordered = [[sorted((tuple(mb) for mb in r), key=lambda mb: -weigh(mb)) for r in m] for m in lists]
         # Any rank may run any microbatch: every one's row is built before the clock starts.
         row_of = {mb: packed_row([samples[i] for i in mb]) for m in ordered for r in m for mb in r}
+    dummy = packed_row([markov_tokens(30_000_000, baselines.DUMMY_LENGTH, spec.vocab)])
     world = ctx.world
     compute = EmulatedCompute()  # the straggler's extra seconds, each sleep's overshoot carried into the next
+    held = 0
     ctx.barrier()
     t0 = time.perf_counter()
     ends, losses, norms, micro, stolen = [], [], [], [], []
     for k in range(len(minibatches)):
         local = torch.zeros((), dtype=torch.float64)
         if lists is None:
-            work: Any = zip(minibatches[k], rows[k], strict=True)
+            work: Any = list(zip(minibatches[k], rows[k], strict=True))
             own: set[tuple[int, ...]] = set()
+            runs = baselines.padded_counts([len(work)], mode)[0] if mode != "pad" else int(pad_to[k])  # type: ignore[index]
+            work += [((), dummy)] * (runs - len(work))  # zero-loss padding: the same collectives, no gradient
         else:
             work = ((mb, row_of[mb]) for mb in odc.fsdp.microbatches(model, ordered[k], cost=weigh))
             own = set(ordered[k][ctx.rank])
+            runs = 0
         taken = 0
-        for mb, row in work:
+        for j, (mb, row) in enumerate(work):
+            if mode == "accum":
+                last = j == runs - 1
+                model.set_requires_gradient_sync(last)
+                model.set_reshard_after_backward(last)
             m0, c0 = time.perf_counter(), time.thread_time()
             loss = _loss(model, row)
-            (loss * world / tokens[k]).backward()  # FSDP averages over ranks
-            local += loss.detach().double()
+            if mb:
+                (loss * world / tokens[k]).backward()  # FSDP averages over ranks
+                local += loss.detach().double()
+            else:
+                (loss * 0.0).backward()
             if slow != 1.0:
                 compute.run((slow - 1.0) * (time.thread_time() - c0))
             taken += lists is not None and mb not in own
             micro.append((k, list(mb), time.perf_counter() - m0))
+            if mode != "odc":  # ODC's gradients may not be read before the minibatch's last backward
+                held = max(held, _held_bytes(model, sharded))
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        held = max(held, _held_bytes(model, sharded))
         opt.step()
         opt.zero_grad()
         ends.append(time.perf_counter())
@@ -309,10 +359,31 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     norm_values = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norms]
     dist.barrier()
     final = {name: p.to_local().detach().clone() for name, p in model.named_parameters()} if record else None
+    mem = {"rss_start": rss_start, "rss_peak": memory.peak_rss(), "held": held,
+           "odc_shm": memory.shm_bytes(ctx.rank) if mode == "odc" else None}
     if mode == "odc":
         odc.fsdp.disable(model)
     return {"t0": t0, "ends": ends, "losses": losses, "norms": norm_values, "micro": micro, "final": final,
-            "stolen": stolen, "slept_s": compute.requested}
+            "stolen": stolen, "slept_s": compute.requested, "memory": mem}
+
+
+def _held_bytes(model: Any, sharded: Sequence[Any]) -> int:
+    """Bytes of the storages behind the model's parameters and gradients: the sharded ones and, while a group is
+    unsharded, the unsharded ones FSDP registers in their place (each storage once)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    total = 0
+    for p in itertools.chain(sharded, model.parameters()):
+        for t in (p, p.grad):
+            if t is None:
+                continue
+            local = t.to_local() if isinstance(t, DTensor) else t
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
 
 
 def _param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
@@ -327,6 +398,11 @@ def _param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     return worst, math.sqrt(num / den) if den > 0 else 0.0
 
 
+def plan_mode(mode: str) -> str:
+    """Whose fixed costs a plan run under ``mode`` is made with: padding runs the collectives' microbatches."""
+    return "collective" if mode == "pad" else mode
+
+
 def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], configs: list[str], repeats: int,
                fit_lengths: list[int], fit_repeats: int, lr: float, clip: float, timeout: float, seed: int,
                skip: int = 1, calibrate: bool = True, straggler: tuple[int, float] | None = None) -> dict[str, Any]:
@@ -335,18 +411,21 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
     ``points`` carry the lengths, minibatch size and token budget of each
     sweep point; the first ``skip`` minibatches of a run train but are not
     timed (warm-up), and the predictions cover the others. ``calibrate``
-    measures the fixed costs per microbatch and per minibatch of each mode
-    (:func:`_overheads`) for a second prediction. Rank 0 returns the fit, the
-    fixed costs, the plans' predictions and every run's timings, losses and
-    parameter differences. ``straggler`` ``(rank, factor)``: that rank's
-    microbatches take ``factor`` times their compute time in every
-    configuration's runs (not in the cost fit nor the fixed-cost
-    calibration; the predictions do not know of it, but the steal bound
-    does).
+    measures the fixed costs per microbatch and per minibatch of each way of
+    running (:func:`_overheads`: collectives, also for padding; ODC; FSDP2's
+    accumulation), which LB-Micro and LB-Mini plan with and the second
+    prediction counts. LB-Micro plans with the collectives' costs wherever it
+    runs (it is the collectives' strategy, and ``odc+lb-micro`` runs its
+    plan); LB-Mini with the costs of the mode that runs it; verl-maxcount is
+    verl's split (:func:`odc.bench.baselines.verl_maxcount_plan`). Rank 0
+    returns the fit, the fixed costs, the plans' predictions and every run's
+    timings, losses, memory and parameter differences. ``straggler``
+    ``(rank, factor)``: that rank's microbatches take ``factor`` times their
+    compute time in every configuration's runs (not in the cost fit nor the
+    fixed-cost calibration; the predictions do not know of it, but the steal
+    bound does).
     """
     import torch
-
-    from odc import packing
 
     spec_ = ModelSpec(**spec)
     torch.manual_seed(seed)
@@ -354,22 +433,25 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
     ctx.emit("progress", "cost fit")
     table = {name: (mode, strategy) for name, mode, strategy in CONFIGS}
     slow = dict([straggler]) if straggler else {}
-    overheads = {}
-    for mode in dict.fromkeys(table[name][0] for name in configs) if calibrate else ():
-        overheads[mode] = _overheads(ctx, spec_, mode, fit, lr, clip, timeout)
+    overheads: dict[str, dict[str, Any]] = {}
+    fits: dict[str, Any] = {}
+    for mode in dict.fromkeys(plan_mode(table[name][0]) for name in configs) if calibrate else ():
+        overheads[mode], fits[mode] = _overheads(ctx, spec_, mode, fit, pooled, lr, clip, timeout)
         ctx.emit("progress", f"{mode} overheads")
     out_points = []
     for point in points:
         lengths = point["lengths"]
         vocab = spec_.vocab
         samples = [markov_tokens(i, n, vocab, seed) for i, n in enumerate(lengths)]
-        plans = {}
-        for name in configs:
-            strategy = table[name][1]
-            if strategy not in plans:
-                plans[strategy] = packing.plan(lengths, ctx.world, point["minibatch_size"], strategy,
-                                               point["max_tokens"], cost=fit)
-        ref = plans["lb-micro"]
+        plans: dict[tuple[str, str], Any] = {}
+        plan_of: dict[str, Any] = {}
+        for name in ["collective+lb-micro", *configs]:
+            mode, strategy = table[name]
+            key = (strategy, "collective" if strategy == "lb-micro" else plan_mode(mode))
+            if key not in plans:
+                plans[key] = _plan(lengths, ctx.world, point, strategy, fits.get(key[1], fit))
+            plan_of[name] = plans[key]
+        ref = plan_of[BASELINE]
         # Labels per minibatch from the plan itself (every strategy holds the same samples per minibatch).
         tokens = [sum(lengths[i] - 1 for r in m for mb in r for i in mb) for m in ref.minibatches]
         cost = functools.partial(_seconds, fit, lengths)
@@ -379,10 +461,11 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
             order = configs[rep % len(configs):] + configs[:rep % len(configs)]
             for name in order:
                 mode, strategy = table[name]
-                p = plans[strategy]
+                p = plan_of[name]
+                pad_to = [max(len(r) for r in m) for m in p.minibatches] if mode == "pad" else None
                 r = _run(ctx, spec_, mode, p.rank(ctx.rank), samples, tokens, lr, clip, timeout,
                          record=(rep == 0), lists=p.minibatches if steals(name) else None, cost=cost,
-                         slow=slow.get(ctx.rank, 1.0), deterministic=name.endswith(DET))
+                         slow=slow.get(ctx.rank, 1.0), deterministic=name.endswith(DET), pad_to=pad_to)
                 if rep == 0:
                     finals[name] = r.pop("final")
                 else:
@@ -398,17 +481,24 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                     every = ctx.all_gather_object(local)
                     diffs[f"{name} vs {ref_name}"] = {"max_abs": max(e[0] for e in every),
                                                       "rel_norm": max(e[1] for e in every)}
-        predictions = {name: _prediction(plans[table[name][1]], table[name][0], ref, skip) for name in configs}
+        dummy_s = fit.seconds(baselines.DUMMY_LENGTH)
+        predictions = {name: _prediction(plan_of[name], table[name][0], ref, cost, dummy_s, skip) for name in configs}
         for name in configs:
+            predictions[name]["source"] = getattr(plan_of[name], "source", "") or "odc.packing"
             if steals(name):
-                p = plans[table[name][1]]
+                p = plan_of[name]
                 per_rank = [[[(cost(mb), 0) for mb in m] for m in p.rank(r)[skip:]] for r in range(ctx.world)]
                 predictions[name]["steal_bound"] = steal_bound(per_rank, slow)
         if overheads:
-            spans = {name: _span_with_overheads(plans[table[name][1]], table[name][0], lengths, fit,
-                                                overheads[table[name][0]], skip) for name in configs}
+            def fixed(mode: str) -> tuple[float, float]:
+                o = overheads[plan_mode(mode)]
+                return o["microbatch_s"], o["minibatch_s"]
+
+            base_span = predict_span(ref, "collective", cost, fixed("collective"), dummy_s, skip)[1]
             for name, pred in predictions.items():
-                pred.update(seconds_with_overheads=spans[name], speedup_with_overheads=spans[BASELINE] / spans[name])
+                mode = table[name][0]
+                span = predict_span(plan_of[name], mode, cost, fixed(mode), dummy_s, skip)[1]
+                pred.update(seconds_with_overheads=span, speedup_with_overheads=base_span / span)
         out_points.append({
             "predictions": predictions,
             "runs": runs,
@@ -417,21 +507,37 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
     return {"fit": fit.to_dict(), "fit_timings": pooled, "overheads": overheads, "points": out_points}
 
 
+def _plan(lengths: list[int], world: int, point: dict[str, Any], strategy: str, fit: CostFit) -> Any:
+    """The plan of ``strategy`` for one sweep point: the packer's with ``fit`` (and its fixed costs), or
+    verl-maxcount's."""
+    from odc import packing
+
+    if strategy == baselines.VERL_MAXCOUNT:
+        return baselines.verl_maxcount_plan(lengths, world, point["minibatch_size"], point["max_tokens"])
+    return packing.plan(lengths, world, point["minibatch_size"], strategy, point["max_tokens"], cost=fit)
+
+
 # The calibration microbatch: a sample this short is nearly all fixed cost.
 CALIBRATION_LENGTH = 16
 
 
-def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: CostFit, lr: float, clip: float, timeout: float,
-               repeats: int = 4) -> dict[str, Any]:
+def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: CostFit, pooled: list[tuple[int, float]], lr: float,
+               clip: float, timeout: float, repeats: int = 4) -> tuple[dict[str, Any], CostFit]:
     """Seconds the fitted per-sample costs leave out under ``mode``, measured apart from the benchmark's runs.
 
     Trains minibatches of 1 and of 4 microbatches of one
     ``CALIBRATION_LENGTH``-token sample (the same on every rank, so nobody
-    waits for anybody): the slope per microbatch minus the fit's cost of the
-    sample is the fixed cost of a microbatch (interpreter, FSDP's hooks and
-    copies, the communication of every layer), the rest of a minibatch's
-    time the fixed cost of a minibatch (clip, optimizer step, finish).
+    waits for anybody); :func:`odc.packing.fit_cost` fits the medians: the
+    slope per microbatch minus the fit's cost of the sample is the fixed
+    cost of a microbatch (interpreter, FSDP's hooks and copies, the
+    communication of every layer under collectives), the rest of a
+    minibatch's time the fixed cost of a minibatch (clip, optimizer step,
+    finish; under FSDP2's accumulation the one all-gather and
+    reduce-scatter of every group). Returns the figures and the fit with
+    these fixed costs, which the plans of this mode are made with.
     """
+    from odc import packing
+
     few, many = 1, 4
     sample = [markov_tokens(20_000_000, CALIBRATION_LENGTH, spec.vocab)]
     plan = [[[0]] * few] * (1 + repeats) + [[[0]] * many] * repeats  # the first minibatch warms up
@@ -441,64 +547,54 @@ def _overheads(ctx: Any, spec: ModelSpec, mode: str, fit: CostFit, lr: float, cl
     per_minibatch = _aggregate(ctx.all_gather_object(r), 0)["minibatch_s"]
     t_few = statistics.median(per_minibatch[1:1 + repeats])
     t_many = statistics.median(per_minibatch[1 + repeats:])
-    per_micro = (t_many - t_few) / (many - few)
-    return {"microbatch_s": per_micro - fit.seconds(CALIBRATION_LENGTH), "minibatch_s": t_few - few * per_micro,
-            "calibration_minibatch_s": per_minibatch}
+    fixed = packing.fit_cost(pooled, minibatch_timings=[(few, CALIBRATION_LENGTH, t_few),
+                                                        (many, CALIBRATION_LENGTH, t_many)])
+    return {"microbatch_s": fixed.microbatch_s, "minibatch_s": fixed.minibatch_s,
+            "raw_microbatch_s": fixed.raw_fixed_s[0], "raw_minibatch_s": fixed.raw_fixed_s[1],
+            "calibration_minibatch_s": per_minibatch}, fixed
 
 
-def _span_with_overheads(plan: Any, mode: str, lengths: list[int], fit: CostFit, overheads: dict[str, Any],
-                         skip: int) -> float:
-    """Seconds the plan takes over minibatches ``skip..`` with the fitted costs plus the measured fixed costs.
+def predict_span(plan: Any, mode: str, cost: Callable[[Sequence[int]], float], fixed: tuple[float, float] = (0.0, 0.0),
+                 dummy_s: float = 0.0, skip: int = 0) -> tuple[float, float]:
+    """(seconds of work, seconds the plan takes) over minibatches ``skip..``, with ``cost`` per microbatch's
+    samples and ``fixed`` = (per microbatch, per minibatch) seconds.
 
-    Under ODC a minibatch takes its slowest rank's microbatches; under
-    collectives every microbatch step its slowest rank's microbatch; each
-    microbatch adds ``overheads["microbatch_s"]``, each minibatch
-    ``overheads["minibatch_s"]``.
+    ``collective``: every microbatch step its slowest rank's microbatch (a
+    rank without one runs an empty step) plus the per-microbatch cost;
+    ``pad``: the same with a dummy microbatch (``dummy_s``) where a rank has
+    none; ``odc`` and ``accum``: the slowest rank's microbatches, each with
+    the per-microbatch cost (a rank without any runs one dummy under
+    ``accum``). Every minibatch adds the per-minibatch cost. Work is the
+    samples' costs alone. For a packer's plan made with the same fixed costs
+    this is the packer's own predicted time (:meth:`odc.packing.Plan.time`).
     """
-    per_mb: float = overheads["microbatch_s"]
-    per_minibatch: float = overheads["minibatch_s"]
-
-    def cost(mb: Sequence[int]) -> float:
-        return sum(fit.seconds(lengths[i]) for i in mb) + per_mb
-
-    span = 0.0
-    for ranks in plan.minibatches[skip:]:
-        if mode == "odc":
-            span += max(sum(cost(mb) for mb in r) for r in ranks)
-        else:
-            steps = max(len(r) for r in ranks)
-            span += sum(max(cost(r[j]) if j < len(r) else per_mb for r in ranks) for j in range(steps))
-        span += per_minibatch
-    return span
-
-
-def _busy(plan: Any, mode: str, skip: int) -> tuple[float, float]:
-    """(seconds of work, seconds the plan takes) over minibatches ``skip..``: the fitted costs are seconds.
-
-    A minibatch takes its slowest rank's cost under ODC, and the sum over
-    microbatch steps of the slowest rank's microbatch under collectives, which
-    is its work over ``D · (1 − bubble)``.
-    """
+    per_micro, per_minibatch = fixed
     work = span = 0.0
-    for m in range(skip, plan.num_minibatches):
-        total = sum(plan.costs[m])
-        work += total
-        if mode == "odc":
-            span += max(plan.costs[m])
+    for ranks in plan.minibatches[skip:]:
+        runs = baselines.padded_counts([len(r) for r in ranks], mode)
+        work += sum(cost(mb) for r in ranks for mb in r)
+        if mode in ("odc", "accum"):
+            span += max(sum(cost(mb) for mb in r) + (n - len(r)) * dummy_s + n * per_micro
+                        for r, n in zip(ranks, runs, strict=True))
         else:
-            span += total / (plan.world_size * (1.0 - plan.minibatch_bubbles[m][0]))
+            empty = dummy_s if mode == "pad" else 0.0
+            span += sum(max(cost(r[j]) if j < len(r) else empty for r in ranks) + per_micro
+                        for j in range(max(runs)))
+        span += per_minibatch
     return work, span
 
 
-def _prediction(plan: Any, mode: str, baseline: Any, skip: int) -> dict[str, Any]:
-    """What the planner predicts for one configuration over the timed minibatches."""
-    work, span = _busy(plan, mode, skip)
-    _, base_span = _busy(baseline, "collective", skip)
+def _prediction(plan: Any, mode: str, baseline: Any, cost: Callable[[Sequence[int]], float], dummy_s: float,
+                skip: int) -> dict[str, Any]:
+    """What the fitted per-sample costs alone predict for one configuration over the timed minibatches."""
+    work, span = predict_span(plan, mode, cost, dummy_s=dummy_s, skip=skip)
+    _, base_span = predict_span(baseline, "collective", cost, skip=skip)
     return {
         "bubble": 1.0 - work / (plan.world_size * span) if span > 0 else float("nan"),
         "speedup": base_span / span if span > 0 else float("nan"),
         "seconds": span,
-        "microbatches": [[len(r) for r in m] for m in plan.minibatches],
+        # What each rank runs (padding and dummies included).
+        "microbatches": [baselines.padded_counts([len(r) for r in m], mode) for m in plan.minibatches],
     }
 
 
@@ -516,4 +612,5 @@ def _aggregate(per_rank: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "micro": [[(k, list(mb), t) for k, mb, t in r["micro"]] for r in per_rank],
         "stolen": [sum(r["stolen"][k] for r in per_rank) for k in range(n)],
         "slept_s": [r["slept_s"] for r in per_rank],
+        "memory": [r["memory"] for r in per_rank],
     }

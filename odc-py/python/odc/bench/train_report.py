@@ -17,7 +17,8 @@ from typing import Any
 
 from .report import UsageError, fmt, table
 
-__all__ = ["command", "plot_curves", "render", "render_curves", "summarize"]
+__all__ = ["PAIRS", "SAME_SAMPLES_TOLERANCE", "command", "pairs", "plot_curves", "render", "render_curves",
+           "render_memory", "render_pairs", "summarize"]
 
 # LongAlign's lengths (lognormal, median 10 000, max 65 536) scaled down 32x: what a CPU core trains in seconds.
 DEFAULT_SYNTHETIC = "lognormal:n=4096,median=312,sigma=1.0,max=2048,seed=0"
@@ -90,7 +91,8 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     fit_lengths = train.fit_lengths(every)
     repeats = 1 if args.curves else args.repeats
     # A step for the cost fit, one for each communication mode's fixed costs (not with --curves), one per run.
-    calibrated = 0 if args.curves else len({mode for name, mode, _ in train.CONFIGS if name in configs})
+    calibrated = 0 if args.curves else len({train.plan_mode(mode) for name, mode, _ in train.CONFIGS
+                                            if name in configs})
     bar = Progress(1 + calibrated + len(points) * len(configs) * repeats, f"train {world} ranks",
                    _progress_flag(args))
     from dataclasses import asdict
@@ -143,9 +145,16 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     rows = summarize(points, out["points"], configs, fit, world)
     ovh = out["overheads"]
     head.append("fixed costs the per-sample model leaves out, measured apart (minibatches of 1 and 4 microbatches of "
-                f"a {train.CALIBRATION_LENGTH}-token sample): per microbatch "
+                f"a {train.CALIBRATION_LENGTH}-token sample; accum = FSDP2's accumulation): per microbatch "
                 + ", ".join(f"{m} {1e3 * o['microbatch_s']:.1f} ms" for m, o in ovh.items()) + "; per minibatch "
-                + ", ".join(f"{m} {1e3 * o['minibatch_s']:.1f} ms" for m, o in ovh.items()))
+                + ", ".join(f"{m} {1e3 * o['minibatch_s']:.1f} ms" for m, o in ovh.items())
+                + "; lb-micro plans with the collectives' fixed costs, lb-mini with those of the mode that runs it "
+                  "(dummy-pad: the collectives')")
+    sources = {r["plan_source"] for r in rows if r["strategy"] == "verl-maxcount"}
+    if sources:
+        head.append(f"without ODC: verl-maxcount = verl's split to the largest count (plans by {', '.join(sources)}), "
+                    "dummy-pad = lb-mini padded with zero-loss microbatches, both over gloo; fsdp2-accum = lb-mini "
+                    "under FSDP2's gradient accumulation (no sync but at each rank's last microbatch)")
     head.append(f"timed: minibatches {WARMUP_MINIBATCHES}..{args.minibatches - 1} (minibatch 0 warms up); "
                 f"{repeats} interleaved repeats; speedup vs {train.BASELINE}: median of per-repeat ratios [min..max]; "
                 f"packer = predicted by odc.packing with the fitted model (compute only); +fixed = the same plans "
@@ -159,7 +168,12 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
                 "baseline")
     print(render(rows, head, len(points) > 1), flush=True)
     print(render_time(rows, len(points) > 1), flush=True)
+    print(render_memory(rows, len(points) > 1), flush=True)
+    found = pairs(rows)
+    if found:
+        print(render_pairs(found, len(points) > 1), flush=True)
     doc["rows"] = rows
+    doc["pairs"] = found
     if args.json:
         write_json(args.json, doc)
     if args.plot:
@@ -223,6 +237,7 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
     from .train import BASELINE, CONFIGS, same_plan, steals
 
     strategies = {name: strategy for name, _, strategy in CONFIGS}
+    modes = {name: mode for name, mode, _ in CONFIGS}
 
     rows = []
     for point, res in zip(points, results, strict=True):
@@ -242,8 +257,9 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
                 "minibatch_size": point["minibatch_size"],
                 "max_tokens": point["max_tokens"],
                 "config": name,
-                "mode": name.split("+")[0],
+                "mode": modes[name],
                 "strategy": strategies[name],
+                "plan_source": pred.get("source"),
                 "steal": steals(name),
                 "microbatches": pred["microbatches"],
                 "max_microbatches": max(max(m) for m in pred["microbatches"]),
@@ -270,9 +286,121 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
                                                           for r in runs) if steals(name) else None,
                 "steal_bound": pred.get("steal_bound"),
                 **_where_time_went(runs, point["lengths"], fit, world),
+                "memory": _memory(runs),
                 "runs": runs,
             })
+            r = rows[-1]
+            r["within_target"] = (r["dloss"] <= SAME_SAMPLES_TOLERANCE
+                                  and (name == BASELINE or r["dparam_baseline"] <= SAME_SAMPLES_TOLERANCE))
     return rows
+
+
+SAME_SAMPLES_TOLERANCE = 1e-5
+"""What every configuration's losses and final parameters should stay within from collective + LB-Micro on the
+same samples (reported per row; PARAM_TOLERANCE, against the same plan, is what fails a run)."""
+
+
+def _memory(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A configuration's memory per rank, the largest over ranks: peak resident set (median over the repeats, and
+    its rise over the run's start), the most parameter and gradient bytes held between microbatches, ODC's shared
+    memory."""
+    def worst(key: str, run: dict[str, Any]) -> Any:
+        values = [m[key] for m in run["memory"]]
+        return None if any(v is None for v in values) else max(values)
+
+    peaks: list[int | None] = [worst("rss_peak", r) for r in runs]
+    starts: list[int | None] = [worst("rss_start", r) for r in runs]
+    rises = [p - s for p, s in zip(peaks, starts, strict=True) if p is not None and s is not None]
+    known = [p for p in peaks if p is not None]
+    return {
+        "rss_peak": statistics.median(known) if len(known) == len(peaks) else None,
+        "rss_rise": statistics.median(rises) if len(rises) == len(peaks) else None,
+        "held": max(worst("held", r) for r in runs),
+        "odc_shm": worst("odc_shm", runs[0]),
+    }
+
+
+PAIRS = ("odc+lb-micro", "verl-maxcount", "dummy-pad", "fsdp2-accum", "collective+lb-micro")
+"""The configurations :func:`pairs` sets ODC + LB-Mini against, where both ran."""
+
+
+def pairs(rows: list[dict[str, Any]], subject: str = "odc+lb-mini") -> list[dict[str, Any]]:
+    """ODC + LB-Mini against each configuration of ``PAIRS`` that ran, per minibatch size: the measured ratio of
+    times (median of the per-repeat ratios of the interleaved runs, min and max), the packer's compute-only
+    prediction and the prediction with the fixed costs, and the error of each."""
+    out = []
+    for label in dict.fromkeys(r["label"] for r in rows):
+        at = {r["config"]: r for r in rows if r["label"] == label}
+        if subject not in at:
+            continue
+        me = at[subject]
+        for other in PAIRS:
+            if other not in at:
+                continue
+            them = at[other]
+            ratios = [_ratio(_timed(b), _timed(a)) for a, b in zip(me["runs"], them["runs"], strict=True)]
+            measured = statistics.median(ratios)
+            packer = _ratio(me["speedup_predicted"], them["speedup_predicted"])
+            fixed = _ratio(me["speedup_predicted_with_overheads"], them["speedup_predicted_with_overheads"])
+            out.append({"label": label, "subject": subject, "other": other, "measured": measured,
+                        "min": min(ratios), "max": max(ratios), "packer": packer, "error": _ratio(measured, packer) - 1,
+                        "with_fixed": fixed, "error_with_fixed": _ratio(measured, fixed) - 1,
+                        "memory": {"subject": me["memory"], "other": them["memory"]}})
+    return out
+
+
+def render_pairs(found: list[dict[str, Any]], sweep: bool) -> str:
+    """ODC + LB-Mini against each other configuration: measured and predicted ratios."""
+    header = ["odc+lb-mini vs", "measured", "[min..max]", "packer", "error", "+fixed", "error"]
+    widths = [22, 9, 13, 8, 7, 8, 7]
+    if sweep:
+        header.insert(0, "minibatch-size")
+        widths.insert(0, 14)
+    body = []
+    for p in found:
+        cells = [p["other"], f"{p['measured']:.3f}x", f"{p['min']:.3f}..{p['max']:.3f}", f"{p['packer']:.3f}x",
+                 _pct(p["error"]), f"{p['with_fixed']:.3f}x", _pct(p["error_with_fixed"])]
+        if sweep:
+            cells.insert(0, p["label"])
+        body.append(cells)
+    title = ["odc+lb-mini against each configuration, the same minibatches: time of the other / time of odc+lb-mini "
+             "(median of the per-repeat ratios of the interleaved runs); packer and +fixed: the same ratio predicted "
+             "from the fitted costs alone and with the fixed costs measured before the runs"]
+    return table(header, body, widths, title)
+
+
+def render_memory(rows: list[dict[str, Any]], sweep: bool) -> str:
+    """Memory per rank of every configuration and the same-samples check against the baseline."""
+    header = ["config", "RSS peak", "RSS rise", "params+grads held", "ODC shm", "loss vs base", "params vs base",
+              f"<= {SAME_SAMPLES_TOLERANCE:g}"]
+    widths = [22, 10, 10, 17, 9, 12, 14, 8]
+    if sweep:
+        header.insert(0, "minibatch-size")
+        widths.insert(0, 14)
+
+    def mib(v: Any) -> str:
+        return "-" if v is None else f"{v / 2**20:.1f}M"
+
+    body = []
+    for r in rows:
+        m = r["memory"]
+        cells = [r["config"], mib(m["rss_peak"]), mib(m["rss_rise"]), f"{m['held'] / 2**10:.0f}K", mib(m["odc_shm"]),
+                 f"{r['dloss']:.1e}", "-" if r["dparam_baseline"] == 0 else f"{r['dparam_baseline']:.1e}",
+                 "yes" if r["within_target"] else "NO"]
+        if sweep:
+            cells.insert(0, r["label"])
+        body.append(cells)
+    title = ["memory per rank (largest over ranks): RSS peak = the process's peak resident set during the run (CPU: "
+             "no allocator figures; median of the repeats), RSS rise = peak - resident set at the run's start, "
+             "params+grads held = the most bytes of parameter and gradient storage FSDP held after a microbatch "
+             "(sharded and unsharded, from the tensors), ODC shm = the engine's shared memory (published shards, "
+             "landing slots); loss / params vs base: largest |difference| of a minibatch's loss and of the final "
+             "parameters from collective+lb-micro on the same samples"]
+    return table(header, body, widths, title)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%" if not math.isnan(x) else "-"
 
 
 def render(rows: list[dict[str, Any]], title: list[str], sweep: bool) -> str:
