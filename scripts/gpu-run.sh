@@ -128,8 +128,10 @@ step "NVRTC compiles every kernel (cuda_compile)" "$BUNDLE/bin/cuda_compile" --t
 step "the figures' benchmark imports (odc.bench.gpu)" "$PYTHON" -c 'import odc.bench.gpu'
 step "the kernel benchmark starts (gpu_kernels_perf --help)" "$BUNDLE/bin/gpu_kernels_perf" --help
 step "NVSHMEM's symbols and layouts (nvshmem_bindings)" "$BUNDLE/bin/nvshmem_bindings" --test-threads=1
+# -p no:asyncio: a pytest-asyncio in the python that runs this warns at configure time, and the project's
+# filterwarnings = error makes that warning end pytest before it collects anything (as pytest-torch211 does).
 step "the Python GPU tests collect (pytest --collect-only)" \
-    "$PYTHON" -m pytest -q --collect-only -p no:cacheprovider -m gpu -o addopts="--strict-markers" \
+    "$PYTHON" -m pytest -q --collect-only -p no:cacheprovider -p no:asyncio -m gpu -o addopts="--strict-markers" \
     odc-py/tests/test_device.py odc-py/tests/test_backend_device.py
 if [ "$failed" -ne 0 ]; then
     finish 1 "a check before the first device call failed"
@@ -150,7 +152,7 @@ step "the CUDA data plane (gpu_plane)" "$BUNDLE/bin/gpu_plane" --test-threads=1 
 step "engines on the GPU transports (gpu_engine)" "$BUNDLE/bin/gpu_engine" --test-threads=1 --show-output
 step "odc-core unit tests on the device (gpu::, plane::)" "$BUNDLE/bin/odc_core-lib" --test-threads=1 --show-output gpu:: plane::cuda plane::nvshmem
 step "Python GPU tests (cuda-ipc, FSDP2 on CUDA, the backend on CUDA)" \
-    "$PYTHON" -m pytest -q -rs -p no:cacheprovider -m gpu -o addopts="--strict-markers -ra" \
+    "$PYTHON" -m pytest -q -rs -p no:cacheprovider -p no:asyncio -m gpu -o addopts="--strict-markers -ra" \
     odc-py/tests/test_device.py odc-py/tests/test_backend_device.py
 
 # --- single-GPU figures, each against a device-to-device copy in the same run ----------------------------------
