@@ -50,7 +50,7 @@ def test_init_process_group_odc_follows_its_timeout(monkeypatch: pytest.MonkeyPa
         want = (7.0, "the process group's timeout") if env is None else (11.0, "ODC_TIMEOUT_S")
         assert (pg._seconds, pg.deadline_source) == want
         # The engines it makes wait that long.
-        assert pg._engine("deadline-check").timeout == want[0]
+        assert pg._make("deadline-check").timeout == want[0]
         # And a group made later from it reads the same rule.
         assert deadline_for(pg) == want
     finally:
