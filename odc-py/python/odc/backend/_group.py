@@ -15,12 +15,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
 from .._c10d import backend_base, gloo_method, init_backend, premul_factor
 from ..deadline import deadline_for
 from ..engine import Engine
 from ..errors import ConfigError, LayoutError, OdcError, ProtocolError
-from ._engines import DEFAULT_SCRATCH_MB, SCRATCH_ENV, Engines, SetKey, engine_set, scratch_bytes, transports
+from ._engines import (
+    DEFAULT_SCRATCH_MB,
+    SCRATCH_ENV,
+    Engines,
+    EngineSet,
+    SetKey,
+    engine_set,
+    scratch_bytes,
+    transports,
+)
 from ._parts import _DTYPES, WIRE_BYTES, _StagedWork, _tensors, _to_host, completed_work
 
 if TYPE_CHECKING:
@@ -114,12 +124,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
-def _timeout_s(timeout: Any) -> float:
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
-
-
 # -- the backend -------------------------------------------------------------------
 class ProcessGroupODC(_Base):
     """The ``odc`` backend of a torch.distributed process group: all-gather and reduce-scatter on ODC, on
@@ -164,7 +168,7 @@ class ProcessGroupODC(_Base):
             raise ConfigError(f"odc backend: {len(global_ranks)} global ranks for a group of {world_size}")
         key = SetKey(global_ranks, cpu_transport, self._cuda_requested, self._nbytes, self._seconds,
                      self.deadline_source)
-        self._set = engine_set(key, rank)
+        self._set: EngineSet | None = engine_set(key, rank)
         self._set.check_transport()
         self._engines_made = 0  # names each engine made through this group's store afresh
         self._gloo: Any = dist.ProcessGroupGloo(prefix_store("odc-gloo/", store), rank, world_size, self._timeout)
@@ -185,7 +189,7 @@ class ProcessGroupODC(_Base):
     @property
     def options(self) -> Any:
         """The backend's options (its name and timeout), as torch reads them from a group's backend."""
-        return dist.Backend.Options(BACKEND_NAME, self._timeout)  # type: ignore[attr-defined]
+        return _c10d.Backend.Options(BACKEND_NAME, self._timeout)
 
     def _set_group_uid(self, name: str) -> None:
         # torch names the group through its backend; the base keeps the name the group reports.
@@ -207,13 +211,15 @@ class ProcessGroupODC(_Base):
     @property
     def transports(self) -> dict[str, str]:
         """The transport of the engines of each device that ran an ODC operation: ``{"cpu": "shm",
-        "cuda:0": "cuda-ipc"}`` (empty before the first)."""
-        return self._set.transports
+        "cuda:0": "cuda-ipc"}`` (empty before the first, and after shutdown)."""
+        return self._set.transports if self._set is not None else {}
 
     # -- ODC core ------------------------------------------------------------------
     def _make(self, role: str, **kw: Any) -> Engine:
         """Makes an engine of this group's rank set through this group's store (collective: every rank of
         the group is in the same operation)."""
+        if self._set is None:
+            raise OdcError("this odc process group was shut down")
         made, self._engines_made = self._engines_made, self._engines_made + 1
         return self._set.make(self._store, f"odc-e{made}-{role}", **kw)
 
@@ -474,7 +480,7 @@ class ProcessGroupODC(_Base):
     # -- teardown ------------------------------------------------------------------
     def shutdown(self) -> None:
         """Lets go of this group's engines (freed with the last group of the same ranks) and its gloo backend."""
-        self._set = None  # type: ignore[assignment]
+        self._set = None
         self._gloo = None
 
     def abort(self) -> None:
