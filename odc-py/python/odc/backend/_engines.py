@@ -122,6 +122,8 @@ class Engines:
         self.device = device
         self.transport = transport
         self.on_device = transport_name(transport) in DEVICE_TRANSPORTS
+        self._gather_classes = shard_classes(set_.key.bound, WIRE_BYTES)  # every class up to the bound
+        self._reduce_classes = shard_classes(set_.key.bound, 4)
         self.gatherer_: Gatherer | None = None
         self.reducer_: Reducer | None = None
         self._last_stream: Any = None
@@ -142,11 +144,11 @@ class Engines:
 
     def gatherer(self, make: Maker, words: int) -> Gatherer:
         """The gatherer, with a shard class of at least ``words`` 2-byte words (or the bound's)."""
-        classes = shard_classes(self.set.key.bound, WIRE_BYTES)
-        want = class_for(words, classes)
         g = self.gatherer_
-        if g is not None and g.capacity >= want:
+        if g is not None and (words <= g.capacity or g.capacity == self._gather_classes[-1]):
             return g
+        classes = self._gather_classes
+        want = class_for(words, classes)
         if self.on_device:
             self._make_both(make)
         else:
@@ -158,10 +160,10 @@ class Engines:
 
     def reducer(self, make: Maker, elems: int) -> Reducer:
         """The reducer, with shards of at least ``elems`` elements (or the bound's)."""
-        want = class_for(elems, shard_classes(self.set.key.bound, 4))
         r = self.reducer_
-        if r is not None and r.capacity >= want:
+        if r is not None and (elems <= r.capacity or r.capacity == self._reduce_classes[-1]):
             return r
+        want = class_for(elems, self._reduce_classes)
         if self.on_device:
             self._make_both(make)
         else:
@@ -176,8 +178,8 @@ class Engines:
         key = self.set.key
         (ag, ag_kw), (rs, rs_kw) = device_plan(self.transport, self.device, self.set.world, self.set.local_world,
                                                key.bound)
-        self.gatherer_ = Gatherer(make(ag, **ag_kw), shard_classes(key.bound, WIRE_BYTES))
-        self.reducer_ = Reducer(make(rs, **rs_kw), shard_classes(key.bound, 4)[-1])
+        self.gatherer_ = Gatherer(make(ag, **ag_kw), self._gather_classes)
+        self.reducer_ = Reducer(make(rs, **rs_kw), self._reduce_classes[-1])
 
 
 def device_plan(
