@@ -285,10 +285,11 @@ def _ops(rank, world, store, scratch_mb, transport=None):
     e = not_odc.value
     assert isinstance(e, odc.ConfigError) and isinstance(e, RuntimeError) and "'gloo'" in str(e), e
 
-    # A second odc group (ranks 0 and 1) beside the default one: its own store prefix and engines.
+    # A second odc group (ranks 0 and 1) beside the default one: its own backend object (on 2 ranks sharing
+    # the default group's engines, on 4 with engines of its own).
     sub = dist.new_group([0, 1], backend="odc")
     if rank < 2:
-        assert isinstance(sub, odc.backend.ProcessGroupODC) and sub is not pg
+        assert odc.backend.get_process_group(sub) is not pg
         out = torch.empty(2 * 7, dtype=torch.bfloat16)
         dist.all_gather_into_tensor(out, _data(rank, 7, torch.bfloat16), group=sub)
         assert torch.equal(out, torch.cat([_data(r, 7, torch.bfloat16) for r in range(2)]))
@@ -340,7 +341,8 @@ dist.init_process_group("odc", store=dist.HashStore(), rank=0, world_size=1, tim
 out = torch.empty(3)
 dist.all_gather_into_tensor(out, torch.arange(3.0))
 assert out.tolist() == [0.0, 1.0, 2.0], out
-print(type(dist.group.WORLD).__module__, dist.get_backend())
+import odc.backend
+print(type(odc.backend.get_process_group()).__module__, dist.get_backend())
 """
 #: torch reads the torch.distributed.backends entry point from 2.14 (Backend._ensure_backend_registered).
 _READS_ENTRY_POINTS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
@@ -387,7 +389,10 @@ def _dies(rank, world, store):
     _init(rank, world, store)
     x = torch.full((1001,), float(rank))
     out = torch.empty(world * 1001)
-    dist.all_gather_into_tensor(out, x)  # warm: everyone is up
+    # Warm: everyone is up, and the group's engines exist (an operation that makes one waits for every rank
+    # in the store, and would time out there naming the key of the rank that is missing).
+    dist.all_gather_into_tensor(out, x)
+    dist.reduce_scatter_tensor(torch.empty(1001), out)
     if rank == 1:
         os._exit(3)  # dies between collectives; the survivors are inside the next one
     try:
@@ -480,10 +485,11 @@ def _fsdp(rank, world, store):
 
 def counts(group):
     """ODC ops run on ``group`` since the last call (empty for gloo)."""
-    if not isinstance(group, odc.backend.ProcessGroupODC):
+    if dist.get_backend(group) != "odc":
         return {}
-    got = {k: v for k, v in group.op_counts.items() if k.startswith("odc:")}
-    group.op_counts.clear()
+    backend = odc.backend.get_process_group(group)
+    got = {k: v for k, v in backend.op_counts.items() if k.startswith("odc:")}
+    backend.op_counts.clear()
     return got
 
 

@@ -244,7 +244,7 @@ def test_backend_is_registered_for_cpu_and_cuda():
 
 
 def test_odc_transport_picks_the_pair_it_names():
-    pick, cuda = odc.backend._group._transports, odc.backend._group._cuda_transport
+    pick, cuda = odc.backend._engines.transports, odc.backend._engines.cuda_transport
     assert pick(None) == ("auto", None)
     for name in ("auto", "shm", "fabric", "mixed", "emu-ipc", "emu-shmem"):
         assert pick(name) == (name, None)
@@ -267,31 +267,27 @@ def _one_rank_group(monkeypatch, transport):
 def test_a_cuda_transport_leaves_cpu_tensors_on_the_host_engines(monkeypatch):
     pg = _one_rank_group(monkeypatch, "cuda-ipc")
     try:
-        assert (pg.transports, pg._cuda_requested) == ({"cpu": "shm"}, "cuda-ipc")
+        assert (pg.transports, pg._cuda_requested) == ({}, "cuda-ipc")  # no engine before the first operation
         out = torch.empty(3)
         pg.all_gather_single(out, torch.arange(3.0)).wait()
         assert out.tolist() == [0.0, 1.0, 2.0]
+        assert pg.transports == {"cpu": "shm"}
     finally:
         pg.shutdown()
 
 
-def test_nvshmem_plans_the_reduce_scatter_engine_into_the_all_gather_engines_heap(monkeypatch):
-    # A process holds one NVSHMEM session: the pair's first engine starts it with the second one's regions
+def test_nvshmem_plans_the_reduce_scatter_engine_into_the_all_gather_engines_heap():
+    # A process holds one NVSHMEM session: the device's first engine starts it with the second one's regions
     # planned in (heap_reserve), and the second shares it. Checked on the arguments (no GPU needed).
-    pg = _one_rank_group(monkeypatch, "nvshmem")
-    try:
-        made = []
-        monkeypatch.setattr(pg, "_engine", lambda prefix, **kw: made.append((prefix, kw)))
-        make = pg._cuda_engines(torch.device("cuda", 0))
-        make("odc-ag-cuda")
-        make("odc-rs-cuda")
-        (ag, ag_kw), (rs, rs_kw) = made
-        want = odc.engine.heap_bytes(odc.backend._parts._Reducer.buckets(1, pg._nbytes), 1, local_world_size=1)
-        assert want >= 2 * 4 * odc.backend._parts._capacity(pg._nbytes, 4), want  # both f32 accumulators
-        assert (ag, ag_kw["transport"], ag_kw["heap_reserve"]) == ("odc-ag-cuda", "nvshmem", want)
-        assert (rs, rs_kw["transport"], rs_kw["heap_reserve"]) == ("odc-rs-cuda", "nvshmem", 0)
-    finally:
-        pg.shutdown()
+    bound = odc.backend.scratch_bytes()
+    (ag, ag_kw), (rs, rs_kw) = odc.backend._engines.device_plan("nvshmem", torch.device("cuda", 0), 1, 1, bound)
+    shard = odc.backend._parts.shard_classes(bound, 4)[-1]
+    want = odc.engine.heap_bytes(odc.backend._parts.Reducer.buckets(1, shard), 1, local_world_size=1)
+    assert want >= 2 * 4 * shard, want  # both f32 accumulators
+    assert (ag, ag_kw) == ("ag", {"transport": "nvshmem", "device": 0, "heap_reserve": want})
+    assert (rs, rs_kw) == ("rs", {"transport": "nvshmem", "device": 0})
+    (_, ipc_kw), _ = odc.backend._engines.device_plan("cuda-ipc", torch.device("cuda", 1), 2, 2, bound)
+    assert ipc_kw == {"transport": "cuda-ipc", "device": 1, "heap_reserve": 0}
 
 
 def test_heap_bytes_counts_what_an_engine_allocates():
@@ -322,11 +318,11 @@ def test_tensors_on_other_devices_are_layout_errors_naming_them(monkeypatch):
         with pytest.raises(odc.LayoutError, match="all_gather_single: tensors on cpu and meta"):
             pg.all_gather_single(torch.empty(2, dtype=torch.int64), meta.long())  # delegated: checked too
         # A CUDA op on another device than the group's CUDA engines (stood in for: no GPU needed).
-        pg._cuda = SimpleNamespace(device=torch.device("cuda", 0))
+        pg._set._devices["cuda"] = SimpleNamespace(device=torch.device("cuda", 0))
         with pytest.raises(odc.LayoutError, match=r"tensors on cuda:1, but .* CUDA engines are on cuda:0"):
-            pg._run("all_gather_single", torch.device("cuda", 1), lambda pair: None)
+            pg._run("all_gather_single", torch.device("cuda", 1), lambda engines: None)
         # None of this reached an engine: the group still works.
-        assert pg._failure is None
+        assert pg._set.failure is None
         out = torch.empty(2)
         pg.all_gather_single(out, torch.ones(2)).wait()
         assert out.tolist() == [1.0, 1.0]

@@ -50,8 +50,10 @@ def test_init_process_group_odc_follows_its_timeout(monkeypatch: pytest.MonkeyPa
         want = (7.0, "the process group's timeout") if env is None else (11.0, "ODC_TIMEOUT_S")
         assert (pg._seconds, pg.deadline_source) == want
         # The engines it makes wait that long.
-        assert pg._engine("deadline-check").timeout == want[0]
-        # And a group made later from it reads the same rule.
+        assert pg._make("deadline-check").timeout == want[0]
+        # And a group made later from it reads the same rule, from the backend or from the group.
         assert deadline_for(pg) == want
+        assert deadline_for(dist.group.WORLD) == want
+        assert pg.options._timeout == datetime.timedelta(seconds=7) and pg.options.backend == "odc"
     finally:
         dist.destroy_process_group()

@@ -106,8 +106,9 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "microseconds (a whole number), so that tests see a stream lag behind the host.", "gpu"),
     # -- Python --------------------------------------------------------------------------------------------------
     EnvVar("ODC_BACKEND_SCRATCH_MB", "16", "`odc.backend`",
-           "Per-rank scratch shard of the `odc` process group, in MiB (positive; fractions allowed): each of its "
-           "two engines has one, and larger operations are cut into pieces.", "python"),
+           "The bound on the scratch shard per rank of the `odc` process group's engines, in MiB (positive; "
+           "fractions allowed): the engines of a rank set are sized by its largest operation up to this bound, and "
+           "larger operations are cut into pieces.", "python"),
     EnvVar("ODC_ALLOW_UNCHECKED_TORCH", "unset: a torch outside 2.11–2.15 is a `ConfigError`",
            "`odc.fsdp` (`_private`)",
            "`1` lets `odc.fsdp.enable` run on a torch newer than the checked range, with a warning; its private "

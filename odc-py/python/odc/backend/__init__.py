@@ -9,12 +9,25 @@ the same explicitly (it is idempotent). The backend is registered for CPU and CU
 (``devices=["cpu", "cuda"]``), so ``"odc"`` and ``"cpu:odc,cuda:odc"`` both
 name it.
 
-The group is a Python ``ProcessGroup`` (:class:`ProcessGroupODC`). It owns a
-pair of :class:`odc.Engine` instances for CPU tensors, created and registered
-eagerly and collectively when the group is created, a second pair for CUDA
-tensors created on first use (see *CUDA tensors* below), and an internal
-gloo backend on the same store (under its own ``PrefixStore``) for the
-operations ODC has no verb for:
+Dispatch. An ``odc`` group is reached as gloo's and nccl's are: torch's own
+``ProcessGroup`` methods call the ``c10d`` ops (``torch.ops.c10d.allreduce_``,
+``_allgather_base_``, ...) through the dispatcher, so ``CommDebugMode``,
+``torch.profiler``, functional collectives and every other mode see the same
+operations, under the same names, as on gloo. Where torch binds Python
+backends (torch 2.15: the ``PyBackend`` trampoline), the group is a plain
+``ProcessGroup`` and :class:`ProcessGroupODC` is its backend for CPU and CUDA
+tensors (a ``torch._C._distributed_c10d.Backend``; ``group._get_backend(device)``
+returns it). Where it does not (torch 2.11: ``Backend`` has no trampoline and
+no constructor), the group is :class:`odc.backend._route.OdcGroup`, a
+``ProcessGroup`` that overrides no collective and holds its
+:class:`ProcessGroupODC`, and kernels registered for the ``c10d`` ops at the
+``BackendSelect`` dispatch key hand its operations to it (see that module).
+:func:`get_process_group` returns the :class:`ProcessGroupODC` of a group on
+either.
+
+:class:`ProcessGroupODC` runs the operations below on ODC's engines and the
+others on an internal gloo backend on the group's store (under its own
+``PrefixStore``), made with the group:
 
 +------------------------------------------+---------------------------------------------+
 | operation                                | runs on                                     |
@@ -52,32 +65,70 @@ Work that copies the results back). Every tensor of one operation must be on
 one device, else :class:`odc.LayoutError`. ``ProcessGroupODC.op_counts``
 counts which ran where.
 
-Scratch buckets. Registration is eager and collective, but a process group
-does not know its op sizes in advance, so each engine registers fixed scratch
-buckets and every op is cut into pieces that fit them. The per-rank shard
-capacity is ``ODC_BACKEND_SCRATCH_MB`` MiB (default 16), in each pair:
+Memory. A group reserves no ODC memory when it is created: its engines come
+from :mod:`odc.backend._engines` at its first ODC operation on each device, and
+every group of the same global ranks (and the same transport, bound and
+deadline) shares them, so the default group, the groups of a device mesh and
+the groups a test makes again and again cost one set of engines per rank set.
+Groups that share engines run their ODC operations one at a time, in the order
+each rank issues them, which must be the same on every rank (as it must for
+operations of one group; an ODC operation completes before it returns, so two
+groups' operations issued in different orders on two ranks could not complete
+on separate engines either). The last group of a rank set to go
+(``destroy_process_group``, or garbage collection) unmaps and unlinks them.
 
-* all-gather engine (store prefix ``odc-ag``, ``odc-ag-cuda``): per dtype,
-  buckets whose shard is 4 KiB, 16 KiB, ... (×4) up to the capacity, so a
-  small op does not copy a 16 MiB bucket. Op piece ``i`` on a bucket publishes version ``i``, gathers
-  it and releases it; ``publish`` itself waits until every reader released
-  ``i - 1``. ``publish`` needs exactly ``shard_len`` elements, so a piece
+An engine's registration is collective (every rank registers the same buckets)
+and a process group does not know its op sizes in advance, so each engine
+registers scratch buckets and every op is cut
+into pieces that fit them. The bound is ``ODC_BACKEND_SCRATCH_MB`` MiB per rank
+(default 16): the largest piece of an op, and the largest bucket either engine
+holds. On a host transport (``shm``, ``fabric``, ``shm+fabric``) the buckets are
+sized by use: an engine is made with the shard classes the operation that needs
+it takes, and made again, larger, by an operation that needs more (all ranks
+decide alike: they run the same operations in the same order), once every
+rank has left the previous one; so an engine set holds what its largest
+operation needed, never more than the bound. On a device transport the engines
+are made at the bound by the device's first operation (see *CUDA tensors*).
+
+* all-gather engine (store prefix ``odc-e<n>-ag``): buckets of 2-byte words, one
+  per shard class (4 KiB, 16 KiB, ... ×4, up to the class the largest op needed,
+  at most the bound), so a small op does not copy a large bucket; an op of any
+  of the supported dtypes travels as its bytes (bit for bit). Its landing slots
+  are 4 KiB (it never pushes). Op piece ``i`` on a bucket publishes version
+  ``i``, gathers it and releases it; ``publish`` itself waits until every reader
+  released ``i - 1``. ``publish`` needs exactly ``shard_len`` elements, so a piece
   shorter than its bucket's shard is first copied into a staging shard, and
   the gathered bucket (``D · shard_len``) is copied out into the output's
   rows (skipped when the op fills its bucket exactly).
-* reduce-scatter engine (store prefix ``odc-rs``, ``odc-rs-cuda``): two f32
-  buckets whose shard holds the capacity in f32. Each owner's row of a piece
-  is pushed in place (``scatter_accumulate`` with an explicit offset into the
-  owner's shard), with no copy. Op piece ``k`` pushes each owner's row into
-  bucket ``k % 2``, calls ``finish_minibatch(k)``, reads its own shard into
-  the output (cast to the output dtype: bf16/f16 accumulate in f32) and
-  zeroes it (a host engine zeroes what it read; a device engine zeroes the
-  shard with ``zero_grad``, on its daemon's stream after the read, so later
-  additions queue behind it). Alternating buckets makes this safe without a
-  barrier: a peer pushes into the same bucket again only for piece ``k + 2``,
+* reduce-scatter engine (store prefix ``odc-e<n>-rs``): two buckets whose shard
+  holds the largest piece seen (f32 accumulators of that many elements, up to
+  the bound in f32; the shards themselves are never published and take 2 bytes
+  an element), landing slots as large as its largest row (at most 2 MiB). Each
+  owner's row of a piece is pushed in place (``scatter_accumulate`` with an
+  explicit offset into the owner's shard), with no copy. Op piece ``k`` pushes
+  each owner's row into bucket ``k % 2``, calls ``finish_minibatch(k)``, reads
+  its own shard into the output (cast to the output dtype: bf16/f16 accumulate
+  in f32) and zeroes it (a host engine zeroes what it read; a device engine
+  zeroes the shard with ``zero_grad``, on its daemon's stream after the read, so
+  later additions queue behind it). Alternating buckets makes this safe without
+  a barrier: a peer pushes into the same bucket again only for piece ``k + 2``,
   after its ``finish_minibatch(k + 1)`` returned, which needs this rank's
   ``finish_minibatch(k + 1)``, which this rank calls only after it read and
   zeroed piece ``k``.
+
+What a group costs, 2 ranks on one host, per rank (measured): nothing at rest
+(its gloo backend aside, 0.2 MiB); after a 4 KiB all-gather, 28 KiB of
+/dev/shm and 4 MiB of RSS (the engine's daemon and mappings); after a 64 MiB
+all-gather, 21 MiB of /dev/shm (the classes up to 16 MiB) and, besides, the
+peer's shards mapped (21 MiB) and the gathered pieces' buffer (32 MiB); a
+64 MiB reduce-scatter adds 24 MiB of /dev/shm (landing slots and shards) and
+32 MiB of accumulators. A group spanning nodes adds libfabric's endpoint to
+each engine (~85 MiB of RSS each on the tcp provider).
+
+An operation that makes an engine waits for every rank of the group in the
+store: a rank that died before it shows as a :class:`odc.StoreError` naming the
+missing key, after the group's timeout; once the engines exist, a dead peer is
+a :class:`odc.PeerError` naming it.
 
 Two engines, because ``finish_minibatch(k)`` releases every bucket at version
 ``k``: on one engine that release would run ahead of the all-gather versions.
@@ -85,7 +136,9 @@ Two engines, because ``finish_minibatch(k)`` releases every bucket at version
 CUDA tensors. The first ODC operation on a CUDA tensor creates the CUDA
 pair on that tensor's device, collectively: every rank issues the group's
 collectives in the same order, so every rank creates it in the same call.
-It holds the same scratch buckets in device memory. Its transport is
+It holds the scratch buckets at the bound in device memory (a device engine
+is never made again larger: a peer's stream may still read the old one after
+its host moved on, and an ``nvshmem`` heap is fixed when it starts). Its transport is
 ``cuda-ipc`` when the group's ranks are on one node and ``nvshmem`` when they
 span several; ``ODC_TRANSPORT`` naming either one overrides that choice (the
 CPU pair then stays on ``auto``), and any other name sets the CPU pair's
@@ -112,7 +165,7 @@ outputs back. Every delegated operation thus works on CUDA tensors without
 NCCL, at the price of a copy each way.
 
 With ``ODC_TRANSPORT=emu-ipc`` (or ``emu-shmem``) the CPU pair is made of
-engines that emulate cuda-ipc (nvshmem) on CPU tensors, and CPU tensors take
+engines that emulate cuda-ipc (nvshmem) on CPU tensors, at the bound as a device pair, and CPU tensors take
 the CUDA pair's code path (operations on the engine's stream, the finish on
 the device, accumulator reads and zeroing through the engine): that is how a
 machine without a GPU runs it.
@@ -120,24 +173,14 @@ machine without a GPU runs it.
 
 from __future__ import annotations
 
-import datetime
-from typing import TYPE_CHECKING
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from torch._C._distributed_c10d import Store
-
-from ._group import (
-    BACKEND_NAME,
-    DEFAULT_SCRATCH_MB,
-    SCRATCH_ENV,
-    NotAnOdcGroup,
-    NotInitialized,
-    ProcessGroupODC,
-    UnsupportedCollective,
-    scratch_bytes,
-)
+from .._c10d import python_backends
+from ._engines import DEFAULT_SCRATCH_MB, SCRATCH_ENV, scratch_bytes
+from ._group import BACKEND_NAME, NotAnOdcGroup, NotInitialized, ProcessGroupODC, UnsupportedCollective
 
 __all__ = [
     "BACKEND_NAME",
@@ -160,8 +203,16 @@ del _cls
 
 
 # -- registration ------------------------------------------------------------------
-def _create(store: Store, rank: int, world_size: int, timeout: datetime.timedelta) -> ProcessGroupODC:
-    return ProcessGroupODC(store, rank, world_size, timeout)
+def _create(opts: Any, _backend_options: Any) -> Any:
+    """torch's backend creator (extended API): the group's :class:`ProcessGroupODC`, which torch registers
+    as the backend of a new ``ProcessGroup`` for CPU and CUDA tensors; where torch has no Python backends,
+    the group itself (:class:`odc.backend._route.OdcGroup`), holding it."""
+    ranks = list(opts.global_ranks_in_group) or None  # empty for the default group: every rank
+    if python_backends():
+        return ProcessGroupODC(opts.store, opts.group_rank, opts.group_size, opts.timeout, ranks)
+    from ._route import OdcGroup
+
+    return OdcGroup(opts.store, opts.group_rank, opts.group_size, opts.timeout, ranks)
 
 
 _registered = False
@@ -179,8 +230,21 @@ def register() -> None:
         return
     plugins = getattr(dist.Backend, "_plugins", {})
     if BACKEND_NAME.upper() not in plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
     _registered = True
+
+
+def _backend_of(group: Any) -> ProcessGroupODC | None:
+    if isinstance(group, ProcessGroupODC):
+        return group
+    held = getattr(group, "odc", None)  # odc.backend._route.OdcGroup
+    if isinstance(held, ProcessGroupODC):
+        return held
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError):
+        return None
+    return backend if isinstance(backend, ProcessGroupODC) else None
 
 
 def get_process_group(group: dist.ProcessGroup | None = None) -> ProcessGroupODC:
@@ -198,9 +262,10 @@ def get_process_group(group: dist.ProcessGroup | None = None) -> ProcessGroupODC
             'call torch.distributed.init_process_group("odc") first'
         )
     pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    if not isinstance(pg, ProcessGroupODC):
+    found = _backend_of(pg)
+    if found is None:
         raise NotAnOdcGroup(
             f"odc.backend: group {pg!r} uses backend {dist.get_backend(pg)!r}, not 'odc'; "
             'create it with init_process_group("odc") or new_group(backend="odc")'
         )
-    return pg
+    return found

@@ -1,6 +1,8 @@
-"""The ``odc`` torch.distributed backend's process group (:class:`ProcessGroupODC`): which
-operations run on ODC's engines and which on the internal gloo group, and the checks on their
-tensors. Built from :mod:`._parts` (work objects, host staging, the scratch-bucket engine pair).
+"""The ``odc`` torch.distributed backend object (:class:`ProcessGroupODC`): which operations run on ODC's
+engines and which on the internal gloo backend, and the checks on their tensors. Built from
+:mod:`._parts` (work objects, host staging, the scratch-bucket engines) and :mod:`._engines` (when
+engines are made, how large, and who shares them). How torch reaches it is :func:`odc.backend.register`'s
+business (:mod:`._route` where torch has no Python backends).
 """
 
 from __future__ import annotations
@@ -8,32 +10,51 @@ from __future__ import annotations
 import collections
 import datetime
 import os
-import secrets
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d
 
-from .._c10d import gloo_method, premul_factor
+from .._c10d import backend_base, gloo_method, init_backend, premul_factor
 from ..deadline import deadline_for
-from ..engine import CUDA_TRANSPORTS, Engine, _local_world_size, heap_bytes, transport_name
+from ..engine import Engine
 from ..errors import ConfigError, LayoutError, OdcError, ProtocolError
-from ._parts import _DTYPES, _CompletedWork, _Pair, _Reducer, _StagedWork, _tensors, _to_host
+from ._engines import (
+    DEFAULT_SCRATCH_MB,
+    SCRATCH_ENV,
+    Engines,
+    EngineSet,
+    SetKey,
+    engine_set,
+    scratch_bytes,
+    transports,
+)
+from ._parts import _DTYPES, WIRE_BYTES, _StagedWork, _tensors, _to_host, completed_work
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
+
+    _Base = object
+else:
+    _Base = backend_base()
 
 # Not re-exported by torch.distributed (nor typed in its stubs); the default-options fallback needs it.
 AllgatherOptions: Any = getattr(dist.distributed_c10d, "AllgatherOptions", None)
 
 BACKEND_NAME = "odc"
 """The name torch.distributed knows the backend by: ``init_process_group("odc")``."""
-SCRATCH_ENV = "ODC_BACKEND_SCRATCH_MB"
-"""The environment variable that sets the scratch shard size, in MiB."""
-DEFAULT_SCRATCH_MB = 16.0
-"""The scratch shard per rank and engine when :data:`SCRATCH_ENV` is unset, in MiB."""
+__all__ = [
+    "BACKEND_NAME",
+    "DEFAULT_SCRATCH_MB",
+    "SCRATCH_ENV",
+    "NotAnOdcGroup",
+    "NotInitialized",
+    "ProcessGroupODC",
+    "UnsupportedCollective",
+    "scratch_bytes",
+]
 
 _ReduceOp = dist.ReduceOp
 _SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
@@ -65,46 +86,6 @@ class NotAnOdcGroup(ConfigError, RuntimeError):
     Also a :class:`RuntimeError`. What to do: pass a group made with
     ``init_process_group("odc")`` or ``new_group(backend="odc")``.
     """
-
-
-def scratch_bytes() -> int:
-    """Per-rank shard capacity of the backend's scratch buckets, in bytes (``ODC_BACKEND_SCRATCH_MB``)."""
-    raw = os.environ.get(SCRATCH_ENV)
-    try:
-        mb = DEFAULT_SCRATCH_MB if raw is None else float(raw)
-    except ValueError:
-        raise ConfigError(f"{SCRATCH_ENV}={raw!r} is not a number of MiB") from None
-    if not mb > 0:
-        raise ConfigError(f"{SCRATCH_ENV}={raw!r} must be positive")
-    return int(mb * 2**20)
-
-
-def _transports(requested: str | None) -> tuple[str, str | None]:
-    """The transports of the CPU pair and of the CUDA pair for ``ODC_TRANSPORT`` (None: picked by node count).
-
-    A transport that moves CUDA tensors goes to the CUDA pair; any other name
-    (``emu-ipc`` and ``emu-shmem`` included: device transports on CPU
-    tensors) goes to the CPU pair, an unknown one too: its engine raises
-    :class:`odc.ConfigError` listing the names it knows.
-    """
-    name = transport_name(requested)
-    if name is None:
-        return "auto", None
-    if name in CUDA_TRANSPORTS:
-        return "auto", name
-    return str(requested), None
-
-
-def _cuda_transport(requested: str | None, nodes: int) -> str:
-    """The CUDA pair's transport: ``requested``, else ``cuda-ipc`` on one node and ``nvshmem`` across nodes."""
-    if requested == "cuda-ipc" and nodes > 1:
-        raise ConfigError(
-            f"odc backend: ODC_TRANSPORT={requested!r} serves one node and the group spans {nodes} nodes; "
-            "use 'nvshmem' (the default for CUDA tensors across nodes)"
-        )
-    if requested is not None:
-        return requested
-    return "cuda-ipc" if nodes == 1 else "nvshmem"
 
 
 # -- helpers ---------------------------------------------------------------------
@@ -154,147 +135,132 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
-def _timeout_s(timeout: Any) -> float:
-    if isinstance(timeout, datetime.timedelta):
-        return timeout.total_seconds()
-    return float(timeout)
+# -- the backend -------------------------------------------------------------------
+class ProcessGroupODC(_Base):
+    """The ``odc`` backend of a torch.distributed process group: all-gather and reduce-scatter on ODC, on
+    CPU and CUDA tensors; every other operation on an internal gloo backend.
 
-
-def _job_key(store: Store, rank: int) -> str:
-    """Equal on every rank, distinct per job: ``ODC_JOB_KEY``, torchelastic's run id, or a token rank 0 posts."""
-    for env in ("ODC_JOB_KEY", "TORCHELASTIC_RUN_ID"):
-        if os.environ.get(env):
-            return os.environ[env]
-    key = "odc/job_key"
-    if rank == 0:
-        store.set(key, "pg" + secrets.token_hex(8))
-    return store.get(key).decode()
-
-
-# -- the process group -------------------------------------------------------------
-class ProcessGroupODC(dist.ProcessGroup):
-    """A torch.distributed process group whose all-gather and reduce-scatter run on ODC, on CPU and CUDA tensors.
-
-    Created by torch for ``init_process_group("odc")`` / ``new_group(backend="odc")``;
-    see the module doc for which operations run where and on which engines.
+    torch creates it for ``init_process_group("odc")`` / ``new_group(backend="odc")`` and reaches it
+    through its dispatcher, as it reaches gloo's and nccl's (see :func:`odc.backend.register`); its
+    methods are ``c10d``'s backend methods. It reserves no ODC memory: its ranks' engines come from
+    :mod:`._engines` at its first ODC operation and are shared with every other group of the same
+    ranks. See the module doc of :mod:`odc.backend` for which operations run where.
 
     Args:
         store: the group's store (torch passes a ``PrefixStore`` unique to the group).
         rank: this rank in the group.
         world_size: the group's size D.
         timeout: how long any wait on a peer may take.
+        ranks: the group's global ranks, in group order (default ``range(world_size)``): groups of the
+            same ranks share engines.
     """
 
-    def __init__(self, store: Store, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-        super().__init__(rank, world_size)
+    def __init__(
+        self, store: Store, rank: int, world_size: int, timeout: datetime.timedelta,
+        ranks: Sequence[int] | None = None,
+    ) -> None:
+        init_backend(self, rank, world_size)
+        self._rank, self._size = rank, world_size
         self._group_name = ""
-        self._group_desc = ""
-        self._lock = threading.Lock()
-        self._failure: BaseException | None = None
+        self._owner: Callable[[], Any] | None = None  # the group holding this, where torch has no Python backends
         #: How many operations ran on ODC (``odc:<op>``) and on gloo (``gloo:<op>``).
         self.op_counts: collections.Counter[str] = collections.Counter()
         self._store = store
         # The group's timeout unless ODC_TIMEOUT_S is set; errors name which.
         self._seconds, self.deadline_source = deadline_for(timeout)
         self._odc_timeout_s = self._seconds
+        self._timeout = (
+            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=self._seconds)
+        )
         self._nbytes = scratch_bytes()
-        self._job_key = _job_key(store, rank)
-        cpu_transport, self._cuda_requested = _transports(os.environ.get("ODC_TRANSPORT") or None)
-        self._cpu = _Pair(lambda prefix: self._engine(prefix, transport=cpu_transport), "", self._nbytes)
-        self._cuda: _Pair | None = None  # created by the first ODC op on CUDA tensors
-        gloo_timeout = (
-            timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=_timeout_s(timeout))
-        )
-        self._gloo = dist.ProcessGroupGloo(prefix_store("odc-gloo/", store), rank, world_size, gloo_timeout)
+        cpu_transport, self._cuda_requested = transports(os.environ.get("ODC_TRANSPORT") or None)
+        global_ranks = tuple(int(r) for r in ranks) if ranks else tuple(range(world_size))
+        if len(global_ranks) != world_size:
+            raise ConfigError(f"odc backend: {len(global_ranks)} global ranks for a group of {world_size}")
+        key = SetKey(global_ranks, cpu_transport, self._cuda_requested, self._nbytes, self._seconds,
+                     self.deadline_source)
+        self._set: EngineSet | None = engine_set(key, rank)
+        self._set.check_transport()
+        self._engines_made = 0  # names each engine made through this group's store afresh
+        self._gloo: Any = dist.ProcessGroupGloo(prefix_store("odc-gloo/", store), rank, world_size, self._timeout)
 
-    def _engine(self, prefix: str, **kw: Any) -> Engine:
-        return Engine(
-            self._store, self.rank(), self.size(), timeout=self._seconds, deadline_source=self.deadline_source,
-            job_key=self._job_key, prefix=prefix, **kw
-        )
+    # -- identity (the names torch's backend trampoline looks for) -----------------------
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
 
-    def _cuda_engines(self, device: torch.device) -> Callable[[str], Engine]:
-        """How the CUDA pair's engines are made on ``device``: the node count and transport, decided alike on
-        every rank (collective: every rank is in its first ODC op on CUDA tensors), before any engine exists."""
-        rank, world = self.rank(), self.size()
-        local = _local_world_size(self._store, rank, world, "odc-cuda")
-        nodes = world // local
-        transport = _cuda_transport(self._cuda_requested, nodes)
-        # nvshmem: a process holds one NVSHMEM session, whose heap is fixed when the pair's first engine
-        # (all-gather) starts it; that engine plans the second one's (reduce-scatter) regions, which shares it.
-        unplanned: list[int] = []  # taken by the first engine made
-        if transport == "nvshmem":
-            unplanned.append(heap_bytes(_Reducer.buckets(world, self._nbytes), world, local_world_size=local))
+    def size(self) -> int:
+        """The group's number of ranks."""
+        return self._size
 
-        def make(prefix: str) -> Engine:
-            reserve = unplanned.pop() if unplanned else 0
-            return self._engine(
-                prefix, transport=transport, device=device.index, local_world_size=local, heap_reserve=reserve
-            )
-
-        return make
-
-    # -- identity (a Python group keeps its own name; torch sets it after creation)
     def getBackendName(self) -> str:
         """The backend's name, ``"odc"``."""
         return BACKEND_NAME
 
-    def setGroupName(self, name: str) -> None:
-        """Keeps the group name torch gives the group after creating it."""
-        self._group_name = name
+    def name(self) -> str:
+        """The backend's name, ``"odc"``."""
+        return BACKEND_NAME
 
-    def getGroupName(self) -> str:
-        """The group name torch gave the group."""
+    @property
+    def options(self) -> Any:
+        """The backend's options (its name and timeout), as torch reads them from a group's backend."""
+        return _c10d.Backend.Options(BACKEND_NAME, self._timeout)
+
+    def _set_group_uid(self, name: str) -> None:
+        # torch names the group through its backend; the base keeps the name the group reports.
+        self._group_name = name
+        _Base._set_group_uid(self, name)  # type: ignore[attr-defined]  # only called where _Base is Backend
+
+    @property
+    def group_name(self) -> str:
+        """The name torch gave the group."""
+        if not self._group_name and self._owner is not None:
+            owner = self._owner()
+            if owner is not None:
+                return str(owner.group_name)
         return self._group_name
 
-    def setGroupDesc(self, desc: str) -> None:
-        """Keeps the group description torch gives the group after creating it."""
-        self._group_desc = desc
-
-    def getGroupDesc(self) -> str:
-        """The group description torch gave the group."""
-        return self._group_desc
-
     def __repr__(self) -> str:
-        return f"ProcessGroupODC(rank={self.rank()}, world_size={self.size()}, name={self._group_name!r})"
+        return f"ProcessGroupODC(rank={self._rank}, world_size={self._size}, name={self.group_name!r})"
 
     @property
     def transports(self) -> dict[str, str]:
-        """The transport of each engine pair created so far, by device: ``{"cpu": "shm", "cuda:0": "cuda-ipc"}``."""
-        return {str(p.device): p.transport for p in (self._cpu, self._cuda) if p is not None}
+        """The transport of the engines of each device that ran an ODC operation: ``{"cpu": "shm",
+        "cuda:0": "cuda-ipc"}`` (empty before the first, and after shutdown)."""
+        return self._set.transports if self._set is not None else {}
 
     # -- ODC core ------------------------------------------------------------------
-    def _run(self, what: str, device: torch.device, body: Callable[[_Pair], None]) -> None:
-        """Runs one ODC collective on the engine pair of ``device`` (arguments already checked).
+    def _make(self, role: str, **kw: Any) -> Engine:
+        """Makes an engine of this group's rank set through this group's store (collective: every rank of
+        the group is in the same operation)."""
+        if self._set is None:
+            raise OdcError("this odc process group was shut down")
+        made, self._engines_made = self._engines_made, self._engines_made + 1
+        return self._set.make(self._store, f"odc-e{made}-{role}", **kw)
 
-        A failure inside leaves the engines' version and minibatch counters
-        out of step with the peers, so the group refuses ODC work afterwards.
+    def _run(self, what: str, device: torch.device, body: Callable[[Engines], None]) -> None:
+        """Runs one ODC collective on the engines of ``device`` (arguments already checked).
+
+        A failure inside leaves the engines' version and minibatch counters out of step with the
+        peers, so the rank set's groups refuse ODC work afterwards.
         """
-        with self._lock:
-            if self._failure is not None:
+        engine_set = self._set
+        if engine_set is None:
+            raise OdcError(f"{what}: this odc process group was shut down")
+        with engine_set.lock:
+            if engine_set.failure is not None:
                 raise OdcError(
                     f"{what}: this odc process group is unusable after an earlier failure "
-                    f"({type(self._failure).__name__}: {self._failure}); destroy and re-create it"
-                )
-            if device.type == "cuda" and self._cuda is not None and self._cuda.device != device:
-                raise LayoutError(
-                    f"{what}: tensors on {device}, but this odc process group's CUDA engines are on "
-                    f"{self._cuda.device} (created by its first operation on CUDA tensors); "
-                    "use one CUDA device per group"
+                    f"({type(engine_set.failure).__name__}: {engine_set.failure}); destroy and re-create it"
                 )
             # Errors before an engine exists leave the group usable (every rank raises them alike).
-            make_cuda = self._cuda_engines(device) if device.type == "cuda" and self._cuda is None else None
+            engines = engine_set.engines(device, self._store)
             self.op_counts[f"odc:{what}"] += 1
             try:
-                if make_cuda is not None:
-                    self._cuda = _Pair(make_cuda, "-cuda", self._nbytes)
-                pair = self._cpu if device.type != "cuda" else self._cuda
-                if pair is None:  # pragma: no cover - made just above on the first CUDA op
-                    raise ProtocolError(f"{what}: the group's CUDA engines were not made")
-                pair.begin()
-                body(pair)
+                engines.begin()
+                body(engines)
             except BaseException as e:
-                self._failure = e
+                engine_set.failure = e
                 raise
 
     def _delegate(self, op: str, *args: Any, count_as: str | None = None) -> dist.Work:
@@ -322,8 +288,8 @@ class ProcessGroupODC(dist.ProcessGroup):
         return _StagedWork(gloo_method(self._gloo, op)(*host), copies)
 
     def _all_gather_into(self, out: torch.Tensor, inp: torch.Tensor, what: str) -> torch.device:
-        if out.numel() != inp.numel() * self.size():
-            raise LayoutError(f"{what}: output has {out.numel()} elements, expected {self.size()} x {inp.numel()}")
+        if out.numel() != inp.numel() * self._size:
+            raise LayoutError(f"{what}: output has {out.numel()} elements, expected {self._size} x {inp.numel()}")
         if out.dtype != inp.dtype:
             raise LayoutError(f"{what}: output dtype {out.dtype} differs from input dtype {inp.dtype}")
         device = _op_device(what, (out, inp))
@@ -331,7 +297,8 @@ class ProcessGroupODC(dist.ProcessGroup):
             return device
         src = _flat(inp)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=device)
-        self._run(what, device, lambda pair: pair.gatherer.all_gather(dst, src))
+        words = src.numel() * src.element_size() // WIRE_BYTES
+        self._run(what, device, lambda e: e.gatherer(self._make, words).all_gather(dst, src))
         if not out.is_contiguous():
             out.copy_(dst.view(out.shape))
         return device
@@ -340,21 +307,21 @@ class ProcessGroupODC(dist.ProcessGroup):
         _check_dtype(what, inp.dtype)
         _check_dtype(what, out.dtype)
         device = _op_device(what, (out, inp))
-        scale = _scale(op, self.size(), what, inp.dtype)
-        if inp.numel() != out.numel() * self.size():
-            raise LayoutError(f"{what}: input has {inp.numel()} elements, expected {self.size()} x {out.numel()}")
+        scale = _scale(op, self._size, what, inp.dtype)
+        if inp.numel() != out.numel() * self._size:
+            raise LayoutError(f"{what}: input has {inp.numel()} elements, expected {self._size} x {out.numel()}")
         if out.numel() == 0:
             return device
         src = _flat(inp)
         dst = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=device)
-        self._run(what, device, lambda pair: pair.reducer.reduce_scatter(dst, src, scale))
+        self._run(what, device, lambda e: e.reducer(self._make, dst.numel()).reduce_scatter(dst, src, scale))
         if not out.is_contiguous():
             out.copy_(dst.view(out.shape))
         return device
 
     def _odc_allreduce(self, t: torch.Tensor, scale: float) -> None:
         """All-reduce as an ODC reduce-scatter of a padded copy, then a gather of the reduced shards."""
-        world, n = self.size(), t.numel()
+        world, n = self._size, t.numel()
         if n == 0:
             return
         per = -(-n // world)
@@ -362,10 +329,11 @@ class ProcessGroupODC(dist.ProcessGroup):
         padded[:n].copy_(t.reshape(-1))
         shard = torch.empty(per, dtype=t.dtype, device=t.device)
         full = torch.empty(world * per, dtype=t.dtype, device=t.device)
+        words = per * t.element_size() // WIRE_BYTES
 
-        def body(pair: _Pair) -> None:
-            pair.reducer.reduce_scatter(shard, padded, scale)
-            pair.gatherer.all_gather(full, shard)
+        def body(engines: Engines) -> None:
+            engines.reducer(self._make, per).reduce_scatter(shard, padded, scale)
+            engines.gatherer(self._make, words).all_gather(full, shard)
 
         self._run("allreduce", t.device, body)
         t.copy_(full[:n].view(t.shape))
@@ -384,7 +352,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         if input.dtype not in _DTYPES:
             return self._delegate("all_gather_single", output, input, opts or AllgatherOptions())
         device = self._all_gather_into(output, input, "all_gather_single")
-        return _CompletedWork([output], device)
+        return completed_work([output], device)
 
     _allgather_base = all_gather_single
 
@@ -395,11 +363,11 @@ class ProcessGroupODC(dist.ProcessGroup):
         device = _op_device("all_gather_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
             self.all_gather_single(out, inp).wait()
-        return _CompletedWork(list(outputs), device)
+        return completed_work(list(outputs), device)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """The list form of all-gather: an ODC gather into a flat buffer, copied out to the list.
 
         A list whose tensors differ from the input in dtype or size goes to gloo.
@@ -413,7 +381,13 @@ class ProcessGroupODC(dist.ProcessGroup):
                     o.copy_(row.view(o.shape))
             else:
                 self._delegate("allgather", [outs], [inp], opts or AllgatherOptions()).wait()
-        return _CompletedWork([o for outs in outputs for o in outs], device)
+        return completed_work([o for outs in outputs for o in outs], device)
+
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> dist.Work:
+        """All-gather of several tensors as lists, on the group's internal gloo backend."""
+        return self._delegate("allgather_coalesced", output_lists, inputs, opts or AllgatherOptions())
 
     # -- reduce-scatter ------------------------------------------------------------
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
@@ -424,9 +398,9 @@ class ProcessGroupODC(dist.ProcessGroup):
         """
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
         device = self._reduce_scatter_into(output, input, op, "reduce_scatter_single")
-        return _CompletedWork([output], device)
+        return completed_work([output], device)
 
-    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
+    _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -436,11 +410,11 @@ class ProcessGroupODC(dist.ProcessGroup):
         device = _op_device("reduce_scatter_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
             self._reduce_scatter_into(out, inp, op, "reduce_scatter_single_coalesced")
-        return _CompletedWork(list(outputs), device)
+        return completed_work(list(outputs), device)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def reduce_scatter(  # type: ignore[override]
+    def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
         """The list form of reduce-scatter: the inputs concatenated, then one ODC scatter-accumulate.
@@ -451,16 +425,16 @@ class ProcessGroupODC(dist.ProcessGroup):
         op = opts.reduceOp if opts is not None else _ReduceOp.SUM
         device = _op_device("reduce_scatter", _tensors((outputs, inputs)))
         for out, ins in zip(outputs, inputs, strict=True):
-            if len(ins) != self.size() or any(i.numel() != out.numel() for i in ins):
-                raise LayoutError(f"reduce_scatter: needs {self.size()} inputs of {out.numel()} elements each")
+            if len(ins) != self._size or any(i.numel() != out.numel() for i in ins):
+                raise LayoutError(f"reduce_scatter: needs {self._size} inputs of {out.numel()} elements each")
             for t in (out, *ins):
                 _check_dtype("reduce_scatter", t.dtype)
             stacked = torch.cat([i.reshape(-1).to(out.dtype) for i in ins])
             self._reduce_scatter_into(out, stacked, op, "reduce_scatter")
-        return _CompletedWork(list(outputs), device)
+        return completed_work(list(outputs), device)
 
     # -- all-reduce ----------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """All-reduce as an ODC reduce-scatter and gather, for sum-like ops on f32 / bf16 / f16.
 
         Max, min, integer dtypes and the rest go to gloo.
@@ -470,8 +444,8 @@ class ProcessGroupODC(dist.ProcessGroup):
             return self._delegate("allreduce", tensors, opts)
         device = _op_device("allreduce", tensors)
         for t in tensors:
-            self._odc_allreduce(t, _scale(opts.reduceOp, self.size(), "allreduce", t.dtype))
-        return _CompletedWork(list(tensors), device)
+            self._odc_allreduce(t, _scale(opts.reduceOp, self._size, "allreduce", t.dtype))
+        return completed_work(list(tensors), device)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """All-reduce of several tensors, each as :meth:`allreduce`."""
@@ -480,11 +454,11 @@ class ProcessGroupODC(dist.ProcessGroup):
             return self._delegate("allreduce_coalesced", tensors, opts)
         device = _op_device("allreduce_coalesced", tensors)
         for t in tensors:
-            self._odc_allreduce(t, _scale(opts.reduceOp, self.size(), "allreduce_coalesced", t.dtype))
-        return _CompletedWork(list(tensors), device)
+            self._odc_allreduce(t, _scale(opts.reduceOp, self._size, "allreduce_coalesced", t.dtype))
+        return completed_work(list(tensors), device)
 
     # -- delegated to gloo ---------------------------------------------------------
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Broadcast, on the group's internal gloo backend."""
         return self._delegate("broadcast", tensors, opts or dist.BroadcastOptions())
 
@@ -492,15 +466,15 @@ class ProcessGroupODC(dist.ProcessGroup):
         """Barrier, on the group's internal gloo backend."""
         return self._delegate("barrier", opts or dist.BarrierOptions())
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Reduce to one rank, on the group's internal gloo backend."""
         return self._delegate("reduce", tensors, opts or dist.ReduceOptions())
 
-    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:  # type: ignore[override]
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Gather to one rank, on the group's internal gloo backend."""
         return self._delegate("gather", outputs, inputs, opts or dist.GatherOptions())
 
-    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:  # type: ignore[override]
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:
         """Scatter from one rank, on the group's internal gloo backend."""
         return self._delegate("scatter", outputs, inputs, opts or dist.ScatterOptions())
 
@@ -508,9 +482,9 @@ class ProcessGroupODC(dist.ProcessGroup):
         """The list form, as one gloo ``all_to_all_single`` over flat buffers: gloo has no list form on torch
         2.11 (nor on some later builds), and one code path serves every torch."""
         what = "alltoall"
-        if len(inputs) != self.size() or len(outputs) != self.size():
+        if len(inputs) != self._size or len(outputs) != self._size:
             raise LayoutError(
-                f"{what}: {len(inputs)} inputs and {len(outputs)} outputs for a group of {self.size()} ranks"
+                f"{what}: {len(inputs)} inputs and {len(outputs)} outputs for a group of {self._size} ranks"
             )
         dtypes = {t.dtype for t in (*inputs, *outputs)}
         if len(dtypes) != 1:
@@ -538,7 +512,7 @@ class ProcessGroupODC(dist.ProcessGroup):
         opts = opts or dist.AllToAllOptions()
         return self._delegate("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
 
-    alltoall_base = all_to_all_single  # type: ignore[assignment]
+    alltoall_base = all_to_all_single
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         """Point-to-point send, on the group's internal gloo backend."""
@@ -556,12 +530,9 @@ class ProcessGroupODC(dist.ProcessGroup):
 
     # -- teardown ------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Stops every engine's server daemon and drops the gloo backend."""
-        with self._lock:
-            self._cpu = self._cuda = None  # type: ignore[assignment]
-            self._gloo = None  # type: ignore[assignment]
-            if self._failure is None:
-                self._failure = OdcError("the process group was shut down")
+        """Lets go of this group's engines (freed with the last group of the same ranks) and its gloo backend."""
+        self._set = None
+        self._gloo = None
 
     def abort(self) -> None:
         """What torch calls on a failed job: the same as :meth:`shutdown`."""

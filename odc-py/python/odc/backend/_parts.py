@@ -1,24 +1,31 @@
-"""The ``odc`` backend's parts: the Work objects it returns and the engine pair behind its collectives.
+"""The ``odc`` backend's parts: the Work objects it returns and the scratch-bucket engines behind its collectives.
 
 Split out of :mod:`odc.backend`, whose module doc describes the scheme (scratch buckets, versions, the
-alternating reduce-scatter buckets, CUDA tensors and host staging).
+alternating reduce-scatter buckets, CUDA tensors and host staging); :mod:`._engines` decides when these
+are made, how large, and who shares them.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from ..engine import Bucket, Engine, dtype_name
+from ..engine import Bucket, Engine
 from ..errors import LayoutError
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Every shard capacity is a multiple of this many elements, so a bucket of
+#: What the scratch buckets hold: 2-byte words. A gather moves bytes, so every dtype of ``_DTYPES`` travels
+#: through the same buckets as its bytes viewed as words (bit-exact); a reduce-scatter bucket is never
+#: published (only its f32 accumulator and landing slots are used), so its shards take the narrowest dtype.
+WIRE = torch.float16
+WIRE_BYTES = 2
+# Every shard class is a multiple of this many elements, so a bucket of
 # D·S elements has shard_len exactly S in every dtype (the engine aligns
 # shards to 64 bytes in the dtype and in the f32 accumulator).
 _ALIGN_ELEMS = 64
@@ -30,8 +37,9 @@ def _capacity(nbytes: int, elem_size: int) -> int:
     return max(_ALIGN_ELEMS, nbytes // elem_size // _ALIGN_ELEMS * _ALIGN_ELEMS)
 
 
-def _shard_classes(nbytes: int, elem_size: int) -> list[int]:
-    """Shard lengths of the all-gather buckets of one dtype, ascending, ending at the capacity."""
+def shard_classes(nbytes: int, elem_size: int) -> list[int]:
+    """Shard lengths (elements of ``elem_size`` bytes) of scratch buckets up to ``nbytes`` per rank:
+    4 KiB, ×4 each, ascending, ending at ``nbytes`` (rounded down to 64 elements)."""
     cap = _capacity(nbytes, elem_size)
     out, s = [], _capacity(_SMALLEST_SHARD_BYTES, elem_size)
     while s < cap:
@@ -41,46 +49,24 @@ def _shard_classes(nbytes: int, elem_size: int) -> list[int]:
     return out
 
 
+def class_for(need: int, classes: Sequence[int]) -> int:
+    """The smallest of ``classes`` that holds ``need`` elements, the largest if none does (the op is then cut)."""
+    return next((s for s in classes if s >= need), classes[-1])
+
+
 # -- Work ------------------------------------------------------------------------
-class _CompletedWork(dist.Work):
-    """The Work of an ODC collective: it completed before the call returned, or,
-    on CUDA tensors, it is enqueued on the stream that was current then."""
+def completed_work(result: list[torch.Tensor], device: torch.device) -> dist.Work:
+    """The Work of an ODC collective: it completed before the call returned, or, on CUDA tensors, it is
+    enqueued on the current stream.
 
-    def __init__(self, result: list[torch.Tensor], device: torch.device | None = None) -> None:
-        super().__init__()
-        self._result = result
-        self._stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
-
-    def wait(self, timeout: Any = None) -> bool:
-        # As NCCL's Work: later work on the caller's stream runs after the op.
-        if self._stream is not None:
-            current = torch.cuda.current_stream(self._stream.device)
-            if current.cuda_stream != self._stream.cuda_stream:
-                current.wait_stream(self._stream)
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> None:
-        return None
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def get_future(self) -> Future[list[torch.Tensor]]:
-        # A CUDA future records an event on the current streams at set_result
-        # and makes its waiters' streams wait for it.
-        devices: list[int | str | torch.device] | None = [self._stream.device] if self._stream is not None else None
-        fut: Future[list[torch.Tensor]] = Future(devices=devices) if devices else Future()
-        fut.set_result(self._result)
-        return fut
+    A C++ Work around a completed future, so that it outlives any Python reference to it (torch's
+    dispatcher hands it on as a C++ object). On CUDA tensors the future records an event on the current
+    stream; ``wait()`` makes the waiter's current stream wait for it, as NCCL's Work does.
+    """
+    fut: Future[list[torch.Tensor]] = Future(devices=[device]) if device.type == "cuda" else Future()
+    fut.set_result(result)
+    work: dist.Work = _create_work_from_future(fut)
+    return work
 
 
 class _StagedWork(dist.Work):
@@ -159,17 +145,21 @@ def _tensors(args: Sequence[Any]) -> list[torch.Tensor]:
     return out
 
 
-# -- the engine pairs ----------------------------------------------------------------
-class _Gatherer:
-    """All-gather through versions of per-dtype scratch buckets (engine prefix ``odc-ag``)."""
+# -- the engines ------------------------------------------------------------------
+class Gatherer:
+    """All-gather through versions of scratch buckets of 2-byte words, one bucket per shard class (engine
+    prefix ``...-ag``).
 
-    def __init__(self, engine: Engine, nbytes: int) -> None:
+    Args:
+        engine: a new engine (registers the buckets, collectively).
+        classes: shard lengths in words, ascending; the last is the largest piece an op is cut into.
+    """
+
+    def __init__(self, engine: Engine, classes: list[int]) -> None:
         self.engine = engine
         self.world = engine.world_size
-        self.classes = {dt: _shard_classes(nbytes, dt.itemsize) for dt in _DTYPES}
-        buckets = [
-            Bucket(self._name(dt, s), self.world * s, dt) for dt in _DTYPES for s in self.classes[dt]
-        ]
+        self.classes = classes
+        buckets = [Bucket(self._name(s), self.world * s, WIRE) for s in classes]
         engine.register(buckets)
         for b in buckets:
             if engine.bucket(b.name)["shard_len"] != b.numel // self.world:
@@ -178,30 +168,35 @@ class _Gatherer:
         self._staging: dict[str, torch.Tensor] = {}
         self._full: dict[str, torch.Tensor] = {}
 
-    @staticmethod
-    def _name(dtype: torch.dtype, shard: int) -> str:
-        return f"ag-{dtype_name(dtype)}-{shard}"
+    @property
+    def capacity(self) -> int:
+        """The largest shard class, in words."""
+        return self.classes[-1]
 
-    def _buffer(self, cache: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    @staticmethod
+    def _name(shard: int) -> str:
+        return f"ag-{shard}"
+
+    def _buffer(self, cache: dict[str, torch.Tensor], name: str, numel: int) -> torch.Tensor:
         buf = cache.get(name)
         if buf is None:
-            buf = cache[name] = torch.zeros(numel, dtype=dtype, device=self.engine.device)
+            buf = cache[name] = torch.zeros(numel, dtype=WIRE, device=self.engine.device)
         return buf
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        """``out`` (D·n, contiguous) gets every rank's ``inp`` (n, contiguous), rank order."""
-        n, world, dtype = inp.numel(), self.world, inp.dtype
-        classes = self.classes[dtype]
+        """``out`` (D·n, contiguous) gets every rank's ``inp`` (n, contiguous), rank order, bit for bit."""
+        out, inp = out.view(WIRE), inp.view(WIRE)
+        n, world, classes = inp.numel(), self.world, self.classes
         rows = out.view(world, n)
         for start in range(0, n, classes[-1]):
             length = min(classes[-1], n - start)
-            shard = next(s for s in classes if s >= length)
-            name = self._name(dtype, shard)
+            shard = class_for(length, classes)
+            name = self._name(shard)
             version = self.version[name]
             self.version[name] = version + 1
             piece = inp[start : start + length]
             if length != shard:
-                staged = self._buffer(self._staging, name, shard, dtype)
+                staged = self._buffer(self._staging, name, shard)
                 staged[:length].copy_(piece)
                 piece = staged
             self.engine.publish(name, piece, version)
@@ -209,35 +204,50 @@ class _Gatherer:
                 self.engine.gather(name, version, out)
                 self.engine.release(name, version)
                 continue
-            full = self._buffer(self._full, name, world * shard, dtype)
+            full = self._buffer(self._full, name, world * shard)
             self.engine.gather(name, version, full)
             self.engine.release(name, version)
             rows[:, start : start + length].copy_(full.view(world, shard)[:, :length])
 
 
-class _Reducer:
-    """Reduce-scatter through two alternating f32 scratch buckets (engine prefix ``odc-rs``)."""
+class Reducer:
+    """Reduce-scatter through two alternating scratch buckets (engine prefix ``...-rs``): each owner's row
+    of a piece is pushed into the owner's shard and summed in its f32 accumulator.
 
-    def __init__(self, engine: Engine, nbytes: int) -> None:
+    Args:
+        engine: a new engine (registers the buckets, collectively).
+        shard: elements per rank of each bucket: the largest piece an op is cut into.
+    """
+
+    def __init__(self, engine: Engine, shard: int) -> None:
         self.engine = engine
         self.world, self.rank = engine.world_size, engine.rank
-        self.shard = _capacity(nbytes, 4)
-        engine.register(self.buckets(self.world, nbytes))
-        self.piece = self.shard
+        self.shard = shard
+        engine.register(self.buckets(self.world, shard))
         self.accum = [engine.grad_shard(i) for i in range(2)]
         self.k = 0
 
+    @property
+    def capacity(self) -> int:
+        return self.shard
+
     @staticmethod
-    def buckets(world: int, nbytes: int) -> list[Bucket]:
-        """The two f32 scratch buckets a reduce-scatter engine of ``world`` ranks registers."""
-        return [Bucket(f"rs-{i}", world * _capacity(nbytes, 4), torch.float32) for i in range(2)]
+    def buckets(world: int, shard: int) -> list[Bucket]:
+        """The two scratch buckets a reduce-scatter engine of ``world`` ranks registers for ``shard`` elements."""
+        return [Bucket(f"rs-{i}", world * shard, WIRE) for i in range(2)]
+
+    @staticmethod
+    def chunk_bytes(shard: int) -> int:
+        """The landing chunk of a reduce-scatter engine: the largest row a piece pushes (f32), at most 2 MiB
+        (the engine's default, what larger pieces are cut into)."""
+        return min(2 << 20, shard * 4)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, scale: float) -> None:
         """``out`` (n) gets ``scale · Σ_ranks inp.view(D, n)[rank]``, accumulated in f32."""
         n, world = out.numel(), self.world
         rows = inp.view(world, n)
-        for start in range(0, n, self.piece):
-            length = min(self.piece, n - start)
+        for start in range(0, n, self.shard):
+            length = min(self.shard, n - start)
             k = self.k
             self.k += 1
             bucket = k % 2
@@ -255,35 +265,3 @@ class _Reducer:
                 self.engine.zero_grad(bucket)
             else:
                 acc.zero_()
-
-
-class _Pair:
-    """The all-gather and reduce-scatter engines of one device (store prefixes ``odc-ag<suffix>``, ``odc-rs<suffix>``).
-
-    Args:
-        make: creates the engine of a store prefix (collective).
-        suffix: appended to both prefixes.
-        nbytes: per-rank shard capacity of the scratch buckets.
-    """
-
-    def __init__(self, make: Callable[[str], Engine], suffix: str, nbytes: int) -> None:
-        self.gatherer = _Gatherer(make(f"odc-ag{suffix}"), nbytes)
-        self.reducer = _Reducer(make(f"odc-rs{suffix}"), nbytes)
-        #: Where the tensors of this pair's ops live (``cpu`` for the host and emulated transports).
-        self.device: torch.device = self.gatherer.engine.device
-        self.transport: str = self.gatherer.engine.transport
-        self._last_stream: Any = None
-
-    def begin(self) -> None:
-        """Orders a CUDA op after the previous one when the caller switched streams.
-
-        The engines order an op's work on the current stream only, and the
-        scratch buffers and accumulators are reused from op to op.
-        """
-        if self.device.type != "cuda":
-            return
-        current = torch.cuda.current_stream(self.device)
-        last = self._last_stream
-        if last is not None and last.cuda_stream != current.cuda_stream:
-            current.wait_stream(last)
-        self._last_stream = current
