@@ -97,6 +97,71 @@ pub(crate) trait DataPath {
         len: usize,
         seq: u64,
     ) -> Result<()>;
+
+    /// Every read `reads` yields ([`DataPath::read_shard`] each), with as
+    /// many in flight at once as the transport takes; returns once all
+    /// completed. The default makes them one after the other.
+    ///
+    /// # Safety
+    /// As [`DataPath::read_shard`] for each read, until this returns.
+    unsafe fn read_shards(
+        &self,
+        reg: &Registered,
+        reads: &mut dyn Iterator<Item = ShardRead>,
+    ) -> Result<()> {
+        for r in reads {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { self.read_shard(reg, r.rank, r.bucket, r.at, r.dst, r.len)? };
+        }
+        Ok(())
+    }
+
+    /// Every chunk `puts` yields ([`DataPath::put_chunk`] each), with as
+    /// many in flight at once as the transport takes; returns once all
+    /// were written. The default writes them one after the other.
+    ///
+    /// # Safety
+    /// As [`DataPath::put_chunk`] for each chunk; each header pointer
+    /// addresses its header until this returns.
+    unsafe fn put_chunks(
+        &self,
+        reg: &Registered,
+        puts: &mut dyn Iterator<Item = ChunkPut>,
+    ) -> Result<()> {
+        for p in puts {
+            // SAFETY: the caller's contract, passed on (the header is read
+            // here, before the write).
+            unsafe {
+                let header = *p.header;
+                self.put_chunk(reg, p.rank, p.slot, header, p.src, p.len, p.seq)?
+            };
+        }
+        Ok(())
+    }
+}
+
+/// One read of a gather: `len` bytes of global rank `rank`'s published
+/// shard of `bucket`, from byte `at` of the shard, into `dst` (an address
+/// of the path's kind).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ShardRead {
+    pub(crate) rank: usize,
+    pub(crate) bucket: usize,
+    pub(crate) at: usize,
+    pub(crate) dst: u64,
+    pub(crate) len: usize,
+}
+
+/// One chunk of a push: `header` and `len` bytes at `src` into landing
+/// slot `slot` of global rank `rank`, counted as chunk `seq`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ChunkPut {
+    pub(crate) rank: usize,
+    pub(crate) slot: usize,
+    pub(crate) header: *const [u8; HEADER_BYTES],
+    pub(crate) src: u64,
+    pub(crate) len: usize,
+    pub(crate) seq: u64,
 }
 
 pub(crate) fn check_dtype(bucket: &BucketLayout, dtype: DType, what: &str) -> Result<()> {
@@ -253,30 +318,34 @@ impl<'e> Worker<'e> {
         let b = reg.bucket(bucket)?;
         check_dtype(b, dtype, "output")?;
         let elems = b.check_full_len(elems_of(b, bytes, dtype, "output")?)?;
-        let size = dtype.size_bytes() as u64;
-        let (me, world) = (reg.groups.me, reg.groups.group.len());
-        let piece = reg.piece();
-        for step in 0..world {
-            // `owner` indexes the shard group; `rank` is its global rank.
-            let owner = (me + step) % world;
-            let rank = reg.groups.group[owner];
-            self.wait_shard(b, bucket, owner, version)?;
-            for (n, (local, global, len)) in b.segments(owner).enumerate() {
-                let (start, end) = (global.min(elems), (global + len).min(elems));
-                if start == end || (skip_own && owner == me && n == piece) {
-                    continue;
-                }
-                let dst = out + start as u64 * size;
-                let at = local * size as usize;
-                let len = (end - start) * size as usize;
-                // SAFETY: the owner's shard holds `version` (waited above)
-                // and stays unchanged until this client's release; the
-                // checked length covers `[start, end)` of `out`.
-                unsafe { path.read_shard(reg, rank, bucket.0, at, dst, len) }
-                    .map_err(|e| self.core.attribute(Some(b.name()), e))?;
+        let mut reads = GatherReads {
+            w: self,
+            b,
+            bucket,
+            version,
+            out,
+            elems,
+            size: dtype.size_bytes(),
+            skip_own,
+            at: 0,
+            seg: 0,
+            blocked: None,
+            error: None,
+        };
+        loop {
+            // SAFETY: each read is of a shard that holds `version` (the
+            // iterator checked it) and stays unchanged until this client's
+            // release; the checked length covers `out`.
+            unsafe { path.read_shards(reg, &mut reads) }
+                .map_err(|e| self.core.attribute(Some(b.name()), e))?;
+            if let Some(e) = reads.error.take() {
+                return Err(e);
+            }
+            match reads.blocked.take() {
+                Some(owner) => self.wait_shard(b, bucket, owner, version)?,
+                None => return Ok(()),
             }
         }
-        Ok(())
     }
 
     /// Waits until `owner`'s (index in the shard group) shard of `bucket`
@@ -385,52 +454,31 @@ impl<'e> Worker<'e> {
     ) -> Result<()> {
         let reg = self.reg;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
-        let (me, world) = (gs.me, gs.group.len());
-        let size = dtype.size_bytes();
-        let chunk = lay.chunk_bytes() / size;
-        let bucket_u32 = u32::try_from(bucket.0).unwrap_or(u32::MAX);
+        let world = gs.group.len();
         // The owner adds the chunks once its accumulator takes this minibatch.
         let minibatch = reg.finished.load(Ordering::Acquire);
+        let headers = push.headers.as_mut_ptr();
         loop {
-            let (mut pending, mut pushed) = (false, false);
-            for step in 1..=world {
-                let o = (me + step) % world;
-                let range = push.cursor[o].clone();
-                if range.is_empty() {
-                    continue;
-                }
-                pending = true;
-                let (slot, _) = push.slots[o].next();
-                let Some((slot, seq)) = push.slots[o].ready(load(reg.word(lay.ack(o, slot))))
-                else {
-                    continue;
-                };
-                // A chunk never crosses a block: it is contiguous in `grads`.
-                let len = range
-                    .len()
-                    .min(chunk)
-                    .min(b.block_end(range.start) - range.start);
-                let first = b.global_of(o, range.start) - offset;
-                let header = SlotHeader {
-                    seq,
-                    bucket: bucket_u32,
-                    dtype,
-                    offset: range.start as u64,
-                    len: len as u64,
-                    scale,
-                    minibatch,
-                }
-                .encode();
-                let src = grads + (first * size) as u64;
-                // SAFETY: the slot is free (`ready`), `len` elements fit a
-                // chunk, and the caller vouches for `grads`.
-                unsafe { path.put_chunk(reg, gs.group[o], slot, header, src, len * size, seq) }
-                    .map_err(|e| self.core.attribute(Some(b.name()), e))?;
-                push.slots[o].sent(slot, seq);
-                push.cursor[o].start += len;
-                pushed = true;
-            }
-            if !pending {
+            let mut round = PushRound {
+                reg,
+                push: &mut *push,
+                headers,
+                b,
+                bucket: u32::try_from(bucket.0).unwrap_or(u32::MAX),
+                src: (grads, offset, dtype),
+                scale,
+                minibatch,
+                step: 1,
+                pushed: false,
+            };
+            // SAFETY: every chunk's slot is free (`ready`), its length fits
+            // a chunk, the caller vouches for `grads`, and each header sits
+            // in `push.headers` at its (owner, slot), untouched until the
+            // slot is acknowledged.
+            unsafe { path.put_chunks(reg, &mut round) }
+                .map_err(|e| self.core.attribute(Some(b.name()), e))?;
+            let pushed = round.pushed;
+            if push.cursor.iter().all(|c| c.is_empty()) {
                 return Ok(());
             }
             if !pushed {
@@ -587,6 +635,159 @@ impl Worker<'_> {
                 .map_err(|e| Error::protocol(Some(bucket.name()), e.to_string()))?;
         }
         Ok(())
+    }
+}
+
+/// The reads of a gather, in the order they are posted: the owners on
+/// other nodes first (their reads in flight while this node's shards are
+/// copied), then this node's, each pass from this rank on; one read per
+/// run contiguous in the output. It stops at an owner whose shard does not
+/// hold the version yet (`blocked`, which the gather waits for before it
+/// goes on from there) or at a protocol error (`error`).
+struct GatherReads<'w, 'e> {
+    w: &'w Worker<'e>,
+    b: &'w BucketLayout,
+    bucket: BucketId,
+    version: u64,
+    out: u64,
+    elems: usize,
+    size: usize,
+    skip_own: bool,
+    /// Pass (0: other nodes, 1: this node) × world + step from this rank.
+    at: usize,
+    /// The owner's next segment.
+    seg: usize,
+    blocked: Option<usize>,
+    error: Option<Error>,
+}
+
+impl Iterator for GatherReads<'_, '_> {
+    type Item = ShardRead;
+
+    fn next(&mut self) -> Option<ShardRead> {
+        let reg = self.w.reg;
+        let (me, world) = (reg.groups.me, reg.groups.group.len());
+        while self.at < 2 * world {
+            let (pass, step) = (self.at / world, self.at % world);
+            let owner = (me + step) % world;
+            let rank = reg.groups.group[owner];
+            if (pass == 0) == self.w.core.topo.is_local(rank) {
+                self.at += 1;
+                continue;
+            }
+            if self.seg == 0 {
+                let word = reg.word(reg.ctrl_layout.seen_version(owner, self.bucket.0));
+                match versions::shard(load(word), self.version) {
+                    Err(e) => {
+                        self.error = Some(version_error(self.b, e, Some(rank)));
+                        return None;
+                    }
+                    Ok(versions::Shard::Pending) => {
+                        self.blocked = Some(owner);
+                        return None;
+                    }
+                    Ok(versions::Shard::Ready) => {}
+                }
+            }
+            while let Some((local, global, len)) = self.b.segments(owner).nth(self.seg) {
+                let n = self.seg;
+                self.seg += 1;
+                let (start, end) = (global.min(self.elems), (global + len).min(self.elems));
+                if start == end || (self.skip_own && owner == me && n == reg.piece()) {
+                    continue;
+                }
+                return Some(ShardRead {
+                    rank,
+                    bucket: self.bucket.0,
+                    at: local * self.size,
+                    dst: self.out + (start * self.size) as u64,
+                    len: (end - start) * self.size,
+                });
+            }
+            self.at += 1;
+            self.seg = 0;
+        }
+        None
+    }
+}
+
+/// One round of a push: for every owner from the next one on, a chunk into
+/// each of its landing slots that is free, from its cursor on. Each header
+/// is written into the owner's header cell (`headers[2 · owner + slot]`),
+/// which stays untouched until the slot's acknowledgement.
+struct PushRound<'a> {
+    reg: &'a Registered,
+    push: &'a mut PushState,
+    headers: *mut [u8; HEADER_BYTES],
+    b: &'a BucketLayout,
+    bucket: u32,
+    /// The gradient's address, the bucket element it starts at, its dtype.
+    src: (u64, usize, DType),
+    scale: f32,
+    minibatch: u64,
+    /// Owners after this rank, from 1 to the world size.
+    step: usize,
+    pushed: bool,
+}
+
+impl Iterator for PushRound<'_> {
+    type Item = ChunkPut;
+
+    fn next(&mut self) -> Option<ChunkPut> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (me, world) = (gs.me, gs.group.len());
+        let (grads, offset, dtype) = self.src;
+        let size = dtype.size_bytes();
+        let chunk = lay.chunk_bytes() / size;
+        while self.step <= world {
+            let o = (me + self.step) % world;
+            let range = self.push.cursor[o].clone();
+            let (slot, _) = self.push.slots[o].next();
+            let ready = (!range.is_empty())
+                .then(|| self.push.slots[o].ready(load(reg.word(lay.ack(o, slot)))))
+                .flatten();
+            let Some((slot, seq)) = ready else {
+                self.step += 1;
+                continue;
+            };
+            // A chunk never crosses a block: it is contiguous in `grads`.
+            let len = range
+                .len()
+                .min(chunk)
+                .min(self.b.block_end(range.start) - range.start);
+            let first = self.b.global_of(o, range.start) - offset;
+            let header = SlotHeader {
+                seq,
+                bucket: self.bucket,
+                dtype,
+                offset: range.start as u64,
+                len: len as u64,
+                scale: self.scale,
+                minibatch: self.minibatch,
+            }
+            .encode();
+            // SAFETY: `headers` holds 2 · world cells; this one's slot is
+            // free, so no write still reads it.
+            let cell = unsafe {
+                let cell = self.headers.add(2 * o + slot);
+                cell.write(header);
+                cell.cast_const()
+            };
+            self.push.slots[o].sent(slot, seq);
+            self.push.cursor[o].start += len;
+            self.pushed = true;
+            // Stay on this owner: its other slot may be free too.
+            return Some(ChunkPut {
+                rank: gs.group[o],
+                slot,
+                header: cell,
+                src: grads + (first * size) as u64,
+                len: len * size,
+                seq,
+            });
+        }
+        None
     }
 }
 

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use super::config::{EngineConfig, Groups};
 use super::BucketId;
-use crate::control::CtrlLayout;
+use crate::control::{CtrlLayout, HEADER_BYTES};
 use crate::layout::BucketLayout;
 use crate::plane::{Connect, Plane};
 use crate::protocol::handoff::OwnPush;
@@ -222,6 +222,9 @@ pub(crate) struct PushState {
     pub(crate) cursor: Vec<std::ops::Range<usize>>,
     /// Generation of the last own-slice hand-off ([`OwnPush`]).
     pub(crate) own_gen: u64,
+    /// Per owner and slot, the header of the chunk last written there: it
+    /// must outlive the write, which a batch completes later.
+    pub(crate) headers: Vec<[u8; HEADER_BYTES]>,
 }
 
 impl PushState {
@@ -230,6 +233,7 @@ impl PushState {
             slots: vec![SlotSender::default(); world],
             cursor: vec![0..0; world],
             own_gen: 0,
+            headers: vec![[0; HEADER_BYTES]; 2 * world],
         }
     }
 }

@@ -45,6 +45,7 @@ use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::SlotReceiver;
 use crate::region::{Bell, SignalRef};
 use crate::sync::{Backoff, Ordering};
+use crate::transport::Op;
 
 /// Longest sleep between scans when nobody rings (shutdown is rung, so this
 /// only bounds the damage of a lost wake-up).
@@ -88,6 +89,8 @@ fn run(core: &Core) {
     let mut served = vec![0u64; world]; // last steal request answered, per client
     let mut backoff = Backoff::new();
     let mut last_progress = Instant::now();
+    // Acknowledgements of one scan, sent together (allocated once).
+    let mut acks = Acks::new(world);
     loop {
         if core.shutdown.load(Ordering::Acquire) {
             return;
@@ -128,7 +131,7 @@ fn run(core: &Core) {
                     Admit::Stale => {
                         receiver.take(slot, seq);
                         core.record_server_error(stale_push(reg, client, slot));
-                        acknowledge(core, reg, client, slot, seq);
+                        acks.add(core, reg, client, slot, seq);
                         progressed = true;
                         continue;
                     }
@@ -144,9 +147,10 @@ fn run(core: &Core) {
                 }
                 // Acknowledge even a rejected chunk so the client never
                 // hangs; the error surfaces at this rank's finish.
-                acknowledge(core, reg, client, slot, seq);
+                acks.add(core, reg, client, slot, seq);
             }
         }
+        acks.send(core, reg);
         progressed |= serve_steals(core, reg, &mut served);
         if progressed {
             last_progress = Instant::now();
@@ -267,6 +271,66 @@ fn serve_steals(core: &Core, reg: &Registered, served: &mut [u64]) -> bool {
         }
     }
     answered
+}
+
+/// The acknowledgements of a scan, sent together
+/// ([`crate::transport::Transport::run_batch`]: over a network all in
+/// flight at once, where one at a time each cost the daemon a round trip
+/// before it looked at the next chunk): `(client, slot, seq)`.
+struct Acks {
+    due: Vec<(usize, usize, u64)>,
+}
+
+impl Acks {
+    /// Sent once this many are due, so the first clients are not held back
+    /// by a long scan.
+    const BATCH: usize = 64;
+
+    fn new(world: usize) -> Acks {
+        Acks {
+            due: Vec::with_capacity((2 * world).min(Self::BATCH)),
+        }
+    }
+
+    /// Acknowledges chunk `seq` in slot `[client][slot]` with the next batch.
+    fn add(&mut self, core: &Core, reg: &Registered, client: usize, slot: usize, seq: u64) {
+        self.due.push((client, slot, seq));
+        if self.due.len() >= Self::BATCH {
+            self.send(core, reg);
+        }
+    }
+
+    /// Sends every acknowledgement due, and waits until they are delivered.
+    fn send(&mut self, core: &Core, reg: &Registered) {
+        if self.due.is_empty() {
+            return;
+        }
+        let me = reg.groups.me;
+        let mut ops = self.due.iter().map(|&(client, slot, seq)| {
+            let peer = reg.groups.group[client];
+            Op::Put {
+                peer,
+                remote: reg.peer_ctrl[peer],
+                offset: 0,
+                parts: [(std::ptr::null(), 0); 2],
+                signal: SignalRef {
+                    offset: reg.ctrl_layout.ack(me, slot),
+                    bell: Bell::Client,
+                },
+                value: seq,
+            }
+        });
+        // SAFETY: pure signals carry no buffers.
+        if let Err(e) = unsafe { core.transport.run_batch(&mut ops) } {
+            // The batch stops at its first failure: send the rest one by
+            // one, so that every live client still hears of its chunks.
+            for &(client, slot, seq) in &self.due {
+                acknowledge(core, reg, client, slot, seq);
+            }
+            core.record_server_error(format!("acknowledging a batch of chunks: {e}"));
+        }
+        self.due.clear();
+    }
 }
 
 /// Acknowledges chunk `seq` in slot `[client][slot]` now.

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use super::fabric::{FabricConfig, FabricTransport};
 use super::shm::ShmTransport;
-use super::{PeerStatus, Transport};
+use super::{run_one, Op, PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, SignalRef};
 use crate::topology::Topology;
 use crate::{Error, Result};
@@ -145,6 +145,20 @@ impl Transport for MixedTransport {
             .filter(|(p, _)| self.is_local(*p))
             .try_for_each(|(p, desc)| self.shm.put_signal(*p, desc, 0, &[], signal, value));
         local.and(remote)
+    }
+
+    unsafe fn run_batch(&self, ops: &mut dyn Iterator<Item = Op>) -> Result<()> {
+        // The local ones are copies, made while the remote ones are in
+        // flight.
+        let shm = &*self.shm;
+        let topo = self.topo;
+        let mut local = |op: Op| {
+            // SAFETY: the caller's contract, passed on.
+            topo.is_local(op.peer())
+                .then(|| unsafe { run_one(shm, op) })
+        };
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.fabric.run_ops(ops, &mut local) }
     }
 
     fn prefault(

@@ -82,7 +82,8 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "fabric"),
     EnvVar("ODC_FABRIC_PROVIDER", "`tcp`", "odc-core `transport::fabric`",
            "The libfabric provider: `tcp` (through `ofi_rxm`), `verbs`, `efa`.", "fabric"),
-    EnvVar("ODC_FABRIC_READS", "8", "odc-core `transport::fabric`", "Reads in flight per rank.", "fabric"),
+    EnvVar("ODC_FABRIC_READS", "8", "odc-core `transport::fabric`",
+           "Single reads in flight per rank (a gather's batch keeps up to 128).", "fabric"),
     EnvVar("ODC_FABRIC_REORDER", "off", "odc-core `transport::fabric`",
            "A seed: every progress thread holds each completion back up to 3 ms and hands them on in a seeded "
            "random order, so that nothing may rely on two operations completing in the order they were posted. "
