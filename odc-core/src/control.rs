@@ -23,6 +23,7 @@
 //! | `claim` | this rank and its daemon | its unclaimed microbatches of a minibatch ([`crate::protocol::claims`]; not a signal) |
 //! | `steal_req[c]` | client c | c's latest request to steal from this rank (sequence, minibatch) |
 //! | `steal_grant[o]` | owner o's daemon | its answer to this rank's latest request (sequence, outcome) |
+//! | `cache_fill` | a node-mate | it filled entries of the node cache (a tick of the node clock; wakes this rank's gathers that wait for them) |
 //!
 //! Every signal word is a **cell** of 16 bytes: the word, then a mailbox
 //! that belongs to the transport (the libfabric transport lands a pure
@@ -101,6 +102,7 @@ pub struct CtrlLayout {
     off_claim: usize,
     off_steal_req: usize,
     off_steal_grant: usize,
+    off_cache_fill: usize,
     off_slots: usize,
     nodes: usize,
     len: usize,
@@ -129,7 +131,8 @@ impl CtrlLayout {
         let off_claim = off_piece_read + pieces;
         let off_steal_req = off_claim + LINE;
         let off_steal_grant = off_steal_req + world * LINE;
-        let off_slots = off_steal_grant + world * LINE;
+        let off_cache_fill = off_steal_grant + world * LINE;
+        let off_slots = off_cache_fill + LINE;
         let len = off_slots + world * 2 * (LINE + chunk_bytes);
         CtrlLayout {
             world,
@@ -146,6 +149,7 @@ impl CtrlLayout {
             off_claim,
             off_steal_req,
             off_steal_grant,
+            off_cache_fill,
             off_slots,
             nodes,
             len,
@@ -258,6 +262,11 @@ impl CtrlLayout {
         self.off_steal_grant + owner * LINE
     }
 
+    /// `cache_fill`: raised by a node-mate that filled node-cache entries.
+    pub fn cache_fill(&self) -> usize {
+        self.off_cache_fill
+    }
+
     /// Shard-group size this layout was built for.
     pub fn world(&self) -> usize {
         self.world
@@ -362,7 +371,8 @@ mod tests {
         assert!(l.piece_read(1, 4) + CELL <= l.claim());
         assert!(l.claim() + CELL <= l.steal_req(0));
         assert!(l.steal_req(2) + CELL <= l.steal_grant(0));
-        assert!(l.steal_grant(2) + CELL <= l.signals_end());
+        assert!(l.steal_grant(2) + CELL <= l.cache_fill());
+        assert!(l.cache_fill() + CELL <= l.signals_end());
         assert_eq!(l.signals_end(), l.slot_header(0, 0));
         assert_eq!(l.slot_data(2, 1) + 1024, l.len());
         assert_eq!(l.slot_data(0, 0) % 64, 0);

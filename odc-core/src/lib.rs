@@ -85,6 +85,16 @@
 //! [`EngineConfig::timeout`] with [`Error::PeerTimeout`] (or earlier with
 //! [`Error::PeerDied`]).
 //!
+//! # Across nodes under full sharding
+//!
+//! Every remote operation of a gather or push is in flight at once
+//! ([`Transport::run_batch`]). A version of a shard owned on another node
+//! crosses once per node: the first node-mate that gathers a piece of it
+//! fetches it into the node cache (node shared memory; its node-mates copy
+//! it from there, or fetch it themselves if the fetcher died), bounded by
+//! [`EngineConfig::node_cache`] with least-recently-used eviction
+//! ([`protocol::cache`]).
+//!
 //! # Hybrid sharding
 //!
 //! With [`Sharding::Hybrid`] a bucket is sharded over the G ranks of a
@@ -172,7 +182,7 @@ pub use api::Engine;
 #[cfg(not(loom))]
 pub use client::{Device, Host};
 #[cfg(not(loom))]
-pub use engine::{BucketId, EngineConfig, Sharding};
+pub use engine::{BucketId, EngineConfig, NodeCacheStats, Sharding, DEFAULT_NODE_CACHE};
 pub use error::{Error, Result};
 pub use layout::{BucketLayout, BucketSpec};
 #[cfg(not(loom))]

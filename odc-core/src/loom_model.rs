@@ -19,6 +19,7 @@ use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 
 use crate::protocol::admit::{self, Admit};
+use crate::protocol::cache::{self as node_cache, Look};
 use crate::protocol::claims::{self, Claim};
 use crate::protocol::finish;
 use crate::protocol::pieces::{self, Piece};
@@ -51,6 +52,16 @@ enum Mistake {
     /// The daemon adds a chunk whatever minibatch it belongs to (no
     /// admission rule).
     AddUnopened,
+    /// Node cache: a reader claims an entry by storing its claim instead of
+    /// swapping it in (two node-mates fetch, one writing the slot while the
+    /// other reads it).
+    ClaimByStore,
+    /// Node cache: the fetcher marks the entry ready before its data is in
+    /// the slot.
+    ReadyBeforeData,
+    /// Node cache: a waiter takes the claim over without the fetcher being
+    /// dead (two writers of one slot).
+    TakeOverLive,
 }
 
 fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -775,4 +786,139 @@ mod own_handoff {
     fn loom_own_handoff_revoked_mid_way() {
         run(true);
     }
+}
+
+/// The node cache's entry: a piece of a remote shard (its value at the
+/// version, [`piece_value`]), one slot of node memory, the entry's word,
+/// the node's bell and a count of fetches across the network.
+struct CacheEntry {
+    word: AtomicU64,
+    slot: UnsafeCell<u64>,
+    bell: EventCount,
+    fetches: AtomicU64,
+    /// Set by a fetcher that dies after its claim (the liveness probe).
+    dead: [loom::sync::atomic::AtomicBool; 2],
+}
+
+/// The remote piece at version 1 (what a fetch reads across the network).
+const PIECE_V1: u64 = 4242;
+
+/// Local rank `me` gathers the piece at version 1 through the cache, as
+/// `client::cache` does: copy it when ready, wait while a node-mate fetches
+/// it (or take the claim over once that one is dead), or claim and fetch it.
+/// With `die`, a claim is made and then abandoned (the fetcher dies).
+/// Returns the value read (`None`: died).
+fn cache_reader(e: &CacheEntry, me: usize, die: bool, mistake: Mistake) -> Option<u64> {
+    loop {
+        let epoch = e.bell.epoch();
+        let w = e.word.load(Ordering::Acquire);
+        match node_cache::look(w, 1) {
+            // SAFETY (model): ready is stored after the data (release).
+            Look::Hit { slot: 0 } => return Some(e.slot.with(|d| unsafe { *d })),
+            Look::Hit { .. } | Look::Newer { .. } => unreachable!("one slot, one version"),
+            Look::Wait { by } => {
+                let dead = e.dead[by].load(Ordering::Acquire) || mistake == Mistake::TakeOverLive;
+                let Some(mine) = node_cache::take_over(w, by, me).filter(|_| dead) else {
+                    e.bell.wait(epoch, ());
+                    continue;
+                };
+                if e.word
+                    .compare_exchange(w, mine, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    continue;
+                }
+            }
+            Look::Claim => {
+                let mine = node_cache::claim(1, 0, me);
+                if mistake == Mistake::ClaimByStore {
+                    e.word.store(mine, Ordering::Release);
+                } else if e
+                    .word
+                    .compare_exchange(w, mine, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    continue;
+                }
+                if die {
+                    e.dead[me].store(true, Ordering::Release);
+                    e.bell.notify();
+                    return None;
+                }
+            }
+        }
+        // This rank's claim: fetch, then mark ready, then wake the node.
+        e.fetches.fetch_add(1, Ordering::Relaxed);
+        if mistake == Mistake::ReadyBeforeData {
+            e.word.store(node_cache::filled(1, 0), Ordering::Release);
+        }
+        // SAFETY (model): the claim makes this rank the slot's only writer.
+        e.slot.with_mut(|d| unsafe { *d = PIECE_V1 });
+        e.word.store(node_cache::filled(1, 0), Ordering::Release);
+        e.bell.notify();
+        // SAFETY (model): as above; readers only read once it is ready.
+        return Some(e.slot.with(|d| unsafe { *d }));
+    }
+}
+
+/// Two node-mates gather the same remote piece at once: exactly one fetch
+/// crosses the network and both read the piece (the slot's data in an
+/// `UnsafeCell`: a read overlapping the fill fails the model). With `die`,
+/// local rank 1 claims and dies; rank 0 takes over and fetches.
+fn cache_model(die: bool, mistake: Mistake) {
+    check(3, move || {
+        let e = Arc::new(CacheEntry {
+            word: AtomicU64::new(0),
+            slot: UnsafeCell::new(0),
+            bell: EventCount::default(),
+            fetches: AtomicU64::new(0),
+            dead: [
+                loom::sync::atomic::AtomicBool::new(false),
+                loom::sync::atomic::AtomicBool::new(false),
+            ],
+        });
+        let other = {
+            let e = Arc::clone(&e);
+            loom::thread::spawn(move || cache_reader(&e, 1, die, mistake))
+        };
+        let mine = cache_reader(&e, 0, false, mistake);
+        let theirs = other.join().unwrap();
+        assert_eq!(mine, Some(PIECE_V1), "rank 0 read the piece");
+        if !die {
+            assert_eq!(theirs, Some(PIECE_V1), "rank 1 read the piece");
+        }
+        assert_eq!(
+            e.fetches.load(Ordering::Relaxed),
+            1,
+            "one fetch per node per piece and version"
+        );
+    });
+}
+
+#[test]
+fn loom_node_cache_fetches_once_and_every_node_mate_reads_it() {
+    cache_model(false, Mistake::None);
+}
+
+#[test]
+fn loom_node_cache_takes_over_a_dead_fetchers_claim() {
+    cache_model(true, Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_cache_catches_a_claim_without_a_swap() {
+    cache_model(false, Mistake::ClaimByStore);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_cache_catches_ready_before_the_data() {
+    cache_model(false, Mistake::ReadyBeforeData);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_cache_catches_a_take_over_of_a_live_fetcher() {
+    cache_model(false, Mistake::TakeOverLive);
 }

@@ -97,6 +97,14 @@ impl DataPath for HostPath<'_> {
         )
     }
 
+    unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {
+        // SAFETY: host pointers, per the caller's contract.
+        unsafe {
+            odc_kernels::cpu::copy_raw(dst as usize as *mut u8, src as usize as *const u8, len)
+        };
+        Ok(())
+    }
+
     unsafe fn read_shards(
         &self,
         reg: &Registered,

@@ -16,6 +16,7 @@
 //! This module depends on the engine's state and on the protocol, never on
 //! the server daemon.
 
+mod cache;
 mod device;
 mod host;
 mod hybrid;
@@ -97,6 +98,21 @@ pub(crate) trait DataPath {
         len: usize,
         seq: u64,
     ) -> Result<()>;
+
+    /// Copies `len` bytes from `src` to `dst`, both in this node's memory
+    /// (a node-cache slot into a gather's output), before returning. The
+    /// default refuses: a device path would copy on its stream and announce
+    /// the piece only once the copy ran (not built; see docs/gpu.md).
+    ///
+    /// # Safety
+    /// `src` and `dst` address `len` bytes each (readable, writable),
+    /// valid for the call, not overlapping.
+    unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {
+        let _ = (src, dst, len);
+        Err(Error::Config(
+            "the node cache runs on host transports only".into(),
+        ))
+    }
 
     /// Every read `reads` yields ([`DataPath::read_shard`] each), with as
     /// many in flight at once as the transport takes; returns once all
@@ -332,6 +348,25 @@ impl<'e> Worker<'e> {
             blocked: None,
             error: None,
         };
+        let cached = reg
+            .cache
+            .as_ref()
+            .filter(|_| version <= crate::protocol::cache::MAX_VERSION && b.blocks() == 1);
+        if let Some(cache) = cached {
+            // The other nodes' shards through the node cache; this node's
+            // read while the cache's fetches are in flight.
+            reads.at = reg.groups.group.len();
+            let size = dtype.size_bytes();
+            let mut remote =
+                cache::CachedReads::new(self, cache, b, bucket, version, (out, elems * size));
+            // SAFETY: as below for this node's reads; the cached reads
+            // land in slots this rank claimed, or in `out`.
+            let first = unsafe { path.read_shards(reg, &mut (&mut remote).chain(&mut reads)) }
+                .map_err(|e| self.core.attribute(Some(b.name()), e));
+            // SAFETY: `out` is valid for the call (the caller's contract).
+            unsafe { remote.finish(path, first.is_ok()) }?;
+            first?;
+        }
         loop {
             // SAFETY: each read is of a shard that holds `version` (the
             // iterator checked it) and stays unchanged until this client's

@@ -152,6 +152,21 @@ pub struct EngineConfig {
     /// The CUDA device a `cuda-ipc` engine uses (default: the rank's local
     /// rank). Ignored by the other transports.
     pub device: Option<usize>,
+    /// Bytes of node memory per node for the **node cache** of remote
+    /// shards (full sharding over several nodes): the first rank of a node
+    /// that gathers a shard version owned on another node fetches it into
+    /// node shared memory, and its node-mates read it from there, so each
+    /// version crosses the network once per node while it stays cached
+    /// ([`crate::protocol::cache`]; least recently used pieces are evicted
+    /// beyond the bound). `None` (the default, `ODC_NODE_CACHE_MB` unset):
+    /// [`DEFAULT_NODE_CACHE`] where the nodes are joined by a network (the
+    /// `mixed` transport), off where every rank shares one host (`shm`:
+    /// nothing would cross a network). `Some(0)` turns it off. Each
+    /// node-mate keeps `1/G` of it, allocated at registration up to what
+    /// the registered buckets' remote shards need; equal on every rank.
+    /// Host transports only (`shm`, `mixed`; `fabric` maps no node-mate's
+    /// memory).
+    pub node_cache: Option<usize>,
     /// `nvshmem` only: bytes of symmetric heap to plan beyond this engine's
     /// own data regions, for the engines this process creates later in the
     /// same job, which share this engine's NVSHMEM session (one per
@@ -174,6 +189,10 @@ impl Default for EngineConfig {
             .map_or(crate::control::DEFAULT_LANDING_BUDGET, |mb| {
                 mb.saturating_mul(1 << 20)
             });
+        let node_cache = std::env::var("ODC_NODE_CACHE_MB")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .map(|mb| mb.saturating_mul(1 << 20));
         EngineConfig {
             chunk_bytes: 2 << 20,
             landing_budget,
@@ -185,10 +204,16 @@ impl Default for EngineConfig {
             store_prefix: "odc".into(),
             sharding: Sharding::Full,
             device: None,
+            node_cache,
             heap_reserve: 0,
         }
     }
 }
+
+/// The node cache's bound per node where [`EngineConfig::node_cache`] is
+/// left at its default on a network (1 GiB): room for the remote shards of
+/// a model of 0.5 G bf16 parameters on two nodes.
+pub const DEFAULT_NODE_CACHE: usize = 1 << 30;
 
 /// A registered bucket's index, as returned by [`Engine::bucket_id`](crate::Engine::bucket_id).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

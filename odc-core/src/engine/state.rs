@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use super::cache::NodeCache;
 use super::config::{EngineConfig, Groups};
 use super::BucketId;
 use crate::control::{CtrlLayout, HEADER_BYTES};
@@ -78,6 +79,10 @@ pub(crate) struct Registered {
     /// Work stealing: this rank's last request sequence number per owner
     /// (shard-group index).
     pub(crate) steal_seq: Vec<AtomicU64>,
+    /// The node cache of remote shards (full sharding across nodes).
+    pub(crate) cache: Option<NodeCache>,
+    /// This rank's share of it (kept registered while the engine lives).
+    pub(crate) _cache_region: Option<LocalRegion>,
 }
 
 /// Deterministic mode's exact accumulators: an `i128` per accumulator

@@ -175,6 +175,14 @@ impl Transport for MixedTransport {
         }
     }
 
+    fn mapped(&self, peer: usize, remote: &RegionDesc) -> Option<std::ptr::NonNull<u8>> {
+        if self.is_local(peer) {
+            self.shm.mapped(peer, remote)
+        } else {
+            None
+        }
+    }
+
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()> {
         if self.is_local(peer) {
             self.shm.get(peer, remote, offset, dst)

@@ -87,6 +87,14 @@ pub trait Transport: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Where this process maps `peer`'s `remote` (a peer reached through
+    /// shared memory, this rank too), so that node-mates share memory
+    /// directly (the node cache); `None` for a peer reached over a network.
+    /// The mapping lives as long as the transport.
+    fn mapped(&self, _peer: usize, _remote: &RegionDesc) -> Option<std::ptr::NonNull<u8>> {
+        None
+    }
+
     /// One-sided read of `dst.len()` bytes at `offset` of `peer`'s `remote`.
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()>;
 

@@ -62,6 +62,12 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "Per-rank budget of landing slots in MiB. The landing chunk (2 MiB) shrinks as the shard group grows, "
            "down to 64 KiB; a group that does not fit even then fails at registration naming the budget it needs.",
            "engine"),
+    EnvVar("ODC_NODE_CACHE_MB", "1024 where nodes are joined by a network (`mixed`), off on `shm`",
+           "odc-core `engine::config`",
+           "Per-node bound in MiB of the node cache of remote shards (full sharding across nodes): a version of a "
+           "shard owned on another node crosses once per node and serves every node-mate's gathers of it; least "
+           "recently used pieces are evicted beyond the bound; `0` turns it off. Equal on every rank.",
+           "engine"),
     EnvVar("ODC_JOB_KEY", "`default` (the `odc` backend: torchelastic's run id, else a random token)",
            "odc-core `engine::config`; `odc.backend`",
            "Names this job's shared-memory segments, so that two jobs on one host do not meet. A crashed run's "

@@ -44,7 +44,7 @@ struct Flight {
 
 impl FabricTransport {
     /// The operations in flight at once in a batch: the provider's transmit
-    /// queue, at most [`WINDOW`].
+    /// queue, at most 128 (half the operation slots).
     pub fn batch_window(&self) -> usize {
         usize::try_from(self.core.granted.tx_size)
             .unwrap_or(WINDOW)
