@@ -120,7 +120,7 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     after = _veth_rx_tx(ifname)
     counts = {"rx": after[0] - before[0], "tx": after[1] - before[1]}
     state = sum(t.to_local().numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim)
-    regathers = model._odc_fsdp.regathers if mode.startswith("odc-") else 0  # reshard_after_forward=int's
+    regathers = model._odc_fsdp.state.regathers if mode.startswith("odc-") else 0  # reshard_after_forward=int's
     if mode.startswith("odc-"):
         odc.fsdp.disable(model)
     every = ctx.all_gather_object({"spans": spans, "total": total, "veth": counts, "asked": asked,

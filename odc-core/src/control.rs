@@ -293,6 +293,11 @@ pub struct SlotHeader {
     /// the chunk only once its accumulator takes that minibatch
     /// ([`crate::protocol::admit`]).
     pub minibatch: u64,
+    /// The global rank whose shard the chunk belongs to when that is not
+    /// the receiving server (node aggregation: the server adds it into its
+    /// node buffer for that owner, [`crate::protocol::nodesum`]); `None`
+    /// for the server's own shard. On the wire `rank + 1`, 0 for `None`.
+    pub owner: Option<u32>,
 }
 
 impl SlotHeader {
@@ -306,6 +311,8 @@ impl SlotHeader {
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..36].copy_from_slice(&self.scale.to_le_bytes());
         b[40..48].copy_from_slice(&self.minibatch.to_le_bytes());
+        let owner = self.owner.map_or(0, |o| o.saturating_add(1));
+        b[48..52].copy_from_slice(&owner.to_le_bytes());
         b
     }
 
@@ -321,6 +328,8 @@ impl SlotHeader {
         let bucket = u32::from_le_bytes(w4);
         w4.copy_from_slice(&b[32..36]);
         let scale = f32::from_le_bytes(w4);
+        w4.copy_from_slice(&b[48..52]);
+        let owner = u32::from_le_bytes(w4).checked_sub(1);
         Some(SlotHeader {
             seq: u64_at(0),
             bucket,
@@ -329,6 +338,7 @@ impl SlotHeader {
             len: u64_at(24),
             scale,
             minibatch: u64_at(40),
+            owner,
         })
     }
 }
@@ -347,8 +357,14 @@ mod tests {
             len: 99,
             scale: 0.5,
             minibatch: 12,
+            owner: None,
         };
         assert_eq!(SlotHeader::decode(&h.encode()), Some(h));
+        let via = SlotHeader {
+            owner: Some(4095),
+            ..h
+        };
+        assert_eq!(SlotHeader::decode(&via.encode()), Some(via));
         let mut bad = h.encode();
         bad[12] = 9;
         assert_eq!(SlotHeader::decode(&bad), None);

@@ -93,7 +93,11 @@
 //! fetches it into the node cache (node shared memory; its node-mates copy
 //! it from there, or fetch it themselves if the fetcher died), bounded by
 //! [`EngineConfig::node_cache`] with least-recently-used eviction
-//! ([`protocol::cache`]).
+//! ([`protocol::cache`]). With [`CrossNode::Node`] a node's gradient for an
+//! owner on another node crosses once too: node-mates push their chunks to
+//! the node-mate with the owner's local rank, whose daemon sums them, and
+//! that rank pushes the sum when the node's last rank finished the
+//! minibatch ([`protocol::nodesum`]).
 //!
 //! # Hybrid sharding
 //!
@@ -182,7 +186,7 @@ pub use api::Engine;
 #[cfg(not(loom))]
 pub use client::{Device, Host};
 #[cfg(not(loom))]
-pub use engine::{BucketId, EngineConfig, NodeCacheStats, Sharding, DEFAULT_NODE_CACHE};
+pub use engine::{BucketId, CrossNode, EngineConfig, NodeCacheStats, Sharding, DEFAULT_NODE_CACHE};
 pub use error::{Error, Result};
 pub use layout::{BucketLayout, BucketSpec};
 #[cfg(not(loom))]

@@ -22,6 +22,7 @@ use crate::protocol::admit::{self, Admit};
 use crate::protocol::cache::{self as node_cache, Look};
 use crate::protocol::claims::{self, Claim};
 use crate::protocol::finish;
+use crate::protocol::nodesum;
 use crate::protocol::pieces::{self, Piece};
 use crate::protocol::slots::{slot_count, SlotReceiver, SlotSender};
 use crate::protocol::versions::{self, Shard};
@@ -62,6 +63,12 @@ enum Mistake {
     /// Node cache: a waiter takes the claim over without the fetcher being
     /// dead (two writers of one slot).
     TakeOverLive,
+    /// Node aggregation: the aggregator pushes its node buffer before its
+    /// node-mate's done (the node-mate's chunk may still be added).
+    SumsBeforeNodeMates,
+    /// Node aggregation: the aggregator tells the owner `done` before its
+    /// sums are acknowledged.
+    DoneBeforeSums,
 }
 
 fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -921,4 +928,131 @@ fn loom_node_cache_catches_ready_before_the_data() {
 #[should_panic]
 fn loom_node_cache_catches_a_take_over_of_a_live_fetcher() {
     cache_model(false, Mistake::TakeOverLive);
+}
+
+/// Node aggregation's words for one node-mate `c`, its aggregator `a` for
+/// owner `o` on another node, and `o`: `a`'s node buffer, `a`'s landing
+/// slot at `o` (data, signal, ack), `o`'s accumulator, the done words
+/// `c → a` and `a → o`, and `a`'s and `o`'s bells.
+struct NodeSum {
+    buffer: UnsafeCell<u64>,
+    a_slot: UnsafeCell<u64>,
+    a_signal: AtomicU64,
+    a_ack: AtomicU64,
+    accum: UnsafeCell<u64>,
+    done_c: AtomicU64,
+    done_a: AtomicU64,
+    bell_a: EventCount,
+    bell_o: EventCount,
+}
+
+/// `c`'s and `a`'s own gradients for `o` (their sum is what `o` must read).
+const GRAD_C: u64 = 30;
+const GRAD_A: u64 = 12;
+
+/// Minibatch 0 under node aggregation: `c`'s chunk for `o` is added into
+/// `a`'s node buffer (which holds `a`'s own part already) and `c` says
+/// done (in the engine `a`'s daemon adds it, then acknowledges, and `c`'s
+/// done follows the acknowledgement: the same order, played here by `c`);
+/// `a` finishes: waits for `c`'s done ([`nodesum::sums_ready`]), pushes the
+/// buffer to `o` (whose daemon, a thread, adds it into `o`'s accumulator),
+/// waits for the acknowledgement, then tells `o` done
+/// ([`nodesum::done_after_sums`]); `o` reads its gradient once the done
+/// words that feed it ([`nodesum::feeds`]) read 0. The buffer and the
+/// accumulator are `UnsafeCell`s: an add racing a read fails the model, as
+/// does a sum without `c`'s chunk.
+fn nodesum_model(mistake: Mistake) {
+    // Ranks 0 (`a`) and 1 (`c`) on node 0, rank 2 (`o`) on node 1 with
+    // `a`'s local rank: nodes of 2.
+    let (a, c, o, local) = (0usize, 1usize, 2usize, 2usize);
+    assert_eq!(nodesum::server(c, o, local), a);
+    assert!(nodesum::done_after_sums(a, o, local) && !nodesum::done_after_sums(c, o, local));
+    assert!(nodesum::feeds(o, a, local) && !nodesum::feeds(o, c, local));
+    check(1, move || {
+        let s = Arc::new(NodeSum {
+            buffer: UnsafeCell::new(GRAD_A),
+            a_slot: UnsafeCell::new(0),
+            a_signal: AtomicU64::new(0),
+            a_ack: AtomicU64::new(0),
+            accum: UnsafeCell::new(0),
+            done_c: AtomicU64::new(0),
+            done_a: AtomicU64::new(0),
+            bell_a: EventCount::default(),
+            bell_o: EventCount::default(),
+        });
+        let node_mate = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                // SAFETY (model): the buffer is open for minibatch 0 and `a`
+                // reads it only after this rank's done.
+                s.buffer.with_mut(|b| unsafe { *b += GRAD_C });
+                s.done_c
+                    .store(finish::done_stamp(0, 0).unwrap(), Ordering::Release);
+                s.bell_a.notify();
+            })
+        };
+        let o_daemon = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                wait_on(&s.bell_o, || s.a_signal.load(Ordering::Acquire) == 1);
+                // SAFETY (model): the signal ordered the data; `o` reads its
+                // accumulator only after a's done.
+                let v = s.a_slot.with(|d| unsafe { *d });
+                s.accum.with_mut(|x| unsafe { *x += v });
+                s.a_ack.store(1, Ordering::Release);
+                s.bell_a.notify();
+            })
+        };
+        let aggregator = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                let stamp = finish::done_stamp(0, 0).unwrap();
+                if mistake != Mistake::SumsBeforeNodeMates {
+                    // a's own done word is in (it finished): the node-mate's.
+                    wait_on(&s.bell_a, || {
+                        nodesum::sums_ready([stamp, s.done_c.load(Ordering::Acquire)], stamp)
+                            .is_none()
+                    });
+                }
+                if mistake == Mistake::DoneBeforeSums {
+                    s.done_a.store(stamp, Ordering::Release);
+                    s.bell_o.notify();
+                }
+                // SAFETY (model): every node-mate's chunk is in (c's done
+                // followed its add).
+                let sum = s.buffer.with(|b| unsafe { *b });
+                s.a_slot.with_mut(|d| unsafe { *d = sum });
+                s.a_signal.store(1, Ordering::Release);
+                s.bell_o.notify();
+                wait_on(&s.bell_a, || s.a_ack.load(Ordering::Acquire) == 1);
+                s.done_a.store(stamp, Ordering::Release);
+                s.bell_o.notify();
+            })
+        };
+        // o's finish: its aggregator's done (its node is only itself here).
+        wait_on(&s.bell_o, || s.done_a.load(Ordering::Acquire) != 0);
+        // SAFETY (model): a's done follows the acknowledgement of its sum.
+        let got = s.accum.with(|x| unsafe { *x });
+        assert_eq!(got, GRAD_A + GRAD_C, "o's gradient is its node's sum");
+        node_mate.join().unwrap();
+        o_daemon.join().unwrap();
+        aggregator.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_node_sums_reach_the_owner_once_every_node_mate_finished() {
+    nodesum_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_sums_catch_a_push_before_the_node_mates_finished() {
+    nodesum_model(Mistake::SumsBeforeNodeMates);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_sums_catch_done_before_the_sums() {
+    nodesum_model(Mistake::DoneBeforeSums);
 }

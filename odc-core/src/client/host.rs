@@ -389,7 +389,7 @@ impl<'e> Host<'e> {
     /// here reads at least `k`. No barrier: a fast rank returns as soon as
     /// its own shards are complete.
     pub fn finish_minibatch(&self, k: u64) -> Result<()> {
-        self.w.finish(k)
+        self.w.finish(&self.path(), k)
     }
 
     /// Copies this rank's gradient shard of `bucket` (f32, `shard_len`

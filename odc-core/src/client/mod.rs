@@ -33,9 +33,10 @@ pub use host::Host;
 pub(crate) use signals::Signals;
 
 use crate::control::{SlotHeader, HEADER_BYTES};
-use crate::engine::{load, BucketId, Core, PushState, Registered};
+use crate::engine::CrossNode;
+use crate::engine::{load, BucketId, Core, NodeSums, PushState, Registered};
 use crate::layout::BucketLayout;
-use crate::protocol::{admit, finish, versions};
+use crate::protocol::{admit, finish, nodesum, versions};
 use crate::region::Bell;
 use crate::sync::Ordering;
 use crate::{Error, Result};
@@ -472,7 +473,9 @@ impl<'e> Worker<'e> {
 
     /// Pushes every peer's part of a gradient (per `push.cursor`) through
     /// the landing slots, round-robin over owners so that no single slow
-    /// server stalls the rest; returns once every chunk is put.
+    /// server stalls the rest; returns once every chunk is put. Under node
+    /// aggregation a part for an owner on another node goes to the owner's
+    /// aggregator on this node ([`crate::protocol::nodesum`]).
     ///
     /// # Safety
     /// `grads` addresses the gradient (elements from `offset` of the padded
@@ -488,10 +491,41 @@ impl<'e> Worker<'e> {
         scale: f32,
     ) -> Result<()> {
         let reg = self.reg;
-        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
-        let world = gs.group.len();
         // The owner adds the chunks once its accumulator takes this minibatch.
         let minibatch = reg.finished.load(Ordering::Acquire);
+        let via = reg.cross_node == CrossNode::Node;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.push_from(
+                path,
+                push,
+                (b, bucket),
+                (Source::Bucket { grads, offset }, dtype),
+                scale,
+                (minibatch, via),
+            )
+        }
+    }
+
+    /// [`push_chunks`](Self::push_chunks) from `source`, stamped with
+    /// `minibatch`, routed through the aggregators when `via`.
+    ///
+    /// # Safety
+    /// `source` addresses every cursor's elements of `dtype`, valid until
+    /// the writes have run.
+    unsafe fn push_from(
+        &self,
+        path: &impl DataPath,
+        push: &mut PushState,
+        (b, bucket): (&BucketLayout, BucketId),
+        (source, dtype): (Source, DType),
+        scale: f32,
+        (minibatch, via): (u64, bool),
+    ) -> Result<()> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let world = gs.group.len();
+        let local = self.core.topo.local_world();
         let headers = push.headers.as_mut_ptr();
         loop {
             let mut round = PushRound {
@@ -500,16 +534,18 @@ impl<'e> Worker<'e> {
                 headers,
                 b,
                 bucket: u32::try_from(bucket.0).unwrap_or(u32::MAX),
-                src: (grads, offset, dtype),
+                source,
+                dtype,
                 scale,
                 minibatch,
+                via: via.then_some(local),
                 step: 1,
                 pushed: false,
             };
             // SAFETY: every chunk's slot is free (`ready`), its length fits
-            // a chunk, the caller vouches for `grads`, and each header sits
-            // in `push.headers` at its (owner, slot), untouched until the
-            // slot is acknowledged.
+            // a chunk, the caller vouches for the source, and each header
+            // sits in `push.headers` at its (server, slot), untouched until
+            // the slot is acknowledged.
             unsafe { path.put_chunks(reg, &mut round) }
                 .map_err(|e| self.core.attribute(Some(b.name()), e))?;
             let pushed = round.pushed;
@@ -517,6 +553,10 @@ impl<'e> Worker<'e> {
                 return Ok(());
             }
             if !pushed {
+                let server = |o: usize| match via {
+                    true => nodesum::server(gs.me, o, local),
+                    false => o,
+                };
                 self.core.wait(
                     Some(b.name()),
                     &|| {
@@ -528,14 +568,15 @@ impl<'e> Worker<'e> {
                     || {
                         let mut lagging = None;
                         for o in (0..world).filter(|&o| !push.cursor[o].is_empty()) {
-                            let (slot, _) = push.slots[o].next();
-                            if push.slots[o]
-                                .ready(load(reg.word(lay.ack(o, slot))))
+                            let s = server(o);
+                            let (slot, _) = push.slots[s].next();
+                            if push.slots[s]
+                                .ready(load(reg.word(lay.ack(s, slot))))
                                 .is_some()
                             {
                                 return Ok(None);
                             }
-                            lagging.get_or_insert(gs.group[o]);
+                            lagging.get_or_insert(gs.group[s]);
                         }
                         Ok(lagging)
                     },
@@ -548,7 +589,7 @@ impl<'e> Worker<'e> {
     /// gradient shards to be final: every push acknowledged, every bucket
     /// released at `k`, `done = k` written to every owner, then every
     /// client's done word here at `k`. No barrier.
-    pub(crate) fn finish(&self, k: u64) -> Result<()> {
+    pub(crate) fn finish(&self, path: &impl DataPath, k: u64) -> Result<()> {
         let reg = self.reg;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let world = gs.group.len();
@@ -557,24 +598,14 @@ impl<'e> Worker<'e> {
         self.open_accumulators(None)?;
         let stamp;
         {
-            let guard = self
+            let mut guard = self
                 .core
                 .push
                 .lock()
                 .map_err(|_| Error::protocol(None, "a push panicked"))?;
-            self.core.wait(
-                None,
-                &|| format!("acknowledgement of this rank's last pushes of minibatch {k}"),
-                || {
-                    Ok((0..world)
-                        .find(|&o| {
-                            let acks =
-                                [load(reg.word(lay.ack(o, 0))), load(reg.word(lay.ack(o, 1)))];
-                            !guard.slots[o].acknowledged(acks)
-                        })
-                        .map(|o| gs.group[o]))
-                },
-            )?;
+            self.wait_acknowledged(&guard, &|| {
+                format!("acknowledgement of this rank's last pushes of minibatch {k}")
+            })?;
             stamp = finish::done_stamp(reg.finished.load(Ordering::Acquire), k).map_err(
                 |finish::FinishError::Backwards { k, earlier }| {
                     Error::protocol(
@@ -583,18 +614,39 @@ impl<'e> Worker<'e> {
                     )
                 },
             )?;
+            let done = lay.done(gs.me);
+            if let Some(sums) = &reg.sums {
+                // Node aggregation: every rank hears `done` now but the
+                // replicas, which hear it after this node's sums for them.
+                Signals::to(self.core, &reg.done_early, done, stamp).send()?;
+                self.push_node_sums(path, &mut guard, sums, k, stamp)?;
+            }
             reg.finished.fetch_max(stamp, Ordering::AcqRel);
             for r in &reg.released {
                 r.fetch_max(stamp, Ordering::AcqRel);
             }
-            Signals::new(self.core, reg, lay.done(gs.me), stamp).send()?;
+            let late = if reg.sums.is_some() {
+                &reg.done_late
+            } else {
+                &reg.group_ctrl
+            };
+            Signals::to(self.core, late, done, stamp).send()?;
         }
+        // Under node aggregation only this node and this rank's
+        // aggregators on the other nodes push to it.
+        let local = self.core.topo.local_world();
+        let feeds = |c: usize| reg.sums.is_none() || nodesum::feeds(gs.me, c, local);
         self.core.wait(
             None,
             &|| format!("its gradients of minibatch {k} (done = {k})"),
             || {
-                let done = (0..world).map(|c| load(reg.word(lay.done(c))));
-                Ok(finish::unfinished_client(done, stamp).map(|c| gs.group[c]))
+                let done = (0..world)
+                    .filter(|&c| feeds(c))
+                    .map(|c| (c, load(reg.word(lay.done(c)))));
+                Ok(done
+                    .filter(|&(_, w)| w < stamp)
+                    .map(|(c, _)| gs.group[c])
+                    .next())
             },
         )?;
         if let Some(e) = self.core.take_server_error() {
@@ -612,6 +664,97 @@ impl<'e> Worker<'e> {
 }
 
 impl Worker<'_> {
+    /// Waits until every chunk this client pushed is acknowledged.
+    fn wait_acknowledged(&self, push: &PushState, what: &dyn Fn() -> String) -> Result<()> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        self.core.wait(None, what, || {
+            Ok((0..gs.group.len())
+                .find(|&o| {
+                    let acks = [load(reg.word(lay.ack(o, 0))), load(reg.word(lay.ack(o, 1)))];
+                    !push.slots[o].acknowledged(acks)
+                })
+                .map(|o| gs.group[o]))
+        })
+    }
+
+    /// Node aggregation, at this rank's finish of minibatch `k` (its
+    /// `done` stamp `stamp` sent to its node): once every node-mate's done
+    /// word here reads `k` (their chunks of `k` for this rank's replicas are
+    /// in the node buffers), pushes each buffer that holds anything to its
+    /// owner as chunks of minibatch `k`, waits for their acknowledgement,
+    /// clears them and opens the buffers for minibatch `k + 1`
+    /// ([`crate::protocol::nodesum`]).
+    fn push_node_sums(
+        &self,
+        path: &impl DataPath,
+        push: &mut PushState,
+        sums: &NodeSums,
+        k: u64,
+        stamp: u64,
+    ) -> Result<()> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (local, me) = (sums.local, gs.me);
+        let first = (me / local) * local;
+        self.core.wait(
+            None,
+            &|| format!("every node-mate's pushes of minibatch {k}, before the node's sums go"),
+            || {
+                let done = (first..first + local).map(|c| load(reg.word(lay.done(c))));
+                Ok(nodesum::sums_ready(done, stamp).map(|i| gs.group[first + i]))
+            },
+        )?;
+        let replicas: Vec<usize> = (0..sums.nodes)
+            .filter(|&n| n != sums.node)
+            .map(|n| n * local + me % local)
+            .collect();
+        for (bi, b) in reg.buckets.iter().enumerate() {
+            let mut any = false;
+            for &o in &replicas {
+                let full = sums.touched(o, bi).load(Ordering::Acquire);
+                push.cursor[o] = if full { 0..b.shard_len() } else { 0..0 };
+                any |= full;
+            }
+            if !any {
+                continue;
+            }
+            // SAFETY: the buffers hold `shard_len` f32s per bucket and
+            // replica, untouched by the daemon until they are opened for
+            // `k + 1` below (its node-mates' chunks of `k + 1` wait in their
+            // slots), and the acknowledgements are awaited before that.
+            unsafe {
+                self.push_from(
+                    path,
+                    push,
+                    (b, BucketId(bi)),
+                    (Source::Sums, DType::F32),
+                    1.0,
+                    (k, false),
+                )?
+            };
+        }
+        self.wait_acknowledged(push, &|| {
+            format!("acknowledgement of this node's sums of minibatch {k}")
+        })?;
+        for (bi, _) in reg.buckets.iter().enumerate() {
+            for &o in &replicas {
+                if sums.touched(o, bi).swap(false, Ordering::AcqRel) {
+                    let len = reg.buckets[bi].shard_len();
+                    // SAFETY: the buffer's `len` f32s, acknowledged (read by
+                    // the owner's daemon) and not yet open to new chunks.
+                    unsafe { std::ptr::write_bytes(sums.ptr(o, reg.accum_off[bi], 0), 0, len) };
+                }
+            }
+        }
+        sums.open.store(
+            admit::opened(sums.open.load(Ordering::Acquire), k + 1),
+            Ordering::Release,
+        );
+        self.core.transport.ring(Bell::Server);
+        Ok(())
+    }
+
     /// Opens this rank's accumulator of `bucket` (every bucket: `None`) for
     /// the running minibatch: from here on the daemon adds the peers'
     /// chunks of this minibatch, which it held in their landing slots until
@@ -746,23 +889,55 @@ impl Iterator for GatherReads<'_, '_> {
     }
 }
 
+/// Where a push's elements come from: a gradient buffer covering the
+/// bucket from element `offset`, or (node aggregation) this rank's node
+/// buffers.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    Bucket { grads: u64, offset: usize },
+    Sums,
+}
+
 /// One round of a push: for every owner from the next one on, a chunk into
-/// each of its landing slots that is free, from its cursor on. Each header
-/// is written into the owner's header cell (`headers[2 · owner + slot]`),
-/// which stays untouched until the slot's acknowledgement.
+/// each free landing slot of its server (the owner, or under node
+/// aggregation its aggregator on this node), from its cursor on. Each
+/// header is written into the server's header cell
+/// (`headers[2 · server + slot]`), which stays untouched until the slot's
+/// acknowledgement.
 struct PushRound<'a> {
     reg: &'a Registered,
     push: &'a mut PushState,
     headers: *mut [u8; HEADER_BYTES],
     b: &'a BucketLayout,
     bucket: u32,
-    /// The gradient's address, the bucket element it starts at, its dtype.
-    src: (u64, usize, DType),
+    source: Source,
+    dtype: DType,
     scale: f32,
     minibatch: u64,
+    /// Node aggregation's node size: route through the aggregators.
+    via: Option<usize>,
     /// Owners after this rank, from 1 to the world size.
     step: usize,
     pushed: bool,
+}
+
+impl PushRound<'_> {
+    /// The address of element `start` of owner `o`'s shard in the source.
+    fn addr(&self, o: usize, start: usize) -> u64 {
+        let size = self.dtype.size_bytes();
+        match self.source {
+            Source::Bucket { grads, offset } => {
+                grads + ((self.b.global_of(o, start) - offset) * size) as u64
+            }
+            Source::Sums => {
+                let (reg, b) = (self.reg, self.bucket as usize);
+                match &reg.sums {
+                    Some(sums) => sums.ptr(reg.groups.group[o], reg.accum_off[b], start) as u64,
+                    None => 0,
+                }
+            }
+        }
+    }
 }
 
 impl Iterator for PushRound<'_> {
@@ -772,52 +947,53 @@ impl Iterator for PushRound<'_> {
         let reg = self.reg;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let (me, world) = (gs.me, gs.group.len());
-        let (grads, offset, dtype) = self.src;
-        let size = dtype.size_bytes();
+        let size = self.dtype.size_bytes();
         let chunk = lay.chunk_bytes() / size;
         while self.step <= world {
             let o = (me + self.step) % world;
+            let srv = self.via.map_or(o, |local| nodesum::server(me, o, local));
             let range = self.push.cursor[o].clone();
-            let (slot, _) = self.push.slots[o].next();
+            let (slot, _) = self.push.slots[srv].next();
             let ready = (!range.is_empty())
-                .then(|| self.push.slots[o].ready(load(reg.word(lay.ack(o, slot)))))
+                .then(|| self.push.slots[srv].ready(load(reg.word(lay.ack(srv, slot)))))
                 .flatten();
             let Some((slot, seq)) = ready else {
                 self.step += 1;
                 continue;
             };
-            // A chunk never crosses a block: it is contiguous in `grads`.
+            // A chunk never crosses a block: it is contiguous in the source.
             let len = range
                 .len()
                 .min(chunk)
                 .min(self.b.block_end(range.start) - range.start);
-            let first = self.b.global_of(o, range.start) - offset;
             let header = SlotHeader {
                 seq,
                 bucket: self.bucket,
-                dtype,
+                dtype: self.dtype,
                 offset: range.start as u64,
                 len: len as u64,
                 scale: self.scale,
                 minibatch: self.minibatch,
+                owner: (srv != o).then(|| u32::try_from(gs.group[o]).unwrap_or(u32::MAX)),
             }
             .encode();
             // SAFETY: `headers` holds 2 · world cells; this one's slot is
             // free, so no write still reads it.
             let cell = unsafe {
-                let cell = self.headers.add(2 * o + slot);
+                let cell = self.headers.add(2 * srv + slot);
                 cell.write(header);
                 cell.cast_const()
             };
-            self.push.slots[o].sent(slot, seq);
+            let src = self.addr(o, range.start);
+            self.push.slots[srv].sent(slot, seq);
             self.push.cursor[o].start += len;
             self.pushed = true;
-            // Stay on this owner: its other slot may be free too.
+            // Stay on this owner: its server's other slot may be free too.
             return Some(ChunkPut {
-                rank: gs.group[o],
+                rank: gs.group[srv],
                 slot,
                 header: cell,
-                src: grads + (first * size) as u64,
+                src,
                 len: len * size,
                 seq,
             });

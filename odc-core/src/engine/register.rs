@@ -6,13 +6,14 @@
 //! the peers wait for it, so they fail at once naming it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
 use super::cache::{CacheLayout, NodeCache};
-use super::config::{EngineConfig, Groups, Sharding, DEFAULT_NODE_CACHE};
-use super::state::{Accum, Core, Exact, Registered};
+use super::config::{CrossNode, EngineConfig, Groups, Sharding, DEFAULT_NODE_CACHE};
+use super::state::{Accum, Core, Exact, NodeSums, Registered};
 use crate::control::{landing_chunk, CtrlLayout};
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{DataSizes, Plane};
@@ -56,6 +57,8 @@ pub(crate) struct Plan {
     accum_region: usize,
     /// The node cache, where there is one.
     cache: Option<CacheLayout>,
+    /// How gradients for owners on other nodes cross (resolved).
+    cross_node: CrossNode,
 }
 
 /// This rank's regions.
@@ -90,6 +93,8 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     let peers = connect(core, &plan, &regions, deadline)?;
     let plane = connect_plane(core, specs, &plan, deadline)?;
     let cache = node_cache(core, &plan, &peers)?;
+    let (done_early, done_late) = done_targets(core, &plan, &peers);
+    let sums = node_sums(core, &plan)?;
     let nb = plan.buckets.len();
     let world_group = plan.groups.group.len();
     let group_ctrl = plan
@@ -125,6 +130,10 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         steal_seq: (0..world_group).map(|_| AtomicU64::new(0)).collect(),
         cache,
         _cache_region: regions.cache,
+        cross_node: plan.cross_node,
+        sums,
+        done_early,
+        done_late,
     };
     core.reg
         .set(reg)
@@ -156,12 +165,24 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     }
     let ctrl_layout = control_layout(&groups, buckets.len(), &core.config)?;
     let cache = cache_layout(core, &buckets, ctrl_layout.chunk_bytes());
+    let cross_node = core
+        .config
+        .cross_node
+        .resolve(
+            core.config.sharding,
+            (core.topo.nodes(), core.topo.local_world()),
+            core.transport.name(),
+            core.device.is_some(),
+            core.config.deterministic,
+        )
+        .map_err(Error::Config)?;
     let mut post = RegPost {
         hash: 0,
         chunk_bytes: ctrl_layout.chunk_bytes(),
         sharding: core.config.sharding.name().into(),
         local_world: core.topo.local_world(),
         node_cache: cache.as_ref().map_or(0, CacheLayout::bytes),
+        cross_node: cross_node.name().into(),
         accum: if core.config.deterministic {
             format!("{} (deterministic)", core.config.accum_dtype.name())
         } else {
@@ -235,6 +256,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         host_params_len,
         accum_region,
         cache,
+        cross_node,
     })
 }
 
@@ -293,6 +315,13 @@ fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<()> {
         return Err(Error::Config(format!(
             "rank {peer} uses {} sharding with {} ranks per node, this rank {} sharding with {}",
             theirs.sharding, theirs.local_world, ours.sharding, ours.local_world
+        )));
+    }
+    if theirs.cross_node != ours.cross_node {
+        return Err(Error::Config(format!(
+            "rank {peer} runs cross_node={:?}, this rank {:?} (ODC_CROSS_NODE, cross_node: set \
+             it alike on every rank)",
+            theirs.cross_node, ours.cross_node
         )));
     }
     if theirs.node_cache != ours.node_cache {
@@ -505,6 +534,48 @@ fn prefault(
     Ok(())
 }
 
+/// Where this rank's `done` goes at once and where only after its node
+/// sums ([`crate::protocol::nodesum::done_after_sums`]; without node
+/// aggregation, everywhere at once).
+type Targets = Arc<[(usize, RegionDesc)]>;
+
+fn done_targets(core: &Core, plan: &Plan, peers: &Peers) -> (Targets, Targets) {
+    let (me, local) = (core.topo.rank(), core.topo.local_world());
+    let late = |r: usize| {
+        plan.cross_node == CrossNode::Node
+            && crate::protocol::nodesum::done_after_sums(me, r, local)
+    };
+    let all = plan.groups.group.iter().map(|&r| (r, peers.ctrl[r]));
+    (
+        all.clone().filter(|&(r, _)| !late(r)).collect(),
+        all.filter(|&(r, _)| late(r)).collect(),
+    )
+}
+
+/// Node aggregation's node buffers, zeroed (see `NodeSums`).
+fn node_sums(core: &Core, plan: &Plan) -> Result<Option<NodeSums>> {
+    if plan.cross_node != CrossNode::Node {
+        return Ok(None);
+    }
+    let topo = &core.topo;
+    let nodes = topo.nodes();
+    let elems = (nodes - 1)
+        .checked_mul(plan.accum_len)
+        .ok_or_else(|| Error::Config("node buffer size overflows".into()))?;
+    Ok(Some(NodeSums {
+        block: HeapBlock::zeroed(elems * 4)?,
+        touched: (0..(nodes - 1) * plan.buckets.len())
+            .map(|_| AtomicBool::new(false))
+            .collect(),
+        open: AtomicU64::new(0),
+        local: topo.local_world(),
+        node: topo.node_of(topo.rank()),
+        nodes,
+        accum_len: plan.accum_len,
+        buckets: plan.buckets.len(),
+    }))
+}
+
 /// The node cache over the node-mates' regions, as this process maps them.
 fn node_cache(core: &Core, plan: &Plan, peers: &Peers) -> Result<Option<NodeCache>> {
     let Some(layout) = &plan.cache else {
@@ -616,6 +687,9 @@ struct RegPost {
     /// Bytes of node-cache slots per node (0: none).
     #[serde(default)]
     node_cache: usize,
+    /// `"direct"` or `"node"` (resolved).
+    #[serde(default)]
+    cross_node: String,
     accum: String,
     specs: Vec<(String, usize, String)>,
 }

@@ -210,3 +210,78 @@ fn a_dead_fetchers_claim_is_taken_over() {
     let stats = out.lock().unwrap().expect("rank 0's counts");
     assert_eq!(stats.taken_over, 1, "{stats:?}");
 }
+
+/// Node aggregation (`cross_node = "node"`) over shm, two emulated nodes of
+/// 3: uneven microbatch counts (node 1 idle in minibatch 1, rank 0 idle in
+/// minibatch 2), every rank's final gradient shard exact, and a fast
+/// node-mate's pushes of the next minibatch held until its aggregator's
+/// buffers are open for it.
+#[test]
+fn node_sums_equal_every_rank_pushing_for_itself() {
+    let cfg = crate::EngineConfig {
+        cross_node: crate::CrossNode::Node,
+        ..config("ns_sums")
+    };
+    // Microbatches of rank r in minibatch k.
+    fn micros(r: usize, k: u64) -> u64 {
+        match k {
+            1 if r >= 3 => 0,
+            2 if r == 0 => 0,
+            _ => 1 + (r as u64 + k) % 3,
+        }
+    }
+    fn grad(r: usize, m: u64, i: usize) -> f32 {
+        ((r * 13 + m as usize * 7 + i) % 23) as f32
+    }
+    run_on_nodes(6, 3, cfg, |e| {
+        let rank = e.rank();
+        e.register(&[
+            BucketSpec::new("a", 3001, DType::F32),
+            BucketSpec::new("b", 77, DType::BF16),
+        ])
+        .unwrap();
+        let reg = e.core().reg.get().unwrap();
+        assert!(reg.sums.is_some(), "node aggregation is on");
+        let h = e.host().unwrap();
+        for k in 0..4u64 {
+            for (bi, name) in ["a", "b"].iter().enumerate() {
+                let id = e.bucket_id(name).unwrap();
+                let lay = e.bucket(id).unwrap().clone();
+                let n = lay.spec().numel;
+                for m in 0..micros(rank, k) {
+                    let g: Vec<f32> = (0..n).map(|i| grad(rank, m, i + bi)).collect();
+                    if bi == 0 {
+                        h.scatter_accumulate(id, bytes_of(&g), DType::F32, 1.0)
+                            .unwrap();
+                    } else {
+                        let g: Vec<half::bf16> =
+                            g.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                        h.scatter_accumulate(id, bytes_of(&g), DType::BF16, 0.5)
+                            .unwrap();
+                    }
+                }
+            }
+            h.finish_minibatch(k).unwrap();
+            for (bi, name) in ["a", "b"].iter().enumerate() {
+                let id = e.bucket_id(name).unwrap();
+                let lay = e.bucket(id).unwrap().clone();
+                let mut got = vec![0f32; lay.shard_len()];
+                h.read_grad_shard(id, &mut got).unwrap();
+                for (j, x) in got.iter().enumerate() {
+                    let i = rank * lay.shard_len() + j;
+                    let want: f32 = if i < lay.spec().numel {
+                        let scale = if bi == 0 { 1.0 } else { 0.5 };
+                        (0..6)
+                            .flat_map(|r| (0..micros(r, k)).map(move |m| (r, m)))
+                            .map(|(r, m)| scale * grad(r, m, i + bi))
+                            .sum()
+                    } else {
+                        0.0
+                    };
+                    assert_eq!(*x, want, "rank {rank} minibatch {k} bucket {name} elem {i}");
+                }
+            }
+            h.zero_grads().unwrap();
+        }
+    });
+}

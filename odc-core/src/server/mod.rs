@@ -184,6 +184,14 @@ fn admission(reg: &Registered, client: usize, slot: usize) -> Admit {
     let Some(h) = read_header(reg, client, slot) else {
         return Admit::Add;
     };
+    if h.owner.is_some() {
+        // For a node buffer (node aggregation): it takes the minibatch the
+        // buffers are open for; none to take it is refused when added.
+        return match &reg.sums {
+            Some(sums) => admit::admit(h.minibatch, sums.open.load(Ordering::Acquire)),
+            None => Admit::Add,
+        };
+    }
     match usize::try_from(h.bucket).ok().and_then(|b| reg.open.get(b)) {
         Some(open) => admit::admit(h.minibatch, open.load(Ordering::Acquire)),
         None => Admit::Add,
@@ -528,6 +536,9 @@ fn accumulate(
     let rank = reg.groups.group[client];
     let (offset, len) = (h.offset as usize, h.len as usize);
     let bytes = len * h.dtype.size_bytes();
+    if let Some(owner) = h.owner {
+        return add_to_node_sum(reg, client, slot, (h, b), owner);
+    }
     // SAFETY: the server thread, one accumulator slice at a time.
     let mut acc = unsafe { accum_range(reg, b, offset, len) }
         .ok_or_else(|| format!("rank {rank}: push outside the shard"))?;
@@ -584,6 +595,64 @@ fn accumulate(
         *own_slot = None;
     }
     result.map_err(rejected)
+}
+
+/// Node aggregation: adds the chunk in landing slot `[client][slot]` (its
+/// checked header `h`, bucket `b`), pushed by a node-mate for `owner`, into
+/// this rank's node buffer for `owner`. Refused when this rank keeps no
+/// buffers or `owner` is not one of its replicas (a rank on another node
+/// with its local rank) or the client is not on its node.
+fn add_to_node_sum(
+    reg: &Registered,
+    client: usize,
+    slot: usize,
+    (h, b): (SlotHeader, usize),
+    owner: u32,
+) -> Result<(), String> {
+    let rank = reg.groups.group[client];
+    let Some(sums) = &reg.sums else {
+        return Err(format!(
+            "rank {rank}: a push for rank {owner} through this rank, which sums no node's \
+             gradients (cross_node is not \"node\" here)"
+        ));
+    };
+    let (me, local) = (reg.groups.group[reg.groups.me], sums.local);
+    let owner = owner as usize;
+    let ours = owner < sums.nodes * local
+        && owner / local != me / local
+        && owner % local == me % local
+        && rank / local == me / local;
+    if !ours {
+        return Err(format!(
+            "rank {rank}: a push for rank {owner} through rank {me}, which is not its \
+             aggregator (nodes of {local})"
+        ));
+    }
+    let (offset, len) = (h.offset as usize, h.len as usize);
+    // SAFETY: `checked_header` put the range inside the bucket's shard; the
+    // buffer holds `shard_len` f32s per bucket and replica, written only by
+    // this thread while it is open (the worker clears it before opening it
+    // again); the slot's data is stable until acknowledged.
+    let (acc, data) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(sums.ptr(owner, reg.accum_off[b], offset), len),
+            std::slice::from_raw_parts(
+                reg.ctrl
+                    .as_ptr()
+                    .add(reg.ctrl_layout.slot_data(client, slot)),
+                len * h.dtype.size_bytes(),
+            ),
+        )
+    };
+    // Read by the worker after this chunk's acknowledgement and the done
+    // that follows it.
+    sums.touched(owner, b).store(true, Ordering::Release);
+    accumulate_into_f32(acc, data, h.dtype, h.scale).map_err(|e| {
+        format!(
+            "rank {rank}'s push for rank {owner} into bucket {:?}: {e}",
+            reg.buckets[b].name()
+        )
+    })
 }
 
 /// Reads and checks the header of landing slot `[client][slot]`, whose

@@ -68,6 +68,11 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "shard owned on another node crosses once per node and serves every node-mate's gathers of it; least "
            "recently used pieces are evicted beyond the bound; `0` turns it off. Equal on every rank.",
            "engine"),
+    EnvVar("ODC_CROSS_NODE", "`auto`", "odc-core `engine::config`",
+           "How gradients for owners on other nodes cross under full sharding: `direct` (every rank pushes its own), "
+           "`node` (summed on the node, pushed once per node when its last rank finished the minibatch), `auto` "
+           "(`node` where nodes are joined by a network, `direct` on one host or with deterministic sums). Equal "
+           "on every rank.", "engine"),
     EnvVar("ODC_JOB_KEY", "`default` (the `odc` backend: torchelastic's run id, else a random token)",
            "odc-core `engine::config`; `odc.backend`",
            "Names this job's shared-memory segments, so that two jobs on one host do not meet. A crashed run's "
