@@ -16,6 +16,8 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
   remote owner crosses once);
 - ``odc-full-direct``: the same with ``cross_node="direct"`` and no node
   cache (every gather and push of every rank crosses itself);
+- ``odc-full-cache``, ``odc-full-sums``: one node rule each (the cache with
+  direct pushes; node sums without the cache);
 - ``odc-hybrid``: ``sharding="hybrid"`` (HSDP layout, optimizer replicated
   per node);
 - ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D);
@@ -52,8 +54,8 @@ import sys
 import time
 from typing import Any
 
-MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-hybrid", "odc-hybrid-zero",
-         "odc-hybrid-zero-raf")
+MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
+         "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
 
 
 def _veth_rx_tx(ifname: str) -> tuple[int, int]:
@@ -93,11 +95,11 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     asked = {"gathered": 0, "pushed": 0}
     if mode.startswith("odc-"):
-        sharding = mode.removeprefix("odc-").removesuffix("-raf").removesuffix("-direct")
-        if mode == "odc-full-direct":
+        sharding = "full" if mode.startswith("odc-full") else mode.removeprefix("odc-").removesuffix("-raf")
+        if mode in ("odc-full-direct", "odc-full-sums"):
             os.environ["ODC_NODE_CACHE_MB"] = "0"  # read by the engine, in this rank's process only
-        odc.fsdp.enable(model, opt, sharding=sharding, timeout=120,
-                        cross_node="direct" if mode == "odc-full-direct" else None)
+        cross = {"odc-full-direct": "direct", "odc-full-cache": "direct", "odc-full-sums": "node"}.get(mode)
+        odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross)
         eng = model._odc_fsdp.engine
         gather, push = eng.gather, eng.scatter_accumulate
 
@@ -163,6 +165,11 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
         # A ring over D ranks in node order crosses into each node once per step: (D - 1) / D of the model per
         # collective, 2 all-gathers and a reduce-scatter per microbatch; per rank, 1 / G of the node's.
         return res["micros"] * 3 * (d - 1) / d * p * 4 / g
+    once = (n - 1) / n * p / g * 4  # a node rule's share: the parameters, or the gradients, once per node
+    if mode == "odc-full-cache":  # parameters once per node, the pushes every rank's own
+        return once + statistics.mean(r["asked"]["pushed"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
+    if mode == "odc-full-sums":  # every rank's own gathers, the gradients once per node
+        return once + statistics.mean(r["asked"]["gathered"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
     # odc-full-direct: of every gathered or pushed element, the (D - G) / D owned on other nodes cross.
     asked = statistics.mean(r["asked"]["gathered"] + r["asked"]["pushed"] for r in res["ranks"])
     return asked / minibatches * (d - g) / d * 4
