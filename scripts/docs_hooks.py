@@ -361,9 +361,36 @@ def bench_hybrid(doc: dict[str, Any]) -> str:
     a = doc["args"]
     head = ["mode", "ms / minibatch", f"vs {rows[0][0]}", "cross-node MiB / minibatch / rank (veth rx)",
             "payload by formula", "measured / formula", "AdamW state per rank (elements)"]
-    return (f"{a['world']} ranks as {a['netns']} network namespaces, a model of {rows[0][5] / 1e6:.2f} M parameters, "
-            f"{a['micros']} microbatches of {a['seq']} tokens per rank per minibatch, {a['minibatches']} timed "
-            f"minibatches:\n\n" + table(head, out))
+    link = f", every link shaped to {a['rate']} each way" if a.get("rate") else ""
+    return (f"{a['world']} ranks as {a['netns']} network namespaces{link}, a model of {rows[0][5] / 1e6:.2f} M "
+            f"parameters, {a['micros']} microbatches of {a['seq']} tokens per rank per minibatch, {a['minibatches']} "
+            f"timed minibatches:\n\n" + table(head, out))
+
+
+def bench_cross_node(doc: dict[str, Any]) -> str:
+    """scripts/cross-node-bench.py: time per minibatch and bytes into each node against the node rules' formula."""
+    a, f, rows = doc["args"], doc["formula"], doc["rows"]
+    base = next((r for r in rows if r["mode"] == "odc-direct"), rows[0])
+    out = []
+    for r in rows:
+        rx = statistics.mean(r["rx_per_node"])
+        runs = ", ".join(f"{ms:.0f}" for ms in r["ms_runs"])
+        out.append([f"`{r['mode']}`", f"{r['ms']:.0f} ({runs})", f"{r['ms'] / base['ms']:.2f}",
+                    f"{rx / 2**20:.1f}", f"{rx / f['node']:.2f}", str(r["wrong"])])
+    head = ["mode", "ms / minibatch (each run)", f"vs `{base['mode']}`",
+            "MiB into each node / minibatch (veth rx)", "/ node rules' formula", "#wrong"]
+    mib = doc["model_bytes"] / 2**20
+    compute = f"{a['compute_ms']:g} ms of emulated compute (a sleep)" if a.get("compute_ms") else "no compute"
+    return (f"{a['world']} ranks as {doc['n']} network namespaces × {doc['g']}, every link shaped to "
+            f"{a['rate'] or 'no limit'} each way; a model of {a['buckets']} f32 buckets, {mib:.0f} MiB; {compute} per "
+            f"microbatch; "
+            f"{a['micros']} microbatches per rank per minibatch (each bucket gathered twice and reduced once "
+            f"per microbatch), {a['minibatches']} timed minibatches, the median of {a['rounds']} alternating "
+            f"runs:\n\n" + table(head, out) + "\n\n"
+            f"Formula, MiB into each node per minibatch: the node rules {f['node'] / 2**20:.1f} "
+            f"(`(N − 1)/N` of the parameters once, `(N − 1)/N` of the gradients once), `direct` "
+            f"{f['direct'] / 2**20:.1f} (G ranks × every microbatch's two gathers and its push), a ring "
+            f"all-gather / reduce-scatter {f['ring'] / 2**20:.1f}.")
 
 
 def _bytes(n: float) -> str:
@@ -486,6 +513,7 @@ BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "imbalance": bench_imbalance,
     "imbalance-bubbles": bench_imbalance_bubbles,
     "hybrid": bench_hybrid,
+    "cross-node": bench_cross_node,
     "memory": bench_memory,
     "scale": bench_scale,
     "train-baselines": bench_baselines,

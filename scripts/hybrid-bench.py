@@ -7,8 +7,17 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
 
 - ``collective-hsdp``: FSDP2's own HSDP over gloo (2-D mesh; gradient sync
   only on the last microbatch of a minibatch, as an accumulating loop does);
-- ``odc-full``: ``odc.fsdp`` with ``sharding="full"`` (every gather and push
-  may cross nodes);
+- ``collective-full``: FSDP2's full sharding over gloo (1-D mesh; an
+  all-gather per layer in the forward and again in the backward, a
+  reduce-scatter per layer every microbatch, as ODC pushes);
+- ``odc-full``: ``odc.fsdp`` with ``sharding="full"`` and the defaults
+  across nodes: the node cache (each remote shard version crosses once per
+  node) and node sums (``cross_node="node"``: each node's gradient for a
+  remote owner crosses once);
+- ``odc-full-direct``: the same with ``cross_node="direct"`` and no node
+  cache (every gather and push of every rank crosses itself);
+- ``odc-full-cache``, ``odc-full-sums``: one node rule each (the cache with
+  direct pushes; node sums without the cache);
 - ``odc-hybrid``: ``sharding="hybrid"`` (HSDP layout, optimizer replicated
   per node);
 - ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D);
@@ -24,9 +33,12 @@ own view) at a barrier before and after the timed minibatches; cross-node
 bytes per minibatch per rank are the bytes all namespaces received, over
 minibatches and ranks. The formula column is the payload the layout must
 move (P parameters, 4-byte fp32 parameters and gradients, N namespaces of G
-ranks), computed from the model's parameter count and, for ``odc-full``, the
-gathers and pushes the engine was asked for (counted); the measured column
-also carries TCP/IP and libfabric headers and acknowledgements.
+ranks), computed from the model's parameter count and, for
+``odc-full-direct``, the gathers and pushes the engine was asked for
+(counted); for ``collective-full`` it is a ring's (D − 1)/D of each
+collective into each node; the measured column also carries TCP/IP and
+libfabric headers and acknowledgements. ``--rate`` shapes every
+namespace's link both ways (``tc ... tbf``, ``"1gbit"``).
 
 Usage (root; about 3 minutes)::
 
@@ -42,7 +54,8 @@ import sys
 import time
 from typing import Any
 
-MODES = ("collective-hsdp", "odc-full", "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
+MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
+         "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
 
 
 def _veth_rx_tx(ifname: str) -> tuple[int, int]:
@@ -82,7 +95,11 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     asked = {"gathered": 0, "pushed": 0}
     if mode.startswith("odc-"):
-        odc.fsdp.enable(model, opt, sharding=mode.removeprefix("odc-").removesuffix("-raf"), timeout=120)
+        sharding = "full" if mode.startswith("odc-full") else mode.removeprefix("odc-").removesuffix("-raf")
+        if mode in ("odc-full-direct", "odc-full-sums"):
+            os.environ["ODC_NODE_CACHE_MB"] = "0"  # read by the engine, in this rank's process only
+        cross = {"odc-full-direct": "direct", "odc-full-cache": "direct", "odc-full-sums": "node"}.get(mode)
+        odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross)
         eng = model._odc_fsdp.engine
         gather, push = eng.gather, eng.scatter_accumulate
 
@@ -120,13 +137,15 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     after = _veth_rx_tx(ifname)
     counts = {"rx": after[0] - before[0], "tx": after[1] - before[1]}
     state = sum(t.to_local().numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim)
-    regathers = model._odc_fsdp.regathers if mode.startswith("odc-") else 0  # reshard_after_forward=int's
+    regathers = model._odc_fsdp.state.regathers if mode.startswith("odc-") else 0  # reshard_after_forward=int's
+    cross = cache = None
     if mode.startswith("odc-"):
+        cross, cache = eng.cross_node, eng.node_cache_stats()
         odc.fsdp.disable(model)
     every = ctx.all_gather_object({"spans": spans, "total": total, "veth": counts, "asked": asked,
-                                   "regathers": regathers,
+                                   "regathers": regathers, "cross_node": cross, "cache": cache,
                                    "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "state": state})
-    return {"params": params, "ranks": every, "n": n, "g": g}
+    return {"params": params, "ranks": every, "n": n, "g": g, "micros": micros}
 
 
 def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
@@ -139,7 +158,19 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
         return (n - 1) * p / g * 4  # reads every other node's partial sums of its node shard
     if mode in ("odc-hybrid-zero", "odc-hybrid-zero-raf"):
         return 2 * (n - 1) * p / d * 4  # reads its piece of the others' partials, then their updated pieces
-    # odc-full: of every gathered or pushed element, the (D - G) / D owned on other nodes cross.
+    if mode == "odc-full":
+        # The node rules: each parameter version crosses into a node once, and each other node's gradient sum.
+        return 2 * (n - 1) / n * p / g * 4
+    if mode == "collective-full":
+        # A ring over D ranks in node order crosses into each node once per step: (D - 1) / D of the model per
+        # collective, 2 all-gathers and a reduce-scatter per microbatch; per rank, 1 / G of the node's.
+        return res["micros"] * 3 * (d - 1) / d * p * 4 / g
+    once = (n - 1) / n * p / g * 4  # a node rule's share: the parameters, or the gradients, once per node
+    if mode == "odc-full-cache":  # parameters once per node, the pushes every rank's own
+        return once + statistics.mean(r["asked"]["pushed"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
+    if mode == "odc-full-sums":  # every rank's own gathers, the gradients once per node
+        return once + statistics.mean(r["asked"]["gathered"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
+    # odc-full-direct: of every gathered or pushed element, the (D - G) / D owned on other nodes cross.
     asked = statistics.mean(r["asked"]["gathered"] + r["asked"]["pushed"] for r in res["ranks"])
     return asked / minibatches * (d - g) / d * 4
 
@@ -155,6 +186,7 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--rate", default="", help="tc rate of every namespace's link, each way ('1gbit'; none)")
     ap.add_argument("--json", default="", help="write the results here too")
     args = ap.parse_args()
     from odc.bench import netns
@@ -165,6 +197,7 @@ def main() -> int:
         if mode not in MODES:
             ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
         res = netns.run_ranks(rank_fn, args.world, netns=args.netns, transport="auto", backend="gloo", mode=mode,
+                              rate=args.rate,
                               spec=spec, minibatches=args.minibatches, micros=args.micros, seq=args.seq,
                               warmup=args.warmup)
         raw[mode] = res

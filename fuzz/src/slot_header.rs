@@ -3,8 +3,8 @@
 //! a small registered layout, and the add of the slot's data that an
 //! accepted header allows.
 //!
-//! Properties: encode → decode round trips (the client's minibatch
-//! included, which the daemon's admission rule reads); `check_header` accepts exactly
+//! Properties: encode → decode round trips (the client's minibatch and
+//! the owner a node-mate's chunk is for included, which the daemon's admission rule reads); `check_header` accepts exactly
 //! the headers a spelled-out rule accepts, and what it accepts lies inside
 //! the bucket's shard and the slot; a refusal is `Error::Malformed` naming
 //! the client and a field; the add writes exactly the accepted range, with
@@ -61,6 +61,12 @@ fn body(u: &mut Unstructured<'_>) -> Result<()> {
             len: u.int_in_range(0..=600u64)?,
             scale: u.arbitrary()?,
             minibatch: u.arbitrary()?,
+            // A rank (below u32::MAX: the wire holds rank + 1) or none.
+            owner: if u.ratio(1, 2)? {
+                None
+            } else {
+                Some(u.int_in_range(0..=u32::MAX - 1)?)
+            },
         };
         round_trips(&h);
         raw = h.encode();
@@ -75,7 +81,7 @@ fn body(u: &mut Unstructured<'_>) -> Result<()> {
     if let Some(h) = decoded {
         // The fields the format defines come back as written.
         let again = h.encode();
-        for r in [0..13, 16..36, 40..48] {
+        for r in [0..13, 16..36, 40..52] {
             assert_eq!(again[r.clone()], raw[r]);
         }
     }
@@ -124,9 +130,18 @@ fn round_trips(h: &SlotHeader) {
             back.dtype,
             back.offset,
             back.len,
-            back.minibatch
+            back.minibatch,
+            back.owner
         ),
-        (h.seq, h.bucket, h.dtype, h.offset, h.len, h.minibatch)
+        (
+            h.seq,
+            h.bucket,
+            h.dtype,
+            h.offset,
+            h.len,
+            h.minibatch,
+            h.owner
+        )
     );
     assert_eq!(back.scale.to_bits(), h.scale.to_bits());
 }
@@ -180,6 +195,7 @@ fn inside(c: &Chunk, raw: &[u8; HEADER_BYTES], buckets: &[BucketLayout], chunk_b
         (c.seq, c.bucket, c.offset, c.len, c.dtype)
     );
     assert_eq!(h.scale.to_bits(), c.scale.to_bits());
+    assert_eq!(h.owner, c.owner);
 }
 
 /// Adds the slot's data as the daemon does and checks the accumulator

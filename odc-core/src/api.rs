@@ -159,7 +159,24 @@ impl Engine {
         Ok(&self.core.registered()?.buckets)
     }
 
-    #[cfg(all(test, feature = "fabric"))]
+    /// How gradients for owners on other nodes cross: resolved at
+    /// registration ([`Direct`](crate::CrossNode::Direct) or
+    /// [`Node`](crate::CrossNode::Node)), as configured before.
+    pub fn cross_node(&self) -> crate::CrossNode {
+        self.core
+            .reg
+            .get()
+            .map_or(self.core.config.cross_node, |r| r.cross_node)
+    }
+
+    /// What this rank's gathers did with its node's cache of remote shards
+    /// ([`EngineConfig::node_cache`]); `None` where it keeps none (one
+    /// node, not full sharding, the cache off, or not registered yet).
+    pub fn node_cache_stats(&self) -> Option<crate::NodeCacheStats> {
+        Some(self.core.reg.get()?.cache.as_ref()?.stats())
+    }
+
+    #[cfg(test)]
     pub(crate) fn core(&self) -> &Core {
         &self.core
     }

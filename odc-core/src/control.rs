@@ -23,6 +23,7 @@
 //! | `claim` | this rank and its daemon | its unclaimed microbatches of a minibatch ([`crate::protocol::claims`]; not a signal) |
 //! | `steal_req[c]` | client c | c's latest request to steal from this rank (sequence, minibatch) |
 //! | `steal_grant[o]` | owner o's daemon | its answer to this rank's latest request (sequence, outcome) |
+//! | `cache_fill` | a node-mate | it filled entries of the node cache (a tick of the node clock; wakes this rank's gathers that wait for them) |
 //!
 //! Every signal word is a **cell** of 16 bytes: the word, then a mailbox
 //! that belongs to the transport (the libfabric transport lands a pure
@@ -102,6 +103,7 @@ pub struct CtrlLayout {
     off_claim: usize,
     off_steal_req: usize,
     off_steal_grant: usize,
+    off_cache_fill: usize,
     off_slots: usize,
     nodes: usize,
     len: usize,
@@ -130,7 +132,8 @@ impl CtrlLayout {
         let off_claim = off_piece_read + pieces;
         let off_steal_req = off_claim + LINE;
         let off_steal_grant = off_steal_req + world * LINE;
-        let off_slots = off_steal_grant + world * LINE;
+        let off_cache_fill = off_steal_grant + world * LINE;
+        let off_slots = off_cache_fill + LINE;
         let len = off_slots + world * 2 * (LINE + chunk_bytes);
         CtrlLayout {
             world,
@@ -147,6 +150,7 @@ impl CtrlLayout {
             off_claim,
             off_steal_req,
             off_steal_grant,
+            off_cache_fill,
             off_slots,
             nodes,
             len,
@@ -259,6 +263,11 @@ impl CtrlLayout {
         self.off_steal_grant + owner * LINE
     }
 
+    /// `cache_fill`: raised by a node-mate that filled node-cache entries.
+    pub fn cache_fill(&self) -> usize {
+        self.off_cache_fill
+    }
+
     /// Shard-group size this layout was built for.
     pub fn world(&self) -> usize {
         self.world
@@ -285,6 +294,11 @@ pub struct SlotHeader {
     /// the chunk only once its accumulator takes that minibatch
     /// ([`crate::protocol::admit`]).
     pub minibatch: u64,
+    /// The global rank whose shard the chunk belongs to when that is not
+    /// the receiving server (node aggregation: the server adds it into its
+    /// node buffer for that owner, [`crate::protocol::nodesum`]); `None`
+    /// for the server's own shard. On the wire `rank + 1`, 0 for `None`.
+    pub owner: Option<u32>,
 }
 
 impl SlotHeader {
@@ -298,6 +312,8 @@ impl SlotHeader {
         b[24..32].copy_from_slice(&self.len.to_le_bytes());
         b[32..36].copy_from_slice(&self.scale.to_le_bytes());
         b[40..48].copy_from_slice(&self.minibatch.to_le_bytes());
+        let owner = self.owner.map_or(0, |o| o.saturating_add(1));
+        b[48..52].copy_from_slice(&owner.to_le_bytes());
         b
     }
 
@@ -313,6 +329,8 @@ impl SlotHeader {
         let bucket = u32::from_le_bytes(w4);
         w4.copy_from_slice(&b[32..36]);
         let scale = f32::from_le_bytes(w4);
+        w4.copy_from_slice(&b[48..52]);
+        let owner = u32::from_le_bytes(w4).checked_sub(1);
         Some(SlotHeader {
             seq: u64_at(0),
             bucket,
@@ -321,6 +339,7 @@ impl SlotHeader {
             len: u64_at(24),
             scale,
             minibatch: u64_at(40),
+            owner,
         })
     }
 }
@@ -344,6 +363,10 @@ pub struct Chunk {
     pub dtype: DType,
     /// Factor applied while accumulating.
     pub scale: f32,
+    /// The owner the chunk is for when it is not the receiving rank (a
+    /// node-mate's push into this rank's node buffer for a remote owner,
+    /// [`crate::protocol::nodesum`]); `None` for the receiver's own shard.
+    pub owner: Option<u32>,
 }
 
 /// What the owner's daemon may do with the header `raw` that client rank
@@ -423,6 +446,7 @@ pub fn check_header(
         bytes,
         dtype: h.dtype,
         scale: h.scale,
+        owner: h.owner,
     })
 }
 
@@ -440,8 +464,14 @@ mod tests {
             len: 99,
             scale: 0.5,
             minibatch: 12,
+            owner: None,
         };
         assert_eq!(SlotHeader::decode(&h.encode()), Some(h));
+        let via = SlotHeader {
+            owner: Some(4095),
+            ..h
+        };
+        assert_eq!(SlotHeader::decode(&via.encode()), Some(via));
         let mut bad = h.encode();
         bad[12] = 9;
         assert_eq!(SlotHeader::decode(&bad), None);
@@ -464,7 +494,8 @@ mod tests {
         assert!(l.piece_read(1, 4) + CELL <= l.claim());
         assert!(l.claim() + CELL <= l.steal_req(0));
         assert!(l.steal_req(2) + CELL <= l.steal_grant(0));
-        assert!(l.steal_grant(2) + CELL <= l.signals_end());
+        assert!(l.steal_grant(2) + CELL <= l.cache_fill());
+        assert!(l.cache_fill() + CELL <= l.signals_end());
         assert_eq!(l.signals_end(), l.slot_header(0, 0));
         assert_eq!(l.slot_data(2, 1) + 1024, l.len());
         assert_eq!(l.slot_data(0, 0) % 64, 0);

@@ -85,6 +85,20 @@
 //! [`EngineConfig::timeout`] with [`Error::PeerTimeout`] (or earlier with
 //! [`Error::PeerDied`]).
 //!
+//! # Across nodes under full sharding
+//!
+//! Every remote operation of a gather or push is in flight at once
+//! ([`Transport::run_batch`]). A version of a shard owned on another node
+//! crosses once per node: the first node-mate that gathers a piece of it
+//! fetches it into the node cache (node shared memory; its node-mates copy
+//! it from there, or fetch it themselves if the fetcher died), bounded by
+//! [`EngineConfig::node_cache`] with least-recently-used eviction
+//! ([`protocol::cache`]). With [`CrossNode::Node`] a node's gradient for an
+//! owner on another node crosses once too: node-mates push their chunks to
+//! the node-mate with the owner's local rank, whose daemon sums them, and
+//! that rank pushes the sum when the node's last rank finished the
+//! minibatch ([`protocol::nodesum`]).
+//!
 //! # Hybrid sharding
 //!
 //! With [`Sharding::Hybrid`] a bucket is sharded over the G ranks of a
@@ -176,7 +190,7 @@ pub use api::Engine;
 #[cfg(not(loom))]
 pub use client::{Device, Host};
 #[cfg(not(loom))]
-pub use engine::{BucketId, EngineConfig, Sharding};
+pub use engine::{BucketId, CrossNode, EngineConfig, NodeCacheStats, Sharding, DEFAULT_NODE_CACHE};
 pub use error::{Error, Result};
 pub use layout::{BucketLayout, BucketSpec};
 #[cfg(not(loom))]

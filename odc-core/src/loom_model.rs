@@ -19,8 +19,10 @@ use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 
 use crate::protocol::admit::{self, Admit};
+use crate::protocol::cache::{self as node_cache, Look};
 use crate::protocol::claims::{self, Claim};
 use crate::protocol::finish;
+use crate::protocol::nodesum;
 use crate::protocol::pieces::{self, Piece};
 use crate::protocol::slots::{slot_count, SlotReceiver, SlotSender};
 use crate::protocol::versions::{self, Shard};
@@ -51,6 +53,22 @@ enum Mistake {
     /// The daemon adds a chunk whatever minibatch it belongs to (no
     /// admission rule).
     AddUnopened,
+    /// Node cache: a reader claims an entry by storing its claim instead of
+    /// swapping it in (two node-mates fetch, one writing the slot while the
+    /// other reads it).
+    ClaimByStore,
+    /// Node cache: the fetcher marks the entry ready before its data is in
+    /// the slot.
+    ReadyBeforeData,
+    /// Node cache: a waiter takes the claim over without the fetcher being
+    /// dead (two writers of one slot).
+    TakeOverLive,
+    /// Node aggregation: the aggregator pushes its node buffer before its
+    /// node-mate's done (the node-mate's chunk may still be added).
+    SumsBeforeNodeMates,
+    /// Node aggregation: the aggregator tells the owner `done` before its
+    /// sums are acknowledged.
+    DoneBeforeSums,
 }
 
 fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -775,4 +793,266 @@ mod own_handoff {
     fn loom_own_handoff_revoked_mid_way() {
         run(true);
     }
+}
+
+/// The node cache's entry: a piece of a remote shard (its value at the
+/// version, [`piece_value`]), one slot of node memory, the entry's word,
+/// the node's bell and a count of fetches across the network.
+struct CacheEntry {
+    word: AtomicU64,
+    slot: UnsafeCell<u64>,
+    bell: EventCount,
+    fetches: AtomicU64,
+    /// Set by a fetcher that dies after its claim (the liveness probe).
+    dead: [loom::sync::atomic::AtomicBool; 2],
+}
+
+/// The remote piece at version 1 (what a fetch reads across the network).
+const PIECE_V1: u64 = 4242;
+
+/// Local rank `me` gathers the piece at version 1 through the cache, as
+/// `client::cache` does: copy it when ready, wait while a node-mate fetches
+/// it (or take the claim over once that one is dead), or claim and fetch it.
+/// With `die`, a claim is made and then abandoned (the fetcher dies).
+/// Returns the value read (`None`: died).
+fn cache_reader(e: &CacheEntry, me: usize, die: bool, mistake: Mistake) -> Option<u64> {
+    loop {
+        let epoch = e.bell.epoch();
+        let w = e.word.load(Ordering::Acquire);
+        match node_cache::look(w, 1) {
+            // SAFETY (model): ready is stored after the data (release).
+            Look::Hit { slot: 0 } => return Some(e.slot.with(|d| unsafe { *d })),
+            Look::Hit { .. } | Look::Newer { .. } => unreachable!("one slot, one version"),
+            Look::Wait { by } => {
+                let dead = e.dead[by].load(Ordering::Acquire) || mistake == Mistake::TakeOverLive;
+                let Some(mine) = node_cache::take_over(w, by, me).filter(|_| dead) else {
+                    e.bell.wait(epoch, ());
+                    continue;
+                };
+                if e.word
+                    .compare_exchange(w, mine, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    continue;
+                }
+            }
+            Look::Claim => {
+                let mine = node_cache::claim(1, 0, me);
+                if mistake == Mistake::ClaimByStore {
+                    e.word.store(mine, Ordering::Release);
+                } else if e
+                    .word
+                    .compare_exchange(w, mine, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+                {
+                    continue;
+                }
+                if die {
+                    e.dead[me].store(true, Ordering::Release);
+                    e.bell.notify();
+                    return None;
+                }
+            }
+        }
+        // This rank's claim: fetch, then mark ready, then wake the node.
+        e.fetches.fetch_add(1, Ordering::Relaxed);
+        if mistake == Mistake::ReadyBeforeData {
+            e.word.store(node_cache::filled(1, 0), Ordering::Release);
+        }
+        // SAFETY (model): the claim makes this rank the slot's only writer.
+        e.slot.with_mut(|d| unsafe { *d = PIECE_V1 });
+        e.word.store(node_cache::filled(1, 0), Ordering::Release);
+        e.bell.notify();
+        // SAFETY (model): as above; readers only read once it is ready.
+        return Some(e.slot.with(|d| unsafe { *d }));
+    }
+}
+
+/// Two node-mates gather the same remote piece at once: exactly one fetch
+/// crosses the network and both read the piece (the slot's data in an
+/// `UnsafeCell`: a read overlapping the fill fails the model). With `die`,
+/// local rank 1 claims and dies; rank 0 takes over and fetches.
+fn cache_model(die: bool, mistake: Mistake) {
+    check(3, move || {
+        let e = Arc::new(CacheEntry {
+            word: AtomicU64::new(0),
+            slot: UnsafeCell::new(0),
+            bell: EventCount::default(),
+            fetches: AtomicU64::new(0),
+            dead: [
+                loom::sync::atomic::AtomicBool::new(false),
+                loom::sync::atomic::AtomicBool::new(false),
+            ],
+        });
+        let other = {
+            let e = Arc::clone(&e);
+            loom::thread::spawn(move || cache_reader(&e, 1, die, mistake))
+        };
+        let mine = cache_reader(&e, 0, false, mistake);
+        let theirs = other.join().unwrap();
+        assert_eq!(mine, Some(PIECE_V1), "rank 0 read the piece");
+        if !die {
+            assert_eq!(theirs, Some(PIECE_V1), "rank 1 read the piece");
+        }
+        assert_eq!(
+            e.fetches.load(Ordering::Relaxed),
+            1,
+            "one fetch per node per piece and version"
+        );
+    });
+}
+
+#[test]
+fn loom_node_cache_fetches_once_and_every_node_mate_reads_it() {
+    cache_model(false, Mistake::None);
+}
+
+#[test]
+fn loom_node_cache_takes_over_a_dead_fetchers_claim() {
+    cache_model(true, Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_cache_catches_a_claim_without_a_swap() {
+    cache_model(false, Mistake::ClaimByStore);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_cache_catches_ready_before_the_data() {
+    cache_model(false, Mistake::ReadyBeforeData);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_cache_catches_a_take_over_of_a_live_fetcher() {
+    cache_model(false, Mistake::TakeOverLive);
+}
+
+/// Node aggregation's words for one node-mate `c`, its aggregator `a` for
+/// owner `o` on another node, and `o`: `a`'s node buffer, `a`'s landing
+/// slot at `o` (data, signal, ack), `o`'s accumulator, the done words
+/// `c → a` and `a → o`, and `a`'s and `o`'s bells.
+struct NodeSum {
+    buffer: UnsafeCell<u64>,
+    a_slot: UnsafeCell<u64>,
+    a_signal: AtomicU64,
+    a_ack: AtomicU64,
+    accum: UnsafeCell<u64>,
+    done_c: AtomicU64,
+    done_a: AtomicU64,
+    bell_a: EventCount,
+    bell_o: EventCount,
+}
+
+/// `c`'s and `a`'s own gradients for `o` (their sum is what `o` must read).
+const GRAD_C: u64 = 30;
+const GRAD_A: u64 = 12;
+
+/// Minibatch 0 under node aggregation: `c`'s chunk for `o` is added into
+/// `a`'s node buffer (which holds `a`'s own part already) and `c` says
+/// done (in the engine `a`'s daemon adds it, then acknowledges, and `c`'s
+/// done follows the acknowledgement: the same order, played here by `c`);
+/// `a` finishes: waits for `c`'s done ([`nodesum::sums_ready`]), pushes the
+/// buffer to `o` (whose daemon, a thread, adds it into `o`'s accumulator),
+/// waits for the acknowledgement, then tells `o` done
+/// ([`nodesum::done_after_sums`]); `o` reads its gradient once the done
+/// words that feed it ([`nodesum::feeds`]) read 0. The buffer and the
+/// accumulator are `UnsafeCell`s: an add racing a read fails the model, as
+/// does a sum without `c`'s chunk.
+fn nodesum_model(mistake: Mistake) {
+    // Ranks 0 (`a`) and 1 (`c`) on node 0, rank 2 (`o`) on node 1 with
+    // `a`'s local rank: nodes of 2.
+    let (a, c, o, local) = (0usize, 1usize, 2usize, 2usize);
+    assert_eq!(nodesum::server(c, o, local), a);
+    assert!(nodesum::done_after_sums(a, o, local) && !nodesum::done_after_sums(c, o, local));
+    assert!(nodesum::feeds(o, a, local) && !nodesum::feeds(o, c, local));
+    check(1, move || {
+        let s = Arc::new(NodeSum {
+            buffer: UnsafeCell::new(GRAD_A),
+            a_slot: UnsafeCell::new(0),
+            a_signal: AtomicU64::new(0),
+            a_ack: AtomicU64::new(0),
+            accum: UnsafeCell::new(0),
+            done_c: AtomicU64::new(0),
+            done_a: AtomicU64::new(0),
+            bell_a: EventCount::default(),
+            bell_o: EventCount::default(),
+        });
+        let node_mate = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                // SAFETY (model): the buffer is open for minibatch 0 and `a`
+                // reads it only after this rank's done.
+                s.buffer.with_mut(|b| unsafe { *b += GRAD_C });
+                s.done_c
+                    .store(finish::done_stamp(0, 0).unwrap(), Ordering::Release);
+                s.bell_a.notify();
+            })
+        };
+        let o_daemon = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                wait_on(&s.bell_o, || s.a_signal.load(Ordering::Acquire) == 1);
+                // SAFETY (model): the signal ordered the data; `o` reads its
+                // accumulator only after a's done.
+                let v = s.a_slot.with(|d| unsafe { *d });
+                s.accum.with_mut(|x| unsafe { *x += v });
+                s.a_ack.store(1, Ordering::Release);
+                s.bell_a.notify();
+            })
+        };
+        let aggregator = {
+            let s = Arc::clone(&s);
+            loom::thread::spawn(move || {
+                let stamp = finish::done_stamp(0, 0).unwrap();
+                if mistake != Mistake::SumsBeforeNodeMates {
+                    // a's own done word is in (it finished): the node-mate's.
+                    wait_on(&s.bell_a, || {
+                        nodesum::sums_ready([stamp, s.done_c.load(Ordering::Acquire)], stamp)
+                            .is_none()
+                    });
+                }
+                if mistake == Mistake::DoneBeforeSums {
+                    s.done_a.store(stamp, Ordering::Release);
+                    s.bell_o.notify();
+                }
+                // SAFETY (model): every node-mate's chunk is in (c's done
+                // followed its add).
+                let sum = s.buffer.with(|b| unsafe { *b });
+                s.a_slot.with_mut(|d| unsafe { *d = sum });
+                s.a_signal.store(1, Ordering::Release);
+                s.bell_o.notify();
+                wait_on(&s.bell_a, || s.a_ack.load(Ordering::Acquire) == 1);
+                s.done_a.store(stamp, Ordering::Release);
+                s.bell_o.notify();
+            })
+        };
+        // o's finish: its aggregator's done (its node is only itself here).
+        wait_on(&s.bell_o, || s.done_a.load(Ordering::Acquire) != 0);
+        // SAFETY (model): a's done follows the acknowledgement of its sum.
+        let got = s.accum.with(|x| unsafe { *x });
+        assert_eq!(got, GRAD_A + GRAD_C, "o's gradient is its node's sum");
+        node_mate.join().unwrap();
+        o_daemon.join().unwrap();
+        aggregator.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_node_sums_reach_the_owner_once_every_node_mate_finished() {
+    nodesum_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_sums_catch_a_push_before_the_node_mates_finished() {
+    nodesum_model(Mistake::SumsBeforeNodeMates);
+}
+
+#[test]
+#[should_panic]
+fn loom_node_sums_catch_done_before_the_sums() {
+    nodesum_model(Mistake::DoneBeforeSums);
 }

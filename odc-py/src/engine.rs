@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 use odc_core::plane::emu::EmuStream;
 use odc_core::protocol::claims::Claim;
 use odc_core::{
-    BucketId, BucketSpec, DType, Engine, EngineConfig, Sharding, Store, Topology, TransportKind,
+    BucketId, BucketSpec, CrossNode, DType, Engine, EngineConfig, Sharding, Store, Topology,
+    TransportKind,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -252,7 +253,7 @@ impl PyEngine {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -269,6 +270,8 @@ impl PyEngine {
         device: Option<usize>,
         heap_reserve: Option<usize>,
         deterministic: bool,
+        cross_node: Option<String>,
+        node_cache_mb: Option<usize>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -310,6 +313,21 @@ impl PyEngine {
         cfg.device = device;
         cfg.heap_reserve = heap_reserve.unwrap_or(0);
         cfg.deterministic = deterministic;
+        if let Some(c) = cross_node {
+            cfg.cross_node = CrossNode::parse(&c).ok_or_else(|| {
+                odc_error(
+                    py,
+                    "ConfigError",
+                    format!(
+                        "unknown cross_node {c:?}: expected one of {}",
+                        CrossNode::NAMES.join(", ")
+                    ),
+                )
+            })?;
+        }
+        if let Some(mb) = node_cache_mb {
+            cfg.node_cache = Some(mb.saturating_mul(1 << 20));
+        }
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = py
             .detach(|| Engine::new(store, topo, cfg))
@@ -320,6 +338,31 @@ impl PyEngine {
     #[getter]
     fn rank(&self) -> usize {
         self.engine.rank()
+    }
+
+    /// How gradients for owners on other nodes cross (`"direct"` or
+    /// `"node"`, resolved at registration; `"auto"` before).
+    #[getter]
+    fn cross_node(&self) -> &'static str {
+        self.engine.cross_node().name()
+    }
+
+    /// What this rank's gathers did with the node cache (`None` without
+    /// one): counts of pieces since registration.
+    fn node_cache_stats(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        let Some(s) = self.engine.node_cache_stats() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("slots", s.slots)?;
+        d.set_item("entries", s.entries)?;
+        d.set_item("fetched", s.fetched)?;
+        d.set_item("hits", s.hits)?;
+        d.set_item("waited", s.waited)?;
+        d.set_item("direct", s.direct)?;
+        d.set_item("taken_over", s.taken_over)?;
+        Ok(Some(d.into_any().unbind()))
     }
 
     #[getter]

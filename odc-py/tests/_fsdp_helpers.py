@@ -654,14 +654,14 @@ def cuda_fsdp_worker(rank, world, store, steps, micros=2, lr=1e-2, comm="odc.fsd
 
 
 def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_clip=False, lr=1e-2, clip=0.5,
-                       deterministic=False, modes=(("hybrid-zero", True), ("full", True))):
+                       deterministic=False, modes=(("hybrid-zero", True), ("full", True)), cross_node=None):
     """The same AdamW + clip loop under each (sharding, reshard_after_forward) of ``modes`` (by default
     sharding="hybrid-zero" and "full"), ranks running table[s][r] microbatches at step s, on FSDP2's ordinary
-    1-D mesh.
+    1-D mesh; ``cross_node`` goes to ``odc.fsdp.enable``.
 
     Returns per mode (its sharding, with ",reshard=k" for an int) the clipped norms, the final full
-    parameters, the optimizer state's local sizes, the engine's bucket geometry and the backward re-gathers;
-    rank 0 also runs the single-process reference.
+    parameters, the optimizer state's local sizes, the engine's bucket geometry, the backward re-gathers,
+    the engine's ``cross_node`` and its node-cache counts; rank 0 also runs the single-process reference.
     """
     as_nodes(per_node, transport)
     init_pg(rank, world, store)
@@ -672,10 +672,11 @@ def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_cli
         labels.append(label)
         model = build(world, reshard=reshard)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-        odc.fsdp.enable(model, opt, sharding=mode, timeout=60, deterministic=deterministic)
+        odc.fsdp.enable(model, opt, sharding=mode, timeout=60, deterministic=deterministic, cross_node=cross_node)
         engine = model._odc_fsdp.engine
         info = {"sharding": engine.sharding, "transport": engine.transport, "norms": [],
-                "buckets": [engine.bucket(g.name) for g in model._odc_fsdp.groups]}
+                "buckets": [engine.bucket(g.name) for g in model._odc_fsdp.groups],
+                "cross_node": engine.cross_node}
         for s, plan in enumerate(table):
             norm = 27 * sum(plan)
             for m in range(plan[rank]):
@@ -689,6 +690,7 @@ def hybrid_zero_worker(rank, world, store, per_node, table, transport, torch_cli
                                 p.numel()]
                          for name, p in model.named_parameters()}
         info["regathers"] = model._odc_fsdp.state.regathers
+        info["cache"] = engine.node_cache_stats()
         odc.fsdp.disable(model)
         info["params"] = full_params(model)
         out[label] = info

@@ -1,6 +1,7 @@
 //! The engine on the mixed transport across real processes: four ranks,
 //! two per "node" (ranks 0–1 and 2–3, all on this host), `shm` within a
-//! node and libfabric (tcp over loopback) between nodes. Exact gather /
+//! node and libfabric (tcp over loopback) between nodes, with the node
+//! cache and node sums (the defaults there) and without. Exact gather /
 //! scatter-accumulate sums, uneven microbatches, and a killed rank — on
 //! the survivors' node and on the other — named by every survivor within
 //! the deadline. Built only with the `fabric` feature (`cargo test -p
@@ -161,6 +162,31 @@ fn mixed_rank_killed_before_finish_is_named_on_both_nodes() {
 #[test]
 fn mixed_rank_killed_before_publish_is_named_on_both_nodes() {
     crash(2, "before_publish");
+}
+
+/// Under `mixed` the cross-node pushes are node sums by default (auto):
+/// rank 2 dies holding node 1's sums for rank 0 (rank 3's chunks), and the
+/// node-cache entries it fetched.
+#[test]
+fn mixed_aggregator_killed_holding_its_node_sums_is_named_on_both_nodes() {
+    crash_with(2, "before_finish", &[("ODC_CROSS_NODE", "node")]);
+}
+
+/// The paths without aggregation or cache: every rank pushes and reads
+/// across the network itself.
+#[test]
+fn mixed_two_nodes_direct_without_node_cache_exact_sums() {
+    train(
+        "direct",
+        &[
+            ("ODC_CROSS_NODE", "direct"),
+            ("ODC_NODE_CACHE_MB", "0"),
+            ("ODC_MICRO", "1,3,0,2"),
+            ("ODC_NUMELS", "1001,37"),
+            ("ODC_CHUNK", "512"),
+            ("ODC_MINIBATCHES", "2"),
+        ],
+    );
 }
 
 // With the fabric progress threads shuffling completions (seeded per rank).

@@ -309,6 +309,10 @@ struct RankReport {
     idle_cpu_s: f64,
     idle_s: f64,
     wrong: u64,
+    /// Node cache (full sharding across nodes): pieces this rank fetched
+    /// across the network, and pieces it read from the node.
+    cache_fetched: u64,
+    cache_hits: u64,
     /// Stealing phase: the indices of rank 0's list this rank claimed (its
     /// own claims for rank 0, steals for the others), each steal's round
     /// trip (s), and the phase's time on this rank (s).
@@ -423,6 +427,10 @@ fn run_rank(args: &Args, rank: usize, world: usize, job: &Path) -> Result<RankRe
             .count() as u64;
     }
     report.minibatch_cpu_s = (cpu_time() - cpu0).as_secs_f64() / args.minibatches as f64;
+    if let Some(c) = engine.node_cache_stats() {
+        report.cache_fetched = c.fetched;
+        report.cache_hits = c.hits;
+    }
     // Accumulators are never zeroed here: each holds every minibatch's sum.
     let mut acc = vec![0f32; own.len()];
     host.read_grad_shard(id, &mut acc)
@@ -691,6 +699,10 @@ struct Point {
     named: usize,
     survivors: usize,
     wrong: u64,
+    /// Node cache: remote pieces fetched and read from the node, per rank
+    /// per minibatch (mean).
+    cache_fetched: f64,
+    cache_hits: f64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -776,6 +788,12 @@ fn point(args: &Args, d: usize, reports: &[RankReport]) -> Point {
         steal_s: reports.iter().map(|r| r.steal_s).fold(0.0, f64::max),
         steal_rtt_ms: 1e3 * median(reports.iter().flat_map(|r| r.steal_rtt_s.clone()).collect()),
         wrong: reports.iter().map(|r| r.wrong).sum(),
+        cache_fetched: reports.iter().map(|r| r.cache_fetched as f64).sum::<f64>()
+            / n
+            / args.minibatches as f64,
+        cache_hits: reports.iter().map(|r| r.cache_hits as f64).sum::<f64>()
+            / n
+            / args.minibatches as f64,
     }
 }
 
@@ -845,15 +863,16 @@ fn print_header(args: &Args) {
         args.idle_s
     );
     println!(
-        "# {:>5} {:>9} {:>9} {:>9} {:>10} {:>8} {:>8} {:>9} {:>6} {:>5} {:>8} {:>9} {:>9} {:>8} {:>11} {:>8} {:>8} {:>9} {:>8} {:>6} {:>6}",
+        "# {:>5} {:>9} {:>9} {:>9} {:>10} {:>8} {:>8} {:>9} {:>6} {:>5} {:>8} {:>9} {:>9} {:>8} {:>11} {:>8} {:>8} {:>9} {:>8} {:>6} {:>6} {:>7} {:>7}",
         "D", "reg s", "reg cpu s", "st calls", "st bytes", "rss MiB", "shm MiB", "virt MiB", "maps", "fds",
-        "shm/rk", "mb s", "mb cpu s", "idle %", "stolen", "steal s", "rtt ms", "detect s", "det p50", "named", "wrong"
+        "shm/rk", "mb s", "mb cpu s", "idle %", "stolen", "steal s", "rtt ms", "detect s", "det p50", "named", "wrong",
+        "fetch", "hits"
     );
 }
 
 fn print_point(p: &Point) {
     println!(
-        "  {:>5} {:>9.3} {:>9.4} {:>9.0} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>6} {:>5} {:>8.2} {:>9.4} {:>9.4} {:>8.4} {:>11} {:>8.3} {:>8.3} {:>9} {:>8} {:>6} {:>6}",
+        "  {:>5} {:>9.3} {:>9.4} {:>9.0} {:>10.0} {:>8.1} {:>8.1} {:>9.1} {:>6} {:>5} {:>8.2} {:>9.4} {:>9.4} {:>8.4} {:>11} {:>8.3} {:>8.3} {:>9} {:>8} {:>6} {:>6} {:>7.1} {:>7.1}",
         p.ranks,
         p.register_s,
         p.register_cpu_s,
@@ -874,7 +893,9 @@ fn print_point(p: &Point) {
         p.detect_s.map_or("-".into(), |s| format!("{s:.3}")),
         p.detect_p50_s.map_or("-".into(), |s| format!("{s:.3}")),
         format!("{}/{}", p.named, p.survivors),
-        p.wrong
+        p.wrong,
+        p.cache_fetched,
+        p.cache_hits
     );
 }
 

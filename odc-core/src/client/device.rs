@@ -271,7 +271,7 @@ impl<'e> Device<'e> {
     /// device memory.
     pub fn finish_minibatch(&self, k: u64, stream: StreamHandle) -> Result<()> {
         self.plane.ops().synchronize(stream)?;
-        self.w.finish(k)?;
+        self.w.finish(&self.path(stream), k)?;
         self.plane
             .ops()
             .synchronize(self.plane.ops().server_stream())

@@ -7,13 +7,14 @@ use std::ptr::NonNull;
 
 use odc_kernels::DType;
 
-use super::{buffer_len_error, elems_of, DataPath, Signals, Worker};
+use super::{buffer_len_error, elems_of, ChunkPut, DataPath, ShardRead, Signals, Worker};
 use crate::control::HEADER_BYTES;
 use crate::engine::{BucketId, Core, PushState, Registered};
 use crate::protocol::claims::{Claim, Word};
 use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::slot_count;
 use crate::region::{Bell, SignalRef};
+use crate::transport::Op;
 use crate::{Error, Result};
 
 /// Host memory through the transport, on the calling thread.
@@ -94,6 +95,70 @@ impl DataPath for HostPath<'_> {
             sig,
             slot_count(seq),
         )
+    }
+
+    unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {
+        // SAFETY: host pointers, per the caller's contract.
+        unsafe {
+            odc_kernels::cpu::copy_raw(dst as usize as *mut u8, src as usize as *const u8, len)
+        };
+        Ok(())
+    }
+
+    unsafe fn read_shards(
+        &self,
+        reg: &Registered,
+        reads: &mut dyn Iterator<Item = ShardRead>,
+    ) -> Result<()> {
+        let mut ops = reads.map(|r| Self::get_op(reg, r));
+        // SAFETY: the caller vouches for every destination (host pointers)
+        // until this returns, which is after every read completed.
+        unsafe { self.core.transport.run_batch(&mut ops) }
+    }
+
+    unsafe fn put_chunks(
+        &self,
+        reg: &Registered,
+        puts: &mut dyn Iterator<Item = ChunkPut>,
+    ) -> Result<()> {
+        let mut ops = puts.map(|p| Self::put_op(reg, p));
+        // SAFETY: the caller vouches for every header and source (host
+        // pointers) until this returns, which is after every write
+        // completed.
+        unsafe { self.core.transport.run_batch(&mut ops) }
+    }
+}
+
+impl HostPath<'_> {
+    /// A gather's read as a transport operation.
+    fn get_op(reg: &Registered, r: ShardRead) -> Op {
+        Op::Get {
+            peer: r.rank,
+            remote: reg.peer_params[r.rank],
+            offset: reg.params_off[r.bucket] + r.at,
+            dst: r.dst as usize as *mut u8,
+            len: r.len,
+        }
+    }
+
+    /// A push's chunk as a transport operation: header and data into the
+    /// slot, counted into its signal.
+    fn put_op(reg: &Registered, p: ChunkPut) -> Op {
+        let (lay, me) = (&reg.ctrl_layout, reg.groups.me);
+        Op::Put {
+            peer: p.rank,
+            remote: reg.peer_ctrl[p.rank],
+            offset: lay.slot_header(me, p.slot),
+            parts: [
+                (p.header.cast::<u8>(), HEADER_BYTES),
+                (p.src as usize as *const u8, p.len),
+            ],
+            signal: SignalRef {
+                offset: lay.slot_signal(me, p.slot),
+                bell: Bell::Server,
+            },
+            value: slot_count(p.seq),
+        }
     }
 }
 
@@ -324,7 +389,7 @@ impl<'e> Host<'e> {
     /// here reads at least `k`. No barrier: a fast rank returns as soon as
     /// its own shards are complete.
     pub fn finish_minibatch(&self, k: u64) -> Result<()> {
-        self.w.finish(k)
+        self.w.finish(&self.path(), k)
     }
 
     /// Copies this rank's gradient shard of `bucket` (f32, `shard_len`

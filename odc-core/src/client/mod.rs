@@ -16,6 +16,7 @@
 //! This module depends on the engine's state and on the protocol, never on
 //! the server daemon.
 
+mod cache;
 mod device;
 mod host;
 mod hybrid;
@@ -32,9 +33,10 @@ pub use host::Host;
 pub(crate) use signals::Signals;
 
 use crate::control::{SlotHeader, HEADER_BYTES};
-use crate::engine::{load, BucketId, Core, PushState, Registered};
+use crate::engine::CrossNode;
+use crate::engine::{load, BucketId, Core, NodeSums, PushState, Registered};
 use crate::layout::BucketLayout;
-use crate::protocol::{admit, finish, versions};
+use crate::protocol::{admit, finish, nodesum, versions};
 use crate::region::Bell;
 use crate::sync::Ordering;
 use crate::{Error, Result};
@@ -97,6 +99,86 @@ pub(crate) trait DataPath {
         len: usize,
         seq: u64,
     ) -> Result<()>;
+
+    /// Copies `len` bytes from `src` to `dst`, both in this node's memory
+    /// (a node-cache slot into a gather's output), before returning. The
+    /// default refuses: a device path would copy on its stream and announce
+    /// the piece only once the copy ran (not built; see docs/gpu.md).
+    ///
+    /// # Safety
+    /// `src` and `dst` address `len` bytes each (readable, writable),
+    /// valid for the call, not overlapping.
+    unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {
+        let _ = (src, dst, len);
+        Err(Error::Config(
+            "the node cache runs on host transports only".into(),
+        ))
+    }
+
+    /// Every read `reads` yields ([`DataPath::read_shard`] each), with as
+    /// many in flight at once as the transport takes; returns once all
+    /// completed. The default makes them one after the other.
+    ///
+    /// # Safety
+    /// As [`DataPath::read_shard`] for each read, until this returns.
+    unsafe fn read_shards(
+        &self,
+        reg: &Registered,
+        reads: &mut dyn Iterator<Item = ShardRead>,
+    ) -> Result<()> {
+        for r in reads {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { self.read_shard(reg, r.rank, r.bucket, r.at, r.dst, r.len)? };
+        }
+        Ok(())
+    }
+
+    /// Every chunk `puts` yields ([`DataPath::put_chunk`] each), with as
+    /// many in flight at once as the transport takes; returns once all
+    /// were written. The default writes them one after the other.
+    ///
+    /// # Safety
+    /// As [`DataPath::put_chunk`] for each chunk; each header pointer
+    /// addresses its header until this returns.
+    unsafe fn put_chunks(
+        &self,
+        reg: &Registered,
+        puts: &mut dyn Iterator<Item = ChunkPut>,
+    ) -> Result<()> {
+        for p in puts {
+            // SAFETY: the caller's contract, passed on (the header is read
+            // here, before the write).
+            unsafe {
+                let header = *p.header;
+                self.put_chunk(reg, p.rank, p.slot, header, p.src, p.len, p.seq)?
+            };
+        }
+        Ok(())
+    }
+}
+
+/// One read of a gather: `len` bytes of global rank `rank`'s published
+/// shard of `bucket`, from byte `at` of the shard, into `dst` (an address
+/// of the path's kind).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ShardRead {
+    pub(crate) rank: usize,
+    pub(crate) bucket: usize,
+    pub(crate) at: usize,
+    pub(crate) dst: u64,
+    pub(crate) len: usize,
+}
+
+/// One chunk of a push: `header` and `len` bytes at `src` into landing
+/// slot `slot` of global rank `rank`, counted as chunk `seq`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ChunkPut {
+    pub(crate) rank: usize,
+    pub(crate) slot: usize,
+    pub(crate) header: *const [u8; HEADER_BYTES],
+    pub(crate) src: u64,
+    pub(crate) len: usize,
+    pub(crate) seq: u64,
 }
 
 pub(crate) fn check_dtype(bucket: &BucketLayout, dtype: DType, what: &str) -> Result<()> {
@@ -253,30 +335,53 @@ impl<'e> Worker<'e> {
         let b = reg.bucket(bucket)?;
         check_dtype(b, dtype, "output")?;
         let elems = b.check_full_len(elems_of(b, bytes, dtype, "output")?)?;
-        let size = dtype.size_bytes() as u64;
-        let (me, world) = (reg.groups.me, reg.groups.group.len());
-        let piece = reg.piece();
-        for step in 0..world {
-            // `owner` indexes the shard group; `rank` is its global rank.
-            let owner = (me + step) % world;
-            let rank = reg.groups.group[owner];
-            self.wait_shard(b, bucket, owner, version)?;
-            for (n, (local, global, len)) in b.segments(owner).enumerate() {
-                let (start, end) = (global.min(elems), (global + len).min(elems));
-                if start == end || (skip_own && owner == me && n == piece) {
-                    continue;
-                }
-                let dst = out + start as u64 * size;
-                let at = local * size as usize;
-                let len = (end - start) * size as usize;
-                // SAFETY: the owner's shard holds `version` (waited above)
-                // and stays unchanged until this client's release; the
-                // checked length covers `[start, end)` of `out`.
-                unsafe { path.read_shard(reg, rank, bucket.0, at, dst, len) }
-                    .map_err(|e| self.core.attribute(Some(b.name()), e))?;
+        let mut reads = GatherReads {
+            w: self,
+            b,
+            bucket,
+            version,
+            out,
+            elems,
+            size: dtype.size_bytes(),
+            skip_own,
+            at: 0,
+            seg: 0,
+            blocked: None,
+            error: None,
+        };
+        let cached = reg
+            .cache
+            .as_ref()
+            .filter(|_| version <= crate::protocol::cache::MAX_VERSION && b.blocks() == 1);
+        if let Some(cache) = cached {
+            // The other nodes' shards through the node cache; this node's
+            // read while the cache's fetches are in flight.
+            reads.at = reg.groups.group.len();
+            let size = dtype.size_bytes();
+            let mut remote =
+                cache::CachedReads::new(self, cache, b, bucket, version, (out, elems * size));
+            // SAFETY: as below for this node's reads; the cached reads
+            // land in slots this rank claimed, or in `out`.
+            let first = unsafe { path.read_shards(reg, &mut (&mut remote).chain(&mut reads)) }
+                .map_err(|e| self.core.attribute(Some(b.name()), e));
+            // SAFETY: `out` is valid for the call (the caller's contract).
+            unsafe { remote.finish(path, first.is_ok()) }?;
+            first?;
+        }
+        loop {
+            // SAFETY: each read is of a shard that holds `version` (the
+            // iterator checked it) and stays unchanged until this client's
+            // release; the checked length covers `out`.
+            unsafe { path.read_shards(reg, &mut reads) }
+                .map_err(|e| self.core.attribute(Some(b.name()), e))?;
+            if let Some(e) = reads.error.take() {
+                return Err(e);
+            }
+            match reads.blocked.take() {
+                Some(owner) => self.wait_shard(b, bucket, owner, version)?,
+                None => return Ok(()),
             }
         }
-        Ok(())
     }
 
     /// Waits until `owner`'s (index in the shard group) shard of `bucket`
@@ -368,7 +473,9 @@ impl<'e> Worker<'e> {
 
     /// Pushes every peer's part of a gradient (per `push.cursor`) through
     /// the landing slots, round-robin over owners so that no single slow
-    /// server stalls the rest; returns once every chunk is put.
+    /// server stalls the rest; returns once every chunk is put. Under node
+    /// aggregation a part for an owner on another node goes to the owner's
+    /// aggregator on this node ([`crate::protocol::nodesum`]).
     ///
     /// # Safety
     /// `grads` addresses the gradient (elements from `offset` of the padded
@@ -384,56 +491,72 @@ impl<'e> Worker<'e> {
         scale: f32,
     ) -> Result<()> {
         let reg = self.reg;
-        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
-        let (me, world) = (gs.me, gs.group.len());
-        let size = dtype.size_bytes();
-        let chunk = lay.chunk_bytes() / size;
-        let bucket_u32 = u32::try_from(bucket.0).unwrap_or(u32::MAX);
         // The owner adds the chunks once its accumulator takes this minibatch.
         let minibatch = reg.finished.load(Ordering::Acquire);
+        let via = reg.cross_node == CrossNode::Node;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.push_from(
+                path,
+                push,
+                (b, bucket),
+                (Source::Bucket { grads, offset }, dtype),
+                scale,
+                (minibatch, via),
+            )
+        }
+    }
+
+    /// [`push_chunks`](Self::push_chunks) from `source`, stamped with
+    /// `minibatch`, routed through the aggregators when `via`.
+    ///
+    /// # Safety
+    /// `source` addresses every cursor's elements of `dtype`, valid until
+    /// the writes have run.
+    unsafe fn push_from(
+        &self,
+        path: &impl DataPath,
+        push: &mut PushState,
+        (b, bucket): (&BucketLayout, BucketId),
+        (source, dtype): (Source, DType),
+        scale: f32,
+        (minibatch, via): (u64, bool),
+    ) -> Result<()> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let world = gs.group.len();
+        let local = self.core.topo.local_world();
+        let headers = push.headers.as_mut_ptr();
         loop {
-            let (mut pending, mut pushed) = (false, false);
-            for step in 1..=world {
-                let o = (me + step) % world;
-                let range = push.cursor[o].clone();
-                if range.is_empty() {
-                    continue;
-                }
-                pending = true;
-                let (slot, _) = push.slots[o].next();
-                let Some((slot, seq)) = push.slots[o].ready(load(reg.word(lay.ack(o, slot))))
-                else {
-                    continue;
-                };
-                // A chunk never crosses a block: it is contiguous in `grads`.
-                let len = range
-                    .len()
-                    .min(chunk)
-                    .min(b.block_end(range.start) - range.start);
-                let first = b.global_of(o, range.start) - offset;
-                let header = SlotHeader {
-                    seq,
-                    bucket: bucket_u32,
-                    dtype,
-                    offset: range.start as u64,
-                    len: len as u64,
-                    scale,
-                    minibatch,
-                }
-                .encode();
-                let src = grads + (first * size) as u64;
-                // SAFETY: the slot is free (`ready`), `len` elements fit a
-                // chunk, and the caller vouches for `grads`.
-                unsafe { path.put_chunk(reg, gs.group[o], slot, header, src, len * size, seq) }
-                    .map_err(|e| self.core.attribute(Some(b.name()), e))?;
-                push.slots[o].sent(slot, seq);
-                push.cursor[o].start += len;
-                pushed = true;
-            }
-            if !pending {
+            let mut round = PushRound {
+                reg,
+                push: &mut *push,
+                headers,
+                b,
+                bucket: u32::try_from(bucket.0).unwrap_or(u32::MAX),
+                source,
+                dtype,
+                scale,
+                minibatch,
+                via: via.then_some(local),
+                step: 1,
+                pushed: false,
+            };
+            // SAFETY: every chunk's slot is free (`ready`), its length fits
+            // a chunk, the caller vouches for the source, and each header
+            // sits in `push.headers` at its (server, slot), untouched until
+            // the slot is acknowledged.
+            unsafe { path.put_chunks(reg, &mut round) }
+                .map_err(|e| self.core.attribute(Some(b.name()), e))?;
+            let pushed = round.pushed;
+            if push.cursor.iter().all(|c| c.is_empty()) {
                 return Ok(());
             }
             if !pushed {
+                let server = |o: usize| match via {
+                    true => nodesum::server(gs.me, o, local),
+                    false => o,
+                };
                 self.core.wait(
                     Some(b.name()),
                     &|| {
@@ -445,14 +568,15 @@ impl<'e> Worker<'e> {
                     || {
                         let mut lagging = None;
                         for o in (0..world).filter(|&o| !push.cursor[o].is_empty()) {
-                            let (slot, _) = push.slots[o].next();
-                            if push.slots[o]
-                                .ready(load(reg.word(lay.ack(o, slot))))
+                            let s = server(o);
+                            let (slot, _) = push.slots[s].next();
+                            if push.slots[s]
+                                .ready(load(reg.word(lay.ack(s, slot))))
                                 .is_some()
                             {
                                 return Ok(None);
                             }
-                            lagging.get_or_insert(gs.group[o]);
+                            lagging.get_or_insert(gs.group[s]);
                         }
                         Ok(lagging)
                     },
@@ -465,7 +589,7 @@ impl<'e> Worker<'e> {
     /// gradient shards to be final: every push acknowledged, every bucket
     /// released at `k`, `done = k` written to every owner, then every
     /// client's done word here at `k`. No barrier.
-    pub(crate) fn finish(&self, k: u64) -> Result<()> {
+    pub(crate) fn finish(&self, path: &impl DataPath, k: u64) -> Result<()> {
         let reg = self.reg;
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let world = gs.group.len();
@@ -474,24 +598,14 @@ impl<'e> Worker<'e> {
         self.open_accumulators(None)?;
         let stamp;
         {
-            let guard = self
+            let mut guard = self
                 .core
                 .push
                 .lock()
                 .map_err(|_| Error::protocol(None, "a push panicked"))?;
-            self.core.wait(
-                None,
-                &|| format!("acknowledgement of this rank's last pushes of minibatch {k}"),
-                || {
-                    Ok((0..world)
-                        .find(|&o| {
-                            let acks =
-                                [load(reg.word(lay.ack(o, 0))), load(reg.word(lay.ack(o, 1)))];
-                            !guard.slots[o].acknowledged(acks)
-                        })
-                        .map(|o| gs.group[o]))
-                },
-            )?;
+            self.wait_acknowledged(&guard, &|| {
+                format!("acknowledgement of this rank's last pushes of minibatch {k}")
+            })?;
             stamp = finish::done_stamp(reg.finished.load(Ordering::Acquire), k).map_err(
                 |finish::FinishError::Backwards { k, earlier }| {
                     Error::protocol(
@@ -500,18 +614,39 @@ impl<'e> Worker<'e> {
                     )
                 },
             )?;
+            let done = lay.done(gs.me);
+            if let Some(sums) = &reg.sums {
+                // Node aggregation: every rank hears `done` now but the
+                // replicas, which hear it after this node's sums for them.
+                Signals::to(self.core, &reg.done_early, done, stamp).send()?;
+                self.push_node_sums(path, &mut guard, sums, k, stamp)?;
+            }
             reg.finished.fetch_max(stamp, Ordering::AcqRel);
             for r in &reg.released {
                 r.fetch_max(stamp, Ordering::AcqRel);
             }
-            Signals::new(self.core, reg, lay.done(gs.me), stamp).send()?;
+            let late = if reg.sums.is_some() {
+                &reg.done_late
+            } else {
+                &reg.group_ctrl
+            };
+            Signals::to(self.core, late, done, stamp).send()?;
         }
+        // Under node aggregation only this node and this rank's
+        // aggregators on the other nodes push to it.
+        let local = self.core.topo.local_world();
+        let feeds = |c: usize| reg.sums.is_none() || nodesum::feeds(gs.me, c, local);
         self.core.wait(
             None,
             &|| format!("its gradients of minibatch {k} (done = {k})"),
             || {
-                let done = (0..world).map(|c| load(reg.word(lay.done(c))));
-                Ok(finish::unfinished_client(done, stamp).map(|c| gs.group[c]))
+                let done = (0..world)
+                    .filter(|&c| feeds(c))
+                    .map(|c| (c, load(reg.word(lay.done(c)))));
+                Ok(done
+                    .filter(|&(_, w)| w < stamp)
+                    .map(|(c, _)| gs.group[c])
+                    .next())
             },
         )?;
         if let Some(e) = self.core.take_server_error() {
@@ -529,6 +664,97 @@ impl<'e> Worker<'e> {
 }
 
 impl Worker<'_> {
+    /// Waits until every chunk this client pushed is acknowledged.
+    fn wait_acknowledged(&self, push: &PushState, what: &dyn Fn() -> String) -> Result<()> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        self.core.wait(None, what, || {
+            Ok((0..gs.group.len())
+                .find(|&o| {
+                    let acks = [load(reg.word(lay.ack(o, 0))), load(reg.word(lay.ack(o, 1)))];
+                    !push.slots[o].acknowledged(acks)
+                })
+                .map(|o| gs.group[o]))
+        })
+    }
+
+    /// Node aggregation, at this rank's finish of minibatch `k` (its
+    /// `done` stamp `stamp` sent to its node): once every node-mate's done
+    /// word here reads `k` (their chunks of `k` for this rank's replicas are
+    /// in the node buffers), pushes each buffer that holds anything to its
+    /// owner as chunks of minibatch `k`, waits for their acknowledgement,
+    /// clears them and opens the buffers for minibatch `k + 1`
+    /// ([`crate::protocol::nodesum`]).
+    fn push_node_sums(
+        &self,
+        path: &impl DataPath,
+        push: &mut PushState,
+        sums: &NodeSums,
+        k: u64,
+        stamp: u64,
+    ) -> Result<()> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (local, me) = (sums.local, gs.me);
+        let first = (me / local) * local;
+        self.core.wait(
+            None,
+            &|| format!("every node-mate's pushes of minibatch {k}, before the node's sums go"),
+            || {
+                let done = (first..first + local).map(|c| load(reg.word(lay.done(c))));
+                Ok(nodesum::sums_ready(done, stamp).map(|i| gs.group[first + i]))
+            },
+        )?;
+        let replicas: Vec<usize> = (0..sums.nodes)
+            .filter(|&n| n != sums.node)
+            .map(|n| n * local + me % local)
+            .collect();
+        for (bi, b) in reg.buckets.iter().enumerate() {
+            let mut any = false;
+            for &o in &replicas {
+                let full = sums.touched(o, bi).load(Ordering::Acquire);
+                push.cursor[o] = if full { 0..b.shard_len() } else { 0..0 };
+                any |= full;
+            }
+            if !any {
+                continue;
+            }
+            // SAFETY: the buffers hold `shard_len` f32s per bucket and
+            // replica, untouched by the daemon until they are opened for
+            // `k + 1` below (its node-mates' chunks of `k + 1` wait in their
+            // slots), and the acknowledgements are awaited before that.
+            unsafe {
+                self.push_from(
+                    path,
+                    push,
+                    (b, BucketId(bi)),
+                    (Source::Sums, DType::F32),
+                    1.0,
+                    (k, false),
+                )?
+            };
+        }
+        self.wait_acknowledged(push, &|| {
+            format!("acknowledgement of this node's sums of minibatch {k}")
+        })?;
+        for (bi, _) in reg.buckets.iter().enumerate() {
+            for &o in &replicas {
+                if sums.touched(o, bi).swap(false, Ordering::AcqRel) {
+                    let len = reg.buckets[bi].shard_len();
+                    // SAFETY: the buffer's `len` f32s, acknowledged (read by
+                    // the owner's daemon) and not yet open to new chunks.
+                    unsafe { std::ptr::write_bytes(sums.ptr(o, reg.accum_off[bi], 0), 0, len) };
+                }
+            }
+        }
+        sums.open.store(
+            admit::opened(sums.open.load(Ordering::Acquire), k + 1),
+            Ordering::Release,
+        );
+        self.core.transport.ring(Bell::Server);
+        Ok(())
+    }
+
     /// Opens this rank's accumulator of `bucket` (every bucket: `None`) for
     /// the running minibatch: from here on the daemon adds the peers'
     /// chunks of this minibatch, which it held in their landing slots until
@@ -587,6 +813,192 @@ impl Worker<'_> {
                 .map_err(|e| Error::protocol(Some(bucket.name()), e.to_string()))?;
         }
         Ok(())
+    }
+}
+
+/// The reads of a gather, in the order they are posted: the owners on
+/// other nodes first (their reads in flight while this node's shards are
+/// copied), then this node's, each pass from this rank on; one read per
+/// run contiguous in the output. It stops at an owner whose shard does not
+/// hold the version yet (`blocked`, which the gather waits for before it
+/// goes on from there) or at a protocol error (`error`).
+struct GatherReads<'w, 'e> {
+    w: &'w Worker<'e>,
+    b: &'w BucketLayout,
+    bucket: BucketId,
+    version: u64,
+    out: u64,
+    elems: usize,
+    size: usize,
+    skip_own: bool,
+    /// Pass (0: other nodes, 1: this node) × world + step from this rank.
+    at: usize,
+    /// The owner's next segment.
+    seg: usize,
+    blocked: Option<usize>,
+    error: Option<Error>,
+}
+
+impl Iterator for GatherReads<'_, '_> {
+    type Item = ShardRead;
+
+    fn next(&mut self) -> Option<ShardRead> {
+        let reg = self.w.reg;
+        let (me, world) = (reg.groups.me, reg.groups.group.len());
+        while self.at < 2 * world {
+            let (pass, step) = (self.at / world, self.at % world);
+            let owner = (me + step) % world;
+            let rank = reg.groups.group[owner];
+            if (pass == 0) == self.w.core.topo.is_local(rank) {
+                self.at += 1;
+                continue;
+            }
+            if self.seg == 0 {
+                let word = reg.word(reg.ctrl_layout.seen_version(owner, self.bucket.0));
+                match versions::shard(load(word), self.version) {
+                    Err(e) => {
+                        self.error = Some(version_error(self.b, e, Some(rank)));
+                        return None;
+                    }
+                    Ok(versions::Shard::Pending) => {
+                        self.blocked = Some(owner);
+                        return None;
+                    }
+                    Ok(versions::Shard::Ready) => {}
+                }
+            }
+            while let Some((local, global, len)) = self.b.segments(owner).nth(self.seg) {
+                let n = self.seg;
+                self.seg += 1;
+                let (start, end) = (global.min(self.elems), (global + len).min(self.elems));
+                if start == end || (self.skip_own && owner == me && n == reg.piece()) {
+                    continue;
+                }
+                return Some(ShardRead {
+                    rank,
+                    bucket: self.bucket.0,
+                    at: local * self.size,
+                    dst: self.out + (start * self.size) as u64,
+                    len: (end - start) * self.size,
+                });
+            }
+            self.at += 1;
+            self.seg = 0;
+        }
+        None
+    }
+}
+
+/// Where a push's elements come from: a gradient buffer covering the
+/// bucket from element `offset`, or (node aggregation) this rank's node
+/// buffers.
+#[derive(Clone, Copy, Debug)]
+enum Source {
+    Bucket { grads: u64, offset: usize },
+    Sums,
+}
+
+/// One round of a push: for every owner from the next one on, a chunk into
+/// each free landing slot of its server (the owner, or under node
+/// aggregation its aggregator on this node), from its cursor on. Each
+/// header is written into the server's header cell
+/// (`headers[2 · server + slot]`), which stays untouched until the slot's
+/// acknowledgement.
+struct PushRound<'a> {
+    reg: &'a Registered,
+    push: &'a mut PushState,
+    headers: *mut [u8; HEADER_BYTES],
+    b: &'a BucketLayout,
+    bucket: u32,
+    source: Source,
+    dtype: DType,
+    scale: f32,
+    minibatch: u64,
+    /// Node aggregation's node size: route through the aggregators.
+    via: Option<usize>,
+    /// Owners after this rank, from 1 to the world size.
+    step: usize,
+    pushed: bool,
+}
+
+impl PushRound<'_> {
+    /// The address of element `start` of owner `o`'s shard in the source.
+    fn addr(&self, o: usize, start: usize) -> u64 {
+        let size = self.dtype.size_bytes();
+        match self.source {
+            Source::Bucket { grads, offset } => {
+                grads + ((self.b.global_of(o, start) - offset) * size) as u64
+            }
+            Source::Sums => {
+                let (reg, b) = (self.reg, self.bucket as usize);
+                match &reg.sums {
+                    Some(sums) => sums.ptr(reg.groups.group[o], reg.accum_off[b], start) as u64,
+                    None => 0,
+                }
+            }
+        }
+    }
+}
+
+impl Iterator for PushRound<'_> {
+    type Item = ChunkPut;
+
+    fn next(&mut self) -> Option<ChunkPut> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let (me, world) = (gs.me, gs.group.len());
+        let size = self.dtype.size_bytes();
+        let chunk = lay.chunk_bytes() / size;
+        while self.step <= world {
+            let o = (me + self.step) % world;
+            let srv = self.via.map_or(o, |local| nodesum::server(me, o, local));
+            let range = self.push.cursor[o].clone();
+            let (slot, _) = self.push.slots[srv].next();
+            let ready = (!range.is_empty())
+                .then(|| self.push.slots[srv].ready(load(reg.word(lay.ack(srv, slot)))))
+                .flatten();
+            let Some((slot, seq)) = ready else {
+                self.step += 1;
+                continue;
+            };
+            // A chunk never crosses a block: it is contiguous in the source.
+            let len = range
+                .len()
+                .min(chunk)
+                .min(self.b.block_end(range.start) - range.start);
+            let header = SlotHeader {
+                seq,
+                bucket: self.bucket,
+                dtype: self.dtype,
+                offset: range.start as u64,
+                len: len as u64,
+                scale: self.scale,
+                minibatch: self.minibatch,
+                owner: (srv != o).then(|| u32::try_from(gs.group[o]).unwrap_or(u32::MAX)),
+            }
+            .encode();
+            // SAFETY: `headers` holds 2 · world cells; this one's slot is
+            // free, so no write still reads it.
+            let cell = unsafe {
+                let cell = self.headers.add(2 * srv + slot);
+                cell.write(header);
+                cell.cast_const()
+            };
+            let src = self.addr(o, range.start);
+            self.push.slots[srv].sent(slot, seq);
+            self.push.cursor[o].start += len;
+            self.pushed = true;
+            // Stay on this owner: its server's other slot may be free too.
+            return Some(ChunkPut {
+                rank: gs.group[srv],
+                slot,
+                header: cell,
+                src,
+                len: len * size,
+                seq,
+            });
+        }
+        None
     }
 }
 

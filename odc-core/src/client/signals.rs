@@ -30,6 +30,24 @@ impl Signals {
         }
     }
 
+    /// A signal of `value` into the word at `offset` of each of `targets`.
+    pub(crate) fn to(
+        core: &Core,
+        targets: &Arc<[(usize, RegionDesc)]>,
+        offset: usize,
+        value: u64,
+    ) -> Signals {
+        Signals {
+            transport: Arc::clone(&core.transport),
+            targets: Arc::clone(targets),
+            sig: SignalRef {
+                offset,
+                bell: Bell::Client,
+            },
+            value,
+        }
+    }
+
     pub(crate) fn send(&self) -> Result<()> {
         self.transport
             .put_signals(&self.targets, self.sig, self.value)

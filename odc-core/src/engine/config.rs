@@ -60,6 +60,91 @@ impl Sharding {
     }
 }
 
+/// How gradients for owners on other nodes cross the network under full
+/// sharding (`cross_node`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum CrossNode {
+    /// Pick by the measured rule ([`CrossNode::resolve`]).
+    #[default]
+    Auto,
+    /// Every rank pushes its own chunks to every remote owner (G pushes of
+    /// each node's gradient cross the network, overlapped with the
+    /// backward).
+    Direct,
+    /// Node-mates' chunks for a remote owner are summed on the node (by the
+    /// daemon of the node-mate with the owner's local rank) and the node
+    /// pushes each remote owner's sum once, when its last node-mate finished
+    /// the minibatch ([`crate::protocol::nodesum`]): G times fewer bytes,
+    /// for waiting on the node's slowest rank. Memory: `(N − 1)` times this
+    /// rank's accumulators (the node buffers), f32.
+    Node,
+}
+
+impl CrossNode {
+    /// Every name [`CrossNode::parse`] takes.
+    pub const NAMES: [&'static str; 3] = ["auto", "direct", "node"];
+
+    /// Parses `"auto"`, `"direct"` or `"node"`.
+    pub fn parse(name: &str) -> Option<CrossNode> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(CrossNode::Auto),
+            "direct" => Some(CrossNode::Direct),
+            "node" => Some(CrossNode::Node),
+            _ => None,
+        }
+    }
+
+    /// `"auto"`, `"direct"` or `"node"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CrossNode::Auto => "auto",
+            CrossNode::Direct => "direct",
+            CrossNode::Node => "node",
+        }
+    }
+
+    /// What a job of `nodes` nodes of `local` ranks runs under `sharding`
+    /// over the transport `transport` (its name): `Direct` or `Node`.
+    /// Aggregation applies to full sharding over several nodes of several
+    /// ranks on a host transport, and not in deterministic mode (the node
+    /// sums in f32 before the owner's exact accumulator sees them). `Auto`
+    /// picks `Node` where the nodes are joined by a network (`mixed`,
+    /// `fabric`) and `Direct` where they share one host (`shm`: nothing
+    /// crosses a network), the rule the cross-node benchmark measured
+    /// (docs/benchmarks/cross-node.md). An explicit `Node` where it cannot
+    /// apply is an error naming why.
+    pub fn resolve(
+        self,
+        sharding: Sharding,
+        (nodes, local): (usize, usize),
+        transport: &str,
+        device: bool,
+        deterministic: bool,
+    ) -> Result<CrossNode, String> {
+        let applies = sharding == Sharding::Full && nodes > 1 && local > 1;
+        match self {
+            CrossNode::Direct => Ok(CrossNode::Direct),
+            CrossNode::Auto if !applies || device || deterministic => Ok(CrossNode::Direct),
+            CrossNode::Auto if transport == "shm" => Ok(CrossNode::Direct),
+            CrossNode::Auto => Ok(CrossNode::Node),
+            CrossNode::Node if device => Err(format!(
+                "cross_node=\"node\" sums gradients in host memory; the {transport} transport \
+                 keeps them on the device: use cross_node=\"direct\""
+            )),
+            CrossNode::Node if deterministic => Err(
+                "cross_node=\"node\" adds node-mates' chunks in f32 before their owner's exact \
+                 accumulator sees them, so sums would depend on arrival order: deterministic \
+                 mode needs cross_node=\"direct\" (auto picks it)"
+                    .into(),
+            ),
+            CrossNode::Node if applies => Ok(CrossNode::Node),
+            // One node, one rank per node or hybrid sharding: nothing to sum.
+            CrossNode::Node => Ok(CrossNode::Direct),
+        }
+    }
+}
+
 /// Who shares this rank's shards (the shard group) and who holds the same
 /// shards on other nodes (the replica group), as global ranks.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,6 +237,26 @@ pub struct EngineConfig {
     /// The CUDA device a `cuda-ipc` engine uses (default: the rank's local
     /// rank). Ignored by the other transports.
     pub device: Option<usize>,
+    /// Bytes of node memory per node for the **node cache** of remote
+    /// shards (full sharding over several nodes): the first rank of a node
+    /// that gathers a shard version owned on another node fetches it into
+    /// node shared memory, and its node-mates read it from there, so each
+    /// version crosses the network once per node while it stays cached
+    /// ([`crate::protocol::cache`]; least recently used pieces are evicted
+    /// beyond the bound). `None` (the default, `ODC_NODE_CACHE_MB` unset):
+    /// [`DEFAULT_NODE_CACHE`] where the nodes are joined by a network (the
+    /// `mixed` transport), off where every rank shares one host (`shm`:
+    /// nothing would cross a network). `Some(0)` turns it off. Each
+    /// node-mate keeps `1/G` of it, allocated at registration up to what
+    /// the registered buckets' remote shards need; equal on every rank.
+    /// Host transports only (`shm`, `mixed`; `fabric` maps no node-mate's
+    /// memory).
+    pub node_cache: Option<usize>,
+    /// How gradients for owners on other nodes cross the network under
+    /// full sharding: [`CrossNode::Direct`], [`CrossNode::Node`] or
+    /// [`CrossNode::Auto`] (the default, `ODC_CROSS_NODE`); equal on every
+    /// rank.
+    pub cross_node: CrossNode,
     /// `nvshmem` only: bytes of symmetric heap to plan beyond this engine's
     /// own data regions, for the engines this process creates later in the
     /// same job, which share this engine's NVSHMEM session (one per
@@ -174,6 +279,10 @@ impl Default for EngineConfig {
             .map_or(crate::control::DEFAULT_LANDING_BUDGET, |mb| {
                 mb.saturating_mul(1 << 20)
             });
+        let node_cache = std::env::var("ODC_NODE_CACHE_MB")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .map(|mb| mb.saturating_mul(1 << 20));
         EngineConfig {
             chunk_bytes: 2 << 20,
             landing_budget,
@@ -185,10 +294,20 @@ impl Default for EngineConfig {
             store_prefix: "odc".into(),
             sharding: Sharding::Full,
             device: None,
+            node_cache,
+            cross_node: std::env::var("ODC_CROSS_NODE")
+                .ok()
+                .and_then(|s| CrossNode::parse(&s))
+                .unwrap_or_default(),
             heap_reserve: 0,
         }
     }
 }
+
+/// The node cache's bound per node where [`EngineConfig::node_cache`] is
+/// left at its default on a network (1 GiB): room for the remote shards of
+/// a model of 0.5 G bf16 parameters on two nodes.
+pub const DEFAULT_NODE_CACHE: usize = 1 << 30;
 
 /// A registered bucket's index, as returned by [`Engine::bucket_id`](crate::Engine::bucket_id).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

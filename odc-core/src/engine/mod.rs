@@ -5,6 +5,8 @@
 //! public [`crate::Engine`] (in `api`) composes this with the server thread
 //! and the worker handles; this module depends on neither.
 
+pub(crate) mod cache;
+pub use cache::NodeCacheStats;
 mod config;
 pub(crate) mod register;
 mod state;
@@ -15,9 +17,9 @@ use std::time::Instant;
 use odc_kernels::DType;
 
 pub(crate) use config::Groups;
-pub use config::{BucketId, EngineConfig, Sharding};
+pub use config::{BucketId, CrossNode, EngineConfig, Sharding, DEFAULT_NODE_CACHE};
 pub(crate) use register::data_sizes;
-pub(crate) use state::{load, record_error, Core, PushState, Registered};
+pub(crate) use state::{load, record_error, Core, NodeSums, PushState, Registered};
 
 use crate::layout::BucketSpec;
 use crate::protocol::handoff::OwnPush;

@@ -6,12 +6,14 @@
 //! the peers wait for it, so they fail at once naming it.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::config::{EngineConfig, Groups};
-use super::state::{Accum, Core, Exact, Registered};
+use super::cache::{CacheLayout, NodeCache};
+use super::config::{CrossNode, EngineConfig, Groups, Sharding, DEFAULT_NODE_CACHE};
+use super::state::{Accum, Core, Exact, NodeSums, Registered};
 use crate::control::{landing_chunk, CtrlLayout};
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{DataSizes, Plane};
@@ -28,6 +30,9 @@ pub(crate) const PARAMS_REGION: u32 = 1;
 /// Region id of the gradient accumulators, published only under hybrid
 /// sharding across nodes (the other nodes read the partial sums).
 pub(crate) const ACCUM_REGION: u32 = 2;
+/// Region id of this rank's share of the node cache (full sharding across
+/// nodes; node-mates map it).
+pub(crate) const CACHE_REGION: u32 = 3;
 
 /// What every rank agreed on: the buckets, their names, the control layout
 /// and where each bucket sits in the data regions.
@@ -50,12 +55,17 @@ pub(crate) struct Plan {
     /// Bytes of the accumulator region the replicas read (hybrid across
     /// nodes on a host transport), else 0.
     accum_region: usize,
+    /// The node cache, where there is one.
+    cache: Option<CacheLayout>,
+    /// How gradients for owners on other nodes cross (resolved).
+    cross_node: CrossNode,
 }
 
 /// This rank's regions.
 pub(crate) struct Regions {
     ctrl: LocalRegion,
     params: LocalRegion,
+    cache: Option<LocalRegion>,
     accum: Accum,
     reduced: HeapBlock,
     exact: Option<Exact>,
@@ -67,6 +77,8 @@ pub(crate) struct Peers {
     params: Vec<RegionDesc>,
     accum: Vec<Option<RegionDesc>>,
     pid: Vec<u32>,
+    /// Node-mates' cache regions, by local rank (empty without a cache).
+    cache: Vec<RegionDesc>,
 }
 
 /// Registers `specs` on `core` (see the module doc); on success the
@@ -80,6 +92,9 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     let regions = allocate(core, &plan)?;
     let peers = connect(core, &plan, &regions, deadline)?;
     let plane = connect_plane(core, specs, &plan, deadline)?;
+    let cache = node_cache(core, &plan, &peers)?;
+    let (done_early, done_late) = done_targets(core, &plan, &peers);
+    let sums = node_sums(core, &plan)?;
     let nb = plan.buckets.len();
     let world_group = plan.groups.group.len();
     let group_ctrl = plan
@@ -113,6 +128,12 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         open: (0..nb).map(|_| AtomicU64::new(0)).collect(),
         partials_out: AtomicU64::new(0),
         steal_seq: (0..world_group).map(|_| AtomicU64::new(0)).collect(),
+        cache,
+        _cache_region: regions.cache,
+        cross_node: plan.cross_node,
+        sums,
+        done_early,
+        done_late,
     };
     core.reg
         .set(reg)
@@ -143,11 +164,25 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         return Err(Error::layout(None, "register needs at least one bucket"));
     }
     let ctrl_layout = control_layout(&groups, buckets.len(), &core.config)?;
+    let cache = cache_layout(core, &buckets, ctrl_layout.chunk_bytes());
+    let cross_node = core
+        .config
+        .cross_node
+        .resolve(
+            core.config.sharding,
+            (core.topo.nodes(), core.topo.local_world()),
+            core.transport.name(),
+            core.device.is_some(),
+            core.config.deterministic,
+        )
+        .map_err(Error::Config)?;
     let mut post = RegPost {
         hash: 0,
         chunk_bytes: ctrl_layout.chunk_bytes(),
         sharding: core.config.sharding.name().into(),
         local_world: core.topo.local_world(),
+        node_cache: cache.as_ref().map_or(0, CacheLayout::bytes),
+        cross_node: cross_node.name().into(),
         accum: if core.config.deterministic {
             format!("{} (deterministic)", core.config.accum_dtype.name())
         } else {
@@ -191,7 +226,12 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     if let Err(e) = check_shm_room(
         core.transport.name(),
         &core.topo,
-        [ctrl_layout.len(), host_params_len, accum_region],
+        [
+            ctrl_layout.len(),
+            host_params_len,
+            accum_region,
+            cache.as_ref().map_or(0, CacheLayout::region_len),
+        ],
     ) {
         post_failure(core.store.as_ref(), &my_key, &e);
         return Err(e);
@@ -214,7 +254,26 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         reduced_len,
         host_params_len,
         accum_region,
+        cache,
+        cross_node,
     })
+}
+
+/// The node cache this rank's node keeps, if any: under full sharding over
+/// several nodes, on a host transport that maps node-mates' memory, with
+/// the bound of [`EngineConfig::node_cache`] (by default only where the
+/// nodes are joined by a network), pieces of at most the landing chunk.
+fn cache_layout(core: &Core, buckets: &[BucketLayout], piece: usize) -> Option<CacheLayout> {
+    let topo = &core.topo;
+    if core.config.sharding != Sharding::Full || topo.nodes() < 2 || core.device.is_some() {
+        return None;
+    }
+    let bound = match (core.config.node_cache, core.transport.name()) {
+        (Some(bound), "shm" | "shm+fabric") => bound,
+        (None, "shm+fabric") => DEFAULT_NODE_CACHE,
+        _ => return None,
+    };
+    CacheLayout::new(buckets, topo.world(), topo.local_world(), piece, bound)
 }
 
 /// The control region's layout for `buckets` buckets over `groups`, its
@@ -255,6 +314,20 @@ pub(crate) fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<(
         return Err(Error::Config(format!(
             "rank {peer} uses {} sharding with {} ranks per node, this rank {} sharding with {}",
             theirs.sharding, theirs.local_world, ours.sharding, ours.local_world
+        )));
+    }
+    if theirs.cross_node != ours.cross_node {
+        return Err(Error::Config(format!(
+            "rank {peer} runs cross_node={:?}, this rank {:?} (ODC_CROSS_NODE, cross_node: set \
+             it alike on every rank)",
+            theirs.cross_node, ours.cross_node
+        )));
+    }
+    if theirs.node_cache != ours.node_cache {
+        return Err(Error::Config(format!(
+            "rank {peer} keeps a node cache of {} bytes, this rank {} (ODC_NODE_CACHE_MB, \
+             node_cache: set it alike on every rank)",
+            theirs.node_cache, ours.node_cache
         )));
     }
     if theirs.chunk_bytes != ours.chunk_bytes || theirs.accum != ours.accum {
@@ -305,9 +378,14 @@ fn allocate(core: &Core, plan: &Plan) -> Result<Regions> {
         } else {
             None
         };
+        let cache = match &plan.cache {
+            Some(l) => Some(core.transport.register(CACHE_REGION, l.region_len())?),
+            None => None,
+        };
         Ok(Regions {
             ctrl,
             params,
+            cache,
             accum,
             reduced,
             exact,
@@ -335,6 +413,9 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
     if let Accum::Region(r) = &regions.accum {
         descs.push(r.desc());
     }
+    if let Some(r) = &regions.cache {
+        descs.push(r.desc());
+    }
     let ep = EndpointPost {
         endpoint: core.transport.endpoint(),
         regions: descs,
@@ -350,6 +431,7 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
         params: Vec::with_capacity(world),
         accum: Vec::with_capacity(world),
         pid: Vec::with_capacity(world),
+        cache: Vec::new(),
     };
     let keys: Vec<String> = (0..world).map(|p| format!("{prefix}/ep/{p}")).collect();
     for (peer, v) in read_posts(core, &keys, deadline)?.iter().enumerate() {
@@ -366,6 +448,30 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
                  reaches only ranks on this host (use transport \"auto\" or \"fabric\")",
                 theirs.endpoint.host
             )));
+        }
+        if let Some(l) = &plan.cache {
+            if core.topo.is_local(peer) {
+                let want = l.region_len() as u64;
+                let cache = theirs
+                    .regions
+                    .iter()
+                    .copied()
+                    .find(|r| r.id == CACHE_REGION)
+                    .ok_or_else(|| {
+                        Error::Config(format!(
+                            "rank {peer}, on this node, registered no node cache; this rank one of \
+                             {want} bytes (ODC_NODE_CACHE_MB differs between them?)"
+                        ))
+                    })?;
+                if cache.len < want {
+                    return Err(Error::Config(format!(
+                        "rank {peer} registered a node cache of {} bytes, this rank {want}: a \
+                         different layout",
+                        cache.len
+                    )));
+                }
+                peers.cache.push(cache);
+            }
         }
         if partner[peer] {
             core.transport
@@ -503,6 +609,88 @@ fn prefault(
     Ok(())
 }
 
+/// Where this rank's `done` goes at once and where only after its node
+/// sums ([`crate::protocol::nodesum::done_after_sums`]; without node
+/// aggregation, everywhere at once).
+type Targets = Arc<[(usize, RegionDesc)]>;
+
+fn done_targets(core: &Core, plan: &Plan, peers: &Peers) -> (Targets, Targets) {
+    let (me, local) = (core.topo.rank(), core.topo.local_world());
+    let late = |r: usize| {
+        plan.cross_node == CrossNode::Node
+            && crate::protocol::nodesum::done_after_sums(me, r, local)
+    };
+    let all = plan.groups.group.iter().map(|&r| (r, peers.ctrl[r]));
+    (
+        all.clone().filter(|&(r, _)| !late(r)).collect(),
+        all.filter(|&(r, _)| late(r)).collect(),
+    )
+}
+
+/// Node aggregation's node buffers, zeroed (see `NodeSums`).
+fn node_sums(core: &Core, plan: &Plan) -> Result<Option<NodeSums>> {
+    if plan.cross_node != CrossNode::Node {
+        return Ok(None);
+    }
+    let topo = &core.topo;
+    let nodes = topo.nodes();
+    let elems = (nodes - 1)
+        .checked_mul(plan.accum_len)
+        .ok_or_else(|| Error::Config("node buffer size overflows".into()))?;
+    Ok(Some(NodeSums {
+        block: HeapBlock::zeroed(elems * 4)?,
+        touched: (0..(nodes - 1) * plan.buckets.len())
+            .map(|_| AtomicBool::new(false))
+            .collect(),
+        open: AtomicU64::new(0),
+        local: topo.local_world(),
+        node: topo.node_of(topo.rank()),
+        nodes,
+        accum_len: plan.accum_len,
+        buckets: plan.buckets.len(),
+    }))
+}
+
+/// The node cache over the node-mates' regions, as this process maps them.
+fn node_cache(core: &Core, plan: &Plan, peers: &Peers) -> Result<Option<NodeCache>> {
+    let Some(layout) = &plan.cache else {
+        return Ok(None);
+    };
+    let topo = &core.topo;
+    let node_start = topo.node_of(topo.rank()) * topo.local_world();
+    let bases = peers
+        .cache
+        .iter()
+        .enumerate()
+        .map(|(q, desc)| {
+            core.transport.mapped(node_start + q, desc).ok_or_else(|| {
+                Error::transport(
+                    "register",
+                    format!(
+                        "the {} transport does not map rank {}'s node cache",
+                        core.transport.name(),
+                        node_start + q
+                    ),
+                )
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mates = (node_start..node_start + topo.local_world())
+        .filter(|&r| r != topo.rank())
+        .map(|r| (r, peers.ctrl[r]))
+        .collect();
+    // SAFETY: the transport keeps every connected peer's mapping (and its
+    // own regions) for its lifetime, which is the engine's.
+    Ok(Some(unsafe {
+        NodeCache::new(
+            layout.clone(),
+            bases,
+            (topo.local_rank_of(topo.rank()), node_start),
+            mates,
+        )
+    }))
+}
+
 /// Step 4, device transports only: connects the data plane (published
 /// shards, landing slots and accumulators in device memory).
 fn connect_plane(
@@ -571,6 +759,12 @@ pub(crate) struct RegPost {
     chunk_bytes: usize,
     sharding: String,
     local_world: usize,
+    /// Bytes of node-cache slots per node (0: none).
+    #[serde(default)]
+    node_cache: usize,
+    /// `"direct"` or `"node"` (resolved).
+    #[serde(default)]
+    cross_node: String,
     accum: String,
     specs: Vec<(String, usize, String)>,
 }
@@ -619,7 +813,7 @@ fn parse_post<T: for<'de> Deserialize<'de>>(key: &str, peer: usize, v: &[u8]) ->
 /// Whether `/dev/shm` has room for the regions (`lens`, in bytes) of every
 /// rank of this host that shares it, on a transport that keeps them there
 /// (`shm`: every rank of the job; `shm+fabric`: the ranks of the node).
-fn check_shm_room(transport: &str, topo: &Topology, lens: [usize; 3]) -> Result<()> {
+fn check_shm_room(transport: &str, topo: &Topology, lens: [usize; 4]) -> Result<()> {
     let ranks = match transport {
         "shm" => topo.world(),
         "shm+fabric" => topo.local_world(),
@@ -639,8 +833,8 @@ fn check_shm_room(transport: &str, topo: &Topology, lens: [usize; 3]) -> Result<
             free,
             what: format!(
                 "the {ranks} ranks on this host ({per_rank} bytes each: control words and \
-                 landing slots {}, published shards {}, accumulators {})",
-                lens[0], lens[1], lens[2]
+                 landing slots {}, published shards {}, accumulators {}, node cache {})",
+                lens[0], lens[1], lens[2], lens[3]
             ),
         }),
         _ => Ok(()),

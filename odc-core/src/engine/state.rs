@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::config::{EngineConfig, Groups};
+use super::cache::NodeCache;
+use super::config::{CrossNode, EngineConfig, Groups};
 use super::BucketId;
-use crate::control::CtrlLayout;
+use crate::control::{CtrlLayout, HEADER_BYTES};
 use crate::layout::BucketLayout;
 use crate::plane::{Connect, Plane};
 use crate::protocol::handoff::OwnPush;
@@ -78,6 +79,66 @@ pub(crate) struct Registered {
     /// Work stealing: this rank's last request sequence number per owner
     /// (shard-group index).
     pub(crate) steal_seq: Vec<AtomicU64>,
+    /// The node cache of remote shards (full sharding across nodes).
+    pub(crate) cache: Option<NodeCache>,
+    /// How gradients for owners on other nodes cross (resolved: `Direct`
+    /// or `Node`).
+    pub(crate) cross_node: CrossNode,
+    /// Node aggregation: this rank's node buffers (sums of its node's
+    /// chunks for its replicas on the other nodes).
+    pub(crate) sums: Option<NodeSums>,
+    /// Node aggregation: where `done` goes at once (every rank but this
+    /// rank's replicas on other nodes), and where only after the node sums
+    /// (those replicas). Without it, `early` is every rank.
+    pub(crate) done_early: Arc<[(usize, RegionDesc)]>,
+    pub(crate) done_late: Arc<[(usize, RegionDesc)]>,
+    /// This rank's share of it (kept registered while the engine lives).
+    pub(crate) _cache_region: Option<LocalRegion>,
+}
+
+/// Node aggregation's node buffers ([`crate::protocol::nodesum`]): for
+/// each other node `n'` (in node order, this node left out) and bucket, the
+/// sum of this node's chunks for rank `(n', l)`'s shard (`l` this rank's
+/// local rank), f32, at the bucket's accumulator offset; per buffer whether
+/// anything was added (an untouched one is not pushed); and the minibatch
+/// the buffers take chunks of (raised by the worker once it pushed and
+/// cleared the previous minibatch's sums; read by the daemon).
+#[derive(Debug)]
+pub(crate) struct NodeSums {
+    pub(crate) block: HeapBlock,
+    pub(crate) touched: Vec<AtomicBool>,
+    pub(crate) open: AtomicU64,
+    /// Ranks per node, this rank's node, the node count.
+    pub(crate) local: usize,
+    pub(crate) node: usize,
+    pub(crate) nodes: usize,
+    pub(crate) accum_len: usize,
+    pub(crate) buckets: usize,
+}
+
+impl NodeSums {
+    /// The buffer index of node `n` (another node).
+    pub(crate) fn index(&self, n: usize) -> usize {
+        debug_assert!(n != self.node && n < self.nodes);
+        if n < self.node {
+            n
+        } else {
+            n - 1
+        }
+    }
+
+    /// Element `elem` of bucket `b`'s buffer for owner `owner` (global
+    /// rank on node `owner / local`), with `accum_off` the bucket's
+    /// accumulator offset; in range per the caller.
+    pub(crate) fn ptr(&self, owner: usize, accum_off: usize, elem: usize) -> *mut f32 {
+        let at = self.index(owner / self.local) * self.accum_len + accum_off + elem;
+        self.block.as_ptr().cast::<f32>().wrapping_add(at)
+    }
+
+    /// Whether bucket `b`'s buffer for `owner` holds anything.
+    pub(crate) fn touched(&self, owner: usize, b: usize) -> &AtomicBool {
+        &self.touched[self.index(owner / self.local) * self.buckets + b]
+    }
 }
 
 /// Deterministic mode's exact accumulators: an `i128` per accumulator
@@ -222,6 +283,9 @@ pub(crate) struct PushState {
     pub(crate) cursor: Vec<std::ops::Range<usize>>,
     /// Generation of the last own-slice hand-off ([`OwnPush`]).
     pub(crate) own_gen: u64,
+    /// Per owner and slot, the header of the chunk last written there: it
+    /// must outlive the write, which a batch completes later.
+    pub(crate) headers: Vec<[u8; HEADER_BYTES]>,
 }
 
 impl PushState {
@@ -230,6 +294,7 @@ impl PushState {
             slots: vec![SlotSender::default(); world],
             cursor: vec![0..0; world],
             own_gen: 0,
+            headers: vec![[0; HEADER_BYTES]; 2 * world],
         }
     }
 }

@@ -8,12 +8,13 @@ use std::time::Duration;
 use odc_kernels::DType;
 
 mod deterministic;
+mod node_cache;
 
 use crate::{
     bytes_of, bytes_of_mut, BucketId, BucketSpec, Engine, EngineConfig, Error, FileStore, Topology,
 };
 
-fn config(key: &str) -> EngineConfig {
+pub(super) fn config(key: &str) -> EngineConfig {
     EngineConfig {
         chunk_bytes: 256,
         timeout: Duration::from_secs(10),
@@ -31,7 +32,7 @@ where
 
 /// Runs `f` on `world` engines (one thread each) in nodes of `local` ranks,
 /// all with `cfg`.
-fn run_on_nodes<F>(world: usize, local: usize, cfg: EngineConfig, f: F)
+pub(super) fn run_on_nodes<F>(world: usize, local: usize, cfg: EngineConfig, f: F)
 where
     F: Fn(Engine) + Send + Sync + 'static,
 {

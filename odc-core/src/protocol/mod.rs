@@ -6,6 +6,8 @@
 //!
 //! | module | the rule |
 //! |---|---|
+//! | [`cache`] | the node cache: one fetch per node of a remote shard's version; a slot is read only while it holds the entry and is not being filled, evicted least recently used first |
+//! | [`nodesum`] | node aggregation: a chunk for an owner on another node goes to the node-mate that sums the node's chunks for it; the sum goes once every node-mate finished, and its `done` after it |
 //! | [`admit`] | a pushed chunk is added only once the owner's accumulator takes its minibatch (the owner read and may clear the previous one first) |
 //! | [`slots`] | a landing slot is reused only after its last chunk was acknowledged; the owner adds a client's chunks in push order |
 //! | [`versions`] | a shard's next version is published only after every reader released the previous one; a reader reads a shard only at the version it needs |
@@ -22,9 +24,11 @@
 //! [`crate::error`]; nothing above it.
 
 pub mod admit;
+pub mod cache;
 pub mod claims;
 pub mod finish;
 pub(crate) mod handoff;
+pub mod nodesum;
 pub mod partials;
 pub mod pieces;
 pub mod slots;

@@ -45,6 +45,7 @@ use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::SlotReceiver;
 use crate::region::{Bell, SignalRef};
 use crate::sync::{Backoff, Ordering};
+use crate::transport::Op;
 
 /// Longest sleep between scans when nobody rings (shutdown is rung, so this
 /// only bounds the damage of a lost wake-up).
@@ -88,6 +89,8 @@ fn run(core: &Core) {
     let mut served = vec![0u64; world]; // last steal request answered, per client
     let mut backoff = Backoff::new();
     let mut last_progress = Instant::now();
+    // Acknowledgements of one scan, sent together (allocated once).
+    let mut acks = Acks::new(world);
     loop {
         if core.shutdown.load(Ordering::Acquire) {
             return;
@@ -128,7 +131,7 @@ fn run(core: &Core) {
                     Admit::Stale => {
                         receiver.take(slot, seq);
                         core.record_server_error(stale_push(reg, client, slot));
-                        acknowledge(core, reg, client, slot, seq);
+                        acks.add(core, reg, client, slot, seq);
                         progressed = true;
                         continue;
                     }
@@ -144,9 +147,10 @@ fn run(core: &Core) {
                 }
                 // Acknowledge even a rejected chunk so the client never
                 // hangs; the error surfaces at this rank's finish.
-                acknowledge(core, reg, client, slot, seq);
+                acks.add(core, reg, client, slot, seq);
             }
         }
+        acks.send(core, reg);
         progressed |= serve_steals(core, reg, &mut served);
         if progressed {
             last_progress = Instant::now();
@@ -180,6 +184,14 @@ fn admission(reg: &Registered, client: usize, slot: usize) -> Admit {
     let Some(h) = read_header(reg, client, slot) else {
         return Admit::Add;
     };
+    if h.owner.is_some() {
+        // For a node buffer (node aggregation): it takes the minibatch the
+        // buffers are open for; none to take it is refused when added.
+        return match &reg.sums {
+            Some(sums) => admit::admit(h.minibatch, sums.open.load(Ordering::Acquire)),
+            None => Admit::Add,
+        };
+    }
     match usize::try_from(h.bucket).ok().and_then(|b| reg.open.get(b)) {
         Some(open) => admit::admit(h.minibatch, open.load(Ordering::Acquire)),
         None => Admit::Add,
@@ -275,6 +287,66 @@ fn serve_steals(core: &Core, reg: &Registered, served: &mut [u64]) -> bool {
         }
     }
     answered
+}
+
+/// The acknowledgements of a scan, sent together
+/// ([`crate::transport::Transport::run_batch`]: over a network all in
+/// flight at once, where one at a time each cost the daemon a round trip
+/// before it looked at the next chunk): `(client, slot, seq)`.
+struct Acks {
+    due: Vec<(usize, usize, u64)>,
+}
+
+impl Acks {
+    /// Sent once this many are due, so the first clients are not held back
+    /// by a long scan.
+    const BATCH: usize = 64;
+
+    fn new(world: usize) -> Acks {
+        Acks {
+            due: Vec::with_capacity((2 * world).min(Self::BATCH)),
+        }
+    }
+
+    /// Acknowledges chunk `seq` in slot `[client][slot]` with the next batch.
+    fn add(&mut self, core: &Core, reg: &Registered, client: usize, slot: usize, seq: u64) {
+        self.due.push((client, slot, seq));
+        if self.due.len() >= Self::BATCH {
+            self.send(core, reg);
+        }
+    }
+
+    /// Sends every acknowledgement due, and waits until they are delivered.
+    fn send(&mut self, core: &Core, reg: &Registered) {
+        if self.due.is_empty() {
+            return;
+        }
+        let me = reg.groups.me;
+        let mut ops = self.due.iter().map(|&(client, slot, seq)| {
+            let peer = reg.groups.group[client];
+            Op::Put {
+                peer,
+                remote: reg.peer_ctrl[peer],
+                offset: 0,
+                parts: [(std::ptr::null(), 0); 2],
+                signal: SignalRef {
+                    offset: reg.ctrl_layout.ack(me, slot),
+                    bell: Bell::Client,
+                },
+                value: seq,
+            }
+        });
+        // SAFETY: pure signals carry no buffers.
+        if let Err(e) = unsafe { core.transport.run_batch(&mut ops) } {
+            // The batch stops at its first failure: send the rest one by
+            // one, so that every live client still hears of its chunks.
+            for &(client, slot, seq) in &self.due {
+                acknowledge(core, reg, client, slot, seq);
+            }
+            core.record_server_error(format!("acknowledging a batch of chunks: {e}"));
+        }
+        self.due.clear();
+    }
 }
 
 /// Acknowledges chunk `seq` in slot `[client][slot]` now.
@@ -471,6 +543,9 @@ fn accumulate(
     let h = checked_header(reg, client, slot, seq)?;
     let rank = reg.groups.group[client];
     let (b, offset, len, bytes) = (h.bucket, h.offset, h.len, h.bytes);
+    if let Some(owner) = h.owner {
+        return add_to_node_sum(reg, client, slot, &h, owner);
+    }
     // SAFETY: the server thread, one accumulator slice at a time.
     let mut acc = unsafe { accum_range(reg, b, offset, len) }
         .ok_or_else(|| format!("rank {rank}: push outside the shard"))?;
@@ -527,6 +602,64 @@ fn accumulate(
         *own_slot = None;
     }
     result.map_err(rejected)
+}
+
+/// Node aggregation: adds the chunk in landing slot `[client][slot]` (its
+/// checked header `h`), pushed by a node-mate for `owner`, into
+/// this rank's node buffer for `owner`. Refused when this rank keeps no
+/// buffers or `owner` is not one of its replicas (a rank on another node
+/// with its local rank) or the client is not on its node.
+fn add_to_node_sum(
+    reg: &Registered,
+    client: usize,
+    slot: usize,
+    h: &Chunk,
+    owner: u32,
+) -> Result<(), String> {
+    let rank = reg.groups.group[client];
+    let Some(sums) = &reg.sums else {
+        return Err(format!(
+            "rank {rank}: a push for rank {owner} through this rank, which sums no node's \
+             gradients (cross_node is not \"node\" here)"
+        ));
+    };
+    let (me, local) = (reg.groups.group[reg.groups.me], sums.local);
+    let owner = owner as usize;
+    let ours = owner < sums.nodes * local
+        && owner / local != me / local
+        && owner % local == me % local
+        && rank / local == me / local;
+    if !ours {
+        return Err(format!(
+            "rank {rank}: a push for rank {owner} through rank {me}, which is not its \
+             aggregator (nodes of {local})"
+        ));
+    }
+    let (b, offset, len) = (h.bucket, h.offset, h.len);
+    // SAFETY: `checked_header` put the range inside the bucket's shard; the
+    // buffer holds `shard_len` f32s per bucket and replica, written only by
+    // this thread while it is open (the worker clears it before opening it
+    // again); the slot's data is stable until acknowledged.
+    let (acc, data) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(sums.ptr(owner, reg.accum_off[b], offset), len),
+            std::slice::from_raw_parts(
+                reg.ctrl
+                    .as_ptr()
+                    .add(reg.ctrl_layout.slot_data(client, slot)),
+                h.bytes,
+            ),
+        )
+    };
+    // Read by the worker after this chunk's acknowledgement and the done
+    // that follows it.
+    sums.touched(owner, b).store(true, Ordering::Release);
+    accumulate_into_f32(acc, data, h.dtype, h.scale).map_err(|e| {
+        format!(
+            "rank {rank}'s push for rank {owner} into bucket {:?}: {e}",
+            reg.buckets[b].name()
+        )
+    })
 }
 
 /// Reads the header of landing slot `[client][slot]`, whose signal reads

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use super::fabric::{FabricConfig, FabricTransport};
 use super::shm::ShmTransport;
-use super::{PeerStatus, Transport};
+use super::{run_one, Op, PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, SignalRef};
 use crate::topology::Topology;
 use crate::{Error, Result};
@@ -147,6 +147,20 @@ impl Transport for MixedTransport {
         local.and(remote)
     }
 
+    unsafe fn run_batch(&self, ops: &mut dyn Iterator<Item = Op>) -> Result<()> {
+        // The local ones are copies, made while the remote ones are in
+        // flight.
+        let shm = &*self.shm;
+        let topo = self.topo;
+        let mut local = |op: Op| {
+            // SAFETY: the caller's contract, passed on.
+            topo.is_local(op.peer())
+                .then(|| unsafe { run_one(shm, op) })
+        };
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.fabric.run_ops(ops, &mut local) }
+    }
+
     fn prefault(
         &self,
         peer: usize,
@@ -158,6 +172,14 @@ impl Transport for MixedTransport {
             self.shm.prefault(peer, remote, range, write)
         } else {
             Ok(())
+        }
+    }
+
+    fn mapped(&self, peer: usize, remote: &RegionDesc) -> Option<std::ptr::NonNull<u8>> {
+        if self.is_local(peer) {
+            self.shm.mapped(peer, remote)
+        } else {
+            None
         }
     }
 

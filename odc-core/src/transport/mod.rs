@@ -87,6 +87,14 @@ pub trait Transport: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Where this process maps `peer`'s `remote` (a peer reached through
+    /// shared memory, this rank too), so that node-mates share memory
+    /// directly (the node cache); `None` for a peer reached over a network.
+    /// The mapping lives as long as the transport.
+    fn mapped(&self, _peer: usize, _remote: &RegionDesc) -> Option<std::ptr::NonNull<u8>> {
+        None
+    }
+
     /// One-sided read of `dst.len()` bytes at `offset` of `peer`'s `remote`.
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()>;
 
@@ -135,6 +143,29 @@ pub trait Transport: Send + Sync + fmt::Debug {
         Ok(())
     }
 
+    /// Runs every operation `ops` yields, with as many in flight at once as
+    /// the backend takes, and returns once all of them completed: the
+    /// remote reads of a gather, the chunks of a push, the
+    /// acknowledgements of a daemon's scan. Each operation means what
+    /// [`get`](Self::get) or [`put_signal`](Self::put_signal) means; nothing
+    /// orders two of them. `ops` is drawn lazily (a caller may decide the
+    /// next operation from state the previous ones changed) and not past
+    /// the first failure, which is returned once every posted operation
+    /// completed or failed. The default runs them one after the other (a
+    /// copy each, for `shm`); a network transport posts them together.
+    ///
+    /// # Safety
+    /// Every pointer an operation carries addresses its `len` bytes
+    /// (writable for a get, readable for a put) and stays valid, and
+    /// untouched by anyone else, until this returns.
+    unsafe fn run_batch(&self, ops: &mut dyn Iterator<Item = Op>) -> Result<()> {
+        for op in ops {
+            // SAFETY: the caller's contract, passed on.
+            unsafe { run_one(self, op)? };
+        }
+        Ok(())
+    }
+
     /// The epoch of this rank's `bell`; read before checking a condition.
     fn bell_epoch(&self, bell: Bell) -> u32;
 
@@ -151,6 +182,110 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// Records that this rank failed because of `peer`, so that ranks waiting
     /// on this one can name the root cause.
     fn set_blame(&self, peer: usize);
+}
+
+/// One operation of a batch ([`Transport::run_batch`]): plain data, with
+/// raw pointers to the caller's buffers.
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    /// [`Transport::get`] of `len` bytes at `offset` of `peer`'s `remote`
+    /// into `dst`.
+    Get {
+        /// The rank read from.
+        peer: usize,
+        /// Its region.
+        remote: RegionDesc,
+        /// Byte offset in the region.
+        offset: usize,
+        /// Where the bytes go.
+        dst: *mut u8,
+        /// How many.
+        len: usize,
+    },
+    /// [`Transport::put_signal`] of the concatenation of `parts` (pointer,
+    /// length; both empty for a pure signal) at `offset` of `peer`'s
+    /// `remote`, then `signal` updated with `value`.
+    Put {
+        /// The rank written to.
+        peer: usize,
+        /// Its region.
+        remote: RegionDesc,
+        /// Byte offset of the data in the region.
+        offset: usize,
+        /// The data, in up to two pieces (a slot header and a chunk).
+        parts: [(*const u8, usize); 2],
+        /// The word the put signals.
+        signal: SignalRef,
+        /// Its value (see [`Transport::put_signal`]).
+        value: u64,
+    },
+}
+
+impl Op {
+    /// The rank the operation goes to.
+    pub fn peer(&self) -> usize {
+        match self {
+            Op::Get { peer, .. } | Op::Put { peer, .. } => *peer,
+        }
+    }
+}
+
+/// Runs one operation of a batch with the transport's single verbs.
+///
+/// # Safety
+/// As [`Transport::run_batch`] for `op`.
+pub unsafe fn run_one<T: Transport + ?Sized>(t: &T, op: Op) -> Result<()> {
+    match op {
+        Op::Get {
+            peer,
+            remote,
+            offset,
+            dst,
+            len,
+        } => {
+            // SAFETY: the caller vouches for `dst` (`len` writable bytes,
+            // not aliased until the batch returns).
+            let dst = unsafe { slice_mut(dst, len) };
+            t.get(peer, &remote, offset, dst)
+        }
+        Op::Put {
+            peer,
+            remote,
+            offset,
+            parts,
+            signal,
+            value,
+        } => {
+            // SAFETY: the caller vouches for both parts (readable).
+            let (a, b) = unsafe { (slice(parts[0]), slice(parts[1])) };
+            t.put_signal(peer, &remote, offset, &[a, b], signal, value)
+        }
+    }
+}
+
+/// The bytes of one part of a put.
+///
+/// # Safety
+/// A non-empty part addresses `len` readable bytes valid for `'a`.
+pub(crate) unsafe fn slice<'a>((ptr, len): (*const u8, usize)) -> &'a [u8] {
+    if len == 0 || ptr.is_null() {
+        return &[];
+    }
+    // SAFETY: per the contract above.
+    unsafe { std::slice::from_raw_parts(ptr, len) }
+}
+
+/// The destination of a get.
+///
+/// # Safety
+/// A non-empty `dst` addresses `len` writable bytes valid and unaliased for
+/// `'a`.
+pub(crate) unsafe fn slice_mut<'a>(dst: *mut u8, len: usize) -> &'a mut [u8] {
+    if len == 0 || dst.is_null() {
+        return &mut [];
+    }
+    // SAFETY: per the contract above.
+    unsafe { std::slice::from_raw_parts_mut(dst, len) }
 }
 
 /// Which backend an engine uses (see the table in the module docs).

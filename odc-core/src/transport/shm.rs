@@ -524,6 +524,11 @@ impl Transport for ShmTransport {
         Ok(())
     }
 
+    fn mapped(&self, peer: usize, remote: &RegionDesc) -> Option<NonNull<u8>> {
+        let len = usize::try_from(remote.len).ok()?;
+        NonNull::new(self.remote(peer, remote, 0, len).ok()?)
+    }
+
     fn get(&self, peer: usize, remote: &RegionDesc, offset: usize, dst: &mut [u8]) -> Result<()> {
         let src = self.remote(peer, remote, offset, dst.len())?;
         // A large read (a gathered shard) streams past the cache: on a

@@ -62,6 +62,17 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "Per-rank budget of landing slots in MiB. The landing chunk (2 MiB) shrinks as the shard group grows, "
            "down to 64 KiB; a group that does not fit even then fails at registration naming the budget it needs.",
            "engine"),
+    EnvVar("ODC_NODE_CACHE_MB", "1024 where nodes are joined by a network (`mixed`), off on `shm`",
+           "odc-core `engine::config`",
+           "Per-node bound in MiB of the node cache of remote shards (full sharding across nodes): a version of a "
+           "shard owned on another node crosses once per node and serves every node-mate's gathers of it; least "
+           "recently used pieces are evicted beyond the bound; `0` turns it off. Equal on every rank.",
+           "engine"),
+    EnvVar("ODC_CROSS_NODE", "`auto`", "odc-core `engine::config`",
+           "How gradients for owners on other nodes cross under full sharding: `direct` (every rank pushes its own), "
+           "`node` (summed on the node, pushed once per node when its last rank finished the minibatch), `auto` "
+           "(`node` where nodes are joined by a network, `direct` on one host or with deterministic sums). Equal "
+           "on every rank.", "engine"),
     EnvVar("ODC_JOB_KEY", "`default` (the `odc` backend: torchelastic's run id, else a random token)",
            "odc-core `engine::config`; `odc.backend`",
            "Names this job's shared-memory segments, so that two jobs on one host do not meet. A crashed run's "
@@ -82,7 +93,8 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "fabric"),
     EnvVar("ODC_FABRIC_PROVIDER", "`tcp`", "odc-core `transport::fabric`",
            "The libfabric provider: `tcp` (through `ofi_rxm`), `verbs`, `efa`.", "fabric"),
-    EnvVar("ODC_FABRIC_READS", "8", "odc-core `transport::fabric`", "Reads in flight per rank.", "fabric"),
+    EnvVar("ODC_FABRIC_READS", "8", "odc-core `transport::fabric`",
+           "Single reads in flight per rank (a gather's batch keeps up to 128).", "fabric"),
     EnvVar("ODC_FABRIC_REORDER", "off", "odc-core `transport::fabric`",
            "A seed: every progress thread holds each completion back up to 3 ms and hands them on in a seeded "
            "random order, so that nothing may rely on two operations completing in the order they were posted. "

@@ -312,6 +312,26 @@ class Engine:
             are added in node order, so the bits depend on which node ran
             which contribution, not on which rank of the node or when.
             Host transports only; equal on every rank.
+        cross_node: how gradients for owners on other nodes cross the
+            network under full sharding: ``"direct"`` (every rank pushes its
+            chunks to every remote owner itself, overlapped with the
+            backward), ``"node"`` (node-mates' chunks for a remote owner are
+            summed on the node, by the daemon of the node-mate with the
+            owner's local rank, and each remote owner gets its node's sum
+            once, when the node's last rank finished the minibatch: G times
+            fewer bytes across the link, for waiting on the node's slowest
+            rank; ``(N − 1)`` times this rank's gradient-shard memory in f32
+            node buffers; not with ``deterministic=True``) or ``"auto"``
+            (the default, ``ODC_CROSS_NODE``: ``"node"`` where the nodes are
+            joined by a network, ``"direct"`` on one host or where it cannot
+            apply). Equal on every rank. :attr:`cross_node` says what runs.
+        node_cache_mb: the per-node bound in MiB of the node cache of remote
+            shards (full sharding across nodes): the first rank of a node
+            that gathers a version of a shard owned on another node fetches
+            it into node shared memory, and its node-mates read it from there
+            (least recently used pieces evicted beyond the bound; ``0`` turns
+            it off). Default ``ODC_NODE_CACHE_MB``, else 1024 where nodes are
+            joined by a network and off on ``shm``. Equal on every rank.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
@@ -342,6 +362,8 @@ class Engine:
         heap_reserve: int | None = None,
         deadline_source: str | None = None,
         deterministic: bool = False,
+        cross_node: str | None = None,
+        node_cache_mb: int | None = None,
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
@@ -375,6 +397,8 @@ class Engine:
                 device=ordinal,
                 heap_reserve=heap_reserve,
                 deterministic=bool(deterministic),
+                cross_node=cross_node,
+                node_cache_mb=node_cache_mb,
             )
         finally:
             if addr is not None:
@@ -456,6 +480,28 @@ class Engine:
     def sharding(self) -> str:
         """``"full"``, ``"hybrid"`` or ``"hybrid-zero"``."""
         return self._native.sharding
+
+    @property
+    def cross_node(self) -> str:
+        """How gradients for owners on other nodes cross: ``"direct"`` or ``"node"`` (see ``cross_node=``).
+
+        Resolved at :meth:`register`; before it, what was asked (``"auto"`` by default).
+        """
+        return self._native.cross_node
+
+    def node_cache_stats(self) -> dict[str, int] | None:
+        """What this rank's gathers did with the node cache of remote shards, or ``None`` without one.
+
+        Returns:
+            Counts since registration: ``bytes`` and ``slots`` of the node's
+            cache, ``entries`` (pieces of remote shards), and this rank's
+            pieces ``fetched`` across the network, ``hits`` read from the
+            node (of which ``waited`` while a node-mate fetched them),
+            ``direct`` (read straight, no slot free) and ``taken_over`` (from
+            a node-mate that died fetching). ``None`` where the engine keeps
+            no cache (one node, not full sharding, ``node_cache_mb=0``).
+        """
+        return self._native.node_cache_stats()
 
     @property
     def deterministic(self) -> bool:

@@ -38,8 +38,12 @@
 //! - `get`: `fi_read` from the peer's region (split at the provider's
 //!   largest message), bounds-checked against the published length before
 //!   posting (a bad remote access breaks the connection). At most
-//!   `read_credits` reads are in flight per transport (default 8,
+//!   `read_credits` single reads are in flight per transport (default 8,
 //!   `ODC_FABRIC_READS`).
+//! - `run_batch` (a gather's reads, a push's chunks, a daemon's
+//!   acknowledgements): every operation posted without waiting, up to the
+//!   provider's transmit queue (at most 128 in flight), their completions
+//!   awaited together (`batch`).
 //! - `put_signal`: **one** `fi_writemsg` with 4 bytes of remote CQ data
 //!   (an RDMA immediate) that names the signal word, never its value (see
 //!   `signal`): a put with data writes the data and the owner's progress
@@ -101,6 +105,7 @@
 //! `PeerStatus::Reported` before a probe, cuts one in flight short, and
 //! stops retrying a post to the peer.
 
+mod batch;
 pub mod result;
 pub mod safe;
 mod shared;
@@ -124,7 +129,7 @@ use self::shared::{
     bell_index, no_targets, peer_died, with_peer, Core, OpSlot, OwnRegion, Peer, SLOT_FREE,
 };
 pub use self::shared::{BellForward, PeerReports};
-use super::{PeerStatus, Transport};
+use super::{Op, PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, RemoteRegion, SignalRef};
 use crate::sync::{EventCount, Ordering};
 use crate::{Error, Result};
@@ -135,8 +140,9 @@ pub const MAX_REGIONS: u32 = 7;
 pub const STATUS_ID: u32 = 7;
 /// Most local buffers in one write (the shim's iovec array).
 const MAX_IOV: usize = 4;
-/// Operation slots (operations in flight from this rank).
-const OP_SLOTS: usize = 64;
+/// Operation slots (operations in flight from this rank, every thread
+/// together).
+const OP_SLOTS: usize = 256;
 /// Pure signals of one fan-out in flight at once (a quarter of the slots:
 /// the daemon's acknowledgements and other threads' operations keep theirs).
 const FANOUT_BATCH: usize = OP_SLOTS / 4;
@@ -179,7 +185,9 @@ pub struct FabricConfig {
     /// Address to bind, `host[:port]` (`ODC_FABRIC_ADDR`, default
     /// `127.0.0.1`, any port).
     pub addr: String,
-    /// Reads in flight per transport (`ODC_FABRIC_READS`, default 8).
+    /// Single reads ([`Transport::get`]) in flight per transport
+    /// (`ODC_FABRIC_READS`, default 8); a batch's reads keep its window
+    /// instead ([`FabricTransport::batch_window`]).
     pub read_credits: usize,
     /// Test mode (`ODC_FABRIC_REORDER=<seed>`): the progress thread holds
     /// every completion back a random while (up to 3 ms) and dispatches
@@ -334,6 +342,7 @@ impl FabricTransport {
                     err: AtomicI32::new(0),
                 })
                 .collect(),
+            next_slot: AtomicUsize::new(0),
             ops_done: EventCount::default(),
             credits: AtomicUsize::new(config.read_credits.max(1)),
             credit_freed: EventCount::default(),
@@ -798,6 +807,11 @@ impl Transport for FabricTransport {
         value: u64,
     ) -> Result<()> {
         self.put_signals_to(targets.iter(), signal, value)
+    }
+
+    unsafe fn run_batch(&self, ops: &mut dyn Iterator<Item = Op>) -> Result<()> {
+        // SAFETY: the caller's contract, passed on.
+        unsafe { self.run_ops(ops, &mut |_| None) }
     }
 
     fn bell_epoch(&self, bell: Bell) -> u32 {

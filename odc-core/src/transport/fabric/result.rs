@@ -91,11 +91,12 @@ pub mod info {
     }
 
     /// `domain_attr->mr_mode`, `domain_attr->cq_data_size`,
-    /// `tx_attr->iov_limit`, `ep_attr->max_msg_size`, `fabric_attr->prov_name`.
+    /// `tx_attr->iov_limit`, `ep_attr->max_msg_size`, `fabric_attr->prov_name`,
+    /// `tx_attr->size`.
     ///
     /// # Safety
     /// `info` is a live info from [`get`].
-    pub unsafe fn attrs(info: *const sys::FiInfo) -> (u64, u64, u64, u64, String) {
+    pub unsafe fn attrs(info: *const sys::FiInfo) -> (u64, u64, u64, u64, String, u64) {
         // SAFETY: per the contract above; prov_name is NUL-terminated or null.
         unsafe {
             let name = sys::odc_fi_info_prov_name(info);
@@ -110,6 +111,7 @@ pub mod info {
                 sys::odc_fi_info_iov_limit(info),
                 sys::odc_fi_info_max_msg_size(info),
                 name,
+                sys::odc_fi_info_tx_size(info),
             )
         }
     }

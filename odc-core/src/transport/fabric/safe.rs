@@ -52,6 +52,9 @@ pub struct Granted {
     pub max_msg_size: u64,
     /// Provider name (`"tcp;ofi_rxm"`).
     pub provider: String,
+    /// Operations the transmit queue holds (`tx_attr->size`): how many a
+    /// batch keeps in flight at most.
+    pub tx_size: u64,
 }
 
 impl Info {
@@ -66,7 +69,7 @@ impl Info {
     /// What the first matching provider granted.
     pub fn granted(&self) -> Granted {
         // SAFETY: `ptr` is live while `self` is.
-        let (mr_mode, cq_data_size, iov_limit, max_msg_size, provider) =
+        let (mr_mode, cq_data_size, iov_limit, max_msg_size, provider, tx_size) =
             unsafe { result::info::attrs(self.ptr) };
         Granted {
             mr_mode,
@@ -74,6 +77,7 @@ impl Info {
             iov_limit,
             max_msg_size,
             provider,
+            tx_size,
         }
     }
 }

@@ -143,6 +143,8 @@ pub(super) struct Core {
     pub(super) regions: Vec<OnceLock<Arc<OwnRegion>>>,
     pub(super) peers: Vec<OnceLock<Peer>>,
     pub(super) ops: Box<[OpSlot]>,
+    /// Where the next search for a free operation slot starts (a hint).
+    pub(super) next_slot: AtomicUsize,
     pub(super) ops_done: EventCount,
     pub(super) credits: AtomicUsize,
     pub(super) credit_freed: EventCount,
@@ -179,6 +181,15 @@ impl std::fmt::Debug for Core {
             .field("mr_endpoint", &self.mr_endpoint)
             .finish_non_exhaustive()
     }
+}
+
+/// What a burst of completions calls for: a wake-up of the operations'
+/// waiters, of the server bell, of the client bell.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Wakes {
+    ops: bool,
+    server: bool,
+    client: bool,
 }
 
 /// A callback that rings another transport's bell.
@@ -320,15 +331,21 @@ impl Core {
                     buf[..n.max(0) as usize].iter().for_each(|e| s.hold(*e));
                 }
                 s.take_due(if stopping { None } else { Some(Instant::now()) }, &mut due);
-                due.drain(..).for_each(|e| self.dispatch(&e));
+                let mut wakes = Wakes::default();
+                due.drain(..).for_each(|e| self.dispatch(&e, &mut wakes));
+                self.wake(wakes);
             }
             match read {
                 Ok(n) if n > 0 => {
                     quiet_since = None;
                     if shuffler.is_none() {
+                        // One wake-up per bell for the whole burst, not
+                        // one per completion.
+                        let mut wakes = Wakes::default();
                         for e in &buf[..n as usize] {
-                            self.dispatch(e);
+                            self.dispatch(e, &mut wakes);
                         }
+                        self.wake(wakes);
                     }
                 }
                 Ok(0) => {
@@ -374,12 +391,25 @@ impl Core {
             // Abandoned by its caller: libfabric is done with it now.
             slot.state.store(SLOT_FREE, Ordering::Release);
         }
-        self.ops_done.notify();
     }
 
-    pub(super) fn dispatch(&self, e: &sys::CqEntry) {
+    /// Wakes whoever waits for what a burst of completions did.
+    fn wake(&self, wakes: Wakes) {
+        if wakes.ops {
+            self.ops_done.notify();
+        }
+        for (bell, rung) in [(Bell::Server, wakes.server), (Bell::Client, wakes.client)] {
+            if rung {
+                self.ring(bell);
+            }
+        }
+    }
+
+    /// Carries out one completion; records in `wakes` whom it concerns.
+    pub(super) fn dispatch(&self, e: &sys::CqEntry, wakes: &mut Wakes) {
         if let Some(slot) = self.slot_of(e.op_context) {
             self.complete(slot, 0);
+            wakes.ops = true;
             return;
         }
         if e.flags & result::consts::remote_cq_data() == 0 {
@@ -412,7 +442,10 @@ impl Core {
             _ => false,
         };
         if updated {
-            self.ring(imm.bell);
+            match imm.bell {
+                Bell::Server => wakes.server = true,
+                Bell::Client => wakes.client = true,
+            }
         } else if self.progress_errors.fetch_add(1, Ordering::Relaxed) < 5 {
             eprintln!(
                 "odc: fabric rank {}: signal for unknown word {} of region {}",
@@ -424,7 +457,10 @@ impl Core {
     pub(super) fn dispatch_error(&self) {
         match self.cq.readerr() {
             Ok((ctx, err, text)) => match self.slot_of(ctx) {
-                Some(slot) => self.complete(slot, err.max(1)),
+                Some(slot) => {
+                    self.complete(slot, err.max(1));
+                    self.ops_done.notify();
+                }
                 None => {
                     if self.progress_errors.fetch_add(1, Ordering::Relaxed) < 5 {
                         eprintln!(
@@ -446,13 +482,19 @@ impl Core {
 
     pub(super) fn acquire_slot(&self, deadline: Instant) -> Result<(usize, *mut c_void)> {
         let mut backoff = Backoff::new();
+        let n = self.ops.len();
         loop {
             let epoch = self.ops_done.epoch();
-            for (i, s) in self.ops.iter().enumerate() {
+            // From the slot after the last one taken: a batch holds the
+            // slots before it, which a scan from 0 would try one by one.
+            let from = self.next_slot.load(Ordering::Relaxed);
+            for i in (from..n).chain(0..from) {
+                let s = &self.ops[i];
                 if s.state
                     .compare_exchange(SLOT_FREE, SLOT_POSTED, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
                 {
+                    self.next_slot.store((i + 1) % n, Ordering::Relaxed);
                     return Ok((i, s.ctx.get().cast()));
                 }
             }
@@ -878,7 +920,7 @@ impl Core {
     /// `buf` must stay valid until the operation's completion is seen, and
     /// `ctx` must be an operation slot's `fi_context` this caller holds.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn post_mailbox(
+    pub(super) unsafe fn post_mailbox(
         &self,
         ctx: *mut c_void,
         buf: *mut c_void,

@@ -104,6 +104,7 @@ uint64_t odc_fi_info_mr_mode(const struct fi_info *i) { return (uint64_t)i->doma
 uint64_t odc_fi_info_cq_data_size(const struct fi_info *i) { return i->domain_attr->cq_data_size; }
 uint64_t odc_fi_info_iov_limit(const struct fi_info *i) { return i->tx_attr->iov_limit; }
 uint64_t odc_fi_info_max_msg_size(const struct fi_info *i) { return i->ep_attr->max_msg_size; }
+uint64_t odc_fi_info_tx_size(const struct fi_info *i) { return i->tx_attr->size; }
 const char *odc_fi_info_prov_name(const struct fi_info *i) { return i->fabric_attr->prov_name; }
 
 int odc_fi_fabric(struct fi_info *i, struct fid_fabric **out) { return p_fabric(i->fabric_attr, out, NULL); }

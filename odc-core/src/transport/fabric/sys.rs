@@ -193,6 +193,7 @@ extern "C" {
     pub fn odc_fi_info_cq_data_size(info: *const FiInfo) -> u64;
     pub fn odc_fi_info_iov_limit(info: *const FiInfo) -> u64;
     pub fn odc_fi_info_max_msg_size(info: *const FiInfo) -> u64;
+    pub fn odc_fi_info_tx_size(info: *const FiInfo) -> u64;
     pub fn odc_fi_info_prov_name(info: *const FiInfo) -> *const c_char;
 
     pub fn odc_fi_fabric(info: *mut FiInfo, out: *mut *mut FidFabric) -> c_int;

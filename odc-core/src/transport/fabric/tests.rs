@@ -598,3 +598,95 @@ fn the_shuffler_holds_back_and_reorders_completions() {
     assert!(early.is_empty());
     assert!(s.next_due().is_some());
 }
+
+#[test]
+fn a_batch_keeps_many_operations_in_flight_and_completes_them_all() {
+    need_libfabric!();
+    for seed in [None, Some(5)] {
+        let (ts, regions) = match seed {
+            Some(seed) => shuffled_pair(1 << 20, seed),
+            None => pair(1 << 20),
+        };
+        eprintln!(
+            "provider {}: transmit queue {}, batch window {}",
+            ts[0].granted().provider,
+            ts[0].granted().tx_size,
+            ts[0].batch_window()
+        );
+        let desc = regions[1].desc();
+        // The pattern from 4 KiB on: the signal words below stay zero.
+        for i in 0..(64 << 10) {
+            // SAFETY: own region, in range, nobody writes it yet.
+            unsafe { *regions[1].as_ptr().add(4096 + i) = (i % 253) as u8 };
+        }
+        // 300 reads of 200 bytes (more than a window) into one buffer.
+        let mut dst = vec![0u8; 300 * 200];
+        let base = dst.as_mut_ptr();
+        let mut reads = (0..300usize).map(|i| Op::Get {
+            peer: 1,
+            remote: desc,
+            offset: 4096 + i * 200,
+            // SAFETY: inside `dst`.
+            dst: unsafe { base.add(i * 200) },
+            len: 200,
+        });
+        // SAFETY: `dst` outlives the batch; each read has its own bytes.
+        unsafe { ts[0].run_batch(&mut reads) }.unwrap();
+        assert!(dst.iter().enumerate().all(|(i, &b)| b == (i % 253) as u8));
+        // 200 writes with data, each counted into one of 8 words, and a
+        // pure signal raising a ninth word, all in one batch.
+        let src: Vec<u8> = (0..200 * 64).map(|i| (i % 13) as u8).collect();
+        let head = [7u8; 8];
+        let mut puts = (0..201usize).map(|i| {
+            if i == 200 {
+                return Op::Put {
+                    peer: 1,
+                    remote: desc,
+                    offset: 0,
+                    parts: [(std::ptr::null(), 0); 2],
+                    signal: SignalRef {
+                        offset: 8 * 16,
+                        bell: Bell::Client,
+                    },
+                    value: 99,
+                };
+            }
+            Op::Put {
+                peer: 1,
+                remote: desc,
+                offset: (256 << 10) + i * 72,
+                parts: [(head.as_ptr(), 8), (src[i * 64..].as_ptr(), 64)],
+                signal: SignalRef {
+                    offset: 16 * (i % 8),
+                    bell: Bell::Server,
+                },
+                value: 0,
+            }
+        });
+        // SAFETY: `src` and `head` outlive the batch.
+        unsafe { ts[0].run_batch(&mut puts) }.unwrap();
+        for w in 0..8 {
+            wait_for(regions[1].signal(16 * w).unwrap(), 25, "a counted word");
+        }
+        wait_for(regions[1].signal(8 * 16).unwrap(), 99, "the raised word");
+        for i in 0..200 {
+            // SAFETY: in range; the counts (acquire) ordered the data.
+            let got = unsafe {
+                std::slice::from_raw_parts(regions[1].as_ptr().add((256 << 10) + i * 72), 72)
+            };
+            assert_eq!(&got[..8], &head);
+            assert_eq!(&got[8..], &src[i * 64..i * 64 + 64], "write {i}");
+        }
+        // Out of range in the middle: an error, the connection still works.
+        let mut bad = (0..3usize).map(|i| Op::Get {
+            peer: 1,
+            remote: desc,
+            offset: if i == 1 { 1 << 21 } else { 0 },
+            dst: base,
+            len: 8,
+        });
+        // SAFETY: as above.
+        assert!(unsafe { ts[0].run_batch(&mut bad) }.is_err());
+        ts[0].get(1, &desc, 0, &mut dst[..8]).unwrap();
+    }
+}

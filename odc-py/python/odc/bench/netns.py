@@ -9,7 +9,10 @@ root namespace::
                        └── <prefix>r1 ══ veth ══ <prefix>v1 10.231.X.11  namespace <prefix>n1
 
 Traffic between namespaces crosses the kernel's TCP stack and the bridge,
-like traffic between hosts (there is no shared loopback); shared memory is
+like traffic between hosts (there is no shared loopback). With ``rate``
+(``"1gbit"``, ``"10gbit"``: ``tc``'s units) both ends of every veth are
+shaped by a token-bucket filter (``tc qdisc ... tbf``), so each namespace's
+link carries at most that rate each way, as a NIC would; shared memory is
 still shared, so only a transport that uses the network is exercised by a
 peer in another namespace. ``<prefix>`` is ``odc<pid><letter>``, so sets of
 concurrent processes never collide, and ``X`` is derived from the pid and
@@ -38,7 +41,7 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Namespaces", "NetnsError", "enter", "rank_placement", "run_ranks", "unavailable_reason"]
+__all__ = ["Namespaces", "NetnsError", "enter", "rank_placement", "rate_bits", "run_ranks", "unavailable_reason"]
 
 CLONE_NEWNET = 0x40000000
 _PREFIX_RE = re.compile(r"^odc(\d+)([a-z])[nrvb]\d*$")
@@ -69,6 +72,35 @@ def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and p.returncode != 0:
         raise NetnsError(f"`ip {' '.join(args)}` failed: {p.stderr.strip() or p.stdout.strip()}")
     return p
+
+
+_RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)([kmg]?)bit$")
+
+
+def rate_bits(rate: str) -> float:
+    """Bits per second of a ``tc`` rate such as ``"1gbit"`` or ``"500mbit"``.
+
+    Raises:
+        ValueError: not a rate of that form.
+    """
+    m = _RATE_RE.match(rate.strip().lower())
+    if m is None:
+        raise ValueError(f"rate {rate!r}: expected <number>[k|m|g]bit, e.g. 1gbit")
+    return float(m.group(1)) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def _shape(rate: str, dev: str, ns: str | None = None) -> None:
+    """A token-bucket filter of ``rate`` on ``dev``'s egress (inside ``ns``, or in this namespace)."""
+    tc = shutil.which("tc") or "/usr/sbin/tc"
+    # The bucket holds 4 ms of the rate, and at least 1 MiB: veths hand the
+    # qdisc segments of up to 64 KiB (GSO), which a smaller bucket drops.
+    burst = max(int(rate_bits(rate) / 8 / 250), 1 << 20)
+    cmd = [tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+    if ns is not None:
+        cmd = [_ip_binary() or "ip", "netns", "exec", ns, *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    if p.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed: {p.stderr.strip() or p.stdout.strip()}")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -145,6 +177,8 @@ class Namespaces:
         root_links: the root-namespace end of each namespace's veth (take it
             down to cut that namespace off).
         bridge, root_addr: the bridge and its address (the store's host).
+        rate: the token-bucket rate each veth end is shaped to (``tc``'s
+            units, ``"1gbit"``), or ``""`` for none.
     """
 
     n: int
@@ -155,6 +189,7 @@ class Namespaces:
     root_links: list[str] = field(default_factory=list)
     bridge: str = ""
     root_addr: str = ""
+    rate: str = ""
     _created: bool = False
 
     def __post_init__(self) -> None:
@@ -192,6 +227,9 @@ class Namespaces:
                 _run("link", "set", root, "up")
                 _run("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
                 _run("-n", ns, "link", "set", inner, "up")
+                if self.rate:
+                    _shape(self.rate, root)
+                    _shape(self.rate, inner, ns)
         except BaseException:
             with contextlib.suppress(NetnsError):
                 self.close()  # best effort: the creation error is the one to report
@@ -255,8 +293,11 @@ def rank_placement(ns: Namespaces, world: int, transport: str) -> list[tuple[str
     return out
 
 
-def run_ranks(fn: Any, world: int, *, netns: int, transport: str, backend: str, **kwargs: Any) -> Any:
+def run_ranks(fn: Any, world: int, *, netns: int, transport: str, backend: str, rate: str = "",
+              **kwargs: Any) -> Any:
     """:func:`odc.bench.launch.run_ranks` with the ranks spread over ``netns`` fresh namespaces.
+
+    ``rate`` shapes every namespace's link (see :class:`Namespaces`).
 
     Raises:
         NetnsError: the namespaces could not be made.
@@ -264,6 +305,6 @@ def run_ranks(fn: Any, world: int, *, netns: int, transport: str, backend: str, 
     """
     from . import launch
 
-    with Namespaces(netns) as ns:
+    with Namespaces(netns, rate=rate) as ns:
         return launch.run_ranks(fn, world, backend=backend, placement=rank_placement(ns, world, transport),
                                 store_host=ns.root_addr, **kwargs)

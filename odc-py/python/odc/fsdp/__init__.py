@@ -189,6 +189,7 @@ def enable(
     timeout: float | None = None,
     transport: str | None = None,
     deterministic: bool = False,
+    cross_node: str | None = None,
 ) -> None:
     """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
 
@@ -268,6 +269,15 @@ def enable(
             ``torch.use_deterministic_algorithms(True)`` on GPU). Under
             hybrid sharding the bits also depend on which node ran which
             microbatch, which a plan fixes. See :class:`odc.Engine`.
+        cross_node: under full sharding across nodes, how gradients for
+            owners on other nodes cross the network: ``"direct"`` (every
+            rank pushes its own, overlapped with the backward), ``"node"``
+            (summed on the node and pushed once per node when its last rank
+            finished the minibatch: G times fewer bytes, for waiting on the
+            node's slowest rank) or ``"auto"`` (``"node"`` where nodes are
+            joined by a network). Default ``ODC_CROSS_NODE``, else
+            ``"auto"``. ``"node"`` with ``deterministic=True`` is a
+            ``ConfigError``. See :class:`odc.Engine` and docs/many-nodes.md.
 
     Warns:
         UserWarning: a torch newer than :data:`TORCH_RANGE`, allowed by
@@ -332,7 +342,7 @@ def enable(
     # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
     seconds, deadline_source = deadline_for(process_group, explicit=timeout)
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
-                          "transport": chosen, "deterministic": deterministic}
+                          "transport": chosen, "deterministic": deterministic, "cross_node": cross_node}
     if device.type == "cuda":
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":
