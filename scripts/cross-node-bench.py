@@ -48,22 +48,13 @@ from typing import Any
 MODES = ("gloo", "odc-direct", "odc-cache", "odc-node")
 
 
-def _veth(ifname: str) -> tuple[int, int]:
-    """Bytes received and sent by ``ifname`` as this process's network namespace sees it."""
-    with open("/proc/self/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == ifname:
-                cols = rest.split()
-                return int(cols[0]), int(cols[8])
-    raise RuntimeError(f"no interface {ifname!r} in /proc/self/net/dev")
-
 
 def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minibatches: int, warmup: int,
             timeout: float, compute_ms: float) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from odc.bench.netns import veth_bytes
     from odc.engine import Bucket
 
     world, rank = ctx.world, ctx.rank
@@ -118,7 +109,7 @@ def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minib
     for k in range(warmup):
         minibatch(k)
     ctx.barrier()
-    before, t0 = _veth(ifname), time.perf_counter()
+    before, t0 = veth_bytes(ifname), time.perf_counter()
     spans = []
     for k in range(warmup, warmup + minibatches):
         start = time.perf_counter()
@@ -126,7 +117,7 @@ def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minib
         spans.append(time.perf_counter() - start)
     ctx.barrier()
     total = time.perf_counter() - t0
-    after = _veth(ifname)
+    after = veth_bytes(ifname)
     # The last minibatch's values: every gathered element is its owner's rank (shards of equal length).
     want = torch.arange(world, dtype=torch.float32).repeat_interleave(shard)
     wrong = sum(int((f != want).sum()) for f in full)

@@ -58,16 +58,6 @@ MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "o
          "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
 
 
-def _veth_rx_tx(ifname: str) -> tuple[int, int]:
-    """Bytes received and sent by ``ifname`` as this thread's network namespace sees it."""
-    with open("/proc/self/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == ifname:
-                cols = rest.split()
-                return int(cols[0]), int(cols[8])
-    raise RuntimeError(f"no interface {ifname!r} in /proc/self/net/dev")
-
 
 def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micros: int, seq: int,
             warmup: int) -> dict[str, Any]:
@@ -79,6 +69,7 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     from torch.distributed.fsdp import fully_shard
 
     import odc.fsdp
+    from odc.bench.netns import veth_bytes
     from odc.bench.train import ModelSpec, _loss, build_model, markov_tokens, packed_row
 
     g = ctx.local_world or ctx.world
@@ -120,7 +111,7 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     for k in range(warmup + minibatches):
         if k == warmup:
             ctx.barrier()
-            before, t0 = _veth_rx_tx(ifname), time.perf_counter()
+            before, t0 = veth_bytes(ifname), time.perf_counter()
             asked.update(gathered=0, pushed=0)
         start = time.perf_counter()
         for j, row in enumerate(rows):
@@ -134,7 +125,7 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
             spans.append(time.perf_counter() - start)
     dist.barrier()
     total = time.perf_counter() - t0
-    after = _veth_rx_tx(ifname)
+    after = veth_bytes(ifname)
     counts = {"rx": after[0] - before[0], "tx": after[1] - before[1]}
     state = sum(t.to_local().numel() for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.ndim)
     regathers = model._odc_fsdp.state.regathers if mode.startswith("odc-") else 0  # reshard_after_forward=int's

@@ -41,7 +41,16 @@ import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Namespaces", "NetnsError", "enter", "rank_placement", "rate_bits", "run_ranks", "unavailable_reason"]
+__all__ = [
+    "Namespaces",
+    "NetnsError",
+    "enter",
+    "rank_placement",
+    "rate_bits",
+    "run_ranks",
+    "unavailable_reason",
+    "veth_bytes",
+]
 
 CLONE_NEWNET = 0x40000000
 _PREFIX_RE = re.compile(r"^odc(\d+)([a-z])[nrvb]\d*$")
@@ -87,6 +96,22 @@ def rate_bits(rate: str) -> float:
     if m is None:
         raise ValueError(f"rate {rate!r}: expected <number>[k|m|g]bit, e.g. 1gbit")
     return float(m.group(1)) * {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def veth_bytes(ifname: str) -> tuple[int, int]:
+    """Bytes received and sent by interface ``ifname`` as the calling thread's network namespace sees it
+    (``/proc/self/net/dev``): a rank that :func:`enter` put in its namespace reads its own veth.
+
+    Raises:
+        RuntimeError: no such interface there.
+    """
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == ifname:
+                cols = rest.split()
+                return int(cols[0]), int(cols[8])
+    raise RuntimeError(f"no interface {ifname!r} in /proc/self/net/dev")
 
 
 def _shape(rate: str, dev: str, ns: str | None = None) -> None:
