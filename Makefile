@@ -12,7 +12,7 @@
 #   make gpu-bundle     .gpu-bundle/: what the GPU test machine runs (scripts/gpu-run.sh), built here
 #   make wheel          dist/fsdp_odc-*-cp310-abi3-manylinux_2_28_x86_64.whl, the wheel users install, checked
 #   make wheel-test     the wheel in fresh venvs holding only torch (2.11.0, 2.15.0): the README's quickstart as written
-#   make fuzz           every fuzz target (fuzz/, docs/fuzzing.md) for FUZZ_SECONDS (25) each; fails on any crash
+#   make fuzz           every fuzz target (fuzz/, docs/fuzzing.md) for FUZZ_SECONDS (20) each; fails on any crash
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 VENV := .venv
@@ -110,12 +110,14 @@ loom:
 # What make test compiles beside the Python tests (scripts/stages.sh runs it at the lowest priority while the
 # Python stages use the cores; those wait on processes a good part of the time): clippy, the test executables
 # of cargo-test and loom, and the GPU bundle with the wheel (dist/). cargo-test, loom, rehearse and
-# wheel-quickstart then run what it built.
+# wheel-quickstart then run what it built. The rehearsal's bundle takes its executables from that test build
+# (--test-build: unoptimized, never run on a device; a release build of them in a target folder of its own cost
+# 157 core-seconds here, which the wheel's release build of the same crates already spends once).
 rust-builds: setup
 	@$(MAKE) --no-print-directory lint-rust
 	$(CARGO) test --workspace --locked $(FEATURES) --no-run
 	@scripts/loom.sh --no-run
-	@scripts/gpu-bundle.sh .gpu-bundle
+	@CARGO_TEST_FEATURES="$(FEATURES)" scripts/gpu-bundle.sh --test-build .gpu-bundle
 
 pytest:
 	$(PY) -m pytest --durations=15 odc-py/tests
@@ -141,7 +143,7 @@ rehearse:
 # The fuzz targets, coverage-guided on stable Rust (scripts/fuzz.sh: libFuzzer through libfuzzer-sys, rustc's
 # SanitizerCoverage pass, debug assertions and overflow checks on; the C++ compiler comes with make setup's
 # build-essential): builds them, runs each for FUZZ_SECONDS, fails on any crash, hang or out-of-memory.
-FUZZ_SECONDS ?= 25
+FUZZ_SECONDS ?= 20
 fuzz:
 	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS)
 

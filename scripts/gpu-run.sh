@@ -21,8 +21,8 @@
 # Writes into $OUT (default out/gpu-run): summary.txt (one line per step, the figures and the verdict),
 # probe.json, tests.log (every step's output), figures-kernels.json, figures-ipc.json. Exit codes: 0 every
 # step passed; 1 a step failed; 2 usage; 3 no GPU here (everything before the first device call passed:
-# what a machine without a GPU can check); 4 the bundle is stale or incomplete; 5 a library or a package
-# the run needs is missing.
+# what a machine without a GPU can check); 4 the bundle is stale or incomplete, or make test's unoptimized
+# rehearsal bundle on a GPU; 5 a library or a package the run needs is missing.
 # PYTHON (default python3) is the interpreter whose torch and wheels are used; STEP_TIMEOUT (default 240)
 # bounds each step in seconds.
 set -uo pipefail
@@ -140,6 +140,12 @@ fi
 # --- the device ------------------------------------------------------------------------------------------------
 if ! "$PYTHON" -c "import json,sys; sys.exit('error' in json.load(open('$OUT/probe.json'))['cuda'])"; then
     finish 3 "no GPU here: every check before the first device call passed"
+fi
+# make test's rehearsal bundle (scripts/gpu-bundle.sh --test-build) is unoptimized: the figures it would time are not
+# the release build's, so it never runs on a device.
+if [ "$(awk '$1 == "profile" {print $2}' "$BUNDLE/MANIFEST")" = test-build ]; then
+    say "this bundle is make test's rehearsal bundle (profile test-build, unoptimized): make gpu-bundle builds the one to run"
+    finish 4 "rehearsal bundle"
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
     | sed 's/^/[gpu-run] nvidia-smi: /' | tee -a "$SUMMARY" >&2

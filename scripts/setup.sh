@@ -104,10 +104,16 @@ if "$UV" pip show -q --python "$VENV/bin/python" odc 2>/dev/null; then
     "$UV" pip uninstall -q --python "$VENV/bin/python" odc
     rm -f "$built"
 fi
+# Editable (the venv imports odc-py/python, the extension built into it), and built exactly as make wheel builds
+# the wheel users install (scripts/wheel.sh: release, zig, manylinux_2_28): the tests run the extension users get,
+# and make wheel finds it built (one release build of the crates, not two; maturin develop cannot link with zig).
 if [ ! -f "$built" ] || [ "$(cat "$built")" != "$src_hash" ]; then
     log "building odc-py into $VENV"
-    VIRTUAL_ENV="$PWD/$VENV" PATH="$(dirname "$UV"):$PWD/$VENV/bin:$PATH" \
-        .venv/bin/maturin develop --uv --release -q -m odc-py/Cargo.toml
+    editable="$PWD/target/editable"
+    rm -rf "$editable"
+    (cd odc-py && PATH="$PWD/../.venv/bin:$PATH" ../.venv/bin/maturin pep517 build-wheel --editable -q --locked \
+        --zig --compatibility manylinux_2_28 -i "$PWD/../$VENV/bin/python" -o "$editable" >/dev/null)
+    "$UV" pip install -q --python "$VENV/bin/python" --no-deps --reinstall "$editable"/fsdp_odc-*.whl
     printf '%s' "$src_hash" >"$built"
 fi
 log "ready: $VENV"
