@@ -18,6 +18,12 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
   cache (every gather and push of every rank crosses itself);
 - ``odc-full-cache``, ``odc-full-sums``: one node rule each (the cache with
   direct pushes; node sums without the cache);
+- ``odc-full-bounded``: ``odc-full`` with the node cache bounded to one
+  bucket's remote shards per gather FSDP2 keeps in flight (2: the layer
+  and the next one it prefetches), so that every layer's shards are evicted
+  before the backward needs them again; its formula column is
+  ``odc-full-direct``'s gathers over G (node-mates in phase: one fetch per
+  node per gather) plus the node sums;
 - ``odc-hybrid``: ``sharding="hybrid"`` (HSDP layout, optimizer replicated
   per node);
 - ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D);
@@ -55,7 +61,7 @@ import time
 from typing import Any
 
 MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
-         "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
+         "odc-full-bounded", "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
 
 
 
@@ -89,6 +95,8 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
         sharding = "full" if mode.startswith("odc-full") else mode.removeprefix("odc-").removesuffix("-raf")
         if mode in ("odc-full-direct", "odc-full-sums"):
             os.environ["ODC_NODE_CACHE_MB"] = "0"  # read by the engine, in this rank's process only
+        if mode == "odc-full-bounded":
+            os.environ["ODC_NODE_CACHE_MB"] = str(bounded_cache_mb(model, n, g))
         cross = {"odc-full-direct": "direct", "odc-full-cache": "direct", "odc-full-sums": "node"}.get(mode)
         odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross)
         eng = model._odc_fsdp.engine
@@ -139,6 +147,18 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     return {"params": params, "ranks": every, "n": n, "g": g, "micros": micros}
 
 
+#: Gathers FSDP2 keeps in flight in the forward: the layer computing and the next one it prefetches.
+IN_FLIGHT = 2
+
+
+def bounded_cache_mb(model: Any, n: int, g: int) -> float:
+    """The node cache bound of ``odc-full-bounded`` in MiB: the remote shards, (N − 1)/N of the largest bucket
+    (one per ``fully_shard`` module: a decoder layer, or the root's own parameters), times :data:`IN_FLIGHT`."""
+    layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    root = sum(p.numel() for p in model.parameters()) - sum(layers)
+    return IN_FLIGHT * max(*layers, root) * 4 * (n - 1) / n / 2**20
+
+
 def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
     """Payload bytes one rank receives from other nodes per minibatch (fp32), from P and the counted calls."""
     p, n, g = res["params"], res["n"], res["g"]
@@ -161,6 +181,8 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
         return once + statistics.mean(r["asked"]["pushed"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
     if mode == "odc-full-sums":  # every rank's own gathers, the gradients once per node
         return once + statistics.mean(r["asked"]["gathered"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
+    if mode == "odc-full-bounded":  # a fetch per node per gather (node-mates in phase), the gradients once per node
+        return once + statistics.mean(r["asked"]["gathered"] for r in res["ranks"]) / minibatches * (d - g) / d * 4 / g
     # odc-full-direct: of every gathered or pushed element, the (D - G) / D owned on other nodes cross.
     asked = statistics.mean(r["asked"]["gathered"] + r["asked"]["pushed"] for r in res["ranks"])
     return asked / minibatches * (d - g) / d * 4

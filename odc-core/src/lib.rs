@@ -190,7 +190,10 @@ pub use api::Engine;
 #[cfg(not(loom))]
 pub use client::{Device, Host};
 #[cfg(not(loom))]
-pub use engine::{BucketId, CrossNode, EngineConfig, NodeCacheStats, Sharding, DEFAULT_NODE_CACHE};
+pub use engine::{
+    node_cache_bytes, BucketId, CrossNode, EngineConfig, NodeCacheStats, Sharding,
+    DEFAULT_NODE_CACHE,
+};
 pub use error::{Error, Result};
 pub use layout::{BucketLayout, BucketSpec};
 #[cfg(not(loom))]

@@ -271,7 +271,7 @@ impl PyEngine {
         heap_reserve: Option<usize>,
         deterministic: bool,
         cross_node: Option<String>,
-        node_cache_mb: Option<usize>,
+        node_cache_mb: Option<f64>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -326,7 +326,13 @@ impl PyEngine {
             })?;
         }
         if let Some(mb) = node_cache_mb {
-            cfg.node_cache = Some(mb.saturating_mul(1 << 20));
+            cfg.node_cache = Some(odc_core::node_cache_bytes(mb).ok_or_else(|| {
+                odc_error(
+                    py,
+                    "ConfigError",
+                    format!("node_cache_mb={mb}: expected a finite number of MiB, 0 or more"),
+                )
+            })?);
         }
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = py

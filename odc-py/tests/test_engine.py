@@ -146,6 +146,14 @@ def test_unknown_transport_is_a_config_error():
         odc.Engine(store, 0, 1, transport="carrier-pigeon")
 
 
+@pytest.mark.parametrize("mb", [-1.0, float("nan"), float("inf")])
+def test_a_node_cache_bound_that_is_not_a_size_is_a_config_error(mb):
+    import torch.distributed as dist
+
+    with pytest.raises(odc.ConfigError, match=r"node_cache_mb=.*finite number of MiB"):
+        odc.Engine(dist.HashStore(), 0, 1, node_cache_mb=mb)
+
+
 def _bad_input(rank, world, store):
     eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-bad-{os.getppid()}")
     eng.register([odc.Bucket("a", 10, torch.float32)])

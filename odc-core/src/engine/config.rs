@@ -281,8 +281,7 @@ impl Default for EngineConfig {
             });
         let node_cache = std::env::var("ODC_NODE_CACHE_MB")
             .ok()
-            .and_then(|s| s.trim().parse::<usize>().ok())
-            .map(|mb| mb.saturating_mul(1 << 20));
+            .and_then(|s| node_cache_bytes(s.trim().parse::<f64>().ok()?));
         EngineConfig {
             chunk_bytes: 2 << 20,
             landing_budget,
@@ -304,6 +303,14 @@ impl Default for EngineConfig {
     }
 }
 
+/// Bytes of a node cache bound of `mb` MiB (fractions allowed: a small
+/// model's bound of one bucket per in-flight gather is under 1 MiB), or
+/// `None` for a negative or non-finite `mb`.
+pub fn node_cache_bytes(mb: f64) -> Option<usize> {
+    // A float-to-int `as` cast saturates: an absurd bound is the largest usize.
+    (mb.is_finite() && mb >= 0.0).then(|| (mb * f64::from(1u32 << 20)).round() as usize)
+}
+
 /// The node cache's bound per node where [`EngineConfig::node_cache`] is
 /// left at its default on a network (1 GiB): room for the remote shards of
 /// a model of 0.5 G bf16 parameters on two nodes.
@@ -312,3 +319,19 @@ pub const DEFAULT_NODE_CACHE: usize = 1 << 30;
 /// A registered bucket's index, as returned by [`Engine::bucket_id`](crate::Engine::bucket_id).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketId(pub usize);
+
+#[cfg(test)]
+mod tests {
+    use super::node_cache_bytes;
+
+    #[test]
+    fn a_node_cache_bound_takes_fractions_of_a_mib_and_refuses_what_is_not_a_size() {
+        assert_eq!(node_cache_bytes(0.0), Some(0));
+        assert_eq!(node_cache_bytes(1.0), Some(1 << 20));
+        assert_eq!(node_cache_bytes(0.5), Some(1 << 19));
+        assert_eq!(node_cache_bytes(1e30), Some(usize::MAX));
+        for bad in [-1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(node_cache_bytes(bad), None, "{bad}");
+        }
+    }
+}

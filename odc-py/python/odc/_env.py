@@ -66,7 +66,8 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "odc-core `engine::config`",
            "Per-node bound in MiB of the node cache of remote shards (full sharding across nodes): a version of a "
            "shard owned on another node crosses once per node and serves every node-mate's gathers of it; least "
-           "recently used pieces are evicted beyond the bound; `0` turns it off. Equal on every rank.",
+           "recently used pieces are evicted beyond the bound; `0` turns it off; fractions such as `0.5` are allowed. "
+           "Equal on every rank.",
            "engine"),
     EnvVar("ODC_CROSS_NODE", "`auto`", "odc-core `engine::config`",
            "How gradients for owners on other nodes cross under full sharding: `direct` (every rank pushes its own), "

@@ -52,7 +52,7 @@ class Engine:
         heap_reserve: int | None = None,
         deterministic: bool = False,
         cross_node: str | None = None,
-        node_cache_mb: int | None = None,
+        node_cache_mb: float | None = None,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

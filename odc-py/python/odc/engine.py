@@ -330,8 +330,9 @@ class Engine:
             that gathers a version of a shard owned on another node fetches
             it into node shared memory, and its node-mates read it from there
             (least recently used pieces evicted beyond the bound; ``0`` turns
-            it off). Default ``ODC_NODE_CACHE_MB``, else 1024 where nodes are
-            joined by a network and off on ``shm``. Equal on every rank.
+            it off; fractions of a MiB are allowed). Default
+            ``ODC_NODE_CACHE_MB``, else 1024 where nodes are joined by a
+            network and off on ``shm``. Equal on every rank.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
@@ -363,7 +364,7 @@ class Engine:
         deadline_source: str | None = None,
         deterministic: bool = False,
         cross_node: str | None = None,
-        node_cache_mb: int | None = None,
+        node_cache_mb: float | None = None,
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
