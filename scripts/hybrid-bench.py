@@ -177,16 +177,17 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
         # collective, 2 all-gathers and a reduce-scatter per microbatch; per rank, 1 / G of the node's.
         return res["micros"] * 3 * (d - 1) / d * p * 4 / g
     once = (n - 1) / n * p / g * 4  # a node rule's share: the parameters, or the gradients, once per node
-    if mode == "odc-full-cache":  # parameters once per node, the pushes every rank's own
-        return once + statistics.mean(r["asked"]["pushed"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
-    if mode == "odc-full-sums":  # every rank's own gathers, the gradients once per node
-        return once + statistics.mean(r["asked"]["gathered"] for r in res["ranks"]) / minibatches * (d - g) / d * 4
-    if mode == "odc-full-bounded":  # a fetch per node per gather (node-mates in phase), the gradients once per node
-        return once + statistics.mean(r["asked"]["gathered"] for r in res["ranks"]) / minibatches * (d - g) / d * 4 / g
-    # odc-full-direct: of every gathered or pushed element, the (D - G) / D owned on other nodes cross.
-    asked = statistics.mean(r["asked"]["gathered"] + r["asked"]["pushed"] for r in res["ranks"])
-    return asked / minibatches * (d - g) / d * 4
 
+    def remote(*kinds: str) -> float:  # bytes per minibatch of the counted calls' elements owned on other nodes
+        return statistics.mean(sum(r["asked"][k] for k in kinds) for r in res["ranks"]) / minibatches * (d - g) / d * 4
+
+    if mode == "odc-full-cache":  # parameters once per node, the pushes every rank's own
+        return once + remote("pushed")
+    if mode == "odc-full-sums":  # every rank's own gathers, the gradients once per node
+        return once + remote("gathered")
+    if mode == "odc-full-bounded":  # a fetch per node per gather (node-mates in phase), the gradients once per node
+        return once + remote("gathered") / g
+    return remote("gathered", "pushed")  # odc-full-direct: every gathered or pushed element owned elsewhere
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
