@@ -428,6 +428,7 @@ def bench_baselines(doc: dict[str, Any]) -> str:
     """odc-bench train with the baselines: per minibatch size, ODC + LB-Mini against each configuration (time,
     prediction) and every configuration's memory and same-samples check."""
     rows = {(r["minibatch_size"], r["config"]): r for r in doc["rows"]}
+    grads = any(r.get("dgrad_baseline") is not None for r in doc["rows"])  # runs made before the check lack it
     tol = 1e-5
     timing = []
     for p in doc["pairs"]:
@@ -447,18 +448,23 @@ def bench_baselines(doc: dict[str, Any]) -> str:
         m = r["memory"]
         same = "yes" if r["dloss"] <= tol and (r["config"] == "collective+lb-micro" or r["dparam_baseline"] <= tol) \
             else "**no**"
+        grad = r.get("dgrad_baseline")
         mem.append([str(r["minibatch_size"]), r["config"], _mib(m["rss_peak"]), _mib(m["rss_rise"]),
                     f"{m['held'] / 2**10:.0f} KiB", _mib(m["odc_shm"]), f"{r['dloss']:.1e}",
-                    "–" if r["config"] == "collective+lb-micro" else f"{r['dparam_baseline']:.1e}", same])
+                    "–" if r["config"] == "collective+lb-micro" else f"{r['dparam_baseline']:.1e}", same]
+                   + ([] if not grads else ["–" if r["config"] == "collective+lb-micro" else f"{grad:.1e}"]))
     mem_head = ["minibatch size", "config", "peak RSS", "RSS rise in the run", "params + grads held",
                 "ODC shared memory", "loss vs collective + LB-Micro", "parameters vs it", f"both ≤ {tol:g}"]
+    if grads:
+        mem_head.append("first minibatch's gradients vs it (relative)")
     return (f"{doc['world']} ranks, real compute; the time of each configuration over the time of `odc+lb-mini` "
             "on the same minibatches (median of the per-repeat ratios of interleaved runs; above 1: ODC + LB-Mini "
             "is faster); *packer* predicts it from the fitted per-sample costs alone, *+fixed* with the fixed costs "
             f"measured before the runs.\n\n{table(head, timing)}\n\nMemory per rank (the largest over ranks; CPU: "
             "the process's resident set, torch has no allocator figures there), and the losses and final parameters "
-            "against `collective+lb-micro` on the same samples (the first repeat's):\n\n"
-            + table(mem_head, mem))
+            "against `collective+lb-micro` on the same samples (the first repeat's"
+            + ("; the gradients: the largest |difference| of the first minibatch's, before clipping, over their "
+               "largest |entry|" if grads else "") + "):\n\n" + table(mem_head, mem))
 
 
 def bench_baselines_with_control(docs: list[dict[str, Any]]) -> str:

@@ -78,6 +78,9 @@ def test_train_runs_what_users_pick_instead_on_the_same_samples(tmp_path, capsys
     for name, r in rows.items():
         # The same samples per minibatch: losses and final parameters of the baseline up to float reordering.
         assert r["dloss"] < 1e-4 and r["params_ok"] and (name == train.BASELINE or r["dparam_baseline"] < 1e-4), r
+        # The same sums: the first minibatch's gradients agree to float reordering (a lost or doubled microbatch
+        # moves them by a percent or more).
+        assert r["dgrad_baseline"] is not None and r["dgrad_baseline"] < 1e-5, r["dgrad_baseline"]
         assert "within_target" in r and r["memory"]["held"] > 0, r
         assert r["memory"]["rss_peak"] is None or r["memory"]["rss_peak"] > 100 << 20, r["memory"]
         assert r["speedup_predicted"] > 0 and r["speedup_predicted_with_overheads"] > 0

@@ -318,6 +318,7 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     ctx.barrier()
     t0 = time.perf_counter()
     ends, losses, norms, micro, stolen = [], [], [], [], []
+    grad0 = None  # the first minibatch's gradients (this rank's shards, before clipping), when recording
     for k in range(len(minibatches)):
         local = torch.zeros((), dtype=torch.float64)
         if lists is None:
@@ -348,6 +349,9 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
             micro.append((k, list(mb), time.perf_counter() - m0))
             if mode != "odc":  # ODC's gradients may not be read before the minibatch's last backward
                 held = max(held, _held_bytes(model, sharded))
+        if record and k == 0:
+            grad0 = {name: _local(p.grad).detach().clone() for name, p in model.named_parameters()
+                     if p.grad is not None}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         held = max(held, _held_bytes(model, sharded))
         opt.step()
@@ -364,7 +368,7 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     if mode == "odc":
         odc.fsdp.disable(model)
     return {"t0": t0, "ends": ends, "losses": losses, "norms": norm_values, "micro": micro, "final": final,
-            "stolen": stolen, "slept_s": compute.requested, "memory": mem}
+            "grad0": grad0, "stolen": stolen, "slept_s": compute.requested, "memory": mem}
 
 
 def _held_bytes(model: Any, sharded: Sequence[Any]) -> int:
@@ -386,6 +390,12 @@ def _held_bytes(model: Any, sharded: Sequence[Any]) -> int:
     return total
 
 
+def _local(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
     """Max absolute difference and the norm of the difference relative to the norm of ``b``."""
     worst, num, den = 0.0, 0.0, 0.0
@@ -396,6 +406,17 @@ def _param_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
         num += float((d * d).sum())
         den += float((b[k].double() ** 2).sum())
     return worst, math.sqrt(num / den) if den > 0 else 0.0
+
+
+def _grad_diff(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
+    """The first minibatch's gradients: the largest |difference| and the largest |gradient| of ``b``. Their
+    ratio (over every rank) tells reordered float sums (~1e-7) from a lost or doubled microbatch (~1e-2 and up)."""
+    worst, scale = 0.0, 0.0
+    for k in b:
+        if b[k].numel():
+            worst = max(worst, float((a[k].double() - b[k].double()).abs().max()))
+            scale = max(scale, float(b[k].abs().max()))
+    return worst, scale
 
 
 def plan_mode(mode: str) -> str:
@@ -457,6 +478,7 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
         cost = functools.partial(_seconds, fit, lengths)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
         finals: dict[str, dict[str, Any]] = {}
+        grads0: dict[str, dict[str, Any]] = {}
         for rep in range(repeats):
             order = configs[rep % len(configs):] + configs[:rep % len(configs)]
             for name in order:
@@ -468,8 +490,10 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                          slow=slow.get(ctx.rank, 1.0), deterministic=name.endswith(DET), pad_to=pad_to)
                 if rep == 0:
                     finals[name] = r.pop("final")
+                    grads0[name] = r.pop("grad0")
                 else:
                     r.pop("final")
+                    r.pop("grad0")
                 gathered = ctx.all_gather_object(r)
                 runs[name].append(_aggregate(gathered, skip))
                 ctx.emit("progress", f"{point['label']} {name} #{rep + 1}")
@@ -479,8 +503,12 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                 if ref_name in finals and ref_name != name:
                     local = _param_diff(finals[name], finals[ref_name])
                     every = ctx.all_gather_object(local)
+                    g_local = _grad_diff(grads0[name], grads0[ref_name])
+                    g_every = ctx.all_gather_object(g_local)
                     diffs[f"{name} vs {ref_name}"] = {"max_abs": max(e[0] for e in every),
-                                                      "rel_norm": max(e[1] for e in every)}
+                                                      "rel_norm": max(e[1] for e in every),
+                                                      "grad0_rel": max(e[0] for e in g_every)
+                                                      / max(*(e[1] for e in g_every), 1e-30)}
         dummy_s = fit.seconds(baselines.DUMMY_LENGTH)
         predictions = {name: _prediction(plan_of[name], table[name][0], ref, cost, dummy_s, skip) for name in configs}
         for name in configs:

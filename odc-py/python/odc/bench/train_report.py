@@ -280,6 +280,10 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], confi
                 "dparam_baseline": 0.0 if name == BASELINE else res["diffs"].get(f"{name} vs {BASELINE}", {}).get(
                     "max_abs", float("nan")),
                 "params_ok": not (dparam > PARAM_TOLERANCE) and not math.isnan(dparam),
+                # The first minibatch's gradients against the baseline's, relative to their largest entry (absent
+                # from runs made before the check existed).
+                "dgrad_baseline": 0.0 if name == BASELINE else res["diffs"].get(f"{name} vs {BASELINE}", {}).get(
+                    "grad0_rel"),
                 "dloss": dloss,
                 # Microbatches run by a rank other than their owner, per timed minibatch (median over repeats).
                 "stolen_per_minibatch": statistics.median(sum(r["stolen"][WARMUP_MINIBATCHES:]) / max(1, n_timed)
@@ -372,8 +376,8 @@ def render_pairs(found: list[dict[str, Any]], sweep: bool) -> str:
 def render_memory(rows: list[dict[str, Any]], sweep: bool) -> str:
     """Memory per rank of every configuration and the same-samples check against the baseline."""
     header = ["config", "RSS peak", "RSS rise", "params+grads held", "ODC shm", "loss vs base", "params vs base",
-              f"<= {SAME_SAMPLES_TOLERANCE:g}"]
-    widths = [22, 10, 10, 17, 9, 12, 14, 8]
+              f"<= {SAME_SAMPLES_TOLERANCE:g}", "grad0 vs base"]
+    widths = [22, 10, 10, 17, 9, 12, 14, 8, 13]
     if sweep:
         header.insert(0, "minibatch-size")
         widths.insert(0, 14)
@@ -386,7 +390,8 @@ def render_memory(rows: list[dict[str, Any]], sweep: bool) -> str:
         m = r["memory"]
         cells = [r["config"], mib(m["rss_peak"]), mib(m["rss_rise"]), f"{m['held'] / 2**10:.0f}K", mib(m["odc_shm"]),
                  f"{r['dloss']:.1e}", "-" if r["dparam_baseline"] == 0 else f"{r['dparam_baseline']:.1e}",
-                 "yes" if r["within_target"] else "NO"]
+                 "yes" if r["within_target"] else "NO",
+                 "-" if not r.get("dgrad_baseline") else f"{r['dgrad_baseline']:.1e}"]
         if sweep:
             cells.insert(0, r["label"])
         body.append(cells)
@@ -395,7 +400,9 @@ def render_memory(rows: list[dict[str, Any]], sweep: bool) -> str:
              "params+grads held = the most bytes of parameter and gradient storage FSDP held after a microbatch "
              "(sharded and unsharded, from the tensors), ODC shm = the engine's shared memory (published shards, "
              "landing slots); loss / params vs base: largest |difference| of a minibatch's loss and of the final "
-             "parameters from collective+lb-micro on the same samples"]
+             "parameters from collective+lb-micro on the same samples; grad0 vs base: largest |difference| of the "
+             "first minibatch's gradients from the baseline's over their largest |entry| (reordered f32 sums: "
+             "~1e-7; a lost or doubled microbatch: ~1e-2 and up)"]
     return table(header, body, widths, title)
 
 
