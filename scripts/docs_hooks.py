@@ -320,16 +320,20 @@ def bench_imbalance(doc: dict[str, Any]) -> str:
         row = [str(p)]
         for c in configs:
             r = by.get((p, c))
-            row.append("–" if r is None else f"{r['speedup_measured']:.3f} / {r['speedup_predicted']:.3f}")
+            comm = "" if r is None or r.get("speedup_predicted_with_comm") is None \
+                else f" / {r['speedup_predicted_with_comm']:.3f}"
+            row.append("–" if r is None else f"{r['speedup_measured']:.3f} / {r['speedup_predicted']:.3f}{comm}")
         rows.append(row)
     head = [(key or "minibatch size").replace("-", " "), *configs]
+    with_comm = any(r.get("speedup_predicted_with_comm") is not None for r in doc["rows"])
     wrong = sum(r["wrong"] for r in doc["rows"])
     a = doc["args"]
     fixed = [f"{a['world']} ranks" if key != "world" else None,
              f"minibatch size {a['minibatch_size']}" if key != "minibatch-size" else None]
     return (f"Emulated compute; {', '.join(x for x in fixed if x)}, {a['minibatches']} minibatches, "
             f"{a['layers']} layers of {_size(a['layer_bytes'])}; speedup against `collective+lb-micro`, "
-            f"measured / predicted (#wrong {wrong}):\n\n" + table(head, rows))
+            f"measured / predicted" + (" / predicted +comm (each plan's run without compute added)" if with_comm
+                                        else "") + f" (#wrong {wrong}):\n\n" + table(head, rows))
 
 
 def bench_imbalance_bubbles(doc: dict[str, Any]) -> str:

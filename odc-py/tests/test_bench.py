@@ -66,6 +66,11 @@ def test_imbalance_runs_every_configuration_with_exact_sums(tmp_path, capsys):
         # Final parameters are init + minibatches * pattern on every shard.
         assert r["param_checksum"] == r["param_checksum_expected"], r
         assert r["wrong"] == 0
+        # +comm: the configuration's plan run once without compute, its seconds added to the prediction's.
+        assert r["comm_s"] > 0 and r["predicted_time_with_comm_s"] > r["comm_s"], r
+        assert r["speedup_predicted_with_comm"] > 0 and not math.isnan(r["error_with_comm"]), r
+    assert rows["collective+lb-micro"]["speedup_predicted_with_comm"] == 1.0
+    assert "+comm" in text
 
 
 def test_imbalance_compute_that_strays_from_the_model(tmp_path, capsys):

@@ -206,6 +206,9 @@ def _build_parser() -> _Parser:
     im.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="FSDP-style overlap: prefetch the next layer's gather, wait for pushes per microbatch "
                          "(auto: collectives overlap, ODC calls run inline)")
+    im.add_argument("--no-comm-run", action="store_true",
+                    help="skip each configuration's run without compute before its repeats (the +comm prediction: "
+                         "the compute-only one plus that run's seconds)")
     im.add_argument("--chunk-bytes", type=_size("--chunk-bytes"), default=None,
                     help="ODC push chunk (default: engine's)")
     im.add_argument("--noise", type=_nonnegative_float("--noise"), default=0.0,
@@ -693,13 +696,13 @@ def _imbalance(args: argparse.Namespace) -> int:
     worlds = list(dict.fromkeys(p["world"] for p in points))
     for world in worlds:
         mine = [p for p in points if p["world"] == world]
-        total = sum(p["num_minibatches"] * len(p["configs"]) for p in mine) * args.repeats
+        total = sum(p["num_minibatches"] * len(p["configs"]) for p in mine) * (args.repeats + (not args.no_comm_run))
         bar = Progress(total, f"imbalance {world} ranks", _progress_flag(args))
         out = launch.run_ranks(
             imbalance.imbalance_rank, world, backend="gloo",
             on_event=functools.partial(_note_progress, bar),
             points=mine, layers=args.layers, layer_bytes=args.layer_bytes, repeats=args.repeats,
-            timeout=args.timeout, chunk_bytes=args.chunk_bytes, overlap=args.overlap)
+            timeout=args.timeout, chunk_bytes=args.chunk_bytes, overlap=args.overlap, calibrate=not args.no_comm_run)
         bar.close()
         if leader:
             index = [i for i, p in enumerate(points) if p["world"] == world]
@@ -727,7 +730,8 @@ def _imbalance(args: argparse.Namespace) -> int:
         f"real communication (gloo collectives over TCP loopback / odc.Engine over shm); median of {args.repeats} "
         f"run(s)",
         f"bubble = 1 - compute / (D * time) measured | predicted by odc.packing; speedup vs {imbalance.BASELINE}; "
-        f"error = measured / predicted - 1",
+        f"error = measured / predicted - 1; +comm = the prediction plus the seconds its plan took run once "
+        f"with no compute before the repeats (gathers, pushes, collectives, steps; no sleep)",
     ]
     strays = _strays(args)
     if strays:

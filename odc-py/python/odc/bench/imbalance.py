@@ -546,8 +546,14 @@ def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engi
 
 
 def imbalance_rank(ctx: Any, *, points: list[dict[str, Any]], layers: int, layer_bytes: int, repeats: int,
-                   timeout: float, chunk_bytes: int | None, overlap: str = "auto") -> list[dict[str, Any]]:
-    """One rank of ``odc-bench imbalance``: runs every configuration of every point; rank 0 returns the results."""
+                   timeout: float, chunk_bytes: int | None, overlap: str = "auto",
+                   calibrate: bool = True) -> list[dict[str, Any]]:
+    """One rank of ``odc-bench imbalance``: runs every configuration of every point; rank 0 returns the results.
+
+    ``calibrate``: before its timed repeats, each configuration runs its plan once with no compute (every
+    gather, push, collective and step, no sleep); that run's seconds (``comm_s``) are what the *+comm*
+    prediction adds to the compute-only one.
+    """
     import torch
 
     import odc
@@ -562,15 +568,20 @@ def imbalance_rank(ctx: Any, *, points: list[dict[str, Any]], layers: int, layer
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="odc-comm") as executor:
         for pi, point in enumerate(points):
             for name, cfg in point["configs"].items():
+                label = f"{point['label'] if point['label'] is not None else ''} {name}".strip()
+                on = overlap == "on" or (overlap == "auto" and cfg["mode"] != "odc")
+                comm_s = None
+                if calibrate:  # the same plan with no compute: what its communication and steps alone take
+                    per_rank = _run_config(ctx, cfg, 0.0, model, engine, executor if on else None, state,
+                                           functools.partial(ctx.emit, "progress", f"{label} no compute"))
+                    comm_s = _aggregate(ctx.all_gather_object(per_rank))["total_s"]
                 runs = []
                 for rep in range(repeats):
-                    note = f"{point['label'] if point['label'] is not None else ''} {name} #{rep + 1}".strip()
-                    on = overlap == "on" or (overlap == "auto" and cfg["mode"] != "odc")
                     per_rank = _run_config(ctx, cfg, point["compute_scale"], model, engine, executor if on else None,
                                            state,
-                                           functools.partial(ctx.emit, "progress", note))
+                                           functools.partial(ctx.emit, "progress", f"{label} #{rep + 1}"))
                     runs.append(_aggregate(ctx.all_gather_object(per_rank)))
-                results.append({"point": pi, "config": name, "runs": runs})
+                results.append({"point": pi, "config": name, "runs": runs, "comm_s": comm_s})
     return results
 
 
@@ -604,6 +615,12 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
     for pi, point in enumerate(points):
         sel = {r["config"]: r for r in results if r["point"] == pi}
         med = {name: statistics.median(run["total_s"] for run in r["runs"]) for name, r in sel.items()}
+        comm = {name: r.get("comm_s") for name, r in sel.items()}
+        # Seconds of emulated compute the plan takes (3 layer-costs per layer and microbatch: forward and a backward
+        # of twice its cost), plus the no-compute run's; nan without a calibration run.
+        with_comm = {name: 3 * settings.layers * point["compute_scale"] * cfg["units"]
+                     + (comm[name] if comm[name] is not None else float("nan"))
+                     for name, cfg in point["configs"].items()}
         for name, cfg in point["configs"].items():
             runs = sel[name]["runs"]
             total = med[name]
@@ -631,6 +648,11 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
                 "speedup_measured": speedup,
                 "speedup_predicted": cfg["speedup_pred"],
                 "error": speedup / cfg["speedup_pred"] - 1.0 if cfg["speedup_pred"] > 0 else float("nan"),
+                # +comm: the compute-only prediction's seconds plus the configuration's no-compute run.
+                "comm_s": comm[name],
+                "predicted_time_with_comm_s": with_comm[name],
+                "speedup_predicted_with_comm": _ratio(with_comm[BASELINE], with_comm[name]),
+                "error_with_comm": _ratio(speedup, _ratio(with_comm[BASELINE], with_comm[name])) - 1.0,
                 "wrong": wrong,
                 "stolen_per_minibatch": statistics.median(run["stolen"] for run in runs)
                 / max(1, point["num_minibatches"]),
@@ -645,17 +667,20 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
 def render(rows: list[dict[str, Any]], title: list[str], sweep_name: str | None) -> str:
     """The results as an nccl-tests style table, ``title`` lines first (one row per configuration and point)."""
     header = ["config", "mb/rank", "t/minibatch(s)", "samples/s", "bubble", "pred", "speedup", "pred", "error",
-              "#wrong"]
-    widths = [22, 7, 14, 9, 7, 7, 8, 7, 7, 6]
+              "+comm", "error", "#wrong"]
+    widths = [22, 7, 14, 9, 7, 7, 8, 7, 7, 7, 7, 6]
     if sweep_name:
         header.insert(0, sweep_name)
         widths.insert(0, max(8, len(sweep_name)))
     body = []
     for r in rows:
+        comm = r["speedup_predicted_with_comm"]
         cells = [r["config"], r["max_microbatches"], fmt(r["time_per_minibatch_s"], 3), fmt(r["samples_per_s"], 2),
                  f"{100 * r['bubble_measured']:.1f}%", f"{100 * r['bubble_predicted']:.1f}%",
                  fmt(r["speedup_measured"], 3) + "x", fmt(r["speedup_predicted"], 3) + "x",
-                 f"{100 * r['error']:+.1f}%" if not math.isnan(r["error"]) else "-", r["wrong"]]
+                 f"{100 * r['error']:+.1f}%" if not math.isnan(r["error"]) else "-",
+                 "-" if math.isnan(comm) else fmt(comm, 3) + "x",
+                 "-" if math.isnan(r["error_with_comm"]) else f"{100 * r['error_with_comm']:+.1f}%", r["wrong"]]
         if sweep_name:
             cells.insert(0, r["label"])
         body.append(cells)
