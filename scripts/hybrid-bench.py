@@ -24,6 +24,11 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
   before the backward needs them again; its formula column is
   ``odc-full-direct``'s gathers over G (node-mates in phase: one fetch per
   node per gather) plus the node sums;
+- ``odc-full-bounded-node``: the same with the bound counted over the node:
+  one bucket per gather in flight on it (G ranks × 2), for node-mates that
+  run out of phase; on the default 4 layers that holds every layer, so run
+  it with more (``--layers 16``: 8 of 17 buckets); its formula column is
+  ``odc-full-bounded``'s;
 - ``odc-hybrid``: ``sharding="hybrid"`` (HSDP layout, optimizer replicated
   per node);
 - ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D);
@@ -61,7 +66,7 @@ import time
 from typing import Any
 
 MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
-         "odc-full-bounded", "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
+         "odc-full-bounded", "odc-full-bounded-node", "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
 
 
 
@@ -97,6 +102,8 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
             os.environ["ODC_NODE_CACHE_MB"] = "0"  # read by the engine, in this rank's process only
         if mode == "odc-full-bounded":
             os.environ["ODC_NODE_CACHE_MB"] = str(bounded_cache_mb(model, n, g))
+        if mode == "odc-full-bounded-node":
+            os.environ["ODC_NODE_CACHE_MB"] = str(g * bounded_cache_mb(model, n, g))
         cross = {"odc-full-direct": "direct", "odc-full-cache": "direct", "odc-full-sums": "node"}.get(mode)
         odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross)
         eng = model._odc_fsdp.engine
@@ -185,7 +192,7 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
         return once + remote("pushed")
     if mode == "odc-full-sums":  # every rank's own gathers, the gradients once per node
         return once + remote("gathered")
-    if mode == "odc-full-bounded":  # a fetch per node per gather (node-mates in phase), the gradients once per node
+    if mode in ("odc-full-bounded", "odc-full-bounded-node"):  # a fetch per node per gather (node-mates in phase), the gradients once per node
         return once + remote("gathered") / g
     return remote("gathered", "pushed")  # odc-full-direct: every gathered or pushed element owned elsewhere
 
