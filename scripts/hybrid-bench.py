@@ -192,7 +192,8 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
         return once + remote("pushed")
     if mode == "odc-full-sums":  # every rank's own gathers, the gradients once per node
         return once + remote("gathered")
-    if mode in ("odc-full-bounded", "odc-full-bounded-node"):  # a fetch per node per gather (node-mates in phase), the gradients once per node
+    # The bounded caches: a fetch per node per gather (node-mates in phase), the gradients once per node.
+    if mode in ("odc-full-bounded", "odc-full-bounded-node"):
         return once + remote("gathered") / g
     return remote("gathered", "pushed")  # odc-full-direct: every gathered or pushed element owned elsewhere
 

@@ -33,7 +33,12 @@ pub struct Engine {
 impl Engine {
     /// Joins the job as `topology.rank()`: agrees on a job id through the
     /// store (rank 0 draws it) and creates this rank's transport.
+    ///
+    /// Errors: [`Error::Config`](crate::Error::Config) for an `ODC_*`
+    /// variable that is set but malformed ([`crate::engine::check_env`]),
+    /// before anything is created.
     pub fn new(store: Arc<dyn Store>, topology: Topology, config: EngineConfig) -> Result<Engine> {
+        crate::engine::check_env()?;
         Ok(Engine {
             core: Arc::new(Core::new(store, topology, config)?),
             daemon: Mutex::new(None),

@@ -191,7 +191,7 @@ pub use api::Engine;
 pub use client::{Device, Host};
 #[cfg(not(loom))]
 pub use engine::{
-    node_cache_bytes, BucketId, CrossNode, EngineConfig, NodeCacheStats, Sharding,
+    check_env, node_cache_bytes, BucketId, CrossNode, EngineConfig, NodeCacheStats, Sharding,
     DEFAULT_NODE_CACHE,
 };
 pub use error::{Error, Result};

@@ -154,6 +154,20 @@ def test_a_node_cache_bound_that_is_not_a_size_is_a_config_error(mb):
         odc.Engine(dist.HashStore(), 0, 1, node_cache_mb=mb)
 
 
+@pytest.mark.parametrize(("var", "value"), [("ODC_LANDING_MB", "lots"), ("ODC_LANDING_MB", "0"),
+                                            ("ODC_NODE_CACHE_MB", "-5"), ("ODC_NODE_CACHE_MB", "1GiB"),
+                                            ("ODC_CROSS_NODE", "nodes")])
+def test_a_malformed_environment_variable_is_a_config_error_naming_it(monkeypatch, var, value):
+    # Not the built-in default in its place: the engine refuses to start, naming the variable and its value.
+    import torch.distributed as dist
+
+    monkeypatch.setenv(var, value)
+    with pytest.raises(odc.ConfigError, match=f"{var}=\"{value}\" is not"):
+        odc.Engine(dist.HashStore(), 0, 1)
+    monkeypatch.setenv(var, "  ")  # blank: unset
+    odc.Engine(dist.HashStore(), 0, 1)
+
+
 def _bad_input(rank, world, store):
     eng = odc.Engine(store, rank, world, timeout=30, job_key=f"pytest-bad-{os.getppid()}")
     eng.register([odc.Bucket("a", 10, torch.float32)])

@@ -7,6 +7,7 @@ use odc_kernels::DType;
 
 use crate::topology::Topology;
 use crate::transport::TransportKind;
+use crate::Error;
 
 /// How parameters and gradients are spread over the ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -301,6 +302,52 @@ impl Default for EngineConfig {
             heap_reserve: 0,
         }
     }
+}
+
+/// Checks the environment variables [`EngineConfig::default`] reads: a
+/// value that is set but malformed (not a number, not positive, not a
+/// known name) is an [`Error::Config`] naming the variable and the value,
+/// where `default` alone would fall back to the built-in setting and train
+/// with something the user did not ask for. [`Engine::new`](crate::Engine::new)
+/// calls it. Unset or blank variables are fine.
+pub fn check_env() -> crate::Result<()> {
+    fn set(name: &str) -> Option<String> {
+        std::env::var(name)
+            .ok()
+            .map(|v| v.trim().to_owned())
+            .filter(|v| !v.is_empty())
+    }
+    let bad =
+        |name: &str, v: &str, want: &str| Err(Error::Config(format!("{name}={v:?} is not {want}")));
+    if let Some(v) = set("ODC_TIMEOUT_S") {
+        if !v.parse::<f64>().is_ok_and(|s| s.is_finite() && s > 0.0) {
+            return bad("ODC_TIMEOUT_S", &v, "a positive number of seconds");
+        }
+    }
+    if let Some(v) = set("ODC_LANDING_MB") {
+        if !v.parse::<usize>().is_ok_and(|mb| mb > 0) {
+            return bad("ODC_LANDING_MB", &v, "a positive whole number of MiB");
+        }
+    }
+    if let Some(v) = set("ODC_NODE_CACHE_MB") {
+        if v.parse::<f64>().ok().and_then(node_cache_bytes).is_none() {
+            return bad(
+                "ODC_NODE_CACHE_MB",
+                &v,
+                "a size in MiB (0 or more; fractions allowed; 0 turns the cache off)",
+            );
+        }
+    }
+    if let Some(v) = set("ODC_CROSS_NODE") {
+        if CrossNode::parse(&v).is_none() {
+            return bad(
+                "ODC_CROSS_NODE",
+                &v,
+                &format!("one of {}", CrossNode::NAMES.join(", ")),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Bytes of a node cache bound of `mb` MiB (fractions allowed: a small

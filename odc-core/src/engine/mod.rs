@@ -18,7 +18,7 @@ use odc_kernels::DType;
 
 pub(crate) use config::Groups;
 pub use config::{
-    node_cache_bytes, BucketId, CrossNode, EngineConfig, Sharding, DEFAULT_NODE_CACHE,
+    check_env, node_cache_bytes, BucketId, CrossNode, EngineConfig, Sharding, DEFAULT_NODE_CACHE,
 };
 pub(crate) use register::data_sizes;
 pub(crate) use state::{load, record_error, Core, NodeSums, PushState, Registered};

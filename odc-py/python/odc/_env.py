@@ -48,7 +48,8 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("ODC_TIMEOUT_S", "300 (under a process group: the group's timeout)",
            "odc-core `engine::config` (`EngineConfig::default`); `odc.deadline`",
            "Deadline in seconds of every wait on a peer. A `timeout=` argument wins over it; it wins over a "
-           "process group's timeout. A `PeerTimeout` carries a note naming the deadline and where it came from.",
+           "process group's timeout. A `PeerTimeout` carries a note naming the deadline and where it came from. "
+           "A value that is not positive seconds is a `ConfigError`.",
            "engine"),
     EnvVar("ODC_TRANSPORT", "`auto`",
            "`odc.engine`, `odc.fsdp`, `odc.backend`, `odc.bench`; the test worker `odc-rank-worker`",
@@ -60,20 +61,21 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "engine"),
     EnvVar("ODC_LANDING_MB", "256", "odc-core `engine::config`",
            "Per-rank budget of landing slots in MiB. The landing chunk (2 MiB) shrinks as the shard group grows, "
-           "down to 64 KiB; a group that does not fit even then fails at registration naming the budget it needs.",
+           "down to 64 KiB; a group that does not fit even then fails at registration naming the budget it needs. "
+           "A value that is not a positive whole number is a `ConfigError` when the engine starts.",
            "engine"),
     EnvVar("ODC_NODE_CACHE_MB", "1024 where nodes are joined by a network (`mixed`), off on `shm`",
            "odc-core `engine::config`",
            "Per-node bound in MiB of the node cache of remote shards (full sharding across nodes): a version of a "
            "shard owned on another node crosses once per node and serves every node-mate's gathers of it; least "
-           "recently used pieces are evicted beyond the bound; `0` turns it off; fractions such as `0.5` are allowed. "
-           "Equal on every rank.",
+           "recently used pieces are evicted beyond the bound; `0` turns it off; fractions such as `0.5` are allowed; "
+           "anything else (negative, `1GiB`) is a `ConfigError` when the engine starts. Equal on every rank.",
            "engine"),
     EnvVar("ODC_CROSS_NODE", "`auto`", "odc-core `engine::config`",
            "How gradients for owners on other nodes cross under full sharding: `direct` (every rank pushes its own), "
            "`node` (summed on the node, pushed once per node when its last rank finished the minibatch), `auto` "
-           "(`node` where nodes are joined by a network, `direct` on one host or with deterministic sums). Equal "
-           "on every rank.", "engine"),
+           "(`node` where nodes are joined by a network, `direct` on one host or with deterministic sums); another "
+           "name is a `ConfigError` when the engine starts. Equal on every rank.", "engine"),
     EnvVar("ODC_JOB_KEY", "`default` (the `odc` backend: torchelastic's run id, else a random token)",
            "odc-core `engine::config`; `odc.backend`",
            "Names this job's shared-memory segments, so that two jobs on one host do not meet. A crashed run's "
