@@ -15,6 +15,7 @@
 //! | [`partials`] | hybrid sharding: accumulators change again only after every other node read this rank's partial sums |
 //! | [`pieces`] | hybrid-zero: a piece is overwritten only after every other node copied it; a node shard is announced only when every piece of its version is in |
 //! | `handoff` | a client's own slice goes to its own server by pointer, read only under a claim |
+//! | [`membership`] | elastic hybrid (the rule only, not yet driven by the engine): a minibatch's cross-node sum counts a node's partials only if every member's every rank read them; a member's death before that voids the round, and the minibatch runs again over the survivors |
 //! | [`claims`] | work stealing: each microbatch of a rank's list is claimed once, by the rank from the front or for a thief from the back, by one compare-and-swap in the rank's memory |
 //!
 //! Every word stores a **stamp**, value + 1 (0: never written), except the
@@ -28,6 +29,7 @@ pub mod cache;
 pub mod claims;
 pub mod finish;
 pub(crate) mod handoff;
+pub mod membership;
 pub mod nodesum;
 pub mod partials;
 pub mod pieces;
