@@ -37,3 +37,51 @@ def test_node_sums_match_single_process_with_a_whole_node_idle():
     node = [out[r]["full"]["cache"] for r in range(PER_NODE)]
     assert sum(c["hits"] for c in node) >= sum(c["fetched"] for c in node), node
     assert out[0]["max_diff"]["full"] < 1e-5, out[0]["max_diff"]
+
+
+def _aggregator_dies_holding_a_node_buffer(rank, world, store, per_node):
+    # Rank 0 sums node 0's gradients for rank 2 (the other node's local rank 0). Rank 1's chunk for rank 2
+    # lands in rank 0's node buffer, rank 0 adds its own, and dies before its finish would push the sum.
+    import os
+    import time
+
+    import torch
+
+    import odc
+
+    eng = odc.Engine(store, rank, world, local_world_size=per_node, transport="shm", cross_node="node",
+                     timeout=5, job_key=f"pytest-nodebuf-{os.getppid()}")
+    eng.register([odc.Bucket("a", 4096, torch.float32)])
+    eng.publish("a", torch.zeros(eng.bucket("a")["shard_len"]), 0)
+    assert eng.cross_node == "node", eng.cross_node
+    if rank == 1:
+        eng.scatter_accumulate("a", torch.ones(4096))
+        store.set("pushed", "1")
+    if rank == 0:
+        store.wait(["pushed"])
+        eng.scatter_accumulate("a", torch.ones(4096))
+        time.sleep(0.5)  # rank 1's chunk acknowledged into the buffer
+        os._exit(3)
+    if rank >= 2:
+        eng.scatter_accumulate("a", torch.ones(4096))
+    t0 = time.monotonic()
+    try:
+        eng.finish_minibatch(0)
+    except odc.PeerError as e:
+        return {"type": type(e).__name__, "peer": e.peer, "message": str(e), "elapsed": time.monotonic() - t0}
+    return {"type": None}
+
+
+def test_an_aggregator_killed_holding_a_node_buffer_is_named_not_a_hang():
+    # Under cross_node="node" a rank holds its node's sums for the other node's ranks of its local rank. Killed
+    # with one node-mate's chunk in that buffer, the sum never goes: its owner (rank 2) and its node-mate
+    # (rank 1, whose done waits on it) name rank 0 within the deadline; rank 3, whose gradients wait on rank 1
+    # as its aggregator on node 0, names rank 0 or rank 1 (which failed first). Nobody hangs or finishes.
+    res = run_ranks(_aggregator_dies_holding_a_node_buffer, WORLD, timeout=60, per_node=PER_NODE)
+    assert res[0][0] != "ok", res
+    for r, allowed in ((1, {0}), (2, {0}), (3, {0, 1})):
+        status, out = res[r]
+        assert status == "ok", (r, res[r])
+        assert out["type"] in ("PeerDied", "PeerTimeout"), (r, out)
+        assert out["peer"] in allowed and f"rank {out['peer']}" in out["message"], (r, out)
+        assert out["elapsed"] < 5 + 10, (r, out)
