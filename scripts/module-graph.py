@@ -21,7 +21,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "odc-core" / "src"
 
 LAYERS = [
-    {"error", "sync", "topology", "layout", "store", "control", "region", "protocol", "wait"},
+    {"error", "sync", "topology", "layout", "store", "control", "region", "protocol", "wait", "elastic"},
     {"transport", "plane", "gpu"},
     {"engine"},
     {"client", "server"},

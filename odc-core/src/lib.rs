@@ -146,6 +146,7 @@
 #![cfg_attr(loom, allow(dead_code))]
 
 pub mod control;
+pub mod elastic;
 pub mod error;
 pub mod gpu;
 pub mod layout;

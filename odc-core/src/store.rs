@@ -37,6 +37,23 @@ pub trait Store: Send + Sync {
     fn multi_get(&self, keys: &[&str]) -> Result<Vec<Vec<u8>>> {
         get_each(self, keys)
     }
+
+    /// Atomically sets `key` to `desired` if it holds `expected` (`None`:
+    /// unset), and returns the value it holds after the call: `desired`
+    /// when this call swapped it in, else the value that stopped it (torch's
+    /// `Store.compare_set`). Values compared are never empty. A caller
+    /// tells its own swap from another's only by a value no other caller
+    /// writes (two callers swapping in the same value both read it back).
+    /// Only elastic membership rounds use it ([`crate::elastic`]); the
+    /// default refuses (a store without it cannot run them).
+    fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
+        let _ = (expected, desired);
+        Err(Error::Store {
+            op: "compare_set",
+            key: key.to_owned(),
+            detail: "this store has no compare-and-set".into(),
+        })
+    }
 }
 
 /// The values of `keys` read one by one, each required to be set: what
@@ -193,25 +210,43 @@ impl Store for FileStore {
     }
 
     fn add(&self, key: &str, delta: i64) -> Result<i64> {
-        // Serialize read-modify-write through an advisory lock on a lock file.
+        self.locked("add", key, || {
+            let new = added(key, self.get(key)?.as_deref(), delta)?;
+            self.write_atomic(key, new.to_string().as_bytes())?;
+            Ok(new)
+        })
+    }
+
+    fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<Vec<u8>> {
+        self.locked("compare_set", key, || {
+            let cur = self.get(key)?;
+            if cur.as_deref() == expected {
+                self.write_atomic(key, desired)?;
+                return Ok(desired.to_vec());
+            }
+            Ok(cur.unwrap_or_default())
+        })
+    }
+}
+
+impl FileStore {
+    /// Runs `f` holding the advisory lock of `key` (a read-modify-write
+    /// that no other `add` or `compare_set` of the key interleaves).
+    fn locked<T>(&self, op: &'static str, key: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
         let lock_path = self.path(&format!("{key}.lock"));
         let lock = fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
             .open(&lock_path)
-            .map_err(|e| Self::err("add", key, e))?;
+            .map_err(|e| Self::err(op, key, e))?;
         let fd = lock.as_raw_fd();
         // SAFETY: `fd` is an open descriptor owned by `lock`, which outlives
         // the call; flock has no memory-safety preconditions.
         if unsafe { libc::flock(fd, libc::LOCK_EX) } != 0 {
-            return Err(Self::err("add", key, std::io::Error::last_os_error()));
+            return Err(Self::err(op, key, std::io::Error::last_os_error()));
         }
-        let result = (|| {
-            let new = added(key, self.get(key)?.as_deref(), delta)?;
-            self.write_atomic(key, new.to_string().as_bytes())?;
-            Ok(new)
-        })();
+        let result = f();
         // SAFETY: as above; unlocking a descriptor we locked.
         unsafe { libc::flock(fd, libc::LOCK_UN) };
         result
@@ -257,6 +292,57 @@ mod tests {
         assert!(matches!(err, Err(Error::Store { op: "wait", .. })));
         assert_eq!(s.add("n", 2).unwrap(), 2);
         assert_eq!(s.add("n", -5).unwrap(), -3);
+    }
+
+    #[test]
+    fn compare_set_swaps_only_the_expected_value_and_counts_exactly_under_contention() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Arc::new(FileStore::new(dir.path()).unwrap());
+        assert_eq!(s.compare_set("k", Some(b"x"), b"y").unwrap(), b"");
+        assert_eq!(
+            s.get("k").unwrap(),
+            None,
+            "an unset key is not swapped from a value"
+        );
+        assert_eq!(s.compare_set("k", None, b"1").unwrap(), b"1");
+        assert_eq!(
+            s.compare_set("k", None, b"2").unwrap(),
+            b"1",
+            "set: not swapped"
+        );
+        assert_eq!(s.compare_set("k", Some(b"1"), b"2").unwrap(), b"2");
+        // 4 threads x 25 increments by compare-and-set, each retrying on a lost swap: exactly 100. Each value
+        // names its writer: a swap is won when the value after it is this writer's (two writers swapping the
+        // same count in would both read their value back, and one increment would be lost).
+        let workers: Vec<_> = (0..4)
+            .map(|t| {
+                let s = Arc::clone(&s);
+                std::thread::spawn(move || {
+                    for _ in 0..25 {
+                        loop {
+                            let cur = s.get("n").unwrap();
+                            let text = cur
+                                .as_deref()
+                                .map(|b| std::str::from_utf8(b).unwrap().to_owned());
+                            let v: u32 = text
+                                .as_deref()
+                                .map_or(0, |t| t.split('@').next().unwrap().parse().unwrap());
+                            let want = format!("{}@{t}", v + 1);
+                            if s.compare_set("n", cur.as_deref(), want.as_bytes()).unwrap()
+                                == want.as_bytes()
+                            {
+                                break;
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().unwrap();
+        }
+        let last = String::from_utf8(s.get("n").unwrap().unwrap()).unwrap();
+        assert_eq!(last.split('@').next(), Some("100"), "{last}");
     }
 
     #[test]

@@ -118,6 +118,24 @@ impl Store for PyStore {
         })
     }
 
+    /// torch's `Store.compare_set`: its expected value `""` stands for an
+    /// unset key (the values compared are never empty).
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> odc_core::Result<Vec<u8>> {
+        Python::attach(|py| {
+            let want = PyBytes::new(py, expected.unwrap_or_default());
+            self.obj
+                .bind(py)
+                .call_method1("compare_set", (key, want, PyBytes::new(py, desired)))
+                .and_then(|v| v.extract::<Vec<u8>>())
+                .map_err(|e| store_err("compare_set", key, e))
+        })
+    }
+
     /// torch's `Store.multi_get` (one request for every rank's post), or
     /// the keys one by one on a store object without it.
     fn multi_get(&self, keys: &[&str]) -> odc_core::Result<Vec<Vec<u8>>> {

@@ -206,6 +206,15 @@ impl Store for Counting {
         self.ops[3].fetch_add(1, Ordering::Relaxed);
         self.inner.add(key, delta)
     }
+    fn compare_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: &[u8],
+    ) -> odc_core::Result<Vec<u8>> {
+        self.ops[3].fetch_add(1, Ordering::Relaxed);
+        self.inner.compare_set(key, expected, desired)
+    }
     /// One request, as torch's `multi_get` is (the file store reads the
     /// keys one by one).
     fn multi_get(&self, keys: &[&str]) -> odc_core::Result<Vec<Vec<u8>>> {
