@@ -356,12 +356,16 @@ fn claim(cache: &NodeCache, entry: usize, word: u64, version: u64) -> Claimed {
             if layout.direct() {
                 break; // its own slot is being filled by a dead claim: taken over below
             }
-            match cache::victim((0..layout.slots).map(|s| {
-                (
-                    cache.slot_word(s).load(Ordering::Acquire),
-                    cache.slot_used(s).load(Ordering::Relaxed),
-                )
-            })) {
+            match cache::victim(
+                (0..layout.slots).map(|s| {
+                    (
+                        cache.slot_word(s).load(Ordering::Acquire),
+                        cache.slot_used(s).load(Ordering::Relaxed),
+                        cache.slot_readers(s).load(Ordering::Relaxed),
+                    )
+                }),
+                all_readers(layout.local),
+            ) {
                 Some(s) => slot = s,
                 None => break,
             }
@@ -381,6 +385,9 @@ fn claim(cache: &NodeCache, entry: usize, word: u64, version: u64) -> Claimed {
             )
             .is_ok()
         {
+            // A new fill: nobody has read it yet (advice only; a late reader
+            // of the old fill setting its bit costs nothing but a choice).
+            cache.slot_readers(slot).store(0, Ordering::Relaxed);
             if slot != guess {
                 ent.store(cache::claim(version, slot, me), Ordering::Release);
             }
@@ -436,10 +443,26 @@ fn give_back(cache: &NodeCache, entry: usize, slot: usize) {
     );
 }
 
-/// Records a use of `slot` (the node clock's next tick).
+/// Records a use of `slot` by this rank (the node clock's next tick, and
+/// this rank among the fill's readers).
 fn touch(cache: &NodeCache, slot: usize) {
     let tick = cache.clock().fetch_add(1, Ordering::Relaxed) + 1;
     cache.slot_used(slot).store(tick, Ordering::Relaxed);
+    if cache.me < 64 {
+        cache
+            .slot_readers(slot)
+            .fetch_or(1 << cache.me, Ordering::Relaxed);
+    }
+}
+
+/// The readers' set of a fill every node-mate of a node of `local` ranks
+/// has read; 0 (plain LRU) beyond 64 ranks per node.
+fn all_readers(local: usize) -> u64 {
+    match local {
+        64 => u64::MAX,
+        l if l < 64 => (1 << l) - 1,
+        _ => 0,
+    }
 }
 
 /// Copies `piece` out of `slot`, which held it ready at the version when

@@ -9,12 +9,13 @@
 //! node's **slots** (node memory of one piece each) number
 //! `min(entries, bound / piece)`: with room for every entry, entry `e`
 //! lives in slot `e` and nothing is ever evicted; with less, a missing
-//! entry takes the least recently used slot.
+//! entry takes the least recently used slot, preferring one every
+//! node-mate has read since it was filled.
 //!
 //! Each rank of the node registers a cache region holding its share, laid
 //! out alike: a header line (the node's use clock, in local rank 0's), the
-//! entry words of entries `e ≡ me (mod G)`, the slot words and use stamps
-//! of slots `s ≡ me (mod G)`, then those slots' data. Node-mates map each
+//! entry words of entries `e ≡ me (mod G)`, the slot words, use stamps and
+//! readers of slots `s ≡ me (mod G)`, then those slots' data. Node-mates map each
 //! other's regions (`Transport::mapped`); nothing here crosses the network.
 //!
 //! This module computes places and hands out words and pointers; it never
@@ -104,7 +105,7 @@ impl CacheLayout {
         let share = |n: usize| n.div_ceil(local);
         let off_entries = LINE;
         let off_slots = off_entries + round_line(share(entries) * 8);
-        let off_data = off_slots + round_line(share(slots) * 16);
+        let off_data = off_slots + round_line(share(slots) * 24);
         let region_len = off_data + share(slots) * slot_bytes;
         Some(CacheLayout {
             buckets: cb,
@@ -153,9 +154,10 @@ impl CacheLayout {
         (e % self.local, self.off_entries + (e / self.local) * 8)
     }
 
-    /// (local rank, byte offset) of slot `s`'s word; its use stamp follows.
+    /// (local rank, byte offset) of slot `s`'s word; its use stamp and its
+    /// readers follow.
     fn slot_at(&self, s: usize) -> (usize, usize) {
-        (s % self.local, self.off_slots + (s / self.local) * 16)
+        (s % self.local, self.off_slots + (s / self.local) * 24)
     }
 
     /// (local rank, byte offset) of slot `s`'s data.
@@ -293,6 +295,13 @@ impl NodeCache {
     pub(crate) fn slot_used(&self, s: usize) -> &AtomicU64 {
         let (q, at) = self.layout.slot_at(s);
         self.word((q, at + 8))
+    }
+
+    /// The node-mates (a bit per local rank below 64) that read slot `s`'s
+    /// fill, its fetcher included: advice for eviction only.
+    pub(crate) fn slot_readers(&self, s: usize) -> &AtomicU64 {
+        let (q, at) = self.layout.slot_at(s);
+        self.word((q, at + 16))
     }
 
     /// Slot `s`'s data: `layout.slot_bytes` bytes.

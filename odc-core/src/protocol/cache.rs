@@ -26,7 +26,8 @@
 //! entry and is not filling, and keeps the copy only if the slot word is
 //! unchanged afterwards: a slot evicted (taken for another entry) while it
 //! was read is caught, and the reader reads again. Eviction takes the least
-//! recently used slot ([`victim`]); a slot being filled is never taken.
+//! recently used slot, preferring one every node-mate has read since it was
+//! filled ([`victim`]); a slot being filled is never taken.
 //!
 //! Why a version can be overwritten in place: a fetcher of version `v + 1`
 //! exists only once the owner published it, which it does only after every
@@ -242,16 +243,28 @@ impl Slot {
     }
 }
 
-/// The slot to evict for a new entry: the least recently used (smallest
-/// use stamp) of those not being filled, given `(slot word, last use)` per
-/// slot; `None` when every slot is being filled.
-pub fn victim(slots: impl IntoIterator<Item = (u64, u64)>) -> Option<usize> {
-    slots
+/// The slot to evict for a new entry, given `(slot word, last use,
+/// readers)` per slot and `all`, the readers' set once every node-mate has
+/// read a fill: of the slots not being filled, the least recently used
+/// (smallest use stamp) among those every node-mate has read since they
+/// were filled, else the least recently used of all. A fill some node-mate
+/// has not read yet is one a node-mate running behind is likely still to
+/// need, which plain LRU evicts first when node-mates run out of phase.
+/// `None` when every slot is being filled. (`all == 0`: plain LRU.)
+pub fn victim(slots: impl IntoIterator<Item = (u64, u64, u64)>, all: u64) -> Option<usize> {
+    let free: Vec<(usize, u64, bool)> = slots
         .into_iter()
         .enumerate()
-        .filter(|(_, (w, _))| !Slot::decode(*w).filling)
-        .min_by_key(|(_, (_, used))| *used)
-        .map(|(i, _)| i)
+        .filter(|(_, (w, _, _))| !Slot::decode(*w).filling)
+        .map(|(i, (_, used, readers))| (i, used, all != 0 && readers & all == all))
+        .collect();
+    let lru = |read: bool| {
+        free.iter()
+            .filter(|s| s.2 || !read)
+            .min_by_key(|s| s.1)
+            .map(|s| s.0)
+    };
+    lru(true).or_else(|| lru(false))
 }
 
 #[cfg(test)]
@@ -339,8 +352,41 @@ mod tests {
             .encode()
         };
         let busy = Slot::claim(idle(0), 5);
-        assert_eq!(victim([(idle(0), 9), (busy, 1), (idle(2), 4)]), Some(2));
-        assert_eq!(victim([(busy, 1)]), None);
-        assert_eq!(victim([(0, 0), (idle(1), 0)]), Some(0));
+        assert_eq!(
+            victim([(idle(0), 9, 0), (busy, 1, 0), (idle(2), 4, 0)], 0),
+            Some(2)
+        );
+        assert_eq!(victim([(busy, 1, 0)], 0), None);
+        assert_eq!(victim([(0, 0, 0), (idle(1), 0, 0)], 0), Some(0));
+    }
+
+    #[test]
+    fn the_victim_is_one_every_node_mate_has_read_where_there_is_one() {
+        let idle = |e| {
+            Slot {
+                entry: Some(e),
+                gen: 1,
+                filling: false,
+            }
+            .encode()
+        };
+        // Node-mates 0..3 (all = 0b111): slot 0 is the oldest but node-mate 2 has not read it.
+        let slots = [
+            (idle(0), 1, 0b011),
+            (idle(1), 5, 0b111),
+            (idle(2), 3, 0b111),
+        ];
+        assert_eq!(victim(slots, 0b111), Some(2));
+        // None read by all: plain LRU.
+        assert_eq!(
+            victim([(idle(0), 1, 0b011), (idle(1), 5, 0b001)], 0b111),
+            Some(0)
+        );
+        // A full mask on a slot being filled does not make it a victim.
+        let busy = Slot::claim(idle(3), 4);
+        assert_eq!(
+            victim([(idle(0), 9, 0b001), (busy, 1, 0b111)], 0b111),
+            Some(0)
+        );
     }
 }
