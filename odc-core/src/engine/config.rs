@@ -243,8 +243,8 @@ pub struct EngineConfig {
     /// that gathers a shard version owned on another node fetches it into
     /// node shared memory, and its node-mates read it from there, so each
     /// version crosses the network once per node while it stays cached
-    /// ([`crate::protocol::cache`]; least recently used pieces are evicted
-    /// beyond the bound). `None` (the default, `ODC_NODE_CACHE_MB` unset):
+    /// ([`crate::protocol::cache`]; beyond the bound the least recently
+    /// used pieces are evicted, those every node-mate has read first). `None` (the default, `ODC_NODE_CACHE_MB` unset):
     /// [`DEFAULT_NODE_CACHE`] where the nodes are joined by a network (the
     /// `mixed` transport), off where every rank shares one host (`shm`:
     /// nothing would cross a network). `Some(0)` turns it off. Each

@@ -67,9 +67,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
     EnvVar("ODC_NODE_CACHE_MB", "1024 where nodes are joined by a network (`mixed`), off on `shm`",
            "odc-core `engine::config`",
            "Per-node bound in MiB of the node cache of remote shards (full sharding across nodes): a version of a "
-           "shard owned on another node crosses once per node and serves every node-mate's gathers of it; least "
-           "recently used pieces are evicted beyond the bound; `0` turns it off; fractions such as `0.5` are allowed; "
-           "anything else (negative, `1GiB`) is a `ConfigError` when the engine starts. Equal on every rank.",
+           "shard owned on another node crosses once per node and serves every node-mate's gathers of it; beyond "
+           "the bound the least recently used pieces are evicted, those every node-mate has read first; `0` "
+           "turns it off; fractions such as `0.5` are allowed; anything else (negative, `1GiB`) is a `ConfigError` "
+           "when the engine starts. Equal on every rank.",
            "engine"),
     EnvVar("ODC_CROSS_NODE", "`auto`", "odc-core `engine::config`",
            "How gradients for owners on other nodes cross under full sharding: `direct` (every rank pushes its own), "
