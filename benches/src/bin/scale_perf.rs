@@ -206,14 +206,15 @@ impl Store for Counting {
         self.ops[3].fetch_add(1, Ordering::Relaxed);
         self.inner.add(key, delta)
     }
+    /// Counted with the adds (a read-modify-write, as `add` is).
     fn compare_set(
         &self,
         key: &str,
-        expected: Option<&[u8]>,
-        desired: &[u8],
+        want: Option<&[u8]>,
+        value: &[u8],
     ) -> odc_core::Result<Vec<u8>> {
         self.ops[3].fetch_add(1, Ordering::Relaxed);
-        self.inner.compare_set(key, expected, desired)
+        self.inner.compare_set(key, want, value)
     }
     /// One request, as torch's `multi_get` is (the file store reads the
     /// keys one by one).

@@ -341,16 +341,18 @@ mod tests {
         assert_eq!(Slot::decode(0).entry, None);
     }
 
+    /// The word of a slot holding entry `e`, not being filled.
+    fn idle(e: usize) -> u64 {
+        Slot {
+            entry: Some(e),
+            gen: 1,
+            filling: false,
+        }
+        .encode()
+    }
+
     #[test]
     fn the_victim_is_the_least_recently_used_slot_not_being_filled() {
-        let idle = |e| {
-            Slot {
-                entry: Some(e),
-                gen: 1,
-                filling: false,
-            }
-            .encode()
-        };
         let busy = Slot::claim(idle(0), 5);
         assert_eq!(
             victim([(idle(0), 9, 0), (busy, 1, 0), (idle(2), 4, 0)], 0),
@@ -362,14 +364,6 @@ mod tests {
 
     #[test]
     fn the_victim_is_one_every_node_mate_has_read_where_there_is_one() {
-        let idle = |e| {
-            Slot {
-                entry: Some(e),
-                gen: 1,
-                filling: false,
-            }
-            .encode()
-        };
         // Node-mates 0..3 (all = 0b111): slot 0 is the oldest but node-mate 2 has not read it.
         let slots = [
             (idle(0), 1, 0b011),
