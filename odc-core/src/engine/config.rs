@@ -267,22 +267,13 @@ pub struct EngineConfig {
 }
 
 impl Default for EngineConfig {
+    /// The built-in settings, with the `ODC_*` variables that set them
+    /// ([`check_env`] is what refuses a malformed one: here it is skipped).
     fn default() -> EngineConfig {
-        let timeout = std::env::var("ODC_TIMEOUT_S")
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map_or(Duration::from_secs(300), Duration::from_secs_f64);
-        let landing_budget = std::env::var("ODC_LANDING_MB")
-            .ok()
-            .and_then(|s| s.trim().parse::<usize>().ok())
-            .filter(|&mb| mb > 0)
-            .map_or(crate::control::DEFAULT_LANDING_BUDGET, |mb| {
-                mb.saturating_mul(1 << 20)
-            });
-        let node_cache = std::env::var("ODC_NODE_CACHE_MB")
-            .ok()
-            .and_then(|s| node_cache_bytes(s.trim().parse::<f64>().ok()?));
+        let timeout = lenient(env_timeout()).unwrap_or(Duration::from_secs(300));
+        let landing_budget =
+            lenient(env_landing_budget()).unwrap_or(crate::control::DEFAULT_LANDING_BUDGET);
+        let node_cache = lenient(env_node_cache());
         EngineConfig {
             chunk_bytes: 2 << 20,
             landing_budget,
@@ -295,13 +286,73 @@ impl Default for EngineConfig {
             sharding: Sharding::Full,
             device: None,
             node_cache,
-            cross_node: std::env::var("ODC_CROSS_NODE")
-                .ok()
-                .and_then(|s| CrossNode::parse(&s))
-                .unwrap_or_default(),
+            cross_node: lenient(env_cross_node()).unwrap_or_default(),
             heap_reserve: 0,
         }
     }
+}
+
+/// A variable's value, trimmed; `None` when unset or blank.
+fn env_set(name: &str) -> Option<String> {
+    std::env::var(name)
+        .ok()
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+}
+
+/// Variable `name` through `parse`: `None` when unset or blank, a
+/// [`Error::Config`] naming the variable, its value and `want` when `parse`
+/// refuses it.
+fn env_parsed<T>(
+    name: &str,
+    want: &str,
+    parse: impl FnOnce(&str) -> Option<T>,
+) -> crate::Result<Option<T>> {
+    match env_set(name) {
+        None => Ok(None),
+        Some(v) => parse(&v)
+            .map(Some)
+            .ok_or_else(|| Error::Config(format!("{name}={v:?} is not {want}"))),
+    }
+}
+
+/// What [`EngineConfig::default`] takes of a variable: its value, or none
+/// where it is malformed (the error is [`check_env`]'s to raise).
+fn lenient<T>(v: crate::Result<Option<T>>) -> Option<T> {
+    v.ok().flatten()
+}
+
+fn env_timeout() -> crate::Result<Option<Duration>> {
+    env_parsed("ODC_TIMEOUT_S", "a positive number of seconds", |v| {
+        let s = v
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)?;
+        Some(Duration::from_secs_f64(s))
+    })
+}
+
+fn env_landing_budget() -> crate::Result<Option<usize>> {
+    env_parsed("ODC_LANDING_MB", "a positive whole number of MiB", |v| {
+        let mb = v.parse::<usize>().ok().filter(|&mb| mb > 0)?;
+        Some(mb.saturating_mul(1 << 20))
+    })
+}
+
+fn env_node_cache() -> crate::Result<Option<usize>> {
+    env_parsed(
+        "ODC_NODE_CACHE_MB",
+        "a size in MiB (0 or more; fractions allowed; 0 turns the cache off)",
+        |v| node_cache_bytes(v.parse::<f64>().ok()?),
+    )
+}
+
+fn env_cross_node() -> crate::Result<Option<CrossNode>> {
+    env_parsed(
+        "ODC_CROSS_NODE",
+        &format!("one of {}", CrossNode::NAMES.join(", ")),
+        CrossNode::parse,
+    )
 }
 
 /// Checks the environment variables [`EngineConfig::default`] reads: a
@@ -311,42 +362,10 @@ impl Default for EngineConfig {
 /// with something the user did not ask for. [`Engine::new`](crate::Engine::new)
 /// calls it. Unset or blank variables are fine.
 pub fn check_env() -> crate::Result<()> {
-    fn set(name: &str) -> Option<String> {
-        std::env::var(name)
-            .ok()
-            .map(|v| v.trim().to_owned())
-            .filter(|v| !v.is_empty())
-    }
-    let bad =
-        |name: &str, v: &str, want: &str| Err(Error::Config(format!("{name}={v:?} is not {want}")));
-    if let Some(v) = set("ODC_TIMEOUT_S") {
-        if !v.parse::<f64>().is_ok_and(|s| s.is_finite() && s > 0.0) {
-            return bad("ODC_TIMEOUT_S", &v, "a positive number of seconds");
-        }
-    }
-    if let Some(v) = set("ODC_LANDING_MB") {
-        if !v.parse::<usize>().is_ok_and(|mb| mb > 0) {
-            return bad("ODC_LANDING_MB", &v, "a positive whole number of MiB");
-        }
-    }
-    if let Some(v) = set("ODC_NODE_CACHE_MB") {
-        if v.parse::<f64>().ok().and_then(node_cache_bytes).is_none() {
-            return bad(
-                "ODC_NODE_CACHE_MB",
-                &v,
-                "a size in MiB (0 or more; fractions allowed; 0 turns the cache off)",
-            );
-        }
-    }
-    if let Some(v) = set("ODC_CROSS_NODE") {
-        if CrossNode::parse(&v).is_none() {
-            return bad(
-                "ODC_CROSS_NODE",
-                &v,
-                &format!("one of {}", CrossNode::NAMES.join(", ")),
-            );
-        }
-    }
+    env_timeout()?;
+    env_landing_budget()?;
+    env_node_cache()?;
+    env_cross_node()?;
     Ok(())
 }
 
