@@ -252,19 +252,22 @@ impl Slot {
 /// need, which plain LRU evicts first when node-mates run out of phase.
 /// `None` when every slot is being filled. (`all == 0`: plain LRU.)
 pub fn victim(slots: impl IntoIterator<Item = (u64, u64, u64)>, all: u64) -> Option<usize> {
-    let free: Vec<(usize, u64, bool)> = slots
-        .into_iter()
-        .enumerate()
-        .filter(|(_, (w, _, _))| !Slot::decode(*w).filling)
-        .map(|(i, (_, used, readers))| (i, used, all != 0 && readers & all == all))
-        .collect();
-    let lru = |read: bool| {
-        free.iter()
-            .filter(|s| s.2 || !read)
-            .min_by_key(|s| s.1)
-            .map(|s| s.0)
-    };
-    lru(true).or_else(|| lru(false))
+    // One pass: the oldest slot read by all, and the oldest of any (first wins a tie).
+    // (last use, slot) of each best so far.
+    let (mut read, mut any) = (None::<(u64, usize)>, None::<(u64, usize)>);
+    let older = |best: Option<(u64, usize)>, used: u64| best.is_none_or(|(u, _)| used < u);
+    for (i, (w, used, readers)) in slots.into_iter().enumerate() {
+        if Slot::decode(w).filling {
+            continue;
+        }
+        if all != 0 && readers & all == all && older(read, used) {
+            read = Some((used, i));
+        }
+        if older(any, used) {
+            any = Some((used, i));
+        }
+    }
+    read.or(any).map(|(_, i)| i)
 }
 
 #[cfg(test)]

@@ -200,7 +200,8 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
     for c in configs.values():
         c["speedup_pred"] = _ratio(1.0 - c["bubble_pred"], 1.0 - base["bubble_pred"])
     if run_seconds is not None:
-        compute_scale = run_seconds / (3 * settings.layers * base["units"]) if base["units"] > 0 else 0.0
+        base_s = _compute_seconds(base["units"], settings.layers, 1.0)  # at scale 1
+        compute_scale = run_seconds / base_s if base_s > 0 else 0.0
     return {
         "label": label,
         "world": world,
@@ -212,6 +213,16 @@ def build_point(lengths: Sequence[int], *, world: int, minibatch_size: int, max_
         "compute_scale": compute_scale,
         "configs": configs,
     }
+
+
+def _or_nan(x: float | None) -> float:
+    return float("nan") if x is None else x
+
+
+def _compute_seconds(units: float, layers: int, scale: float) -> float:
+    """Seconds of emulated compute for ``units`` of cost: each unit is a layer's forward (``scale`` seconds at
+    scale 1) and a backward of twice that, on each of ``layers`` layers."""
+    return 3 * layers * scale * units
 
 
 def _predicted_bubble(costs: Sequence[Sequence[Sequence[float]]], mode: str, work: float) -> float:
@@ -531,7 +542,7 @@ def _run_config(ctx: Any, cfg: dict[str, Any], scale: float, model: _Model, engi
     if cfg["mode"] == "odc":
         state["next_version"] = base + n
     # Padding (the baselines' dummy microbatches, weight 0) is compute no sample needed: not counted as busy.
-    dummy_s = sum(3 * model.layers * scale * c for mbs in mine for c, w in mbs if w == 0 and c > 0)
+    dummy_s = sum(_compute_seconds(c, model.layers, scale) for mbs in mine for c, w in mbs if w == 0 and c > 0)
     return {
         "t0": t0,
         "ends": ends,
@@ -615,12 +626,11 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
     for pi, point in enumerate(points):
         sel = {r["config"]: r for r in results if r["point"] == pi}
         med = {name: statistics.median(run["total_s"] for run in r["runs"]) for name, r in sel.items()}
-        comm = {name: r.get("comm_s") for name, r in sel.items()}
-        # Seconds of emulated compute the plan takes (3 layer-costs per layer and microbatch: forward and a backward
-        # of twice its cost), plus the no-compute run's; nan without a calibration run.
-        with_comm = {name: 3 * settings.layers * point["compute_scale"] * cfg["units"]
-                     + (comm[name] if comm[name] is not None else float("nan"))
-                     for name, cfg in point["configs"].items()}
+        comm: dict[str, float | None] = {name: r.get("comm_s") for name, r in sel.items()}
+        # Seconds of emulated compute the plan takes plus its no-compute run's; nan without a calibration run.
+        with_comm = {name: _compute_seconds(cfg["units"], settings.layers, point["compute_scale"])
+                     + _or_nan(comm[name]) for name, cfg in point["configs"].items()}
+        comm_speedup = {name: _ratio(with_comm[BASELINE], t) for name, t in with_comm.items()}
         for name, cfg in point["configs"].items():
             runs = sel[name]["runs"]
             total = med[name]
@@ -651,8 +661,8 @@ def summarize(points: list[dict[str, Any]], results: list[dict[str, Any]], setti
                 # +comm: the compute-only prediction's seconds plus the configuration's no-compute run.
                 "comm_s": comm[name],
                 "predicted_time_with_comm_s": with_comm[name],
-                "speedup_predicted_with_comm": _ratio(with_comm[BASELINE], with_comm[name]),
-                "error_with_comm": _ratio(speedup, _ratio(with_comm[BASELINE], with_comm[name])) - 1.0,
+                "speedup_predicted_with_comm": comm_speedup[name],
+                "error_with_comm": _ratio(speedup, comm_speedup[name]) - 1.0,
                 "wrong": wrong,
                 "stolen_per_minibatch": statistics.median(run["stolen"] for run in runs)
                 / max(1, point["num_minibatches"]),

@@ -374,16 +374,13 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
 def _held_bytes(model: Any, sharded: Sequence[Any]) -> int:
     """Bytes of the storages behind the model's parameters and gradients: the sharded ones and, while a group is
     unsharded, the unsharded ones FSDP registers in their place (each storage once)."""
-    from torch.distributed.tensor import DTensor
-
     seen: set[int] = set()
     total = 0
     for p in itertools.chain(sharded, model.parameters()):
         for t in (p, p.grad):
             if t is None:
                 continue
-            local = t.to_local() if isinstance(t, DTensor) else t
-            storage = local.untyped_storage()
+            storage = _local(t).untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
@@ -391,6 +388,7 @@ def _held_bytes(model: Any, sharded: Sequence[Any]) -> int:
 
 
 def _local(t: Any) -> Any:
+    """A DTensor's local shard; any other tensor itself."""
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
