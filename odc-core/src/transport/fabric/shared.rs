@@ -639,7 +639,10 @@ impl Core {
 
     /// The second half of [`run_op`](Self::run_op): waits for slot `i`'s
     /// completion and frees the slot; past the deadline cancels the
-    /// operation and counts `peer` as dead.
+    /// operation and counts `peer` as dead. Gives up sooner once `peer`'s
+    /// close notice arrives or a rank reports failing because of it (a
+    /// write to a killed peer may otherwise wait for the provider's own
+    /// timeout before it fails).
     pub(super) fn finish_op(
         &self,
         peer: usize,
@@ -647,7 +650,8 @@ impl Core {
         deadline: Instant,
         i: usize,
     ) -> Result<()> {
-        self.finish_op_or(peer, what, deadline, i, &|| false)
+        let gone = || self.notice(peer).is_some() || self.reported(peer).is_some();
+        self.finish_op_or(peer, what, deadline, i, &gone)
     }
 
     /// [`finish_op`](Self::finish_op) that also stops waiting once
@@ -865,7 +869,14 @@ impl Core {
         .encode() else {
             return;
         };
+        // Not the rank this one failed because of: it is dead or failing, and
+        // a post to a killed peer can stall the batch (FI_EAGAIN) before the
+        // notices to the live ranks behind it go out.
+        let blamed = blame.checked_sub(1);
         let live = (0..self.world).filter_map(|peer| {
+            if blamed == Some(peer as u64) {
+                return None;
+            }
             let p = self.peers.get(peer).and_then(OnceLock::get)?;
             let (addr, r) = (p.addr?, p.region(STATUS_ID)?);
             let gone = p.dead.load(Ordering::Acquire) || self.notice(peer).is_some();
