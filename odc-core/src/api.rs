@@ -181,6 +181,23 @@ impl Engine {
         Some(self.core.reg.get()?.cache.as_ref()?.stats())
     }
 
+    /// Elastic hybrid sharding ([`EngineConfig::elastic`]): the nodes whose
+    /// replicas the next minibatch's cross-node sum counts (every node until
+    /// one is dropped); `None` unless elastic.
+    pub fn members(&self) -> Option<Vec<usize>> {
+        let m = self.core.elastic.as_ref()?;
+        Some(crate::elastic::nodes_of(m.members()))
+    }
+
+    /// Elastic hybrid sharding: every node drop this rank saw, oldest first
+    /// (empty unless elastic).
+    pub fn elastic_events(&self) -> Vec<crate::elastic::Event> {
+        self.core
+            .elastic
+            .as_ref()
+            .map_or_else(Vec::new, |m| m.events())
+    }
+
     #[cfg(test)]
     pub(crate) fn core(&self) -> &Core {
         &self.core

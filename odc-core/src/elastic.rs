@@ -1,7 +1,10 @@
 //! Elastic hybrid sharding, the store's side: the rounds of
 //! [`crate::protocol::membership`] kept in the job's store and changed by
-//! compare-and-set ([`Store::compare_set`]). Nothing in the engine calls it
-//! yet; it is the piece a rank's end of minibatch will drive.
+//! compare-and-set ([`Store::compare_set`]), and what an engine with
+//! [`EngineConfig::elastic`](crate::EngineConfig::elastic) keeps of them
+//! (the member nodes, and an [`Event`] per drop). The engine drives the
+//! rounds at the end of each minibatch, in its cross-node sum
+//! (`client::hybrid`).
 //!
 //! A round's key is `{prefix}/round/{k}/{e}`; its value is the rule's
 //! bytes followed by ` @{rank}`, the rank that wrote it, so that a rank
@@ -9,11 +12,92 @@
 //! open round from the same count to the same next count would otherwise
 //! both see "their" value, and one read-in would be lost).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::protocol::membership::{self, Next, Outcome, Round};
+use crate::protocol::membership::{self, Next, Nodes, Outcome, Round};
 use crate::store::Store;
 use crate::{Error, Result};
+
+/// A node dropped from the job, as one surviving rank saw it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Event {
+    /// The minibatch whose cross-node sum left the node out (its
+    /// microbatches there were dropped).
+    pub minibatch: u64,
+    /// The round's epoch that was voided (0 unless an earlier death had
+    /// already voided this minibatch's round).
+    pub epoch: u32,
+    /// The node dropped.
+    pub node: usize,
+    /// The member nodes after it.
+    pub members: Vec<usize>,
+    /// Seconds from the start of this rank's cross-node sum of the
+    /// minibatch to its learning of the death.
+    pub detected_s: f64,
+    /// Seconds from its learning of the death to the round over the
+    /// survivors committing (when this rank may step).
+    pub recovered_s: f64,
+}
+
+/// An elastic engine's membership: the member nodes (a set of
+/// [`membership::MAX_NODES`] bits) and the drops seen so far.
+#[derive(Debug)]
+pub(crate) struct Membership {
+    /// Key prefix of the rounds (the job's).
+    pub(crate) prefix: String,
+    members: AtomicU64,
+    events: Mutex<Vec<Event>>,
+}
+
+impl Membership {
+    /// Every one of `nodes` nodes a member.
+    pub(crate) fn new(prefix: String, nodes: usize) -> Membership {
+        debug_assert!(nodes <= membership::MAX_NODES);
+        let all = if nodes >= 64 {
+            u64::MAX
+        } else {
+            (1u64 << nodes) - 1
+        };
+        Membership {
+            prefix,
+            members: AtomicU64::new(all),
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The member nodes now.
+    pub(crate) fn members(&self) -> Nodes {
+        self.members.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn set_members(&self, m: Nodes) {
+        self.members.store(m, Ordering::Release);
+    }
+
+    pub(crate) fn record(&self, e: Event) {
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(e);
+    }
+
+    /// Every drop seen so far, oldest first.
+    pub(crate) fn events(&self) -> Vec<Event> {
+        self.events
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+}
+
+/// The node indices in `m`, ascending.
+pub fn nodes_of(m: Nodes) -> Vec<usize> {
+    (0..membership::MAX_NODES)
+        .filter(|&n| m & membership::node(n) != 0)
+        .collect()
+}
 
 /// One rank's handle on the rounds of a job.
 pub struct Rounds<'a> {
@@ -88,6 +172,31 @@ impl<'a> Rounds<'a> {
         self.apply(k, e, |r| membership::on_join(r, who))
     }
 
+    /// Node `node` (this rank's) cannot go on: voids the first open round
+    /// it is a member of, in minibatch `k0` or, if `k0` committed, `k0 + 1`
+    /// (its death then counts from there); `members` are `k0`'s members at
+    /// epoch 0. Nothing once a round already dropped the node.
+    pub fn leave(&self, k0: u64, mut members: Nodes, node: usize) -> Result<()> {
+        for k in [k0, k0 + 1] {
+            let mut e = 0;
+            loop {
+                if members & membership::node(node) == 0 {
+                    return Ok(());
+                }
+                let Some(o) = membership::outcome(self.get(k, e)?) else {
+                    self.void(k, e, node)?; // then look again: void (or committed first)
+                    continue;
+                };
+                members = membership::next_members(members, o);
+                match o {
+                    Outcome::Void { .. } => e += 1,
+                    Outcome::Committed { .. } => break,
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Waits until round `(k, e)` is decided, voiding it as soon as
     /// `dead_member` names a member that died; a [`Error::Store`] at
     /// `deadline`.
@@ -139,7 +248,7 @@ mod tests {
     use std::sync::{Arc, Barrier};
 
     use super::*;
-    use crate::protocol::membership::node;
+    use crate::protocol::membership::{node, FRESH};
     use crate::store::FileStore;
 
     /// Every rank of nodes `0..nodes` (`per_node` each) runs minibatch 0: reads in (unless its node is
@@ -202,6 +311,31 @@ mod tests {
                 "learn after {learn}: {out:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_failing_node_voids_the_round_it_would_count_in_and_only_that_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path()).unwrap();
+        let r = Rounds::new(&store, "job", 0);
+        // Minibatch 4 still open: its epoch 0 is voided naming node 1.
+        r.leave(4, 0b111, 1).unwrap();
+        assert_eq!(r.get(4, 0).unwrap(), Round::Void { dead: node(1) });
+        assert_eq!(r.get(5, 0).unwrap(), FRESH, "the next minibatch untouched");
+        // Again (the node's other rank): nothing more, node 1 is out of epoch 1.
+        r.leave(4, 0b111, 1).unwrap();
+        assert_eq!(r.get(4, 1).unwrap(), FRESH);
+        // Minibatch 6 committed before node 2 failed: its death counts from 7.
+        for _ in 0..3 {
+            r.read_in(6, 0, 0b111, 1).unwrap();
+        }
+        r.leave(6, 0b111, 2).unwrap();
+        assert_eq!(r.get(6, 0).unwrap(), Round::Committed { joining: 0 });
+        assert_eq!(r.get(7, 0).unwrap(), Round::Void { dead: node(2) });
+        // Minibatch 8's epoch 0 voided by node 0's death: node 2 voids epoch 1 (it is a member there).
+        r.void(8, 0, 0).unwrap();
+        r.leave(8, 0b111, 2).unwrap();
+        assert_eq!(r.get(8, 1).unwrap(), Round::Void { dead: node(2) });
     }
 
     #[test]

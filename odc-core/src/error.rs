@@ -146,6 +146,22 @@ pub enum Error {
         detail: String,
     },
 
+    /// Elastic hybrid sharding: this rank's node was dropped from the job
+    /// (a rank of it died or failed, and its replica has a hole); the other
+    /// nodes go on without it.
+    #[error(
+        "this rank's node {node} was dropped from the job at minibatch {minibatch} \
+         (elastic hybrid sharding): one of its ranks died or failed, so its replica \
+         cannot serve; the other nodes go on without it. Its ranks must exit \
+         (rejoining a running job is not supported yet)"
+    )]
+    Dropped {
+        /// The node (index of its replica).
+        node: usize,
+        /// The minibatch whose round dropped it.
+        minibatch: u64,
+    },
+
     /// A GPU transport cannot run here: a library or device is missing.
     #[error("GPU unavailable: {0}")]
     GpuUnavailable(#[from] Missing),

@@ -267,11 +267,21 @@ impl PyEngine {
     }
 }
 
+/// A `dict` of `key => value` pairs (each value converted to Python); `?`
+/// on a failed insert.
+macro_rules! py_dict {
+    ($py:expr, $($k:literal => $v:expr),* $(,)?) => {{
+        let d = PyDict::new($py);
+        $(d.set_item($k, $v)?;)*
+        d
+    }};
+}
+
 #[pymethods]
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None, elastic=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -290,6 +300,7 @@ impl PyEngine {
         deterministic: bool,
         cross_node: Option<String>,
         node_cache_mb: Option<f64>,
+        elastic: bool,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -331,6 +342,7 @@ impl PyEngine {
         cfg.device = device;
         cfg.heap_reserve = heap_reserve.unwrap_or(0);
         cfg.deterministic = deterministic;
+        cfg.elastic = elastic;
         if let Some(c) = cross_node {
             cfg.cross_node = CrossNode::parse(&c).ok_or_else(|| {
                 odc_error(
@@ -377,16 +389,28 @@ impl PyEngine {
         let Some(s) = self.engine.node_cache_stats() else {
             return Ok(None);
         };
-        let d = PyDict::new(py);
-        d.set_item("bytes", s.bytes)?;
-        d.set_item("slots", s.slots)?;
-        d.set_item("entries", s.entries)?;
-        d.set_item("fetched", s.fetched)?;
-        d.set_item("hits", s.hits)?;
-        d.set_item("waited", s.waited)?;
-        d.set_item("direct", s.direct)?;
-        d.set_item("taken_over", s.taken_over)?;
+        let d = py_dict!(py, "bytes" => s.bytes, "slots" => s.slots, "entries" => s.entries,
+            "fetched" => s.fetched, "hits" => s.hits, "waited" => s.waited, "direct" => s.direct,
+            "taken_over" => s.taken_over);
         Ok(Some(d.into_any().unbind()))
+    }
+
+    /// Elastic hybrid sharding: the member nodes (`None` unless elastic).
+    #[getter]
+    fn members(&self) -> Option<Vec<usize>> {
+        self.engine.members()
+    }
+
+    /// Elastic hybrid sharding: the node drops this rank saw, oldest first.
+    fn elastic_events(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        (self.engine.elastic_events().into_iter())
+            .map(|e| {
+                let d = py_dict!(py, "minibatch" => e.minibatch, "epoch" => e.epoch, "node" => e.node,
+                    "members" => e.members, "detected_s" => e.detected_s,
+                    "recovered_s" => e.recovered_s);
+                Ok(d.into_any().unbind())
+            })
+            .collect()
     }
 
     #[getter]

@@ -40,6 +40,7 @@ fn class_name(e: &odc_core::Error) -> &'static str {
         E::Cuda { .. } => "CudaError",
         E::Nvshmem { .. } => "NvshmemError",
         E::Fabric { .. } => "FabricError",
+        E::Dropped { .. } => "NodeDropped",
         E::Io(_) => "OdcOSError",
         // `odc_core::Error` is non-exhaustive: a variant added there and not
         // yet here still raises an `OdcError`, with its message.
@@ -167,6 +168,13 @@ fn examples() -> Vec<(&'static str, odc_core::Error)> {
             },
         ),
         ("Io", E::Io(std::io::Error::other("example"))),
+        (
+            "Dropped",
+            E::Dropped {
+                node: 1,
+                minibatch: 3,
+            },
+        ),
     ]
 }
 

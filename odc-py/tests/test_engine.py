@@ -252,6 +252,7 @@ CORE_ERROR_CLASSES = {
     "Fabric": (odc.FabricError, odc.TransportError),
     "ShmSpace": (odc.ShmSpaceError, odc.TransportError),
     "Io": (odc.OdcOSError, odc.OdcError),
+    "Dropped": (odc.NodeDropped, odc.OdcError),
 }
 
 
@@ -271,6 +272,7 @@ def test_error_hierarchy():
     assert raised["PeerDied"].peer == 1 and "rank 1" in str(raised["PeerDied"])
     assert "fi_getinfo" in str(raised["Fabric"]) and "nvshmemx_init_attr" in str(raised["Nvshmem"])
     assert "cuMemCreate" in str(raised["Cuda"])
+    assert "node 1 was dropped" in str(raised["Dropped"]) and "minibatch 3" in str(raised["Dropped"])
     assert "rank 1" in str(raised["Malformed"]) and "bucket" in str(raised["Malformed"])
     with pytest.raises(odc.LayoutError):
         odc.Bucket("x", 0, torch.float32).spec()

@@ -2,14 +2,19 @@
 //! gradient sums at the end of a minibatch, and the wait before this rank's
 //! accumulators may change again (rules: [`crate::protocol::partials`]).
 
+use std::time::Instant;
+
 use odc_kernels::DType;
 
 use super::Worker;
+use crate::elastic::{nodes_of, Event, Membership, Rounds};
 use crate::engine::{load, BucketId};
 use crate::layout::BucketLayout;
+use crate::protocol::membership::{self, Nodes, Outcome};
 use crate::protocol::{partials, pieces};
 use crate::region::{Bell, SignalRef};
 use crate::sync::Ordering;
+use crate::wait::{PeerStatus, LIVENESS_PERIOD};
 use crate::{Error, Result};
 
 impl Worker<'_> {
@@ -23,22 +28,30 @@ impl Worker<'_> {
         stamp: u64,
         bucket: Option<&str>,
     ) -> Result<()> {
+        self.raw_signal(r, offset, stamp)
+            .map_err(|e| self.core.attribute(bucket, e))
+    }
+
+    /// [`Worker::signal_replica`] with the transport's error as it is (an
+    /// elastic engine decides first whether the replica's node died).
+    fn raw_signal(&self, r: usize, offset: usize, stamp: u64) -> Result<()> {
         let sig = SignalRef {
             offset,
             bell: Bell::Client,
         };
-        self.core
-            .transport
-            .put_signal(r, &self.reg.peer_ctrl[r], 0, &[], sig, stamp)
-            .map_err(|e| self.core.attribute(bucket, e))
+        (self.core.transport).put_signal(r, &self.reg.peer_ctrl[r], 0, &[], sig, stamp)
     }
 
     /// Hybrid sharding over several nodes, at the end of minibatch `k`:
     /// tells the replicas this rank's partial sums are final, sums every
     /// node's partial sums in node order into `reduced` (reading the others'
     /// accumulators one chunk at a time), and tells the replicas it has
-    /// read theirs.
+    /// read theirs. An elastic engine sums over the member nodes instead,
+    /// and drops a node that died ([`Worker::reduce_elastic`]).
     pub(super) fn reduce_across_nodes(&self, k: u64) -> Result<()> {
+        if let Some(m) = &self.core.elastic {
+            return self.core.retire_on_failure(self.reduce_elastic(k, m));
+        }
         let (core, reg) = (self.core, self.reg);
         let stamp = k.saturating_add(1);
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
@@ -51,48 +64,10 @@ impl Worker<'_> {
         };
         reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
         signal_all(lay.partial_ready(gs.node))?;
-        // (first accumulator element, first element of `reduced`, elements):
-        // the whole accumulators under hybrid, this rank's piece of every
-        // bucket under hybrid-zero (a reduce-scatter, not an all-reduce).
-        let runs: Vec<(usize, usize, usize)> = if gs.blocks > 1 {
-            let piece = reg.piece();
-            (reg.buckets.iter().enumerate())
-                .map(|(i, b)| {
-                    let n = b.block_len();
-                    (reg.accum_off[i] + piece * n, reg.grad_off[i], n)
-                })
-                .collect()
-        } else {
-            vec![(0, 0, reg.accum_len)]
-        };
-        let len: usize = runs.iter().map(|r| r.2).sum();
-        // SAFETY: `reduced` holds `len` f32s (registration sized it so) that
-        // only this call (under the finish protocol: one finish at a time)
-        // writes; readers use it only after finish_minibatch returns.
-        let sum =
-            unsafe { std::slice::from_raw_parts_mut(reg.reduced.as_ptr().cast::<f32>(), len) };
-        sum.fill(0.0);
-        let add = |dst: &mut [f32], src: &[u8]| {
-            odc_kernels::cpu::accumulate_into_f32(dst, src, DType::F32, 1.0)
-                .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))
-        };
-        let chunk = (lay.chunk_bytes() / 4).max(1);
-        let longest = runs.iter().map(|r| r.2).max().unwrap_or(0);
-        let mut scratch = vec![0u8; chunk.min(longest) * 4];
+        let mut sum = PartialSum::new(self);
         for (n, &r) in gs.replicas.iter().enumerate() {
             if n == gs.node {
-                for &(src, dst, len) in &runs {
-                    // SAFETY: every push of minibatch k is added (the done
-                    // wait) and none of k + 1 can arrive before this rank
-                    // publishes again; the accumulators are stable.
-                    let own = unsafe {
-                        std::slice::from_raw_parts(
-                            reg.accum.as_ptr().cast::<u8>().add(src * 4),
-                            len * 4,
-                        )
-                    };
-                    add(&mut sum[dst..dst + len], own)?;
-                }
+                sum.add_own()?;
                 continue;
             }
             let word = reg.word(lay.partial_ready(n));
@@ -101,23 +76,179 @@ impl Worker<'_> {
                 &|| format!("its partial gradient sums of minibatch {k} (hybrid sharding)"),
                 || Ok((load(word) < stamp).then_some(r)),
             )?;
-            let remote = reg.peer_accum[r].as_ref().ok_or_else(|| {
-                Error::protocol(None, format!("rank {r} published no accumulators"))
-            })?;
-            for &(src, dst, len) in &runs {
-                let mut at = 0;
-                while at < len {
-                    let n_el = chunk.min(len - at);
-                    let buf = &mut scratch[..n_el * 4];
-                    core.transport
-                        .get(r, remote, (src + at) * 4, buf)
-                        .map_err(|e| core.attribute(None, e))?;
-                    add(&mut sum[dst + at..dst + at + n_el], buf)?;
-                    at += n_el;
+            sum.add_replica(r).map_err(|e| core.attribute(None, e))?;
+        }
+        signal_all(lay.partial_read(gs.node))
+    }
+
+    /// Elastic hybrid sharding, at the end of minibatch `k`: sums the
+    /// member nodes' partial sums as [`Worker::reduce_across_nodes`] does,
+    /// reads in to the minibatch's round ([`Rounds`]) and waits until it is
+    /// decided. A member that died (a rank of it gone, a signal or read to
+    /// it failed) voids the round; the sum then runs again over the
+    /// survivors, as the round's next epoch. Returns once a round
+    /// committed, so every rank of every member has read this rank's
+    /// accumulators ([`Worker::wait_partials_read`] has nothing to wait
+    /// for); [`Error::Dropped`] when a round dropped this rank's node.
+    fn reduce_elastic(&self, k: u64, m: &Membership) -> Result<()> {
+        let core = self.core;
+        let me = self.reg.groups.node;
+        let stamp = k.saturating_add(1);
+        let rounds = Rounds::new(&*core.store, &m.prefix, core.topo.rank());
+        let per_node = u32::try_from(core.topo.local_world())
+            .map_err(|_| Error::Config("too many ranks per node".into()))?;
+        let start = Instant::now();
+        let (mut members, mut e) = (m.members(), 0u32);
+        // The last drop, recorded once the next epoch's round is decided.
+        let mut pending: Option<(Event, Instant)> = None;
+        self.reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
+        loop {
+            let decided = match self.sum_members(k, e, members, stamp, &rounds)? {
+                Some(voided) => voided,
+                None => {
+                    rounds.read_in(k, e, members, per_node)?;
+                    let deadline = Instant::now() + core.config.timeout;
+                    let mut probe = Probe::new(self, members);
+                    rounds.outcome(k, e, deadline, || probe.dead())?
+                }
+            };
+            if let Some((mut ev, learnt)) = pending.take() {
+                ev.recovered_s = learnt.elapsed().as_secs_f64();
+                m.record(ev);
+            }
+            let next = membership::next_members(members, decided);
+            match decided {
+                Outcome::Committed { .. } => {
+                    m.set_members(next);
+                    return Ok(());
+                }
+                Outcome::Void { dead } if dead & membership::node(me) != 0 => {
+                    return Err(Error::Dropped {
+                        node: me,
+                        minibatch: k,
+                    });
+                }
+                Outcome::Void { dead } => {
+                    let learnt = Instant::now();
+                    let ev = Event {
+                        minibatch: k,
+                        epoch: e,
+                        node: dead.trailing_zeros() as usize,
+                        members: nodes_of(next),
+                        detected_s: (learnt - start).as_secs_f64(),
+                        recovered_s: 0.0,
+                    };
+                    pending = Some((ev, learnt));
+                    (members, e) = (next, e + 1);
                 }
             }
         }
-        signal_all(lay.partial_read(gs.node))
+    }
+
+    /// One epoch's sum over `members` into `reduced`: `None` when every
+    /// member's partial sums are in, the round's outcome when it was
+    /// decided (voided) first, by this rank or another.
+    fn sum_members(
+        &self,
+        k: u64,
+        e: u32,
+        members: Nodes,
+        stamp: u64,
+        rounds: &Rounds<'_>,
+    ) -> Result<Option<Outcome>> {
+        let reg = self.reg;
+        let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
+        let others = || {
+            (gs.replicas.iter().enumerate())
+                .filter(move |&(n, _)| n != gs.node && members & membership::node(n) != 0)
+                .map(|(n, &r)| (n, r))
+        };
+        for (n, r) in others() {
+            if let Err(err) = self.raw_signal(r, lay.partial_ready(gs.node), stamp) {
+                return self.on_failure(err, r, n, (k, e), rounds).map(Some);
+            }
+        }
+        // In node order, this rank's own partials at its place: replicas
+        // add the same numbers in the same order (bitwise-equal sums).
+        let mut sum = PartialSum::new(self);
+        for (n, r) in (gs.replicas.iter().enumerate())
+            .filter(|&(n, _)| members & membership::node(n) != 0)
+            .map(|(n, &r)| (n, r))
+        {
+            if n == gs.node {
+                sum.add_own()?;
+                continue;
+            }
+            let word = reg.word(lay.partial_ready(n));
+            if let Some(o) = self.await_signal(word, stamp, r, members, (k, e), rounds)? {
+                return Ok(Some(o));
+            }
+            if let Err(err) = sum.add_replica(r) {
+                return self.on_failure(err, r, n, (k, e), rounds).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Waits until `word` reaches `stamp` (replica `r`'s signal): `None`
+    /// then; round `(k, e)`'s outcome when a member's death or another rank
+    /// decided it first (looked at every [`LIVENESS_PERIOD`]).
+    fn await_signal(
+        &self,
+        word: &crate::sync::AtomicU64,
+        stamp: u64,
+        r: usize,
+        members: Nodes,
+        (k, e): (u64, u32),
+        rounds: &Rounds<'_>,
+    ) -> Result<Option<Outcome>> {
+        let bells = &*self.core.transport;
+        let start = Instant::now();
+        let deadline = start + self.core.config.timeout;
+        let mut probe = Probe::new(self, members);
+        loop {
+            let epoch = bells.bell_epoch(Bell::Client);
+            if load(word) >= stamp {
+                return Ok(None);
+            }
+            if probe.due() {
+                if let Some(d) = probe.scan() {
+                    return void(rounds, (k, e), d).map(Some);
+                }
+                if let Some(o) = membership::outcome(rounds.get(k, e)?) {
+                    return Ok(Some(o));
+                }
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                bells.set_blame(r);
+                return Err(Error::PeerTimeout {
+                    peer: r,
+                    bucket: None,
+                    waited_for: format!(
+                        "its partial gradient sums of minibatch {k} (elastic hybrid sharding)"
+                    ),
+                    after: now - start,
+                });
+            }
+            bells.bell_wait(Bell::Client, epoch, LIVENESS_PERIOD.min(deadline - now))?;
+        }
+    }
+
+    /// A signal to or a read from replica `r` (node `n`) failed with `err`:
+    /// voids round `(k, e)` naming `n` if `r` is gone, else `err`.
+    fn on_failure(
+        &self,
+        err: Error,
+        r: usize,
+        n: usize,
+        (k, e): (u64, u32),
+        rounds: &Rounds<'_>,
+    ) -> Result<Outcome> {
+        match self.core.transport.peer_status(r) {
+            PeerStatus::Alive => Err(self.core.attribute(None, err)),
+            PeerStatus::Dead { .. } | PeerStatus::Reported { .. } => void(rounds, (k, e), n),
+        }
     }
 
     /// Hybrid-zero, in the publish of `stamp` (a version + 1) of `bucket`,
@@ -214,7 +345,9 @@ impl Worker<'_> {
     pub(crate) fn wait_partials_read(&self, bucket: Option<&str>) -> Result<()> {
         let reg = self.reg;
         let stamp = load(&reg.partials_out);
-        if !reg.cross_node() || stamp == 0 {
+        // Elastic: the minibatch's committed round says every member read
+        // them (and a dropped node's ranks are not waited for).
+        if !reg.cross_node() || stamp == 0 || self.core.elastic.is_some() {
             return Ok(());
         }
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
@@ -231,5 +364,163 @@ impl Worker<'_> {
                 Ok(partials::lagging_replica(words, gs.node, stamp).map(|n| gs.replicas[n]))
             },
         )
+    }
+}
+
+/// Voids round `(k, e)` naming node `n` (a member that died); the round's
+/// outcome (an earlier void stands).
+fn void(rounds: &Rounds<'_>, (k, e): (u64, u32), n: usize) -> Result<Outcome> {
+    let r = rounds.void(k, e, n)?;
+    membership::outcome(r).ok_or_else(|| {
+        Error::protocol(
+            None,
+            format!("membership round {k}/{e} still open after a void ({r:?})"),
+        )
+    })
+}
+
+/// Liveness of every rank of the member nodes but this one, looked at
+/// once per [`LIVENESS_PERIOD`].
+struct Probe<'w, 'a> {
+    w: &'w Worker<'a>,
+    members: Nodes,
+    next: Instant,
+    remote_after: Instant,
+}
+
+/// How long a wait of an elastic round looks at this node's ranks alone
+/// before it probes the other nodes' too: long enough for a dead rank's
+/// node-mates (who see the death at once) to void the round, so a network
+/// probe is only for a node that died whole.
+const REMOTE_GRACE: std::time::Duration = std::time::Duration::from_millis(250);
+
+impl<'w, 'a> Probe<'w, 'a> {
+    fn new(w: &'w Worker<'a>, members: Nodes) -> Probe<'w, 'a> {
+        let now = Instant::now();
+        Probe {
+            w,
+            members,
+            next: now,
+            remote_after: now + REMOTE_GRACE,
+        }
+    }
+
+    /// Whether a period passed since the last look (the first call: yes).
+    fn due(&mut self) -> bool {
+        let now = Instant::now();
+        if now < self.next {
+            return false;
+        }
+        self.next = now + LIVENESS_PERIOD;
+        true
+    }
+
+    /// The first member node with a rank that is gone: this node's ranks
+    /// from the start, the other nodes' only after [`REMOTE_GRACE`] (a
+    /// network probe of a killed peer may block for seconds, while a death
+    /// the dead rank's node-mates saw voids the round within a poll).
+    fn scan(&self) -> Option<usize> {
+        let topo = &self.w.core.topo;
+        let me = topo.rank();
+        let remote = Instant::now() >= self.remote_after;
+        (0..topo.world())
+            .filter(|&r| r != me && self.members & membership::node(topo.node_of(r)) != 0)
+            .filter(|&r| remote || topo.is_local(r))
+            .find(|&r| self.w.core.transport.peer_status(r) != PeerStatus::Alive)
+            .map(|r| topo.node_of(r))
+    }
+
+    /// [`Probe::scan`], when due.
+    fn dead(&mut self) -> Option<usize> {
+        if self.due() {
+            self.scan()
+        } else {
+            None
+        }
+    }
+}
+
+/// The partial sums of one epoch, added into `reduced` in node order.
+struct PartialSum<'w, 'a> {
+    w: &'w Worker<'a>,
+    /// (first accumulator element, first element of `reduced`, elements).
+    runs: Vec<(usize, usize, usize)>,
+    sum: &'w mut [f32],
+    scratch: Vec<u8>,
+}
+
+impl<'w, 'a> PartialSum<'w, 'a> {
+    /// `reduced` zeroed. The runs: the whole accumulators under hybrid,
+    /// this rank's piece of every bucket under hybrid-zero (a
+    /// reduce-scatter, not an all-reduce).
+    fn new(w: &'w Worker<'a>) -> PartialSum<'w, 'a> {
+        let reg = w.reg;
+        let runs: Vec<(usize, usize, usize)> = if reg.groups.blocks > 1 {
+            let piece = reg.piece();
+            (reg.buckets.iter().enumerate())
+                .map(|(i, b)| {
+                    let n = b.block_len();
+                    (reg.accum_off[i] + piece * n, reg.grad_off[i], n)
+                })
+                .collect()
+        } else {
+            vec![(0, 0, reg.accum_len)]
+        };
+        let len: usize = runs.iter().map(|r| r.2).sum();
+        // SAFETY: `reduced` holds `len` f32s (registration sized it so) that
+        // only the cross-node sum (under the finish protocol: one finish at a
+        // time) writes; readers use it only after finish_minibatch returns.
+        let sum =
+            unsafe { std::slice::from_raw_parts_mut(reg.reduced.as_ptr().cast::<f32>(), len) };
+        sum.fill(0.0);
+        let chunk = (reg.ctrl_layout.chunk_bytes() / 4).max(1);
+        let longest = runs.iter().map(|r| r.2).max().unwrap_or(0);
+        PartialSum {
+            w,
+            runs,
+            sum,
+            scratch: vec![0u8; chunk.min(longest) * 4],
+        }
+    }
+
+    fn add(dst: &mut [f32], src: &[u8]) -> Result<()> {
+        odc_kernels::cpu::accumulate_into_f32(dst, src, DType::F32, 1.0)
+            .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))
+    }
+
+    /// Adds this rank's own accumulators.
+    fn add_own(&mut self) -> Result<()> {
+        let reg = self.w.reg;
+        for &(src, dst, len) in &self.runs {
+            // SAFETY: every push of the minibatch is added (the done wait)
+            // and none of the next can arrive before this rank publishes
+            // again; the accumulators are stable.
+            let own = unsafe {
+                std::slice::from_raw_parts(reg.accum.as_ptr().cast::<u8>().add(src * 4), len * 4)
+            };
+            Self::add(&mut self.sum[dst..dst + len], own)?;
+        }
+        Ok(())
+    }
+
+    /// Adds replica `r`'s accumulators, read one chunk at a time (the
+    /// transport's error as it is: the caller attributes it).
+    fn add_replica(&mut self, r: usize) -> Result<()> {
+        let core = self.w.core;
+        let remote = self.w.reg.peer_accum[r]
+            .as_ref()
+            .ok_or_else(|| Error::protocol(None, format!("rank {r} published no accumulators")))?;
+        let chunk = self.scratch.len() / 4;
+        for &(src, dst, len) in &self.runs {
+            let mut at = 0;
+            while at < len {
+                let n_el = chunk.min(len - at);
+                let buf = &mut self.scratch[..n_el * 4];
+                core.transport.get(r, remote, (src + at) * 4, buf)?;
+                Self::add(&mut self.sum[dst + at..dst + at + n_el], buf)?;
+                at += n_el;
+            }
+        }
+        Ok(())
     }
 }

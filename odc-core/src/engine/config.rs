@@ -258,6 +258,14 @@ pub struct EngineConfig {
     /// [`CrossNode::Auto`] (the default, `ODC_CROSS_NODE`); equal on every
     /// rank.
     pub cross_node: CrossNode,
+    /// Elastic hybrid sharding ([`crate::elastic`]): under
+    /// [`Sharding::Hybrid`] over several nodes, a node whose rank dies is
+    /// dropped at the end of the minibatch and the others go on, summing
+    /// the minibatch's gradients over the surviving nodes (the dead node's
+    /// microbatches are dropped). Refused under the other shardings, where
+    /// one copy of a shard or of its optimizer state dies with its rank.
+    /// Equal on every rank (default off).
+    pub elastic: bool,
     /// `nvshmem` only: bytes of symmetric heap to plan beyond this engine's
     /// own data regions, for the engines this process creates later in the
     /// same job, which share this engine's NVSHMEM session (one per
@@ -288,6 +296,7 @@ impl Default for EngineConfig {
             node_cache,
             cross_node: lenient(env_cross_node()).unwrap_or_default(),
             heap_reserve: 0,
+            elastic: false,
         }
     }
 }

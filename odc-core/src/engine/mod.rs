@@ -71,6 +71,26 @@ impl Core {
                 config.transport.name()
             )));
         }
+        if config.elastic && config.sharding != Sharding::Hybrid {
+            return Err(Error::Config(format!(
+                "elastic training needs sharding=\"hybrid\", where every node holds a whole \
+                 replica of the parameters and the optimizer state; under {} sharding one copy \
+                 of {} lives on one rank and dies with it, so a death must end the job",
+                config.sharding.name(),
+                if config.sharding == Sharding::Full {
+                    "each parameter and gradient shard"
+                } else {
+                    "each shard's optimizer state"
+                }
+            )));
+        }
+        if config.elastic && topology.nodes() > crate::protocol::membership::MAX_NODES {
+            return Err(Error::Config(format!(
+                "elastic training tracks at most {} nodes; this job has {}",
+                crate::protocol::membership::MAX_NODES,
+                topology.nodes()
+            )));
+        }
         let deadline = Instant::now() + config.timeout;
         let key = format!("{}/job_id", config.store_prefix);
         let job_id = if topology.rank() == 0 {
@@ -80,6 +100,12 @@ impl Core {
         } else {
             String::from_utf8_lossy(&wait_get(store.as_ref(), &key, deadline)?).into_owned()
         };
+        let elastic = config.elastic.then(|| {
+            crate::elastic::Membership::new(
+                format!("{}/elastic/{job_id}", config.store_prefix),
+                topology.nodes(),
+            )
+        });
         let transport = crate::transport::create(
             config.transport,
             topology,
@@ -106,6 +132,7 @@ impl Core {
             own: OwnPush::new(),
             push: Mutex::new(PushState::new(world)),
             publish_lock: Mutex::new(()),
+            elastic,
         })
     }
 

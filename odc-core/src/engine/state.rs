@@ -262,6 +262,8 @@ pub(crate) struct Core {
     pub(crate) push: Mutex<PushState>,
     /// Publishes serialize on this.
     pub(crate) publish_lock: Mutex<()>,
+    /// Elastic hybrid sharding: the member nodes and the drops seen.
+    pub(crate) elastic: Option<crate::elastic::Membership>,
 }
 
 impl fmt::Debug for Core {
@@ -327,12 +329,46 @@ impl Core {
         waited_for: &dyn Fn() -> String,
         check: impl FnMut() -> Result<Option<usize>>,
     ) -> Result<()> {
-        self.waiter().wait(bucket, waited_for, check)
+        self.retire_on_failure(self.waiter().wait(bucket, waited_for, check))
     }
 
     /// [`Waiter::attribute`] with this rank's waiter.
     pub(crate) fn attribute(&self, bucket: Option<&str>, err: Error) -> Error {
-        self.waiter().attribute(bucket, err)
+        let e = self.waiter().attribute(bucket, err);
+        self.retire_on(&e);
+        e
+    }
+
+    /// [`Core::retire_on`] for a result.
+    pub(crate) fn retire_on_failure<T>(&self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.retire_on(e);
+        }
+        r
+    }
+
+    /// An elastic engine whose rank failed on a peer (or whose node was
+    /// dropped) takes no further part: it tells the peers at once
+    /// ([`Transport::retire`]), so that the other nodes drop its node within
+    /// a liveness period instead of a network probe's timeout.
+    fn retire_on(&self, e: &Error) {
+        let on_a_peer = matches!(
+            e,
+            Error::PeerDied { .. } | Error::PeerTimeout { .. } | Error::Dropped { .. }
+        );
+        let Some(m) = self.elastic.as_ref().filter(|_| on_a_peer) else {
+            return;
+        };
+        self.transport.retire();
+        // And voids the membership round this rank's node would be counted
+        // in, so the other nodes learn of it through the store within a
+        // poll, not by a probe of a peer they may not be connected to. Best
+        // effort: this rank raises `e` whatever the store says.
+        if let Some(reg) = self.reg.get() {
+            let k0 = reg.finished.load(std::sync::atomic::Ordering::Acquire);
+            let rounds = crate::elastic::Rounds::new(&*self.store, &m.prefix, self.topo.rank());
+            let _ = rounds.leave(k0.saturating_sub(1), m.members(), reg.groups.node);
+        }
     }
 
     pub(crate) fn record_server_error(&self, msg: String) {

@@ -1,7 +1,7 @@
 //! Elastic hybrid sharding: which nodes' replicas a minibatch's cross-node
-//! sum counts, when a node dies or joins. The rule only; nothing in the
-//! engine drives it yet (see the module's tests for the procedure a rank
-//! follows).
+//! sum counts, when a node dies or joins. The rule only; the engine drives
+//! it through [`crate::elastic::Rounds`] (the module's tests follow the
+//! same procedure a rank does). Joining is in the rule but not driven yet.
 //!
 //! Under `sharding="hybrid"` every node holds a whole replica, and at the
 //! end of minibatch `k` each rank sums its shard's partial sums over the

@@ -234,6 +234,11 @@ impl Transport for MixedTransport {
         self.shm.set_blame(peer);
         self.fabric.set_blame(peer);
     }
+
+    fn retire(&self) {
+        self.shm.retire();
+        self.fabric.retire();
+    }
 }
 
 #[cfg(test)]

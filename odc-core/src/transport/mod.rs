@@ -182,6 +182,12 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// Records that this rank failed because of `peer`, so that ranks waiting
     /// on this one can name the root cause.
     fn set_blame(&self, peer: usize);
+
+    /// Tells the peers that this rank takes no further part (an elastic
+    /// engine's rank that failed on a peer or whose node was dropped), as
+    /// closing would, while its memory stays mapped: their liveness probes
+    /// see it closed, naming whom it blamed. The default does nothing.
+    fn retire(&self) {}
 }
 
 /// One operation of a batch ([`Transport::run_batch`]): plain data, with

@@ -618,6 +618,12 @@ impl Transport for ShmTransport {
         PeerStatus::Alive
     }
 
+    fn retire(&self) {
+        self.bell
+            .word(OFF_STATE)
+            .store(STATE_CLOSED, Ordering::Release);
+    }
+
     fn set_blame(&self, peer: usize) {
         let _ = self.bell.word(OFF_BLAME).compare_exchange(
             0,

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import socket
 import time
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CUDA_TRANSPORTS", "DEVICE_TRANSPORTS", "TRANSPORTS", "Bucket", "Engine", "dtype_name", "heap_bytes"]
 
+_elastic_log = logging.getLogger("odc.elastic")
 _DTYPE_NAMES = {"torch.float32": "f32", "torch.bfloat16": "bf16", "torch.float16": "f16"}
 
 
@@ -333,6 +335,17 @@ class Engine:
             it off; fractions of a MiB are allowed). Default
             ``ODC_NODE_CACHE_MB``, else 1024 where nodes are joined by a
             network and off on ``shm``. Equal on every rank.
+        elastic: elastic hybrid sharding (``sharding="hybrid"`` over several
+            nodes only; a ``ConfigError`` under the other shardings, where one
+            copy of a shard or of its optimizer state dies with its rank).
+            When a rank dies, its node is dropped at the end of that
+            minibatch: every surviving node's :meth:`finish_minibatch`
+            returns the sum over the surviving nodes (the dead node's
+            microbatches of that minibatch are dropped), the dead node's
+            other ranks raise :class:`~odc.errors.NodeDropped`, and the job
+            goes on; :attr:`members` and :meth:`elastic_events` say what
+            happened, and each drop is logged on the ``odc.elastic`` logger.
+            Equal on every rank. See the elastic page of the docs.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
@@ -365,6 +378,7 @@ class Engine:
         deterministic: bool = False,
         cross_node: str | None = None,
         node_cache_mb: float | None = None,
+        elastic: bool = False,
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
@@ -400,6 +414,7 @@ class Engine:
                 deterministic=bool(deterministic),
                 cross_node=cross_node,
                 node_cache_mb=node_cache_mb,
+                elastic=bool(elastic),
             )
         finally:
             if addr is not None:
@@ -410,6 +425,8 @@ class Engine:
         self._native = cast(_odc.Engine, _NotingDeadline(native, note))
         self._ids: dict[str, int] = {}
         self._infos: list[dict[str, Any]] = []
+        # Elastic: drops logged so far (None unless elastic).
+        self._drops: int | None = 0 if elastic else None
         # Device engines: the CUDA device (cuda-ipc), the emulated stream
         # (emu-ipc), and the streams enqueued on since the last finish.
         self._cuda: Any = None
@@ -503,6 +520,22 @@ class Engine:
             no cache (one node, not full sharding, ``node_cache_mb=0``).
         """
         return self._native.node_cache_stats()
+
+    @property
+    def members(self) -> list[int] | None:
+        """Elastic hybrid sharding: the nodes the next cross-node sum counts (``None`` unless ``elastic=True``)."""
+        return self._native.members
+
+    def elastic_events(self) -> list[dict[str, Any]]:
+        """Elastic hybrid sharding: every node drop this rank saw, oldest first.
+
+        Each is a dict: ``minibatch`` (whose sum left the node out), ``epoch``
+        (of that minibatch's membership round), ``node``, ``members`` (after),
+        ``detected_s`` (from the start of this rank's cross-node sum to its
+        learning of the death) and ``recovered_s`` (from then to the round
+        over the survivors committing). ``len()`` of it is the drop count.
+        """
+        return self._native.elastic_events()
 
     @property
     def deterministic(self) -> bool:
@@ -631,7 +664,19 @@ class Engine:
                 self._streams.clear()
             self._device_call(self._native.finish_minibatch_device, int(k), stream)
             return
+        seen = self._drops
         self._native.finish_minibatch(int(k))
+        if seen is not None:
+            events = self._native.elastic_events()
+            for ev in events[seen:]:
+                _elastic_log.warning(
+                    "rank %d: node %d dropped at minibatch %d (epoch %d): its microbatches of that minibatch "
+                    "are not in the sum; members now %s; learnt %.3f s into the cross-node sum, survivors' "
+                    "round committed %.3f s later",
+                    self.rank, ev["node"], ev["minibatch"], ev["epoch"], ev["members"], ev["detected_s"],
+                    ev["recovered_s"],
+                )
+            self._drops = len(events)
 
     def grad_shard(self, bucket: BucketRef) -> torch.Tensor:
         """This rank's f32 gradient accumulator of ``bucket``, as a tensor view (no copy).

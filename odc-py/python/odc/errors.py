@@ -14,6 +14,7 @@ __all__ = [
     "GpuUnavailable",
     "LayoutError",
     "MalformedError",
+    "NodeDropped",
     "NvshmemError",
     "OdcError",
     "OdcOSError",
@@ -239,4 +240,19 @@ class PeerDied(PeerError):
 
     What to do: read that rank's own error or crash; this one is its
     consequence.
+    """
+
+
+class NodeDropped(OdcError):
+    """Elastic hybrid sharding dropped this rank's node from the job.
+
+    Raised by ``finish_minibatch`` (and so by ``odc.fsdp``'s end of a
+    minibatch) on the surviving ranks of a node one of whose ranks died or
+    failed: a replica with a hole cannot serve, so the other nodes go on
+    without it from that minibatch on (``odc.Engine(elastic=True)``,
+    ``odc.fsdp.enable(..., elastic=True)``). The message names the node and
+    the minibatch.
+
+    What to do: let the rank exit. Rejoining a running job is not supported
+    yet; the job goes on with the other nodes.
     """

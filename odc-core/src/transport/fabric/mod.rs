@@ -835,6 +835,17 @@ impl Transport for FabricTransport {
     fn set_blame(&self, peer: usize) {
         self.core.blame(peer);
     }
+
+    fn retire(&self) {
+        let c = &self.core;
+        if let Some(w) = (c.regions.get(STATUS_ID as usize))
+            .and_then(OnceLock::get)
+            .and_then(|r| r.word(0))
+        {
+            w.store(STATE_CLOSED, Ordering::Release);
+        }
+        c.send_close_notices();
+    }
 }
 
 impl Drop for FabricTransport {

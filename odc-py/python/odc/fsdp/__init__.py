@@ -171,8 +171,8 @@ from ._state import _NORM_BUCKET
 from ._steal import microbatches
 from ._transport import _param_device, _pick_transport
 
-__all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable", "enable",
-           "evaluation", "finish", "is_enabled", "microbatches", "minibatch"]
+__all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
+           "elastic_events", "enable", "evaluation", "finish", "is_enabled", "members", "microbatches", "minibatch"]
 
 
 def is_enabled(model: Any) -> bool:
@@ -190,6 +190,7 @@ def enable(
     transport: str | None = None,
     deterministic: bool = False,
     cross_node: str | None = None,
+    elastic: bool = False,
 ) -> None:
     """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
 
@@ -278,6 +279,17 @@ def enable(
             joined by a network). Default ``ODC_CROSS_NODE``, else
             ``"auto"``. ``"node"`` with ``deterministic=True`` is a
             ``ConfigError``. See :class:`odc.Engine` and docs/many-nodes.md.
+        elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
+            dies: its node is dropped at the end of that minibatch, the other
+            nodes' gradients are summed without its microbatches of that
+            minibatch (they are dropped), and training continues on the
+            surviving nodes; the dead node's other ranks raise
+            :class:`odc.NodeDropped` (or :class:`odc.PeerDied`) and should
+            exit. :func:`elastic_events` says what was dropped, so a loop can
+            renormalize by the survivors' token count (call :func:`finish`
+            before the optimizer step to look). Refused under ``"full"`` and
+            ``"hybrid-zero"``, where one copy of a shard or of its optimizer
+            state dies with its rank. See docs/elastic.md.
 
     Warns:
         UserWarning: a torch newer than :data:`TORCH_RANGE`, allowed by
@@ -310,6 +322,13 @@ def enable(
             f"odc.fsdp.enable: unknown sharding {sharding!r}; use 'full' (shard over every rank, 1-D mesh), "
             "'hybrid' (shard within a node, 2-D (replicate, shard) mesh) or 'hybrid-zero' (shard within a "
             "node, optimizer state over every rank, 1-D mesh)"
+        )
+    if elastic and sharding != "hybrid":
+        raise ConfigError(
+            f"odc.fsdp.enable: elastic=True needs sharding='hybrid' (a whole replica of the parameters and "
+            f"the optimizer state on every node); under sharding={sharding!r} one copy of "
+            f"{'each parameter and gradient shard' if sharding == 'full' else 'each shard of the optimizer state'} "
+            "lives on one rank and dies with it"
         )
     if fsdp1:
         groups, layout, process_group = _fsdp1.describe(model, sharding)
@@ -346,7 +365,8 @@ def enable(
     if device.type == "cuda":
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":
-        engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid", **kw)
+        engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid",
+                        elastic=elastic, **kw)
     elif layout.sharding == "hybrid-zero":
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, sharding="hybrid-zero", **kw)
     else:
@@ -500,6 +520,22 @@ def evaluation(model: Any) -> Iterator[None]:
         yield
     finally:
         b.end_evaluation()
+
+
+def members(model: Any) -> list[int] | None:
+    """Under ``enable(..., elastic=True)``: the nodes the next minibatch's gradient sum counts; else ``None``."""
+    if solo(model) is not None:
+        return None
+    return _bound(model).engine.members
+
+
+def elastic_events(model: Any) -> list[dict[str, Any]]:
+    """Under ``enable(..., elastic=True)``: every node drop this rank saw, oldest first (see
+    :meth:`odc.Engine.elastic_events`); empty otherwise. An event's ``minibatch`` is the minibatch (counted
+    from 0 since :func:`enable`) whose gradients left out the dropped ``node``'s microbatches."""
+    if solo(model) is not None:
+        return []
+    return _bound(model).engine.elastic_events()
 
 
 def finish(model: Any) -> None:
