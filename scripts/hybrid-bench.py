@@ -31,6 +31,8 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
   ``odc-full-bounded``'s;
 - ``odc-hybrid``: ``sharding="hybrid"`` (HSDP layout, optimizer replicated
   per node);
+- ``odc-hybrid-elastic``: ``odc-hybrid`` with ``elastic=True`` (each
+  minibatch's membership round in the store: its cost when nothing dies);
 - ``odc-hybrid-zero``: ``sharding="hybrid-zero"`` (1-D mesh, optimizer 1/D);
 - ``odc-hybrid-zero-raf``: the same with ``reshard_after_forward=G`` on the
   layers (ZeRO++'s hpZ: FSDP2 keeps 1/G of each gathered layer after the
@@ -66,7 +68,8 @@ import time
 from typing import Any
 
 MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
-         "odc-full-bounded", "odc-full-bounded-node", "odc-hybrid", "odc-hybrid-zero", "odc-hybrid-zero-raf")
+         "odc-full-bounded", "odc-full-bounded-node", "odc-hybrid", "odc-hybrid-elastic", "odc-hybrid-zero",
+         "odc-hybrid-zero-raf")
 
 
 
@@ -86,7 +89,7 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     g = ctx.local_world or ctx.world
     n = ctx.world // g
     model = build_model(ModelSpec(**spec), seed=0)
-    if mode in ("collective-hsdp", "odc-hybrid"):
+    if mode in ("collective-hsdp", "odc-hybrid", "odc-hybrid-elastic"):
         mesh = init_device_mesh("cpu", (n, g), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (ctx.world,))
@@ -98,6 +101,8 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     asked = {"gathered": 0, "pushed": 0}
     if mode.startswith("odc-"):
         sharding = "full" if mode.startswith("odc-full") else mode.removeprefix("odc-").removesuffix("-raf")
+        elastic = mode == "odc-hybrid-elastic"
+        sharding = "hybrid" if elastic else sharding
         if mode in ("odc-full-direct", "odc-full-sums"):
             os.environ["ODC_NODE_CACHE_MB"] = "0"  # read by the engine, in this rank's process only
         if mode == "odc-full-bounded":
@@ -105,7 +110,7 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
         if mode == "odc-full-bounded-node":
             os.environ["ODC_NODE_CACHE_MB"] = str(g * bounded_cache_mb(model, n, g))
         cross = {"odc-full-direct": "direct", "odc-full-cache": "direct", "odc-full-sums": "node"}.get(mode)
-        odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross)
+        odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross, elastic=elastic)
         eng = model._odc_fsdp.engine
         gather, push = eng.gather, eng.scatter_accumulate
 
@@ -172,7 +177,7 @@ def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
     d = n * g
     if mode == "collective-hsdp":
         return 2 * (n - 1) / n * p / g * 4  # ring all-reduce of the node shard, once per minibatch
-    if mode == "odc-hybrid":
+    if mode in ("odc-hybrid", "odc-hybrid-elastic"):
         return (n - 1) * p / g * 4  # reads every other node's partial sums of its node shard
     if mode in ("odc-hybrid-zero", "odc-hybrid-zero-raf"):
         return 2 * (n - 1) * p / d * 4  # reads its piece of the others' partials, then their updated pieces
