@@ -514,6 +514,17 @@ def bench_memory_fits(docs: list[dict[str, Any]]) -> str:
             + table(head, body))
 
 
+def bench_elastic(doc: dict[str, Any]) -> str:
+    """scripts/elastic-bench.py: time per minibatch of hybrid sharding with and without elastic=True, alternated."""
+    a = doc["args"]
+    out = [[str(i), f"{r['hybrid']:.2f}", f"{r['elastic']:.2f}", f"{r['ratio']:.2f}"]
+           for i, r in enumerate(doc["rows"])]
+    return (f"{a['world']} ranks as {a['world'] // a['per_node']} emulated nodes of {a['per_node']} (shared memory), "
+            f"one f32 bucket of {a['numel']:,} elements, no compute, the median of {a['minibatches']} minibatches "
+            "(the slowest rank's) per run:\n\n"
+            + table(["pair", "ms / minibatch, hybrid", "ms / minibatch, elastic", "elastic / hybrid"], out))
+
+
 BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "primitives": bench_primitives,
     "perf": bench_perf,
@@ -523,6 +534,7 @@ BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "imbalance": bench_imbalance,
     "imbalance-bubbles": bench_imbalance_bubbles,
     "hybrid": bench_hybrid,
+    "elastic": bench_elastic,
     "cross-node": bench_cross_node,
     "memory": bench_memory,
     "scale": bench_scale,

@@ -6,17 +6,25 @@
 //! rounds at the end of each minibatch, in its cross-node sum
 //! (`client::hybrid`).
 //!
-//! A round's key is `{prefix}/round/{k}/{e}`; its value is the rule's
-//! bytes followed by ` @{rank}`, the rank that wrote it, so that a rank
-//! knows its swap won by reading its own value back (two ranks moving an
-//! open round from the same count to the same next count would otherwise
-//! both see "their" value, and one read-in would be lost).
+//! Round `(k, e)` is three keys under `{prefix}/round/{k}/{e}`: the key
+//! itself holds the **decision** (`commit J` or `void D`, the rule's bytes,
+//! followed by ` @{rank}`, the rank that wrote it), set once by a
+//! compare-and-set from absent, so the first decision stands and every
+//! rank reads the same; `…/reads` counts the read-ins by atomic add; and
+//! `…/joins` holds the joiners (hexadecimal node set, compare-and-set).
+//! A read-in is one add whatever the world size (a compare-and-set loop on
+//! one shared value cost O(D) retries per rank under contention), and the
+//! read that completes the count writes the commit. The rule's outcome is
+//! the same as [`membership::on_read`] / [`membership::on_death`] applied
+//! in order, with one more interleaving allowed: a void that lands between
+//! the last read-in and its commit wins, which is safe (the survivors run
+//! the next epoch without the dead node, all alike).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::protocol::membership::{self, Next, Nodes, Outcome, Round};
+use crate::protocol::membership::{self, node, Nodes, Outcome, Round};
 use crate::store::Store;
 use crate::{Error, Result};
 
@@ -129,47 +137,100 @@ impl<'a> Rounds<'a> {
         format!("{}/round/{k}/{e}", self.prefix)
     }
 
-    /// The round's value now.
-    pub fn get(&self, k: u64, e: u32) -> Result<Round> {
+    /// The round's decision, once made: `Some(Committed | Void)`.
+    pub fn decision(&self, k: u64, e: u32) -> Result<Option<Round>> {
         let key = self.key(k, e);
-        decode(&key, self.store.get(&key)?.as_deref())
-    }
-
-    /// Applies `rule` until it has nothing to write or this rank's write
-    /// went in; the round's value after.
-    fn apply(&self, k: u64, e: u32, rule: impl Fn(Round) -> Next) -> Result<Round> {
-        let key = self.key(k, e);
-        let mut raw = self.store.get(&key)?;
-        loop {
-            let cur = decode(&key, raw.as_deref())?;
-            let Next::Write(next) = rule(cur) else {
-                return Ok(cur);
-            };
-            let mut want = next.to_bytes();
-            want.extend_from_slice(format!(" @{}", self.rank).as_bytes());
-            let after = self.store.compare_set(&key, raw.as_deref(), &want)?;
-            if after == want {
-                return Ok(next);
-            }
-            raw = Some(after); // lost to another rank's write: look at it
+        match self.store.get(&key)? {
+            None => Ok(None),
+            Some(raw) => decode(&key, Some(&raw)).map(Some),
         }
     }
 
+    /// A counter or node set kept beside the round (absent: 0).
+    fn number(&self, key: &str, radix: u32) -> Result<u64> {
+        let Some(raw) = self.store.get(key)? else {
+            return Ok(0);
+        };
+        let text = String::from_utf8_lossy(&raw);
+        u64::from_str_radix(text.trim(), radix).map_err(|_| Error::Store {
+            op: "get",
+            key: key.to_owned(),
+            detail: format!("membership round: unreadable value {text:?}"),
+        })
+    }
+
+    /// The round's value now: its decision, or (open) the read-ins and
+    /// joiners so far.
+    pub fn get(&self, k: u64, e: u32) -> Result<Round> {
+        if let Some(d) = self.decision(k, e)? {
+            return Ok(d);
+        }
+        let key = self.key(k, e);
+        Ok(Round::Open {
+            read: u32::try_from(self.number(&format!("{key}/reads"), 10)?).unwrap_or(u32::MAX),
+            joining: self.number(&format!("{key}/joins"), 16)?,
+        })
+    }
+
+    /// Decides the round as `want` unless it is decided already: a
+    /// compare-and-set from absent, so the first decision stands; the
+    /// decision after.
+    fn decide(&self, k: u64, e: u32, want: Round) -> Result<Round> {
+        let key = self.key(k, e);
+        let mut bytes = want.to_bytes();
+        bytes.extend_from_slice(format!(" @{}", self.rank).as_bytes());
+        let after = self.store.compare_set(&key, None, &bytes)?;
+        decode(&key, Some(&after))
+    }
+
     /// This rank read every member's partials for round `(k, e)` over
-    /// `members` of `per_node` ranks each.
+    /// `members` of `per_node` ranks each: one atomic add to the round's
+    /// read count (O(1) store requests per rank, whatever the world), and
+    /// the read that completes the count commits the round, with the
+    /// joiners so far, unless a void came first. Returns the decision, or
+    /// `Open` with the count this read made (its joiners left out).
     pub fn read_in(&self, k: u64, e: u32, members: u64, per_node: u32) -> Result<Round> {
+        if let Some(d) = self.decision(k, e)? {
+            return Ok(d); // voided before this read: it does not count
+        }
         let total = membership::total(members, per_node);
-        self.apply(k, e, |r| membership::on_read(r, total))
+        let key = self.key(k, e);
+        let read = self.store.add(&format!("{key}/reads"), 1)?;
+        if read < i64::from(total) {
+            // Open (its joiners are not looked up: only the commit needs them).
+            let read = u32::try_from(read).unwrap_or(u32::MAX);
+            return Ok(Round::Open { read, joining: 0 });
+        }
+        let joining = self.number(&format!("{key}/joins"), 16)?;
+        self.decide(k, e, Round::Committed { joining })
     }
 
     /// Member node `dead` died: voids round `(k, e)` if it is open.
     pub fn void(&self, k: u64, e: u32, dead: usize) -> Result<Round> {
-        self.apply(k, e, |r| membership::on_death(r, dead))
+        self.decide(k, e, Round::Void { dead: node(dead) })
     }
 
-    /// Node `who` asks to join from the minibatch after round `(k, e)`.
+    /// Node `who` asks to join from the minibatch after round `(k, e)`: its
+    /// bit joins the round's joiners (a compare-and-set loop on that key
+    /// alone). A round that committed without it (it asked too late, or the
+    /// commit read the joiners first) does not admit it: it asks again.
     pub fn join(&self, k: u64, e: u32, who: usize) -> Result<Round> {
-        self.apply(k, e, |r| membership::on_join(r, who))
+        let key = format!("{}/joins", self.key(k, e));
+        let mut raw = self.store.get(&key)?;
+        loop {
+            if let Some(d) = self.decision(k, e)? {
+                return Ok(d);
+            }
+            let cur = self.number(&key, 16)?;
+            let want = format!("{:x}", cur | node(who));
+            let after = self
+                .store
+                .compare_set(&key, raw.as_deref(), want.as_bytes())?;
+            if after == want.as_bytes() {
+                return self.get(k, e);
+            }
+            raw = Some(after);
+        }
     }
 
     /// Node `node` (this rank's) cannot go on: voids the first open round
@@ -209,15 +270,16 @@ impl<'a> Rounds<'a> {
     ) -> Result<Outcome> {
         let mut nap = Duration::from_micros(200);
         loop {
-            let r = match dead_member() {
-                Some(d) => self.void(k, e, d)?,
-                None => self.get(k, e)?,
+            let decided = match dead_member() {
+                Some(d) => Some(self.void(k, e, d)?),
+                None => self.decision(k, e)?,
             };
-            if let Some(o) = membership::outcome(r) {
+            if let Some(o) = decided.and_then(membership::outcome) {
                 return Ok(o);
             }
             let now = Instant::now();
             if now >= deadline {
+                let r = self.get(k, e)?;
                 return Err(Error::Store {
                     op: "wait",
                     key: self.key(k, e),

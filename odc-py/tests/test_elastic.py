@@ -201,6 +201,20 @@ def _fsdp_elastic(rank, world, store, victim, at, transport):
     model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60)
+    raised = _train_through_a_death(model, opt, rank, world, victim, at, clip=model.parameters)
+    if raised:
+        return raised
+    return {"shards": H.local_shards(model), "events": odc.fsdp.elastic_events(model),
+            "members": odc.fsdp.members(model)}
+
+
+def _train_through_a_death(model, opt, rank, world, victim, at, clip):
+    """TABLE's steps with AdamW and ODC's clip (of ``clip()``); `victim` SIGKILLed after its first backward of step
+    `at`. The loss is normalized by the plan's tokens over the member nodes; at the step that dropped a node the
+    gradients are rescaled to the survivors' tokens (finish first, then look at the events). Returns what a
+    dropped node's rank raised, else None."""
+    import _fsdp_helpers as H
+
     members = [0, 1, 2]
     tokens = lambda s, nodes: 27 * sum(TABLE[s][r] for r in range(world) if r // LOCAL in nodes)  # noqa: E731
     try:
@@ -216,13 +230,12 @@ def _fsdp_elastic(rank, world, store, victim, at, transport):
                 members = dropped[-1]["members"]
                 for p in model.parameters():
                     p.grad.mul_(norm / tokens(s, members))
-            odc.fsdp.clip_grad_norm_(model.parameters(), 0.5)
+            odc.fsdp.clip_grad_norm_(clip(), 0.5)
             opt.step()
             opt.zero_grad()
     except (odc.NodeDropped, odc.PeerDied) as e:
         return {"raised": type(e).__name__, "message": str(e)}
-    return {"shards": H.local_shards(model), "events": odc.fsdp.elastic_events(model),
-            "members": odc.fsdp.members(model)}
+    return None
 
 
 def _reference(dead: int, at: int):
@@ -302,26 +315,9 @@ def _fsdp1_elastic(rank, world, store, victim, at):
     model = F1.build(strategy="HYBRID_SHARD", nodes=world // LOCAL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60)
-    members = [0, 1, 2]
-    tokens = lambda s, nodes: 27 * sum(TABLE[s][r] for r in range(world) if r // LOCAL in nodes)  # noqa: E731
-    try:
-        for s, plan in enumerate(TABLE):
-            norm = tokens(s, members)
-            for m in range(plan[rank]):
-                (H.sample_loss(model, H.data(s, m, rank)) / norm * world).backward()
-                if rank == victim and s == at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            odc.fsdp.finish(model)
-            dropped = [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
-            if dropped:
-                members = dropped[-1]["members"]
-                for p in model.parameters():
-                    p.grad.mul_(norm / tokens(s, members))
-            odc.fsdp.clip_grad_norm_(model, 0.5)
-            opt.step()
-            opt.zero_grad()
-    except (odc.NodeDropped, odc.PeerDied) as e:
-        return {"raised": type(e).__name__, "message": str(e)}
+    raised = _train_through_a_death(model, opt, rank, world, victim, at, clip=lambda: model)
+    if raised:
+        return raised
     return {"shards": F1.local_shards(model), "events": odc.fsdp.elastic_events(model)}
 
 

@@ -215,7 +215,7 @@ impl Worker<'_> {
                 if let Some(d) = probe.scan() {
                     return void(rounds, (k, e), d).map(Some);
                 }
-                if let Some(o) = membership::outcome(rounds.get(k, e)?) {
+                if let Some(o) = rounds.decision(k, e)?.and_then(membership::outcome) {
                     return Ok(Some(o));
                 }
             }

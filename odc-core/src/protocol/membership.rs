@@ -10,9 +10,10 @@
 //! partials?", or the replicas diverge: one survivor would step with the
 //! dead node's gradients and another without them.
 //!
-//! The answer is one **round** per `(minibatch k, epoch e)`, a value in the
-//! job's store changed only by compare-and-swap, over the members `M` of
-//! that epoch (epoch 0: the members the previous minibatch committed):
+//! The answer is one **round** per `(minibatch k, epoch e)` in the job's
+//! store, decided once ([`crate::elastic::Rounds`] keeps it), over the
+//! members `M` of that epoch (epoch 0: the members the previous minibatch
+//! committed):
 //!
 //! - a rank that has read every member's partials for its shard **reads
 //!   in** ([`on_read`]): the round counts it; the `|M| × G`-th read
