@@ -89,11 +89,13 @@
 //! region (closed flag, blamed rank) at most every [`PROBE_PERIOD`].
 //! A dead peer is `PeerStatus::Dead { pid: 0, blamed }`.
 //!
-//! A rank that closes its engine sends every live peer a close notice
-//! naming the rank it blames, if it failed on one. A probe reads the
-//! blame too: a peer that runs but failed on a wait for a third rank counts
-//! as dead, blaming that rank (it will not deliver what the waiter waits
-//! for), before its notice comes.
+//! A rank that fails on a peer sends every other live peer a notice naming
+//! that peer, before its error reaches the caller (so a rank that then
+//! exits without closing is still named by its root cause); one that
+//! closes its engine sends a close notice, naming whom it blamed, if
+//! anyone. A probe reads the blame too. Either way a peer that runs but
+//! failed on a wait for a third rank counts as dead, blaming that rank (it
+//! will not deliver what the waiter waits for).
 //!
 //! A killed process is not seen at once: tcp leaves a read of its status
 //! pending (rxm logs the refused reconnection and keeps the operation)
@@ -607,7 +609,8 @@ impl FabricTransport {
         }
         // Running, but a wait of its own failed on a third rank (the blame
         // the probe read): it will not deliver what this rank waits for, and
-        // the root cause is that rank. Its close notice says so later.
+        // the root cause is that rank (its notice, or its close notice,
+        // says so too).
         if blamed.is_some_and(|b| b != c.rank && b != peer) {
             return PeerStatus::Dead { pid: 0, blamed };
         }
@@ -844,7 +847,7 @@ impl Transport for FabricTransport {
         {
             w.store(STATE_CLOSED, Ordering::Release);
         }
-        c.send_close_notices();
+        c.send_notices(true);
     }
 }
 
@@ -861,7 +864,7 @@ impl Drop for FabricTransport {
             w.store(STATE_CLOSED, Ordering::Release);
         }
         c.ring(Bell::Client);
-        c.send_close_notices();
+        c.send_notices(true);
         c.stop.store(true, Ordering::Release);
         if let Err(e) = c.cq.signal() {
             eprintln!(

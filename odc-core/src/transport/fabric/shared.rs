@@ -831,14 +831,25 @@ impl Core {
             .and_then(|r| r.word(offset))
     }
 
+    /// Records `peer` as the rank this rank failed because of (the first
+    /// blame stands) and tells every live peer at once, before the error
+    /// reaches the caller: a peer waiting on this rank then names `peer`
+    /// even if this process exits before its next probe or its close.
     pub(super) fn blame(&self, peer: usize) {
-        if let Some(w) = self.status_word(8) {
-            let _ = w.compare_exchange(0, peer as u64 + 1, Ordering::AcqRel, Ordering::Relaxed);
+        let Some(w) = self.status_word(8) else {
+            return;
+        };
+        let first = w
+            .compare_exchange(0, peer as u64 + 1, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok();
+        if first {
+            self.send_notices(false);
         }
     }
 
-    /// The close notice `peer` sent this rank, if it closed its engine:
-    /// `Dead` with the rank it blamed.
+    /// The notice `peer` sent this rank, if it closed its engine or failed
+    /// on a third rank: `Dead` with the rank it blamed (a failing rank
+    /// delivers nothing more, as a closed one).
     pub(super) fn notice(&self, peer: usize) -> Option<PeerStatus> {
         let v = self
             .status_word(OFF_NOTICES + NOTICE_STRIDE * peer)?
@@ -851,14 +862,21 @@ impl Core {
         })
     }
 
-    /// Tells every live peer that this rank closes (and whom it blames),
-    /// with a pure signal that raises the notice word: [`FANOUT_BATCH`]
-    /// peers at a time, their completions awaited together (one at a time,
-    /// a rank with many remote peers on a loaded host took seconds to tell
-    /// the last of them, who waited that long to name a killed rank).
-    pub(super) fn send_close_notices(&self) {
+    /// Whether `peer`'s notice says it closed its engine.
+    fn closed(&self, peer: usize) -> bool {
+        self.status_word(OFF_NOTICES + NOTICE_STRIDE * peer)
+            .is_some_and(|w| w.load(Ordering::Acquire) & 1 == 1)
+    }
+
+    /// Tells every live peer that this rank closes (`closed`) or failed
+    /// (and whom it blames), with a pure signal that raises the notice
+    /// word: [`FANOUT_BATCH`] peers at a time, their completions awaited
+    /// together (one at a time, a rank with many remote peers on a loaded
+    /// host took seconds to tell the last of them, who waited that long to
+    /// name a killed rank).
+    pub(super) fn send_notices(&self, closed: bool) {
         let blame = self.status_word(8).map_or(0, |w| w.load(Ordering::Acquire));
-        let value = blame << 1 | 1;
+        let value = blame << 1 | u64::from(closed);
         let at = OFF_NOTICES + NOTICE_STRIDE * self.rank;
         let Ok(imm) = (Imm {
             region: STATUS_ID,
@@ -879,7 +897,9 @@ impl Core {
             }
             let p = self.peers.get(peer).and_then(OnceLock::get)?;
             let (addr, r) = (p.addr?, p.region(STATUS_ID)?);
-            let gone = p.dead.load(Ordering::Acquire) || self.notice(peer).is_some();
+            // A peer that only failed (its notice without the closed bit)
+            // still runs and takes notices.
+            let gone = p.dead.load(Ordering::Acquire) || self.closed(peer);
             (!gone).then_some((peer, addr, r, imm))
         });
         let mut batch = no_targets();

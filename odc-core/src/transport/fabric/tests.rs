@@ -505,6 +505,48 @@ fn a_running_peer_that_failed_on_a_third_rank_counts_as_dead_blaming_it() {
 }
 
 #[test]
+fn a_failing_peer_that_exits_without_closing_is_named_by_its_blame() {
+    need_libfabric!();
+    let ts: Vec<FabricTransport> = (0..3)
+        .map(|r| FabricTransport::new(r, 3, Duration::from_secs(20)).unwrap())
+        .collect();
+    let regions: Vec<LocalRegion> = ts.iter().map(|t| t.register(0, 4096).unwrap()).collect();
+    for t in &ts {
+        for (peer, other) in ts.iter().enumerate() {
+            t.connect(peer, &other.endpoint(), &[regions[peer].desc()])
+                .unwrap();
+        }
+    }
+    let mut ts = ts;
+    assert_eq!(ts[0].peer_status(1), PeerStatus::Alive);
+    // Rank 1 fails because of rank 2, then its process is gone before
+    // anyone probes it again and without closing its engine (no close
+    // notice): its progress thread stops, so a probe reads nothing.
+    ts[1].set_blame(2);
+    ts[1].core.stop.store(true, Ordering::Release);
+    ts[1].core.cq.signal().unwrap();
+    ts[1].progress.take().unwrap().join().unwrap();
+    std::thread::sleep(PROBE_PERIOD + Duration::from_millis(50));
+    let t0 = Instant::now();
+    let dead = PeerStatus::Dead {
+        pid: 0,
+        blamed: Some(2),
+    };
+    assert_eq!(
+        ts[0].peer_status(1),
+        dead,
+        "rank 0 learns the root cause from rank 1's notice"
+    );
+    assert!(t0.elapsed() < PROBE_TIMEOUT / 2, "rank 0 waited on a probe");
+    // A wait on rank 2 is cut short the same way: rank 1 reported it.
+    assert_eq!(ts[0].peer_status(2), PeerStatus::Reported { by: 1 });
+    // Rank 2, the one blamed, is not told.
+    assert!(ts[2].core.notice(1).is_none());
+    drop(ts);
+    drop(regions);
+}
+
+#[test]
 fn large_writes_both_ways() {
     need_libfabric!();
     let (ts, regions) = pair(5 << 20);
