@@ -129,6 +129,9 @@ impl Worker<'_> {
                     });
                 }
                 Outcome::Void { dead } => {
+                    // This node's ranks stop waiting on the dropped ranks
+                    // (a post to a killed host may stall for seconds).
+                    core.transport.report_dropped(dead);
                     let learnt = Instant::now();
                     let ev = Event {
                         minibatch: k,

@@ -77,13 +77,17 @@ impl MixedTransport {
         // A killed remote peer is seen at once by the ranks of its node
         // (`shm` liveness), which fail naming it; so may ranks of this node
         // be before this one: their blame words (one load each) end this
-        // rank's probe of the peer and its posts to it.
+        // rank's probe of the peer and its posts to it. So does a node that
+        // the elastic rounds dropped, once any rank of this node (this one
+        // too) learnt it (`report_dropped`).
         let (node, local) = (topo.node_of(rank) * topo.local_world(), topo.local_world());
         let blames = Arc::clone(&shm);
         fabric.forward_reports(Arc::new(move |peer| {
-            (node..node + local)
-                .filter(|&q| q != rank && q != peer)
-                .find(|&q| blames.blame_of(q) == Some(peer))
+            let dropped = 1u64.checked_shl((peer / local) as u32).unwrap_or(0);
+            (node..node + local).filter(|&q| q != peer).find(|&q| {
+                (q != rank && blames.blame_of(q) == Some(peer))
+                    || blames.dropped_of(q) & dropped != 0
+            })
         }))?;
         Ok(MixedTransport { fabric, shm, topo })
     }
@@ -239,6 +243,11 @@ impl Transport for MixedTransport {
         self.shm.retire();
         self.fabric.retire();
     }
+
+    fn report_dropped(&self, nodes: u64) {
+        // Node-mates read it through the reports the fabric side consults.
+        self.shm.report_dropped(nodes);
+    }
 }
 
 #[cfg(test)]
@@ -368,6 +377,27 @@ mod tests {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+        drop(ts);
+        drop(regions);
+    }
+
+    #[test]
+    fn a_dropped_node_is_reported_to_every_rank_of_a_node_that_learnt_it() {
+        let name = key("dropped");
+        let Some((ts, regions)) = job(&name, 4096) else {
+            return;
+        };
+        assert_eq!(ts[0].peer_status(3), PeerStatus::Alive);
+        // Rank 1 learnt that the elastic rounds dropped node 1 (ranks 2
+        // and 3): rank 0's waits on them give up without a probe, and so do
+        // rank 1's own.
+        ts[1].report_dropped(1 << 1);
+        assert_eq!(ts[0].peer_status(3), PeerStatus::Reported { by: 1 });
+        assert_eq!(ts[0].peer_status(2), PeerStatus::Reported { by: 1 });
+        assert_eq!(ts[1].peer_status(2), PeerStatus::Reported { by: 1 });
+        // Node 0 is not dropped in node 1's eyes, nor its own ranks.
+        assert_eq!(ts[2].peer_status(0), PeerStatus::Alive);
+        assert_eq!(ts[0].peer_status(1), PeerStatus::Alive);
         drop(ts);
         drop(regions);
     }

@@ -188,6 +188,13 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// closing would, while its memory stays mapped: their liveness probes
     /// see it closed, naming whom it blamed. The default does nothing.
     fn retire(&self) {}
+
+    /// Records that the elastic membership rounds dropped `nodes` (a bit
+    /// per node) for good. Where a backend lets this node's ranks read it
+    /// (`shm+fabric`), their operations on those nodes' ranks that wait on
+    /// a network peer (a post to a killed host answers `-FI_EAGAIN` for
+    /// seconds) give up as on a reported peer. The default does nothing.
+    fn report_dropped(&self, _nodes: u64) {}
 }
 
 /// One operation of a batch ([`Transport::run_batch`]): plain data, with

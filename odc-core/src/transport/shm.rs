@@ -96,6 +96,9 @@ const OFF_MAGIC: usize = 0;
 const OFF_PID: usize = 8;
 const OFF_STATE: usize = 16;
 const OFF_BLAME: usize = 24;
+/// Nodes the elastic membership rounds dropped, a bit per node
+/// ([`Transport::report_dropped`]).
+const OFF_DROPPED: usize = 32;
 const OFF_SERVER_BELL: usize = 64;
 const OFF_CLIENT_BELL: usize = 128;
 const STATE_CLOSED: u64 = 1;
@@ -632,9 +635,25 @@ impl Transport for ShmTransport {
             Ordering::Relaxed,
         );
     }
+
+    fn report_dropped(&self, nodes: u64) {
+        self.bell
+            .word(OFF_DROPPED)
+            .fetch_or(nodes, Ordering::AcqRel);
+    }
 }
 
 impl ShmTransport {
+    /// The nodes that rank `peer` (connected, or this rank) knows the
+    /// elastic membership rounds dropped: a load from its bell page.
+    pub fn dropped_of(&self, peer: usize) -> u64 {
+        if peer == self.rank {
+            return self.bell.word(OFF_DROPPED).load(Ordering::Acquire);
+        }
+        self.peer(peer)
+            .map_or(0, |p| p.bell.word(OFF_DROPPED).load(Ordering::Acquire))
+    }
+
     /// The rank `peer` (connected) recorded as the one it failed because
     /// of, if it failed on one: a load from its bell page.
     pub fn blame_of(&self, peer: usize) -> Option<usize> {
