@@ -69,6 +69,9 @@ enum Mistake {
     /// Node aggregation: the aggregator tells the owner `done` before its
     /// sums are acknowledged.
     DoneBeforeSums,
+    /// Node aggregation: the aggregator tells the owner `done` (which
+    /// releases its node's reads) before its node-mate's done.
+    ReleaseBeforeNodeMates,
 }
 
 fn check(preemptions: usize, f: impl Fn() + Sync + Send + 'static) {
@@ -1055,4 +1058,84 @@ fn loom_node_sums_catch_a_push_before_the_node_mates_finished() {
 #[should_panic]
 fn loom_node_sums_catch_done_before_the_sums() {
     nodesum_model(Mistake::DoneBeforeSums);
+}
+
+/// The release under node aggregation: node-mate `c` reads version 0 of
+/// `o`'s shard (on another node) and says done to its node only; its
+/// aggregator `a` for `o` says done to `o` once `c`'s done is in
+/// ([`nodesum::sums_ready`]); `o` overwrites its shard with version 1 once
+/// the word that releases `c`'s reads ([`nodesum::releaser`]: `a`'s) reads
+/// 0. The shard is an `UnsafeCell`: an overwrite racing `c`'s read fails
+/// the model.
+fn node_release_model(mistake: Mistake) {
+    let (a, c, o, local) = (0usize, 1usize, 2usize, 2usize);
+    assert_eq!(nodesum::releaser(o, c, local), a);
+    assert!(!nodesum::done_after_sums(c, o, local));
+    check(2, move || {
+        let shard = Arc::new(UnsafeCell::new(10u64));
+        let done_c = Arc::new(AtomicU64::new(0));
+        let done_a = Arc::new(AtomicU64::new(0));
+        let (bell_a, bell_o) = (
+            Arc::new(EventCount::default()),
+            Arc::new(EventCount::default()),
+        );
+        let stamp = finish::done_stamp(0, 0).unwrap();
+        let reader = {
+            let (shard, done_c, bell_a) =
+                (Arc::clone(&shard), Arc::clone(&done_c), Arc::clone(&bell_a));
+            loom::thread::spawn(move || {
+                // SAFETY (model): version 0 stays until this read is released.
+                let v = shard.with(|x| unsafe { *x });
+                assert_eq!(v, 10, "c read version 0");
+                done_c.store(stamp, Ordering::Release);
+                bell_a.notify();
+            })
+        };
+        let aggregator = {
+            let (done_c, done_a, bell_a, bell_o) = (
+                Arc::clone(&done_c),
+                Arc::clone(&done_a),
+                Arc::clone(&bell_a),
+                Arc::clone(&bell_o),
+            );
+            loom::thread::spawn(move || {
+                if mistake != Mistake::ReleaseBeforeNodeMates {
+                    wait_on(&bell_a, || {
+                        nodesum::sums_ready([stamp, done_c.load(Ordering::Acquire)], stamp)
+                            .is_none()
+                    });
+                }
+                done_a.store(stamp, Ordering::Release);
+                bell_o.notify();
+            })
+        };
+        // o's publish of version 1: every reader released (here only c,
+        // through its releaser's word; o's own done is in).
+        let word = |r: usize| if r == a { &*done_a } else { &*done_c };
+        wait_on(&bell_o, || {
+            versions::unreleased_reader(
+                [(
+                    0,
+                    word(nodesum::releaser(o, c, local)).load(Ordering::Acquire),
+                )],
+                1,
+            )
+            .is_none()
+        });
+        // SAFETY (model): every read of version 0 is released.
+        shard.with_mut(|x| unsafe { *x = 20 });
+        reader.join().unwrap();
+        aggregator.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_a_remote_read_is_released_by_its_nodes_aggregator() {
+    node_release_model(Mistake::None);
+}
+
+#[test]
+#[should_panic]
+fn loom_release_catches_an_aggregator_done_before_its_node_mates() {
+    node_release_model(Mistake::ReleaseBeforeNodeMates);
 }

@@ -299,10 +299,17 @@ impl<'e> Worker<'e> {
                 )
             },
             || {
+                // Under node aggregation a remote reader's reads are
+                // released by its node's aggregator for this rank.
+                let local = self.core.topo.local_world();
+                let releaser = |c: usize| match reg.sums {
+                    Some(_) => nodesum::releaser(gs.me, c, local),
+                    None => c,
+                };
                 let words = (0..gs.group.len()).map(|c| {
                     (
                         load(reg.word(lay.released(c, bucket.0))),
-                        load(reg.word(lay.done(c))),
+                        load(reg.word(lay.done(releaser(c)))),
                     )
                 });
                 Ok(versions::unreleased_reader(words, version).map(|c| gs.group[c]))
@@ -616,8 +623,9 @@ impl<'e> Worker<'e> {
             )?;
             let done = lay.done(gs.me);
             if let Some(sums) = &reg.sums {
-                // Node aggregation: every rank hears `done` now but the
-                // replicas, which hear it after this node's sums for them.
+                // Node aggregation: this node hears `done` now, the
+                // replicas after this node's sums for them, and no one else
+                // (`nodesum::releaser`).
                 Signals::to(self.core, &reg.done_early, done, stamp).send()?;
                 self.push_node_sums(path, &mut guard, sums, k, stamp)?;
             }

@@ -610,19 +610,23 @@ fn prefault(
 }
 
 /// Where this rank's `done` goes at once and where only after its node
-/// sums ([`crate::protocol::nodesum::done_after_sums`]; without node
-/// aggregation, everywhere at once).
+/// sums. Without node aggregation: everywhere at once. With it: its node at
+/// once, its replicas after the sums
+/// ([`crate::protocol::nodesum::done_after_sums`]), nowhere else (the
+/// other remote ranks' reads are released by their aggregators' done:
+/// [`crate::protocol::nodesum::releaser`]).
 type Targets = Arc<[(usize, RegionDesc)]>;
 
 fn done_targets(core: &Core, plan: &Plan, peers: &Peers) -> (Targets, Targets) {
-    let (me, local) = (core.topo.rank(), core.topo.local_world());
-    let late = |r: usize| {
-        plan.cross_node == CrossNode::Node
-            && crate::protocol::nodesum::done_after_sums(me, r, local)
-    };
+    let topo = &core.topo;
+    let (me, local) = (topo.rank(), topo.local_world());
     let all = plan.groups.group.iter().map(|&r| (r, peers.ctrl[r]));
+    if plan.cross_node != CrossNode::Node {
+        return (all.collect(), Arc::from([]));
+    }
+    let late = |r: usize| crate::protocol::nodesum::done_after_sums(me, r, local);
     (
-        all.clone().filter(|&(r, _)| !late(r)).collect(),
+        all.clone().filter(|&(r, _)| topo.is_local(r)).collect(),
         all.filter(|&(r, _)| late(r)).collect(),
     )
 }

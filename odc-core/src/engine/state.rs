@@ -87,9 +87,10 @@ pub(crate) struct Registered {
     /// Node aggregation: this rank's node buffers (sums of its node's
     /// chunks for its replicas on the other nodes).
     pub(crate) sums: Option<NodeSums>,
-    /// Node aggregation: where `done` goes at once (every rank but this
-    /// rank's replicas on other nodes), and where only after the node sums
-    /// (those replicas). Without it, `early` is every rank.
+    /// Node aggregation: where `done` goes at once (this rank's node), and
+    /// where only after the node sums (its replicas on other nodes); no
+    /// other remote rank hears it (`protocol::nodesum::releaser`). Without
+    /// it, `early` is every rank.
     pub(crate) done_early: Arc<[(usize, RegionDesc)]>,
     pub(crate) done_late: Arc<[(usize, RegionDesc)]>,
     /// This rank's share of it (kept registered while the engine lives).

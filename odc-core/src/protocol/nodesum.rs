@@ -24,8 +24,13 @@
 //!   says `done` at once, as without aggregation.
 //! - **finality** ([`feeds`]): an owner's gradients of `k` are final when
 //!   the done words of its node-mates and of its aggregators on the other
-//!   nodes read `k`; the other remote ranks never push to it, and their
-//!   done words still release the versions they read.
+//!   nodes read `k`; the other remote ranks never push to it.
+//! - **release** ([`releaser`]): the other remote ranks do not tell it
+//!   `done` either. Their reads of its shard versions are released by
+//!   their node's aggregator for it, whose done follows every done of its
+//!   node, and each of those follows that rank's gathers. So a rank tells
+//!   `done` to its node and its replicas alone: `G − 1 + N − 1` signals
+//!   instead of `D − 1`.
 //!
 //! So a node sum of minibatch `k` reaches a remote owner only into an
 //! accumulator open for `k`, and nothing is added twice: each chunk is
@@ -57,6 +62,20 @@ pub fn feeds(owner: usize, client: usize, local: usize) -> bool {
 pub fn done_after_sums(client: usize, peer: usize, local: usize) -> bool {
     let local = local.max(1);
     client / local != peer / local && client % local == peer % local
+}
+
+/// The rank whose done word releases `owner`'s shard versions from
+/// `client`'s reads under node aggregation: `client`'s own on the owner's
+/// node; on another node, the owner's aggregator there ([`server`]), which
+/// says `done = k` only after every node-mate's done reads `k`
+/// ([`sums_ready`]).
+pub fn releaser(owner: usize, client: usize, local: usize) -> usize {
+    let local = local.max(1);
+    if client / local == owner / local {
+        client
+    } else {
+        server(client, owner, local)
+    }
 }
 
 /// The first node-mate (index within the node) whose done word, of the
@@ -102,6 +121,18 @@ mod tests {
         for client in 0..12 {
             for owner in 0..12 {
                 assert!(feeds(owner, server(client, owner, 4), 4));
+            }
+        }
+        // Owner 6's versions are released by its node-mates' own done
+        // words and by its aggregators' for the ranks of their nodes.
+        let released_by: Vec<usize> = (0..12).map(|c| releaser(6, c, 4)).collect();
+        assert_eq!(released_by, vec![2, 2, 2, 2, 4, 5, 6, 7, 10, 10, 10, 10]);
+        // The releasers are the ranks that feed it: a rank tells done to
+        // its node and its replicas alone.
+        for owner in 0..12 {
+            for client in 0..12 {
+                let r = releaser(owner, client, 4);
+                assert!(feeds(owner, r, 4) && r / 4 == client / 4);
             }
         }
         assert_eq!(sums_ready([2, 2, 1, 2], 2), Some(2));
