@@ -177,6 +177,11 @@ impl CtrlLayout {
         self.off_seen + (owner * self.buckets + bucket) * CELL
     }
 
+    /// The bytes of every `seen_version` word.
+    pub fn seen_versions(&self) -> std::ops::Range<usize> {
+        self.off_seen..self.off_released
+    }
+
     /// `released[client][bucket]`.
     pub fn released(&self, client: usize, bucket: usize) -> usize {
         self.off_released + (client * self.buckets + bucket) * CELL

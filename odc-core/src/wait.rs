@@ -159,6 +159,21 @@ impl<B: Bells + ?Sized> Waiter<'_, B> {
         &self,
         bucket: Option<&str>,
         waited_for: &dyn Fn() -> String,
+        check: impl FnMut() -> Result<Option<usize>>,
+    ) -> Result<()> {
+        self.wait_via(bucket, waited_for, &|_| None, check)
+    }
+
+    /// [`Waiter::wait`] where what a lagging peer delivers may reach this
+    /// rank through a third rank, `relay(peer)` (a node-mate that hears
+    /// the peer's versions for the node): each probe looks at the relay
+    /// first, so a dead relay is named (it will not pass anything on)
+    /// instead of the peer at the deadline.
+    pub fn wait_via(
+        &self,
+        bucket: Option<&str>,
+        waited_for: &dyn Fn() -> String,
+        relay: &dyn Fn(usize) -> Option<usize>,
         mut check: impl FnMut() -> Result<Option<usize>>,
     ) -> Result<()> {
         let start = Instant::now();
@@ -181,7 +196,16 @@ impl<B: Bells + ?Sized> Waiter<'_, B> {
             let now = Instant::now();
             let mut step = pace.step(now);
             if step == Step::Probe {
-                if let Some((root, err)) = self.probe(lagging, bucket, waited_for) {
+                let via = relay(lagging).filter(|&r| r != self.me && r != lagging);
+                let relayed = || {
+                    format!(
+                        "the versions rank {lagging} announces to this node through it ({})",
+                        waited_for()
+                    )
+                };
+                let dead = via.and_then(|r| self.probe(r, bucket, &relayed));
+                if let Some((root, err)) = dead.or_else(|| self.probe(lagging, bucket, waited_for))
+                {
                     // A peer may deliver what we wait for and then close its
                     // engine between the check and the probe: it signals
                     // before it closes, so look once more.
@@ -356,6 +380,75 @@ mod tests {
         );
         assert!(err.to_string().contains("rank 2 (pid 12)"), "{err}");
         assert!(err.to_string().contains("reported by rank 1"), "{err}");
+    }
+
+    /// Bells where only `dead` is gone.
+    struct OneDead {
+        dead: usize,
+    }
+
+    impl Bells for OneDead {
+        fn bell_epoch(&self, _: Bell) -> u32 {
+            0
+        }
+        fn bell_wait(&self, _: Bell, _: u32, timeout: Duration) -> Result<()> {
+            std::thread::sleep(timeout.min(Duration::from_millis(1)));
+            Ok(())
+        }
+        fn peer_status(&self, peer: usize) -> PeerStatus {
+            if peer == self.dead {
+                PeerStatus::Dead {
+                    pid: 40,
+                    blamed: None,
+                }
+            } else {
+                PeerStatus::Alive
+            }
+        }
+        fn set_blame(&self, _: usize) {}
+    }
+
+    #[test]
+    fn a_dead_relay_is_named_instead_of_the_live_peer_behind_it() {
+        let pids = [10, 11, 12, 13];
+        let w = Waiter {
+            bells: &OneDead { dead: 3 },
+            me: 1,
+            world: 4,
+            timeout: Duration::from_secs(30),
+            pids: &pids,
+        };
+        // Rank 2's versions reach rank 1 through rank 3, which died.
+        let t0 = Instant::now();
+        let err = w
+            .wait_via(
+                Some("b"),
+                &|| "version 4 of its shard".into(),
+                &|p| (p == 2).then_some(3),
+                || Ok(Some(2)),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::PeerDied { peer: 3, .. }), "{err:?}");
+        assert!(
+            err.to_string()
+                .contains("the versions rank 2 announces to this node through it"),
+            "{err}"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "the relay was not probed"
+        );
+        // Without a relay the same wait names the peer at the deadline.
+        let w = Waiter {
+            timeout: Duration::from_millis(150),
+            ..w
+        };
+        let err = w
+            .wait(Some("b"), &|| "version 4 of its shard".into(), || {
+                Ok(Some(2))
+            })
+            .unwrap_err();
+        assert!(matches!(err, Error::PeerTimeout { peer: 2, .. }), "{err:?}");
     }
 
     #[test]

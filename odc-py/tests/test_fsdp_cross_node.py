@@ -85,3 +85,54 @@ def test_an_aggregator_killed_holding_a_node_buffer_is_named_not_a_hang():
         assert out["type"] in ("PeerDied", "PeerTimeout"), (r, out)
         assert out["peer"] in allowed and f"rank {out['peer']}" in out["message"], (r, out)
         assert out["elapsed"] < 5 + 10, (r, out)
+
+
+def _relay_dies_before_a_version(rank, world, store, per_node):
+    # Over shm+fabric an owner announces its version to one rank of each other node (its local rank there), whose
+    # node-mates read it from that rank's control region. Rank 0 hears rank 2's versions for node 0 and dies
+    # after publishing its own shard; node 1 then publishes, and rank 1's gather waits on a word rank 0 will never
+    # raise.
+    import os
+    import time
+
+    import torch
+
+    import odc
+
+    eng = odc.Engine(store, rank, world, local_world_size=per_node, transport="auto", cross_node="node",
+                     timeout=5, job_key=f"pytest-relay-{os.getppid()}")
+    eng.register([odc.Bucket("a", 4096, torch.float32)])
+    assert eng.transport == "shm+fabric" and eng.cross_node == "node", (eng.transport, eng.cross_node)
+    shard = torch.full((eng.bucket("a")["shard_len"],), float(rank))
+    if rank < 2:
+        eng.publish("a", shard, 0)
+    if rank == 0:
+        store.set("relay-gone", "1")
+        os._exit(3)
+    store.wait(["relay-gone"])
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    try:
+        if rank >= 2:
+            eng.publish("a", shard, 0)  # its announce to node 0 goes to rank 2's local rank there: rank 0
+        eng.gather("a", 0, torch.empty(4096))
+        eng.finish_minibatch(0)
+    except odc.PeerError as e:
+        return {"type": type(e).__name__, "peer": e.peer, "message": str(e), "elapsed": time.monotonic() - t0}
+    return {"type": None}
+
+
+def test_a_dead_node_mate_that_hears_an_owners_versions_is_named_not_the_owner():
+    # Rank 1 waits for rank 2's version in rank 0's control region: it names rank 0 (dead) within the deadline,
+    # not rank 2 (alive, published) at it. Ranks 2 and 3 fail on rank 0 too (their announce or its shard).
+    res = run_ranks(_relay_dies_before_a_version, WORLD, timeout=60, per_node=PER_NODE)
+    assert res[0][0] != "ok", res
+    for r in (1, 2, 3):
+        status, out = res[r]
+        assert status == "ok", (r, res[r])
+        assert out["type"] == "PeerDied", (r, out)
+        assert out["peer"] == 0 and "rank 0" in out["message"], (r, out)
+        assert out["elapsed"] < 5, (r, out)
+    # Rank 1 names it at its first probe (shared memory), not after rank 2 fails on it over the network (3 s).
+    assert "the versions rank 2 announces to this node through it" in res[1][1]["message"], res[1]
+    assert res[1][1]["elapsed"] < 2, res[1]

@@ -292,8 +292,9 @@ fn direct(piece: Piece, bucket: BucketId) -> ShardRead {
     }
 }
 
-/// Whether `owner`'s shard of `bucket` holds `version` (as this rank's own
-/// version word says); a newer one is the gather's error.
+/// Whether `owner`'s shard of `bucket` holds `version` (as the word that
+/// holds its versions for this rank says, `Registered::version_word`); a
+/// newer one is the gather's error.
 fn published(
     reg: &Registered,
     b: &BucketLayout,
@@ -301,7 +302,7 @@ fn published(
     version: u64,
     owner: usize,
 ) -> Result<bool> {
-    let word = reg.word(reg.ctrl_layout.seen_version(owner, bucket.0));
+    let word = reg.version_word(owner, bucket.0);
     match versions::shard(load(word), version) {
         Ok(s) => Ok(s == versions::Shard::Ready),
         Err(e) => Err(version_error(b, e, Some(reg.groups.group[owner]))),
@@ -527,9 +528,10 @@ unsafe fn wait_for_pieces(
 ) -> Result<()> {
     let reg = w.reg;
     let mut next_probe = Instant::now() + FETCHER_PROBE;
-    w.core.wait(
+    w.core.wait_via(
         Some(b.name()),
         &|| format!("version {version} of its shard (fetched into the node cache)"),
+        &|o| reg.version_relay(o),
         || {
             let probe = Instant::now() >= next_probe;
             if probe {

@@ -279,7 +279,7 @@ impl<'e> Worker<'e> {
             self.gather_pieces(b, bucket, stamp)?;
         }
         let offset = reg.ctrl_layout.seen_version(reg.groups.me, bucket.0);
-        path.announce(Signals::new(self.core, reg, offset, stamp))
+        path.announce(Signals::to(self.core, &reg.announce_to, offset, stamp))
             .map_err(|e| self.core.attribute(Some(b.name()), e))
     }
 
@@ -402,15 +402,16 @@ impl<'e> Worker<'e> {
     ) -> Result<()> {
         let reg = self.reg;
         let rank = reg.groups.group[owner];
-        let word = reg.word(reg.ctrl_layout.seen_version(owner, bucket.0));
+        let word = reg.version_word(owner, bucket.0);
         let rule =
             || versions::shard(load(word), version).map_err(|e| version_error(b, e, Some(rank)));
         if rule()? == versions::Shard::Ready {
             return Ok(());
         }
-        self.core.wait(
+        self.core.wait_via(
             Some(b.name()),
             &|| format!("version {version} of its shard"),
+            &|o| reg.version_relay(o),
             || Ok((rule()? == versions::Shard::Pending).then_some(rank)),
         )
     }
@@ -862,7 +863,7 @@ impl Iterator for GatherReads<'_, '_> {
                 continue;
             }
             if self.seg == 0 {
-                let word = reg.word(reg.ctrl_layout.seen_version(owner, self.bucket.0));
+                let word = reg.version_word(owner, self.bucket.0);
                 match versions::shard(load(word), self.version) {
                     Err(e) => {
                         self.error = Some(version_error(self.b, e, Some(rank)));

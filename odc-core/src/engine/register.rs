@@ -6,6 +6,7 @@
 //! the peers wait for it, so they fail at once naming it.
 
 use std::collections::HashMap;
+use std::ptr::NonNull;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -13,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use super::cache::{CacheLayout, NodeCache};
 use super::config::{CrossNode, EngineConfig, Groups, Sharding, DEFAULT_NODE_CACHE};
-use super::state::{Accum, Core, Exact, NodeSums, Registered};
+use super::state::{Accum, Core, Exact, NodeSums, NodeVersions, Registered};
 use crate::control::{landing_chunk, CtrlLayout};
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{DataSizes, Plane};
@@ -59,6 +60,8 @@ pub(crate) struct Plan {
     cache: Option<CacheLayout>,
     /// How gradients for owners on other nodes cross (resolved).
     cross_node: CrossNode,
+    /// Node announces ([`NodeVersions`]): node sums over `shm+fabric`.
+    node_announce: bool,
 }
 
 /// This rank's regions.
@@ -90,10 +93,26 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     let deadline = Instant::now() + core.config.timeout;
     let plan = agree(core, specs, deadline)?;
     let regions = allocate(core, &plan)?;
+    // Before any peer can announce a version here (its publish follows its
+    // own registration, which waits for this rank's region descriptors).
+    if plan.node_announce
+        && !core
+            .transport
+            .wake_node_on(&regions.ctrl, plan.ctrl_layout.seen_versions())
+    {
+        return Err(Error::transport(
+            "register",
+            format!(
+                "the {} transport cannot wake a node for its versions",
+                core.transport.name()
+            ),
+        ));
+    }
     let peers = connect(core, &plan, &regions, deadline)?;
     let plane = connect_plane(core, specs, &plan, deadline)?;
     let cache = node_cache(core, &plan, &peers)?;
     let (done_early, done_late) = done_targets(core, &plan, &peers);
+    let (announce_to, node_versions) = node_announce(core, &plan, &peers)?;
     let sums = node_sums(core, &plan)?;
     let nb = plan.buckets.len();
     let world_group = plan.groups.group.len();
@@ -134,6 +153,8 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         sums,
         done_early,
         done_late,
+        announce_to,
+        node_versions,
     };
     core.reg
         .set(reg)
@@ -176,6 +197,9 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
             core.config.deterministic,
         )
         .map_err(Error::Config)?;
+    // The announce rule must be the same on every rank (an owner tells one
+    // rank per other node only where that node's ranks read it there).
+    let node_announce = cross_node == CrossNode::Node && core.transport.name() == "shm+fabric";
     let mut post = RegPost {
         hash: 0,
         chunk_bytes: ctrl_layout.chunk_bytes(),
@@ -183,6 +207,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         local_world: core.topo.local_world(),
         node_cache: cache.as_ref().map_or(0, CacheLayout::bytes),
         cross_node: cross_node.name().into(),
+        node_announce,
         accum: if core.config.deterministic {
             format!("{} (deterministic)", core.config.accum_dtype.name())
         } else {
@@ -256,6 +281,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         accum_region,
         cache,
         cross_node,
+        node_announce,
     })
 }
 
@@ -321,6 +347,23 @@ pub(crate) fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<(
             "rank {peer} runs cross_node={:?}, this rank {:?} (ODC_CROSS_NODE, cross_node: set \
              it alike on every rank)",
             theirs.cross_node, ours.cross_node
+        )));
+    }
+    if theirs.node_announce != ours.node_announce {
+        return Err(Error::Config(format!(
+            "rank {peer} {} versions once per node, this rank {} (every rank must reach its \
+             node-mates through shared memory and the other nodes over libfabric: \
+             transport=\"auto\" or \"mixed\" on every rank)",
+            if theirs.node_announce {
+                "announces"
+            } else {
+                "does not announce"
+            },
+            if ours.node_announce {
+                "does"
+            } else {
+                "does not"
+            }
         )));
     }
     if theirs.node_cache != ours.node_cache {
@@ -656,29 +699,67 @@ fn node_sums(core: &Core, plan: &Plan) -> Result<Option<NodeSums>> {
 }
 
 /// The node cache over the node-mates' regions, as this process maps them.
-fn node_cache(core: &Core, plan: &Plan, peers: &Peers) -> Result<Option<NodeCache>> {
-    let Some(layout) = &plan.cache else {
-        return Ok(None);
-    };
+/// Where this process maps each node-mate's region of `descs` (by local
+/// rank), named `what` in the error when the transport does not map one.
+fn node_bases(core: &Core, descs: &[RegionDesc], what: &str) -> Result<Vec<NonNull<u8>>> {
     let topo = &core.topo;
     let node_start = topo.node_of(topo.rank()) * topo.local_world();
-    let bases = peers
-        .cache
-        .iter()
-        .enumerate()
+    (descs.iter().enumerate())
         .map(|(q, desc)| {
             core.transport.mapped(node_start + q, desc).ok_or_else(|| {
                 Error::transport(
                     "register",
                     format!(
-                        "the {} transport does not map rank {}'s node cache",
+                        "the {} transport does not map rank {}'s {what}",
                         core.transport.name(),
                         node_start + q
                     ),
                 )
             })
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect()
+}
+
+/// Where a publish announces its version and, under node announces, where
+/// this rank reads remote owners' versions ([`NodeVersions`]): every
+/// shard-group rank and nothing, or this rank's node and its replicas on
+/// the other nodes, and its node-mates' control regions.
+fn node_announce(
+    core: &Core,
+    plan: &Plan,
+    peers: &Peers,
+) -> Result<(Targets, Option<NodeVersions>)> {
+    let all = plan.groups.group.iter().map(|&r| (r, peers.ctrl[r]));
+    if !plan.node_announce {
+        return Ok((all.collect(), None));
+    }
+    let topo = &core.topo;
+    let (me, local) = (topo.rank(), topo.local_world());
+    let node_start = topo.node_of(me) * local;
+    let bases = node_bases(
+        core,
+        &peers.ctrl[node_start..node_start + local],
+        "control region",
+    )?;
+    let to = all
+        .filter(|&(r, _)| topo.is_local(r) || r % local == me % local)
+        .collect();
+    // SAFETY: the transport keeps every connected peer's mapping (and its
+    // own regions) for its lifetime, which is the engine's; node-mates'
+    // control regions share this rank's layout (the plan is agreed).
+    Ok((
+        to,
+        Some(unsafe { NodeVersions::new(bases, local, topo.node_of(me)) }),
+    ))
+}
+
+fn node_cache(core: &Core, plan: &Plan, peers: &Peers) -> Result<Option<NodeCache>> {
+    let Some(layout) = &plan.cache else {
+        return Ok(None);
+    };
+    let topo = &core.topo;
+    let node_start = topo.node_of(topo.rank()) * topo.local_world();
+    let bases = node_bases(core, &peers.cache, "node cache")?;
     let mates = (node_start..node_start + topo.local_world())
         .filter(|&r| r != topo.rank())
         .map(|r| (r, peers.ctrl[r]))
@@ -769,6 +850,9 @@ pub(crate) struct RegPost {
     /// `"direct"` or `"node"` (resolved).
     #[serde(default)]
     cross_node: String,
+    /// Whether versions are announced once per node ([`NodeVersions`]).
+    #[serde(default)]
+    node_announce: bool,
     accum: String,
     specs: Vec<(String, usize, String)>,
 }

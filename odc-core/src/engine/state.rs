@@ -93,6 +93,13 @@ pub(crate) struct Registered {
     /// it, `early` is every rank.
     pub(crate) done_early: Arc<[(usize, RegionDesc)]>,
     pub(crate) done_late: Arc<[(usize, RegionDesc)]>,
+    /// Where a publish announces its version: every shard-group rank, or
+    /// under node announces ([`NodeVersions`]) this rank's node and its
+    /// replicas on the other nodes.
+    pub(crate) announce_to: Arc<[(usize, RegionDesc)]>,
+    /// Node announces: the node-mates' control regions, where this rank
+    /// reads a remote owner's version.
+    pub(crate) node_versions: Option<NodeVersions>,
     /// This rank's share of it (kept registered while the engine lives).
     pub(crate) _cache_region: Option<LocalRegion>,
 }
@@ -115,6 +122,57 @@ pub(crate) struct NodeSums {
     pub(crate) nodes: usize,
     pub(crate) accum_len: usize,
     pub(crate) buckets: usize,
+}
+
+/// Node announces (node sums over a transport whose node-mates map each
+/// other's regions, `shm+fabric`): an owner tells its version to its node
+/// and to one rank per other node, its replica there (the node-mate with
+/// its local rank, which aggregates its node's gradients for it too), whose
+/// transport then wakes the whole node. The others read it from that
+/// node-mate's control region, through the node's shared memory: one
+/// signal per node crosses the network instead of one per rank.
+#[derive(Debug)]
+pub(crate) struct NodeVersions {
+    /// Base of each node-mate's control region, by local rank.
+    bases: Vec<std::ptr::NonNull<u8>>,
+    /// Ranks per node and this rank's node.
+    local: usize,
+    node: usize,
+}
+
+// SAFETY: the bases point into shared mappings that the transport keeps
+// for the engine's lifetime, and only atomic words are read through them.
+unsafe impl Send for NodeVersions {}
+// SAFETY: as above.
+unsafe impl Sync for NodeVersions {}
+
+impl NodeVersions {
+    /// Versions read through `bases` (every node-mate's control region,
+    /// by local rank; this rank's own among them).
+    ///
+    /// # Safety
+    /// Every base stays mapped, and holds a control region laid out as
+    /// this rank's, as long as the returned value is used.
+    pub(crate) unsafe fn new(
+        bases: Vec<std::ptr::NonNull<u8>>,
+        local: usize,
+        node: usize,
+    ) -> NodeVersions {
+        NodeVersions { bases, local, node }
+    }
+
+    /// The word at `offset` of the control region of the node-mate that
+    /// hears `owner`'s versions; `None` for an owner on this node.
+    fn word(&self, owner: usize, offset: usize) -> Option<&AtomicU64> {
+        if owner / self.local == self.node {
+            return None;
+        }
+        let base = self.bases.get(owner % self.local)?;
+        // SAFETY: `offset` is a control-layout offset (in range, 8-byte
+        // aligned) and the base a mapped control region of that layout
+        // (`new`'s contract); its words are only accessed atomically.
+        Some(unsafe { &*base.as_ptr().add(offset).cast::<AtomicU64>() })
+    }
 }
 
 impl NodeSums {
@@ -180,6 +238,24 @@ impl Accum {
 }
 
 impl Registered {
+    /// The node-mate through which `owner`'s versions reach this rank
+    /// (global ranks: full sharding), if not directly ([`NodeVersions`]).
+    pub(crate) fn version_relay(&self, owner: usize) -> Option<usize> {
+        let v = self.node_versions.as_ref()?;
+        (owner / v.local != v.node).then(|| v.node * v.local + owner % v.local)
+    }
+
+    /// The word that holds `owner`'s version of `bucket` for this rank:
+    /// its own control region's, or under node announces a node-mate's
+    /// ([`NodeVersions`]) for an owner on another node.
+    pub(crate) fn version_word(&self, owner: usize, bucket: usize) -> &AtomicU64 {
+        let offset = self.ctrl_layout.seen_version(owner, bucket);
+        self.node_versions
+            .as_ref()
+            .and_then(|v| v.word(owner, offset))
+            .unwrap_or_else(|| self.word(offset))
+    }
+
     pub(crate) fn word(&self, offset: usize) -> &AtomicU64 {
         // The control layout only yields in-range, aligned offsets.
         match self.ctrl.signal(offset) {
@@ -331,6 +407,17 @@ impl Core {
         check: impl FnMut() -> Result<Option<usize>>,
     ) -> Result<()> {
         self.retire_on_failure(self.waiter().wait(bucket, waited_for, check))
+    }
+
+    /// [`Waiter::wait_via`] with this rank's waiter.
+    pub(crate) fn wait_via(
+        &self,
+        bucket: Option<&str>,
+        waited_for: &dyn Fn() -> String,
+        relay: &dyn Fn(usize) -> Option<usize>,
+        check: impl FnMut() -> Result<Option<usize>>,
+    ) -> Result<()> {
+        self.retire_on_failure(self.waiter().wait_via(bucket, waited_for, relay, check))
     }
 
     /// [`Waiter::attribute`] with this rank's waiter.

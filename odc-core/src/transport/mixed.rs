@@ -248,6 +248,20 @@ impl Transport for MixedTransport {
         // Node-mates read it through the reports the fabric side consults.
         self.shm.report_dropped(nodes);
     }
+
+    fn wake_node_on(&self, region: &LocalRegion, words: std::ops::Range<usize>) -> bool {
+        let (rank, local) = (self.topo.rank(), self.topo.local_world());
+        let first = self.topo.node_of(rank) * local;
+        let shm = Arc::clone(&self.shm);
+        let ring = Arc::new(move || {
+            for q in (first..first + local).filter(|&q| q != rank) {
+                shm.ring_peer(q, Bell::Client);
+            }
+        });
+        self.fabric
+            .ring_node_on(region.desc().id, words, ring)
+            .is_ok()
+    }
 }
 
 #[cfg(test)]

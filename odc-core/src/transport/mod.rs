@@ -195,6 +195,16 @@ pub trait Transport: Send + Sync + fmt::Debug {
     /// a network peer (a post to a killed host answers `-FI_EAGAIN` for
     /// seconds) give up as on a reported peer. The default does nothing.
     fn report_dropped(&self, _nodes: u64) {}
+
+    /// Makes every signal from another node that lands in `words` (bytes)
+    /// of this rank's `region` wake this node's other ranks too (their
+    /// client bells), where node-mates map each other's regions and signals
+    /// come from other nodes (`shm+fabric`): node-mates read such words
+    /// through [`Transport::mapped`] and sleep on their own bells. Returns
+    /// whether it does; the default does not.
+    fn wake_node_on(&self, _region: &LocalRegion, _words: std::ops::Range<usize>) -> bool {
+        false
+    }
 }
 
 /// One operation of a batch ([`Transport::run_batch`]): plain data, with

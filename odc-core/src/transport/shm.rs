@@ -644,6 +644,13 @@ impl Transport for ShmTransport {
 }
 
 impl ShmTransport {
+    /// Rings `peer`'s (connected) `bell`, as a signal to it would.
+    pub fn ring_peer(&self, peer: usize, bell: Bell) {
+        if let Ok(p) = self.peer(peer) {
+            p.bell.event_count(bell_offset(bell)).notify();
+        }
+    }
+
     /// The nodes that rank `peer` (connected, or this rank) knows the
     /// elastic membership rounds dropped: a load from its bell page.
     pub fn dropped_of(&self, peer: usize) -> u64 {

@@ -130,7 +130,7 @@ use self::safe::{Av, Cq, Domain, Ep, Fabric, Granted, Info, Mr};
 use self::shared::{
     bell_index, no_targets, peer_died, with_peer, Core, OpSlot, OwnRegion, Peer, SLOT_FREE,
 };
-pub use self::shared::{BellForward, PeerReports};
+pub use self::shared::{BellForward, NodeRing, PeerReports};
 use super::{Op, PeerStatus, Transport};
 use crate::region::{Bell, Endpoint, LocalRegion, RegionDesc, RemoteRegion, SignalRef};
 use crate::sync::{EventCount, Ordering};
@@ -350,6 +350,7 @@ impl FabricTransport {
             credit_freed: EventCount::default(),
             bells: [EventCount::default(), EventCount::default()],
             forward: OnceLock::new(),
+            node_ring: OnceLock::new(),
             reports: OnceLock::new(),
             stop: AtomicBool::new(false),
             progress_errors: AtomicU64::new(0),
@@ -383,6 +384,22 @@ impl FabricTransport {
             .forward
             .set(forward)
             .map_err(|_| Error::transport("forward_bells", "bells already forwarded"))
+    }
+
+    /// Makes every signal that lands in `words` (bytes) of this rank's
+    /// region `region` call `ring` after it rang this rank's bell (the
+    /// mixed transport rings the node-mates': [`Transport::wake_node_on`]).
+    /// At most once per transport; `ring` must not block.
+    pub fn ring_node_on(
+        &self,
+        region: u32,
+        words: std::ops::Range<usize>,
+        ring: NodeRing,
+    ) -> Result<()> {
+        self.core
+            .node_ring
+            .set((region, words, ring))
+            .map_err(|_| Error::transport("ring_node_on", "node words already set"))
     }
 
     /// Makes `reports` part of what this transport knows of peers'

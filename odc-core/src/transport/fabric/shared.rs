@@ -155,6 +155,9 @@ pub(super) struct Core {
     /// What the owning transport knows of peers' failures (see
     /// [`FabricTransport::forward_reports`](super::FabricTransport::forward_reports)).
     pub(super) reports: OnceLock<PeerReports>,
+    /// The region and words whose signals wake the node, and how (see
+    /// [`FabricTransport::ring_node_on`](super::FabricTransport::ring_node_on)).
+    pub(super) node_ring: OnceLock<(u32, std::ops::Range<usize>, NodeRing)>,
     pub(super) stop: AtomicBool,
     pub(super) progress_errors: AtomicU64,
     /// Next key for a per-operation local registration (`FI_MR_LOCAL`).
@@ -190,10 +193,16 @@ pub(super) struct Wakes {
     ops: bool,
     server: bool,
     client: bool,
+    /// A signal landed in the words that wake the node ([`NodeRing`]).
+    node: bool,
 }
 
 /// A callback that rings another transport's bell.
 pub type BellForward = Arc<dyn Fn(Bell) + Send + Sync>;
+
+/// A callback that rings this node's other ranks' client bells
+/// ([`FabricTransport::ring_node_on`](super::FabricTransport::ring_node_on)).
+pub type NodeRing = Arc<dyn Fn() + Send + Sync>;
 
 /// One pure signal of a fan-out: the peer, its address, the region and
 /// the immediate that names the word (see `Core::post_raise_batch`).
@@ -403,6 +412,11 @@ impl Core {
                 self.ring(bell);
             }
         }
+        if wakes.node {
+            if let Some((_, _, ring)) = self.node_ring.get() {
+                ring();
+            }
+        }
     }
 
     /// Carries out one completion; records in `wakes` whom it concerns.
@@ -445,6 +459,9 @@ impl Core {
             match imm.bell {
                 Bell::Server => wakes.server = true,
                 Bell::Client => wakes.client = true,
+            }
+            if let Some((region, words, _)) = self.node_ring.get() {
+                wakes.node |= imm.region == *region && words.contains(&imm.offset);
             }
         } else if self.progress_errors.fetch_add(1, Ordering::Relaxed) < 5 {
             eprintln!(
