@@ -525,6 +525,18 @@ def bench_elastic(doc: dict[str, Any]) -> str:
             + table(["pair", "ms / minibatch, hybrid", "ms / minibatch, elastic", "elastic / hybrid"], out))
 
 
+def bench_scale_compare(doc: dict[str, Any]) -> str:
+    """scripts/scale-compare.py: scale_perf's time per minibatch against a baseline commit's, alternated."""
+    out = [[str(r["ranks"]), str(r["pair"]), f"{r['base_s'] * 1e3:.1f}", f"{r['base_cpu_s'] * 1e3:.1f}",
+            f"{r['head_s'] * 1e3:.1f}", f"{r['head_cpu_s'] * 1e3:.1f}", f"{r['ratio']:.3f}"] for r in doc["rows"]]
+    base = doc["base_commit"]
+    return (f"`scale_perf --transport mixed`, full sharding, nodes of {doc['node_ranks']}, one f32 bucket of "
+            f"{_size(doc['bucket_bytes'])}, the median of {doc['minibatches']} minibatches (the slowest rank's; CPU: "
+            f"the mean rank's per minibatch), every element exact; `{base}` and this commit alternated:\n\n"
+            + table(["ranks", "pair", f"ms, {base}", f"CPU ms, {base}", "ms, this", "CPU ms, this",
+                     f"this / {base}"], out))
+
+
 BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "primitives": bench_primitives,
     "perf": bench_perf,
@@ -538,6 +550,7 @@ BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "cross-node": bench_cross_node,
     "memory": bench_memory,
     "scale": bench_scale,
+    "scale-compare": bench_scale_compare,
     "train-baselines": bench_baselines,
 }
 # Kinds that render several files as one table.
