@@ -39,6 +39,20 @@ def test_node_sums_match_single_process_with_a_whole_node_idle():
     assert out[0]["max_diff"]["full"] < 1e-5, out[0]["max_diff"]
 
 
+def _peer_error(fn):
+    """Runs ``fn``; the peer error it raised (type, peer, message, seconds it took) or ``{"type": None}``."""
+    import time
+
+    import odc
+
+    t0 = time.monotonic()
+    try:
+        fn()
+    except odc.PeerError as e:
+        return {"type": type(e).__name__, "peer": e.peer, "message": str(e), "elapsed": time.monotonic() - t0}
+    return {"type": None}
+
+
 def _aggregator_dies_holding_a_node_buffer(rank, world, store, per_node):
     # Rank 0 sums node 0's gradients for rank 2 (the other node's local rank 0). Rank 1's chunk for rank 2
     # lands in rank 0's node buffer, rank 0 adds its own, and dies before its finish would push the sum.
@@ -64,12 +78,7 @@ def _aggregator_dies_holding_a_node_buffer(rank, world, store, per_node):
         os._exit(3)
     if rank >= 2:
         eng.scatter_accumulate("a", torch.ones(4096))
-    t0 = time.monotonic()
-    try:
-        eng.finish_minibatch(0)
-    except odc.PeerError as e:
-        return {"type": type(e).__name__, "peer": e.peer, "message": str(e), "elapsed": time.monotonic() - t0}
-    return {"type": None}
+    return _peer_error(lambda: eng.finish_minibatch(0))
 
 
 def test_an_aggregator_killed_holding_a_node_buffer_is_named_not_a_hang():
@@ -111,15 +120,14 @@ def _relay_dies_before_a_version(rank, world, store, per_node):
         os._exit(3)
     store.wait(["relay-gone"])
     time.sleep(0.3)
-    t0 = time.monotonic()
-    try:
+
+    def minibatch():
         if rank >= 2:
             eng.publish("a", shard, 0)  # its announce to node 0 goes to rank 2's local rank there: rank 0
         eng.gather("a", 0, torch.empty(4096))
         eng.finish_minibatch(0)
-    except odc.PeerError as e:
-        return {"type": type(e).__name__, "peer": e.peer, "message": str(e), "elapsed": time.monotonic() - t0}
-    return {"type": None}
+
+    return _peer_error(minibatch)
 
 
 def test_a_dead_node_mate_that_hears_an_owners_versions_is_named_not_the_owner():

@@ -20,13 +20,18 @@ macro_rules! need_libfabric {
 }
 
 fn pair(len: usize) -> (Vec<FabricTransport>, Vec<LocalRegion>) {
-    let ts: Vec<FabricTransport> = (0..2)
-        .map(|r| FabricTransport::new(r, 2, Duration::from_secs(20)).unwrap())
+    job(2, len)
+}
+
+/// `world` transports of one job, every one connected to every other
+/// through one region of `len` bytes each.
+fn job(world: usize, len: usize) -> (Vec<FabricTransport>, Vec<LocalRegion>) {
+    let ts: Vec<FabricTransport> = (0..world)
+        .map(|r| FabricTransport::new(r, world, Duration::from_secs(20)).unwrap())
         .collect();
     let regions: Vec<LocalRegion> = ts.iter().map(|t| t.register(0, len).unwrap()).collect();
-    for (me, t) in ts.iter().enumerate() {
+    for t in &ts {
         for (peer, other) in ts.iter().enumerate() {
-            let _ = me;
             t.connect(peer, &other.endpoint(), &[regions[peer].desc()])
                 .unwrap();
         }
@@ -479,16 +484,7 @@ fn a_report_cuts_a_hanging_probe_short() {
 #[test]
 fn a_running_peer_that_failed_on_a_third_rank_counts_as_dead_blaming_it() {
     need_libfabric!();
-    let ts: Vec<FabricTransport> = (0..3)
-        .map(|r| FabricTransport::new(r, 3, Duration::from_secs(20)).unwrap())
-        .collect();
-    let regions: Vec<LocalRegion> = ts.iter().map(|t| t.register(0, 4096).unwrap()).collect();
-    for t in &ts {
-        for (peer, other) in ts.iter().enumerate() {
-            t.connect(peer, &other.endpoint(), &[regions[peer].desc()])
-                .unwrap();
-        }
-    }
+    let (ts, regions) = job(3, 4096);
     assert_eq!(ts[0].peer_status(1), PeerStatus::Alive);
     // Rank 1 failed on rank 2 (and runs on, its engine open).
     ts[1].set_blame(2);
@@ -497,7 +493,8 @@ fn a_running_peer_that_failed_on_a_third_rank_counts_as_dead_blaming_it() {
         pid: 0,
         blamed: Some(2),
     };
-    assert_eq!(ts[0].peer_status(1), dead, "rank 0's probe reads the blame");
+    // Its notice says so, and so would a probe of its status.
+    assert_eq!(ts[0].peer_status(1), dead, "rank 0 learns the blame");
     // Rank 2, the one blamed, is not told that rank 1 is gone by it.
     assert_eq!(ts[2].peer_status(1), PeerStatus::Alive);
     drop(ts);
@@ -507,17 +504,7 @@ fn a_running_peer_that_failed_on_a_third_rank_counts_as_dead_blaming_it() {
 #[test]
 fn a_failing_peer_that_exits_without_closing_is_named_by_its_blame() {
     need_libfabric!();
-    let ts: Vec<FabricTransport> = (0..3)
-        .map(|r| FabricTransport::new(r, 3, Duration::from_secs(20)).unwrap())
-        .collect();
-    let regions: Vec<LocalRegion> = ts.iter().map(|t| t.register(0, 4096).unwrap()).collect();
-    for t in &ts {
-        for (peer, other) in ts.iter().enumerate() {
-            t.connect(peer, &other.endpoint(), &[regions[peer].desc()])
-                .unwrap();
-        }
-    }
-    let mut ts = ts;
+    let (mut ts, regions) = job(3, 4096);
     assert_eq!(ts[0].peer_status(1), PeerStatus::Alive);
     // Rank 1 fails because of rank 2, then its process is gone before
     // anyone probes it again and without closing its engine (no close
