@@ -256,9 +256,12 @@ def train(variant, rank, world, plan, comm):
         mbs = [packed(s, rank, j) for j in range(counts[rank])]
         kw = {"sched": sched} if loop == "hf" else {"scaler": scaler}
         norms.append(STEPS[loop](model, opt, mbs, world, variant.get("clip", 1.0), **kw))
+    out = {"norms": norms, "params": full_params(model)}
     if comm == "odc":
+        engine = model._odc_fsdp.engine
+        out.update(transport=engine.transport, cross_node=engine.cross_node)
         odc.fsdp.disable(model)
-    return {"norms": norms, "params": full_params(model)}
+    return out
 
 
 def reference(variant, world, plan):

@@ -11,6 +11,7 @@ a whole node idle at a step.
 from __future__ import annotations
 
 import _fsdp_helpers as H
+import _loops as L
 import pytest
 from _dist import run_ranks
 
@@ -37,6 +38,24 @@ def test_node_sums_match_single_process_with_a_whole_node_idle():
     node = [out[r]["full"]["cache"] for r in range(PER_NODE)]
     assert sum(c["hits"] for c in node) >= sum(c["fetched"] for c in node), node
     assert out[0]["max_diff"]["full"] < 1e-5, out[0]["max_diff"]
+
+
+def test_hf_models_in_users_loops_across_nodes_match_one_process(monkeypatch):
+    # What users run, across 2 emulated nodes x 2 on shm+fabric (node cache, node sums, versions and dones once
+    # per node): a tiny Qwen2 in an HF Trainer-like loop (torch's own clip_grad_norm_, an LR scheduler) and a
+    # tiny Llama in a torchtitan-like one, TABLE's first 3 steps (a whole node idle at step 1). Every rank
+    # computes the same grad norms, and the result is one process's on the whole batch.
+    L.quiet()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(PER_NODE))
+    monkeypatch.setenv("ODC_TRANSPORT", "auto")
+    variants = [{"loop": "hf", "model": "qwen2"}, {"loop": "titan", "model": "llama"}]
+    out = H.all_ok(run_ranks(L.loops_worker, WORLD, timeout=600, variants=variants, plan=list(TABLE[:3])))
+    for i, variant in enumerate(variants):
+        got = out[0][i]["odc"]
+        assert (got["transport"], got["cross_node"]) == ("shm+fabric", "node"), (variant, got["transport"])
+        for rank in range(1, WORLD):
+            assert out[rank][i]["odc"]["norms"] == got["norms"], (variant, rank)
+        L.assert_close(got, out[0][i]["ref"], 1e-5, 1e-4, str(variant))
 
 
 def _peer_error(fn):
