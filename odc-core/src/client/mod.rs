@@ -290,6 +290,13 @@ impl<'e> Worker<'e> {
         let seen = load(reg.word(lay.seen_version(gs.me, bucket.0)));
         let stamp =
             versions::publish_stamp(seen, version).map_err(|e| version_error(b, e, None))?;
+        // Under node aggregation a remote reader's reads are released by its
+        // node's aggregator for this rank.
+        let local = self.core.topo.local_world();
+        let releaser = |c: usize| match reg.sums {
+            Some(_) => nodesum::releaser(gs.me, c, local),
+            None => c,
+        };
         self.core.wait(
             Some(b.name()),
             &|| {
@@ -299,13 +306,6 @@ impl<'e> Worker<'e> {
                 )
             },
             || {
-                // Under node aggregation a remote reader's reads are
-                // released by its node's aggregator for this rank.
-                let local = self.core.topo.local_world();
-                let releaser = |c: usize| match reg.sums {
-                    Some(_) => nodesum::releaser(gs.me, c, local),
-                    None => c,
-                };
                 let words = (0..gs.group.len()).map(|c| {
                     (
                         load(reg.word(lay.released(c, bucket.0))),

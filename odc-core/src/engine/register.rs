@@ -747,10 +747,7 @@ fn node_announce(
     // SAFETY: the transport keeps every connected peer's mapping (and its
     // own regions) for its lifetime, which is the engine's; node-mates'
     // control regions share this rank's layout (the plan is agreed).
-    Ok((
-        to,
-        Some(unsafe { NodeVersions::new(bases, local, topo.node_of(me)) }),
-    ))
+    Ok((to, Some(unsafe { NodeVersions::new(bases, me, local) })))
 }
 
 fn node_cache(core: &Core, plan: &Plan, peers: &Peers) -> Result<Option<NodeCache>> {

@@ -15,6 +15,7 @@ use crate::control::{CtrlLayout, HEADER_BYTES};
 use crate::layout::BucketLayout;
 use crate::plane::{Connect, Plane};
 use crate::protocol::handoff::OwnPush;
+use crate::protocol::nodesum;
 use crate::protocol::slots::SlotSender;
 use crate::region::{HeapBlock, LocalRegion, RegionDesc};
 use crate::store::Store;
@@ -135,9 +136,9 @@ pub(crate) struct NodeSums {
 pub(crate) struct NodeVersions {
     /// Base of each node-mate's control region, by local rank.
     bases: Vec<std::ptr::NonNull<u8>>,
-    /// Ranks per node and this rank's node.
+    /// This rank and the ranks per node.
+    me: usize,
     local: usize,
-    node: usize,
 }
 
 // SAFETY: the bases point into shared mappings that the transport keeps
@@ -155,19 +156,24 @@ impl NodeVersions {
     /// this rank's, as long as the returned value is used.
     pub(crate) unsafe fn new(
         bases: Vec<std::ptr::NonNull<u8>>,
+        me: usize,
         local: usize,
-        node: usize,
     ) -> NodeVersions {
-        NodeVersions { bases, local, node }
+        NodeVersions { bases, me, local }
     }
 
-    /// The word at `offset` of the control region of the node-mate that
-    /// hears `owner`'s versions; `None` for an owner on this node.
+    /// The node-mate that hears `owner`'s versions for this node (its
+    /// aggregator for `owner`, [`nodesum::server`]); `None` for an owner on
+    /// this node.
+    fn relay(&self, owner: usize) -> Option<usize> {
+        (owner / self.local != self.me / self.local)
+            .then(|| nodesum::server(self.me, owner, self.local))
+    }
+
+    /// The word at `offset` of the control region of `owner`'s relay;
+    /// `None` for an owner on this node.
     fn word(&self, owner: usize, offset: usize) -> Option<&AtomicU64> {
-        if owner / self.local == self.node {
-            return None;
-        }
-        let base = self.bases.get(owner % self.local)?;
+        let base = self.bases.get(self.relay(owner)? % self.local)?;
         // SAFETY: `offset` is a control-layout offset (in range, 8-byte
         // aligned) and the base a mapped control region of that layout
         // (`new`'s contract); its words are only accessed atomically.
@@ -241,8 +247,7 @@ impl Registered {
     /// The node-mate through which `owner`'s versions reach this rank
     /// (global ranks: full sharding), if not directly ([`NodeVersions`]).
     pub(crate) fn version_relay(&self, owner: usize) -> Option<usize> {
-        let v = self.node_versions.as_ref()?;
-        (owner / v.local != v.node).then(|| v.node * v.local + owner % v.local)
+        self.node_versions.as_ref()?.relay(owner)
     }
 
     /// The word that holds `owner`'s version of `bucket` for this rank:
