@@ -125,7 +125,8 @@ impl Engine {
 
     /// The data regions an engine with `config` on `topology` allocates
     /// for `specs` on a device transport: published shards, landing slots,
-    /// f32 accumulators (the figures `register` gives the plane).
+    /// f32 accumulators, this rank's share of the node cache (the figures
+    /// `register` gives the plane).
     ///
     /// Errors: as [`register`](Self::register) for a bad bucket list.
     pub fn data_sizes(

@@ -44,6 +44,14 @@ fn run_nodes<F>(world: usize, local_world: usize, key: &str, transport: Transpor
 where
     F: Fn(Engine) + Send + Sync + 'static,
 {
+    run_config(world, local_world, config(key, transport), f)
+}
+
+/// [`run_nodes`] with every rank's engine built from `cfg`.
+fn run_config<F>(world: usize, local_world: usize, cfg: EngineConfig, f: F)
+where
+    F: Fn(Engine) + Send + Sync + 'static,
+{
     // The daemons' streams sleep too (read at engine creation; the same
     // value for every test of this file).
     std::env::set_var("ODC_EMU_JITTER_US", "300");
@@ -52,10 +60,10 @@ where
     let threads: Vec<_> = (0..world)
         .map(|rank| {
             let store = Arc::new(FileStore::new(dir.path()).unwrap());
-            let (f, key) = (Arc::clone(&f), key.to_owned());
+            let (f, cfg) = (Arc::clone(&f), cfg.clone());
             std::thread::spawn(move || {
                 let topo = Topology::new(rank, world, local_world).unwrap();
-                f(Engine::new(store, topo, config(&key, transport)).unwrap())
+                f(Engine::new(store, topo, cfg).unwrap())
             })
         })
         .collect();
@@ -336,6 +344,128 @@ fn a_release_across_nodes_holds_the_owner_until_the_reads_ran() {
         "shmem_release",
         TransportKind::EmuShmem,
         release_holds_the_owner,
+    );
+}
+
+/// The node cache in device memory: 2 emulated nodes of 2 ranks, every
+/// remote shard cut into pieces (the landing chunk), three gathers of each
+/// version (forward, backward's re-gather, one more) on streams that sleep
+/// before every operation. A fill's piece is marked ready by work on the
+/// fetcher's stream after its copies, and a node-mate copies it out on its
+/// own stream: a mark sent ahead of the bytes would let it copy a slot that
+/// holds the previous version, and the checks fail. Each piece of each
+/// version crosses to a node once.
+#[cfg(feature = "fabric")]
+#[test]
+fn a_device_node_cache_fetches_each_remote_piece_once_per_node_and_stays_exact() {
+    let fetched = Arc::new(std::sync::Mutex::new(vec![(0u64, 0u64); 4]));
+    let seen = Arc::clone(&fetched);
+    let (numel, versions, gathers) = (4096usize, 4u64, 3usize);
+    run_config(
+        4,
+        2,
+        config("dev_cache", TransportKind::EmuShmem),
+        move |e| {
+            let (rank, world) = (e.rank(), e.world());
+            let stream = EmuStream::new(Duration::from_micros(200)).unwrap();
+            let s = stream.handle();
+            e.register(&[BucketSpec::new("w", numel, DType::F32)])
+                .unwrap();
+            let w = BucketId(0);
+            let sl = e.bucket(w).unwrap().shard_len();
+            let stats = e.node_cache_stats().expect("a device node cache");
+            // Two remote owners, 4 KiB shards in pieces of the 512-byte chunk.
+            assert_eq!(stats.entries, 2 * 8, "rank {rank}");
+            assert_eq!(
+                stats.slots, stats.entries,
+                "rank {rank}: room for every piece"
+            );
+            for k in 0..versions {
+                let shard: Vec<f32> = (0..sl)
+                    .map(|i| (rank * sl + i) as f32 + 100_000.0 * k as f32)
+                    .collect();
+                let outs: Vec<Vec<f32>> = (0..gathers).map(|_| vec![-1f32; numel]).collect();
+                // SAFETY: every buffer outlives the finish below, which waits
+                // for the stream.
+                unsafe {
+                    let d = e.device().unwrap();
+                    d.publish(w, addr(&shard), sl * 4, DType::F32, k, s)
+                        .unwrap();
+                    for out in &outs {
+                        d.gather(w, k, addr(out), numel * 4, DType::F32, s, false)
+                            .unwrap();
+                    }
+                    d.release(w, k, s).unwrap();
+                }
+                e.device().unwrap().finish_minibatch(k, s).unwrap();
+                for (g, out) in outs.iter().enumerate() {
+                    for (i, x) in out.iter().enumerate() {
+                        assert_eq!(
+                            *x,
+                            i as f32 + 100_000.0 * k as f32,
+                            "rank {rank} version {k} gather {g} elem {i}"
+                        );
+                    }
+                }
+            }
+            assert_eq!(world, 4);
+            let st = e.node_cache_stats().unwrap();
+            assert_eq!((st.direct, st.taken_over), (0, 0), "rank {rank}: {st:?}");
+            seen.lock().unwrap()[rank] = (st.fetched, st.hits);
+        },
+    );
+    let f = fetched.lock().unwrap();
+    for node in 0..2 {
+        let (a, b) = (f[2 * node], f[2 * node + 1]);
+        // Every piece of every version fetched once by one of the node's
+        // ranks; every other copy of it a hit.
+        assert_eq!(a.0 + b.0, 16 * versions, "node {node}: {f:?}");
+        let copies = 2 * gathers as u64 * 16 * versions;
+        assert_eq!(a.0 + b.0 + a.1 + b.1, copies, "node {node}: {f:?}");
+    }
+}
+
+/// A device node cache keeps every remote shard (nothing is evicted on a
+/// stream): an explicit bound below that is refused by name with the bytes
+/// needed; the default bound keeps no cache then; `Engine::data_sizes`
+/// counts the device share.
+#[test]
+fn a_device_node_cache_too_small_for_the_remote_shards_is_refused_by_name() {
+    let specs = [BucketSpec::new("w", 4096, DType::F32)];
+    let topo = Topology::new(0, 4, 2).unwrap();
+    let cfg = |node_cache| EngineConfig {
+        node_cache,
+        ..config("dev_cache_small", TransportKind::EmuShmem)
+    };
+    // 2 remote shards of 4 KiB per node: 8 KiB, half of it on each rank.
+    let sizes = Engine::data_sizes(&specs, &topo, &cfg(None)).unwrap();
+    assert_eq!(sizes.cache, 4096);
+    assert_eq!(
+        Engine::data_sizes(&specs, &topo, &cfg(Some(0)))
+            .unwrap()
+            .cache,
+        0
+    );
+    assert_eq!(
+        Engine::data_sizes(&specs, &topo, &cfg(Some(8192)))
+            .unwrap()
+            .cache,
+        4096
+    );
+    let err = Engine::data_sizes(&specs, &topo, &cfg(Some(8191))).unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    for needle in [
+        "node_cache=8191",
+        "8192 bytes per node",
+        "ODC_NODE_CACHE_MB=1",
+    ] {
+        assert!(err.to_string().contains(needle), "{needle}: {err}");
+    }
+    // One node: no remote shard, no cache.
+    let one = Topology::new(0, 2, 2).unwrap();
+    assert_eq!(
+        Engine::data_sizes(&specs, &one, &cfg(None)).unwrap().cache,
+        0
     );
 }
 

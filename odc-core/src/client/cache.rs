@@ -14,11 +14,12 @@
 //! slot free of fills) is read straight into the output, as without a
 //! cache.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{version_error, DataPath, ShardRead, Worker};
 use crate::engine::cache::{Counters, NodeCache};
-use crate::engine::{load, BucketId, Registered};
+use crate::engine::{load, record_error, BucketId, Registered};
 use crate::layout::BucketLayout;
 use crate::protocol::cache::{self, Entry, Look, Slot};
 use crate::protocol::versions;
@@ -62,7 +63,7 @@ enum Todo {
 /// (claimed pieces into their slots, uncacheable ones into the output).
 pub(super) struct CachedReads<'w, 'e> {
     w: &'w Worker<'e>,
-    cache: &'w NodeCache,
+    cache: &'w Arc<NodeCache>,
     b: &'w BucketLayout,
     bucket: BucketId,
     version: u64,
@@ -80,7 +81,7 @@ pub(super) struct CachedReads<'w, 'e> {
 impl<'w, 'e> CachedReads<'w, 'e> {
     pub(super) fn new(
         w: &'w Worker<'e>,
-        cache: &'w NodeCache,
+        cache: &'w Arc<NodeCache>,
         b: &'w BucketLayout,
         bucket: BucketId,
         version: u64,
@@ -141,10 +142,18 @@ impl<'w, 'e> CachedReads<'w, 'e> {
 
     /// Copies the cached pieces and sets aside the pieces others fetch;
     /// returns the next read to post.
-    fn advance(&mut self) -> Option<ShardRead> {
+    fn advance(&mut self, path: &impl DataPath) -> Option<ShardRead> {
         while self.error.is_none() {
             let piece = self.next_piece()?;
-            match first_look(self.w, self.cache, self.b, self.bucket, self.version, piece) {
+            let look = first_look(
+                self.w,
+                path,
+                self.cache,
+                (self.b, self.bucket),
+                self.version,
+                piece,
+            );
+            match look {
                 Ok((Todo::Fill { piece, slot }, read)) => {
                     self.fills.push((piece, slot));
                     return read;
@@ -185,25 +194,29 @@ impl<'w, 'e> CachedReads<'w, 'e> {
             return error.map_or(Ok(()), Err);
         }
         let mut copied = Ok(());
+        let mut filled = Vec::with_capacity(fills.len());
         for (piece, slot) in &fills {
             if copied.is_ok() {
                 // SAFETY: the slot is ours while it is filling (nobody
-                // evicts it) and holds the piece (the batch completed); the
-                // caller vouches for the output.
-                copied = unsafe {
-                    path.copy_in_node(cache.slot_data(*slot) as u64, piece.dst, piece.out_len)
-                };
+                // evicts it) and holds the piece once the batch's reads ran
+                // (on the host: completed; on a device stream: enqueued
+                // before this copy); the caller vouches for the output.
+                copied =
+                    unsafe { path.copy_in_node(cache.slot_data(*slot), piece.dst, piece.out_len) };
             }
             if copied.is_ok() {
-                publish(cache, piece.entry, version, *slot);
+                filled.push((piece.entry, *slot));
             } else {
                 give_back(cache, piece.entry, *slot);
             }
         }
-        copied?;
-        if !fills.is_empty() {
-            tell_node(w, cache)?;
+        if let Err(e) = copied {
+            for &(entry, slot) in &filled {
+                give_back(cache, entry, slot);
+            }
+            return Err(e);
         }
+        publish_fills(w, path, cache, version, filled)?;
         if waits.is_empty() {
             return Ok(());
         }
@@ -212,11 +225,18 @@ impl<'w, 'e> CachedReads<'w, 'e> {
     }
 }
 
-impl Iterator for CachedReads<'_, '_> {
+/// [`CachedReads`] with the path its hits are copied on: the first pass's
+/// iterator of reads.
+pub(super) struct Pass<'p, 'w, 'e, P: DataPath> {
+    pub(super) reads: &'p mut CachedReads<'w, 'e>,
+    pub(super) path: &'p P,
+}
+
+impl<P: DataPath> Iterator for Pass<'_, '_, '_, P> {
     type Item = ShardRead;
 
     fn next(&mut self) -> Option<ShardRead> {
-        self.advance()
+        self.reads.advance(self.path)
     }
 }
 
@@ -225,9 +245,9 @@ impl Iterator for CachedReads<'_, '_> {
 /// for a claim or a straight read.
 fn first_look(
     w: &Worker<'_>,
+    path: &impl DataPath,
     cache: &NodeCache,
-    b: &BucketLayout,
-    bucket: BucketId,
+    (b, bucket): (&BucketLayout, BucketId),
     version: u64,
     piece: Piece,
 ) -> Result<(Todo, Option<ShardRead>)> {
@@ -237,7 +257,7 @@ fn first_look(
         match cache::look(word, version) {
             Look::Hit { slot } => {
                 // SAFETY: the gather's output (its caller's contract).
-                if unsafe { copy_cached(cache, piece, slot) } {
+                if unsafe { copy_cached(path, cache, piece, slot)? } {
                     Counters::add(&cache.counters.hits);
                     return Ok((Todo::Done, None));
                 }
@@ -262,7 +282,7 @@ fn first_look(
                             rank: piece.owner,
                             bucket: bucket.0,
                             at: piece.at,
-                            dst: cache.slot_data(slot) as u64,
+                            dst: cache.slot_data(slot),
                             len: piece.len,
                         };
                         return Ok((Todo::Fill { piece, slot }, Some(read)));
@@ -415,6 +435,39 @@ fn reusable(cache: &NodeCache, slot: usize, entry: usize) -> bool {
     (s.entry == Some(entry) || s.entry.is_none()) && !s.filling
 }
 
+/// Marks every `(entry, slot)` of `filled` ready at `version` and tells
+/// the node-mates, once the copies `path` made so far ran: at once on the
+/// host; on a device, by work on the stream after them (a node-mate that
+/// sees the mark copies out of the slot on its own stream, so the mark
+/// must follow the bytes, as a version signal follows a shard).
+fn publish_fills(
+    w: &Worker<'_>,
+    path: &impl DataPath,
+    cache: &Arc<NodeCache>,
+    version: u64,
+    filled: Vec<(usize, usize)>,
+) -> Result<()> {
+    if filled.is_empty() {
+        return Ok(());
+    }
+    let offset = w.reg.ctrl_layout.cache_fill();
+    if !cache.layout.device {
+        for (entry, slot) in filled {
+            publish(cache, entry, version, slot);
+        }
+        return tell_node(cache, offset).map_err(|e| w.core.attribute(None, e));
+    }
+    let (cache, errors) = (Arc::clone(cache), Arc::clone(&w.core.server_error));
+    path.then(Box::new(move || {
+        for (entry, slot) in filled {
+            publish(&cache, entry, version, slot);
+        }
+        if let Err(e) = tell_node(&cache, offset) {
+            record_error(&errors, format!("telling the node of a cache fill: {e}"));
+        }
+    }))
+}
+
 /// Marks `entry` ready at `version` in `slot`, whose data is in.
 fn publish(cache: &NodeCache, entry: usize, version: u64, slot: usize) {
     let sw = cache.slot_word(slot);
@@ -471,12 +524,30 @@ fn all_readers(local: usize) -> u64 {
 /// copy is then void and the reader looks again).
 ///
 /// # Safety
-/// `piece.dst` is valid for `piece.out_len` bytes.
-unsafe fn copy_cached(cache: &NodeCache, piece: Piece, slot: usize) -> bool {
+/// `piece.dst` is valid for `piece.out_len` bytes (until the copy ran, on
+/// a device).
+unsafe fn copy_cached(
+    path: &impl DataPath,
+    cache: &NodeCache,
+    piece: Piece,
+    slot: usize,
+) -> Result<bool> {
     let sw = cache.slot_word(slot);
     let before = sw.load(Ordering::Acquire);
     if !Slot::holds(before, piece.entry) {
-        return false;
+        return Ok(false);
+    }
+    if cache.layout.device {
+        // A device layout evicts nothing, and the entry's next version
+        // lands in this slot only after the owner published it, i.e. after
+        // this rank released this version, by work on its stream after
+        // this copy (the slot cannot change before the copy ran).
+        debug_assert!(cache.layout.direct());
+        // SAFETY: the slot holds the piece (above, and until this rank's
+        // release); the caller vouches for the output.
+        unsafe { path.copy_in_node(cache.slot_data(slot), piece.dst, piece.out_len)? };
+        touch(cache, slot);
+        return Ok(true);
     }
     // SAFETY: the slot's data is `slot_bytes` >= the piece; a concurrent
     // eviction may overwrite it during the copy, which the check after it
@@ -484,30 +555,27 @@ unsafe fn copy_cached(cache: &NodeCache, piece: Piece, slot: usize) -> bool {
     unsafe {
         odc_kernels::cpu::copy_raw(
             piece.dst as usize as *mut u8,
-            cache.slot_data(slot),
+            cache.slot_data(slot) as usize as *const u8,
             piece.out_len,
         )
     };
     fence(Ordering::Acquire);
     if sw.load(Ordering::Relaxed) != before {
-        return false;
+        return Ok(false);
     }
     touch(cache, slot);
-    true
+    Ok(true)
 }
 
-/// Raises every node-mate's `cache_fill` word (waking their gathers that
-/// wait for a piece).
-fn tell_node(w: &Worker<'_>, cache: &NodeCache) -> Result<()> {
+/// Raises every node-mate's `cache_fill` word, at `offset` of their
+/// control regions (waking their gathers that wait for a piece).
+fn tell_node(cache: &NodeCache, offset: usize) -> Result<()> {
     let tick = cache.clock().load(Ordering::Relaxed);
     let sig = SignalRef {
-        offset: w.reg.ctrl_layout.cache_fill(),
+        offset,
         bell: Bell::Client,
     };
-    w.core
-        .transport
-        .put_signals(&cache.mates, sig, tick)
-        .map_err(|e| w.core.attribute(None, e))
+    cache.transport.put_signals(&cache.mates, sig, tick)
 }
 
 /// Waits for the pieces a node-mate fetches (or whose version the owner
@@ -520,7 +588,7 @@ fn tell_node(w: &Worker<'_>, cache: &NodeCache) -> Result<()> {
 unsafe fn wait_for_pieces(
     w: &Worker<'_>,
     path: &impl DataPath,
-    cache: &NodeCache,
+    cache: &Arc<NodeCache>,
     b: &BucketLayout,
     bucket: BucketId,
     version: u64,
@@ -546,7 +614,7 @@ unsafe fn wait_for_pieces(
                     // SAFETY: the caller vouches for the output.
                     Look::Hit { slot } => {
                         // SAFETY: the caller vouches for the output.
-                        if unsafe { copy_cached(cache, piece, slot) } {
+                        if unsafe { copy_cached(path, cache, piece, slot)? } {
                             Counters::add(&cache.counters.hits);
                             Counters::add(&cache.counters.waited);
                             true
@@ -609,7 +677,7 @@ unsafe fn wait_for_pieces(
 unsafe fn fetch_here(
     w: &Worker<'_>,
     path: &impl DataPath,
-    cache: &NodeCache,
+    cache: &Arc<NodeCache>,
     bucket: BucketId,
     version: u64,
     piece: Piece,
@@ -642,7 +710,7 @@ unsafe fn fetch_here(
 unsafe fn take_over(
     w: &Worker<'_>,
     path: &impl DataPath,
-    cache: &NodeCache,
+    cache: &Arc<NodeCache>,
     bucket: BucketId,
     version: u64,
     piece: Piece,
@@ -680,7 +748,7 @@ unsafe fn take_over(
 unsafe fn fill(
     w: &Worker<'_>,
     path: &impl DataPath,
-    cache: &NodeCache,
+    cache: &Arc<NodeCache>,
     bucket: BucketId,
     version: u64,
     piece: Piece,
@@ -690,20 +758,18 @@ unsafe fn fill(
         rank: piece.owner,
         bucket: bucket.0,
         at: piece.at,
-        dst: cache.slot_data(slot) as u64,
+        dst: cache.slot_data(slot),
         len: piece.len,
     });
     // SAFETY: the slot is ours while filling; the version is published.
     let got = unsafe { path.read_shards(w.reg, &mut read) }
-        // SAFETY: the slot holds the piece now; the caller vouches for dst.
+        // SAFETY: the slot holds the piece now (or once the read above
+        // ran, on a device stream); the caller vouches for dst.
         .and_then(|()| unsafe {
-            path.copy_in_node(cache.slot_data(slot) as u64, piece.dst, piece.out_len)
+            path.copy_in_node(cache.slot_data(slot), piece.dst, piece.out_len)
         });
     match got {
-        Ok(()) => {
-            publish(cache, piece.entry, version, slot);
-            tell_node(w, cache)
-        }
+        Ok(()) => publish_fills(w, path, cache, version, vec![(piece.entry, slot)]),
         Err(e) => {
             give_back(cache, piece.entry, slot);
             Err(w.core.attribute(None, e))

@@ -12,7 +12,7 @@ use odc_kernels::DType;
 use super::{buffer_len_error, DataPath, Signals, Worker};
 use crate::control::HEADER_BYTES;
 use crate::engine::{record_error, BucketId, Core, Registered};
-use crate::plane::{Plane, StreamHandle};
+use crate::plane::{HostWork, Plane, StreamHandle};
 use crate::protocol::slots::slot_count;
 use crate::region::{Bell, SignalRef};
 use crate::Result;
@@ -66,6 +66,16 @@ impl DataPath for DevicePath<'_> {
             self.plane
                 .get_params(self.stream, dst, rank, reg.params_off[bucket] + at, len)
         }
+    }
+
+    unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {
+        // SAFETY: device addresses of this node (a node-mate's cache share
+        // is mapped here), per the caller's contract.
+        unsafe { self.plane.ops().copy(self.stream, dst, src, len) }
+    }
+
+    fn then(&self, work: HostWork) -> Result<()> {
+        self.plane.ops().then(self.stream, work)
     }
 
     unsafe fn put_chunk(

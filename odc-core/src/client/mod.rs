@@ -36,6 +36,7 @@ use crate::control::{SlotHeader, HEADER_BYTES};
 use crate::engine::CrossNode;
 use crate::engine::{load, BucketId, Core, NodeSums, PushState, Registered};
 use crate::layout::BucketLayout;
+use crate::plane::HostWork;
 use crate::protocol::{admit, finish, nodesum, versions};
 use crate::region::Bell;
 use crate::sync::Ordering;
@@ -101,18 +102,19 @@ pub(crate) trait DataPath {
     ) -> Result<()>;
 
     /// Copies `len` bytes from `src` to `dst`, both in this node's memory
-    /// (a node-cache slot into a gather's output), before returning. The
-    /// default refuses: a device path would copy on its stream and announce
-    /// the piece only once the copy ran (not built; see docs/gpu.md).
+    /// (a node-cache slot into a gather's output, addresses of the path's
+    /// kind): before returning on the host, on the stream on a device.
     ///
     /// # Safety
     /// `src` and `dst` address `len` bytes each (readable, writable),
-    /// valid for the call, not overlapping.
-    unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {
-        let _ = (src, dst, len);
-        Err(Error::Config(
-            "the node cache runs on host transports only".into(),
-        ))
+    /// valid until the copy ran, not overlapping.
+    unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()>;
+
+    /// Runs `work` once every copy this path made so far ran: now on the
+    /// host, on a device by work on the stream after them.
+    fn then(&self, work: HostWork) -> Result<()> {
+        work();
+        Ok(())
     }
 
     /// Every read `reads` yields ([`DataPath::read_shard`] each), with as
@@ -367,9 +369,13 @@ impl<'e> Worker<'e> {
             let size = dtype.size_bytes();
             let mut remote =
                 cache::CachedReads::new(self, cache, b, bucket, version, (out, elems * size));
+            let pass = cache::Pass {
+                reads: &mut remote,
+                path,
+            };
             // SAFETY: as below for this node's reads; the cached reads
             // land in slots this rank claimed, or in `out`.
-            let first = unsafe { path.read_shards(reg, &mut (&mut remote).chain(&mut reads)) }
+            let first = unsafe { path.read_shards(reg, &mut pass.chain(&mut reads)) }
                 .map_err(|e| self.core.attribute(Some(b.name()), e));
             // SAFETY: `out` is valid for the call (the caller's contract).
             unsafe { remote.finish(path, first.is_ok()) }?;

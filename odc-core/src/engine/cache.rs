@@ -17,16 +17,21 @@
 //! entry words of entries `e ≡ me (mod G)`, the slot words, use stamps and
 //! readers of slots `s ≡ me (mod G)`, then those slots' data. Node-mates map each
 //! other's regions (`Transport::mapped`); nothing here crosses the network.
+//! On a device transport the slots' data is device memory instead (each
+//! rank's share a data region of the plane, [`crate::plane::Plane::node_cache`])
+//! and the host region holds the words only.
 //!
 //! This module computes places and hands out words and pointers; it never
 //! waits, fetches or copies.
 
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use crate::layout::BucketLayout;
 use crate::protocol::cache::{MAX_ENTRIES, MAX_LOCAL, MAX_SLOTS};
 use crate::region::RegionDesc;
 use crate::sync::{AtomicU64, Ordering};
+use crate::transport::Transport;
 
 const LINE: usize = 64;
 
@@ -55,6 +60,8 @@ pub(crate) struct CacheLayout {
     off_slots: usize,
     off_data: usize,
     region_len: usize,
+    /// Whether the slots' data lives in device memory (not in the region).
+    pub(crate) device: bool,
 }
 
 fn round_line(n: usize) -> usize {
@@ -67,12 +74,13 @@ impl CacheLayout {
     /// of slots per node; `None` when there is no remote shard, no room
     /// for one slot, or more entries, slots or ranks per node than the
     /// words hold (the gathers then read every remote shard themselves).
+    /// With `device`, the host region holds the words only.
     pub(crate) fn new(
         buckets: &[BucketLayout],
-        world: usize,
-        local: usize,
+        (world, local): (usize, usize),
         piece_cap: usize,
         bound: usize,
+        device: bool,
     ) -> Option<CacheLayout> {
         let remote = world.checked_sub(local).filter(|&r| r > 0)?;
         if local == 0 || local > MAX_LOCAL {
@@ -106,7 +114,8 @@ impl CacheLayout {
         let off_entries = LINE;
         let off_slots = off_entries + round_line(share(entries) * 8);
         let off_data = off_slots + round_line(share(slots) * 24);
-        let region_len = off_data + share(slots) * slot_bytes;
+        let data_len = if device { 0 } else { share(slots) * slot_bytes };
+        let region_len = off_data + data_len;
         Some(CacheLayout {
             buckets: cb,
             local,
@@ -118,7 +127,19 @@ impl CacheLayout {
             off_slots,
             off_data,
             region_len,
+            device,
         })
+    }
+
+    /// Bytes of each node-mate's share of the slots' data.
+    pub(crate) fn data_len(&self) -> usize {
+        self.slots.div_ceil(self.local) * self.slot_bytes
+    }
+
+    /// Bytes of slots the whole set of entries needs per node (what makes
+    /// the layout [`direct`](Self::direct)).
+    pub(crate) fn full_bytes(&self) -> usize {
+        self.entries * self.slot_bytes
     }
 
     /// Bytes of each node-mate's cache region.
@@ -160,12 +181,14 @@ impl CacheLayout {
         (s % self.local, self.off_slots + (s / self.local) * 24)
     }
 
-    /// (local rank, byte offset) of slot `s`'s data.
+    /// (local rank, byte offset from its share's data) of slot `s`'s data.
     fn data_at(&self, s: usize) -> (usize, usize) {
-        (
-            s % self.local,
-            self.off_data + (s / self.local) * self.slot_bytes,
-        )
+        (s % self.local, (s / self.local) * self.slot_bytes)
+    }
+
+    /// Where the slots' data starts in a host region.
+    pub(crate) fn data_offset(&self) -> usize {
+        self.off_data
     }
 }
 
@@ -214,6 +237,13 @@ pub(crate) struct NodeCache {
     pub(crate) layout: CacheLayout,
     /// Base of each node-mate's cache region, by local rank.
     bases: Vec<NonNull<u8>>,
+    /// Address of each node-mate's share of the slots' data, by local rank
+    /// (host pointers, or device addresses on a device transport).
+    data: Vec<u64>,
+    /// Keeps the regions behind `bases` mapped (work queued on a device
+    /// stream marks entries after the engine's call returned) and sends
+    /// the fill signals.
+    pub(crate) transport: Arc<dyn Transport>,
     /// This rank's local rank, and the first rank of its node.
     pub(crate) me: usize,
     pub(crate) node_start: usize,
@@ -231,21 +261,36 @@ unsafe impl Sync for NodeCache {}
 
 impl NodeCache {
     /// A cache over `bases` (one per node-mate, by local rank, each
-    /// `layout.region_len()` bytes, 64-byte aligned).
+    /// `layout.region_len()` bytes, 64-byte aligned), with the slots' data
+    /// in those regions, or at `data` (one per node-mate: device
+    /// addresses) for a device layout.
     ///
     /// # Safety
-    /// Every base stays mapped, readable and writable, as long as the
-    /// returned cache is used.
+    /// Every base stays mapped, readable and writable, as long as
+    /// `transport` lives; every `data` address holds `layout.data_len()`
+    /// bytes as long as the cache is used.
     pub(crate) unsafe fn new(
         layout: CacheLayout,
-        bases: Vec<NonNull<u8>>,
+        (bases, data): (Vec<NonNull<u8>>, Option<Vec<u64>>),
         (me, node_start): (usize, usize),
         mates: Vec<(usize, RegionDesc)>,
+        transport: Arc<dyn Transport>,
     ) -> NodeCache {
         debug_assert_eq!(bases.len(), layout.local);
+        let data = data.unwrap_or_else(|| {
+            let at = layout.data_offset();
+            // SAFETY: the data follows the words inside each region.
+            bases
+                .iter()
+                .map(|b| unsafe { b.as_ptr().add(at) } as u64)
+                .collect()
+        });
+        debug_assert_eq!(data.len(), layout.local);
         NodeCache {
             layout,
             bases,
+            data,
+            transport,
             me,
             node_start,
             mates,
@@ -304,11 +349,11 @@ impl NodeCache {
         self.word((q, at + 16))
     }
 
-    /// Slot `s`'s data: `layout.slot_bytes` bytes.
-    pub(crate) fn slot_data(&self, s: usize) -> *mut u8 {
+    /// Address of slot `s`'s data (`layout.slot_bytes` bytes): a host
+    /// pointer, or a device address on a device transport.
+    pub(crate) fn slot_data(&self, s: usize) -> u64 {
         let (q, at) = self.layout.data_at(s);
-        // SAFETY: inside node-mate q's region (the layout's offsets).
-        unsafe { self.bases[q].as_ptr().add(at) }
+        self.data[q] + at as u64
     }
 }
 
@@ -333,7 +378,7 @@ mod tests {
     fn entries_cover_every_remote_piece_once() {
         // 8 ranks in nodes of 4; shards of 4 KiB and 64 KiB, pieces of 16 KiB.
         let bs = buckets(&[8 * 1024, 8 * 16 * 1024], 8);
-        let l = CacheLayout::new(&bs, 8, 4, 16 << 10, 1 << 30).unwrap();
+        let l = CacheLayout::new(&bs, (8, 4), 16 << 10, 1 << 30, false).unwrap();
         assert_eq!(l.buckets[0].pieces, 1);
         assert_eq!(l.buckets[1].pieces, 4);
         assert_eq!(l.entries, 4 + 4 * 4);
@@ -355,7 +400,7 @@ mod tests {
     #[test]
     fn the_bound_limits_the_slots_and_nothing_overlaps() {
         let bs = buckets(&[8 * 16 * 1024; 3], 8);
-        let l = CacheLayout::new(&bs, 8, 4, 16 << 10, 5 * (16 << 10) + 100).unwrap();
+        let l = CacheLayout::new(&bs, (8, 4), 16 << 10, 5 * (16 << 10) + 100, false).unwrap();
         assert_eq!(l.slots, 5);
         assert!(!l.direct());
         assert!(l.bytes() <= 5 * (16 << 10) + 100);
@@ -367,10 +412,10 @@ mod tests {
             let (q, at) = l.slot_at(s);
             let (q2, d) = l.data_at(s);
             assert_eq!(q, q2);
-            assert!(at + 16 <= l.off_data && d + l.slot_bytes <= l.region_len);
+            assert!(at + 16 <= l.off_data && l.off_data + d + l.slot_bytes <= l.region_len);
         }
         // No room for a slot, or no remote owner: no cache.
-        assert!(CacheLayout::new(&bs, 8, 4, 16 << 10, 100).is_none());
-        assert!(CacheLayout::new(&bs, 4, 4, 16 << 10, 1 << 30).is_none());
+        assert!(CacheLayout::new(&bs, (8, 4), 16 << 10, 100, false).is_none());
+        assert!(CacheLayout::new(&bs, (4, 4), 16 << 10, 1 << 30, false).is_none());
     }
 }

@@ -110,7 +110,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     }
     let peers = connect(core, &plan, &regions, deadline)?;
     let plane = connect_plane(core, specs, &plan, deadline)?;
-    let cache = node_cache(core, &plan, &peers)?;
+    let cache = node_cache(core, &plan, &peers, plane.as_deref())?.map(Arc::new);
     let (done_early, done_late) = done_targets(core, &plan, &peers);
     let (announce_to, node_versions) = node_announce(core, &plan, &peers)?;
     let sums = node_sums(core, &plan)?;
@@ -185,7 +185,13 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         return Err(Error::layout(None, "register needs at least one bucket"));
     }
     let ctrl_layout = control_layout(&groups, buckets.len(), &core.config)?;
-    let cache = cache_layout(core, &buckets, ctrl_layout.chunk_bytes());
+    let cache = cache_layout(
+        &core.config,
+        &core.topo,
+        (core.transport.name(), core.device.is_some()),
+        &buckets,
+        ctrl_layout.chunk_bytes(),
+    )?;
     let cross_node = core
         .config
         .cross_node
@@ -286,20 +292,60 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
 }
 
 /// The node cache this rank's node keeps, if any: under full sharding over
-/// several nodes, on a host transport that maps node-mates' memory, with
-/// the bound of [`EngineConfig::node_cache`] (by default only where the
-/// nodes are joined by a network), pieces of at most the landing chunk.
-fn cache_layout(core: &Core, buckets: &[BucketLayout], piece: usize) -> Option<CacheLayout> {
-    let topo = &core.topo;
-    if core.config.sharding != Sharding::Full || topo.nodes() < 2 || core.device.is_some() {
-        return None;
+/// several nodes, on a host transport (named `transport`) that maps
+/// node-mates' memory, with the bound of [`EngineConfig::node_cache`] (by
+/// default only where the nodes are joined by a network), pieces of at
+/// most the landing chunk. On a device transport (`device`: the nodes are
+/// joined by NVSHMEM) the slots are device memory and the cache needs room
+/// for every remote shard: a copy on a stream cannot be checked against
+/// an eviction after it ran, as a host copy is (`protocol::cache`), so
+/// nothing may be evicted. Within the bound it is kept; beyond it an
+/// explicit bound is an error naming the bytes needed, the default keeps
+/// no cache.
+fn cache_layout(
+    config: &EngineConfig,
+    topo: &Topology,
+    (transport, device): (&str, bool),
+    buckets: &[BucketLayout],
+    piece: usize,
+) -> Result<Option<CacheLayout>> {
+    if config.sharding != Sharding::Full || topo.nodes() < 2 {
+        return Ok(None);
     }
-    let bound = match (core.config.node_cache, core.transport.name()) {
-        (Some(bound), "shm" | "shm+fabric") => bound,
-        (None, "shm+fabric") => DEFAULT_NODE_CACHE,
-        _ => return None,
+    let world = (topo.world(), topo.local_world());
+    if !device {
+        let bound = match (config.node_cache, transport) {
+            (Some(bound), "shm" | "shm+fabric") => bound,
+            (None, "shm+fabric") => DEFAULT_NODE_CACHE,
+            _ => return Ok(None),
+        };
+        return Ok(CacheLayout::new(buckets, world, piece, bound, false));
+    }
+    let bound = config.node_cache.unwrap_or(DEFAULT_NODE_CACHE);
+    if bound == 0 {
+        return Ok(None);
+    }
+    let Some(full) = CacheLayout::new(buckets, world, piece, usize::MAX, true) else {
+        return Ok(None);
     };
-    CacheLayout::new(buckets, topo.world(), topo.local_world(), piece, bound)
+    if full.direct() && full.bytes() <= bound {
+        return Ok(Some(full));
+    }
+    match config.node_cache {
+        None => Ok(None),
+        Some(_) => Err(Error::Config(format!(
+            "node_cache={bound} bytes per node, but on a device transport the node cache keeps \
+             every remote shard ({} bytes per node{}; nothing is evicted there): set node_cache \
+             to at least that (ODC_NODE_CACHE_MB={}) or to 0",
+            full.full_bytes(),
+            if full.direct() {
+                ""
+            } else {
+                ", more pieces than a node cache numbers"
+            },
+            full.full_bytes().div_ceil(1 << 20),
+        ))),
+    }
 }
 
 /// The control region's layout for `buckets` buckets over `groups`, its
@@ -750,13 +796,33 @@ fn node_announce(
     Ok((to, Some(unsafe { NodeVersions::new(bases, me, local) })))
 }
 
-fn node_cache(core: &Core, plan: &Plan, peers: &Peers) -> Result<Option<NodeCache>> {
+fn node_cache(
+    core: &Core,
+    plan: &Plan,
+    peers: &Peers,
+    plane: Option<&dyn Plane>,
+) -> Result<Option<NodeCache>> {
     let Some(layout) = &plan.cache else {
         return Ok(None);
     };
     let topo = &core.topo;
     let node_start = topo.node_of(topo.rank()) * topo.local_world();
     let bases = node_bases(core, &peers.cache, "node cache")?;
+    // A device layout's slots: each node-mate's share of the plane.
+    let data = match (layout.device, plane) {
+        (true, Some(plane)) => Some(
+            (node_start..node_start + topo.local_world())
+                .map(|r| plane.node_cache(r))
+                .collect::<Result<Vec<u64>>>()?,
+        ),
+        (true, None) => {
+            return Err(Error::protocol(
+                None,
+                "a device node cache without a device plane",
+            ))
+        }
+        (false, _) => None,
+    };
     let mates = (node_start..node_start + topo.local_world())
         .filter(|&r| r != topo.rank())
         .map(|r| (r, peers.ctrl[r]))
@@ -766,9 +832,10 @@ fn node_cache(core: &Core, plan: &Plan, peers: &Peers) -> Result<Option<NodeCach
     Ok(Some(unsafe {
         NodeCache::new(
             layout.clone(),
-            bases,
+            (bases, data),
             (topo.local_rank_of(topo.rank()), node_start),
             mates,
+            Arc::clone(&core.transport),
         )
     }))
 }
@@ -788,6 +855,7 @@ fn connect_plane(
         params: plan.params_len,
         landing: plan.ctrl_layout.landing_len(),
         accum: plan.accum_len * 4,
+        cache: plan.cache.as_ref().map_or(0, CacheLayout::data_len),
     };
     debug_assert_eq!(
         Some(sizes),
@@ -820,10 +888,16 @@ pub(crate) fn data_sizes(
         .collect::<Result<Vec<_>>>()?;
     let (_, _, params, accum) = offsets(&buckets);
     let ctrl = control_layout(&groups, buckets.len(), config)?;
+    let device = config.transport.is_device();
+    let cache = match device {
+        true => cache_layout(config, topology, ("", true), &buckets, ctrl.chunk_bytes())?,
+        false => None,
+    };
     Ok(DataSizes {
         params,
         landing: ctrl.landing_len(),
         accum: accum * 4,
+        cache: cache.as_ref().map_or(0, CacheLayout::data_len),
     })
 }
 

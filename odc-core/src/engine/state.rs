@@ -81,7 +81,7 @@ pub(crate) struct Registered {
     /// (shard-group index).
     pub(crate) steal_seq: Vec<AtomicU64>,
     /// The node cache of remote shards (full sharding across nodes).
-    pub(crate) cache: Option<NodeCache>,
+    pub(crate) cache: Option<Arc<NodeCache>>,
     /// How gradients for owners on other nodes cross (resolved: `Direct`
     /// or `Node`).
     pub(crate) cross_node: CrossNode,

@@ -511,6 +511,16 @@ impl Plane for ShmemPlane {
         }
         self.ops().then(stream, Box::new(move || drop(staged)))
     }
+
+    fn node_cache(&self, rank: usize) -> Result<u64> {
+        if !self.topo.is_local(rank) {
+            return Err(Error::protocol(
+                None,
+                format!("rank {rank} is on another node: its node cache is not mapped here"),
+            ));
+        }
+        self.mapped.node_cache(rank)
+    }
 }
 
 #[cfg(test)]

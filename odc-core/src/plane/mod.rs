@@ -140,17 +140,25 @@ pub struct DataSizes {
     pub landing: usize,
     /// f32 accumulators.
     pub accum: usize,
+    /// This rank's share of its node's node-cache slots (0: no node cache;
+    /// see [`crate::EngineConfig::node_cache`]), mapped by its node-mates.
+    pub cache: usize,
 }
 
 impl DataSizes {
     /// The three regions as NVSHMEM symmetric-heap buffers.
     pub fn heap_plan(&self) -> crate::gpu::nvshmem::HeapPlan {
-        crate::gpu::nvshmem::HeapPlan::new([self.params, self.landing, self.accum])
+        let mut plan = crate::gpu::nvshmem::HeapPlan::new([self.params, self.landing, self.accum]);
+        if self.cache > 0 {
+            plan.push(self.cache);
+        }
+        plan
     }
 }
 
-/// Region ids of the data regions (distinct from the control region's).
-const DATA_REGIONS: [u32; 3] = [1, 3, 2];
+/// Region ids of the data regions (distinct from the control region's):
+/// params, landing, accumulators, node-cache slots.
+const DATA_REGIONS: [u32; 4] = [1, 3, 2, 4];
 
 /// What the engine uses: this rank's data regions, access to every peer's,
 /// and the backend's operations.
@@ -208,6 +216,12 @@ pub trait Plane: Send + Sync + fmt::Debug {
     /// far: work enqueued later runs after they have reached their
     /// targets (`nvshmemx_quiet_on_stream`; nothing for mapped memory).
     fn deliver(&self, stream: StreamHandle) -> Result<()>;
+
+    /// Address, in this process, of byte 0 of node-mate `rank`'s share of
+    /// the node cache's slots ([`DataSizes::cache`]; this rank's own too),
+    /// which stream copies read and write directly. An error when `rank`
+    /// allocated none or its share is not mapped here.
+    fn node_cache(&self, rank: usize) -> Result<u64>;
 }
 
 /// A backend before registration: connects the data regions once their
@@ -263,11 +277,14 @@ impl<B: DeviceBackend> Connect for std::sync::Arc<B> {
         sizes: DataSizes,
         timeout: Duration,
     ) -> Result<Box<dyn Plane>> {
-        let regions = [
+        let mut regions = vec![
             (DATA_REGIONS[0], sizes.params),
             (DATA_REGIONS[1], sizes.landing),
             (DATA_REGIONS[2], sizes.accum),
         ];
+        if sizes.cache > 0 {
+            regions.push((DATA_REGIONS[3], sizes.cache));
+        }
         let regions = exchange(
             self.memory(),
             store,
@@ -351,6 +368,10 @@ impl<B: DeviceBackend> Plane for IpcPlane<B> {
     fn deliver(&self, _stream: StreamHandle) -> Result<()> {
         // A copy into mapped memory is complete when the stream passes it.
         Ok(())
+    }
+
+    fn node_cache(&self, rank: usize) -> Result<u64> {
+        self.region(rank, 3, "node cache")
     }
 }
 

@@ -110,6 +110,16 @@ impl Connect for Arc<NvshmemBackend> {
                 .collect::<Result<Vec<_>>>()
         };
         let (peer_params, peer_landing) = (mapped(&params)?, mapped(&landing)?);
+        // The node cache's slots: node-mates copy into and out of each
+        // other's shares through NVSHMEM's peer mappings.
+        let cache = match sizes.cache {
+            0 => None,
+            bytes => Some(session.alloc(bytes)?),
+        };
+        let peer_cache = match &cache {
+            Some(buf) => mapped(buf)?,
+            None => Vec::new(),
+        };
         // Accumulators start at zero; the heap does not promise it.
         // SAFETY: `accum` is this PE's symmetric buffer of `sizes.accum` bytes.
         unsafe { self.cuda.zero_on_server(accum.device_ptr(), sizes.accum)? };
@@ -124,6 +134,8 @@ impl Connect for Arc<NvshmemBackend> {
             params,
             landing,
             accum,
+            peer_cache,
+            _cache: cache,
             session,
         }))
     }
@@ -156,6 +168,9 @@ struct NvshmemPlane {
     params: SymmetricBuffer,
     landing: SymmetricBuffer,
     accum: SymmetricBuffer,
+    /// Where each PE's node-cache share is mapped here (empty: no cache).
+    peer_cache: Vec<Option<u64>>,
+    _cache: Option<SymmetricBuffer>,
     session: Arc<Nvshmem>,
 }
 
@@ -272,6 +287,16 @@ impl Plane for NvshmemPlane {
         }
         self.bind()?;
         self.session.quiet_on_stream(stream)
+    }
+
+    fn node_cache(&self, rank: usize) -> Result<u64> {
+        let pe = self.pe(rank)?;
+        self.peer_cache.get(pe).copied().flatten().ok_or_else(|| {
+            Error::protocol(
+                None,
+                format!("rank {rank}'s node cache is not mapped here (no NVSHMEM peer mapping)"),
+            )
+        })
     }
 }
 
