@@ -104,6 +104,25 @@ fn emu_shmem_across_nodes_is_exact() {
     });
 }
 
+/// Node aggregation on the device plane: each rank's chunks for an owner
+/// on the other node go to its node-mate with the owner's local rank, whose
+/// daemon adds them into a node buffer in device memory on its stream, and
+/// that node-mate pushes the node's sum across once at its finish (the
+/// versions are announced once per node too). The same uneven, partial
+/// pushes as above, and the node cache, checked element for element.
+#[cfg(feature = "fabric")]
+#[test]
+fn emu_shmem_node_sums_across_nodes_are_exact() {
+    let cfg = EngineConfig {
+        cross_node: odc_core::CrossNode::Node,
+        ..config("shmem_sums", TransportKind::EmuShmem)
+    };
+    run_config(4, 2, cfg, |e| {
+        assert_eq!(e.cross_node(), odc_core::CrossNode::Node);
+        exact(e)
+    });
+}
+
 /// Four minibatches of gathers and uneven, partial pushes (f32 and bf16),
 /// checked element for element.
 fn exact(e: Engine) {

@@ -259,7 +259,7 @@ def train(variant, rank, world, plan, comm):
     out = {"norms": norms, "params": full_params(model)}
     if comm == "odc":
         engine = model._odc_fsdp.engine
-        out.update(transport=engine.transport, cross_node=engine.cross_node)
+        out.update(transport=engine.transport, cross_node=engine.cross_node, cache=engine.node_cache_stats())
         odc.fsdp.disable(model)
     return out
 

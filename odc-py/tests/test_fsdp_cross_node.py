@@ -58,6 +58,28 @@ def test_hf_models_in_users_loops_across_nodes_match_one_process(monkeypatch):
         L.assert_close(got, out[0][i]["ref"], 1e-5, 1e-4, str(variant))
 
 
+def test_an_hf_model_across_nodes_on_the_emulated_device_plane_matches_one_process(monkeypatch):
+    # nvshmem's path across nodes, emulated in host memory with jittered streams (emu-shmem): the node cache's slots
+    # and the node buffers are "device" memory, each fill marked ready and each node sum pushed by work on a stream.
+    # A tiny Qwen2 in an HF Trainer-like loop, a whole node idle at step 1: one process's result on the whole batch.
+    L.quiet()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(PER_NODE))
+    monkeypatch.setenv("ODC_TRANSPORT", "emu-shmem")
+    monkeypatch.setenv("ODC_CROSS_NODE", "node")
+    monkeypatch.setenv("ODC_EMU_JITTER_US", "50")
+    variant = {"loop": "hf", "model": "qwen2"}
+    out = H.all_ok(run_ranks(L.loops_worker, WORLD, timeout=600, variants=[variant], plan=list(TABLE[:3])))
+    got = out[0][0]["odc"]
+    assert (got["transport"], got["cross_node"]) == ("emu-shmem", "node"), got["transport"]
+    for rank in range(WORLD):
+        cache = out[rank][0]["odc"]["cache"]
+        assert cache is not None and cache["direct"] == 0 and cache["taken_over"] == 0, (rank, cache)
+        assert out[rank][0]["odc"]["norms"] == got["norms"], rank
+    node = [out[r][0]["odc"]["cache"] for r in range(PER_NODE)]
+    assert sum(c["fetched"] for c in node) > 0 and sum(c["hits"] for c in node) >= sum(c["fetched"] for c in node), node
+    L.assert_close(got, out[0][0]["ref"], 1e-5, 1e-4, str(variant))
+
+
 def _peer_error(fn):
     """Runs ``fn``; the peer error it raised (type, peer, message, seconds it took) or ``{"type": None}``."""
     import time

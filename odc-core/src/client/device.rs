@@ -74,6 +74,12 @@ impl DataPath for DevicePath<'_> {
         unsafe { self.plane.ops().copy(self.stream, dst, src, len) }
     }
 
+    unsafe fn zero_sums(&self, dst: u64, bytes: usize) -> Result<()> {
+        // SAFETY: the caller's contract; the daemon's adds of the next
+        // minibatch are enqueued on its stream after this.
+        unsafe { self.plane.ops().zero_on_server(dst, bytes) }
+    }
+
     fn then(&self, work: HostWork) -> Result<()> {
         self.plane.ops().then(self.stream, work)
     }

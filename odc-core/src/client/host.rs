@@ -97,6 +97,12 @@ impl DataPath for HostPath<'_> {
         )
     }
 
+    unsafe fn zero_sums(&self, dst: u64, bytes: usize) -> Result<()> {
+        // SAFETY: a host pointer, per the caller's contract.
+        unsafe { std::ptr::write_bytes(dst as usize as *mut u8, 0, bytes) };
+        Ok(())
+    }
+
     unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {
         // SAFETY: host pointers, per the caller's contract.
         unsafe {

@@ -110,6 +110,15 @@ pub(crate) trait DataPath {
     /// valid until the copy ran, not overlapping.
     unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()>;
 
+    /// Zeroes `bytes` of a node buffer at `dst` (an address of the path's
+    /// kind): before returning on the host; on a device on the daemon's
+    /// stream, before every add enqueued there later.
+    ///
+    /// # Safety
+    /// `dst` addresses `bytes` writable bytes of a node buffer that no add
+    /// or read is still using.
+    unsafe fn zero_sums(&self, dst: u64, bytes: usize) -> Result<()>;
+
     /// Runs `work` once every copy this path made so far ran: now on the
     /// host, on a device by work on the stream after them.
     fn then(&self, work: HostWork) -> Result<()> {
@@ -758,7 +767,7 @@ impl Worker<'_> {
                     let len = reg.buckets[bi].shard_len();
                     // SAFETY: the buffer's `len` f32s, acknowledged (read by
                     // the owner's daemon) and not yet open to new chunks.
-                    unsafe { std::ptr::write_bytes(sums.ptr(o, reg.accum_off[bi], 0), 0, len) };
+                    unsafe { path.zero_sums(sums.addr(o, reg.accum_off[bi], 0), len * 4)? };
                 }
             }
         }
@@ -947,7 +956,7 @@ impl PushRound<'_> {
             Source::Sums => {
                 let (reg, b) = (self.reg, self.bucket as usize);
                 match &reg.sums {
-                    Some(sums) => sums.ptr(reg.groups.group[o], reg.accum_off[b], start) as u64,
+                    Some(sums) => sums.addr(reg.groups.group[o], reg.accum_off[b], start),
                     None => 0,
                 }
             }

@@ -108,13 +108,15 @@ impl CrossNode {
     /// What a job of `nodes` nodes of `local` ranks runs under `sharding`
     /// over the transport `transport` (its name): `Direct` or `Node`.
     /// Aggregation applies to full sharding over several nodes of several
-    /// ranks on a host transport, and not in deterministic mode (the node
-    /// sums in f32 before the owner's exact accumulator sees them). `Auto`
-    /// picks `Node` where the nodes are joined by a network (`mixed`,
+    /// ranks, and not in deterministic mode (the node sums in f32 before
+    /// the owner's exact accumulator sees them). `Auto` picks `Node` where
+    /// the nodes of a host transport are joined by a network (`mixed`,
     /// `fabric`) and `Direct` where they share one host (`shm`: nothing
     /// crosses a network), the rule the cross-node benchmark measured
-    /// (docs/benchmarks/cross-node.md). An explicit `Node` where it cannot
-    /// apply is an error naming why.
+    /// (docs/benchmarks/cross-node.md); on a device transport (`device`)
+    /// `Auto` keeps `Direct`, which no GPU run has measured against `Node`
+    /// yet, and an explicit `Node` keeps the node buffers in device memory.
+    /// An explicit `Node` where it cannot apply is an error naming why.
     pub fn resolve(
         self,
         sharding: Sharding,
@@ -129,10 +131,6 @@ impl CrossNode {
             CrossNode::Auto if !applies || device || deterministic => Ok(CrossNode::Direct),
             CrossNode::Auto if transport == "shm" => Ok(CrossNode::Direct),
             CrossNode::Auto => Ok(CrossNode::Node),
-            CrossNode::Node if device => Err(format!(
-                "cross_node=\"node\" sums gradients in host memory; the {transport} transport \
-                 keeps them on the device: use cross_node=\"direct\""
-            )),
             CrossNode::Node if deterministic => Err(
                 "cross_node=\"node\" adds node-mates' chunks in f32 before their owner's exact \
                  accumulator sees them, so sums would depend on arrival order: deterministic \
@@ -250,8 +248,11 @@ pub struct EngineConfig {
     /// nothing would cross a network). `Some(0)` turns it off. Each
     /// node-mate keeps `1/G` of it, allocated at registration up to what
     /// the registered buckets' remote shards need; equal on every rank.
-    /// Host transports only (`shm`, `mixed`; `fabric` maps no node-mate's
-    /// memory).
+    /// On `shm` and `mixed` (`fabric` maps no node-mate's memory), and on
+    /// the device transports across nodes (`nvshmem`, `emu-shmem`), where
+    /// the slots are device memory and nothing is evicted: the cache keeps
+    /// every remote shard within the bound, none beyond the default bound,
+    /// and a smaller explicit bound is an error naming the bytes needed.
     pub node_cache: Option<usize>,
     /// How gradients for owners on other nodes cross the network under
     /// full sharding: [`CrossNode::Direct`], [`CrossNode::Node`] or

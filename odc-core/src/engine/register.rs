@@ -113,7 +113,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     let cache = node_cache(core, &plan, &peers, plane.as_deref())?.map(Arc::new);
     let (done_early, done_late) = done_targets(core, &plan, &peers);
     let (announce_to, node_versions) = node_announce(core, &plan, &peers)?;
-    let sums = node_sums(core, &plan)?;
+    let sums = node_sums(core, &plan, plane.as_deref())?;
     let nb = plan.buckets.len();
     let world_group = plan.groups.group.len();
     let group_ctrl = plan
@@ -720,18 +720,19 @@ fn done_targets(core: &Core, plan: &Plan, peers: &Peers) -> (Targets, Targets) {
     )
 }
 
-/// Node aggregation's node buffers, zeroed (see `NodeSums`).
-fn node_sums(core: &Core, plan: &Plan) -> Result<Option<NodeSums>> {
+/// Node aggregation's node buffers, zeroed (see `NodeSums`): host memory,
+/// or on a device engine the plane's accumulator region after the
+/// accumulators (zeroed at its allocation, [`node_sum_bytes`]).
+fn node_sums(core: &Core, plan: &Plan, plane: Option<&dyn Plane>) -> Result<Option<NodeSums>> {
     if plan.cross_node != CrossNode::Node {
         return Ok(None);
     }
     let topo = &core.topo;
     let nodes = topo.nodes();
-    let elems = (nodes - 1)
-        .checked_mul(plan.accum_len)
-        .ok_or_else(|| Error::Config("node buffer size overflows".into()))?;
+    let bytes = node_sum_bytes(nodes, plan.accum_len)?;
     Ok(Some(NodeSums {
-        block: HeapBlock::zeroed(elems * 4)?,
+        block: HeapBlock::zeroed(if plane.is_some() { 0 } else { bytes })?,
+        device: plane.map(|p| p.accum() + (plan.accum_len * 4) as u64),
         touched: (0..(nodes - 1) * plan.buckets.len())
             .map(|_| AtomicBool::new(false))
             .collect(),
@@ -851,10 +852,14 @@ fn connect_plane(
     let Some(device) = &core.device else {
         return Ok(None);
     };
+    let sums = match plan.cross_node {
+        CrossNode::Node => node_sum_bytes(core.topo.nodes(), plan.accum_len)?,
+        _ => 0,
+    };
     let sizes = DataSizes {
         params: plan.params_len,
         landing: plan.ctrl_layout.landing_len(),
-        accum: plan.accum_len * 4,
+        accum: plan.accum_len * 4 + sums,
         cache: plan.cache.as_ref().map_or(0, CacheLayout::data_len),
     };
     debug_assert_eq!(
@@ -893,12 +898,35 @@ pub(crate) fn data_sizes(
         true => cache_layout(config, topology, ("", true), &buckets, ctrl.chunk_bytes())?,
         false => None,
     };
+    let cross_node = config
+        .cross_node
+        .resolve(
+            config.sharding,
+            (topology.nodes(), topology.local_world()),
+            crate::transport::control_name(config.transport, topology),
+            device,
+            config.deterministic,
+        )
+        .map_err(Error::Config)?;
+    let sums = match cross_node {
+        CrossNode::Node => node_sum_bytes(topology.nodes(), accum)?,
+        _ => 0,
+    };
     Ok(DataSizes {
         params,
         landing: ctrl.landing_len(),
-        accum: accum * 4,
+        accum: accum * 4 + sums,
         cache: cache.as_ref().map_or(0, CacheLayout::data_len),
     })
+}
+
+/// Bytes of node aggregation's node buffers: one accumulator's worth per
+/// other node.
+fn node_sum_bytes(nodes: usize, accum_len: usize) -> Result<usize> {
+    (nodes.saturating_sub(1))
+        .checked_mul(accum_len)
+        .and_then(|e| e.checked_mul(4))
+        .ok_or_else(|| Error::Config("node buffer size overflows".into()))
 }
 
 /// A fresh random job id (rank 0 draws it; the others read it).

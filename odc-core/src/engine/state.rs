@@ -114,7 +114,11 @@ pub(crate) struct Registered {
 /// cleared the previous minibatch's sums; read by the daemon).
 #[derive(Debug)]
 pub(crate) struct NodeSums {
+    /// The buffers in host memory (empty on a device engine).
     pub(crate) block: HeapBlock,
+    /// A device engine's buffers: their device address (after the
+    /// accumulators in the plane's accumulator region).
+    pub(crate) device: Option<u64>,
     pub(crate) touched: Vec<AtomicBool>,
     pub(crate) open: AtomicU64,
     /// Ranks per node, this rank's node, the node count.
@@ -196,8 +200,25 @@ impl NodeSums {
     /// rank on node `owner / local`), with `accum_off` the bucket's
     /// accumulator offset; in range per the caller.
     pub(crate) fn ptr(&self, owner: usize, accum_off: usize, elem: usize) -> *mut f32 {
-        let at = self.index(owner / self.local) * self.accum_len + accum_off + elem;
-        self.block.as_ptr().cast::<f32>().wrapping_add(at)
+        debug_assert!(self.device.is_none());
+        self.block
+            .as_ptr()
+            .cast::<f32>()
+            .wrapping_add(self.at(owner, accum_off, elem))
+    }
+
+    /// [`ptr`](Self::ptr) as an address of the engine's kind: a host
+    /// pointer, or a device address on a device engine.
+    pub(crate) fn addr(&self, owner: usize, accum_off: usize, elem: usize) -> u64 {
+        let at = self.at(owner, accum_off, elem);
+        match self.device {
+            Some(base) => base + (at * 4) as u64,
+            None => self.block.as_ptr().cast::<f32>().wrapping_add(at) as u64,
+        }
+    }
+
+    fn at(&self, owner: usize, accum_off: usize, elem: usize) -> usize {
+        self.index(owner / self.local) * self.accum_len + accum_off + elem
     }
 
     /// Whether bucket `b`'s buffer for `owner` holds anything.

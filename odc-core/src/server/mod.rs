@@ -37,7 +37,7 @@ use odc_kernels::cpu::exact::accumulate_exact;
 use odc_kernels::DType;
 
 use crate::control::{check_header, Chunk, SlotHeader, HEADER_BYTES};
-use crate::engine::{load, record_error, Core, Registered};
+use crate::engine::{load, record_error, Core, NodeSums, Registered};
 use crate::plane::Plane;
 use crate::protocol::admit::{self, Admit};
 use crate::protocol::claims;
@@ -379,7 +379,14 @@ fn add_on_device(
     let lay = &reg.ctrl_layout;
     let enqueued = checked_header(reg, client, slot, seq).and_then(|h| {
         let x = plane.local_landing() + lay.landing_data(client, slot) as u64;
-        let acc = reg.accum_addr(plane, h.bucket, h.offset);
+        let acc = match h.owner {
+            // Node aggregation: into this rank's node buffer for `owner`.
+            Some(owner) => {
+                let (sums, owner) = node_sum_target(reg, client, &h, owner)?;
+                sums.addr(owner, reg.accum_off[h.bucket], h.offset)
+            }
+            None => reg.accum_addr(plane, h.bucket, h.offset),
+        };
         // SAFETY: `checked_header` put the range inside the bucket's
         // accumulator and the data inside the slot; the client leaves the
         // slot alone until the acknowledgement, enqueued after the add.
@@ -606,9 +613,7 @@ fn accumulate(
 
 /// Node aggregation: adds the chunk in landing slot `[client][slot]` (its
 /// checked header `h`), pushed by a node-mate for `owner`, into
-/// this rank's node buffer for `owner`. Refused when this rank keeps no
-/// buffers or `owner` is not one of its replicas (a rank on another node
-/// with its local rank) or the client is not on its node.
+/// this rank's node buffer for `owner` ([`node_sum_target`]).
 fn add_to_node_sum(
     reg: &Registered,
     client: usize,
@@ -616,6 +621,44 @@ fn add_to_node_sum(
     h: &Chunk,
     owner: u32,
 ) -> Result<(), String> {
+    let (sums, owner) = node_sum_target(reg, client, h, owner)?;
+    let (b, offset, len) = (h.bucket, h.offset, h.len);
+    // SAFETY: `checked_header` put the range inside the bucket's shard; the
+    // buffer holds `shard_len` f32s per bucket and replica, written only by
+    // this thread while it is open (the worker clears it before opening it
+    // again); the slot's data is stable until acknowledged.
+    let (acc, data) = unsafe {
+        (
+            std::slice::from_raw_parts_mut(sums.ptr(owner, reg.accum_off[b], offset), len),
+            std::slice::from_raw_parts(
+                reg.ctrl
+                    .as_ptr()
+                    .add(reg.ctrl_layout.slot_data(client, slot)),
+                h.bytes,
+            ),
+        )
+    };
+    accumulate_into_f32(acc, data, h.dtype, h.scale).map_err(|e| {
+        format!(
+            "rank {}'s push for rank {owner} into bucket {:?}: {e}",
+            reg.groups.group[client],
+            reg.buckets[b].name()
+        )
+    })
+}
+
+/// Node aggregation: the node buffers a chunk (checked header `h`) that
+/// `client` pushed for `owner` goes into, and `owner` as an index; the
+/// bucket's buffer for `owner` is marked touched (read by the worker after
+/// the chunk's acknowledgement and the done that follows it). Refused when
+/// this rank keeps no buffers or `owner` is not one of its replicas (a rank
+/// on another node with its local rank) or the client is not on its node.
+fn node_sum_target<'r>(
+    reg: &'r Registered,
+    client: usize,
+    h: &Chunk,
+    owner: u32,
+) -> Result<(&'r NodeSums, usize), String> {
     let rank = reg.groups.group[client];
     let Some(sums) = &reg.sums else {
         return Err(format!(
@@ -635,31 +678,8 @@ fn add_to_node_sum(
              aggregator (nodes of {local})"
         ));
     }
-    let (b, offset, len) = (h.bucket, h.offset, h.len);
-    // SAFETY: `checked_header` put the range inside the bucket's shard; the
-    // buffer holds `shard_len` f32s per bucket and replica, written only by
-    // this thread while it is open (the worker clears it before opening it
-    // again); the slot's data is stable until acknowledged.
-    let (acc, data) = unsafe {
-        (
-            std::slice::from_raw_parts_mut(sums.ptr(owner, reg.accum_off[b], offset), len),
-            std::slice::from_raw_parts(
-                reg.ctrl
-                    .as_ptr()
-                    .add(reg.ctrl_layout.slot_data(client, slot)),
-                h.bytes,
-            ),
-        )
-    };
-    // Read by the worker after this chunk's acknowledgement and the done
-    // that follows it.
-    sums.touched(owner, b).store(true, Ordering::Release);
-    accumulate_into_f32(acc, data, h.dtype, h.scale).map_err(|e| {
-        format!(
-            "rank {rank}'s push for rank {owner} into bucket {:?}: {e}",
-            reg.buckets[b].name()
-        )
-    })
+    sums.touched(owner, h.bucket).store(true, Ordering::Release);
+    Ok((sums, owner))
 }
 
 /// Reads the header of landing slot `[client][slot]`, whose signal reads

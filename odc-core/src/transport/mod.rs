@@ -436,6 +436,17 @@ fn control_kind(kind: TransportKind, topo: &Topology) -> TransportKind {
     }
 }
 
+/// The name ([`Transport::name`]) of the transport that carries the control
+/// words of an engine of `kind` on `topo`.
+pub(crate) fn control_name(kind: TransportKind, topo: &Topology) -> &'static str {
+    match control_kind(kind, topo) {
+        TransportKind::Shm => "shm",
+        TransportKind::Fabric => "fabric",
+        TransportKind::Mixed => "shm+fabric",
+        other => other.name(),
+    }
+}
+
 /// Creates this rank's transport of `kind` for `topo`: `shm` segments are
 /// named after `job_key` and `job_id`, and `timeout` bounds every fabric
 /// operation. A kind that needs the `fabric` feature in a build without it

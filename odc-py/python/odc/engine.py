@@ -325,8 +325,8 @@ class Engine:
             rank; ``(N − 1)`` times this rank's gradient-shard memory in f32
             node buffers; not with ``deterministic=True``) or ``"auto"``
             (the default, ``ODC_CROSS_NODE``: ``"node"`` where the nodes are
-            joined by a network, ``"direct"`` on one host or where it cannot
-            apply). Equal on every rank. :attr:`cross_node` says what runs.
+            joined by a network, ``"direct"`` on one host, on ``nvshmem``
+            (not measured there yet) or where it cannot apply). Equal on every rank. :attr:`cross_node` says what runs.
         node_cache_mb: the per-node bound in MiB of the node cache of remote
             shards (full sharding across nodes): the first rank of a node
             that gathers a version of a shard owned on another node fetches
@@ -334,7 +334,11 @@ class Engine:
             (least recently used pieces evicted beyond the bound; ``0`` turns
             it off; fractions of a MiB are allowed). Default
             ``ODC_NODE_CACHE_MB``, else 1024 where nodes are joined by a
-            network and off on ``shm``. Equal on every rank.
+            network and off on ``shm``. On ``nvshmem`` the slots are device
+            memory and nothing is evicted: the cache holds every remote
+            shard, or none beyond the default bound; a smaller explicit
+            bound raises ``ConfigError`` naming the MiB needed. Equal on
+            every rank.
         elastic: elastic hybrid sharding (``sharding="hybrid"`` over several
             nodes only; a ``ConfigError`` under the other shardings, where one
             copy of a shard or of its optimizer state dies with its rank).

@@ -276,7 +276,7 @@ def enable(
             (summed on the node and pushed once per node when its last rank
             finished the minibatch: G times fewer bytes, for waiting on the
             node's slowest rank) or ``"auto"`` (``"node"`` where nodes are
-            joined by a network). Default ``ODC_CROSS_NODE``, else
+            joined by a network, ``"direct"`` on ``nvshmem``). Default ``ODC_CROSS_NODE``, else
             ``"auto"``. ``"node"`` with ``deterministic=True`` is a
             ``ConfigError``. See :class:`odc.Engine` and docs/many-nodes.md.
         elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
