@@ -102,6 +102,57 @@ def test_emu_shmem_engine_is_exact_across_two_emulated_nodes():
         assert info == {"transport": "emu-shmem", "is_device": True, "device": "cpu"}, info
 
 
+def _fetcher_dies_with_its_fills_on_its_stream(rank, world, store):
+    """Node 0 is ranks 0-1. Rank 0's gather claims both remote shards in the node cache and enqueues their fills
+    on a stream that sleeps up to 50 ms before each operation; it dies before the stream marks them ready. Rank
+    1 then gathers the same version: it finds the claims' fetcher dead, takes them over and gathers exactly."""
+    import time
+
+    os.environ["ODC_EMU_JITTER_US"] = "50000" if rank == 0 else JITTER_US
+    eng = odc.Engine(store, rank, world, timeout=10, job_key=f"pytest-devfetch-{os.getppid()}",
+                     transport="emu-shmem", local_world_size=2)
+    eng.register([odc.Bucket("w", 4096, torch.float32)])
+    sl = eng.bucket("w")["shard_len"]
+    full = torch.arange(world * sl, dtype=torch.float32)
+    eng.publish("w", full[rank * sl : (rank + 1) * sl].clone(), version=0)
+    store.set(f"published/{rank}", "1")
+    store.wait([f"published/{r}" for r in range(world)])
+    out = torch.full((4096,), -1.0)
+    if rank == 0:
+        # The native call returns once the copies are enqueued (as on a GPU); the Python method would then wait
+        # for the emulated stream, which a process dying mid-gather on a GPU never does.
+        ptr, n, dt, stream = eng._device_buffer(out, "output")
+        eng._native.gather_device(eng._id("w"), 0, ptr, n, dt, False, stream)
+        store.set("claimed", "1")
+        os._exit(3)
+    if rank == 1:
+        store.wait(["claimed"])
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        eng.gather("w", 0, out)
+        took = time.monotonic() - t0
+        exact = torch.equal(out, full)
+        stats = eng.node_cache_stats()
+        store.set("read", "1")
+        return {"exact": exact, "stats": stats, "took": took}
+    store.wait(["read"])  # ranks 2-3 own the shards rank 1 reads
+    return None
+
+
+def test_a_fetcher_killed_with_its_fills_on_its_stream_is_taken_over():
+    # The device node cache: a fill is marked ready by work on the fetcher's stream, so a fetcher killed before
+    # its stream ran leaves claims that no mark will follow. Its node-mate takes them over (one probe: 50 ms).
+    res = run_ranks(_fetcher_dies_with_its_fills_on_its_stream, 4, timeout=120)
+    assert res[0][0] != "ok", res
+    status, out = res[1]
+    assert status == "ok", res[1]
+    assert out["exact"], out
+    # Both remote shards: node 1's ranks 2 and 3 own one each.
+    assert out["stats"]["taken_over"] == 2 and out["stats"]["entries"] == 2, out
+    assert out["took"] < 2, out
+    assert res[2] == ("ok", None) and res[3] == ("ok", None), res
+
+
 def test_emu_ipc_refuses_wrong_tensors_and_host_calls(monkeypatch):
     # One rank in this process: the device path, its input checks and the host / device call split.
     monkeypatch.setenv("ODC_EMU_JITTER_US", "50")

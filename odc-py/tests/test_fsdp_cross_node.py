@@ -94,7 +94,7 @@ def _peer_error(fn):
     return {"type": None}
 
 
-def _aggregator_dies_holding_a_node_buffer(rank, world, store, per_node):
+def _aggregator_dies_holding_a_node_buffer(rank, world, store, per_node, transport):
     # Rank 0 sums node 0's gradients for rank 2 (the other node's local rank 0). Rank 1's chunk for rank 2
     # lands in rank 0's node buffer, rank 0 adds its own, and dies before its finish would push the sum.
     import os
@@ -104,7 +104,7 @@ def _aggregator_dies_holding_a_node_buffer(rank, world, store, per_node):
 
     import odc
 
-    eng = odc.Engine(store, rank, world, local_world_size=per_node, transport="shm", cross_node="node",
+    eng = odc.Engine(store, rank, world, local_world_size=per_node, transport=transport, cross_node="node",
                      timeout=5, job_key=f"pytest-nodebuf-{os.getppid()}")
     eng.register([odc.Bucket("a", 4096, torch.float32)])
     eng.publish("a", torch.zeros(eng.bucket("a")["shard_len"]), 0)
@@ -122,12 +122,14 @@ def _aggregator_dies_holding_a_node_buffer(rank, world, store, per_node):
     return _peer_error(lambda: eng.finish_minibatch(0))
 
 
-def test_an_aggregator_killed_holding_a_node_buffer_is_named_not_a_hang():
+# emu-shmem: the node buffer in (emulated) device memory, added on the aggregator's daemon stream.
+@pytest.mark.parametrize("transport", ["shm", "emu-shmem"])
+def test_an_aggregator_killed_holding_a_node_buffer_is_named_not_a_hang(transport):
     # Under cross_node="node" a rank holds its node's sums for the other node's ranks of its local rank. Killed
     # with one node-mate's chunk in that buffer, the sum never goes: its owner (rank 2) and its node-mate
     # (rank 1, whose done waits on it) name rank 0 within the deadline; rank 3, whose gradients wait on rank 1
     # as its aggregator on node 0, names rank 0 or rank 1 (which failed first). Nobody hangs or finishes.
-    res = run_ranks(_aggregator_dies_holding_a_node_buffer, WORLD, timeout=60, per_node=PER_NODE)
+    res = run_ranks(_aggregator_dies_holding_a_node_buffer, WORLD, timeout=60, per_node=PER_NODE, transport=transport)
     assert res[0][0] != "ok", res
     for r, allowed in ((1, {0}), (2, {0}), (3, {0, 1})):
         status, out = res[r]
