@@ -190,7 +190,7 @@ def test_random_kill_points():
 TABLE = ((1, 2, 0, 1, 2, 1), (2, 1, 1, 2, 0, 1), (1, 0, 2, 1, 1, 2), (0, 2, 1, 1, 2, 1))
 
 
-def _fsdp_elastic(rank, world, store, victim, at, transport):
+def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False):
     """FSDP2 HSDP under odc.fsdp with elastic=True and AdamW; `victim` is SIGKILLed after its first backward of
     step `at`. The loop normalizes by the plan's token count over the member nodes, and at the step that dropped
     a node rescales the gradients to the survivors' count (finish first, then look at the events)."""
@@ -201,7 +201,8 @@ def _fsdp_elastic(rank, world, store, victim, at, transport):
     model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60)
-    raised = _train_through_a_death(model, opt, rank, world, victim, at, clip=model.parameters)
+    train = _train_rerunning if rerun else _train_through_a_death
+    raised = train(model, opt, rank, world, victim, at, clip=model.parameters)
     if raised:
         return raised
     return {"shards": H.local_shards(model), "events": odc.fsdp.elastic_events(model),
@@ -225,11 +226,49 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip):
                 if rank == victim and s == at:
                     os.kill(os.getpid(), signal.SIGKILL)
             odc.fsdp.finish(model)
-            dropped = [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
+            dropped = odc.fsdp.dropped(model)
+            assert dropped == [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
             if dropped:
                 members = dropped[-1]["members"]
                 for p in model.parameters():
                     p.grad.mul_(norm / tokens(s, members))
+            odc.fsdp.clip_grad_norm_(clip(), 0.5)
+            opt.step()
+            opt.zero_grad()
+    except (odc.NodeDropped, odc.PeerDied) as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    return None
+
+
+def _train_rerunning(model, opt, rank, world, victim, at, clip):
+    """TABLE's steps as in :func:`_train_through_a_death`, but nothing is left out: the loss is normalized by every
+    rank's tokens; at the step that dropped a node its microbatches of that step run again on the member nodes
+    in one more minibatch before the step (``odc.fsdp.dropped``, ``odc.fsdp.rerun_share``), and at the later
+    steps the dead node's microbatches are spread over the members up front (the plan over the members)."""
+    import _fsdp_helpers as H
+
+    members = [0, 1, 2]
+    try:
+        for s, plan in enumerate(TABLE):
+            norm = 27 * sum(plan)
+            items = [(r, m) for r in range(world) for m in range(plan[r])]
+            # Every rank's own items, and the items of ranks on nodes dropped earlier spread over the members.
+            gone = [(r, m) for (r, m) in items if r // LOCAL not in members]
+            ran = {r: [(r, m) for m in range(plan[r])] for r in range(world) if r // LOCAL in members}
+            for r in ran:
+                ran[r] += odc.fsdp.rerun_share(gone, members, r, LOCAL)
+            for r, m in ran.get(rank, []):
+                (H.sample_loss(model, H.data(s, m, r)) / norm * world).backward()  # FSDP averages over D
+                if rank == victim and s == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            odc.fsdp.finish(model)
+            while drops := odc.fsdp.dropped(model):
+                members = drops[-1]["members"]
+                lost = [it for r, its in sorted(ran.items()) if r // LOCAL not in members for it in its]
+                ran = {r: odc.fsdp.rerun_share(lost, members, r, LOCAL) for r in range(world)}
+                with odc.fsdp.minibatch(model):
+                    for r, m in ran[rank]:
+                        (H.sample_loss(model, H.data(s, m, r)) / norm * world).backward()
             odc.fsdp.clip_grad_norm_(clip(), 0.5)
             opt.step()
             opt.zero_grad()
@@ -281,6 +320,27 @@ def test_fsdp2_hybrid_drops_a_dead_node_and_equals_one_process_without_its_micro
     mate = res[victim ^ 1]
     name = mate[1].get("raised") if mate[0] == "ok" else mate[1][0]
     assert name in ("NodeDropped", "PeerDied"), mate
+
+
+def test_fsdp2_hybrid_reruns_a_dead_nodes_microbatches_and_equals_one_process_on_every_sample():
+    # rerun: the dead node's microbatches of the step that dropped it run again on the survivors in one more
+    # minibatch before the step (adding onto the gradients), and its later microbatches go to the survivors up
+    # front. Nothing is left out: the survivors equal one process that trained on every sample.
+    victim, at = 3, 1
+    dead = victim // LOCAL
+    res = run_ranks(_fsdp_elastic, WORLD, timeout=240, victim=victim, at=at, transport="shm", rerun=True)
+    survivors = [r for r in range(WORLD) if r // LOCAL != dead]
+    for r in survivors:
+        assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
+        assert [(e["node"], e["members"]) for e in res[r][1]["events"]] == [(dead, [0, 2])], (r, res[r][1])
+    for r in survivors[:LOCAL]:
+        assert res[r][1]["shards"] == res[r + 2 * LOCAL][1]["shards"], r
+    ref = _reference(dead, len(TABLE))  # every sample of every step
+    for r in survivors[:LOCAL]:
+        for name, shard in res[r][1]["shards"].items():
+            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
+            got = torch.tensor(shard)
+            assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())
 
 
 def _enable_refused(rank, world, store):
@@ -339,3 +399,13 @@ def test_fsdp1_hybrid_shard_drops_a_dead_node_and_equals_one_process_without_its
             want = padded[s["index"] * n:(s["index"] + 1) * n]
             assert (torch.tensor(s["shard"]) - want).abs().max().item() < 1e-5, (r, s["names"])
     assert res[victim] == ("hung", -signal.SIGKILL), res[victim]
+
+
+def test_rerun_share_spreads_items_over_the_member_ranks_alike_on_every_rank():
+    items = list(range(7))
+    shares = {r: odc.fsdp.rerun_share(items, [2, 0], r, 2) for r in range(6)}
+    # Member ranks in rank order: 0, 1 (node 0), 4, 5 (node 2); round robin; rank 2-3's node gets nothing.
+    assert shares == {0: [0, 4], 1: [1, 5], 2: [], 3: [], 4: [2, 6], 5: [3]}, shares
+    assert sorted(x for v in shares.values() for x in v) == items
+    with pytest.raises(odc.ConfigError, match="ranks_per_node must be at least 1, got 0"):
+        odc.fsdp.rerun_share(items, [0], 0, 0)

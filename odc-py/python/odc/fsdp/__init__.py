@@ -172,7 +172,8 @@ from ._steal import microbatches
 from ._transport import _param_device, _pick_transport
 
 __all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
-           "elastic_events", "enable", "evaluation", "finish", "is_enabled", "members", "microbatches", "minibatch"]
+           "dropped", "elastic_events", "enable", "evaluation", "finish", "is_enabled", "members", "microbatches",
+           "minibatch", "rerun_share"]
 
 
 def is_enabled(model: Any) -> bool:
@@ -536,6 +537,45 @@ def elastic_events(model: Any) -> list[dict[str, Any]]:
     if solo(model) is not None:
         return []
     return _bound(model).engine.elastic_events()
+
+
+def dropped(model: Any) -> list[dict[str, Any]]:
+    """Under ``enable(..., elastic=True)``: the drops of the minibatch this rank finished last (see
+    :func:`elastic_events`), whose gradients leave out those nodes' microbatches; empty while a minibatch runs,
+    when it dropped nothing, and without ``elastic``.
+
+    To **rerun** what a drop left out instead of training without it, run the dropped nodes' microbatches of
+    that minibatch on the members in one more minibatch before the step, which adds onto the gradients
+    (``odc.fsdp.minibatch``, no ``zero_grad`` between), and again while that one drops a node::
+
+        odc.fsdp.finish(model)
+        while drops := odc.fsdp.dropped(model):
+            members = drops[-1]["members"]
+            gone = [it for node in {d["node"] for d in drops} for it in ran_on(node)]
+            with odc.fsdp.minibatch(model):
+                for mb in odc.fsdp.rerun_share(gone, members, rank, ranks_per_node):
+                    (loss(model, mb) / norm).backward()
+        optimizer.step()
+    """
+    if solo(model) is not None:
+        return []
+    s = _bound(model).state
+    if s.open:
+        return []
+    return [e for e in s.engine.elastic_events() if e["minibatch"] == s.version]
+
+
+def rerun_share(items: Sequence[Any], members: Sequence[int], rank: int, ranks_per_node: int) -> list[Any]:
+    """This rank's share of ``items`` (work a dropped node had, in an order every rank agrees on) spread over
+    the ranks of the member nodes ``members``: item ``i`` goes to the ``i``-th member rank in rank order, round
+    robin. Empty for a rank of no member node. Pure: every rank computes every share alike."""
+    if ranks_per_node < 1:
+        raise ConfigError(f"odc.fsdp.rerun_share: ranks_per_node must be at least 1, got {ranks_per_node}")
+    ranks = [n * ranks_per_node + q for n in sorted(set(members)) for q in range(ranks_per_node)]
+    if rank not in ranks:
+        return []
+    at = ranks.index(rank)
+    return list(items[at :: len(ranks)])
 
 
 def finish(model: Any) -> None:
