@@ -294,7 +294,11 @@ impl Plane for NvshmemPlane {
         self.peer_cache.get(pe).copied().flatten().ok_or_else(|| {
             Error::protocol(
                 None,
-                format!("rank {rank}'s node cache is not mapped here (no NVSHMEM peer mapping)"),
+                format!(
+                    "rank {rank}'s node cache is not mapped here: NVSHMEM gives no peer mapping \
+                     between these GPUs of one node (no NVLink or P2P); run without the node cache \
+                     (node_cache=0, ODC_NODE_CACHE_MB=0)"
+                ),
             )
         })
     }
