@@ -201,74 +201,54 @@ def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False):
     model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60)
-    train = _train_rerunning if rerun else _train_through_a_death
-    raised = train(model, opt, rank, world, victim, at, clip=model.parameters)
+    raised = _train_through_a_death(model, opt, rank, world, victim, at, clip=model.parameters, rerun=rerun)
     if raised:
         return raised
     return {"shards": H.local_shards(model), "events": odc.fsdp.elastic_events(model),
             "members": odc.fsdp.members(model)}
 
 
-def _train_through_a_death(model, opt, rank, world, victim, at, clip):
+def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=False):
     """TABLE's steps with AdamW and ODC's clip (of ``clip()``); `victim` SIGKILLed after its first backward of step
-    `at`. The loss is normalized by the plan's tokens over the member nodes; at the step that dropped a node the
-    gradients are rescaled to the survivors' tokens (finish first, then look at the events). Returns what a
-    dropped node's rank raised, else None."""
+    `at`. Returns what a dropped node's rank raised, else None.
+
+    Drop (``rerun`` false): the loss is normalized by the plan's tokens over the member nodes; at the step that
+    dropped a node the gradients are rescaled to the survivors' tokens (finish first, then look at the drops).
+    Rerun: nothing is left out, the loss is normalized by every rank's tokens; at the step that dropped a node
+    its microbatches of that step run again on the member nodes in one more minibatch before the step
+    (``odc.fsdp.dropped``, ``odc.fsdp.rerun_share``), and at the later steps the dead node's microbatches are
+    spread over the members up front (the plan over the members)."""
     import _fsdp_helpers as H
 
     members = [0, 1, 2]
     tokens = lambda s, nodes: 27 * sum(TABLE[s][r] for r in range(world) if r // LOCAL in nodes)  # noqa: E731
+    backward = lambda s, r, m, norm: (H.sample_loss(model, H.data(s, m, r)) / norm * world).backward()  # noqa: E731
     try:
         for s, plan in enumerate(TABLE):
-            norm = tokens(s, members)
-            for m in range(plan[rank]):
-                (H.sample_loss(model, H.data(s, m, rank)) / norm * world).backward()  # FSDP averages over D
-                if rank == victim and s == at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-            odc.fsdp.finish(model)
-            dropped = odc.fsdp.dropped(model)
-            assert dropped == [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
-            if dropped:
-                members = dropped[-1]["members"]
-                for p in model.parameters():
-                    p.grad.mul_(norm / tokens(s, members))
-            odc.fsdp.clip_grad_norm_(clip(), 0.5)
-            opt.step()
-            opt.zero_grad()
-    except (odc.NodeDropped, odc.PeerDied) as e:
-        return {"raised": type(e).__name__, "message": str(e)}
-    return None
-
-
-def _train_rerunning(model, opt, rank, world, victim, at, clip):
-    """TABLE's steps as in :func:`_train_through_a_death`, but nothing is left out: the loss is normalized by every
-    rank's tokens; at the step that dropped a node its microbatches of that step run again on the member nodes
-    in one more minibatch before the step (``odc.fsdp.dropped``, ``odc.fsdp.rerun_share``), and at the later
-    steps the dead node's microbatches are spread over the members up front (the plan over the members)."""
-    import _fsdp_helpers as H
-
-    members = [0, 1, 2]
-    try:
-        for s, plan in enumerate(TABLE):
-            norm = 27 * sum(plan)
-            items = [(r, m) for r in range(world) for m in range(plan[r])]
-            # Every rank's own items, and the items of ranks on nodes dropped earlier spread over the members.
-            gone = [(r, m) for (r, m) in items if r // LOCAL not in members]
+            norm = tokens(s, range(world // LOCAL) if rerun else members)
+            # Every member rank's own items, and (rerun) the items of nodes dropped earlier spread over them.
             ran = {r: [(r, m) for m in range(plan[r])] for r in range(world) if r // LOCAL in members}
+            gone = [(r, m) for r in range(world) if r // LOCAL not in members for m in range(plan[r])]
             for r in ran:
-                ran[r] += odc.fsdp.rerun_share(gone, members, r, LOCAL)
+                ran[r] += odc.fsdp.rerun_share(gone, members, r, LOCAL) if rerun else []
             for r, m in ran.get(rank, []):
-                (H.sample_loss(model, H.data(s, m, r)) / norm * world).backward()  # FSDP averages over D
+                backward(s, r, m, norm)  # FSDP averages over D
                 if rank == victim and s == at:
                     os.kill(os.getpid(), signal.SIGKILL)
             odc.fsdp.finish(model)
-            while drops := odc.fsdp.dropped(model):
+            if not rerun:  # minibatches are steps (a rerun adds a minibatch)
+                assert odc.fsdp.dropped(model) == [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
+            while rerun and (drops := odc.fsdp.dropped(model)):
                 members = drops[-1]["members"]
                 lost = [it for r, its in sorted(ran.items()) if r // LOCAL not in members for it in its]
                 ran = {r: odc.fsdp.rerun_share(lost, members, r, LOCAL) for r in range(world)}
                 with odc.fsdp.minibatch(model):
                     for r, m in ran[rank]:
-                        (H.sample_loss(model, H.data(s, m, r)) / norm * world).backward()
+                        backward(s, r, m, norm)
+            if not rerun and (dropped := odc.fsdp.dropped(model)):
+                members = dropped[-1]["members"]
+                for p in model.parameters():
+                    p.grad.mul_(norm / tokens(s, members))
             odc.fsdp.clip_grad_norm_(clip(), 0.5)
             opt.step()
             opt.zero_grad()
