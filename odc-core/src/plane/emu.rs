@@ -405,6 +405,21 @@ impl Connect for Arc<EmuShmem> {
     }
 }
 
+/// Bytes this process's `emu-shmem` planes read from ranks on other nodes
+/// (`get_params`) and wrote to them (delivered puts): what would cross the
+/// network under `nvshmem`.
+static CROSS_NODE: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// `(read, written)`: the bytes every `emu-shmem` plane of this process
+/// moved across emulated nodes so far (a test's measure of the network
+/// traffic; one count for the whole process).
+pub fn cross_node_bytes() -> (u64, u64) {
+    (
+        CROSS_NODE[0].load(Ordering::Relaxed),
+        CROSS_NODE[1].load(Ordering::Relaxed),
+    )
+}
+
 /// A put to another node, staged and not yet delivered.
 struct Staged {
     rank: usize,
@@ -460,6 +475,9 @@ impl Plane for ShmemPlane {
         offset: usize,
         len: usize,
     ) -> Result<()> {
+        if !self.topo.is_local(rank) {
+            CROSS_NODE[0].fetch_add(len as u64, Ordering::Relaxed);
+        }
         // A get is complete when the stream passes it, on any node.
         // SAFETY: the caller's contract, passed on.
         unsafe { self.mapped.get_params(stream, dst, rank, offset, len) }
@@ -496,6 +514,7 @@ impl Plane for ShmemPlane {
             return Ok(());
         }
         for s in &staged {
+            CROSS_NODE[1].fetch_add(s.bytes.len() as u64, Ordering::Relaxed);
             // SAFETY: the staging bytes stay alive until the work below
             // (enqueued after this copy) has run; the target slot is the
             // one the caller's put named, still reserved for it.

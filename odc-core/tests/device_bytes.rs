@@ -1,0 +1,126 @@
+//! What the node rules save across nodes on the device plane, counted by
+//! `emu-shmem` itself (every byte its planes read from or wrote to a rank
+//! on another emulated node: what `nvshmem` would send over the network),
+//! for the same program run twice in this process: the node cache and node
+//! sums, then `direct`. A test binary of its own: the count is the
+//! process's.
+
+#![cfg(feature = "fabric")]
+#![allow(clippy::unwrap_used)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use odc_core::plane::emu::{cross_node_bytes, EmuStream};
+use odc_core::{
+    BucketId, BucketSpec, CrossNode, DType, Engine, EngineConfig, FileStore, Topology,
+    TransportKind,
+};
+
+const WORLD: usize = 4;
+const LOCAL: usize = 2;
+const NUMEL: usize = 4096;
+const VERSIONS: u64 = 3;
+const GATHERS: usize = 3;
+
+/// Runs the program on 4 thread-ranks (2 emulated nodes of 2) under `cfg`:
+/// per minibatch a publish, `GATHERS` gathers (forward, backward's
+/// re-gather, one more) and one push of the whole bucket, checked exactly.
+fn run(cfg: EngineConfig) {
+    std::env::set_var("ODC_EMU_JITTER_US", "100");
+    let dir = tempfile::tempdir().unwrap();
+    let threads: Vec<_> = (0..WORLD)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            let cfg = cfg.clone();
+            std::thread::spawn(move || {
+                let topo = Topology::new(rank, WORLD, LOCAL).unwrap();
+                let e = Engine::new(store, topo, cfg).unwrap();
+                program(&e);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
+
+fn program(e: &Engine) {
+    let rank = e.rank();
+    let stream = EmuStream::new(Duration::from_micros(100)).unwrap();
+    let s = stream.handle();
+    e.register(&[BucketSpec::new("w", NUMEL, DType::F32)])
+        .unwrap();
+    let w = BucketId(0);
+    let sl = e.bucket(w).unwrap().shard_len();
+    for k in 0..VERSIONS {
+        let shard: Vec<f32> = (0..sl).map(|i| (rank * sl + i) as f32 + k as f32).collect();
+        let outs: Vec<Vec<f32>> = (0..GATHERS).map(|_| vec![0f32; NUMEL]).collect();
+        let grads: Vec<f32> = (0..NUMEL).map(|i| (i % 5) as f32 + rank as f32).collect();
+        let d = e.device().unwrap();
+        // SAFETY: every buffer outlives the finish below, which waits for
+        // the stream.
+        unsafe {
+            d.publish(w, shard.as_ptr() as u64, sl * 4, DType::F32, k, s)
+                .unwrap();
+            for out in &outs {
+                d.gather(w, k, out.as_ptr() as u64, NUMEL * 4, DType::F32, s, false)
+                    .unwrap();
+            }
+            d.release(w, k, s).unwrap();
+            d.scatter_accumulate(w, 0, grads.as_ptr() as u64, NUMEL * 4, DType::F32, 1.0, s)
+                .unwrap();
+        }
+        d.finish_minibatch(k, s).unwrap();
+        for out in &outs {
+            let want = (0..NUMEL).map(|i| i as f32 + k as f32);
+            assert!(out.iter().copied().eq(want), "rank {rank} version {k}");
+        }
+        let mut g = vec![0f32; sl];
+        d.read_grad_shard(w, &mut g).unwrap();
+        for (i, x) in g.iter().enumerate() {
+            let at = rank * sl + i;
+            let want: f32 = (0..WORLD).map(|r| (at % 5) as f32 + r as f32).sum();
+            assert_eq!(*x, want, "rank {rank} version {k} grad {i}");
+        }
+        d.zero_grads(s).unwrap();
+        stream.synchronize().unwrap();
+    }
+}
+
+fn config(key: &str, cross_node: CrossNode, node_cache: Option<usize>) -> EngineConfig {
+    EngineConfig {
+        chunk_bytes: 512,
+        timeout: Duration::from_secs(20),
+        job_key: key.into(),
+        transport: TransportKind::EmuShmem,
+        cross_node,
+        node_cache,
+        ..EngineConfig::default()
+    }
+}
+
+#[test]
+fn the_node_rules_move_hierarchical_bytes_across_nodes_on_the_device_plane() {
+    let shard = (NUMEL / WORLD * 4) as u64;
+    let (nodes, remote) = ((WORLD / LOCAL) as u64, (WORLD - LOCAL) as u64);
+    let before = cross_node_bytes();
+    run(config("bytes_node", CrossNode::Node, None));
+    let mid = cross_node_bytes();
+    run(config("bytes_direct", CrossNode::Direct, Some(0)));
+    let after = cross_node_bytes();
+    let node = (mid.0 - before.0, mid.1 - before.1);
+    let direct = (after.0 - mid.0, after.1 - mid.1);
+    eprintln!("bytes across nodes (read, written): node rules {node:?}, direct {direct:?}");
+    // Gathers: each remote shard version once per node under the cache;
+    // every rank's every gather reads it under direct.
+    assert_eq!(node.0, VERSIONS * nodes * remote * shard);
+    assert_eq!(
+        direct.0,
+        VERSIONS * WORLD as u64 * GATHERS as u64 * remote * shard
+    );
+    // Pushes: each node's sum for each remote owner once under node sums;
+    // every rank's chunk for every remote owner under direct.
+    assert_eq!(node.1, VERSIONS * nodes * remote * shard);
+    assert_eq!(direct.1, VERSIONS * WORLD as u64 * remote * shard);
+}
