@@ -70,12 +70,15 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "shard owned on another node crosses once per node and serves every node-mate's gathers of it; beyond "
            "the bound the least recently used pieces are evicted, those every node-mate has read first; `0` "
            "turns it off; fractions such as `0.5` are allowed; anything else (negative, `1GiB`) is a `ConfigError` "
-           "when the engine starts. Equal on every rank.",
+           "when the engine starts. On `nvshmem` the cache is device memory and evicts nothing: it holds every "
+           "remote shard, none beyond the default bound, and an explicit bound below that is a `ConfigError` "
+           "naming the MiB needed. Equal on every rank.",
            "engine"),
     EnvVar("ODC_CROSS_NODE", "`auto`", "odc-core `engine::config`",
            "How gradients for owners on other nodes cross under full sharding: `direct` (every rank pushes its own), "
            "`node` (summed on the node, pushed once per node when its last rank finished the minibatch), `auto` "
-           "(`node` where nodes are joined by a network, `direct` on one host or with deterministic sums); another "
+           "(`node` where nodes are joined by a network, `direct` on one host, on `nvshmem` or with deterministic "
+           "sums); another "
            "name is a `ConfigError` when the engine starts. Equal on every rank.", "engine"),
     EnvVar("ODC_JOB_KEY", "`default` (the `odc` backend: torchelastic's run id, else a random token)",
            "odc-core `engine::config`; `odc.backend`",
