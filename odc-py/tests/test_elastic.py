@@ -190,7 +190,7 @@ def test_random_kill_points():
 TABLE = ((1, 2, 0, 1, 2, 1), (2, 1, 1, 2, 0, 1), (1, 0, 2, 1, 1, 2), (0, 2, 1, 1, 2, 1))
 
 
-def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False):
+def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False, rerun_victim=None):
     """FSDP2 HSDP under odc.fsdp with elastic=True and AdamW; `victim` is SIGKILLed after its first backward of
     step `at`. The loop normalizes by the plan's token count over the member nodes, and at the step that dropped
     a node rescales the gradients to the survivors' count (finish first, then look at the events)."""
@@ -201,14 +201,15 @@ def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False):
     model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60)
-    raised = _train_through_a_death(model, opt, rank, world, victim, at, clip=model.parameters, rerun=rerun)
+    raised = _train_through_a_death(model, opt, rank, world, victim, at, clip=model.parameters, rerun=rerun,
+                                    rerun_victim=rerun_victim)
     if raised:
         return raised
     return {"shards": H.local_shards(model), "events": odc.fsdp.elastic_events(model),
             "members": odc.fsdp.members(model)}
 
 
-def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=False):
+def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=False, rerun_victim=None):
     """TABLE's steps with AdamW and ODC's clip (of ``clip()``); `victim` SIGKILLed after its first backward of step
     `at`. Returns what a dropped node's rank raised, else None.
 
@@ -217,7 +218,8 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=Fals
     Rerun: nothing is left out, the loss is normalized by every rank's tokens; at the step that dropped a node
     its microbatches of that step run again on the member nodes in one more minibatch before the step
     (``odc.fsdp.dropped``, ``odc.fsdp.rerun_share``), and at the later steps the dead node's microbatches are
-    spread over the members up front (the plan over the members)."""
+    spread over the members up front (the plan over the members). `rerun_victim` is SIGKILLed after its first
+    backward of a rerun minibatch."""
     import _fsdp_helpers as H
 
     members = [0, 1, 2]
@@ -245,6 +247,8 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=Fals
                 with odc.fsdp.minibatch(model):
                     for r, m in ran[rank]:
                         backward(s, r, m, norm)
+                        if rank == rerun_victim:
+                            os.kill(os.getpid(), signal.SIGKILL)
             if not rerun and (dropped := odc.fsdp.dropped(model)):
                 members = dropped[-1]["members"]
                 for p in model.parameters():
@@ -321,6 +325,26 @@ def test_fsdp2_hybrid_reruns_a_dead_nodes_microbatches_and_equals_one_process_on
             want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
             got = torch.tensor(shard)
             assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())
+
+
+def test_a_death_during_a_rerun_is_rerun_too():
+    # Rank 3 dies at step 1 (node 1 dropped); its node's microbatches of step 1 rerun on nodes 0 and 2, and rank 4
+    # dies after its first rerun backward (node 2 dropped from the rerun minibatch; node 2's step-1 gradients were
+    # in the committed sum already). The loop reruns node 2's share of the rerun on node 0: node 0 ends equal to
+    # one process on every sample of every step.
+    victim, at, second = 3, 1, 4
+    res = run_ranks(_fsdp_elastic, WORLD, timeout=240, victim=victim, at=at, transport="shm", rerun=True,
+                    rerun_victim=second)
+    for r in (0, 1):
+        assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
+        assert [(e["node"], e["members"]) for e in res[r][1]["events"]] == [(1, [0, 2]), (2, [0])], (r, res[r][1])
+    ref = _reference(1, len(TABLE))  # every sample of every step
+    for r in (0, 1):
+        for name, shard in res[r][1]["shards"].items():
+            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r]
+            got = torch.tensor(shard)
+            assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())
+    assert res[victim] == ("hung", -signal.SIGKILL) and res[second] == ("hung", -signal.SIGKILL), res
 
 
 def _enable_refused(rank, world, store):
