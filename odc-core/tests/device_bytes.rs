@@ -8,14 +8,12 @@
 #![cfg(feature = "fabric")]
 #![allow(clippy::unwrap_used)]
 
-use std::sync::Arc;
+mod common;
+
 use std::time::Duration;
 
 use odc_core::plane::emu::{cross_node_bytes, EmuStream};
-use odc_core::{
-    BucketId, BucketSpec, CrossNode, DType, Engine, EngineConfig, FileStore, Topology,
-    TransportKind,
-};
+use odc_core::{BucketId, BucketSpec, CrossNode, DType, Engine, EngineConfig, TransportKind};
 
 const WORLD: usize = 4;
 const LOCAL: usize = 2;
@@ -27,22 +25,7 @@ const GATHERS: usize = 3;
 /// per minibatch a publish, `GATHERS` gathers (forward, backward's
 /// re-gather, one more) and one push of the whole bucket, checked exactly.
 fn run(cfg: EngineConfig) {
-    std::env::set_var("ODC_EMU_JITTER_US", "100");
-    let dir = tempfile::tempdir().unwrap();
-    let threads: Vec<_> = (0..WORLD)
-        .map(|rank| {
-            let store = Arc::new(FileStore::new(dir.path()).unwrap());
-            let cfg = cfg.clone();
-            std::thread::spawn(move || {
-                let topo = Topology::new(rank, WORLD, LOCAL).unwrap();
-                let e = Engine::new(store, topo, cfg).unwrap();
-                program(&e);
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+    common::run_config(WORLD, LOCAL, cfg, 100, |e| program(&e));
 }
 
 fn program(e: &Engine) {

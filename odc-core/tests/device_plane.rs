@@ -52,24 +52,7 @@ fn run_config<F>(world: usize, local_world: usize, cfg: EngineConfig, f: F)
 where
     F: Fn(Engine) + Send + Sync + 'static,
 {
-    // The daemons' streams sleep too (read at engine creation; the same
-    // value for every test of this file).
-    std::env::set_var("ODC_EMU_JITTER_US", "300");
-    let dir = tempfile::tempdir().unwrap();
-    let f = Arc::new(f);
-    let threads: Vec<_> = (0..world)
-        .map(|rank| {
-            let store = Arc::new(FileStore::new(dir.path()).unwrap());
-            let (f, cfg) = (Arc::clone(&f), cfg.clone());
-            std::thread::spawn(move || {
-                let topo = Topology::new(rank, world, local_world).unwrap();
-                f(Engine::new(store, topo, cfg).unwrap())
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
+    common::run_config(world, local_world, cfg, 300, f)
 }
 
 fn addr<T>(v: &[T]) -> u64 {

@@ -192,17 +192,11 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         &buckets,
         ctrl_layout.chunk_bytes(),
     )?;
-    let cross_node = core
-        .config
-        .cross_node
-        .resolve(
-            core.config.sharding,
-            (core.topo.nodes(), core.topo.local_world()),
-            core.transport.name(),
-            core.device.is_some(),
-            core.config.deterministic,
-        )
-        .map_err(Error::Config)?;
+    let cross_node = cross_node(
+        &core.config,
+        &core.topo,
+        (core.transport.name(), core.device.is_some()),
+    )?;
     // The announce rule must be the same on every rank (an owner tells one
     // rank per other node only where that node's ranks read it there).
     let node_announce = cross_node == CrossNode::Node && core.transport.name() == "shm+fabric";
@@ -898,17 +892,8 @@ pub(crate) fn data_sizes(
         true => cache_layout(config, topology, ("", true), &buckets, ctrl.chunk_bytes())?,
         false => None,
     };
-    let cross_node = config
-        .cross_node
-        .resolve(
-            config.sharding,
-            (topology.nodes(), topology.local_world()),
-            crate::transport::control_name(config.transport, topology),
-            device,
-            config.deterministic,
-        )
-        .map_err(Error::Config)?;
-    let sums = match cross_node {
+    let transport = crate::transport::control_name(config.transport, topology);
+    let sums = match cross_node(config, topology, (transport, device))? {
         CrossNode::Node => node_sum_bytes(topology.nodes(), accum)?,
         _ => 0,
     };
@@ -918,6 +903,25 @@ pub(crate) fn data_sizes(
         accum: accum * 4 + sums,
         cache: cache.as_ref().map_or(0, CacheLayout::data_len),
     })
+}
+
+/// What `config.cross_node` resolves to on `topo` over the control
+/// transport named `transport` ([`CrossNode::resolve`]).
+fn cross_node(
+    config: &EngineConfig,
+    topo: &Topology,
+    (transport, device): (&str, bool),
+) -> Result<CrossNode> {
+    config
+        .cross_node
+        .resolve(
+            config.sharding,
+            (topo.nodes(), topo.local_world()),
+            transport,
+            device,
+            config.deterministic,
+        )
+        .map_err(Error::Config)
 }
 
 /// Bytes of node aggregation's node buffers: one accumulator's worth per

@@ -68,3 +68,34 @@ pub fn check_grad_sums(e: &Engine, (w, numel): (BucketId, usize), h: BucketId, k
         );
     }
 }
+
+/// Runs `f(engine)` on `world` thread-ranks, `local_world` per (emulated)
+/// node, each engine built from `cfg`; the emulated streams of the
+/// engines' daemons sleep up to `jitter_us` before every operation (read at
+/// engine creation, so the same value for every test of a binary).
+pub fn run_config<F>(
+    world: usize,
+    local_world: usize,
+    cfg: odc_core::EngineConfig,
+    jitter_us: u32,
+    f: F,
+) where
+    F: Fn(Engine) + Send + Sync + 'static,
+{
+    std::env::set_var("ODC_EMU_JITTER_US", jitter_us.to_string());
+    let dir = tempfile::tempdir().unwrap();
+    let f = std::sync::Arc::new(f);
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = std::sync::Arc::new(odc_core::FileStore::new(dir.path()).unwrap());
+            let (f, cfg) = (std::sync::Arc::clone(&f), cfg.clone());
+            std::thread::spawn(move || {
+                let topo = odc_core::Topology::new(rank, world, local_world).unwrap();
+                f(Engine::new(store, topo, cfg).unwrap())
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+}
