@@ -199,6 +199,15 @@ impl Engine {
             .map_or_else(Vec::new, |m| m.events())
     }
 
+    /// Elastic hybrid sharding: the nodes a committed round admitted and
+    /// the minibatch they join at, where this engine's generation ends
+    /// (the loop builds the next one: [`crate::elastic::Generation`]);
+    /// `None` until a round admits one.
+    pub fn admitted(&self) -> Option<(u64, Vec<usize>)> {
+        let (from, nodes) = self.core.elastic.as_ref()?.admitted()?;
+        Some((from, crate::elastic::nodes_of(nodes)))
+    }
+
     #[cfg(test)]
     pub(crate) fn core(&self) -> &Core {
         &self.core

@@ -57,22 +57,38 @@ pub(crate) struct Membership {
     pub(crate) prefix: String,
     members: AtomicU64,
     events: Mutex<Vec<Event>>,
+    /// Nodes a committed round admitted, and the minibatch they join at:
+    /// this generation cannot finish that minibatch (the next one can).
+    admitted: Mutex<Option<(u64, Nodes)>>,
 }
 
 impl Membership {
-    /// Every one of `nodes` nodes a member.
-    pub(crate) fn new(prefix: String, nodes: usize) -> Membership {
-        debug_assert!(nodes <= membership::MAX_NODES);
-        let all = if nodes >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << nodes) - 1
-        };
+    /// `members` the member nodes.
+    pub(crate) fn new(prefix: String, members: Nodes) -> Membership {
         Membership {
             prefix,
-            members: AtomicU64::new(all),
+            members: AtomicU64::new(members),
             events: Mutex::new(Vec::new()),
+            admitted: Mutex::new(None),
         }
+    }
+
+    /// Nodes admitted from minibatch `from` (a committed round's joiners
+    /// that are not members).
+    pub(crate) fn admit(&self, from: u64, nodes: Nodes) {
+        let mut a = self
+            .admitted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *a = Some((from, a.map_or(0, |(_, n)| n) | nodes));
+    }
+
+    /// The nodes admitted so far and the minibatch they join at.
+    pub(crate) fn admitted(&self) -> Option<(u64, Nodes)> {
+        *self
+            .admitted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The member nodes now.
@@ -202,7 +218,26 @@ impl<'a> Rounds<'a> {
             return Ok(Round::Open { read, joining: 0 });
         }
         let joining = self.number(&format!("{key}/joins"), 16)?;
-        self.decide(k, e, Round::Committed { joining })
+        let decided = self.decide(k, e, Round::Committed { joining })?;
+        if matches!(decided, Round::Committed { .. }) {
+            // Where a joiner starts looking for an open round (a hint: a
+            // late write may leave an older minibatch, never a newer one).
+            self.store.set(&self.last_key(), k.to_string().as_bytes())?;
+        }
+        Ok(decided)
+    }
+
+    fn last_key(&self) -> String {
+        format!("{}/last", self.prefix)
+    }
+
+    /// The last committed minibatch written (see [`Rounds::read_in`]).
+    pub fn last_committed(&self) -> Result<Option<u64>> {
+        let key = self.last_key();
+        match self.store.get(&key)? {
+            None => Ok(None),
+            Some(_) => self.number(&key, 10).map(Some),
+        }
     }
 
     /// Member node `dead` died: voids round `(k, e)` if it is open.
@@ -288,6 +323,180 @@ impl<'a> Rounds<'a> {
             }
             std::thread::sleep(nap.min(deadline - now));
             nap = (nap * 2).min(Duration::from_millis(10));
+        }
+    }
+}
+
+/// One generation of an elastic job: the engines every member rank built
+/// at its start (the job's first, or one after a round admitted nodes).
+/// Its keys are under its own store prefix; `{base}/elastic/current` names
+/// the current one (absent: the first, under `base`), and
+/// `{prefix}/generation` holds `start members joining` (absent: the first
+/// generation, every node a member).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Generation {
+    /// The store prefix of its engines.
+    pub prefix: String,
+    /// The first minibatch it runs (`None`: the job's first generation,
+    /// which starts wherever the loop does).
+    pub start: Option<u64>,
+    /// Its member nodes.
+    pub members: Nodes,
+    /// The members that joined at its start (none in the first).
+    pub joining: Nodes,
+}
+
+impl Generation {
+    /// The store prefix of the generation admitted at minibatch `start` of
+    /// the job under `base`.
+    pub fn prefix_at(base: &str, start: u64) -> String {
+        format!("{base}/gen/{start}")
+    }
+
+    /// The key naming the current generation of the job under `base`.
+    fn current_key(base: &str) -> String {
+        format!("{base}/elastic/current")
+    }
+
+    /// The current generation of the job under `base`, of `nodes` nodes.
+    pub fn current(store: &dyn Store, base: &str, nodes: usize) -> Result<Generation> {
+        let key = Generation::current_key(base);
+        let prefix = match store.get(&key)? {
+            Some(p) => String::from_utf8_lossy(&p).into_owned(),
+            None => base.to_owned(),
+        };
+        let key = format!("{prefix}/generation");
+        let Some(raw) = store.get(&key)? else {
+            return Ok(Generation {
+                prefix,
+                start: None,
+                members: membership::all_nodes(nodes),
+                joining: 0,
+            });
+        };
+        let text = String::from_utf8_lossy(&raw);
+        let mut w = text.split(' ');
+        let bad = || Error::Store {
+            op: "get",
+            key: key.clone(),
+            detail: format!("elastic generation: unreadable value {text:?}"),
+        };
+        let start = w.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        let members = (w.next().and_then(|v| u64::from_str_radix(v, 16).ok())).ok_or_else(bad)?;
+        let joining = (w.next().and_then(|v| u64::from_str_radix(v, 16).ok())).ok_or_else(bad)?;
+        Ok(Generation {
+            prefix,
+            start: Some(start),
+            members,
+            joining,
+        })
+    }
+
+    /// Makes the generation admitted at `start` of the job under `base`
+    /// the current one (every member rank of the one before writes the
+    /// same values: its description, then the pointer to it).
+    pub fn begin(
+        store: &dyn Store,
+        base: &str,
+        start: u64,
+        members: Nodes,
+        joining: Nodes,
+    ) -> Result<Generation> {
+        let prefix = Generation::prefix_at(base, start);
+        let value = format!("{start} {members:x} {joining:x}");
+        store.set(&format!("{prefix}/generation"), value.as_bytes())?;
+        store.set(&Generation::current_key(base), prefix.as_bytes())?;
+        Ok(Generation {
+            prefix,
+            start: Some(start),
+            members,
+            joining,
+        })
+    }
+}
+
+/// Rank `rank`, of node `node` (not a member), restarted: asks the job
+/// under `base` (of `nodes` nodes) to admit its node and waits until a
+/// generation does, which it returns; its engine then joins that
+/// generation with its prefix and members. It asks the first undecided
+/// round of the current generation (from the last committed minibatch on)
+/// and waits for it: a round that commits with the node among its joiners
+/// admits it from the next minibatch, whose generation the member ranks
+/// begin once they stepped; a void forgets it (it asks the next epoch);
+/// a round that committed without it asked too late (the next minibatch).
+/// Every rank of the node asks alike (the same bit). A
+/// [`Error::PeerTimeout`]-like [`Error::Store`] at `deadline`.
+pub fn await_admission(
+    store: &dyn Store,
+    base: &str,
+    nodes: usize,
+    rank: usize,
+    node: usize,
+    deadline: Instant,
+) -> Result<Generation> {
+    let me = membership::node(node);
+    let mut nap = Duration::from_millis(1);
+    let mut sleep = |what: &str| -> Result<()> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Store {
+                op: "wait",
+                key: Generation::current_key(base),
+                detail: format!(
+                    "node {node} (rank {rank}) was not admitted to the elastic job under {base:?} \
+                     before the deadline: {what}"
+                ),
+            });
+        }
+        std::thread::sleep(nap.min(deadline - now));
+        nap = (nap * 2).min(Duration::from_millis(20));
+        Ok(())
+    };
+    loop {
+        let generation = Generation::current(store, base, nodes)?;
+        let registered = |g: &Generation| store.get(&format!("{}/reg/{rank}", g.prefix));
+        if generation.members & me != 0 && registered(&generation)?.is_none() {
+            return Ok(generation); // it expects this rank
+        }
+        let Some(job) = store.get(&format!("{}/job_id", generation.prefix))? else {
+            sleep("its current generation has not started")?;
+            continue;
+        };
+        let prefix = format!(
+            "{}/elastic/{}",
+            generation.prefix,
+            String::from_utf8_lossy(&job)
+        );
+        let rounds = Rounds::new(store, &prefix, rank);
+        let Some(mut k) = rounds.last_committed()?.or(generation.start) else {
+            sleep("no minibatch of it has ended yet")?;
+            continue;
+        };
+        let mut e = 0u32;
+        // Walk to the first undecided round and ask it, until the
+        // generation changes (its members began the next one).
+        loop {
+            let r = match rounds.get(k, e)? {
+                Round::Open { joining, .. } if joining & me == 0 => rounds.join(k, e, node)?,
+                r => r,
+            };
+            match r {
+                Round::Committed { joining } if joining & me != 0 => {
+                    // Admitted from k + 1: wait for that generation.
+                    while Generation::current(store, base, nodes)?.prefix == generation.prefix {
+                        sleep("its members did not begin the generation that admits it")?;
+                    }
+                    break;
+                }
+                Round::Committed { .. } => (k, e) = (k + 1, 0),
+                Round::Void { .. } => e += 1,
+                Round::Open { .. } => {
+                    if Generation::current(store, base, nodes)?.prefix != generation.prefix {
+                        break;
+                    }
+                    sleep(&format!("minibatch {k}'s round (epoch {e}) is still open"))?;
+                }
+            }
         }
     }
 }
@@ -398,6 +607,88 @@ mod tests {
         r.void(8, 0, 0).unwrap();
         r.leave(8, 0b111, 2).unwrap();
         assert_eq!(r.get(8, 1).unwrap(), Round::Void { dead: node(2) });
+    }
+
+    /// A restarted node 2 of 3 (`per_node` 1) asks while the members `0b011` run minibatches from 5 on; the
+    /// members read in to each round and, once one admits the joiner, begin the next generation. Returns
+    /// the generation the joiner got and the minibatch that admitted it.
+    fn admit_while_running(stale_member: bool) -> (Generation, u64) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileStore::new(dir.path()).unwrap());
+        store.set("job/job_id", b"j0").unwrap();
+        store.set("job/reg/2", b"{}").unwrap(); // the dead incarnation registered
+        let joiner = {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                await_admission(&*store, "job", 3, 2, 2, deadline).unwrap()
+            })
+        };
+        let rounds = Rounds::new(&*store, "job/elastic/j0", 0);
+        // Members 0 and 1 (and, stale, node 2 whose ranks are dead) run minibatches until one admits node 2.
+        let mut members: Nodes = if stale_member { 0b111 } else { 0b011 };
+        for k in 5.. {
+            std::thread::sleep(Duration::from_millis(20)); // the minibatch's work
+            let mut e = 0;
+            let outcome = loop {
+                if members & node(2) != 0 {
+                    // Node 2's ranks never read in: a member's probe finds them dead.
+                    rounds.void(k, e, 2).unwrap();
+                    members &= !node(2);
+                    e += 1;
+                    continue;
+                }
+                for _ in 0..2 {
+                    rounds.read_in(k, e, members, 1).unwrap();
+                }
+                break rounds.get(k, e).unwrap();
+            };
+            if let Round::Committed { joining } = outcome {
+                if joining & node(2) != 0 {
+                    Generation::begin(&*store, "job", k + 1, members | joining, joining).unwrap();
+                    return (joiner.join().unwrap(), k);
+                }
+            }
+            assert!(k < 200, "no round admitted the joiner");
+        }
+        unreachable!()
+    }
+
+    #[test]
+    fn a_restarted_node_is_admitted_by_the_round_it_asked_and_gets_the_generation_after_it() {
+        let (g, k) = admit_while_running(false);
+        assert_eq!(g.prefix, format!("job/gen/{}", k + 1));
+        assert_eq!(
+            (g.start, g.members, g.joining),
+            (Some(k + 1), 0b111, node(2))
+        );
+    }
+
+    #[test]
+    fn a_restarted_node_still_counted_a_member_is_admitted_after_the_void_that_drops_it() {
+        let (g, _) = admit_while_running(true);
+        assert_eq!((g.members, g.joining), (0b111, node(2)));
+    }
+
+    #[test]
+    fn a_joiner_waits_for_a_generation_that_expects_it_and_times_out_naming_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path()).unwrap();
+        // The current generation lists node 1 and waits for its rank 1's registration: join it at once.
+        Generation::begin(&store, "job", 7, 0b11, 0b10).unwrap();
+        let g = await_admission(&store, "job", 2, 1, 1, Instant::now()).unwrap();
+        assert_eq!((g.prefix.as_str(), g.start), ("job/gen/7", Some(7)));
+        // Once rank 1 registered there (and died), it must ask a round: none runs, so the deadline names it.
+        store.set("job/gen/7/reg/1", b"{}").unwrap();
+        store.set("job/gen/7/job_id", b"j1").unwrap();
+        let deadline = Instant::now() + Duration::from_millis(200);
+        let e = await_admission(&store, "job", 2, 1, 1, deadline)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("node 1 (rank 1) was not admitted") && e.contains("minibatch 7's round"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -26,6 +26,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use odc_core::elastic::Generation;
 use odc_core::plane::emu::EmuStream;
 use odc_core::protocol::claims::Claim;
 use odc_core::{
@@ -281,7 +282,7 @@ macro_rules! py_dict {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None, elastic=false))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None, elastic=false, members=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -301,6 +302,7 @@ impl PyEngine {
         cross_node: Option<String>,
         node_cache_mb: Option<f64>,
         elastic: bool,
+        members: Option<Vec<usize>>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -343,6 +345,23 @@ impl PyEngine {
         cfg.heap_reserve = heap_reserve.unwrap_or(0);
         cfg.deterministic = deterministic;
         cfg.elastic = elastic;
+        if let Some(ms) = members {
+            let mut set = 0u64;
+            for n in ms {
+                if n >= topo.nodes() {
+                    return Err(odc_error(
+                        py,
+                        "ConfigError",
+                        format!(
+                            "members: node {n} is not one of the job's {} nodes",
+                            topo.nodes()
+                        ),
+                    ));
+                }
+                set |= 1 << n;
+            }
+            cfg.members = Some(set);
+        }
         if let Some(c) = cross_node {
             cfg.cross_node = CrossNode::parse(&c).ok_or_else(|| {
                 odc_error(
@@ -399,6 +418,40 @@ impl PyEngine {
     #[getter]
     fn members(&self) -> Option<Vec<usize>> {
         self.engine.members()
+    }
+
+    /// Elastic hybrid sharding: `(minibatch, nodes)` a committed round
+    /// admitted from that minibatch on (`None` until one does).
+    fn admitted(&self) -> Option<(u64, Vec<usize>)> {
+        self.engine.admitted()
+    }
+
+    /// Elastic rejoin: serves this rank's replica state (`nbytes` at `ptr`)
+    /// to `readers`, at the start of a generation.
+    fn serve_state(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        readers: Vec<usize>,
+    ) -> PyResult<()> {
+        let host = self.host_calls(py)?;
+        check_ptr(py, ptr, nbytes, 1)?;
+        // SAFETY: as in `publish`.
+        let state = unsafe { bytes(ptr, nbytes) };
+        py.detach(|| host.serve_state(state, &readers))
+            .map_err(|e| core_error(py, e))
+    }
+
+    /// Elastic rejoin: reads rank `source`'s replica state into `nbytes` at
+    /// `ptr`.
+    fn read_state(&self, py: Python<'_>, source: usize, ptr: usize, nbytes: usize) -> PyResult<()> {
+        let host = self.host_calls(py)?;
+        check_ptr(py, ptr, nbytes, 1)?;
+        // SAFETY: as in `gather`.
+        let out = unsafe { bytes_mut(ptr, nbytes) };
+        py.detach(|| host.read_state(source, out))
+            .map_err(|e| core_error(py, e))
     }
 
     /// Elastic hybrid sharding: the node drops this rank saw, oldest first.
@@ -951,7 +1004,59 @@ fn landing_chunk(
     odc_core::control::landing_chunk(chunk_bytes, group, budget).map_err(|e| core_error(py, e))
 }
 
+/// A generation as Python reads it.
+fn generation_dict(py: Python<'_>, g: Generation) -> PyResult<Py<PyAny>> {
+    let d = py_dict!(py, "prefix" => g.prefix, "start" => g.start,
+        "members" => odc_core::elastic::nodes_of(g.members),
+        "joining" => odc_core::elastic::nodes_of(g.joining));
+    Ok(d.into_any().unbind())
+}
+
+/// Elastic rejoin: rank `rank` of node `node`, restarted, asks the job
+/// under `base` (`nodes` nodes) to admit its node and waits up to
+/// `timeout` seconds for the generation that does.
+#[pyfunction]
+fn await_admission(
+    py: Python<'_>,
+    store: Py<PyAny>,
+    base: String,
+    nodes: usize,
+    rank: usize,
+    node: usize,
+    timeout: f64,
+) -> PyResult<Py<PyAny>> {
+    let store = PyStore { obj: store };
+    let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+    let g = py
+        .detach(|| odc_core::elastic::await_admission(&store, &base, nodes, rank, node, deadline))
+        .map_err(|e| core_error(py, e))?;
+    generation_dict(py, g)
+}
+
+/// Elastic rejoin: makes the generation admitted at minibatch `start`
+/// (members `members`, of which `joining` join) the current one of the
+/// job under `base`.
+#[pyfunction]
+fn begin_generation(
+    py: Python<'_>,
+    store: Py<PyAny>,
+    base: String,
+    start: u64,
+    members: Vec<usize>,
+    joining: Vec<usize>,
+) -> PyResult<Py<PyAny>> {
+    let store = PyStore { obj: store };
+    let set = |ns: &[usize]| ns.iter().fold(0u64, |s, &n| s | (1u64 << (n % 64)));
+    let (m, j) = (set(&members), set(&joining));
+    let g = py
+        .detach(|| Generation::begin(&store, &base, start, m, j))
+        .map_err(|e| core_error(py, e))?;
+    generation_dict(py, g)
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(await_admission, m)?)?;
+    m.add_function(wrap_pyfunction!(begin_generation, m)?)?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyEmuStream>()?;
     m.add_function(wrap_pyfunction!(heap_bytes, m)?)?;

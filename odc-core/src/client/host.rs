@@ -177,7 +177,7 @@ fn addr(bytes: &[u8]) -> u64 {
 /// elements ([`crate::bytes_of`]).
 #[derive(Clone, Copy, Debug)]
 pub struct Host<'e> {
-    w: Worker<'e>,
+    pub(super) w: Worker<'e>,
 }
 
 impl<'e> Host<'e> {

@@ -97,6 +97,15 @@ impl Worker<'_> {
         let rounds = Rounds::new(&*core.store, &m.prefix, core.topo.rank());
         let per_node = u32::try_from(core.topo.local_world())
             .map_err(|_| Error::Config("too many ranks per node".into()))?;
+        if let Some((from, nodes)) = m.admitted().filter(|&(from, _)| k >= from) {
+            return Err(Error::Config(format!(
+                "the membership round of minibatch {} admitted node(s) {:?} from minibatch \
+                 {from}: this engine's generation ends there; build the next one (Engine.admit \
+                 after the optimizer step) and finish minibatch {k} on it",
+                from - 1,
+                nodes_of(nodes)
+            )));
+        }
         let start = Instant::now();
         let (mut members, mut e) = (m.members(), 0u32);
         // The last drop, recorded once the next epoch's round is decided.
@@ -118,8 +127,14 @@ impl Worker<'_> {
             }
             let next = membership::next_members(members, decided);
             match decided {
-                Outcome::Committed { .. } => {
-                    m.set_members(next);
+                Outcome::Committed { joining } => {
+                    // Joiners take part from the next generation, which
+                    // the loop begins after its step (a member asking to
+                    // join is a stale request: ignored).
+                    m.set_members(members);
+                    if joining & !members != 0 {
+                        m.admit(k + 1, joining & !members);
+                    }
                     return Ok(());
                 }
                 Outcome::Void { dead } if dead & membership::node(me) != 0 => {

@@ -20,6 +20,7 @@ mod cache;
 mod device;
 mod host;
 mod hybrid;
+mod rejoin;
 mod signals;
 mod steal;
 

@@ -267,6 +267,12 @@ pub struct EngineConfig {
     /// one copy of a shard or of its optimizer state dies with its rank.
     /// Equal on every rank (default off).
     pub elastic: bool,
+    /// Elastic only: the nodes that start as members, one bit per node
+    /// (default every node). The ranks of the other nodes take no part in
+    /// registration; a node joins such an engine generation by asking the
+    /// membership rounds (see [`crate::elastic::await_admission`]). Equal
+    /// on every member rank, and this rank's node among them.
+    pub members: Option<u64>,
     /// `nvshmem` only: bytes of symmetric heap to plan beyond this engine's
     /// own data regions, for the engines this process creates later in the
     /// same job, which share this engine's NVSHMEM session (one per
@@ -298,6 +304,7 @@ impl Default for EngineConfig {
             cross_node: lenient(env_cross_node()).unwrap_or_default(),
             heap_reserve: 0,
             elastic: false,
+            members: None,
         }
     }
 }

@@ -91,9 +91,39 @@ impl Core {
                 topology.nodes()
             )));
         }
+        let all = crate::protocol::membership::all_nodes(topology.nodes());
+        let members = match config.members {
+            None => all,
+            Some(_) if !config.elastic => {
+                return Err(Error::Config(
+                    "members (the nodes an engine generation starts with) needs elastic=True"
+                        .into(),
+                ))
+            }
+            Some(m) if m == 0 || m & !all != 0 => {
+                return Err(Error::Config(format!(
+                    "members {m:#x}: expected a nonempty set of this job's {} nodes",
+                    topology.nodes()
+                )))
+            }
+            Some(m)
+                if m & crate::protocol::membership::node(topology.node_of(topology.rank()))
+                    == 0 =>
+            {
+                return Err(Error::Config(format!(
+                    "members {:?} leave out this rank's node {}: a rank takes part only in a \
+                     generation its node is a member of",
+                    crate::elastic::nodes_of(m),
+                    topology.node_of(topology.rank())
+                )))
+            }
+            Some(m) => m,
+        };
         let deadline = Instant::now() + config.timeout;
         let key = format!("{}/job_id", config.store_prefix);
-        let job_id = if topology.rank() == 0 {
+        // The first rank of the first member node draws the job id.
+        let first = members.trailing_zeros() as usize * topology.local_world();
+        let job_id = if topology.rank() == first {
             let id = register::random_job_id()?;
             store.set(&key, id.as_bytes())?;
             id
@@ -103,7 +133,7 @@ impl Core {
         let elastic = config.elastic.then(|| {
             crate::elastic::Membership::new(
                 format!("{}/elastic/{job_id}", config.store_prefix),
-                topology.nodes(),
+                members,
             )
         });
         let transport = crate::transport::create(
@@ -134,6 +164,15 @@ impl Core {
             publish_lock: Mutex::new(()),
             elastic,
         })
+    }
+
+    /// Whether rank `r` takes part in this engine: every rank, unless an
+    /// elastic generation started without `r`'s node
+    /// ([`EngineConfig::members`]).
+    pub(crate) fn takes_part(&self, r: usize) -> bool {
+        self.config
+            .members
+            .is_none_or(|m| m & crate::protocol::membership::node(self.topo.node_of(r)) != 0)
     }
 
     /// Registers every bucket (see [`register`]).

@@ -84,6 +84,23 @@ pub(crate) struct Peers {
     cache: Vec<RegionDesc>,
 }
 
+impl Peers {
+    /// A rank of a node outside this elastic generation: never reached
+    /// (no rank talks to it), its descriptors empty.
+    fn push_absent(&mut self) {
+        let none = RegionDesc {
+            owner: u32::MAX,
+            id: u32::MAX,
+            len: 0,
+            key: 0,
+        };
+        self.ctrl.push(none);
+        self.params.push(none);
+        self.accum.push(None);
+        self.pid.push(0);
+    }
+}
+
 /// Registers `specs` on `core` (see the module doc); on success the
 /// registered state is in `core.reg`.
 pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
@@ -166,7 +183,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
 /// bucket. Also checks that `/dev/shm` has room for every rank of this host
 /// before any rank allocates.
 fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
-    let (rank, world) = (core.topo.rank(), core.topo.world());
+    let rank = core.topo.rank();
     let prefix = &core.config.store_prefix;
     let groups = Groups::new(&core.topo, core.config.sharding);
     let mut buckets = Vec::with_capacity(specs.len());
@@ -262,9 +279,8 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         return Err(e);
     }
     core.store.set(&my_key, &json(&my_key, &post)?)?;
-    let keys: Vec<String> = (0..world).map(|p| format!("{prefix}/reg/{p}")).collect();
-    for (peer, v) in read_posts(core, &keys, deadline)?.iter().enumerate() {
-        compare(&post, &parse_reg_post(&keys[peer], peer, v)?, peer)?;
+    for (peer, key, v) in read_posts(core, "reg", deadline)? {
+        compare(&post, &parse_reg_post(&key, peer, &v)?, peer)?;
     }
     Ok(Plan {
         groups,
@@ -516,15 +532,18 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
         pid: Vec::with_capacity(world),
         cache: Vec::new(),
     };
-    let keys: Vec<String> = (0..world).map(|p| format!("{prefix}/ep/{p}")).collect();
-    for (peer, v) in read_posts(core, &keys, deadline)?.iter().enumerate() {
+    for (peer, key, v) in read_posts(core, "ep", deadline)? {
+        // A node outside this elastic generation: nothing to reach.
+        while peers.ctrl.len() < peer {
+            peers.push_absent();
+        }
         let want = RegionSizes {
             ctrl: plan.ctrl_layout.len(),
             params: plan.host_params_len,
             accum: (plan.accum_region > 0 && plan.groups.replicas.contains(&peer))
                 .then_some(plan.accum_len * 4),
         };
-        let (theirs, [c, p], a) = check_endpoint(&keys[peer], peer, v, &want)?;
+        let (theirs, [c, p], a) = check_endpoint(&key, peer, &v, &want)?;
         if core.transport.name() == "shm" && theirs.endpoint.host != my_host {
             return Err(Error::Config(format!(
                 "rank {peer} runs on host {:?}, this rank on {my_host:?}: the shm transport \
@@ -566,9 +585,13 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
         peers.pid.push(theirs.endpoint.pid);
         peers.accum.push(a);
     }
+    while peers.ctrl.len() < world {
+        peers.push_absent();
+    }
     let my_key = format!("{prefix}/connected/{rank}");
     core.store.set(&my_key, b"1")?;
     let keys: Vec<String> = (0..world)
+        .filter(|&p| core.takes_part(p))
         .map(|p| format!("{prefix}/connected/{p}"))
         .collect();
     let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
@@ -985,9 +1008,23 @@ fn post_failure(store: &dyn Store, key: &str, e: &Error) {
 
 /// Every rank's post under `keys` (one per rank, in rank order): one wait
 /// and one batched read, not a round trip per rank.
-fn read_posts(core: &Core, keys: &[String], deadline: Instant) -> Result<Vec<Vec<u8>>> {
-    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    wait_get_all(core.store.as_ref(), &keys, deadline)
+fn read_posts(core: &Core, what: &str, deadline: Instant) -> Result<Vec<(usize, String, Vec<u8>)>> {
+    let prefix = &core.config.store_prefix;
+    let ranks: Vec<usize> = (0..core.topo.world())
+        .filter(|&p| core.takes_part(p))
+        .collect();
+    let keys: Vec<String> = ranks
+        .iter()
+        .map(|p| format!("{prefix}/{what}/{p}"))
+        .collect();
+    let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let posts = wait_get_all(core.store.as_ref(), &refs, deadline)?;
+    Ok(ranks
+        .into_iter()
+        .zip(keys)
+        .zip(posts)
+        .map(|((p, k), v)| (p, k, v))
+        .collect())
 }
 
 /// Parses `peer`'s post at `key`, or the failure it posted instead.

@@ -53,6 +53,15 @@ pub fn node(n: usize) -> Nodes {
     1 << n
 }
 
+/// Every one of `nodes` nodes (at most [`MAX_NODES`]).
+pub fn all_nodes(nodes: usize) -> Nodes {
+    if nodes >= MAX_NODES {
+        u64::MAX
+    } else {
+        (1u64 << nodes) - 1
+    }
+}
+
 /// One round's value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Round {

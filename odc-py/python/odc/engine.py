@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import socket
@@ -383,6 +384,7 @@ class Engine:
         cross_node: str | None = None,
         node_cache_mb: float | None = None,
         elastic: bool = False,
+        members: Sequence[int] | None = None,
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
@@ -419,11 +421,26 @@ class Engine:
                 cross_node=cross_node,
                 node_cache_mb=node_cache_mb,
                 elastic=bool(elastic),
+                members=None if members is None else [int(n) for n in members],
             )
         finally:
             if addr is not None:
                 os.environ.pop("ODC_FABRIC_ADDR", None)
         self.deadline_source = deadline_source
+        # Elastic generations: the store, the job's first prefix and what a next generation repeats.
+        self._store = store
+        self._base = prefix or "odc"
+        self._settings: dict[str, Any] = {
+            "local_world_size": local_world_size, "chunk_bytes": chunk_bytes, "timeout": timeout,
+            "job_key": job_key, "transport": transport, "sharding": sharding, "deadline_source": deadline_source,
+            "deterministic": deterministic, "cross_node": cross_node, "node_cache_mb": node_cache_mb,
+            "elastic": elastic,
+        }
+        self._specs: list[Bucket] = []
+        # Joins (and the drops of earlier generations) this rank saw, for elastic_events.
+        self._history: list[dict[str, Any]] = []
+        #: Elastic: the first minibatch this generation runs (None for the job's first).
+        self.first_minibatch: int | None = None
         # Typed as the native engine it forwards to (``_odc.pyi``).
         note = f"ODC's deadline: {timeout:g} s, from {deadline_source}"
         self._native = cast(_odc.Engine, _NotingDeadline(native, note))
@@ -531,15 +548,156 @@ class Engine:
         return self._native.members
 
     def elastic_events(self) -> list[dict[str, Any]]:
-        """Elastic hybrid sharding: every node drop this rank saw, oldest first.
+        """Elastic hybrid sharding: every node drop and join this rank saw, oldest first.
 
-        Each is a dict: ``minibatch`` (whose sum left the node out), ``epoch``
-        (of that minibatch's membership round), ``node``, ``members`` (after),
-        ``detected_s`` (from the start of this rank's cross-node sum to its
-        learning of the death) and ``recovered_s`` (from then to the round
-        over the survivors committing). ``len()`` of it is the drop count.
+        Each is a dict with ``kind``. A ``"drop"``: ``minibatch`` (whose sum
+        left the node out), ``epoch`` (of that minibatch's membership round),
+        ``node``, ``members`` (after), ``detected_s`` (from the start of this
+        rank's cross-node sum to its learning of the death) and
+        ``recovered_s`` (from then to the round over the survivors
+        committing). A ``"join"`` (from :meth:`admit` or :meth:`rejoin`):
+        ``minibatch`` (the first it takes part in), ``node``, ``members``
+        (after), and on a member ``register_s`` (the new generation's
+        registration) and ``copy_s`` (serving its state to the ranks in
+        ``served``), on the joiner ``waited_s`` (for its admission) and
+        ``copy_s`` (reading rank ``source``'s state). Events of earlier
+        generations carry over to the next.
         """
-        return self._native.elastic_events()
+        return self._history + [dict(ev, kind="drop") for ev in self._native.elastic_events()]
+
+    @property
+    def admitted(self) -> tuple[int, list[int]] | None:
+        """Elastic: ``(minibatch, nodes)`` a membership round admitted from that minibatch on, else ``None``.
+
+        Once set, this engine cannot finish that minibatch: :meth:`admit`
+        builds the generation that can.
+        """
+        return self._native.admitted()
+
+    def admit(self, state: Sequence[torch.Tensor] = ()) -> Engine:
+        """Elastic: at a minibatch boundary, after the step, lets admitted nodes in; returns the engine to go on with.
+
+        Call it on every member rank after each step (it returns ``self`` at
+        once unless the last round admitted a node: one store read). When
+        one did, it builds the next generation: a new engine of the same
+        settings over the members and the joiners, the same buckets
+        registered (a collective with the joiners' :meth:`rejoin`), then
+        serves ``state`` (this rank's replica state: its parameter shards,
+        the optimizer state of them, counters; contiguous host tensors, the
+        same list on every rank) to the joining ranks that copy this rank's
+        (the same local rank; joining nodes spread over the members), which
+        read it one-sidedly. Returns the new engine once they have it; drop
+        the old one. A joiner that dies meanwhile is dropped by the new
+        generation's first round, as any member would be.
+        """
+        from . import _rejoin
+
+        adm = self._native.admitted()
+        if adm is None:
+            return self
+        start, joining = adm
+        t0 = time.perf_counter()
+        old = list(self.members or [])
+        members = sorted(set(old) | set(joining))
+        _rejoin.check_state(state, "admit")
+        gen = _odc.begin_generation(self._store, self._base, int(start), members, list(joining))
+        new = Engine(self._store, self.rank, self.world_size, **self._settings, prefix=gen["prefix"], members=members)
+        new._base, new._specs, new.first_minibatch = self._base, list(self._specs), int(start)
+        new.register(self._specs)
+        t_reg = time.perf_counter()
+        readers = _rejoin.readers(self.rank, self.local_world_size, joining, old)
+        flat = _rejoin.pack(state)
+        self._store.set(f"{gen['prefix']}/state/{self.rank}/layout", json.dumps(_rejoin.layout(state)))
+        new._native.serve_state(flat.data_ptr() if flat.numel() else 0, flat.numel(), readers)
+        done = time.perf_counter()
+        new._history = self.elastic_events()
+        for node in joining:
+            ev = {
+                "kind": "join", "minibatch": int(start), "node": int(node), "members": members,
+                "register_s": t_reg - t0, "copy_s": done - t_reg, "served": readers,
+            }
+            new._history.append(ev)
+            _elastic_log.warning(
+                "rank %d: node %d joins at minibatch %d; members now %s; the new generation registered in %.3f s, "
+                "this rank served its state to ranks %s in %.3f s",
+                self.rank, node, start, members, ev["register_s"], readers, ev["copy_s"],
+            )
+        return new
+
+    @classmethod
+    def rejoin(
+        cls,
+        store: Any,
+        rank: int,
+        world_size: int,
+        buckets: Iterable[Bucket],
+        state: Sequence[torch.Tensor] = (),
+        *,
+        local_world_size: int | None = None,
+        prefix: str | None = None,
+        timeout: float | None = None,
+        **settings: Any,
+    ) -> Engine:
+        """Elastic: a restarted node's rank joins the running job; returns its engine, ``state`` filled.
+
+        Every rank of the node calls it with what the job's engines were
+        built with (``prefix``, ``local_world_size``, the settings) and the
+        buckets they registered. It asks the job's membership round to
+        admit its node, waits until the member ranks build the generation
+        that admits it (at a minibatch boundary, after their step: see
+        :meth:`admit`), registers the buckets with them, and copies a member
+        replica's state (its local rank's, one-sided reads) into ``state``
+        (contiguous host tensors laid out as the source's: the parameter
+        shards, the optimizer state, counters). The engine's
+        :attr:`first_minibatch` is the minibatch it takes part in first: the
+        loop's data position (the plan of that minibatch, as every member
+        reads it). Raises on no admission within ``timeout`` seconds.
+        """
+        from . import _rejoin
+
+        _rejoin.check_state(state, "rejoin")
+        if local_world_size is None:
+            env = os.environ.get("LOCAL_WORLD_SIZE")
+            if env is None:
+                raise ConfigError(
+                    "rejoin needs local_world_size (or LOCAL_WORLD_SIZE): a joining node cannot infer it from "
+                    "ranks that are not running"
+                )
+            local_world_size = int(env)
+        base = prefix or "odc"
+        wait_s, _ = deadline_for(None, explicit=timeout)
+        node = int(rank) // int(local_world_size)
+        nodes = int(world_size) // int(local_world_size)
+        t0 = time.perf_counter()
+        gen = _odc.await_admission(store, base, nodes, int(rank), node, float(wait_s))
+        t_admitted = time.perf_counter()
+        eng = cls(
+            store, rank, world_size, local_world_size=local_world_size, prefix=gen["prefix"], timeout=timeout,
+            members=gen["members"], elastic=True, **settings,
+        )
+        eng._base, eng.first_minibatch = base, gen["start"]
+        eng.register(buckets)
+        old = [n for n in gen["members"] if n not in gen["joining"]]
+        source = _rejoin.source_node(gen["joining"], old, node) * int(local_world_size) + int(rank) % int(
+            local_world_size
+        )
+        import torch
+
+        mine = _rejoin.layout(state)
+        flat = torch.empty(sum(t.numel() * t.element_size() for t in state), dtype=torch.uint8)
+        eng._native.read_state(source, flat.data_ptr() if flat.numel() else 0, flat.numel())
+        _rejoin.compare_layouts(mine, store.get(f"{gen['prefix']}/state/{source}/layout"), source)
+        _rejoin.unpack(flat, state)
+        done = time.perf_counter()
+        eng._history = [{
+            "kind": "join", "minibatch": gen["start"], "node": node, "members": gen["members"],
+            "waited_s": t_admitted - t0, "copy_s": done - t_admitted, "source": source,
+        }]
+        _elastic_log.warning(
+            "rank %d: node %d rejoined at minibatch %s; members %s; admitted after %.3f s, copied rank %d's state "
+            "in %.3f s", rank, node, gen["start"], gen["members"], t_admitted - t0, source, done - t_admitted,
+        )
+        return eng
 
     @property
     def deterministic(self) -> bool:
@@ -563,8 +721,10 @@ class Engine:
             RegistrationError: another rank registered a different list (the
                 message names the first differing bucket).
         """
+        buckets = list(buckets)
         specs = [b.spec() for b in buckets]
         self._native.register(specs)
+        self._specs = buckets
         self._infos = [self._native.bucket_info(i) for i in range(self._native.num_buckets())]
         self._ids = {info["name"]: i for i, info in enumerate(self._infos)}
 

@@ -562,7 +562,7 @@ def dropped(model: Any) -> list[dict[str, Any]]:
     s = _bound(model).state
     if s.open:
         return []
-    return [e for e in s.engine.elastic_events() if e["minibatch"] == s.version]
+    return [e for e in s.engine.elastic_events() if e["kind"] == "drop" and e["minibatch"] == s.version]
 
 
 def rerun_share(items: Sequence[Any], members: Sequence[int], rank: int, ranks_per_node: int) -> list[Any]:

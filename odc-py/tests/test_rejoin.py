@@ -1,0 +1,192 @@
+"""Elastic rejoin at the engine: 3 emulated nodes x 2 ranks (LOCAL_WORLD_SIZE emulation), a rank SIGKILLed, its
+node dropped, and the node restarted: its two new processes ask the job to admit it, the member ranks build the
+next generation at the boundary after their step, and the joiners copy a live replica's state one-sidedly. Every
+sum is exact over the members of its minibatch, and the replicas stay bitwise equal, the rejoined one included."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import odc
+
+WORLD, LOCAL, NUMEL, STEPS = 6, 2, 1001, 7
+
+
+def _count(rank: int, k: int) -> int:
+    return 1 + (rank + k) % 2
+
+
+def _value(rank: int, k: int) -> float:
+    return float((rank % 5 + 1) * (k + 1))
+
+
+def _shard_len() -> int:
+    """A rank's shard of the bucket: ceil(NUMEL / LOCAL) rounded up to 64 bytes (what a joiner's model, built as
+    its replicas' were, holds without asking an engine)."""
+    return math.ceil(math.ceil(NUMEL / LOCAL) / 16) * 16
+
+
+def _state(sl: int) -> list[torch.Tensor]:
+    """A replica's state on one rank: a parameter shard, a momentum and a step counter (AdamW-like)."""
+    return [torch.zeros(sl), torch.zeros(sl), torch.zeros((), dtype=torch.int64)]
+
+
+def _step(state: list[torch.Tensor], g: torch.Tensor) -> None:
+    p, m, step = state
+    m.mul_(0.9).add_(g)
+    p.sub_(0.01 * m)
+    step.add_(1)
+
+
+def _train(eng, rank, store, state, start, victim, at, log):
+    pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
+    sl = eng.bucket("w")["shard_len"]
+    for k in range(start, STEPS):
+        if rank == victim and k == at:
+            store.set("killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        version = k - (eng.first_minibatch or 0)  # a generation's versions count from 0
+        eng.publish("w", state[0].clone(), version=version)
+        out = torch.empty(NUMEL)
+        eng.gather("w", version, out)
+        for _ in range(_count(rank, k)):
+            eng.scatter_accumulate("w", pattern * _value(rank, k), scale=1.0)
+        try:
+            eng.finish_minibatch(k)
+        except (odc.NodeDropped, odc.PeerDied) as e:
+            log["raised"] = (type(e).__name__, str(e), k)
+            return log
+        g = eng.grad_shard("w").clone()
+        assert g.numel() == sl
+        log["sums"][k] = (g.tolist(), eng.members)
+        eng.zero_grad()
+        _step(state, g)
+        log["state"][k] = [t.tolist() for t in state]  # exact: f32 values are Python floats
+        t0 = time.perf_counter()
+        eng = eng.admit(state)
+        log["boundary_s"][k] = time.perf_counter() - t0
+    log["events"] = eng.elastic_events()
+    return log
+
+
+def _kill_during_copy(store, me):
+    """SIGKILLs this process once it read the first chunk of its source's state (of more than one)."""
+    import threading
+
+    def watch():
+        while (gen := store.get("odc/elastic/current") if store.check(["odc/elastic/current"]) else None) is None:
+            time.sleep(0.001)
+        key = f"{gen.decode()}/state/{me}/read"
+        while not store.check([key]):
+            time.sleep(0.0005)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None):
+    """Ranks 0-5 train; processes 6 and 7 are the dead node's ranks restarted once the victim is dead. With
+    ``joiner_killed`` the restarted rank of that number is SIGKILLed in the middle of its state copy."""
+    kw = {"timeout": 30, "job_key": f"pytest-{os.getppid()}", "transport": transport, "sharding": "hybrid"}
+    log = {"sums": {}, "state": {}, "boundary_s": {}}
+    if rank < WORLD:
+        eng = odc.Engine(store, rank, WORLD, local_world_size=LOCAL, elastic=True, **kw)
+        eng.register([odc.Bucket("w", NUMEL, torch.float32)])
+        assert eng.bucket("w")["shard_len"] == _shard_len()
+        state = _state(_shard_len())
+        state[0].copy_(torch.arange(state[0].numel(), dtype=torch.float32) / 7 + rank % LOCAL)
+        return _train(eng, rank, store, state, 0, victim, at, log)
+    me = (victim // LOCAL) * LOCAL + rank - WORLD
+    store.wait(["killed_at"])
+    if me == joiner_killed:
+        _kill_during_copy(store, me)
+    state = _state(_shard_len())
+    t0 = time.perf_counter()
+    eng = odc.Engine.rejoin(store, me, WORLD, [odc.Bucket("w", NUMEL, torch.float32)], state,
+                            local_world_size=LOCAL, **kw)
+    log["rejoin_s"] = time.perf_counter() - t0
+    log["copied"] = (eng.first_minibatch, [t.tolist() for t in state])
+    return _train(eng, me, store, state, eng.first_minibatch, None, None, log)
+
+
+def _expected(k: int, nodes: list[int], me: int, sl: int) -> list[float]:
+    pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
+    weight = sum(_value(r, k) * _count(r, k) for r in range(WORLD) if r // LOCAL in nodes)
+    lo, hi = me * sl, min((me + 1) * sl, NUMEL)
+    want = torch.zeros(sl)
+    want[: hi - lo] = pattern[lo:hi] * weight
+    return want.tolist()
+
+
+@pytest.mark.parametrize("transport", ["shm", "mixed"])
+def test_a_restarted_node_rejoins_with_a_replicas_state_and_every_sum_counts_it_again(transport):
+    victim, at = 3, 1
+    dead = victim // LOCAL
+    res = run_ranks(_rejoin_run, WORLD + LOCAL, timeout=180, victim=victim, at=at, transport=transport)
+    assert res[victim] == ("hung", -signal.SIGKILL), res[victim]
+    status, out = res[victim ^ 1]  # its node-mate raises in its gather, its finish_minibatch or the round
+    assert (out["raised"][0] if status == "ok" else out[0]) in ("NodeDropped", "PeerDied"), res[victim ^ 1]
+    live = [r for r in range(WORLD) if r // LOCAL != dead]
+    joiners = {WORLD + i: dead * LOCAL + i for i in range(LOCAL)}
+    for r in [*live, *joiners]:
+        assert res[r][0] == "ok" and "events" in res[r][1], (r, str(res[r])[:3000])
+    first = {res[j][1]["copied"][0] for j in joiners}
+    assert len(first) == 1, first
+    back = first.pop()
+    assert at < back < STEPS, back
+    for r in live:
+        kinds = [(e["kind"], e["minibatch"], e["node"]) for e in res[r][1]["events"]]
+        assert kinds == [("drop", at, dead), ("join", back, dead)], (r, kinds)
+    # Every member's every sum: exact over the nodes that were members of its minibatch.
+    for r, rank in [*((r, r) for r in live), *joiners.items()]:
+        for k, (got, members) in res[r][1]["sums"].items():
+            nodes = [0, 1, 2] if (k < at or k >= back) else [n for n in range(3) if n != dead]
+            assert members == nodes, (r, k, members)
+            assert got == _expected(k, nodes, rank % LOCAL, len(got)), (r, k)
+        assert sorted(res[r][1]["sums"]) == list(range(0 if r in live else back, STEPS)), r
+    for j, rank in joiners.items():
+        # The copy is bitwise its source replica's state at the boundary (the same local rank).
+        _, copied = res[j][1]["copied"]
+        src = next(r for r in live if r % LOCAL == rank % LOCAL)
+        assert copied == res[src][1]["state"][back - 1], j
+        # And stays so: every later step's state equals every replica's, bit for bit.
+        for k in range(back, STEPS):
+            for r in live:
+                if r % LOCAL == rank % LOCAL:
+                    assert res[j][1]["state"][k] == res[r][1]["state"][k], (j, r, k)
+    # The live ranks lose one boundary: the admit that built the next generation and served the copy.
+    for r in live:
+        b = res[r][1]["boundary_s"]
+        print(f"rank {r}: admit at the boundary before minibatch {back}: {b[back - 1]:.3f} s; other boundaries "
+              f"at most {max(v for k, v in b.items() if k != back - 1):.4f} s")
+
+
+def test_a_joiner_killed_during_its_copy_is_dropped_again_and_the_members_go_on():
+    victim, at, killed = 3, 1, 3  # node 1's rank 3 dies, then dies again while it copies rank 1's state
+    dead = victim // LOCAL
+    res = run_ranks(_rejoin_run, WORLD + LOCAL, timeout=180, victim=victim, at=at, transport="shm",
+                    joiner_killed=killed)
+    assert res[WORLD + killed % LOCAL] == ("hung", -signal.SIGKILL), res[WORLD + killed % LOCAL]
+    status, out = res[WORLD + (killed ^ 1) % LOCAL]  # the other joiner: copied its state, then its node dropped
+    assert (out["raised"][0] if status == "ok" else out[0]) in ("NodeDropped", "PeerDied"), (status, out)
+    live = [r for r in range(WORLD) if r // LOCAL != dead]
+    for r in live:
+        assert res[r][0] == "ok" and "events" in res[r][1], (r, str(res[r])[:3000])
+        kinds = [(e["kind"], e["node"]) for e in res[r][1]["events"]]
+        assert kinds == [("drop", dead), ("join", dead), ("drop", dead)], (r, kinds)
+        back = res[r][1]["events"][1]["minibatch"]
+        assert res[r][1]["events"][2]["minibatch"] == back, res[r][1]["events"]  # its first round drops it
+        for k, (got, members) in res[r][1]["sums"].items():
+            nodes = [0, 1, 2] if k < at else [0, 2]
+            assert (members, got) == (nodes, _expected(k, nodes, r % LOCAL, len(got))), (r, k)
+        assert sorted(res[r][1]["sums"]) == list(range(STEPS)), r
+    for r in live:  # the replicas stay bitwise equal
+        twin = live[(live.index(r) + LOCAL) % len(live)]
+        assert res[r][1]["state"] == res[twin][1]["state"], (r, twin)
