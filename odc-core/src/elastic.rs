@@ -419,7 +419,8 @@ impl Generation {
 /// under `base` (of `nodes` nodes) to admit its node and waits until a
 /// generation does, which it returns; its engine then joins that
 /// generation with its prefix and members. It asks the first undecided
-/// round of the current generation (from the last committed minibatch on)
+/// round of the current generation (from the last committed minibatch on;
+/// a later generation's engines number minibatches from its start, 0)
 /// and waits for it: a round that commits with the node among its joiners
 /// admits it from the next minibatch, whose generation the member ranks
 /// begin once they stepped; a void forgets it (it asks the next epoch);
@@ -468,7 +469,8 @@ pub fn await_admission(
             String::from_utf8_lossy(&job)
         );
         let rounds = Rounds::new(store, &prefix, rank);
-        let Some(mut k) = rounds.last_committed()?.or(generation.start) else {
+        // A later generation's engines count minibatches from its start.
+        let Some(mut k) = rounds.last_committed()?.or(generation.start.map(|_| 0)) else {
             sleep("no minibatch of it has ended yet")?;
             continue;
         };
@@ -686,7 +688,7 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains("node 1 (rank 1) was not admitted") && e.contains("minibatch 7's round"),
+            e.contains("node 1 (rank 1) was not admitted") && e.contains("minibatch 0's round"),
             "{e}"
         );
     }

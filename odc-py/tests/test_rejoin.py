@@ -52,10 +52,9 @@ def _train(eng, rank, store, state, start, victim, at, log):
         if rank == victim and k == at:
             store.set("killed_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        version = k - (eng.first_minibatch or 0)  # a generation's versions count from 0
-        eng.publish("w", state[0].clone(), version=version)
+        eng.publish("w", state[0].clone(), version=k)
         out = torch.empty(NUMEL)
-        eng.gather("w", version, out)
+        eng.gather("w", k, out)
         for _ in range(_count(rank, k)):
             eng.scatter_accumulate("w", pattern * _value(rank, k), scale=1.0)
         try:
@@ -190,3 +189,109 @@ def test_a_joiner_killed_during_its_copy_is_dropped_again_and_the_members_go_on(
     for r in live:  # the replicas stay bitwise equal
         twin = live[(live.index(r) + LOCAL) % len(live)]
         assert res[r][1]["state"] == res[twin][1]["state"], (r, twin)
+
+
+# FSDP2: microbatches per rank at each step; nodes are ranks (0, 1), (2, 3), (4, 5).
+PLAN = ((1, 2, 0, 1, 2, 1), (2, 1, 1, 2, 0, 1), (1, 0, 2, 1, 1, 2), (0, 2, 1, 1, 2, 1), (2, 1, 1, 0, 1, 2),
+        (1, 1, 2, 1, 0, 1), (1, 2, 1, 2, 1, 0))
+
+
+def _fsdp_rejoin(rank, world, store, victim, at, transport):
+    """FSDP2 HSDP under odc.fsdp (elastic, AdamW, ODC's clip) on ranks 0-5; `victim` SIGKILLed after its first
+    backward of step `at`; processes 6 and 7 rebuild its node (a process group of their own, a (1, 2) mesh) and
+    rejoin. Each rank runs its plan's microbatches, the loss normalized by the member nodes' tokens (rescaled to
+    the survivors' at a step that dropped a node). Returns the shards after every step."""
+    import _fsdp_helpers as H
+    import torch.distributed as dist
+
+    H.as_nodes(LOCAL, transport)
+    dead = victim // LOCAL
+    if rank < WORLD:
+        me = rank
+        H.init_pg(rank, WORLD, store)
+        model = H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, store=store)
+        first = 0
+    else:
+        me = dead * LOCAL + rank - WORLD
+        store.wait(["killed_at"])
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"node{dead}/", store), rank=me % LOCAL,
+                                world_size=LOCAL)
+        model = H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL))  # another seed: the copy must set them
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60)
+    tokens = lambda s, nodes: 27 * sum(PLAN[s][r] for r in range(WORLD) if r // LOCAL in nodes)  # noqa: E731
+    out = {"first": first, "shards": {}, "members": {}}
+    try:
+        for s in range(first, len(PLAN)):
+            members = odc.fsdp.members(model)
+            out["members"][s] = members
+            norm = tokens(s, members)
+            for m in range(PLAN[s][me]):
+                (H.sample_loss(model, H.data(s, m, me)) / norm * WORLD).backward()  # FSDP averages over D
+                if me == victim and s == at and rank < WORLD:
+                    store.set("killed_at", repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+            odc.fsdp.finish(model)
+            if dropped := odc.fsdp.dropped(model):
+                for p in model.parameters():
+                    p.grad.mul_(norm / tokens(s, dropped[-1]["members"]))
+            odc.fsdp.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+            out["shards"][s] = H.local_shards(model)
+    except (odc.NodeDropped, odc.PeerDied) as e:
+        out["raised"] = type(e).__name__
+    out["events"] = [(e["kind"], e["minibatch"], e["node"]) for e in odc.fsdp.elastic_events(model)]
+    return out
+
+
+def _fsdp_reference(dead: int, at: int, back: int):
+    """One process on every sample but the dead node's from step `at` until `back`, normalized by the kept
+    tokens."""
+    import _fsdp_helpers as H
+
+    torch.manual_seed(0)
+    ref = H.Tiny()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for s, plan in enumerate(PLAN):
+        ranks = [r for r in range(WORLD) if not at <= s < back or r // LOCAL != dead]
+        norm = 27 * sum(plan[r] for r in ranks)
+        for r in ranks:
+            for m in range(plan[r]):
+                (H.sample_loss(ref, H.data(s, m, r)) / norm).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return ref.state_dict()
+
+
+@pytest.mark.torch_versions  # the torch the trainer pins too (verl: 2.11)
+def test_fsdp2_a_restarted_node_rejoins_and_the_job_equals_one_process_that_skipped_only_its_absence():
+    victim, at = 3, 1
+    dead = victim // LOCAL
+    res = run_ranks(_fsdp_rejoin, WORLD + LOCAL, timeout=300, victim=victim, at=at, transport="shm")
+    assert res[victim] == ("hung", -signal.SIGKILL), res[victim]
+    live = [r for r in range(WORLD) if r // LOCAL != dead]
+    joiners = {WORLD + i: dead * LOCAL + i for i in range(LOCAL)}
+    for r in [*live, *joiners]:
+        assert res[r][0] == "ok" and "raised" not in res[r][1], (r, str(res[r])[:3000])
+    back = res[WORLD][1]["first"]
+    assert at < back < len(PLAN) and res[WORLD + 1][1]["first"] == back, (back, res[WORLD + 1][1]["first"])
+    for r in [*live, *joiners]:
+        assert res[r][1]["events"][-2:] == [("drop", at, dead), ("join", back, dead)][-len(res[r][1]["events"]):], (
+            r, res[r][1]["events"])
+        assert res[r][1]["members"][len(PLAN) - 1] == [0, 1, 2], r
+    # Every replica of a local rank holds bitwise the same shards after every step the rejoined node ran.
+    for j, rank in joiners.items():
+        for s in range(back, len(PLAN)):
+            for r in live:
+                if r % LOCAL == rank % LOCAL:
+                    assert res[j][1]["shards"][s] == res[r][1]["shards"][s], (j, r, s)
+    ref = _fsdp_reference(dead, at, back)
+    for r in live[:LOCAL]:
+        for name, shard in res[r][1]["shards"][len(PLAN) - 1].items():
+            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
+            got = torch.tensor(shard)
+            assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())

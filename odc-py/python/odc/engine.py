@@ -441,6 +441,8 @@ class Engine:
         self._history: list[dict[str, Any]] = []
         #: Elastic: the first minibatch this generation runs (None for the job's first).
         self.first_minibatch: int | None = None
+        # A later generation's native engine counts versions and minibatches from its first minibatch.
+        self._offset = 0
         # Typed as the native engine it forwards to (``_odc.pyi``).
         note = f"ODC's deadline: {timeout:g} s, from {deadline_source}"
         self._native = cast(_odc.Engine, _NotingDeadline(native, note))
@@ -563,7 +565,9 @@ class Engine:
         ``copy_s`` (reading rank ``source``'s state). Events of earlier
         generations carry over to the next.
         """
-        return self._history + [dict(ev, kind="drop") for ev in self._native.elastic_events()]
+        return self._history + [
+            dict(ev, kind="drop", minibatch=ev["minibatch"] + self._offset) for ev in self._native.elastic_events()
+        ]
 
     @property
     def admitted(self) -> tuple[int, list[int]] | None:
@@ -572,7 +576,17 @@ class Engine:
         Once set, this engine cannot finish that minibatch: :meth:`admit`
         builds the generation that can.
         """
-        return self._native.admitted()
+        adm = self._native.admitted()
+        return None if adm is None else (adm[0] + self._offset, adm[1])
+
+    def _rel(self, n: int, what: str = "version") -> int:
+        """``n`` (a version or minibatch, numbered as the loop does) as this generation's engine counts it."""
+        if int(n) < self._offset:
+            raise ConfigError(
+                f"{what} {n} comes before minibatch {self._offset}, where this elastic generation began: a "
+                "generation runs its first minibatch and the later ones"
+            )
+        return int(n) - self._offset
 
     def admit(self, state: Sequence[torch.Tensor] = ()) -> Engine:
         """Elastic: at a minibatch boundary, after the step, lets admitted nodes in; returns the engine to go on with.
@@ -592,7 +606,7 @@ class Engine:
         """
         from . import _rejoin
 
-        adm = self._native.admitted()
+        adm = self.admitted
         if adm is None:
             return self
         start, joining = adm
@@ -603,6 +617,7 @@ class Engine:
         gen = _odc.begin_generation(self._store, self._base, int(start), members, list(joining))
         new = Engine(self._store, self.rank, self.world_size, **self._settings, prefix=gen["prefix"], members=members)
         new._base, new._specs, new.first_minibatch = self._base, list(self._specs), int(start)
+        new._offset = int(start)
         new.register(self._specs)
         t_reg = time.perf_counter()
         readers = _rejoin.readers(self.rank, self.local_world_size, joining, old)
@@ -675,7 +690,7 @@ class Engine:
             store, rank, world_size, local_world_size=local_world_size, prefix=gen["prefix"], timeout=timeout,
             members=gen["members"], elastic=True, **settings,
         )
-        eng._base, eng.first_minibatch = base, gen["start"]
+        eng._base, eng.first_minibatch, eng._offset = base, gen["start"], int(gen["start"])
         eng.register(buckets)
         old = [n for n in gen["members"] if n not in gen["joining"]]
         source = _rejoin.source_node(gen["joining"], old, node) * int(local_world_size) + int(rank) % int(
@@ -756,10 +771,10 @@ class Engine:
         """
         if self._native.is_device:
             ptr, n, dt, stream = self._device_buffer(shard, "shard")
-            self._device_call(self._native.publish_device, self._id(bucket), ptr, n, dt, int(version), stream)
+            self._device_call(self._native.publish_device, self._id(bucket), ptr, n, dt, self._rel(version), stream)
             return
         ptr, n, dt = _buffer(shard, "shard")
-        self._native.publish(self._id(bucket), ptr, n, dt, int(version))
+        self._native.publish(self._id(bucket), ptr, n, dt, self._rel(version))
 
     def gather(self, bucket: BucketRef, version: int, out: torch.Tensor, *, skip_own: bool = False) -> torch.Tensor:
         """Reads ``version`` of every owner's shard into ``out`` (``numel`` or padded length).
@@ -771,10 +786,11 @@ class Engine:
         """
         if self._native.is_device:
             ptr, n, dt, stream = self._device_buffer(out, "output")
-            self._device_call(self._native.gather_device, self._id(bucket), int(version), ptr, n, dt, skip_own, stream)
+            self._device_call(self._native.gather_device, self._id(bucket), self._rel(version), ptr, n, dt, skip_own,
+                              stream)
             return out
         ptr, n, dt = _buffer(out, "output")
-        self._native.gather(self._id(bucket), int(version), ptr, n, dt, skip_own)
+        self._native.gather(self._id(bucket), self._rel(version), ptr, n, dt, skip_own)
         return out
 
     def release(self, bucket: BucketRef, version: int) -> None:
@@ -783,9 +799,9 @@ class Engine:
         On ``cuda-ipc`` the signal follows the work already on the current stream (the gather's copies).
         """
         if self._native.is_device:
-            self._device_call(self._native.release_device, self._id(bucket), int(version), self._stream())
+            self._device_call(self._native.release_device, self._id(bucket), self._rel(version), self._stream())
             return
-        self._native.release(self._id(bucket), int(version))
+        self._native.release(self._id(bucket), self._rel(version))
 
     def scatter_accumulate(
         self, bucket: BucketRef, grads: torch.Tensor, scale: float = 1.0, offset: int | None = None
@@ -826,10 +842,10 @@ class Engine:
                     if other.cuda_stream != current.cuda_stream:
                         current.wait_stream(other)
                 self._streams.clear()
-            self._device_call(self._native.finish_minibatch_device, int(k), stream)
+            self._device_call(self._native.finish_minibatch_device, self._rel(k, "minibatch"), stream)
             return
         seen = self._drops
-        self._native.finish_minibatch(int(k))
+        self._native.finish_minibatch(self._rel(k, "minibatch"))
         if seen is not None:
             events = self._native.elastic_events()
             for ev in events[seen:]:
@@ -837,7 +853,7 @@ class Engine:
                     "rank %d: node %d dropped at minibatch %d (epoch %d): its microbatches of that minibatch "
                     "are not in the sum; members now %s; learnt %.3f s into the cross-node sum, survivors' "
                     "round committed %.3f s later",
-                    self.rank, ev["node"], ev["minibatch"], ev["epoch"], ev["members"], ev["detected_s"],
+                    self.rank, ev["node"], ev["minibatch"] + self._offset, ev["epoch"], ev["members"], ev["detected_s"],
                     ev["recovered_s"],
                 )
             self._drops = len(events)
@@ -881,7 +897,7 @@ class Engine:
         from the back). The first claim of ``k`` starts minibatch ``k`` for
         thieves; every microbatch is claimed exactly once. Host transports.
         """
-        return self._native.claim_own(int(k), int(count))
+        return self._native.claim_own(self._rel(k, "minibatch"), int(count))
 
     def steal(self, victim: int, k: int) -> tuple[str, int | None]:
         """Claims one of rank ``victim``'s unclaimed microbatches of minibatch ``k``, from the back of its list.
@@ -894,7 +910,7 @@ class Engine:
         rank's shard group (every rank under full sharding, the node under
         hybrid sharding).
         """
-        return self._native.steal(int(victim), int(k))
+        return self._native.steal(int(victim), self._rel(k, "minibatch"))
 
     def claims_of(self, rank: int) -> tuple[int | None, int, int]:
         """Rank ``rank``'s claim word as it reads now: ``(minibatch, front, back)``.
@@ -903,7 +919,8 @@ class Engine:
         (``minibatch`` None: it has not started one). A one-sided read, a
         hint for picking a victim, not a claim.
         """
-        return self._native.claims_of(int(rank))
+        k, front, back = self._native.claims_of(int(rank))
+        return (None if k is None else k + self._offset), front, back
 
     def claimed(self, k: int, counts: Sequence[int], *, ranks: Iterable[int] | None = None,
                 cost: Callable[[int, int], float] | None = None, steal: bool = True) -> Iterator[tuple[int, int]]:

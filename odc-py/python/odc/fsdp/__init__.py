@@ -162,9 +162,12 @@ from ._private import (
     DefaultAllGather,
     DefaultReduceScatter,
     _describe,
+    _Layout,
     _node_layout,
     check_fsdp2,
+    materialize_optimizer_state,
     prefix_store,
+    replica_state,
 )
 from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
 from ._state import _NORM_BUCKET
@@ -173,7 +176,7 @@ from ._transport import _param_device, _pick_transport
 
 __all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
            "dropped", "elastic_events", "enable", "evaluation", "finish", "is_enabled", "members", "microbatches",
-           "minibatch", "rerun_share"]
+           "minibatch", "rejoin", "rerun_share"]
 
 
 def is_enabled(model: Any) -> bool:
@@ -192,6 +195,7 @@ def enable(
     deterministic: bool = False,
     cross_node: str | None = None,
     elastic: bool = False,
+    store: Any = None,
 ) -> None:
     """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
 
@@ -290,7 +294,15 @@ def enable(
             renormalize by the survivors' token count (call :func:`finish`
             before the optimizer step to look). Refused under ``"full"`` and
             ``"hybrid-zero"``, where one copy of a shard or of its optimizer
-            state dies with its rank. See docs/elastic.md.
+            state dies with its rank. A restarted node comes back through
+            :func:`rejoin`; the members let it in after their optimizer step
+            (with ``optimizer`` given), serving it their replica state. See
+            docs/elastic.md.
+        store: the store the engine meets its peers through (default: the
+            default process group's). Elastic jobs that let a restarted node
+            rejoin pass the job's store here (a client of the rendezvous
+            store, say) and the same to :func:`rejoin`, whose process group
+            cannot be the members' default one.
 
     Warns:
         UserWarning: a torch newer than :data:`TORCH_RANGE`, allowed by
@@ -351,7 +363,7 @@ def enable(
         _solos.add(s)
         return
     device = _param_device(groups)
-    store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/")
+    store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/", store)
     # Ranks per node: the shard group under hybrid sharding; under full
     # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
     local = layout.shards if layout.sharding == "hybrid" else layout.per_node
@@ -372,13 +384,26 @@ def enable(
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, sharding="hybrid-zero", **kw)
     else:
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, **kw)
-    ws = layout.shards
-    engine.register([Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)])
+    engine.register(_buckets(groups, layout.shards))
+    _attach(model, optimizers, groups, engine, layout, fsdp1)
+
+
+def _buckets(groups: list[Any], ws: int) -> list[Bucket]:
+    """The engine's buckets: one per parameter group (its ``ws`` shards), and the clip's norm bucket."""
+    return [Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)]
+
+
+def _attach(model: Any, optimizers: list[torch.optim.Optimizer], groups: list[Any], engine: Engine, layout: Any,
+            fsdp1: bool, first: int = 0) -> None:
+    """Binds ``engine`` (its buckets registered) to the model: staging buffers, the seams, the gradient contract
+    and the optimizer hooks; ``first`` is the minibatch the model runs first (a rejoined node's, else 0)."""
+    device = _param_device(groups)
     for g in groups:
         g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
         g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
     reshard = (lambda: _fsdp1.reshard(model)) if fsdp1 else (lambda: _reshard(model))
-    b = _Binding(model, groups, engine, layout, reshard)  # the first operation of minibatch 0 publishes
+    b = _Binding(model, groups, engine, layout, reshard)  # the first operation of minibatch `first` publishes
+    b.state.version = first
     if b.state.hybrid and not fsdp1:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
@@ -388,15 +413,106 @@ def enable(
     else:
         _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
         b.grads.ensure_hooked(b.grads.params)
-    b.grads.pend(0)  # a rank with no microbatch in minibatch 0 reads final gradients too
+    b.grads.pend(first)  # a rank with no microbatch in its first minibatch reads final gradients too
     for i, opt in enumerate(optimizers):
         b.hooks.append(opt.register_step_pre_hook(lambda *_: b.before_step()))
         b.hooks.append(opt.register_step_post_hook(lambda *_, i=i: b.after_step(i)))
         b.hooks.append(_Undo(wrap_zero_grad(opt, b.after_zero_grad, b.check_zero_grad)))
     b.optimizers = len(optimizers)
+    b.optimizer_objs = optimizers
     b.hooks.append(_Undo(wrap_zero_grad(model, b.after_zero_grad, b.check_zero_grad)))
     model.__dict__["_odc_fsdp"] = b
     _live.add(b)
+
+
+def rejoin(
+    model: Any,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    *,
+    store: Any,
+    rank: int,
+    world_size: int,
+    chunk_bytes: int | None = None,
+    timeout: float | None = None,
+    transport: str | None = None,
+    deterministic: bool = False,
+) -> int:
+    """A restarted node's rank joins a running elastic job (``enable(..., sharding="hybrid", elastic=True)``);
+    returns the first minibatch it runs.
+
+    Each rank of the node builds the model as every rank did (the same
+    seed-independent structure), shards it with ``fully_shard`` over a mesh
+    of its own node (``init_device_mesh(device, (1, G), mesh_dim_names=
+    ("replicate", "shard"))`` in a process group of the node's G ranks: it
+    cannot join the members' default group), creates its optimizer, and
+    calls this in place of :func:`enable`, with the job's ``store`` (what the
+    members passed to :func:`enable`), its rank in the job and the job's
+    world size. It asks the members' membership round to admit its node,
+    waits for the generation that does (the members begin it after their
+    optimizer step), registers with them, and copies its local rank's replica
+    state from a member one-sidedly: the parameters' local shards and every
+    optimizer's state (created here first by one step on zero gradients,
+    then overwritten bit for bit). From then on the model is enabled as
+    :func:`enable` leaves it; run the loop from the returned minibatch, with
+    that minibatch's plan (the data position), as every member does.
+
+    Args:
+        model: the ``fully_shard``-ed root module over a ``(1, G)`` mesh.
+        optimizer: its optimizer(s), as passed to :func:`enable` on the
+            members (their state is copied in the same order).
+        store: the job's store (a client of the store the members passed as
+            ``store=`` to :func:`enable`).
+        rank: this rank in the job (node n's ranks are n·G … n·G + G − 1;
+            the local rank is its index in the node's mesh).
+        world_size: the job's ranks D.
+        chunk_bytes: as the members' :func:`enable`.
+        timeout: as the members' :func:`enable`; also how long to wait for
+            the admission.
+        transport: as the members' :func:`enable`.
+        deterministic: as the members' :func:`enable`.
+
+    Raises:
+        ConfigError: an FSDP1 model, a mesh that is not one node's, a rank
+            whose local rank is not its mesh index, optimizer state that is
+            not tensors, or state laid out unlike its source's.
+        StoreError: no round admitted the node within the timeout.
+    """
+    check_fsdp2()
+    optimizers = _optimizers(optimizer)
+    if _fsdp1.is_fsdp1(model) or not isinstance(model, FSDPModule):
+        raise ConfigError(
+            f"odc.fsdp.rejoin needs a module passed through torch.distributed.fsdp.fully_shard (FSDP2) over one "
+            f"node's (1, ranks per node) mesh; got {type(model).__name__} (FSDP1 does not rejoin yet)"
+        )
+    if is_enabled(model):
+        raise ConfigError("odc.fsdp.rejoin: this model is already enabled")
+    groups = _describe(model, "hybrid")
+    if not groups:
+        raise ConfigError("odc.fsdp.rejoin: the model has no FSDP parameter groups")
+    node = _node_layout(groups, "hybrid")
+    g_size, rank, world_size = node.shards, int(rank), int(world_size)
+    if node.world != g_size or world_size % g_size or rank % g_size != node.index or not 0 <= rank < world_size:
+        raise ConfigError(
+            f"odc.fsdp.rejoin: rank {rank} of {world_size} with a mesh of {node.world} ranks, {g_size} per shard "
+            f"group, this rank at index {node.index}: shard the model over this node's ranks only (a (1, "
+            f"{g_size}) mesh), with this rank at its local rank ({rank % g_size if g_size else '?'})"
+        )
+    layout = _Layout("hybrid", world=world_size, rank=rank, shards=g_size, index=node.index,
+                     members=tuple(range(world_size)))
+    requested, source = (transport, "the transport argument") if transport is not None else (
+        os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT")
+    chosen = _pick_transport(groups, requested, source, world_size // g_size, "hybrid")
+    process_group = cast(Any, groups[0].pg.mesh_info).shard_process_group
+    seconds, deadline_source = deadline_for(process_group, explicit=timeout)
+    materialize_optimizer_state(optimizers)
+    state = replica_state(groups, optimizers)
+    engine_store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/", store)
+    engine = Engine.rejoin(engine_store, rank, world_size, _buckets(groups, g_size), state,
+                           local_world_size=g_size, timeout=seconds, deadline_source=deadline_source,
+                           transport=chosen, sharding="hybrid", deterministic=deterministic, chunk_bytes=chunk_bytes)
+    first = int(engine.first_minibatch or 0)
+    _attach(model, optimizers, groups, engine, layout, False, first)
+    return first
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

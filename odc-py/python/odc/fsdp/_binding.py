@@ -17,7 +17,7 @@ from typing import Any
 from ..engine import Engine
 from ..errors import ConfigError, PeerError, ProtocolError
 from ._grads import GradContract
-from ._private import _Group, _Layout
+from ._private import _Group, _Layout, replica_state
 from ._state import Minibatch
 
 SHARDINGS = ("full", "hybrid", "hybrid-zero")
@@ -44,6 +44,7 @@ class _Binding:
         self.reshard = reshard  # reshards every FSDP module of the model (FSDP2's or FSDP1's way)
         self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
         self.optimizers = 0  # optimizers hooked by enable
+        self.optimizer_objs: list[Any] = []  # those optimizers (elastic rejoin serves their state)
         self.stepped: set[int] = set()  # those that stepped since the minibatch finished
         self.stepped_in = -1  # the minibatch they stepped after (a start by another path resets the set)
         self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
@@ -146,6 +147,16 @@ class _Binding:
         if len(self.stepped) == self.optimizers:
             self.stepped.clear()
             self.state.advance()
+            self.admit()
+
+    def admit(self) -> None:
+        """Elastic: where the last minibatch's round admitted a restarted node, begins the engine generation
+        that counts it (every member rank, after the step) and serves this rank's replica state to its joiner
+        (:meth:`odc.Engine.admit`); nothing otherwise."""
+        s = self.state
+        if s.engine.admitted is None:
+            return
+        s.engine = s.engine.admit(replica_state(s.groups, self.optimizer_objs))
 
     def check_zero_grad(self) -> None:
         s = self.state

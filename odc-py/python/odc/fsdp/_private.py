@@ -561,7 +561,44 @@ def _hosts(members: tuple[int, ...]) -> dict[int, str]:
     return {r: store.get(str(r)).decode() for r in members}
 
 
-def prefix_store(prefix: str) -> Any:
-    """The default group's store (a ``dist.Store``) under ``prefix`` (torch's stubs export neither)."""
+def prefix_store(prefix: str, store: Any = None) -> Any:
+    """``store`` (default: the default group's, a ``dist.Store``) under ``prefix`` (torch's stubs export neither)."""
     make: Any = dist.PrefixStore  # type: ignore[attr-defined]
-    return make(prefix, dist.distributed_c10d._get_default_store())
+    return make(prefix, dist.distributed_c10d._get_default_store() if store is None else store)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself (no autograd wrapper: writes reach the parameter), else ``t``."""
+    with torch.no_grad():
+        return t.to_local() if hasattr(t, "to_local") else t
+
+
+def replica_state(groups: list[_Group], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+    """This rank's part of its node's replica, in an order every rank of every node agrees on: each group's
+    parameters' local shards, then each optimizer's state of each of its parameters (keys sorted). Elastic
+    rejoin copies it, byte for byte, from a member to the joiner of the same local rank."""
+    out = [_local(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params]
+    for i, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for key, value in sorted(opt.state.get(p, {}).items()):
+                    if not isinstance(value, torch.Tensor):
+                        raise ConfigError(
+                            f"odc.fsdp: optimizer {i} keeps state {key!r} = {value!r} (a {type(value).__name__}) "
+                            "for a parameter: elastic rejoin copies tensors only"
+                        )
+                    out.append(_local(value))
+    return out
+
+
+def materialize_optimizer_state(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Makes each optimizer create its per-parameter state (torch's optimizers do at their first step) with one
+    step on zero gradients: a joining rank's state then has the layout its source's has, and the copy
+    overwrites every value that step changed (parameters, moments, step counts)."""
+    for opt in optimizers:
+        params = [p for group in opt.param_groups for p in group["params"] if p.requires_grad]
+        with torch.no_grad():
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
