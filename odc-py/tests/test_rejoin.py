@@ -45,23 +45,40 @@ def _step(state: list[torch.Tensor], g: torch.Tensor) -> None:
     step.add_(1)
 
 
-def _train(eng, rank, store, state, start, victim, at, log):
+def _die(store):
+    store.set("killed_at", repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _train(eng, rank, store, state, start, victim, at, log, where="start", delay=0.0):
+    """Minibatches ``start``.. of publish, gather, pushes, finish, step and admit; ``victim`` SIGKILLed in
+    minibatch ``at``: before its publish (``where="start"``), after its pushes (``"pushed"``), or ``delay`` s into
+    its finish_minibatch (``"finish"``: in the cross-node sum, the round, or after it returned)."""
+    import threading
+
     pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
     sl = eng.bucket("w")["shard_len"]
     for k in range(start, STEPS):
-        if rank == victim and k == at:
-            store.set("killed_at", repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.02)  # the minibatch's compute: a restarted node has minibatches left to join
+        doomed = rank == victim and k == at
+        if doomed and where == "start":
+            _die(store)
         eng.publish("w", state[0].clone(), version=k)
         out = torch.empty(NUMEL)
         eng.gather("w", k, out)
         for _ in range(_count(rank, k)):
             eng.scatter_accumulate("w", pattern * _value(rank, k), scale=1.0)
+        if doomed and where == "pushed":
+            _die(store)
+        if doomed and where == "finish":
+            threading.Timer(delay, _die, (store,)).start()
         try:
             eng.finish_minibatch(k)
         except (odc.NodeDropped, odc.PeerDied) as e:
             log["raised"] = (type(e).__name__, str(e), k)
             return log
+        if doomed:
+            time.sleep(30)  # the timer's kill lands here at the latest
         g = eng.grad_shard("w").clone()
         assert g.numel() == sl
         log["sums"][k] = (g.tolist(), eng.members)
@@ -90,7 +107,7 @@ def _kill_during_copy(store, me):
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None):
+def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None, where="start", delay=0.0):
     """Ranks 0-5 train; processes 6 and 7 are the dead node's ranks restarted once the victim is dead. With
     ``joiner_killed`` the restarted rank of that number is SIGKILLed in the middle of its state copy."""
     kw = {"timeout": 30, "job_key": f"pytest-{os.getppid()}", "transport": transport, "sharding": "hybrid"}
@@ -101,7 +118,7 @@ def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None):
         assert eng.bucket("w")["shard_len"] == _shard_len()
         state = _state(_shard_len())
         state[0].copy_(torch.arange(state[0].numel(), dtype=torch.float32) / 7 + rank % LOCAL)
-        return _train(eng, rank, store, state, 0, victim, at, log)
+        return _train(eng, rank, store, state, 0, victim, at, log, where, delay)
     me = (victim // LOCAL) * LOCAL + rank - WORLD
     store.wait(["killed_at"])
     if me == joiner_killed:
@@ -124,14 +141,15 @@ def _expected(k: int, nodes: list[int], me: int, sl: int) -> list[float]:
     return want.tolist()
 
 
-@pytest.mark.parametrize("transport", ["shm", "mixed"])
-def test_a_restarted_node_rejoins_with_a_replicas_state_and_every_sum_counts_it_again(transport):
-    victim, at = 3, 1
+def _check_rejoin(res, victim, at):
+    """Asserts a run of ``_rejoin_run`` (the victim killed in minibatch ``at``, its node restarted); returns the
+    minibatches that dropped the node and readmitted it."""
     dead = victim // LOCAL
-    res = run_ranks(_rejoin_run, WORLD + LOCAL, timeout=180, victim=victim, at=at, transport=transport)
     assert res[victim] == ("hung", -signal.SIGKILL), res[victim]
-    status, out = res[victim ^ 1]  # its node-mate raises in its gather, its finish_minibatch or the round
-    assert (out["raised"][0] if status == "ok" else out[0]) in ("NodeDropped", "PeerDied"), res[victim ^ 1]
+    for mate in range(dead * LOCAL, (dead + 1) * LOCAL):  # a node-mate raises in a gather, a finish or the round
+        status, out = res[mate]
+        if mate != victim:
+            assert (out["raised"][0] if status == "ok" else out[0]) in ("NodeDropped", "PeerDied"), res[mate]
     live = [r for r in range(WORLD) if r // LOCAL != dead]
     joiners = {WORLD + i: dead * LOCAL + i for i in range(LOCAL)}
     for r in [*live, *joiners]:
@@ -139,14 +157,16 @@ def test_a_restarted_node_rejoins_with_a_replicas_state_and_every_sum_counts_it_
     first = {res[j][1]["copied"][0] for j in joiners}
     assert len(first) == 1, first
     back = first.pop()
-    assert at < back < STEPS, back
+    drop = res[live[0]][1]["events"][0]["minibatch"]
+    assert at <= drop <= at + 1 and drop < back < STEPS, (at, drop, back)  # a death after the commit: at + 1
     for r in live:
         kinds = [(e["kind"], e["minibatch"], e["node"]) for e in res[r][1]["events"]]
-        assert kinds == [("drop", at, dead), ("join", back, dead)], (r, kinds)
-    # Every member's every sum: exact over the nodes that were members of its minibatch.
+        assert kinds == [("drop", drop, dead), ("join", back, dead)], (r, kinds)
+    # Every member's every sum: exact over the nodes that were members of its minibatch (nothing lost,
+    # nothing counted twice), and the replicas' bitwise equal.
     for r, rank in [*((r, r) for r in live), *joiners.items()]:
         for k, (got, members) in res[r][1]["sums"].items():
-            nodes = [0, 1, 2] if (k < at or k >= back) else [n for n in range(3) if n != dead]
+            nodes = [0, 1, 2] if (k < drop or k >= back) else [n for n in range(3) if n != dead]
             assert members == nodes, (r, k, members)
             assert got == _expected(k, nodes, rank % LOCAL, len(got)), (r, k)
         assert sorted(res[r][1]["sums"]) == list(range(0 if r in live else back, STEPS)), r
@@ -160,11 +180,45 @@ def test_a_restarted_node_rejoins_with_a_replicas_state_and_every_sum_counts_it_
             for r in live:
                 if r % LOCAL == rank % LOCAL:
                     assert res[j][1]["state"][k] == res[r][1]["state"][k], (j, r, k)
+    return drop, back
+
+
+@pytest.mark.parametrize("transport", ["shm", "mixed"])
+def test_a_restarted_node_rejoins_with_a_replicas_state_and_every_sum_counts_it_again(transport):
+    victim, at = 3, 1
+    res = run_ranks(_rejoin_run, WORLD + LOCAL, timeout=180, victim=victim, at=at, transport=transport)
+    _, back = _check_rejoin(res, victim, at)
+    live = [r for r in range(WORLD) if r // LOCAL != victim // LOCAL]
+    joiners = {WORLD + i: victim // LOCAL * LOCAL + i for i in range(LOCAL)}
     # The live ranks lose one boundary: the admit that built the next generation and served the copy.
     for r in live:
         b = res[r][1]["boundary_s"]
         print(f"rank {r}: admit at the boundary before minibatch {back}: {b[back - 1]:.3f} s; other boundaries "
               f"at most {max(v for k, v in b.items() if k != back - 1):.4f} s")
+
+
+def test_random_kills_and_rejoins():
+    """``ODC_REJOIN_KILLS`` runs (default 1; ``ODC_REJOIN_SEED`` picks them): a random rank killed at a random
+    point of a random minibatch (as test_elastic's random kills), its node restarted at once; every sum exact
+    over its minibatch's members, the rejoined replica bitwise its source's, no hang."""
+    import random
+
+    runs = int(os.environ.get("ODC_REJOIN_KILLS", "1"))
+    rng = random.Random(int(os.environ.get("ODC_REJOIN_SEED", "0")))
+    for i in range(runs):
+        victim, at = rng.randrange(WORLD), rng.randrange(STEPS - 3)
+        where, delay = rng.choice(["start", "pushed", "finish"]), rng.uniform(0.0, rng.choice([0.003, 0.05]))
+        case = {"victim": victim, "at": at, "where": where, "delay": round(delay, 4),
+                "transport": rng.choice(["shm", "mixed"])}
+        res = run_ranks(_rejoin_run, WORLD + LOCAL, timeout=180, **case)
+        try:
+            drop, back = _check_rejoin(res, victim, at)
+        except AssertionError as e:
+            raise AssertionError(f"run {i}: {case}: {e}") from e
+        joiner = res[WORLD][1]
+        live = next(r for r in range(WORLD) if r // LOCAL != victim // LOCAL)
+        print(f"run {i}: {case}: dropped at {drop}, back at {back}; the joiner waited {joiner['rejoin_s']:.3f} s; "
+              f"members' admit {res[live][1]['boundary_s'][back - 1]:.3f} s")
 
 
 def test_a_joiner_killed_during_its_copy_is_dropped_again_and_the_members_go_on():
@@ -222,7 +276,7 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60)
     tokens = lambda s, nodes: 27 * sum(PLAN[s][r] for r in range(WORLD) if r // LOCAL in nodes)  # noqa: E731
-    out = {"first": first, "shards": {}, "members": {}}
+    out = {"first": first, "shards": {}, "members": {}, "norms": {}}
     try:
         for s in range(first, len(PLAN)):
             members = odc.fsdp.members(model)
@@ -237,7 +291,7 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport):
             if dropped := odc.fsdp.dropped(model):
                 for p in model.parameters():
                     p.grad.mul_(norm / tokens(s, dropped[-1]["members"]))
-            odc.fsdp.clip_grad_norm_(model.parameters(), 0.5)
+            out["norms"][s] = float(odc.fsdp.clip_grad_norm_(model.parameters(), 0.5))
             opt.step()
             opt.zero_grad()
             out["shards"][s] = H.local_shards(model)
@@ -283,9 +337,11 @@ def test_fsdp2_a_restarted_node_rejoins_and_the_job_equals_one_process_that_skip
         assert res[r][1]["events"][-2:] == [("drop", at, dead), ("join", back, dead)][-len(res[r][1]["events"]):], (
             r, res[r][1]["events"])
         assert res[r][1]["members"][len(PLAN) - 1] == [0, 1, 2], r
-    # Every replica of a local rank holds bitwise the same shards after every step the rejoined node ran.
+    # Every replica of a local rank holds bitwise the same shards after every step the rejoined node ran, and
+    # every rank clipped by the same norm at each of them (the joiner's first step included).
     for j, rank in joiners.items():
         for s in range(back, len(PLAN)):
+            assert {res[r][1]["norms"][s] for r in [*live, *joiners]} == {res[j][1]["norms"][s]}, (j, s)
             for r in live:
                 if r % LOCAL == rank % LOCAL:
                     assert res[j][1]["shards"][s] == res[r][1]["shards"][s], (j, r, s)
