@@ -46,7 +46,11 @@ others on an internal gloo backend on the group's store (under its own
 +------------------------------------------+---------------------------------------------+
 | ``allreduce``, ``allreduce_coalesced``   | ODC reduce-scatter, then gather, for SUM /  |
 |                                          | AVG / PREMUL_SUM on f32 / bf16 / f16;       |
-|                                          | other ops and dtypes: gloo                  |
+|                                          | other ops and dtypes: gloo. With            |
+|                                          | ``ODC_BACKEND_ELASTIC=1``: sum-like ops on  |
+|                                          | float and integer tensors on an elastic     |
+|                                          | hybrid engine, over the surviving nodes     |
+|                                          | after a death (docs/elastic.md)             |
 +------------------------------------------+---------------------------------------------+
 | ``broadcast``, ``barrier``, ``reduce``,  | gloo (CUDA tensors: on host copies)         |
 | ``gather``, ``scatter``,                 |                                             |

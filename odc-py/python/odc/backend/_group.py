@@ -21,6 +21,8 @@ from .._c10d import backend_base, gloo_method, init_backend, premul_factor
 from ..deadline import deadline_for
 from ..engine import Engine
 from ..errors import ConfigError, LayoutError, OdcError, ProtocolError
+from ._elastic import FLOAT_DTYPES, INT_DTYPES, ElasticAllReduce
+from ._elastic import enabled as elastic_enabled
 from ._engines import (
     DEFAULT_SCRATCH_MB,
     SCRATCH_ENV,
@@ -183,6 +185,11 @@ class ProcessGroupODC(_Base):
         self._set.check_transport()
         self._engines_made = 0  # names each engine made through this group's store afresh
         self._gloo: Any = dist.ProcessGroupGloo(prefix_store("odc-gloo/", store), rank, world_size, self._timeout)
+        self._elastic = (
+            ElasticAllReduce(prefix_store("odc-elastic/", store), rank, world_size, global_ranks, self._seconds,
+                             self.deadline_source)
+            if elastic_enabled() else None
+        )
 
     # -- identity (the names torch's backend trampoline looks for) -----------------------
     def rank(self) -> int:
@@ -440,6 +447,8 @@ class ProcessGroupODC(_Base):
         Max, min, integer dtypes and the rest go to gloo.
         """
         opts = opts or dist.AllreduceOptions()
+        if self._elastic_ok(tensors, opts.reduceOp):
+            return self._elastic_allreduce("allreduce", tensors, opts.reduceOp)
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce", tensors, opts)
         device = _op_device("allreduce", tensors)
@@ -450,12 +459,44 @@ class ProcessGroupODC(_Base):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """All-reduce of several tensors, each as :meth:`allreduce`."""
         opts = opts or dist.AllreduceCoalescedOptions()
+        if self._elastic_ok(tensors, opts.reduceOp):
+            return self._elastic_allreduce("allreduce_coalesced", tensors, opts.reduceOp)
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce_coalesced", tensors, opts)
         device = _op_device("allreduce_coalesced", tensors)
         for t in tensors:
             self._odc_allreduce(t, _scale(opts.reduceOp, self._size, "allreduce_coalesced", t.dtype))
         return completed_work(list(tensors), device)
+
+    def _elastic_ok(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
+        """Whether an all-reduce runs elastically (``ODC_BACKEND_ELASTIC=1``: sum-like, float or integer)."""
+        red = getattr(op, "op", op)
+        return (self._elastic is not None and red in _SUM_LIKE and len(tensors) > 0
+                and all(t.dtype in FLOAT_DTYPES + INT_DTYPES for t in tensors))
+
+    def _elastic_allreduce(self, what: str, tensors: list[torch.Tensor], op: Any) -> dist.Work:
+        """An all-reduce over the member nodes (see :mod:`._elastic`)."""
+        assert self._elastic is not None
+        device = _op_device(what, tensors)
+        red = getattr(op, "op", op)
+        self.op_counts[f"odc-elastic:{what}"] += 1
+        for t in tensors:
+            if red == _ReduceOp.PREMUL_SUM and t.dtype in INT_DTYPES:
+                raise UnsupportedCollective(f"{what}: PREMUL_SUM on {t.dtype}")
+            scale = 1.0 if red != _ReduceOp.PREMUL_SUM else _scale(op, self._size, what, t.dtype)
+            self._elastic.all_reduce(t, scale, average=red == _ReduceOp.AVG)
+        return completed_work(list(tensors), device)
+
+    @property
+    def elastic_members(self) -> list[int] | None:
+        """``ODC_BACKEND_ELASTIC=1``: the nodes the group's all-reduces sum over (None before the first, or
+        without it)."""
+        return None if self._elastic is None else self._elastic.members
+
+    def elastic_events(self) -> list[dict[str, Any]]:
+        """``ODC_BACKEND_ELASTIC=1``: the node drops the group's all-reduces saw (as
+        :meth:`odc.Engine.elastic_events`)."""
+        return [] if self._elastic is None else self._elastic.events()
 
     # -- delegated to gloo ---------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -533,6 +574,7 @@ class ProcessGroupODC(_Base):
         """Lets go of this group's engines (freed with the last group of the same ranks) and its gloo backend."""
         self._set = None
         self._gloo = None
+        self._elastic = None
 
     def abort(self) -> None:
         """What torch calls on a failed job: the same as :meth:`shutdown`."""
