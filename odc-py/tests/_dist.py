@@ -187,3 +187,15 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, fresh:
         results.setdefault(r, ("hung" if p.exitcode is None or p.exitcode < 0 else "exited", p.exitcode))
     del master
     return results
+
+
+def pattern_shard(weight: float, index: int, shard_len: int, numel: int) -> list[float]:
+    """Shard ``index`` (``shard_len`` elements, zero-padded) of ``weight`` times the pattern ``arange(numel) % 13``:
+    the gradient shard the engine tests' pushes of that pattern sum to."""
+    import torch
+
+    pattern = torch.arange(numel, dtype=torch.float32) % 13
+    lo, hi = index * shard_len, min((index + 1) * shard_len, numel)
+    want = torch.zeros(shard_len)
+    want[: hi - lo] = pattern[lo:hi] * weight
+    return want.tolist()

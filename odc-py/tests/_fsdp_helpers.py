@@ -796,3 +796,32 @@ def steal_worker(rank, world, store, counts, slow_rank, slow_s, transport, steal
         out["max_diff"] = max((torch.tensor(params[k]) - v.detach()).abs().max().item()
                               for k, v in ref.state_dict().items())
     return out
+
+
+def hybrid_reference(plan, world, per_node, dead, out):
+    """One process (AdamW, torch's clip at 0.5) on every rank's samples of ``plan`` (``plan[s][r]``
+    microbatches of ``data(s, m, r)``), node ``dead``'s left out at the steps in ``out``, each step normalized
+    by the kept tokens: what elastic hybrid training must equal."""
+    torch.manual_seed(0)
+    ref = Tiny()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    for s, counts in enumerate(plan):
+        ranks = [r for r in range(world) if s not in out or r // per_node != dead]
+        norm = 27 * sum(counts[r] for r in ranks)
+        for r in ranks:
+            for m in range(counts[r]):
+                (sample_loss(ref, data(s, m, r)) / norm).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return ref.state_dict()
+
+
+def assert_shards_near(shards, ref, index, per_node, tol=1e-5):
+    """A rank's shards (``local_shards``) are dim-0 chunk ``index`` of ``per_node`` of the reference's, within
+    ``tol``."""
+    for name, shard in shards.items():
+        want = torch.chunk(ref[name].detach(), per_node, dim=0)[index]
+        got = torch.tensor(shard)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        assert (got - want).abs().max().item() < tol, (index, name, (got - want).abs().max().item())

@@ -10,9 +10,10 @@ import signal
 import threading
 import time
 
+import _fsdp_helpers as H
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import pattern_shard, run_ranks
 
 import odc
 
@@ -72,12 +73,8 @@ def _elastic(rank, world, store, victim, at, where, delay, transport, whole_node
 
 
 def _expected(k: int, nodes: list[int], me: int, sl: int) -> list[float]:
-    pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
     weight = sum(_value(r, k) * _count(r, k) for r in range(WORLD) if r // LOCAL in nodes)
-    lo, hi = me * sl, min((me + 1) * sl, NUMEL)
-    want = torch.zeros(sl)
-    want[: hi - lo] = pattern[lo:hi] * weight
-    return want.tolist()
+    return pattern_shard(weight, me, sl, NUMEL)
 
 
 def _check_run(res, victim, at, store_kill_at=None):
@@ -194,7 +191,6 @@ def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False, rerun_
     """FSDP2 HSDP under odc.fsdp with elastic=True and AdamW; `victim` is SIGKILLed after its first backward of
     step `at`. The loop normalizes by the plan's token count over the member nodes, and at the step that dropped
     a node rescales the gradients to the survivors' count (finish first, then look at the events)."""
-    import _fsdp_helpers as H
 
     H.as_nodes(LOCAL, transport)
     H.init_pg(rank, world, store)
@@ -220,7 +216,6 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=Fals
     (``odc.fsdp.dropped``, ``odc.fsdp.rerun_share``), and at the later steps the dead node's microbatches are
     spread over the members up front (the plan over the members). `rerun_victim` is SIGKILLed after its first
     backward of a rerun minibatch."""
-    import _fsdp_helpers as H
 
     members = [0, 1, 2]
     tokens = lambda s, nodes: 27 * sum(TABLE[s][r] for r in range(world) if r // LOCAL in nodes)  # noqa: E731
@@ -263,21 +258,8 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=Fals
 
 def _reference(dead: int, at: int):
     """One process on every sample but the dead node's from step `at` on, normalized by the kept tokens."""
-    import _fsdp_helpers as H
 
-    torch.manual_seed(0)
-    ref = H.Tiny()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    for s, plan in enumerate(TABLE):
-        ranks = [r for r in range(WORLD) if s < at or r // LOCAL != dead]
-        norm = 27 * sum(plan[r] for r in ranks)
-        for r in ranks:
-            for m in range(plan[r]):
-                (H.sample_loss(ref, H.data(s, m, r)) / norm).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-    return ref.state_dict()
+    return H.hybrid_reference(TABLE, WORLD, LOCAL, dead, range(at, len(TABLE)))
 
 
 @pytest.mark.parametrize("transport", ["shm", "mixed"])
@@ -295,11 +277,7 @@ def test_fsdp2_hybrid_drops_a_dead_node_and_equals_one_process_without_its_micro
         assert res[r][1]["shards"] == res[r + 2 * LOCAL][1]["shards"], r
     ref = _reference(dead, at)
     for r in survivors[:LOCAL]:
-        for name, shard in res[r][1]["shards"].items():
-            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
-            got = torch.tensor(shard)
-            assert got.shape == want.shape, (name, got.shape, want.shape)
-            assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())
+        H.assert_shards_near(res[r][1]["shards"], ref, r % LOCAL, LOCAL)
     assert res[victim] == ("hung", -signal.SIGKILL), res[victim]
     mate = res[victim ^ 1]
     name = mate[1].get("raised") if mate[0] == "ok" else mate[1][0]
@@ -321,10 +299,7 @@ def test_fsdp2_hybrid_reruns_a_dead_nodes_microbatches_and_equals_one_process_on
         assert res[r][1]["shards"] == res[r + 2 * LOCAL][1]["shards"], r
     ref = _reference(dead, len(TABLE))  # every sample of every step
     for r in survivors[:LOCAL]:
-        for name, shard in res[r][1]["shards"].items():
-            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
-            got = torch.tensor(shard)
-            assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())
+        H.assert_shards_near(res[r][1]["shards"], ref, r % LOCAL, LOCAL)
 
 
 def test_a_death_during_a_rerun_is_rerun_too():
@@ -340,15 +315,11 @@ def test_a_death_during_a_rerun_is_rerun_too():
         assert [(e["node"], e["members"]) for e in res[r][1]["events"]] == [(1, [0, 2]), (2, [0])], (r, res[r][1])
     ref = _reference(1, len(TABLE))  # every sample of every step
     for r in (0, 1):
-        for name, shard in res[r][1]["shards"].items():
-            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r]
-            got = torch.tensor(shard)
-            assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())
+        H.assert_shards_near(res[r][1]["shards"], ref, r, LOCAL)
     assert res[victim] == ("hung", -signal.SIGKILL) and res[second] == ("hung", -signal.SIGKILL), res
 
 
 def _enable_refused(rank, world, store):
-    import _fsdp_helpers as H
 
     H.init_pg(rank, world, store)
     out = {}
@@ -372,7 +343,6 @@ def test_fsdp_enable_refuses_elastic_outside_hybrid():
 def _fsdp1_elastic(rank, world, store, victim, at):
     """The FSDP2 run's loop on FSDP1's HYBRID_SHARD (a (3, 2) mesh, flat parameters)."""
     import _fsdp1 as F1
-    import _fsdp_helpers as H
 
     H.as_nodes(LOCAL, "shm")
     H.init_pg(rank, world, store)

@@ -10,9 +10,10 @@ import os
 import signal
 import time
 
+import _fsdp_helpers as H
 import pytest
 import torch
-from _dist import run_ranks
+from _dist import pattern_shard, run_ranks
 
 import odc
 
@@ -133,12 +134,8 @@ def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None, w
 
 
 def _expected(k: int, nodes: list[int], me: int, sl: int) -> list[float]:
-    pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
     weight = sum(_value(r, k) * _count(r, k) for r in range(WORLD) if r // LOCAL in nodes)
-    lo, hi = me * sl, min((me + 1) * sl, NUMEL)
-    want = torch.zeros(sl)
-    want[: hi - lo] = pattern[lo:hi] * weight
-    return want.tolist()
+    return pattern_shard(weight, me, sl, NUMEL)
 
 
 def _check_rejoin(res, victim, at):
@@ -256,7 +253,6 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport):
     backward of step `at`; processes 6 and 7 rebuild its node (a process group of their own, a (1, 2) mesh) and
     rejoin. Each rank runs its plan's microbatches, the loss normalized by the member nodes' tokens (rescaled to
     the survivors' at a step that dropped a node). Returns the shards after every step."""
-    import _fsdp_helpers as H
     import torch.distributed as dist
 
     H.as_nodes(LOCAL, transport)
@@ -302,26 +298,6 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport):
     return out
 
 
-def _fsdp_reference(dead: int, at: int, back: int):
-    """One process on every sample but the dead node's from step `at` until `back`, normalized by the kept
-    tokens."""
-    import _fsdp_helpers as H
-
-    torch.manual_seed(0)
-    ref = H.Tiny()
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
-    for s, plan in enumerate(PLAN):
-        ranks = [r for r in range(WORLD) if not at <= s < back or r // LOCAL != dead]
-        norm = 27 * sum(plan[r] for r in ranks)
-        for r in ranks:
-            for m in range(plan[r]):
-                (H.sample_loss(ref, H.data(s, m, r)) / norm).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-    return ref.state_dict()
-
-
 @pytest.mark.torch_versions  # the torch the trainer pins too (verl: 2.11)
 def test_fsdp2_a_restarted_node_rejoins_and_the_job_equals_one_process_that_skipped_only_its_absence():
     victim, at = 3, 1
@@ -346,9 +322,7 @@ def test_fsdp2_a_restarted_node_rejoins_and_the_job_equals_one_process_that_skip
             for r in live:
                 if r % LOCAL == rank % LOCAL:
                     assert res[j][1]["shards"][s] == res[r][1]["shards"][s], (j, r, s)
-    ref = _fsdp_reference(dead, at, back)
+    # One process on every sample but the dead node's between its death and its return.
+    ref = H.hybrid_reference(PLAN, WORLD, LOCAL, dead, range(at, back))
     for r in live[:LOCAL]:
-        for name, shard in res[r][1]["shards"][len(PLAN) - 1].items():
-            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
-            got = torch.tensor(shard)
-            assert (got - want).abs().max().item() < 1e-5, (r, name, (got - want).abs().max().item())
+        H.assert_shards_near(res[r][1]["shards"][len(PLAN) - 1], ref, r % LOCAL, LOCAL)
