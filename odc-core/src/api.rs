@@ -208,6 +208,16 @@ impl Engine {
         Some((from, crate::elastic::nodes_of(nodes)))
     }
 
+    /// Elastic hybrid sharding: forgets the admission [`Engine::admitted`]
+    /// reports, after the generation that would have counted the nodes was
+    /// abandoned ([`crate::elastic::Generation::decide`]); this engine's
+    /// generation goes on.
+    pub fn clear_admitted(&self) {
+        if let Some(m) = &self.core.elastic {
+            m.clear_admitted();
+        }
+    }
+
     #[cfg(test)]
     pub(crate) fn core(&self) -> &Core {
         &self.core

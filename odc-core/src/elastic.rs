@@ -83,6 +83,15 @@ impl Membership {
         *a = Some((from, a.map_or(0, |(_, n)| n) | nodes));
     }
 
+    /// Forgets an admission whose generation was abandoned
+    /// ([`Generation::decide`]): this generation goes on without them.
+    pub(crate) fn clear_admitted(&self) {
+        *self
+            .admitted
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+
     /// The nodes admitted so far and the minibatch they join at.
     pub(crate) fn admitted(&self) -> Option<(u64, Nodes)> {
         *self
@@ -392,6 +401,30 @@ impl Generation {
         })
     }
 
+    /// Whether the generation under `prefix` goes ahead: each of its ranks
+    /// proposes `go` (it registered) or not (its registration failed, a
+    /// rank having died or stalled), by a compare-and-set from absent on
+    /// `{prefix}/admission`; the first proposal stands for every rank. An
+    /// abandoned generation's members go on in the one before it (which
+    /// [`Generation::restore`] makes current again) and its joiners give
+    /// up.
+    pub fn decide(store: &dyn Store, prefix: &str, go: bool) -> Result<bool> {
+        let want: &[u8] = if go { b"go" } else { b"abort" };
+        let after = store.compare_set(&format!("{prefix}/admission"), None, want)?;
+        Ok(after == b"go")
+    }
+
+    /// Whether the generation under `prefix` was abandoned.
+    pub fn abandoned(store: &dyn Store, prefix: &str) -> Result<bool> {
+        Ok(store.get(&format!("{prefix}/admission"))?.as_deref() == Some(b"abort"))
+    }
+
+    /// Makes the generation under `prefix` the current one of the job
+    /// under `base` again (after the one that followed it was abandoned).
+    pub fn restore(store: &dyn Store, base: &str, prefix: &str) -> Result<()> {
+        store.set(&Generation::current_key(base), prefix.as_bytes())
+    }
+
     /// Makes the generation admitted at `start` of the job under `base`
     /// the current one (every member rank of the one before writes the
     /// same values: its description, then the pointer to it).
@@ -484,8 +517,18 @@ pub fn await_admission(
             };
             match r {
                 Round::Committed { joining } if joining & me != 0 => {
-                    // Admitted from k + 1: wait for that generation.
-                    while Generation::current(store, base, nodes)?.prefix == generation.prefix {
+                    // Admitted from k + 1: wait for that generation, unless
+                    // it was abandoned (its members went on without it: an
+                    // earlier incarnation's admission, or this one's that
+                    // failed; ask again).
+                    let next = Generation::prefix_at(base, generation.start.unwrap_or(0) + k + 1);
+                    if Generation::abandoned(store, &next)? {
+                        (k, e) = (k + 1, 0);
+                        continue;
+                    }
+                    while Generation::current(store, base, nodes)?.prefix == generation.prefix
+                        && !Generation::abandoned(store, &next)?
+                    {
                         sleep("its members did not begin the generation that admits it")?;
                     }
                     break;
@@ -670,6 +713,49 @@ mod tests {
     fn a_restarted_node_still_counted_a_member_is_admitted_after_the_void_that_drops_it() {
         let (g, _) = admit_while_running(true);
         assert_eq!((g.members, g.joining), (0b111, node(2)));
+    }
+
+    #[test]
+    fn an_admission_whose_generation_was_abandoned_is_skipped_and_the_joiner_asks_the_next_round() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileStore::new(dir.path()).unwrap());
+        store.set("job/job_id", b"j0").unwrap();
+        store.set("job/reg/2", b"{}").unwrap();
+        let rounds = Rounds::new(&*store, "job/elastic/j0", 0);
+        // Minibatch 3 admitted node 2 from 4, but generation job/gen/4 was abandoned.
+        rounds.join(3, 0, 2).unwrap();
+        rounds.read_in(3, 0, 0b011, 1).unwrap();
+        rounds.read_in(3, 0, 0b011, 1).unwrap();
+        assert!(Generation::begin(&*store, "job", 4, 0b111, 0b100).is_ok());
+        assert!(!Generation::decide(&*store, "job/gen/4", false).unwrap());
+        assert!(
+            !Generation::decide(&*store, "job/gen/4", true).unwrap(),
+            "the first decision stands"
+        );
+        Generation::restore(&*store, "job", "job").unwrap();
+        let joiner = {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                await_admission(&*store, "job", 3, 2, 2, deadline).unwrap()
+            })
+        };
+        // It asks minibatch 4's round, which admits it from 5.
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while rounds.get(4, 0).unwrap() == FRESH {
+            assert!(
+                Instant::now() < give_up,
+                "the joiner did not ask minibatch 4's round"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        rounds.read_in(4, 0, 0b011, 1).unwrap();
+        assert_eq!(
+            rounds.read_in(4, 0, 0b011, 1).unwrap(),
+            Round::Committed { joining: node(2) }
+        );
+        Generation::begin(&*store, "job", 5, 0b111, 0b100).unwrap();
+        assert_eq!(joiner.join().unwrap().prefix, "job/gen/5");
     }
 
     #[test]

@@ -282,7 +282,7 @@ macro_rules! py_dict {
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None, elastic=false, members=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None, elastic=false, members=None, register_timeout=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -303,6 +303,7 @@ impl PyEngine {
         node_cache_mb: Option<f64>,
         elastic: bool,
         members: Option<Vec<usize>>,
+        register_timeout: Option<f64>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -345,6 +346,16 @@ impl PyEngine {
         cfg.heap_reserve = heap_reserve.unwrap_or(0);
         cfg.deterministic = deterministic;
         cfg.elastic = elastic;
+        if let Some(t) = register_timeout {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(odc_error(
+                    py,
+                    "ConfigError",
+                    format!("register_timeout must be positive seconds, got {t}"),
+                ));
+            }
+            cfg.register_timeout = Some(Duration::from_secs_f64(t));
+        }
         if let Some(ms) = members {
             let mut set = 0u64;
             for n in ms {
@@ -424,6 +435,12 @@ impl PyEngine {
     /// admitted from that minibatch on (`None` until one does).
     fn admitted(&self) -> Option<(u64, Vec<usize>)> {
         self.engine.admitted()
+    }
+
+    /// Elastic hybrid sharding: forgets the admission `admitted` reports
+    /// (its generation was abandoned).
+    fn clear_admitted(&self) {
+        self.engine.clear_admitted();
     }
 
     /// Elastic rejoin: serves this rank's replica state (`nbytes` at `ptr`)
@@ -1054,8 +1071,33 @@ fn begin_generation(
     generation_dict(py, g)
 }
 
+/// Elastic rejoin: proposes that the generation under `prefix` goes
+/// ahead (`go`) or is abandoned; returns the decision that stands.
+#[pyfunction]
+fn decide_generation(py: Python<'_>, store: Py<PyAny>, prefix: String, go: bool) -> PyResult<bool> {
+    let store = PyStore { obj: store };
+    py.detach(|| Generation::decide(&store, &prefix, go))
+        .map_err(|e| core_error(py, e))
+}
+
+/// Elastic rejoin: makes the generation under `prefix` the current one of
+/// the job under `base` again.
+#[pyfunction]
+fn restore_generation(
+    py: Python<'_>,
+    store: Py<PyAny>,
+    base: String,
+    prefix: String,
+) -> PyResult<()> {
+    let store = PyStore { obj: store };
+    py.detach(|| Generation::restore(&store, &base, &prefix))
+        .map_err(|e| core_error(py, e))
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(await_admission, m)?)?;
+    m.add_function(wrap_pyfunction!(decide_generation, m)?)?;
+    m.add_function(wrap_pyfunction!(restore_generation, m)?)?;
     m.add_function(wrap_pyfunction!(begin_generation, m)?)?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyEmuStream>()?;

@@ -87,30 +87,34 @@ def _train(eng, rank, store, state, start, victim, at, log, where="start", delay
         _step(state, g)
         log["state"][k] = [t.tolist() for t in state]  # exact: f32 values are Python floats
         t0 = time.perf_counter()
-        eng = eng.admit(state)
+        eng = eng.admit(state, register_timeout=3)
         log["boundary_s"][k] = time.perf_counter() - t0
     log["events"] = eng.elastic_events()
     return log
 
 
-def _kill_during_copy(store, me):
-    """SIGKILLs this process once it read the first chunk of its source's state (of more than one)."""
+def _kill_joiner(store, me, when):
+    """SIGKILLs this process as soon as the members begin the generation that admits it (``when="admitted"``:
+    before it registers there), or once it read the first chunk of its source's state (``"copy"``: of more
+    than one)."""
     import threading
 
     def watch():
         while (gen := store.get("odc/elastic/current") if store.check(["odc/elastic/current"]) else None) is None:
-            time.sleep(0.001)
+            time.sleep(0.0005)
         key = f"{gen.decode()}/state/{me}/read"
-        while not store.check([key]):
+        while when == "copy" and not store.check([key]):
             time.sleep(0.0005)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, daemon=True).start()
 
 
-def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None, where="start", delay=0.0):
+def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None, killed_when="copy", where="start",
+                delay=0.0):
     """Ranks 0-5 train; processes 6 and 7 are the dead node's ranks restarted once the victim is dead. With
-    ``joiner_killed`` the restarted rank of that number is SIGKILLed in the middle of its state copy."""
+    ``joiner_killed`` the restarted rank of that number is SIGKILLed (``_kill_joiner``). A new generation's
+    registration waits 3 s for a rank."""
     kw = {"timeout": 30, "job_key": f"pytest-{os.getppid()}", "transport": transport, "sharding": "hybrid"}
     log = {"sums": {}, "state": {}, "boundary_s": {}}
     if rank < WORLD:
@@ -123,11 +127,11 @@ def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None, w
     me = (victim // LOCAL) * LOCAL + rank - WORLD
     store.wait(["killed_at"])
     if me == joiner_killed:
-        _kill_during_copy(store, me)
+        _kill_joiner(store, me, killed_when)
     state = _state(_shard_len())
     t0 = time.perf_counter()
     eng = odc.Engine.rejoin(store, me, WORLD, [odc.Bucket("w", NUMEL, torch.float32)], state,
-                            local_world_size=LOCAL, **kw)
+                            local_world_size=LOCAL, register_timeout=3, **kw)
     log["rejoin_s"] = time.perf_counter() - t0
     log["copied"] = (eng.first_minibatch, [t.tolist() for t in state])
     return _train(eng, me, store, state, eng.first_minibatch, None, None, log)
@@ -326,3 +330,29 @@ def test_fsdp2_a_restarted_node_rejoins_and_the_job_equals_one_process_that_skip
     ref = H.hybrid_reference(PLAN, WORLD, LOCAL, dead, range(at, back))
     for r in live[:LOCAL]:
         H.assert_shards_near(res[r][1]["shards"][len(PLAN) - 1], ref, r % LOCAL, LOCAL)
+
+
+def test_a_joiner_that_dies_before_it_registers_is_abandoned_and_the_members_go_on():
+    # Rank 3's new process dies as soon as the members begin the generation that admits node 1, before it
+    # registers there: every rank's registration gives up after 3 s, the generation is abandoned alike on all,
+    # the members go on with their engines over nodes 0 and 2, and the other joiner's rejoin raises.
+    victim, at, killed = 3, 1, 3
+    dead = victim // LOCAL
+    res = run_ranks(_rejoin_run, WORLD + LOCAL, timeout=180, victim=victim, at=at, transport="shm",
+                    joiner_killed=killed, killed_when="admitted")
+    assert res[WORLD + killed % LOCAL] == ("hung", -signal.SIGKILL), res[WORLD + killed % LOCAL]
+    status, out = res[WORLD + (killed ^ 1) % LOCAL]
+    assert status == "error" and out[0] == "ProtocolError" and "abandoned" in out[1], (status, out)
+    live = [r for r in range(WORLD) if r // LOCAL != dead]
+    for r in live:
+        assert res[r][0] == "ok" and "events" in res[r][1], (r, str(res[r])[:3000])
+        events = res[r][1]["events"]
+        assert [e["kind"] for e in events] == ["drop", "abandoned"], (r, events)
+        back = events[1]["minibatch"]
+        assert at < back < STEPS and events[1]["nodes"] == [dead] and 2.5 < events[1]["waited_s"] < 10, events
+        for k, (got, members) in res[r][1]["sums"].items():
+            nodes = [0, 1, 2] if k < at else [0, 2]
+            assert (members, got) == (nodes, _expected(k, nodes, r % LOCAL, len(got))), (r, k)
+        assert sorted(res[r][1]["sums"]) == list(range(STEPS)), r
+        twin = live[(live.index(r) + LOCAL) % len(live)]
+        assert res[r][1]["state"] == res[twin][1]["state"], (r, twin)

@@ -273,12 +273,24 @@ pub struct EngineConfig {
     /// membership rounds (see [`crate::elastic::await_admission`]). Equal
     /// on every member rank, and this rank's node among them.
     pub members: Option<u64>,
+    /// How long joining the job and registering may wait for the other
+    /// ranks (default: [`EngineConfig::timeout`]). An elastic generation
+    /// that admits a node waits less: a rank that died meanwhile must not
+    /// hold the members for the whole timeout.
+    pub register_timeout: Option<Duration>,
     /// `nvshmem` only: bytes of symmetric heap to plan beyond this engine's
     /// own data regions, for the engines this process creates later in the
     /// same job, which share this engine's NVSHMEM session (one per
     /// process; its heap is fixed when it starts). Compute it with
     /// [`Engine::heap_bytes`](crate::Engine::heap_bytes) of those engines (default 0).
     pub heap_reserve: usize,
+}
+
+impl EngineConfig {
+    /// The deadline of joining the job and of registration, from now.
+    pub(crate) fn register_deadline(&self) -> std::time::Instant {
+        std::time::Instant::now() + self.register_timeout.unwrap_or(self.timeout)
+    }
 }
 
 impl Default for EngineConfig {
@@ -305,6 +317,7 @@ impl Default for EngineConfig {
             heap_reserve: 0,
             elastic: false,
             members: None,
+            register_timeout: None,
         }
     }
 }

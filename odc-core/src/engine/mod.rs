@@ -12,7 +12,6 @@ pub(crate) mod register;
 mod state;
 
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
 
 use odc_kernels::DType;
 
@@ -119,7 +118,7 @@ impl Core {
             }
             Some(m) => m,
         };
-        let deadline = Instant::now() + config.timeout;
+        let deadline = config.register_deadline();
         let key = format!("{}/job_id", config.store_prefix);
         // The first rank of the first member node draws the job id.
         let first = members.trailing_zeros() as usize * topology.local_world();

@@ -107,7 +107,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     if core.reg.get().is_some() {
         return Err(Error::protocol(None, "register called twice"));
     }
-    let deadline = Instant::now() + core.config.timeout;
+    let deadline = core.config.register_deadline();
     let plan = agree(core, specs, deadline)?;
     let regions = allocate(core, &plan)?;
     // Before any peer can announce a version here (its publish follows its

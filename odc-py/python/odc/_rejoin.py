@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     import torch
 
 
+#: The longest the registration of a generation that admits a node waits for a rank by default, in seconds.
+REGISTER_WINDOW_S = 60.0
+
+
+def register_window(timeout: float, explicit: float | None) -> float:
+    """How long a new generation's registration waits for its ranks: ``explicit``, else the engine's timeout
+    up to :data:`REGISTER_WINDOW_S` (a rank that died meanwhile must not hold the members longer)."""
+    return float(explicit) if explicit is not None else min(float(timeout), REGISTER_WINDOW_S)
+
+
 def source_node(joining: Sequence[int], old: Sequence[int], node: int) -> int:
     """The member node whose replica joining ``node`` copies: joiners spread round robin over ``old``."""
     return sorted(old)[sorted(joining).index(node) % len(old)]

@@ -351,6 +351,11 @@ class Engine:
             goes on; :attr:`members` and :meth:`elastic_events` say what
             happened, and each drop is logged on the ``odc.elastic`` logger.
             Equal on every rank. See the elastic page of the docs.
+        members: elastic only: the nodes this engine starts with (default
+            every node); a generation begun by :meth:`admit` or
+            :meth:`rejoin` passes them. Equal on every member rank.
+        register_timeout: seconds joining the job and registering may wait
+            for the other ranks (default ``timeout``).
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
@@ -385,6 +390,7 @@ class Engine:
         node_cache_mb: float | None = None,
         elastic: bool = False,
         members: Sequence[int] | None = None,
+        register_timeout: float | None = None,
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
@@ -422,14 +428,15 @@ class Engine:
                 node_cache_mb=node_cache_mb,
                 elastic=bool(elastic),
                 members=None if members is None else [int(n) for n in members],
+                register_timeout=register_timeout,
             )
         finally:
             if addr is not None:
                 os.environ.pop("ODC_FABRIC_ADDR", None)
         self.deadline_source = deadline_source
-        # Elastic generations: the store, the job's first prefix and what a next generation repeats.
+        # Elastic generations: the store, the job's first prefix, this engine's and what a next generation repeats.
         self._store = store
-        self._base = prefix or "odc"
+        self._base = self._prefix = prefix or "odc"
         self._settings: dict[str, Any] = {
             "local_world_size": local_world_size, "chunk_bytes": chunk_bytes, "timeout": timeout,
             "job_key": job_key, "transport": transport, "sharding": sharding, "deadline_source": deadline_source,
@@ -557,7 +564,9 @@ class Engine:
         ``node``, ``members`` (after), ``detected_s`` (from the start of this
         rank's cross-node sum to its learning of the death) and
         ``recovered_s`` (from then to the round over the survivors
-        committing). A ``"join"`` (from :meth:`admit` or :meth:`rejoin`):
+        committing). An ``"abandoned"`` (from :meth:`admit`): ``minibatch``
+        (where the joiners would have come in), ``nodes``, ``members`` (as
+        before), ``waited_s`` and ``reason``. A ``"join"`` (from :meth:`admit` or :meth:`rejoin`):
         ``minibatch`` (the first it takes part in), ``node``, ``members``
         (after), and on a member ``register_s`` (the new generation's
         registration) and ``copy_s`` (serving its state to the ranks in
@@ -565,9 +574,10 @@ class Engine:
         ``copy_s`` (reading rank ``source``'s state). Events of earlier
         generations carry over to the next.
         """
-        return self._history + [
-            dict(ev, kind="drop", minibatch=ev["minibatch"] + self._offset) for ev in self._native.elastic_events()
-        ]
+        native = self._native.elastic_events()
+        drops = [dict(ev, kind="drop", minibatch=ev["minibatch"] + self._offset) for ev in native]
+        # In the order they happened: a join (or an abandoned one) at the boundary before its minibatch, a drop in it.
+        return sorted(self._history + drops, key=lambda ev: (ev["minibatch"], ev["kind"] == "drop"))
 
     @property
     def admitted(self) -> tuple[int, list[int]] | None:
@@ -588,7 +598,7 @@ class Engine:
             )
         return int(n) - self._offset
 
-    def admit(self, state: Sequence[torch.Tensor] = ()) -> Engine:
+    def admit(self, state: Sequence[torch.Tensor] = (), *, register_timeout: float | None = None) -> Engine:
         """Elastic: at a minibatch boundary, after the step, lets admitted nodes in; returns the engine to go on with.
 
         Call it on every member rank after each step (it returns ``self`` at
@@ -601,8 +611,17 @@ class Engine:
         same list on every rank) to the joining ranks that copy this rank's
         (the same local rank; joining nodes spread over the members), which
         read it one-sidedly. Returns the new engine once they have it; drop
-        the old one. A joiner that dies meanwhile is dropped by the new
-        generation's first round, as any member would be.
+        the old one. A joiner that dies during the copy is dropped by the
+        new generation's first round, as any member would be.
+
+        A rank that dies or stalls before the new generation's registration
+        completes (a joiner, or a member) would hold the others: each rank
+        waits ``register_timeout`` seconds for it (default: the engine's
+        timeout, at most 60), then the generation is abandoned by all alike
+        (the first rank to decide, through the store, decides for all): the
+        members go on with this engine (``self`` is returned, the
+        admission forgotten, an ``"abandoned"`` event and a warning say so)
+        and the joiners' :meth:`rejoin` raises.
         """
         from . import _rejoin
 
@@ -615,10 +634,33 @@ class Engine:
         members = sorted(set(old) | set(joining))
         _rejoin.check_state(state, "admit")
         gen = _odc.begin_generation(self._store, self._base, int(start), members, list(joining))
-        new = Engine(self._store, self.rank, self.world_size, **self._settings, prefix=gen["prefix"], members=members)
-        new._base, new._specs, new.first_minibatch = self._base, list(self._specs), int(start)
-        new._offset = int(start)
-        new.register(self._specs)
+        new: Engine | None = None
+        try:
+            new = Engine(self._store, self.rank, self.world_size, **self._settings, prefix=gen["prefix"],
+                         members=members, register_timeout=_rejoin.register_window(self.timeout, register_timeout))
+            new._base, new._specs, new.first_minibatch = self._base, list(self._specs), int(start)
+            new._offset = int(start)
+            new.register(self._specs)
+        except OdcError as e:
+            failed: OdcError | None = e
+            new = None
+        else:
+            failed = None
+        if not _odc.decide_generation(self._store, gen["prefix"], new is not None):
+            _odc.restore_generation(self._store, self._base, self._prefix)
+            self._native.clear_admitted()
+            ev = {"kind": "abandoned", "minibatch": int(start), "nodes": list(joining), "members": old,
+                  "waited_s": time.perf_counter() - t0, "reason": f"{type(failed).__name__}: {failed}" if failed
+                  else "another rank's registration failed"}
+            self._history.append(ev)
+            _elastic_log.warning(
+                "rank %d: the generation admitting node(s) %s at minibatch %d was abandoned after %.3f s (%s); "
+                "members stay %s", self.rank, list(joining), start, ev["waited_s"], ev["reason"], old,
+            )
+            return self
+        if new is None:  # the others went ahead without this rank
+            assert failed is not None
+            raise failed
         t_reg = time.perf_counter()
         readers = _rejoin.readers(self.rank, self.local_world_size, joining, old)
         flat = _rejoin.pack(state)
@@ -651,6 +693,7 @@ class Engine:
         local_world_size: int | None = None,
         prefix: str | None = None,
         timeout: float | None = None,
+        register_timeout: float | None = None,
         **settings: Any,
     ) -> Engine:
         """Elastic: a restarted node's rank joins the running job; returns its engine, ``state`` filled.
@@ -666,7 +709,10 @@ class Engine:
         shards, the optimizer state, counters). The engine's
         :attr:`first_minibatch` is the minibatch it takes part in first: the
         loop's data position (the plan of that minibatch, as every member
-        reads it). Raises on no admission within ``timeout`` seconds.
+        reads it). Raises on no admission within ``timeout`` seconds, and
+        :class:`odc.ProtocolError` when the generation that admitted it was
+        abandoned (a rank did not register within ``register_timeout``; see
+        :meth:`admit`).
         """
         from . import _rejoin
 
@@ -686,12 +732,27 @@ class Engine:
         t0 = time.perf_counter()
         gen = _odc.await_admission(store, base, nodes, int(rank), node, float(wait_s))
         t_admitted = time.perf_counter()
-        eng = cls(
-            store, rank, world_size, local_world_size=local_world_size, prefix=gen["prefix"], timeout=timeout,
-            members=gen["members"], elastic=True, **settings,
-        )
-        eng._base, eng.first_minibatch, eng._offset = base, gen["start"], int(gen["start"])
-        eng.register(buckets)
+        eng: Engine | None = None
+        failed: OdcError | None = None
+        try:
+            window = _rejoin.register_window(wait_s, register_timeout)
+            eng = cls(
+                store, rank, world_size, local_world_size=local_world_size, prefix=gen["prefix"], timeout=timeout,
+                members=gen["members"], elastic=True, register_timeout=window, **settings,
+            )
+            eng._base, eng.first_minibatch, eng._offset = base, gen["start"], int(gen["start"])
+            eng.register(buckets)
+        except OdcError as e:
+            eng, failed = None, e
+        if not _odc.decide_generation(store, gen["prefix"], eng is not None):
+            why = f"{type(failed).__name__}: {failed}" if failed else "another rank of it did not register in time"
+            raise ProtocolError(
+                f"rejoin: rank {rank}: the generation admitting node {node} at minibatch {gen['start']} was "
+                f"abandoned ({why}); the members went on without this node (restart it to ask again)"
+            )
+        if eng is None:
+            assert failed is not None
+            raise failed
         old = [n for n in gen["members"] if n not in gen["joining"]]
         source = _rejoin.source_node(gen["joining"], old, node) * int(local_world_size) + int(rank) % int(
             local_world_size

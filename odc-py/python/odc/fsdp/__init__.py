@@ -295,8 +295,8 @@ def enable(
             before the optimizer step to look). Refused under ``"full"`` and
             ``"hybrid-zero"``, where one copy of a shard or of its optimizer
             state dies with its rank. A restarted node comes back through
-            :func:`rejoin`; the members let it in after their optimizer step
-            (with ``optimizer`` given), serving it their replica state. See
+            :func:`rejoin`; the members let it in as their next minibatch
+            starts, serving it their replica state. See
             docs/elastic.md.
         store: the store the engine meets its peers through (default: the
             default process group's). Elastic jobs that let a restarted node

@@ -40,6 +40,7 @@ class _Binding:
                  reshard: Callable[[], None]) -> None:
         self.model = model
         self.state = Minibatch(model, groups, engine, layout)
+        self.state.on_advance = self.admit  # every path into the next minibatch lets admitted nodes in
         self.grads = GradContract(self.state, groups)
         self.reshard = reshard  # reshards every FSDP module of the model (FSDP2's or FSDP1's way)
         self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
@@ -147,11 +148,11 @@ class _Binding:
         if len(self.stepped) == self.optimizers:
             self.stepped.clear()
             self.state.advance()
-            self.admit()
 
     def admit(self) -> None:
         """Elastic: where the last minibatch's round admitted a restarted node, begins the engine generation
-        that counts it (every member rank, after the step) and serves this rank's replica state to its joiner
+        that counts it (every member rank, as the next minibatch starts: after the step, a skipped step's
+        ``zero_grad`` or at ``odc.fsdp.minibatch``) and serves this rank's replica state to its joiner
         (:meth:`odc.Engine.admit`); nothing otherwise."""
         s = self.state
         if s.engine.admitted is None:

@@ -53,6 +53,7 @@ class Minibatch:
         self.clipped = -1  # last minibatch whose gradients were clipped
         self.broken = ""  # why a minibatch was left without its finish (an exception it could not finish after)
         self.iterated: dict[int, int] = {}  # minibatch -> length of this rank's own list in odc.fsdp.microbatches
+        self.on_advance: Any = None  # called once the next minibatch started (elastic: admits restarted nodes)
         #: The parameters that trained at enable (ODC laid out gradients for them).
         self.trained = {id(fp) for g in groups for fp in g.pg.fsdp_params if fp.sharded_param.requires_grad}
 
@@ -203,6 +204,8 @@ class Minibatch:
         self.published = False
         self.open = True
         self.cleared = False
+        if self.on_advance is not None:
+            self.on_advance()
 
     def check_between(self, what: str) -> None:
         """Refuses ``what`` (an evaluation block) unless it comes between minibatches: nothing of the next one
