@@ -525,6 +525,23 @@ def bench_elastic(doc: dict[str, Any]) -> str:
             + table(["pair", "ms / minibatch, hybrid", "ms / minibatch, elastic", "elastic / hybrid"], out))
 
 
+def bench_rejoin(doc: dict[str, Any]) -> str:
+    """scripts/rejoin-bench.py: a rejoin's cost at the engine, against a checkpoint file of the same state."""
+    a = doc["args"]
+    out = [[f"{r['state_mb']:.0f}", f"{r['admit_s']:.3f}", f"{r['other_boundary_s'] * 1e3:.2f}",
+            f"{r['rejoin_s']:.3f}", f"{r['copy_s']:.3f}", f"{r['save_s']:.3f}", f"{r['load_s']:.3f}",
+            f"{r['copy_over_ckpt']:.2f}"] for r in doc["rows"]]
+    return (f"2 emulated nodes of {a['per_node']} ranks (`{a['transport']}`), node 1 joining node 0's running job "
+            f"({a['compute_ms']:g} ms of compute per minibatch); the state per rank: a parameter shard, two f32 "
+            "moments and a step count. *admit*: the members' boundary that let node 1 in (the slowest member); "
+            "*other*: the median of their other boundaries; *rejoin*: the joiner's call, from its start (asking "
+            "and waiting for the boundary included); *copy*: its one-sided read of the state; *save*, *load*: "
+            "the same state through `torch.save` (with `fsync`) and `torch.load` (page cache) on the joiner, "
+            "after the run:\n\n"
+            + table(["MiB per rank", "admit s", "other ms", "rejoin s", "copy s", "save s", "load s",
+                     "copy / (save + load)"], out))
+
+
 def bench_scale_compare(doc: dict[str, Any]) -> str:
     """scripts/scale-compare.py: scale_perf's time per minibatch against a baseline commit's, alternated."""
     out = [[str(r["ranks"]), str(r["pair"]), f"{r['base_s'] * 1e3:.1f}", f"{r['base_cpu_s'] * 1e3:.1f}",
@@ -547,6 +564,7 @@ BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "imbalance-bubbles": bench_imbalance_bubbles,
     "hybrid": bench_hybrid,
     "elastic": bench_elastic,
+    "rejoin": bench_rejoin,
     "cross-node": bench_cross_node,
     "memory": bench_memory,
     "scale": bench_scale,

@@ -341,7 +341,8 @@ impl<'a> Rounds<'a> {
 /// Its keys are under its own store prefix; `{base}/elastic/current` names
 /// the current one (absent: the first, under `base`), and
 /// `{prefix}/generation` holds `start members joining` (absent: the first
-/// generation, every node a member).
+/// generation, every node a member; `start` is `-` for a first generation
+/// that started with some nodes only).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Generation {
     /// The store prefix of its engines.
@@ -390,15 +391,28 @@ impl Generation {
             key: key.clone(),
             detail: format!("elastic generation: unreadable value {text:?}"),
         };
-        let start = w.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        let start = match w.next() {
+            Some("-") => None, // a first generation that started with some nodes only
+            v => Some(v.and_then(|v| v.parse().ok()).ok_or_else(bad)?),
+        };
         let members = (w.next().and_then(|v| u64::from_str_radix(v, 16).ok())).ok_or_else(bad)?;
         let joining = (w.next().and_then(|v| u64::from_str_radix(v, 16).ok())).ok_or_else(bad)?;
         Ok(Generation {
             prefix,
-            start: Some(start),
+            start,
             members,
             joining,
         })
+    }
+
+    /// The job's first generation, under `prefix`, starts with `members`
+    /// only (not every node): says so where joiners look, unless a
+    /// generation is described there already (one [`Generation::begin`]
+    /// made). Every member rank writes the same.
+    pub fn describe_first(store: &dyn Store, prefix: &str, members: Nodes) -> Result<()> {
+        let value = format!("- {members:x} 0");
+        store.compare_set(&format!("{prefix}/generation"), None, value.as_bytes())?;
+        Ok(())
     }
 
     /// Whether the generation under `prefix` goes ahead: each of its ranks
@@ -487,12 +501,30 @@ pub fn await_admission(
         Ok(())
     };
     loop {
-        let generation = Generation::current(store, base, nodes)?;
+        let mut generation = Generation::current(store, base, nodes)?;
+        let job_key = format!("{}/job_id", generation.prefix);
+        let mut job = store.get(&job_key)?;
+        if generation.start.is_none() {
+            // The first generation: its members are known once it drew its
+            // job id (which follows their description of it).
+            if job.is_none() {
+                sleep("the job has not started")?;
+                continue;
+            }
+            let again = Generation::current(store, base, nodes)?;
+            if again.prefix != generation.prefix {
+                continue; // a later generation began meanwhile: look at it
+            }
+            generation = again;
+        }
         let registered = |g: &Generation| store.get(&format!("{}/reg/{rank}", g.prefix));
         if generation.members & me != 0 && registered(&generation)?.is_none() {
             return Ok(generation); // it expects this rank
         }
-        let Some(job) = store.get(&format!("{}/job_id", generation.prefix))? else {
+        if job.is_none() {
+            job = store.get(&job_key)?;
+        }
+        let Some(job) = job else {
             sleep("its current generation has not started")?;
             continue;
         };
@@ -756,6 +788,45 @@ mod tests {
         );
         Generation::begin(&*store, "job", 5, 0b111, 0b100).unwrap();
         assert_eq!(joiner.join().unwrap().prefix, "job/gen/5");
+    }
+
+    #[test]
+    fn a_node_outside_a_first_generation_of_some_nodes_asks_a_round_instead_of_registering_there() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileStore::new(dir.path()).unwrap());
+        // Node 0 of 2 starts the job alone (as Core::new writes it: the description, then the job id).
+        Generation::describe_first(&*store, "job", 0b01).unwrap();
+        store.set("job/job_id", b"j0").unwrap();
+        let rounds = Rounds::new(&*store, "job/elastic/j0", 0);
+        assert_eq!(
+            rounds.read_in(0, 0, 0b01, 1).unwrap(),
+            Round::Committed { joining: 0 }
+        );
+        let joiner = {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || {
+                let deadline = Instant::now() + Duration::from_secs(30);
+                await_admission(&*store, "job", 2, 1, 1, deadline).unwrap()
+            })
+        };
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while rounds.get(1, 0).unwrap() == FRESH {
+            assert!(
+                Instant::now() < give_up,
+                "node 1 did not ask minibatch 1's round"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            rounds.read_in(1, 0, 0b01, 1).unwrap(),
+            Round::Committed { joining: node(1) }
+        );
+        Generation::begin(&*store, "job", 2, 0b11, 0b10).unwrap();
+        let g = joiner.join().unwrap();
+        assert_eq!(
+            (g.prefix.as_str(), g.start, g.members),
+            ("job/gen/2", Some(2), 0b11)
+        );
     }
 
     #[test]

@@ -119,6 +119,14 @@ impl Core {
             Some(m) => m,
         };
         let deadline = config.register_deadline();
+        // Before the job id, which a joiner waits for before it reads the members.
+        if config.elastic && members != all {
+            crate::elastic::Generation::describe_first(
+                store.as_ref(),
+                &config.store_prefix,
+                members,
+            )?;
+        }
         let key = format!("{}/job_id", config.store_prefix);
         // The first rank of the first member node draws the job id.
         let first = members.trailing_zeros() as usize * topology.local_world();

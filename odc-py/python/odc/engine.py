@@ -570,8 +570,8 @@ class Engine:
         ``minibatch`` (the first it takes part in), ``node``, ``members``
         (after), and on a member ``register_s`` (the new generation's
         registration) and ``copy_s`` (serving its state to the ranks in
-        ``served``), on the joiner ``waited_s`` (for its admission) and
-        ``copy_s`` (reading rank ``source``'s state). Events of earlier
+        ``served``), on the joiner ``waited_s`` (for its admission),
+        ``register_s`` and ``copy_s`` (reading rank ``source``'s state). Events of earlier
         generations carry over to the next.
         """
         native = self._native.elastic_events()
@@ -760,6 +760,7 @@ class Engine:
         import torch
 
         mine = _rejoin.layout(state)
+        t_reg = time.perf_counter()
         flat = torch.empty(sum(t.numel() * t.element_size() for t in state), dtype=torch.uint8)
         eng._native.read_state(source, flat.data_ptr() if flat.numel() else 0, flat.numel())
         _rejoin.compare_layouts(mine, store.get(f"{gen['prefix']}/state/{source}/layout"), source)
@@ -767,11 +768,12 @@ class Engine:
         done = time.perf_counter()
         eng._history = [{
             "kind": "join", "minibatch": gen["start"], "node": node, "members": gen["members"],
-            "waited_s": t_admitted - t0, "copy_s": done - t_admitted, "source": source,
+            "waited_s": t_admitted - t0, "register_s": t_reg - t_admitted, "copy_s": done - t_reg, "source": source,
         }]
         _elastic_log.warning(
-            "rank %d: node %d rejoined at minibatch %s; members %s; admitted after %.3f s, copied rank %d's state "
-            "in %.3f s", rank, node, gen["start"], gen["members"], t_admitted - t0, source, done - t_admitted,
+            "rank %d: node %d rejoined at minibatch %s; members %s; admitted after %.3f s, registered in %.3f s, "
+            "copied rank %d's state in %.3f s", rank, node, gen["start"], gen["members"], t_admitted - t0,
+            t_reg - t_admitted, source, done - t_reg,
         )
         return eng
 
