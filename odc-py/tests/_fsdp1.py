@@ -312,3 +312,15 @@ def death_worker(rank, world, store, orig):
         return {"error": type(e).__name__, "peer": getattr(e, "peer", None), "message": str(e),
                 "seconds": time.monotonic() - t0, "step": s, "peer_error": isinstance(e, odc.PeerError)}
     return {"error": None}
+
+
+def assert_flat_shards_near(shards, ref, per_node, tol=1e-5):
+    """Each FlatParameter shard of ``local_shards`` is its slice of the flattened, padded reference (a state
+    dict), within ``tol``."""
+    for s in shards:
+        flat = torch.cat([ref[n].detach().flatten() for n in s["names"]])
+        n = len(s["shard"])
+        padded = torch.zeros(n * per_node)
+        padded[: flat.numel()] = flat
+        want = padded[s["index"] * n:(s["index"] + 1) * n]
+        assert (torch.tensor(s["shard"]) - want).abs().max().item() < tol, s["names"]

@@ -360,18 +360,14 @@ def test_fsdp1_hybrid_shard_drops_a_dead_node_and_equals_one_process_without_its
     dead = victim // LOCAL
     res = run_ranks(_fsdp1_elastic, WORLD, timeout=240, victim=victim, at=at)
     survivors = [r for r in range(WORLD) if r // LOCAL != dead]
-    ref = {k: v.detach() for k, v in _reference(dead, at).items()}
+    import _fsdp1 as F1
+
+    ref = _reference(dead, at)
     for r in survivors:
         assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
         assert [(e["minibatch"], e["node"]) for e in res[r][1]["events"]] == [(at, dead)], res[r][1]["events"]
         assert res[r][1]["shards"] == res[(r + LOCAL) % (2 * LOCAL)][1]["shards"], r  # replicas: bitwise
-        for s in res[r][1]["shards"]:  # each FlatParameter shard: its slice of the flattened, padded reference
-            flat = torch.cat([ref[n].flatten() for n in s["names"]])
-            n = len(s["shard"])
-            padded = torch.zeros(n * LOCAL)
-            padded[: flat.numel()] = flat
-            want = padded[s["index"] * n:(s["index"] + 1) * n]
-            assert (torch.tensor(s["shard"]) - want).abs().max().item() < 1e-5, (r, s["names"])
+        F1.assert_flat_shards_near(res[r][1]["shards"], ref, LOCAL)
     assert res[victim] == ("hung", -signal.SIGKILL), res[victim]
 
 

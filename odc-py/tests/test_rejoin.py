@@ -252,19 +252,23 @@ PLAN = ((1, 2, 0, 1, 2, 1), (2, 1, 1, 2, 0, 1), (1, 0, 2, 1, 1, 2), (0, 2, 1, 1,
         (1, 1, 2, 1, 0, 1), (1, 2, 1, 2, 1, 0))
 
 
-def _fsdp_rejoin(rank, world, store, victim, at, transport):
-    """FSDP2 HSDP under odc.fsdp (elastic, AdamW, ODC's clip) on ranks 0-5; `victim` SIGKILLed after its first
-    backward of step `at`; processes 6 and 7 rebuild its node (a process group of their own, a (1, 2) mesh) and
-    rejoin. Each rank runs its plan's microbatches, the loss normalized by the member nodes' tokens (rescaled to
-    the survivors' at a step that dropped a node). Returns the shards after every step."""
+def _fsdp_rejoin(rank, world, store, victim, at, transport, flavour):
+    """FSDP2 HSDP (``flavour="fsdp2"``) or FSDP1's HYBRID_SHARD (``"fsdp1"``, flat parameters) under odc.fsdp
+    (elastic, AdamW, ODC's clip) on ranks 0-5; `victim` SIGKILLed after its first backward of step `at`;
+    processes 6 and 7 rebuild its node (a process group of their own, a (1, 2) mesh) and rejoin. Each rank runs
+    its plan's microbatches, the loss normalized by the member nodes' tokens (rescaled to the survivors' at a
+    step that dropped a node). Returns the shards after every step."""
+    import _fsdp1 as F1
     import torch.distributed as dist
 
     H.as_nodes(LOCAL, transport)
     dead = victim // LOCAL
+    fsdp1 = flavour == "fsdp1"
     if rank < WORLD:
         me = rank
         H.init_pg(rank, WORLD, store)
-        model = H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL))
+        model = (F1.build(strategy="HYBRID_SHARD", nodes=WORLD // LOCAL) if fsdp1
+                 else H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, store=store)
         first = 0
@@ -273,7 +277,9 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport):
         store.wait(["killed_at"])
         dist.init_process_group("gloo", store=dist.PrefixStore(f"node{dead}/", store), rank=me % LOCAL,
                                 world_size=LOCAL)
-        model = H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL))  # another seed: the copy must set them
+        # Another seed: the copy must set the parameters.
+        model = (F1.build(seed=1, strategy="HYBRID_SHARD", nodes=1) if fsdp1
+                 else H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60)
     tokens = lambda s, nodes: 27 * sum(PLAN[s][r] for r in range(WORLD) if r // LOCAL in nodes)  # noqa: E731
@@ -292,10 +298,10 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport):
             if dropped := odc.fsdp.dropped(model):
                 for p in model.parameters():
                     p.grad.mul_(norm / tokens(s, dropped[-1]["members"]))
-            out["norms"][s] = float(odc.fsdp.clip_grad_norm_(model.parameters(), 0.5))
+            out["norms"][s] = float(odc.fsdp.clip_grad_norm_(model if fsdp1 else model.parameters(), 0.5))
             opt.step()
             opt.zero_grad()
-            out["shards"][s] = H.local_shards(model)
+            out["shards"][s] = F1.local_shards(model) if fsdp1 else H.local_shards(model)
     except (odc.NodeDropped, odc.PeerDied) as e:
         out["raised"] = type(e).__name__
     out["events"] = [(e["kind"], e["minibatch"], e["node"]) for e in odc.fsdp.elastic_events(model)]
@@ -303,10 +309,14 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport):
 
 
 @pytest.mark.torch_versions  # the torch the trainer pins too (verl: 2.11)
-def test_fsdp2_a_restarted_node_rejoins_and_the_job_equals_one_process_that_skipped_only_its_absence():
+@pytest.mark.parametrize("flavour", ["fsdp2", "fsdp1"])
+def test_a_restarted_node_rejoins_an_fsdp_job_that_then_equals_one_process_that_skipped_only_its_absence(flavour):
+    import _fsdp1 as F1
+
     victim, at = 3, 1
     dead = victim // LOCAL
-    res = run_ranks(_fsdp_rejoin, WORLD + LOCAL, timeout=300, victim=victim, at=at, transport="shm")
+    res = run_ranks(_fsdp_rejoin, WORLD + LOCAL, timeout=300, victim=victim, at=at, transport="shm",
+                    flavour=flavour)
     assert res[victim] == ("hung", -signal.SIGKILL), res[victim]
     live = [r for r in range(WORLD) if r // LOCAL != dead]
     joiners = {WORLD + i: dead * LOCAL + i for i in range(LOCAL)}
@@ -329,7 +339,10 @@ def test_fsdp2_a_restarted_node_rejoins_and_the_job_equals_one_process_that_skip
     # One process on every sample but the dead node's between its death and its return.
     ref = H.hybrid_reference(PLAN, WORLD, LOCAL, dead, range(at, back))
     for r in live[:LOCAL]:
-        H.assert_shards_near(res[r][1]["shards"][len(PLAN) - 1], ref, r % LOCAL, LOCAL)
+        if flavour == "fsdp1":
+            F1.assert_flat_shards_near(res[r][1]["shards"][len(PLAN) - 1], ref, LOCAL)
+        else:
+            H.assert_shards_near(res[r][1]["shards"][len(PLAN) - 1], ref, r % LOCAL, LOCAL)
 
 
 def test_a_joiner_that_dies_before_it_registers_is_abandoned_and_the_members_go_on():

@@ -444,7 +444,8 @@ def rejoin(
     seed-independent structure), shards it with ``fully_shard`` over a mesh
     of its own node (``init_device_mesh(device, (1, G), mesh_dim_names=
     ("replicate", "shard"))`` in a process group of the node's G ranks: it
-    cannot join the members' default group), creates its optimizer, and
+    cannot join the members' default group; FSDP1: ``HYBRID_SHARD`` with
+    that mesh as ``device_mesh``), creates its optimizer, and
     calls this in place of :func:`enable`, with the job's ``store`` (what the
     members passed to :func:`enable`), its rank in the job and the job's
     world size. It asks the members' membership round to admit its node,
@@ -457,7 +458,8 @@ def rejoin(
     that minibatch's plan (the data position), as every member does.
 
     Args:
-        model: the ``fully_shard``-ed root module over a ``(1, G)`` mesh.
+        model: the ``fully_shard``-ed root module over a ``(1, G)`` mesh, or
+            FSDP1's root module with ``HYBRID_SHARD`` over one.
         optimizer: its optimizer(s), as passed to :func:`enable` on the
             members (their state is copied in the same order).
         store: the job's store (a client of the store the members passed as
@@ -472,24 +474,31 @@ def rejoin(
         deterministic: as the members' :func:`enable`.
 
     Raises:
-        ConfigError: an FSDP1 model, a mesh that is not one node's, a rank
+        ConfigError: not an FSDP model, a mesh that is not one node's, a rank
             whose local rank is not its mesh index, optimizer state that is
             not tensors, or state laid out unlike its source's.
         StoreError: no round admitted the node within the timeout.
     """
     check_fsdp2()
     optimizers = _optimizers(optimizer)
-    if _fsdp1.is_fsdp1(model) or not isinstance(model, FSDPModule):
+    fsdp1 = _fsdp1.is_fsdp1(model)
+    if not fsdp1 and not isinstance(model, FSDPModule):
         raise ConfigError(
             f"odc.fsdp.rejoin needs a module passed through torch.distributed.fsdp.fully_shard (FSDP2) over one "
-            f"node's (1, ranks per node) mesh; got {type(model).__name__} (FSDP1 does not rejoin yet)"
+            f"node's (1, ranks per node) mesh, or FSDP1's root FullyShardedDataParallel with HYBRID_SHARD over "
+            f"one; got {type(model).__name__}"
         )
     if is_enabled(model):
         raise ConfigError("odc.fsdp.rejoin: this model is already enabled")
-    groups = _describe(model, "hybrid")
+    if fsdp1:
+        groups, node, process_group = _fsdp1.describe(model, "hybrid")
+    else:
+        groups = _describe(model, "hybrid")
     if not groups:
         raise ConfigError("odc.fsdp.rejoin: the model has no FSDP parameter groups")
-    node = _node_layout(groups, "hybrid")
+    if not fsdp1:
+        node = _node_layout(groups, "hybrid")
+        process_group = cast(Any, groups[0].pg.mesh_info).shard_process_group
     g_size, rank, world_size = node.shards, int(rank), int(world_size)
     if node.world != g_size or world_size % g_size or rank % g_size != node.index or not 0 <= rank < world_size:
         raise ConfigError(
@@ -502,7 +511,6 @@ def rejoin(
     requested, source = (transport, "the transport argument") if transport is not None else (
         os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT")
     chosen = _pick_transport(groups, requested, source, world_size // g_size, "hybrid")
-    process_group = cast(Any, groups[0].pg.mesh_info).shard_process_group
     seconds, deadline_source = deadline_for(process_group, explicit=timeout)
     materialize_optimizer_state(optimizers)
     state = replica_state(groups, optimizers)
@@ -511,7 +519,7 @@ def rejoin(
                            local_world_size=g_size, timeout=seconds, deadline_source=deadline_source,
                            transport=chosen, sharding="hybrid", deterministic=deterministic, chunk_bytes=chunk_bytes)
     first = int(engine.first_minibatch or 0)
-    _attach(model, optimizers, groups, engine, layout, False, first)
+    _attach(model, optimizers, groups, engine, layout, fsdp1, first)
     return first
 
 
