@@ -205,6 +205,18 @@ unsafe fn f32s_mut<'a>(ptr: usize, numel: usize) -> &'a mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(ptr as *mut f32, numel) }
 }
 
+/// `t` seconds as a duration, or a `ConfigError` naming `what` unless positive and finite.
+fn positive_seconds(py: Python<'_>, what: &str, t: f64) -> PyResult<Duration> {
+    if !(t.is_finite() && t > 0.0) {
+        return Err(odc_error(
+            py,
+            "ConfigError",
+            format!("{what} must be positive seconds, got {t}"),
+        ));
+    }
+    Ok(Duration::from_secs_f64(t))
+}
+
 fn check_ptr(py: Python<'_>, ptr: usize, nbytes: usize, align: usize) -> PyResult<()> {
     if nbytes > 0 && (ptr == 0 || ptr % align != 0) {
         return Err(odc_error(
@@ -312,14 +324,7 @@ impl PyEngine {
             cfg.chunk_bytes = c;
         }
         if let Some(t) = timeout {
-            if !(t.is_finite() && t > 0.0) {
-                return Err(odc_error(
-                    py,
-                    "ConfigError",
-                    format!("timeout must be positive seconds, got {t}"),
-                ));
-            }
-            cfg.timeout = Duration::from_secs_f64(t);
+            cfg.timeout = positive_seconds(py, "timeout", t)?;
         }
         if let Some(k) = job_key {
             cfg.job_key = k;
@@ -347,14 +352,7 @@ impl PyEngine {
         cfg.deterministic = deterministic;
         cfg.elastic = elastic;
         if let Some(t) = register_timeout {
-            if !(t.is_finite() && t > 0.0) {
-                return Err(odc_error(
-                    py,
-                    "ConfigError",
-                    format!("register_timeout must be positive seconds, got {t}"),
-                ));
-            }
-            cfg.register_timeout = Some(Duration::from_secs_f64(t));
+            cfg.register_timeout = Some(positive_seconds(py, "register_timeout", t)?);
         }
         if let Some(ms) = members {
             let mut set = 0u64;
