@@ -60,7 +60,12 @@ def _train(eng, rank, store, state, start, victim, at, log, where="start", delay
     pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
     sl = eng.bucket("w")["shard_len"]
     for k in range(start, STEPS):
-        time.sleep(0.02)  # the minibatch's compute: a restarted node has minibatches left to join
+        time.sleep(0.02)  # the minibatch's compute
+        if victim is not None and k > at:
+            # The restarted node must find minibatches left to join, however slow it is to start (a loaded host):
+            # past the death the members wait until its ranks call rejoin, then take 0.1 s more per minibatch.
+            store.wait([f"joining/{victim // LOCAL * LOCAL + i}" for i in range(LOCAL)])
+            time.sleep(0.1)
         doomed = rank == victim and k == at
         if doomed and where == "start":
             _die(store)
@@ -126,6 +131,7 @@ def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None, k
         return _train(eng, rank, store, state, 0, victim, at, log, where, delay)
     me = (victim // LOCAL) * LOCAL + rank - WORLD
     store.wait(["killed_at"])
+    store.set(f"joining/{me}", b"1")
     if me == joiner_killed:
         _kill_joiner(store, me, killed_when)
     state = _state(_shard_len())
@@ -281,11 +287,17 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport, flavour):
         model = (F1.build(seed=1, strategy="HYBRID_SHARD", nodes=1) if fsdp1
                  else H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL)))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        store.set(f"joining/{me}", b"1")
         first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60)
     tokens = lambda s, nodes: 27 * sum(PLAN[s][r] for r in range(WORLD) if r // LOCAL in nodes)  # noqa: E731
     out = {"first": first, "shards": {}, "members": {}, "norms": {}}
     try:
         for s in range(first, len(PLAN)):
+            if rank < WORLD and s > at:
+                # The restarted node must find minibatches left to join, however slow it is to start (a loaded
+                # host): the members wait until its ranks call rejoin, then take half a second per step.
+                store.wait([f"joining/{dead * LOCAL + i}" for i in range(LOCAL)])
+                time.sleep(0.5)
             members = odc.fsdp.members(model)
             out["members"][s] = members
             norm = tokens(s, members)
