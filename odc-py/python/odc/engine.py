@@ -241,6 +241,23 @@ def _route_to_master() -> str | None:
         return None
 
 
+def _enter_generation(store: Any, prefix: str, make: Callable[[], Engine]) -> tuple[Engine | None, str]:
+    """This rank's part of beginning the elastic generation under ``prefix``: ``make()`` builds and registers its
+    engine, then every rank of the generation proposes whether it goes ahead, and the first proposal stands.
+    Returns the engine, or ``None`` and why when the generation was abandoned; re-raises this rank's own
+    registration error when the others went ahead without it."""
+    try:
+        eng: Engine | None = make()
+        failed: OdcError | None = None
+    except OdcError as e:
+        eng, failed = None, e
+    if not _odc.decide_generation(store, prefix, eng is not None):
+        return None, (f"{type(failed).__name__}: {failed}" if failed else "another rank did not register in time")
+    if failed is not None:
+        raise failed
+    return eng, ""
+
+
 class Engine:
     """One rank's ODC engine (shard server daemon + worker API).
 
@@ -602,7 +619,7 @@ class Engine:
         """Elastic: at a minibatch boundary, after the step, lets admitted nodes in; returns the engine to go on with.
 
         Call it on every member rank after each step (it returns ``self`` at
-        once unless the last round admitted a node: one store read). When
+        once unless the last round admitted a node). When
         one did, it builds the next generation: a new engine of the same
         settings over the members and the joiners, the same buckets
         registered (a collective with the joiners' :meth:`rejoin`), then
@@ -634,33 +651,26 @@ class Engine:
         members = sorted(set(old) | set(joining))
         _rejoin.check_state(state, "admit")
         gen = _odc.begin_generation(self._store, self._base, int(start), members, list(joining))
-        new: Engine | None = None
-        try:
-            new = Engine(self._store, self.rank, self.world_size, **self._settings, prefix=gen["prefix"],
+
+        def make() -> Engine:
+            eng = Engine(self._store, self.rank, self.world_size, **self._settings, prefix=gen["prefix"],
                          members=members, register_timeout=_rejoin.register_window(self.timeout, register_timeout))
-            new._base, new._specs, new.first_minibatch = self._base, list(self._specs), int(start)
-            new._offset = int(start)
-            new.register(self._specs)
-        except OdcError as e:
-            failed: OdcError | None = e
-            new = None
-        else:
-            failed = None
-        if not _odc.decide_generation(self._store, gen["prefix"], new is not None):
+            eng._base, eng.first_minibatch, eng._offset = self._base, int(start), int(start)
+            eng.register(self._specs)
+            return eng
+
+        new, why = _enter_generation(self._store, gen["prefix"], make)
+        if new is None:
             _odc.restore_generation(self._store, self._base, self._prefix)
             self._native.clear_admitted()
             ev = {"kind": "abandoned", "minibatch": int(start), "nodes": list(joining), "members": old,
-                  "waited_s": time.perf_counter() - t0, "reason": f"{type(failed).__name__}: {failed}" if failed
-                  else "another rank's registration failed"}
+                  "waited_s": time.perf_counter() - t0, "reason": why}
             self._history.append(ev)
             _elastic_log.warning(
                 "rank %d: the generation admitting node(s) %s at minibatch %d was abandoned after %.3f s (%s); "
-                "members stay %s", self.rank, list(joining), start, ev["waited_s"], ev["reason"], old,
+                "members stay %s", self.rank, list(joining), start, ev["waited_s"], why, old,
             )
             return self
-        if new is None:  # the others went ahead without this rank
-            assert failed is not None
-            raise failed
         t_reg = time.perf_counter()
         readers = _rejoin.readers(self.rank, self.local_world_size, joining, old)
         flat = _rejoin.pack(state)
@@ -732,27 +742,23 @@ class Engine:
         t0 = time.perf_counter()
         gen = _odc.await_admission(store, base, nodes, int(rank), node, float(wait_s))
         t_admitted = time.perf_counter()
-        eng: Engine | None = None
-        failed: OdcError | None = None
-        try:
-            window = _rejoin.register_window(wait_s, register_timeout)
-            eng = cls(
+        window = _rejoin.register_window(wait_s, register_timeout)
+
+        def make() -> Engine:
+            made = cls(
                 store, rank, world_size, local_world_size=local_world_size, prefix=gen["prefix"], timeout=timeout,
                 members=gen["members"], elastic=True, register_timeout=window, **settings,
             )
-            eng._base, eng.first_minibatch, eng._offset = base, gen["start"], int(gen["start"])
-            eng.register(buckets)
-        except OdcError as e:
-            eng, failed = None, e
-        if not _odc.decide_generation(store, gen["prefix"], eng is not None):
-            why = f"{type(failed).__name__}: {failed}" if failed else "another rank of it did not register in time"
+            made._base, made.first_minibatch, made._offset = base, gen["start"], int(gen["start"])
+            made.register(buckets)
+            return made
+
+        eng, why = _enter_generation(store, gen["prefix"], make)
+        if eng is None:
             raise ProtocolError(
                 f"rejoin: rank {rank}: the generation admitting node {node} at minibatch {gen['start']} was "
                 f"abandoned ({why}); the members went on without this node (restart it to ask again)"
             )
-        if eng is None:
-            assert failed is not None
-            raise failed
         old = [n for n in gen["members"] if n not in gen["joining"]]
         source = _rejoin.source_node(gen["joining"], old, node) * int(local_world_size) + int(rank) % int(
             local_world_size
