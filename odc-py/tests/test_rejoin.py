@@ -259,8 +259,8 @@ PLAN = ((1, 2, 0, 1, 2, 1), (2, 1, 1, 2, 0, 1), (1, 0, 2, 1, 1, 2), (0, 2, 1, 1,
 
 
 def _fsdp_rejoin(rank, world, store, victim, at, transport, flavour):
-    """FSDP2 HSDP (``flavour="fsdp2"``) or FSDP1's HYBRID_SHARD (``"fsdp1"``, flat parameters) under odc.fsdp
-    (elastic, AdamW, ODC's clip) on ranks 0-5; `victim` SIGKILLed after its first backward of step `at`;
+    """FSDP2 HSDP (``flavour="fsdp2"``, torch's own clip) or FSDP1's HYBRID_SHARD (``"fsdp1"``, flat parameters,
+    ODC's clip) under odc.fsdp (elastic, AdamW) on ranks 0-5; `victim` SIGKILLed after its first backward of step `at`;
     processes 6 and 7 rebuild its node (a process group of their own, a (1, 2) mesh) and rejoin. Each rank runs
     its plan's microbatches, the loss normalized by the member nodes' tokens (rescaled to the survivors' at a
     step that dropped a node). Returns the shards after every step."""
@@ -310,7 +310,12 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport, flavour):
             if dropped := odc.fsdp.dropped(model):
                 for p in model.parameters():
                     p.grad.mul_(norm / tokens(s, dropped[-1]["members"]))
-            out["norms"][s] = float(odc.fsdp.clip_grad_norm_(model if fsdp1 else model.parameters(), 0.5))
+            if fsdp1:
+                norm_s = odc.fsdp.clip_grad_norm_(model, 0.5)
+            else:  # the user's unchanged loop: torch's own clip (within the node under HSDP)
+                norm_s = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                norm_s = norm_s.full_tensor() if hasattr(norm_s, "full_tensor") else norm_s
+            out["norms"][s] = float(norm_s)
             opt.step()
             opt.zero_grad()
             out["shards"][s] = F1.local_shards(model) if fsdp1 else H.local_shards(model)
