@@ -154,7 +154,7 @@ impl Op {
             }
             Op::ExactDrain { fixed, out, x } => {
                 cpu::exact::accumulate_exact(fixed, out, x, odc_kernels::DType::F32, 0.25)
-                    .and_then(|()| cpu::exact::drain_exact(fixed, out))
+                    .and_then(|()| cpu::exact::read_exact(fixed, out))
             }
         };
         black_box(ok.is_ok());

@@ -64,6 +64,19 @@ pub enum Error {
         value: f64,
     },
 
+    /// Two exact accumulators whose sum leaves the `i128` (more than 2^16
+    /// contributions near the 2^39 limit added into one element).
+    #[error(
+        "{op}: element {index}'s exact sum leaves the accumulator's range (more than 2^16 \
+         contributions near 2^39 ≈ 5.5e11 in one element); deterministic accumulation cannot hold it"
+    )]
+    ExactOverflow {
+        /// The operation that was called.
+        op: &'static str,
+        /// The element's index in the buffer.
+        index: usize,
+    },
+
     /// A dtype name that none of [`DType`]'s spellings match.
     #[error("unknown dtype {0:?}: expected f32, bf16 or f16 (or float32, bfloat16, float16)")]
     UnknownDTypeName(String),

@@ -14,6 +14,7 @@ use crate::protocol::claims::{Claim, Word};
 use crate::protocol::handoff::OwnSlice;
 use crate::protocol::slots::slot_count;
 use crate::region::{Bell, SignalRef};
+use crate::sync::Ordering;
 use crate::transport::Op;
 use crate::{Error, Result};
 
@@ -434,7 +435,8 @@ impl<'e> Host<'e> {
     }
 
     /// Zeroes the accumulator of `bucket` (after the optimizer step, before
-    /// the next publish). Under hybrid sharding over several nodes it first
+    /// the next publish; in deterministic mode its exact sum too: until
+    /// then every finish reads out the exact sum since the last zeroing). Under hybrid sharding over several nodes it first
     /// waits until the other nodes have read this rank's partial sums.
     pub fn zero_grad(&self, bucket: BucketId) -> Result<()> {
         let reg = self.w.reg;
@@ -443,6 +445,13 @@ impl<'e> Host<'e> {
         let (ptr, len) = reg.accum_ptr(bucket.0);
         // SAFETY: as in `read_grad_shard`; all-zero bits are 0.0f32.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };
+        if let Some(exact) = &reg.exact {
+            // SAFETY: the exact accumulator has the f32 one's element
+            // offsets and length, and the same window (the daemon adds
+            // into it only after the open below); all-zero bits are 0.
+            unsafe { std::ptr::write_bytes(reg.exact_at(exact, reg.accum_off[bucket.0]), 0, len) };
+            exact.touched[bucket.0].store(false, Ordering::Release);
+        }
         self.w.open_accumulators(Some(bucket))
     }
 

@@ -65,9 +65,12 @@ impl Worker<'_> {
         reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
         signal_all(lay.partial_ready(gs.node))?;
         let mut sum = PartialSum::new(self);
+        let exact = sum.exact();
         for (n, &r) in gs.replicas.iter().enumerate() {
             if n == gs.node {
-                sum.add_own()?;
+                if !exact {
+                    sum.add_own()?;
+                }
                 continue;
             }
             let word = reg.word(lay.partial_ready(n));
@@ -76,7 +79,14 @@ impl Worker<'_> {
                 &|| format!("its partial gradient sums of minibatch {k} (hybrid sharding)"),
                 || Ok((load(word) < stamp).then_some(r)),
             )?;
-            sum.add_replica(r).map_err(|e| core.attribute(None, e))?;
+            if !exact {
+                sum.add_replica(r).map_err(|e| core.attribute(None, e))?;
+            }
+        }
+        if exact {
+            let nodes: Vec<(usize, usize)> = gs.replicas.iter().copied().enumerate().collect();
+            sum.add_exact(&nodes)
+                .map_err(|(_, _, e)| core.attribute(None, e))?;
         }
         signal_all(lay.partial_read(gs.node))
     }
@@ -189,19 +199,34 @@ impl Worker<'_> {
         // In node order, this rank's own partials at its place: replicas
         // add the same numbers in the same order (bitwise-equal sums).
         let mut sum = PartialSum::new(self);
-        for (n, r) in (gs.replicas.iter().enumerate())
+        let exact = sum.exact();
+        let nodes: Vec<(usize, usize)> = (gs.replicas.iter().enumerate())
             .filter(|&(n, _)| members & membership::node(n) != 0)
             .map(|(n, &r)| (n, r))
-        {
+            .collect();
+        for &(n, r) in &nodes {
             if n == gs.node {
-                sum.add_own()?;
+                if !exact {
+                    sum.add_own()?;
+                }
                 continue;
             }
             let word = reg.word(lay.partial_ready(n));
             if let Some(o) = self.await_signal(word, stamp, r, members, (k, e), rounds)? {
                 return Ok(Some(o));
             }
+            if exact {
+                continue;
+            }
             if let Err(err) = sum.add_replica(r) {
+                return self.on_failure(err, r, n, (k, e), rounds).map(Some);
+            }
+        }
+        if exact {
+            if let Err((n, r, err)) = sum.add_exact(&nodes) {
+                if n == gs.node {
+                    return Err(err);
+                }
                 return self.on_failure(err, r, n, (k, e), rounds).map(Some);
             }
         }
@@ -517,6 +542,94 @@ impl<'w, 'a> PartialSum<'w, 'a> {
                 std::slice::from_raw_parts(reg.accum.as_ptr().cast::<u8>().add(src * 4), len * 4)
             };
             Self::add(&mut self.sum[dst..dst + len], own)?;
+        }
+        Ok(())
+    }
+
+    /// Deterministic mode: the sum is exact ([`PartialSum::add_exact`]).
+    fn exact(&self) -> bool {
+        self.w.reg.exact.is_some()
+    }
+
+    /// Deterministic mode: every node of `nodes` (node, rank: this rank's
+    /// own at its node) has its exact sums in; adds them as integers into
+    /// `reduced`, one run of elements at a time (every node's, read
+    /// one-sidedly, then the next run), read out once: the f32 nearest to
+    /// the exact sum over every node, so the same bits whichever node ran
+    /// which microbatch. Each node's f32 accumulator is read beside its
+    /// exact one for what did not fit the integer (infinities, NaNs).
+    /// An error names the node and rank whose read failed (the transport's
+    /// error as it is: the caller attributes it).
+    fn add_exact(
+        &mut self,
+        nodes: &[(usize, usize)],
+    ) -> std::result::Result<(), (usize, usize, Error)> {
+        use odc_kernels::cpu::exact::{add_exact, read_exact, BYTES_PER_ELEMENT as W};
+        let (reg, core) = (self.w.reg, self.w.core);
+        let me = reg.groups.node;
+        let own_rank = core.topo.rank();
+        let kernel = |n: usize, r: usize| {
+            move |e: odc_kernels::Error| {
+                (n, r, Error::protocol(None, format!("cross-node sum: {e}")))
+            }
+        };
+        let Some(exact) = &reg.exact else {
+            return Ok(());
+        };
+        let longest = self.runs.iter().map(|r| r.2).max().unwrap_or(0);
+        let chunk = (reg.ctrl_layout.chunk_bytes() / W)
+            .max(1)
+            .min(longest.max(1));
+        let mut fixed = vec![0i128; chunk];
+        let mut xbuf = vec![0u8; chunk * W];
+        let mut fbuf = vec![0f32; chunk];
+        for &(src, dst, len) in &self.runs {
+            let mut at = 0;
+            while at < len {
+                let n_el = chunk.min(len - at);
+                let (fixed, el) = (&mut fixed[..n_el], src + at);
+                fixed.fill(0);
+                let spill = &mut self.sum[dst + at..dst + at + n_el];
+                for &(n, r) in nodes {
+                    if n == me {
+                        // SAFETY: every push of the minibatch is added (the
+                        // done wait) and none of the next can arrive before
+                        // this rank publishes again: both accumulators are
+                        // stable; `el + n_el` is within them.
+                        let (x, o) = unsafe {
+                            (
+                                std::slice::from_raw_parts(
+                                    reg.exact_at(exact, el).cast::<u8>(),
+                                    n_el * W,
+                                ),
+                                std::slice::from_raw_parts(
+                                    reg.accum.as_ptr().cast::<f32>().add(el),
+                                    n_el,
+                                ),
+                            )
+                        };
+                        add_exact(fixed, spill, x, o).map_err(kernel(n, own_rank))?;
+                        continue;
+                    }
+                    let remote = reg.peer_accum[r].as_ref().ok_or_else(|| {
+                        (
+                            n,
+                            r,
+                            Error::protocol(None, format!("rank {r} published no accumulators")),
+                        )
+                    })?;
+                    let (x, o) = (&mut xbuf[..n_el * W], &mut fbuf[..n_el]);
+                    (core.transport.get(r, remote, exact.region_off + el * W, x))
+                        .and_then(|()| {
+                            core.transport
+                                .get(r, remote, el * 4, crate::bytes_of_mut(o))
+                        })
+                        .map_err(|e| (n, r, e))?;
+                    add_exact(fixed, spill, x, o).map_err(kernel(n, r))?;
+                }
+                read_exact(fixed, spill).map_err(kernel(me, own_rank))?;
+                at += n_el;
+            }
         }
         Ok(())
     }

@@ -680,7 +680,7 @@ impl<'e> Worker<'e> {
                 format!("the shard server rejected a push: {e}"),
             ));
         }
-        self.drain_exact()?;
+        self.read_exact()?;
         if reg.cross_node() {
             self.reduce_across_nodes(k)?;
         }
@@ -810,31 +810,34 @@ impl Worker<'_> {
     }
 
     /// Deterministic mode, once this rank's gradients of a minibatch are
-    /// final: reads every exact accumulator the daemon added into out into
-    /// the f32 one (what the optimizer, `read_grad_shard` and the other
-    /// nodes read) and zeroes it. Does nothing otherwise.
-    fn drain_exact(&self) -> Result<()> {
+    /// final: reads every exact accumulator the daemon added into since
+    /// the last read out into the f32 one (what the optimizer,
+    /// `read_grad_shard` and, for their spills, the other nodes read),
+    /// rounded once. The exact sums stay: a minibatch finished again
+    /// before a zeroing gives the exact sum of both, rounded once. Does
+    /// nothing otherwise.
+    fn read_exact(&self) -> Result<()> {
         let reg = self.reg;
         let Some(exact) = &reg.exact else {
             return Ok(());
         };
         for (b, bucket) in reg.buckets.iter().enumerate() {
             if !exact.touched[b].swap(false, Ordering::AcqRel) {
-                continue; // all zero: nothing to add
+                continue; // nothing added since the last read
             }
             let (acc, len) = reg.accum_ptr(b);
-            let fixed = exact.at(reg.accum_off[b]);
+            let fixed = reg.exact_at(exact, reg.accum_off[b]);
             // SAFETY: every client's done word reads this minibatch, so the
             // daemon has added (and acknowledged) every push of it and
             // touches neither accumulator until a push of the next one,
             // which follows this rank's next publish.
             let (fixed, acc) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(fixed, len),
+                    std::slice::from_raw_parts(fixed, len),
                     std::slice::from_raw_parts_mut(acc, len),
                 )
             };
-            odc_kernels::cpu::exact::drain_exact(fixed, acc)
+            odc_kernels::cpu::exact::read_exact(fixed, acc)
                 .map_err(|e| Error::protocol(Some(bucket.name()), e.to_string()))?;
         }
         Ok(())

@@ -56,6 +56,9 @@ pub(crate) struct Plan {
     /// Bytes of the accumulator region the replicas read (hybrid across
     /// nodes on a host transport), else 0.
     accum_region: usize,
+    /// Deterministic hybrid across nodes: the byte offset of the exact
+    /// accumulators in that region (the replicas read them too).
+    exact_off: Option<usize>,
     /// The node cache, where there is one.
     cache: Option<CacheLayout>,
     /// How gradients for owners on other nodes cross (resolved).
@@ -260,10 +263,17 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         0
     };
     let host_params_len = if on_device { 0 } else { params_len };
-    let accum_region = if groups.replicas.len() > 1 && !on_device {
-        accum_len * 4
-    } else {
-        0
+    let across = groups.replicas.len() > 1 && !on_device;
+    let exact_off =
+        (across && core.config.deterministic).then(|| (accum_len * 4).next_multiple_of(64));
+    let accum_region = match (across, exact_off) {
+        (false, _) => 0,
+        (true, None) => accum_len * 4,
+        // Saturating: a size beyond memory fails the room check or the
+        // allocation, which posts the failure for the peers.
+        (true, Some(off)) => accum_len
+            .saturating_mul(odc_kernels::cpu::exact::BYTES_PER_ELEMENT)
+            .saturating_add(off),
     };
     if let Err(e) = check_shm_room(
         core.transport.name(),
@@ -295,6 +305,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         reduced_len,
         host_params_len,
         accum_region,
+        exact_off,
         cache,
         cross_node,
         node_announce,
@@ -464,12 +475,19 @@ fn allocate(core: &Core, plan: &Plan) -> Result<Regions> {
             )
         };
         let exact = if core.config.deterministic {
-            let bytes = plan
-                .accum_len
-                .checked_mul(odc_kernels::cpu::exact::BYTES_PER_ELEMENT)
-                .ok_or_else(|| Error::Config("exact accumulator size overflows".into()))?;
+            let block = match plan.exact_off {
+                Some(_) => None, // in the accumulator region
+                None => {
+                    let bytes = plan
+                        .accum_len
+                        .checked_mul(odc_kernels::cpu::exact::BYTES_PER_ELEMENT)
+                        .ok_or_else(|| Error::Config("exact accumulator size overflows".into()))?;
+                    Some(HeapBlock::zeroed(bytes)?)
+                }
+            };
             Some(Exact {
-                block: HeapBlock::zeroed(bytes)?,
+                block,
+                region_off: plan.exact_off.unwrap_or(0),
                 touched: (0..plan.buckets.len())
                     .map(|_| AtomicBool::new(false))
                     .collect(),

@@ -48,7 +48,8 @@ pub(crate) struct Registered {
     /// each bucket); empty otherwise.
     pub(crate) reduced: HeapBlock,
     /// Deterministic mode: the exact fixed-point accumulators, which the
-    /// daemon adds into and `finish_minibatch` drains into `accum`.
+    /// daemon adds into and `finish_minibatch` reads out into `accum` (and
+    /// the cross-node sum adds across nodes); zeroed with `accum`.
     pub(crate) exact: Option<Exact>,
     /// Elements in all accumulators together.
     pub(crate) accum_len: usize,
@@ -229,22 +230,18 @@ impl NodeSums {
 
 /// Deterministic mode's exact accumulators: an `i128` per accumulator
 /// element, at the same element offsets as the f32 ones, and per bucket
-/// whether the daemon added into it since the last drain (so a minibatch
-/// drains only the buckets it pushed).
+/// whether the daemon added into it since the last read (so a finish reads
+/// out only the buckets it pushed). They hold the exact sum from one
+/// zeroing of the accumulator to the next, across minibatches.
 #[derive(Debug)]
 pub(crate) struct Exact {
-    pub(crate) block: HeapBlock,
+    /// Their own heap block; `None` under hybrid sharding over several
+    /// nodes, where they sit in the accumulator region from byte
+    /// `region_off` on, for the replicas to read (the cross-node sum adds
+    /// them as integers).
+    pub(crate) block: Option<HeapBlock>,
+    pub(crate) region_off: usize,
     pub(crate) touched: Vec<AtomicBool>,
-}
-
-impl Exact {
-    /// The `i128` of accumulator element `elem` (an element offset into
-    /// all accumulators, as `Registered::accum_off` gives them). The block
-    /// holds `accum_len` of them (sized at register), 64-byte aligned; the
-    /// caller keeps `elem` in range before reading through the pointer.
-    pub(crate) fn at(&self, elem: usize) -> *mut i128 {
-        self.block.as_ptr().cast::<i128>().wrapping_add(elem)
-    }
 }
 
 /// Where the accumulators live: plain heap memory, or (hybrid sharding over
@@ -335,6 +332,18 @@ impl Registered {
     /// f32 accumulator.
     pub(crate) fn accum_addr(&self, plane: &dyn Plane, b: usize, elem: usize) -> u64 {
         plane.accum() + ((self.accum_off[b] + elem) * 4) as u64
+    }
+
+    /// The `i128` of exact accumulator element `elem` (an element offset
+    /// into all accumulators, as `accum_off` gives them). The block holds
+    /// `accum_len` of them (sized at register), 64-byte aligned; the caller
+    /// keeps `elem` in range before reading through the pointer.
+    pub(crate) fn exact_at(&self, exact: &Exact, elem: usize) -> *mut i128 {
+        let base = match &exact.block {
+            Some(h) => h.as_ptr(),
+            None => self.accum.as_ptr().wrapping_add(exact.region_off),
+        };
+        base.cast::<i128>().wrapping_add(elem)
     }
 
     /// The accumulator of bucket `b` as a raw pointer and length.

@@ -1,5 +1,6 @@
 //! Deterministic accumulation: final gradient shards are the same bits
-//! whatever rank pushes which microbatch and in what order they arrive.
+//! whatever rank (on whatever node) pushes which microbatch, in what order
+//! they arrive, and over how many minibatches between two zeroings.
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns
 
 use std::sync::{Arc, Mutex};
@@ -33,20 +34,23 @@ fn gradient(m: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The rank that runs microbatch `m` in round `round`: any rank when the
-/// world is one node; otherwise always a rank of node `m % nodes`, as under
-/// hybrid sharding, where a plan assigns microbatches to nodes and stealing
-/// stays within the node.
+/// The rank that runs microbatch `m` in round `round`: a rank of node
+/// `(m + round) % nodes`, so that from round to round a microbatch moves
+/// between nodes (hybrid sharding: the cross-node sum is exact too) and
+/// between the ranks of a node.
 fn runner(m: usize, round: usize, world: usize, local: usize) -> usize {
     let nodes = world / local;
-    let node = m % nodes;
+    let node = (m + round) % nodes;
     node * local + (m / nodes + round) % local
 }
 
 /// One run: `world` ranks over `sharding`; in minibatch `k`, microbatch
 /// `m` goes to rank `runner(m, trial + k, ..)`, and ranks push their
 /// microbatches in an order and with delays that depend on `trial`.
-/// Returns every rank's gradient shard per minibatch.
+/// Minibatches 0 and 1 run every microbatch; minibatch 2 runs two thirds
+/// of them and is finished without a zeroing, and minibatch 3 runs the
+/// rest (a rerun continuing the sums). Returns every rank's gradient shard
+/// after minibatches 0, 1 and 3.
 fn run(trial: usize, world: usize, local: usize, sharding: Sharding) -> Vec<Vec<Vec<u32>>> {
     let cfg = EngineConfig {
         deterministic: true,
@@ -64,7 +68,7 @@ fn run(trial: usize, world: usize, local: usize, sharding: Sharding) -> Vec<Vec<
         let host = e.host().unwrap();
         let mut mine = Vec::new();
         let piece = e.bucket(w).unwrap().block_len();
-        for k in 0..2u64 {
+        for k in 0..4u64 {
             // A push of minibatch k follows the gather of version k, which
             // follows every owner's zeroing after minibatch k - 1.
             let shard = vec![0f32; piece];
@@ -74,6 +78,11 @@ fn run(trial: usize, world: usize, local: usize, sharding: Sharding) -> Vec<Vec<
                 .unwrap();
             let mut todo: Vec<usize> = (0..MICROBATCHES)
                 .filter(|&m| runner(m, trial + k as usize, world, local) == rank)
+                .filter(|&m| match k {
+                    2 => m % 3 != 0,
+                    3 => m % 3 == 0,
+                    _ => true,
+                })
                 .collect();
             if (trial + rank) % 2 == 1 {
                 todo.reverse();
@@ -87,6 +96,9 @@ fn run(trial: usize, world: usize, local: usize, sharding: Sharding) -> Vec<Vec<
                     .unwrap();
             }
             host.finish_minibatch(k).unwrap();
+            if k == 2 {
+                continue; // no zeroing: minibatch 3 continues the sums
+            }
             let mut g = vec![0f32; piece];
             host.read_grad_shard(w, &mut g).unwrap();
             mine.push(g.iter().map(|x| x.to_bits()).collect());
@@ -98,28 +110,23 @@ fn run(trial: usize, world: usize, local: usize, sharding: Sharding) -> Vec<Vec<
     got
 }
 
-/// What every run must give: per node, the exact sum of its microbatches'
-/// `0.5 · gradient` rounded once, and those summed in node order (one node
-/// under full sharding: the exact sum).
-fn expected(nodes: usize) -> Vec<f32> {
-    let mut total = vec![0f32; NUMEL];
-    for node in 0..nodes {
-        let (mut fixed, mut sum) = (vec![0i128; NUMEL], vec![0f32; NUMEL]);
-        for m in (0..MICROBATCHES).filter(|m| m % nodes == node) {
-            let g = gradient(m);
-            odc_kernels::cpu::exact::accumulate_exact(
-                &mut fixed,
-                &mut sum,
-                bytes_of(&g),
-                DType::F32,
-                0.5,
-            )
-            .unwrap();
-        }
-        odc_kernels::cpu::exact::drain_exact(&mut fixed, &mut sum).unwrap();
-        total.iter_mut().zip(sum).for_each(|(t, x)| *t += x);
+/// What every run must give: the exact sum of every microbatch's
+/// `0.5 · gradient`, rounded once, whatever the nodes.
+fn expected() -> Vec<f32> {
+    let (mut fixed, mut sum) = (vec![0i128; NUMEL], vec![0f32; NUMEL]);
+    for m in 0..MICROBATCHES {
+        let g = gradient(m);
+        odc_kernels::cpu::exact::accumulate_exact(
+            &mut fixed,
+            &mut sum,
+            bytes_of(&g),
+            DType::F32,
+            0.5,
+        )
+        .unwrap();
     }
-    total
+    odc_kernels::cpu::exact::read_exact(&fixed, &mut sum).unwrap();
+    sum
 }
 
 fn same_bits_in_every_run(world: usize, local: usize, sharding: Sharding) {
@@ -137,6 +144,10 @@ fn same_bits_in_every_run(world: usize, local: usize, sharding: Sharding) {
         per_rank.iter().all(|k| k[0] == k[1]),
         "two minibatches of the same sum differ"
     );
+    assert!(
+        per_rank.iter().all(|k| k[0] == k[2]),
+        "a sum split over two minibatches without a zeroing differs from one minibatch of it"
+    );
     // The bucket as the ranks hold it: every rank's shard (full), node 0's
     // shards (hybrid: every node holds the same), every rank's piece
     // (hybrid-zero: rank r's is block r of the bucket).
@@ -149,7 +160,7 @@ fn same_bits_in_every_run(world: usize, local: usize, sharding: Sharding) {
         .iter()
         .flat_map(|k| k[0].clone())
         .collect();
-    for (i, w) in expected(world / local).iter().enumerate() {
+    for (i, w) in expected().iter().enumerate() {
         assert_eq!(
             flat[i],
             w.to_bits(),

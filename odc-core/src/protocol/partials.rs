@@ -2,7 +2,8 @@
 //!
 //! At the end of minibatch `k` a rank announces `partial_ready = k` to its
 //! replicas (the ranks holding the same shards on the other nodes), reads
-//! each replica's accumulators once its `partial_ready` reads `k`, and
+//! each replica's accumulators (in deterministic mode its exact sums too)
+//! once its `partial_ready` reads `k`, and
 //! answers `partial_read = k`. The rule: this rank's accumulators change
 //! again (zeroing, or the pushes a next publish lets in) only after every
 //! other node read them.

@@ -462,7 +462,7 @@ impl Target<'_> {
 /// # Safety
 /// Only the server thread may call this, and it may hold one returned
 /// target at a time: the accumulators are written only by that thread while
-/// pushes are in flight (the worker reads, drains or zeroes them only after
+/// pushes are in flight (the worker reads or zeroes them only after
 /// `finish_minibatch`, ordered by the ack/done release-acquire chain).
 unsafe fn accum_range(reg: &Registered, b: usize, offset: usize, len: usize) -> Option<Target<'_>> {
     let bucket = reg.buckets.get(b)?;
@@ -475,12 +475,14 @@ unsafe fn accum_range(reg: &Registered, b: usize, offset: usize, len: usize) -> 
     let Some(exact) = &reg.exact else {
         return Some(Target::F32(acc));
     };
-    // Read by the drain after this add's acknowledgement and the done that
+    // Read by the finish after this add's acknowledgement and the done that
     // follows it.
     exact.touched[b].store(true, Ordering::Release);
     // SAFETY: the exact accumulator has the same element offsets and
     // lengths as the f32 one; exclusive per the caller's contract.
-    let fixed = unsafe { std::slice::from_raw_parts_mut(exact.at(reg.accum_off[b] + offset), len) };
+    let fixed = unsafe {
+        std::slice::from_raw_parts_mut(reg.exact_at(exact, reg.accum_off[b] + offset), len)
+    };
     Some(Target::Exact(fixed, acc))
 }
 

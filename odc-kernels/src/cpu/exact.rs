@@ -15,14 +15,15 @@
 //! unit, to nearest, ties to even; it must be smaller in magnitude than
 //! 2^[`LIMIT_LOG2`] (2^39 ≈ 5.5e11), else [`Error::OutOfRange`]. With that
 //! bound 2^16 contributions per element cannot overflow the `i128`.
-//! [`drain_exact`] reads the sum out as the f32 nearest to it (one
+//! [`read_exact`] reads the sum out as the f32 nearest to it (one
 //! rounding), which is at least as accurate as an f32 sum of the same
-//! terms.
+//! terms, and leaves the sum to go on; [`add_exact`] adds two sums
+//! exactly (the cross-node sum of deterministic hybrid sharding).
 //!
 //! Infinities and NaNs cannot be counted: they go into the f32 beside the
 //! integer (the accumulator the engine keeps anyway), as IEEE adds them.
 //! Sums of infinities and NaNs do not depend on order (+∞ with −∞ or any
-//! NaN gives NaN), and [`drain_exact`] writes every NaN as the one quiet
+//! NaN gives NaN), and [`read_exact`] writes every NaN as the one quiet
 //! NaN, so the bits do not depend on which NaN came first. A loss scaler
 //! that looks for infinities finds them where it would in an f32 sum.
 
@@ -132,18 +133,62 @@ fn add_units<X: Element>(fixed: &mut [i128], x: &[X], units: impl Fn(f32) -> Fix
     other
 }
 
-/// `out[i] = out[i] + sum_i` rounded to f32, where `sum_i` is `fixed[i]`
-/// read as a number (the f32 nearest to it); then `fixed[i] = 0`. `out`
-/// holds what [`accumulate_exact`] spilled (zero, or an infinity or NaN,
-/// which the sum does not change); every NaN comes out as `f32::NAN`.
+/// `out[i]` = `fixed[i]` read as a number (the f32 nearest to it: one
+/// rounding) where `out[i]` is finite; an infinity or NaN in `out[i]` (what
+/// [`accumulate_exact`] spilled, which no finite sum changes) stays, every
+/// NaN as `f32::NAN`. `fixed` is left as it is, so the sum goes on: more
+/// contributions and another read give the exact sum of all of them,
+/// rounded once. `out` holds zeros, spills or an earlier read of the same
+/// accumulator (finite: replaced).
 ///
 /// Errors with [`Error::LengthMismatch`] unless the lengths agree.
-pub fn drain_exact(fixed: &mut [i128], out: &mut [f32]) -> Result<()> {
-    check_len("drain_exact", out.len(), fixed.len())?;
-    for (f, o) in fixed.iter_mut().zip(out.iter_mut()) {
-        let sum = *o + from_fixed(*f);
-        *o = if sum.is_nan() { f32::NAN } else { sum };
-        *f = 0;
+pub fn read_exact(fixed: &[i128], out: &mut [f32]) -> Result<()> {
+    check_len("read_exact", out.len(), fixed.len())?;
+    for (&f, o) in fixed.iter().zip(out.iter_mut()) {
+        *o = if o.is_nan() {
+            f32::NAN
+        } else if o.is_infinite() {
+            *o
+        } else {
+            from_fixed(f)
+        };
+    }
+    Ok(())
+}
+
+/// `sum[i] += x[i]`, exactly: adds another accumulator's units (`x` as the
+/// little-endian bytes of `i128`s, as a one-sided read of a replica's exact
+/// accumulator delivers them, any alignment), and `spill[i] += s[i]` for
+/// every infinite or NaN `s[i]` of `other` (that replica's f32 accumulator
+/// after [`read_exact`]: its spills where they are not finite). The
+/// cross-node sum of deterministic hybrid sharding: every node's exact
+/// sum added as integers, so the total is the same bits whichever node ran
+/// which contribution.
+///
+/// Errors: [`Error::LengthMismatch`] unless the lengths agree (16 bytes per
+/// element); [`Error::ExactOverflow`] if an element's sum leaves the
+/// `i128`.
+pub fn add_exact(sum: &mut [i128], spill: &mut [f32], x: &[u8], other: &[f32]) -> Result<()> {
+    const OP: &str = "add_exact";
+    check_len(OP, x.len(), sum.len() * BYTES_PER_ELEMENT)?;
+    check_len(OP, other.len(), sum.len())?;
+    check_len(OP, spill.len(), sum.len())?;
+    for (i, (s, b)) in sum
+        .iter_mut()
+        .zip(x.chunks_exact(BYTES_PER_ELEMENT))
+        .enumerate()
+    {
+        let mut le = [0u8; BYTES_PER_ELEMENT];
+        le.copy_from_slice(b);
+        let v = i128::from_le_bytes(le);
+        *s = s
+            .checked_add(v)
+            .ok_or(Error::ExactOverflow { op: OP, index: i })?;
+    }
+    for (sp, &o) in spill.iter_mut().zip(other) {
+        if !o.is_finite() {
+            *sp += o;
+        }
     }
     Ok(())
 }
@@ -461,8 +506,7 @@ mod tests {
             let bytes: &[u8] = bytemuck::cast_slice(&chunks[c]);
             accumulate_exact(&mut fixed, &mut out, bytes, DType::F32, scale).unwrap();
         }
-        drain_exact(&mut fixed, &mut out).unwrap();
-        assert!(fixed.iter().all(|&f| f == 0));
+        read_exact(&fixed, &mut out).unwrap();
         out
     }
 
@@ -497,6 +541,67 @@ mod tests {
     }
 
     #[test]
+    fn a_read_leaves_the_sum_to_go_on_and_two_sums_add_exactly() {
+        let chunks: Vec<Vec<f32>> = (0..6).map(|c| values(129, 10 + c)).collect();
+        let all = sum_in_order(&[0, 1, 2, 3, 4, 5], &chunks, 0.25);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        // One accumulator read after three chunks, then three more and read
+        // again: the second read is the sum of all six, rounded once.
+        let (mut fixed, mut out) = (vec![0i128; 129], vec![0f32; 129]);
+        for c in [0, 1, 2] {
+            let b: &[u8] = bytemuck::cast_slice(&chunks[c]);
+            accumulate_exact(&mut fixed, &mut out, b, DType::F32, 0.25).unwrap();
+        }
+        read_exact(&fixed, &mut out).unwrap();
+        for c in [3, 4, 5] {
+            let b: &[u8] = bytemuck::cast_slice(&chunks[c]);
+            accumulate_exact(&mut fixed, &mut out, b, DType::F32, 0.25).unwrap();
+        }
+        read_exact(&fixed, &mut out).unwrap();
+        assert_eq!(bits(&out), bits(&all));
+        // Two accumulators over different chunks, added as integers: the
+        // same bits as one over all of them, however the chunks were split.
+        for split in [[0usize, 2, 4], [5, 1, 3]] {
+            let (mut a, mut sa) = (vec![0i128; 129], vec![0f32; 129]);
+            let (mut b, mut sb) = (vec![0i128; 129], vec![0f32; 129]);
+            for (c, chunk) in chunks.iter().enumerate() {
+                let (f, s) = if split.contains(&c) {
+                    (&mut a, &mut sa)
+                } else {
+                    (&mut b, &mut sb)
+                };
+                let x: &[u8] = bytemuck::cast_slice(chunk);
+                accumulate_exact(f, s, x, DType::F32, 0.25).unwrap();
+            }
+            read_exact(&b, &mut sb).unwrap();
+            let (mut spill, b_bytes) = (
+                vec![0f32; 129],
+                bytemuck::cast_slice::<i128, u8>(&b).to_vec(),
+            );
+            add_exact(&mut a, &mut spill, &b_bytes, &sb).unwrap();
+            read_exact(&a, &mut spill).unwrap();
+            assert_eq!(bits(&spill), bits(&all));
+        }
+    }
+
+    #[test]
+    fn a_cross_sum_keeps_the_spills_and_refuses_an_overflow() {
+        let (mut sum, mut spill) = (vec![5i128 << 72, 0], vec![0f32; 2]);
+        let other: Vec<i128> = vec![1 << 72, 0];
+        let x = bytemuck::cast_slice::<i128, u8>(&other).to_vec();
+        add_exact(&mut sum, &mut spill, &x, &[1.0, f32::NEG_INFINITY]).unwrap();
+        read_exact(&sum, &mut spill).unwrap();
+        assert_eq!(spill, [6.0, f32::NEG_INFINITY]);
+        let big = bytemuck::cast_slice::<i128, u8>(&[i128::MAX, 0]).to_vec();
+        let err = add_exact(&mut sum, &mut spill, &big, &[0.0, 0.0]).unwrap_err();
+        assert!(
+            matches!(err, Error::ExactOverflow { index: 0, .. }),
+            "{err}"
+        );
+        assert!(add_exact(&mut sum, &mut spill, &big[..16], &[0.0, 0.0]).is_err());
+    }
+
+    #[test]
     fn cancellation_is_exact() {
         // An f32 sum loses the 1.0 against 2^30; the integer sum does not.
         let xs = [2f32.powi(30), 1.0, -(2f32.powi(30))];
@@ -504,7 +609,7 @@ mod tests {
         for x in xs {
             accumulate_exact(&mut fixed, &mut out, &x.to_ne_bytes(), DType::F32, 1.0).unwrap();
         }
-        drain_exact(&mut fixed, &mut out).unwrap();
+        read_exact(&fixed, &mut out).unwrap();
         assert_eq!(out[0], 1.0);
     }
 
@@ -535,7 +640,7 @@ mod tests {
             1.0,
         )
         .unwrap();
-        drain_exact(&mut fixed, &mut out).unwrap();
+        read_exact(&fixed, &mut out).unwrap();
         assert_eq!(out[0], 3.5);
         // +inf then -inf: NaN, the one quiet NaN.
         assert_eq!(out[1].to_bits(), f32::NAN.to_bits());
@@ -566,6 +671,6 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, Error::LengthMismatch { .. }), "{err}");
-        assert!(drain_exact(&mut fixed, &mut out[..1]).is_err());
+        assert!(read_exact(&fixed, &mut out[..1]).is_err());
     }
 }

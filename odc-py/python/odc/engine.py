@@ -327,10 +327,14 @@ class Engine:
             :meth:`finish_minibatch` reads the integer sums out as the nearest
             f32s. Every ``|scale · x|`` must be below 2^39 (else
             :meth:`finish_minibatch` raises a ``ProtocolError`` naming the
-            bucket); infinities and NaNs propagate as in an f32 sum. Under
-            hybrid sharding the exact sums are per node and the nodes' sums
-            are added in node order, so the bits depend on which node ran
-            which contribution, not on which rank of the node or when.
+            bucket); infinities and NaNs propagate as in an f32 sum. The
+            integer sums go on until :meth:`zero_grad`: a minibatch finished
+            again without it reads out the exact sum of both, rounded once.
+            Under hybrid sharding across nodes the cross-node sum adds every
+            node's integer sums too (the replicas read them: 16 more bytes
+            per element of the accumulator region and of each cross-node
+            read), so the bits do not depend on which node ran which
+            contribution either.
             Host transports only; equal on every rank.
         cross_node: how gradients for owners on other nodes cross the
             network under full sharding: ``"direct"`` (every rank pushes its
@@ -1028,7 +1032,8 @@ class Engine:
                 time.sleep(0.0005)
 
     def zero_grad(self, bucket: BucketRef | None = None) -> None:
-        """Zeroes one accumulator, or all of them.
+        """Zeroes one accumulator, or all of them (under ``deterministic=True`` its exact sums too: until
+        then each :meth:`finish_minibatch` reads out the exact sum since the last zeroing).
 
         On ``cuda-ipc`` the zeroing runs after the work already on the
         current stream (the optimizer step that read the accumulator).
