@@ -187,7 +187,7 @@ def test_random_kill_points():
 TABLE = ((1, 2, 0, 1, 2, 1), (2, 1, 1, 2, 0, 1), (1, 0, 2, 1, 1, 2), (0, 2, 1, 1, 2, 1))
 
 
-def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False, rerun_victim=None):
+def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False, rerun_victim=None, deterministic=False):
     """FSDP2 HSDP under odc.fsdp with elastic=True and AdamW; `victim` is SIGKILLed after its first backward of
     step `at`. The loop normalizes by the plan's token count over the member nodes, and at the step that dropped
     a node rescales the gradients to the survivors' count (finish first, then look at the events)."""
@@ -196,7 +196,7 @@ def _fsdp_elastic(rank, world, store, victim, at, transport, rerun=False, rerun_
     H.init_pg(rank, world, store)
     model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60)
+    odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, deterministic=deterministic)
     raised = _train_through_a_death(model, opt, rank, world, victim, at, clip=model.parameters, rerun=rerun,
                                     rerun_victim=rerun_victim)
     if raised:
@@ -236,11 +236,14 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=Fals
             if not rerun:  # minibatches are steps (a rerun adds a minibatch)
                 assert odc.fsdp.dropped(model) == [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
             while rerun and (drops := odc.fsdp.dropped(model)):
+                # `ran`: what each rank ran since the step (a rerun continues the minibatch's sums, so a node
+                # dropped during it takes every microbatch it ran since the step out).
                 members = drops[-1]["members"]
                 lost = [it for r, its in sorted(ran.items()) if r // LOCAL not in members for it in its]
-                ran = {r: odc.fsdp.rerun_share(lost, members, r, LOCAL) for r in range(world)}
+                share = {r: odc.fsdp.rerun_share(lost, members, r, LOCAL) for r in range(world)}
+                ran = {r: ran.get(r, []) + share[r] for r in range(world) if r // LOCAL in members}
                 with odc.fsdp.minibatch(model):
-                    for r, m in ran[rank]:
+                    for r, m in share[rank]:
                         backward(s, r, m, norm)
                         if rank == rerun_victim:
                             os.kill(os.getpid(), signal.SIGKILL)
@@ -300,6 +303,29 @@ def test_fsdp2_hybrid_reruns_a_dead_nodes_microbatches_and_equals_one_process_on
     ref = _reference(dead, len(TABLE))  # every sample of every step
     for r in survivors[:LOCAL]:
         H.assert_shards_near(res[r][1]["shards"], ref, r % LOCAL, LOCAL)
+
+
+@pytest.mark.parametrize("second", [None, 4], ids=["one death", "a death during the rerun"])
+def test_a_deterministic_rerun_is_bitwise_the_run_without_the_death(second):
+    # deterministic=True: every node's sum is exact, the cross-node sum adds them as integers, and the rerun
+    # minibatch (run onto the gradients the loop left as installed) continues the exact sums, so the dead node's
+    # microbatches, rerun on other nodes, give the very bits of a run in which nobody died: every step's
+    # gradients, hence (same optimizer, same clip) the final parameters. With a second death during the rerun,
+    # node 0 reruns node 2's share as well and still ends with those bits.
+    victim, at = 3, 1
+    res = run_ranks(_fsdp_elastic, WORLD, timeout=240, victim=victim, at=at, transport="shm", rerun=True,
+                    rerun_victim=second, deterministic=True)
+    clean = run_ranks(_fsdp_elastic, WORLD, timeout=240, victim=None, at=at, transport="shm", rerun=True,
+                      deterministic=True)
+    alive = [0, 1] if second else [0, 1, 4, 5]
+    for r in alive:
+        assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
+        assert res[r][1]["events"], (r, res[r][1])  # a node was dropped and its microbatches rerun
+        assert clean[r][0] == "ok" and not clean[r][1]["events"], (r, clean[r])
+        assert res[r][1]["shards"] == clean[r][1]["shards"], f"rank {r}: not bitwise the run without the death"
+    ref = _reference(1, len(TABLE))  # and, within f32 rounding, one process on every sample
+    for r in (0, 1):
+        H.assert_shards_near(res[r][1]["shards"], ref, r, LOCAL)
 
 
 def test_a_death_during_a_rerun_is_rerun_too():

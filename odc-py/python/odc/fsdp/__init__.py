@@ -273,8 +273,11 @@ def enable(
             an f32 sum. Each microbatch's own gradient must itself be
             reproducible (the same kernels on the same hardware, e.g.
             ``torch.use_deterministic_algorithms(True)`` on GPU). Under
-            hybrid sharding the bits also depend on which node ran which
-            microbatch, which a plan fixes. See :class:`odc.Engine`.
+            hybrid sharding the cross-node sum is exact too, so the bits do
+            not depend on which node ran which microbatch, and a minibatch
+            run onto the gradients of the last one (a rerun,
+            :func:`dropped`) gives the bits of one minibatch of both. See
+            :class:`odc.Engine`.
         cross_node: under full sharding across nodes, how gradients for
             owners on other nodes cross the network: ``"direct"`` (every
             rank pushes its own, overlapped with the backward), ``"node"``
@@ -587,6 +590,12 @@ def minibatch(model: Any) -> Iterator[None]:
                 model(mb).sum().backward()
         optimizer.step(); optimizer.zero_grad()
 
+    Entered right after a finish, with no step and no ``zero_grad`` between
+    and the gradients as that finish installed them, the block continues that
+    minibatch's sums (a rerun, :func:`dropped`): ``.grad`` after it is what one
+    minibatch of both would have made (under ``deterministic=True`` the very
+    bits). Gradients changed in between (a clip) are added onto instead.
+
     An exception out of the block still finishes the minibatch, with the
     microbatches that ran before it, and warns that it did (``RuntimeWarning``):
     the peers are not left waiting, and the next block is the next minibatch.
@@ -669,15 +678,19 @@ def dropped(model: Any) -> list[dict[str, Any]]:
     when it dropped nothing, and without ``elastic``.
 
     To **rerun** what a drop left out instead of training without it, run the dropped nodes' microbatches of
-    that minibatch on the members in one more minibatch before the step, which adds onto the gradients
-    (``odc.fsdp.minibatch``, no ``zero_grad`` between), and again while that one drops a node::
+    that minibatch on the members in one more minibatch before the step (``odc.fsdp.minibatch``, no
+    ``zero_grad`` between), and again while that one drops a node. The rerun continues the minibatch's sums
+    (under ``deterministic=True`` exactly: the bits of the minibatch without the death), so a node dropped
+    during it takes out every microbatch it ran since the step; ``ran`` keeps them::
 
         odc.fsdp.finish(model)
         while drops := odc.fsdp.dropped(model):
             members = drops[-1]["members"]
-            gone = [it for node in {d["node"] for d in drops} for it in ran_on(node)]
+            lost = [mb for r, mbs in sorted(ran.items()) if r // ranks_per_node not in members for mb in mbs]
+            share = {r: odc.fsdp.rerun_share(lost, members, r, ranks_per_node) for r in ran}
+            ran = {r: ran[r] + share[r] for r in ran if r // ranks_per_node in members}
             with odc.fsdp.minibatch(model):
-                for mb in odc.fsdp.rerun_share(gone, members, rank, ranks_per_node):
+                for mb in share[rank]:
                     (loss(model, mb) / norm).backward()
         optimizer.step()
     """

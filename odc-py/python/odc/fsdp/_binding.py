@@ -42,6 +42,7 @@ class _Binding:
         self.state = Minibatch(model, groups, engine, layout)
         self.state.on_advance = self.admit  # every path into the next minibatch lets admitted nodes in
         self.grads = GradContract(self.state, groups)
+        self.state.may_continue = self.grads.unchanged_since_install
         self.reshard = reshard  # reshards every FSDP module of the model (FSDP2's or FSDP1's way)
         self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
         self.optimizers = 0  # optimizers hooked by enable
@@ -138,6 +139,7 @@ class _Binding:
             )
         s.check_not_broken("optimizer.step()")
         self.finish("optimizer.step()")
+        s.release_held()  # the step uses the gradients: the next minibatch starts from zero
 
     def after_step(self, which: int) -> None:
         """Optimizer ``which`` stepped; the next minibatch starts once every hooked optimizer has."""
@@ -157,6 +159,9 @@ class _Binding:
         s = self.state
         if s.engine.admitted is None:
             return
+        # A minibatch that continued the held sums starts on a new engine (zeroed accumulators): it adds onto
+        # the installed gradients instead.
+        s.continuing = False
         s.engine = s.engine.admit(replica_state(s.groups, self.optimizer_objs))
 
     def check_zero_grad(self) -> None:
@@ -172,6 +177,7 @@ class _Binding:
         s = self.state
         if not s.open:
             s.cleared = True
+            s.release_held()
         # Pending again, so that a rank with no microbatch in the next minibatch reads final gradients.
         self.grads.pend(s.version if s.open else s.version + 1)
 

@@ -192,6 +192,10 @@ class _Param:
     pending: DTensor | None = None  # the pending ``.grad`` of ``cell`` (made once per cell)
     restored: torch.Tensor | None = None  # what the reduce-scatter handed back to FSDP to add onto
     installed: torch.Tensor | None = None  # the local gradient the last finish installed
+    installed_version: int = -1  # its version counter then (an in-place change since moves it)
+    # What the first minibatch of the held sums added onto (a continuing minibatch installs that plus the sums):
+    held_base: torch.Tensor | None = None  # a copy of it, where it held anything but zeros
+    held_zeros: bool = False  # zeros (``zero_grad(set_to_none=False)``); neither: None
     hooked: Any = None  # the parameter object our post-accumulate-grad hook is on
     hook: Any = None  # its handle
 
@@ -314,6 +318,13 @@ class GradContract:
     def drop_base(self, cell: _Cell) -> None:
         """``zero_()`` on a pending gradient: forget what it accumulates onto (before any push)."""
         s = self.state
+        if s.continuing:
+            raise ProtocolError(
+                f"odc.fsdp: the gradient of {cell.rec.fqn} was zeroed in minibatch {cell.version}, which continues "
+                f"the sums of minibatch {cell.version - 1} (a minibatch run onto the gradients a finish installed, "
+                "with no step and no zero_grad between, continues them); to start from zero, call "
+                "optimizer.zero_grad() between the minibatches"
+            )
         if cell.version == s.version and s.open and s.pushed:
             raise ProtocolError(
                 f"odc.fsdp: the gradient of {cell.rec.fqn} was zeroed in the middle of minibatch {cell.version}, "
@@ -340,7 +351,8 @@ class GradContract:
     def finish(self, reason: str, install: bool = True) -> None:
         """Ends the running minibatch: the engine's finish (this rank's gradient shards final), the shards
         installed as ``.grad`` (``install``; not when :func:`odc.fsdp.disable` tears down or an evaluation
-        block ends), then the accumulators cleared, which opens them for the next minibatch's pushes.
+        block ends), then the accumulators held (:meth:`Minibatch.hold`: the step or ``zero_grad`` clears
+        them, which opens them for the next minibatch's pushes, or the next minibatch continues their sums).
 
         Raises:
             ProtocolError: the loop left ``odc.fsdp.microbatches`` with microbatches of this rank's own list
@@ -350,33 +362,77 @@ class GradContract:
         if not s.open:
             return
         left = s.end(reason, check=install)
-        if install:
-            self.install([s.engine.grad_shard(g.name) for g in s.groups])
-        s.clear()
+        try:
+            if install:
+                self.install([s.engine.grad_shard(g.name) for g in s.groups])
+        finally:
+            if install:
+                s.hold()  # the next minibatch may continue the sums (a rerun); a step or zero_grad clears them
+            else:
+                s.clear()
+            s.continuing = False
         if left:
             raise s.left_early(left)
 
     def install(self, accums: list[torch.Tensor]) -> None:
-        """The minibatch finished: each ``.grad`` becomes the final gradient (accumulator slice + base)."""
-        version = self.state.version
+        """The minibatch finished: each ``.grad`` becomes the final gradient (accumulator slice + base).
+
+        A minibatch that continues the held sums of the last one (:meth:`unchanged_since_install`) has the
+        sum of both in its accumulators: ``.grad`` becomes what the first one added onto plus that sum (in
+        place, by the same operations), not the first one's gradient plus it again.
+        """
+        s = self.state
+        version = s.version
+        bases = []
         for rec in self.params:
-            p = rec.param
-            g = p.grad
-            cell = _pending_cell(g)
-            base = cell.base if cell is not None and cell.real is None else _local(g)
+            cell = _pending_cell(rec.param.grad)
+            base = cell.base if cell is not None and cell.real is None else _local(rec.param.grad)
+            if s.continuing and base is not rec.installed:
+                raise ProtocolError(
+                    f"odc.fsdp: the gradient of {rec.fqn} was replaced or cleared during minibatch {version}, which "
+                    f"continues the sums of minibatch {version - 1}: its gradient cannot be taken out of them. Clear "
+                    "gradients with optimizer.zero_grad() between minibatches"
+                )
+            bases.append((rec, cell, base))
+        for rec, cell, base in bases:
             shape = rec.fp.sharded_size
             src = accums[rec.group][rec.offset : rec.offset + rec.numel].view(shape)
-            if base is not None:  # noqa: SIM108 - each branch has its reason
+            if s.continuing:
+                # What the first of the continued minibatches would have installed, had it run them all.
+                assert base is not None
+                if rec.held_base is not None:
+                    final = base.copy_(rec.held_base.clone().add_(src))
+                elif rec.held_zeros:
+                    final = base.zero_().add_(src)
+                else:
+                    final = base.copy_(src)
+            elif base is not None:
+                # Zeros (zero_grad(set_to_none=False)) need no copy to be added onto again.
+                rec.held_zeros = not bool(torch.count_nonzero(base))
+                rec.held_base = None if rec.held_zeros else base.clone()
                 final = base.add_(src)
             else:
+                rec.held_base, rec.held_zeros = None, False
                 # A copy: the accumulator is zeroed next and refilled by the next minibatch.
                 final = src.to(device=rec.device, dtype=rec.dtype, copy=True)
-            p.grad = rec.fp.to_sharded_dtensor(final)
+            rec.param.grad = rec.fp.to_sharded_dtensor(final)
             rec.installed = final
+            rec.installed_version = final._version
             for c in (cell, rec.cell):
                 if c is not None and c.real is None and c.version == version:
                     c.real = final
             rec.pending = None
+
+    def unchanged_since_install(self) -> bool:
+        """Every ``.grad`` is still what the last finish installed, unchanged in place (no clip, no unscale,
+        not replaced): a minibatch run onto them continues the held sums."""
+        return bool(self.params) and all(
+            rec.installed is not None
+            and _pending_cell(rec.param.grad) is None
+            and _local(rec.param.grad) is rec.installed
+            and rec.installed._version == rec.installed_version
+            for rec in self.params
+        )
 
     def stepped_twice(self) -> bool:
         """Every ``.grad`` is still what the last finish installed (no backward, no zero_grad since)."""

@@ -2,8 +2,9 @@
 protocol's steps in the order a loop drives them.
 
 ``begin`` (every gather and push: the first one of a minibatch publishes this rank's parameters) →
-``end`` (the engine's finish: this rank's gradient shards are final) → ``clear`` (the accumulators zeroed,
-which opens them for the next minibatch's pushes) → ``advance`` (the next minibatch). It knows nothing of
+``end`` (the engine's finish: this rank's gradient shards are final) → ``hold`` (the accumulators keep
+their sums until the step or zero_grad clears them, which opens them for the next minibatch's pushes, or
+the next minibatch continues them) → ``advance`` (the next minibatch). It knows nothing of
 ``.grad`` (the gradient contract, :mod:`._grads`, drives ``end`` and ``clear`` around its install), of the
 optimizer hooks or of FSDP2's seams (:mod:`._binding`, :mod:`._seams`): those call into it, never the other
 way round. It reads FSDP2 only through :mod:`._private`'s groups.
@@ -54,6 +55,12 @@ class Minibatch:
         self.broken = ""  # why a minibatch was left without its finish (an exception it could not finish after)
         self.iterated: dict[int, int] = {}  # minibatch -> length of this rank's own list in odc.fsdp.microbatches
         self.on_advance: Any = None  # called once the next minibatch started (elastic: admits restarted nodes)
+        # A finish holds the sums in the accumulators instead of clearing them; the step or zero_grad clears
+        # them, and a minibatch run onto the gradients the loop left as installed (no step, no zero_grad, no
+        # change: a rerun) continues them (``may_continue`` says): under deterministic=True exactly.
+        self.held = False
+        self.continuing = False  # the running minibatch continues the last one's sums
+        self.may_continue: Any = None
         #: The parameters that trained at enable (ODC laid out gradients for them).
         self.trained = {id(fp) for g in groups for fp in g.pg.fsdp_params if fp.sharded_param.requires_grad}
 
@@ -195,11 +202,33 @@ class Minibatch:
         in their landing slots until now, are added from here on."""
         self.engine.zero_grad()
         self.pushed = False
+        self.held = False
+
+    def hold(self) -> None:
+        """After a finish: the accumulators keep the minibatch's sums (not zeroed yet; they open at the next
+        minibatch's publish), so that a minibatch run onto its gradients adds into them (:meth:`advance`):
+        under ``deterministic=True`` exactly, so the result is the bits of one minibatch of both; and a node
+        dropped during that minibatch takes its microbatches of both out. The step or a zero_grad clears
+        them first."""
+        self.pushed = False
+        self.held = True
+
+    def release_held(self) -> None:
+        """The held sums are spent (a step used the gradients, or zero_grad dropped them): cleared."""
+        if self.held:
+            self.clear()
 
     def advance(self) -> None:
         """Starts the next minibatch (after :meth:`end`); its first operation publishes its parameters."""
         if self.open:
             return
+        if self.held:
+            # Held, with no step and no zero_grad since: continue the sums if the gradients are as installed
+            # (else clear them: the next install adds onto the gradients as the loop left them).
+            self.continuing = self.may_continue is not None and bool(self.may_continue())
+            if not self.continuing:
+                self.clear()
+            self.held = False
         self.version += 1
         self.published = False
         self.open = True
