@@ -173,6 +173,9 @@ pub fn add_exact(sum: &mut [i128], spill: &mut [f32], x: &[u8], other: &[f32]) -
     check_len(OP, x.len(), sum.len() * BYTES_PER_ELEMENT)?;
     check_len(OP, other.len(), sum.len())?;
     check_len(OP, spill.len(), sum.len())?;
+    // One pass without an early exit; an overflow (which leaves `sum`
+    // wrapped: the caller fails) is reported after it.
+    let mut overflow = None;
     for (i, (s, b)) in sum
         .iter_mut()
         .zip(x.chunks_exact(BYTES_PER_ELEMENT))
@@ -180,10 +183,14 @@ pub fn add_exact(sum: &mut [i128], spill: &mut [f32], x: &[u8], other: &[f32]) -
     {
         let mut le = [0u8; BYTES_PER_ELEMENT];
         le.copy_from_slice(b);
-        let v = i128::from_le_bytes(le);
-        *s = s
-            .checked_add(v)
-            .ok_or(Error::ExactOverflow { op: OP, index: i })?;
+        let (v, o) = s.overflowing_add(i128::from_le_bytes(le));
+        *s = v;
+        if o && overflow.is_none() {
+            overflow = Some(i);
+        }
+    }
+    if let Some(index) = overflow {
+        return Err(Error::ExactOverflow { op: OP, index });
     }
     for (sp, &o) in spill.iter_mut().zip(other) {
         if !o.is_finite() {
