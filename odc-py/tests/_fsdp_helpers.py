@@ -817,6 +817,69 @@ def hybrid_reference(plan, world, per_node, dead, out):
     return ref.state_dict()
 
 
+def exact_sum_f32(grads, scale):
+    """What deterministic accumulation must give, computed apart from it: each ``scale · g`` (f32 tensors, one per
+    microbatch) rounded to nearest-even units of 2^-72, the units added as Python integers, the sum rounded once to
+    the nearest f32 (ties to even). Independent of ODC's kernels: numpy's rint and Python's integers."""
+    import numpy as np
+
+    shape = grads[0].shape
+    scale64 = np.float64(np.float32(scale))
+    total = [0] * grads[0].numel()
+    for g in grads:
+        units = np.rint(g.detach().double().numpy().reshape(-1) * scale64 * 2.0**72)  # exact: integers in f64
+        for i, u in enumerate(units.tolist()):
+            total[i] += int(u)
+
+    def nearest(units):
+        if units == 0:
+            return 0.0
+        a = abs(units)
+        shift = a.bit_length() - 24
+        if shift > 0:
+            q, r = divmod(a, 1 << shift)
+            half = 1 << (shift - 1)
+            q += r > half or (r == half and q & 1)
+            a, exp = q, shift - 72
+        else:
+            exp = -72
+        return math.copysign(math.ldexp(a, exp), units)
+
+    return torch.tensor([nearest(u) for u in total], dtype=torch.float32).view(shape)
+
+
+def exact_reference(plan, world, max_norm, exact=True):
+    """One process on every rank's samples of ``plan`` (``plan[s][r]`` microbatches of ``data(s, m, r)``), each
+    step's gradient the exact sum of every microbatch's (:func:`exact_sum_f32`, scaled by 1/world as FSDP's
+    average is), then torch's clip at ``max_norm`` and AdamW: what ``deterministic=True`` must equal bit for bit
+    where the clip does not clip (a coefficient of 1.0 changes no bit). One thread, as the ranks compute.
+    ``exact=False``: the same with the microbatches' scaled gradients added in f32 in order instead."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        ref = Tiny()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+        for s, counts in enumerate(plan):
+            norm = 27 * sum(counts)
+            per_mb = []
+            for r in range(world):
+                for m in range(counts[r]):
+                    ref.zero_grad(set_to_none=True)
+                    (sample_loss(ref, data(s, m, r)) / norm * world).backward()
+                    per_mb.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+            scale = torch.tensor(1.0 / world, dtype=torch.float32)
+            for n, p in ref.named_parameters():
+                gs = [g[n] for g in per_mb]
+                p.grad = exact_sum_f32(gs, 1.0 / world) if exact else sum(g * scale for g in gs[1:]) + gs[0] * scale
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+            opt.step()
+            opt.zero_grad()
+        return ref.state_dict()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def assert_shards_near(shards, ref, index, per_node, tol=1e-5):
     """A rank's shards (``local_shards``) are dim-0 chunk ``index`` of ``per_node`` of the reference's, within
     ``tol``."""
