@@ -29,9 +29,9 @@ def _value(rank: int, k: int) -> float:
     return float((rank + 1) * (k + 1))
 
 
-def _elastic(rank, world, store, victim, at, where, delay, transport, whole_node=False):
+def _elastic(rank, world, store, victim, at, where, delay, transport, whole_node=False, deterministic=False):
     eng = odc.Engine(store, rank, world, local_world_size=LOCAL, timeout=30, job_key=f"pytest-{os.getppid()}",
-                     transport=transport, sharding="hybrid", elastic=True)
+                     transport=transport, sharding="hybrid", elastic=True, deterministic=deterministic)
     eng.register([odc.Bucket("w", NUMEL, torch.float32)])
     sl, me = eng.bucket("w")["shard_len"], rank % LOCAL
     pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
@@ -158,7 +158,9 @@ def test_elastic_outside_hybrid_sharding_is_refused_by_name(sharding):
 def test_random_kill_points():
     """``ODC_ELASTIC_KILLS`` runs (default 1; ``ODC_ELASTIC_SEED`` picks them), each killing a random rank at a
     random point of a random minibatch: before its publish, after its pushes, or a random time into its
-    finish_minibatch (the cross-node sum and the round included). Nothing lost, nothing counted twice, no hang."""
+    finish_minibatch (the cross-node sum and the round included). Nothing lost, nothing counted twice, no hang.
+    Every second run under ``deterministic=True`` (the cross-node sum of the exact sums, voided and summed again
+    over the survivors alike)."""
     import random
 
     runs = int(os.environ.get("ODC_ELASTIC_KILLS", "1"))
@@ -170,7 +172,8 @@ def test_random_kill_points():
         # after it returned (the death then counts from the next minibatch).
         where, delay = rng.choice(["start", "pushed", "finish"]), rng.uniform(0.0, rng.choice([0.003, 0.05]))
         transport = rng.choice(["shm", "mixed"])
-        case = {"victim": victim, "at": at, "where": where, "delay": round(delay, 4), "transport": transport}
+        case = {"victim": victim, "at": at, "where": where, "delay": round(delay, 4), "transport": transport,
+                "deterministic": i % 2 == 1}
         res = run_ranks(_elastic, WORLD, timeout=120, **case)
         try:
             recovery = _check_run(res, victim, at)

@@ -556,8 +556,10 @@ impl<'w, 'a> PartialSum<'w, 'a> {
     /// `reduced`, one run of elements at a time (every node's, read
     /// one-sidedly, then the next run), read out once: the f32 nearest to
     /// the exact sum over every node, so the same bits whichever node ran
-    /// which microbatch. Each node's f32 accumulator is read beside its
-    /// exact one for what did not fit the integer (infinities, NaNs).
+    /// which microbatch. Each node's f32 accumulator (zeros and spills: the
+    /// finish does not read the exact sums out into it across nodes) is
+    /// read beside its exact one for what did not fit the integer
+    /// (infinities, NaNs).
     /// An error names the node and rank whose read failed (the transport's
     /// error as it is: the caller attributes it).
     fn add_exact(

@@ -680,9 +680,12 @@ impl<'e> Worker<'e> {
                 format!("the shard server rejected a push: {e}"),
             ));
         }
-        self.read_exact()?;
         if reg.cross_node() {
+            // Deterministic: the cross-node sum reads every node's exact
+            // sums itself (this rank's f32 accumulator keeps only spills).
             self.reduce_across_nodes(k)?;
+        } else {
+            self.read_exact()?;
         }
         Ok(())
     }
@@ -809,11 +812,11 @@ impl Worker<'_> {
         Ok(())
     }
 
-    /// Deterministic mode, once this rank's gradients of a minibatch are
-    /// final: reads every exact accumulator the daemon added into since
-    /// the last read out into the f32 one (what the optimizer,
-    /// `read_grad_shard` and, for their spills, the other nodes read),
-    /// rounded once. The exact sums stay: a minibatch finished again
+    /// Deterministic mode on one node, once this rank's gradients of a
+    /// minibatch are final: reads every exact accumulator the daemon added
+    /// into since the last read out into the f32 one (what the optimizer
+    /// and `read_grad_shard` read), rounded once. (Across nodes the
+    /// cross-node sum reads the exact sums instead.) The exact sums stay: a minibatch finished again
     /// before a zeroing gives the exact sum of both, rounded once. Does
     /// nothing otherwise.
     fn read_exact(&self) -> Result<()> {

@@ -158,9 +158,10 @@ pub fn read_exact(fixed: &[i128], out: &mut [f32]) -> Result<()> {
 
 /// `sum[i] += x[i]`, exactly: adds another accumulator's units (`x` as the
 /// little-endian bytes of `i128`s, as a one-sided read of a replica's exact
-/// accumulator delivers them, any alignment), and `spill[i] += s[i]` for
-/// every infinite or NaN `s[i]` of `other` (that replica's f32 accumulator
-/// after [`read_exact`]: its spills where they are not finite). The
+/// accumulator delivers them, any alignment), and `spill[i] += o[i]` for
+/// every infinite or NaN `o[i]` of `other` (that replica's f32 accumulator,
+/// which [`accumulate_exact`] spilled into; its finite values, zeros or an
+/// earlier [`read_exact`], are skipped). The
 /// cross-node sum of deterministic hybrid sharding: every node's exact
 /// sum added as integers, so the total is the same bits whichever node ran
 /// which contribution.
@@ -295,32 +296,27 @@ fn shifted(mant: u128, shift: i32, negative: bool) -> i128 {
 /// The f32 nearest to `units · 2^-72`, ties to even.
 fn from_fixed(units: i128) -> f32 {
     const SCALE: f32 = f32::from_bits((127 - FRAC_BITS) << 23); // 2^-72
-                                                                // Most gradients are below 2^-9 (2^63 units): the hardware's i64
-                                                                // conversion rounds to nearest, ties to even, and the scaling is exact.
+                                                                // Below 2^-9 (2^63 units): the hardware's i64 conversion rounds to
+                                                                // nearest, ties to even, and the scaling is exact.
     if let Ok(small) = i64::try_from(units) {
         return small as f32 * SCALE;
     }
+    // Above: the top 63 bits, with every bit shifted out OR-ed into the
+    // lowest (a sticky bit, 39 places below the f32's rounding point, so
+    // that a tie stays a tie only where it is one), converted by the
+    // hardware the same way, then scaled by 2^(shift - 72) exactly.
     let m = units.unsigned_abs();
-    // m lies in [2^top, 2^(top + 1)), top <= 127.
-    let mut top = 127 - m.leading_zeros() as i32;
-    let mant = if top <= 23 {
-        (m as u32) << (23 - top)
+    let shift = 65 - m.leading_zeros(); // 128 - lz - 63, in 1..=65
+    let sticky = u64::from(m & ((1u128 << shift) - 1) != 0);
+    let top = ((m >> shift) as u64 | sticky) as f32;
+    // 2^(shift - 72), a normal f32 (exponent -71..=-7).
+    let pow = f32::from_bits((127 + shift - FRAC_BITS) << 23);
+    let v = top * pow;
+    if units < 0 {
+        -v
     } else {
-        let s = (top - 23) as u32;
-        let whole = (m >> s) as u32;
-        let rest = m & ((1u128 << s) - 1);
-        let half = 1u128 << (s - 1);
-        let mut mant = whole + u32::from(rest > half || (rest == half && whole & 1 == 1));
-        if mant == 1 << 24 {
-            mant >>= 1;
-            top += 1;
-        }
-        mant
-    };
-    // The value is mant · 2^(top - 23 - 72): a normal f32 with biased
-    // exponent top - 72 + 127, in 55..=182 for top in 0..=127.
-    let biased = (top - FRAC_BITS as i32 + 127) as u32;
-    f32::from_bits(u32::from(units < 0) << 31 | biased << 23 | (mant & 0x7f_ffff))
+        v
+    }
 }
 
 #[cfg(test)]
