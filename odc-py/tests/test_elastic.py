@@ -335,6 +335,91 @@ def test_a_deterministic_rerun_is_bitwise_one_process_on_every_sample(second):
             assert torch.equal(got, want), (r, name, (got != want).sum().item(), (got - want).abs().max().item())
 
 
+def _fsdp_rerun_iterator(rank, world, store, victim, at, second, elastic, rerun_by_hand=False):
+    """FSDP2 HSDP with ``elastic=`` and deterministic sums; the loop iterates ``odc.fsdp.microbatches`` over the
+    whole plan at every step (the dead node's lists included), normalized by every rank's tokens. `victim` is
+    SIGKILLed after its first backward of step `at`, `second` after its first backward of the rerun (the iterator
+    yields it once the finish dropped a node). Returns the shards and events, or what a rank raised."""
+    H.as_nodes(LOCAL, "shm")
+    H.init_pg(rank, world, store)
+    model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    odc.fsdp.enable(model, opt, sharding="hybrid", elastic=elastic, timeout=60, deterministic=True)
+    yielded = []
+    try:
+        for s, plan in enumerate(TABLE):
+            norm = 27 * sum(plan)
+            lists = [[(r, m) for m in range(plan[r])] for r in range(world)]
+            for r, m in odc.fsdp.microbatches(model, lists):
+                yielded.append((s, r, m))
+                (H.sample_loss(model, H.data(s, m, r)) / norm * world).backward()
+                if rank == victim and s == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if rank == second and s == at and odc.fsdp.elastic_events(model):
+                    os.kill(os.getpid(), signal.SIGKILL)
+            odc.fsdp.clip_grad_norm_(model.parameters(), 1e9)
+            opt.step()
+            opt.zero_grad()
+    except (odc.NodeDropped, odc.PeerDied, odc.ConfigError, odc.ProtocolError) as e:
+        return {"raised": type(e).__name__, "message": str(e), "yielded": yielded}
+    return {"shards": H.local_shards(model), "events": odc.fsdp.elastic_events(model), "yielded": yielded}
+
+
+@pytest.mark.parametrize("second", [None, 4], ids=["one death", "a death during the rerun"])
+def test_elastic_rerun_reruns_inside_the_iterator_bitwise_one_process(second):
+    # enable(..., elastic="rerun"): the loop is the plain odc.fsdp.microbatches loop, unchanged by deaths. The
+    # iterator's end finishes the minibatch and, while that drops a node, yields this rank's share of what the
+    # dropped nodes ran since the step; later steps spread the dead node's lists over the members up front. Every
+    # sample of every step trains: bit for bit one process with exact sums (deterministic=True).
+    victim, at = 3, 1
+    res = run_ranks(_fsdp_rerun_iterator, WORLD, timeout=240, victim=victim, at=at, second=second,
+                    elastic="rerun")
+    ref = H.exact_reference(TABLE, WORLD, 1e9)
+    alive = [0, 1] if second else [0, 1, 4, 5]
+    ran = sorted(it for r in alive for it in res[r][1]["yielded"])
+    for r in alive:
+        assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
+        for name, shard in res[r][1]["shards"].items():
+            want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
+            assert torch.equal(torch.tensor(shard), want), (r, name)
+    # The survivors ran the dead nodes' microbatches of the later steps themselves (spread up front).
+    later = {(s, r, m) for s in range(at + 1, len(TABLE)) for r in range(WORLD) for m in range(TABLE[s][r])}
+    assert later <= set(ran), sorted(later - set(ran))
+
+
+def test_elastic_rerun_refuses_a_step_that_left_dropped_microbatches_out_and_drop_refuses_lists_of_dead_nodes():
+    victim, at = 3, 1
+    # A loop of its own that does not rerun, under elastic="rerun": the step after the drop is refused.
+    res = run_ranks(_fsdp_elastic_loop_without_rerun, WORLD, timeout=240, victim=victim, at=at)
+    for r in (0, 1, 4, 5):
+        assert res[r][0] == "ok" and res[r][1].get("raised") == "ProtocolError", (r, res[r])
+        assert "elastic='rerun'" in res[r][1]["message"] and "[1]" in res[r][1]["message"], res[r][1]
+    # elastic=True (drop): the next step's lists still hold the dead node's microbatches: refused by name.
+    res = run_ranks(_fsdp_rerun_iterator, WORLD, timeout=240, victim=victim, at=at, second=None, elastic=True)
+    for r in (0, 1, 4, 5):
+        assert res[r][0] == "ok" and res[r][1].get("raised") == "ConfigError", (r, res[r])
+        assert "ranks [2, 3]" in res[r][1]["message"] and "would run nowhere" in res[r][1]["message"], res[r][1]
+
+
+def _fsdp_elastic_loop_without_rerun(rank, world, store, victim, at):
+    H.as_nodes(LOCAL, "shm")
+    H.init_pg(rank, world, store)
+    model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    odc.fsdp.enable(model, opt, sharding="hybrid", elastic="rerun", timeout=60)
+    try:
+        for s, plan in enumerate(TABLE):
+            for m in range(plan[rank]):
+                (H.sample_loss(model, H.data(s, m, rank)) / 27).backward()
+                if rank == victim and s == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            opt.step()
+            opt.zero_grad()
+    except (odc.NodeDropped, odc.PeerDied, odc.ProtocolError) as e:
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None}
+
+
 def test_a_death_during_a_rerun_is_rerun_too():
     # Rank 3 dies at step 1 (node 1 dropped); its node's microbatches of step 1 rerun on nodes 0 and 2, and rank 4
     # dies after its first rerun backward (node 2 dropped from the rerun minibatch; node 2's step-1 gradients were

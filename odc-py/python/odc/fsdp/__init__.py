@@ -171,7 +171,7 @@ from ._private import (
 )
 from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
 from ._state import _NORM_BUCKET
-from ._steal import microbatches
+from ._steal import microbatches, rerun_share
 from ._transport import _param_device, _pick_transport
 
 __all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
@@ -194,7 +194,7 @@ def enable(
     transport: str | None = None,
     deterministic: bool = False,
     cross_node: str | None = None,
-    elastic: bool = False,
+    elastic: bool | str = False,
     store: Any = None,
 ) -> None:
     """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
@@ -290,12 +290,21 @@ def enable(
         elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
             dies: its node is dropped at the end of that minibatch, the other
             nodes' gradients are summed without its microbatches of that
-            minibatch (they are dropped), and training continues on the
-            surviving nodes; the dead node's other ranks raise
-            :class:`odc.NodeDropped` (or :class:`odc.PeerDied`) and should
-            exit. :func:`elastic_events` says what was dropped, so a loop can
-            renormalize by the survivors' token count (call :func:`finish`
-            before the optimizer step to look). Refused under ``"full"`` and
+            minibatch, and training continues on the surviving nodes; the
+            dead node's other ranks raise :class:`odc.NodeDropped` (or
+            :class:`odc.PeerDied`) and should exit. ``True`` or ``"drop"``:
+            the dead node's microbatches are dropped; :func:`elastic_events`
+            says what was dropped, so a loop can renormalize by the
+            survivors' token count (call :func:`finish` before the optimizer
+            step to look). ``"rerun"``: nothing is dropped. A loop on
+            :func:`microbatches` gets the dead node's microbatches rerun on
+            the member nodes by the iterator itself (the iteration's end
+            finishes the minibatch and, while that drops a node, yields this
+            rank's share of what the dropped nodes ran, continuing the
+            minibatch), and the microbatches of nodes dropped earlier are
+            spread over the members up front; a loop of its own reruns them
+            with :func:`dropped`, and a step on gradients that left dropped
+            microbatches out is refused. Refused under ``"full"`` and
             ``"hybrid-zero"``, where one copy of a shard or of its optimizer
             state dies with its rank. A restarted node comes back through
             :func:`rejoin`; the members let it in as their next minibatch
@@ -339,6 +348,7 @@ def enable(
             "'hybrid' (shard within a node, 2-D (replicate, shard) mesh) or 'hybrid-zero' (shard within a "
             "node, optimizer state over every rank, 1-D mesh)"
         )
+    _check_elastic(elastic, "odc.fsdp.enable")
     if elastic and sharding != "hybrid":
         raise ConfigError(
             f"odc.fsdp.enable: elastic=True needs sharding='hybrid' (a whole replica of the parameters and "
@@ -382,13 +392,13 @@ def enable(
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":
         engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid",
-                        elastic=elastic, **kw)
+                        elastic=bool(elastic), **kw)
     elif layout.sharding == "hybrid-zero":
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, sharding="hybrid-zero", **kw)
     else:
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, **kw)
     engine.register(_buckets(groups, layout.shards))
-    _attach(model, optimizers, groups, engine, layout, fsdp1)
+    _attach(model, optimizers, groups, engine, layout, fsdp1, rerun=elastic == "rerun")
 
 
 def _buckets(groups: list[Any], ws: int) -> list[Bucket]:
@@ -396,10 +406,17 @@ def _buckets(groups: list[Any], ws: int) -> list[Bucket]:
     return [Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)]
 
 
+def _check_elastic(elastic: Any, what: str) -> None:
+    if elastic not in (False, True, "drop", "rerun"):
+        raise ConfigError(f"{what}: elastic={elastic!r}; use True or 'drop' (a dead node's microbatches of the "
+                          "minibatch are dropped), 'rerun' (they run again on the other nodes) or False")
+
+
 def _attach(model: Any, optimizers: list[torch.optim.Optimizer], groups: list[Any], engine: Engine, layout: Any,
-            fsdp1: bool, first: int = 0) -> None:
+            fsdp1: bool, first: int = 0, rerun: bool = False) -> None:
     """Binds ``engine`` (its buckets registered) to the model: staging buffers, the seams, the gradient contract
-    and the optimizer hooks; ``first`` is the minibatch the model runs first (a rejoined node's, else 0)."""
+    and the optimizer hooks; ``first`` is the minibatch the model runs first (a rejoined node's, else 0);
+    ``rerun``: ``elastic="rerun"``."""
     device = _param_device(groups)
     for g in groups:
         g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
@@ -407,6 +424,7 @@ def _attach(model: Any, optimizers: list[torch.optim.Optimizer], groups: list[An
     reshard = (lambda: _fsdp1.reshard(model)) if fsdp1 else (lambda: _reshard(model))
     b = _Binding(model, groups, engine, layout, reshard)  # the first operation of minibatch `first` publishes
     b.state.version = first
+    b.rerun = rerun
     if b.state.hybrid and not fsdp1:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
         model.set_requires_all_reduce(False)  # the engine reduces across nodes
@@ -439,6 +457,7 @@ def rejoin(
     timeout: float | None = None,
     transport: str | None = None,
     deterministic: bool = False,
+    elastic: bool | str = True,
 ) -> int:
     """A restarted node's rank joins a running elastic job (``enable(..., sharding="hybrid", elastic=True)``);
     returns the first minibatch it runs.
@@ -475,6 +494,7 @@ def rejoin(
             the admission.
         transport: as the members' :func:`enable`.
         deterministic: as the members' :func:`enable`.
+        elastic: as the members' :func:`enable` (``True``, ``"drop"`` or ``"rerun"``).
 
     Raises:
         ConfigError: not an FSDP model, a mesh that is not one node's, a rank
@@ -483,6 +503,10 @@ def rejoin(
         StoreError: no round admitted the node within the timeout.
     """
     check_fsdp2()
+    _check_elastic(elastic, "odc.fsdp.rejoin")
+    if not elastic:
+        raise ConfigError("odc.fsdp.rejoin: elastic=False; a rejoined node takes part in an elastic job (True, "
+                          "'drop' or 'rerun', as the members' enable)")
     optimizers = _optimizers(optimizer)
     fsdp1 = _fsdp1.is_fsdp1(model)
     if not fsdp1 and not isinstance(model, FSDPModule):
@@ -522,7 +546,7 @@ def rejoin(
                            local_world_size=g_size, timeout=seconds, deadline_source=deadline_source,
                            transport=chosen, sharding="hybrid", deterministic=deterministic, chunk_bytes=chunk_bytes)
     first = int(engine.first_minibatch or 0)
-    _attach(model, optimizers, groups, engine, layout, fsdp1, first)
+    _attach(model, optimizers, groups, engine, layout, fsdp1, first, rerun=elastic == "rerun")
     return first
 
 
@@ -696,23 +720,7 @@ def dropped(model: Any) -> list[dict[str, Any]]:
     """
     if solo(model) is not None:
         return []
-    s = _bound(model).state
-    if s.open:
-        return []
-    return [e for e in s.engine.elastic_events() if e["kind"] == "drop" and e["minibatch"] == s.version]
-
-
-def rerun_share(items: Sequence[Any], members: Sequence[int], rank: int, ranks_per_node: int) -> list[Any]:
-    """This rank's share of ``items`` (work a dropped node had, in an order every rank agrees on) spread over
-    the ranks of the member nodes ``members``: item ``i`` goes to the ``i``-th member rank in rank order, round
-    robin. Empty for a rank of no member node. Pure: every rank computes every share alike."""
-    if ranks_per_node < 1:
-        raise ConfigError(f"odc.fsdp.rerun_share: ranks_per_node must be at least 1, got {ranks_per_node}")
-    ranks = [n * ranks_per_node + q for n in sorted(set(members)) for q in range(ranks_per_node)]
-    if rank not in ranks:
-        return []
-    at = ranks.index(rank)
-    return list(items[at :: len(ranks)])
+    return _bound(model).drops()
 
 
 def finish(model: Any) -> None:

@@ -49,6 +49,7 @@ class _Binding:
         self.optimizer_objs: list[Any] = []  # those optimizers (elastic rejoin serves their state)
         self.stepped: set[int] = set()  # those that stepped since the minibatch finished
         self.stepped_in = -1  # the minibatch they stepped after (a start by another path resets the set)
+        self.rerun = False  # elastic="rerun": dropped microbatches run again (odc.fsdp.microbatches reruns them)
         self.all_reduce_was: list[bool] = []  # FSDP's HSDP all-reduce flags, restored by disable
         # Every parameter the loop may hand to odc.fsdp.clip_grad_norm_, on every rank the same set: the
         # model's (FSDP1 with use_orig_params=True: also those wholly in another rank's shard) and FSDP's.
@@ -139,6 +140,14 @@ class _Binding:
             )
         s.check_not_broken("optimizer.step()")
         self.finish("optimizer.step()")
+        if self.rerun and (drops := self.drops()):
+            nodes = sorted({d["node"] for d in drops})
+            raise ProtocolError(
+                f"odc.fsdp: optimizer.step() on the gradients of minibatch {s.version}, which dropped node(s) "
+                f"{nodes} under elastic='rerun': their microbatches of it are not in the gradients. Iterate "
+                "odc.fsdp.microbatches (it reruns them on the member nodes), or run them again in "
+                "odc.fsdp.minibatch blocks while odc.fsdp.dropped(model) names drops (docs/elastic.md), then step"
+            )
         s.release_held()  # the step uses the gradients: the next minibatch starts from zero
 
     def after_step(self, which: int) -> None:
@@ -150,6 +159,13 @@ class _Binding:
         if len(self.stepped) == self.optimizers:
             self.stepped.clear()
             self.state.advance()
+
+    def drops(self) -> list[dict[str, Any]]:
+        """The node drops of the minibatch this rank finished last (empty while one runs)."""
+        s = self.state
+        if s.open:
+            return []
+        return [e for e in s.engine.elastic_events() if e["kind"] == "drop" and e["minibatch"] == s.version]
 
     def admit(self) -> None:
         """Elastic: where the last minibatch's round admitted a restarted node, begins the engine generation

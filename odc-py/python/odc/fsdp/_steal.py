@@ -1,4 +1,5 @@
-"""Work stealing within a minibatch: :func:`microbatches`, the iterator a training loop runs its microbatches from.
+"""Work stealing within a minibatch: :func:`microbatches`, the iterator a training loop runs its microbatches from
+(and, under ``elastic="rerun"``, the rerun of what a dropped node ran).
 
 Every rank's list of microbatches (from the plan, equal on every rank) becomes claimable work: a rank runs its own
 list from the front, then takes unstarted microbatches from the back of the list of the rank with the most
@@ -34,7 +35,15 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
             optimizer.step(); optimizer.zero_grad()
 
     Every rank must iterate it once per minibatch, to the end (a rank with no microbatch of its own too: it
-    starts the minibatch for thieves and may steal). Left early (a ``break``, an exception out of the
+    starts the minibatch for thieves and may steal).
+
+    Elastic (``enable(..., elastic=...)``): the lists of ranks on nodes dropped before the minibatch must be empty
+    under ``elastic=True`` / ``"drop"`` (their microbatches would run nowhere: plan over :func:`odc.fsdp.members`),
+    and are spread over the member nodes' ranks up front under ``"rerun"``. Under ``"rerun"`` the iteration's end
+    also finishes the minibatch and, while that finish drops a node, goes on yielding: this rank's share of
+    everything the dropped nodes ran since the step, in a minibatch that continues the sums (so ``.grad`` after
+    the loop holds every microbatch of the lists; under ``deterministic=True``, the bits of a run without the
+    death). Left early (a ``break``, an exception out of the
     loop, an iterator kept and no longer iterated) with microbatches of its own list unclaimed, those run
     nowhere: the minibatch's finish on this rank (the gradient read or the step) counts the claims, finishes
     the minibatch with what ran and raises :class:`odc.ProtocolError` naming them. An iterator resumed after
@@ -61,12 +70,77 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
     if len(lists) != world:
         raise ConfigError(f"odc.fsdp.microbatches: lists has {len(lists)} entries, one per rank of the {world}")
     s.begin("odc.fsdp.microbatches")
+    lists = _over_members(b, lists)
     # The finish checks from the claim counts that this rank's own list was claimed to the end, whatever
     # becomes of the iterator.
     s.iterating(len(lists[s.layout.rank]))
     weigh = None if cost is None else (lambda r, i: cost(lists[r][i]))
     claims = b.engine.claimed(s.version, [len(x) for x in lists], ranks=_stealable(b), cost=weigh, steal=steal)
+    if b.rerun:
+        return _rerunning(b, claims, lists)
     return _yield(b, s.version, claims, lists)
+
+
+def rerun_share(items: Sequence[Any], members: Sequence[int], rank: int, ranks_per_node: int) -> list[Any]:
+    """This rank's share of ``items`` (work a dropped node had, in an order every rank agrees on) spread over
+    the ranks of the member nodes ``members``: item ``i`` goes to the ``i``-th member rank in rank order, round
+    robin. Empty for a rank of no member node. Pure: every rank computes every share alike."""
+    if ranks_per_node < 1:
+        raise ConfigError(f"odc.fsdp.rerun_share: ranks_per_node must be at least 1, got {ranks_per_node}")
+    ranks = [n * ranks_per_node + q for n in sorted(set(members)) for q in range(ranks_per_node)]
+    if rank not in ranks:
+        return []
+    at = ranks.index(rank)
+    return list(items[at :: len(ranks)])
+
+
+def _over_members(b: _Binding, lists: Sequence[Sequence[T]]) -> Sequence[Sequence[T]]:
+    """Elastic: ``lists`` over the member nodes. The lists of ranks on nodes dropped before this minibatch are
+    spread over the members' ranks (``elastic="rerun"``) or refused where not empty (their microbatches would run
+    nowhere); ``lists`` as it is otherwise."""
+    members = b.engine.members
+    if members is None:
+        return lists
+    per = b.state.layout.shards
+    gone = [(r, len(x)) for r, x in enumerate(lists) if r // per not in members and len(x)]
+    if not gone:
+        return lists
+    if not b.rerun:
+        raise ConfigError(
+            f"odc.fsdp.microbatches: ranks {[r for r, _ in gone]} are on nodes dropped before minibatch "
+            f"{b.state.version} (members now {members}), yet their lists hold {sum(n for _, n in gone)} "
+            "microbatches, which would run nowhere; plan over odc.fsdp.members(model), or enable with "
+            "elastic='rerun' to have them spread over the member nodes"
+        )
+    lost = [it for r, x in enumerate(lists) if r // per not in members for it in x]
+    return [list(x) + rerun_share(lost, members, r, per) if r // per in members else []
+            for r, x in enumerate(lists)]
+
+
+def _rerunning(b: _Binding, claims: Iterator[tuple[int, int]], lists: Sequence[Sequence[T]]) -> Iterator[T]:
+    """``elastic="rerun"``: the minibatch's microbatches (:func:`_yield`), then its finish; while a finish drops
+    nodes, this rank's share of what they ran since the step (their ranks' lists, stealing staying within a
+    node under hybrid sharding, and their shares of earlier reruns), in a minibatch that continues the sums."""
+    s = b.state
+    per, me = s.layout.shards, s.layout.rank
+    yield from _yield(b, s.version, claims, lists)
+    ran = {r: list(x) for r, x in enumerate(lists) if r // per in (b.engine.members or [])}
+    b.finish("odc.fsdp.microbatches (elastic='rerun')")
+    while drops := b.drops():
+        members = drops[-1]["members"]
+        lost = [it for r, x in sorted(ran.items()) if r // per not in members for it in x]
+        share = {r: rerun_share(lost, members, r, per) for r in ran}
+        ran = {r: x + share[r] for r, x in ran.items() if r // per in members}
+        b.enter_minibatch()  # no step, no zero_grad: continues the minibatch's sums
+        version = s.version
+        for item in share.get(me, []):
+            if s.version != version or not s.open:
+                raise ProtocolError(
+                    f"odc.fsdp.microbatches: the rerun of minibatch {version} was resumed after it finished; "
+                    "iterate to the end before reading gradients or stepping"
+                )
+            yield item
+        b.finish("odc.fsdp.microbatches (elastic='rerun')")
 
 
 def _yield(b: _Binding, version: int, claims: Iterator[tuple[int, int]], lists: Sequence[Sequence[T]]) -> Iterator[T]:
