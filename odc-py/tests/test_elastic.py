@@ -420,6 +420,62 @@ def _fsdp_elastic_loop_without_rerun(rank, world, store, victim, at):
     return {"raised": None}
 
 
+# Microbatches per rank at each step of the Hugging Face run (packed rows of 2-4 samples each).
+HF_TABLE = ((2, 1, 3, 1, 0, 2), (1, 2, 2, 1, 2, 1), (2, 2, 1, 0, 1, 3))
+HF_CLIP = 0.1
+
+
+def _hf_elastic(rank, world, store, victim, at):
+    """A user's loop, unchanged by deaths: a tiny Hugging Face Qwen2 (tied embeddings, grouped-query attention) in
+    FSDP2 HSDP, elastic='rerun' with deterministic sums, the plan's lists through odc.fsdp.microbatches, the loss
+    summed and divided by the step's global token count, torch's clip_grad_norm_ (which clips here) and AdamW.
+    `victim` (if any) is SIGKILLed after its first backward of step `at`."""
+    import _loops as L
+    from torch.distributed.fsdp import fully_shard
+
+    H.as_nodes(LOCAL, "shm")
+    H.init_pg(rank, world, store)
+    model = L.hf_model("qwen2")
+    mesh = H.hsdp_mesh(world, LOCAL)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    odc.fsdp.enable(model, opt, sharding="hybrid", elastic="rerun", deterministic=True, timeout=60)
+    norms = []
+    try:
+        for s, counts in enumerate(HF_TABLE):
+            lists = [[(r, m) for m in range(counts[r])] for r in range(world)]
+            total = sum(L.tokens(L.packed(s, r, m)) for r in range(world) for m in range(counts[r]))
+            for r, m in odc.fsdp.microbatches(model, lists):
+                (L.loss_sum(model, L.packed(s, r, m)) / total * world).backward()
+                if rank == victim and s == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), HF_CLIP).full_tensor().item())
+            opt.step()
+            opt.zero_grad()
+    except (odc.NodeDropped, odc.PeerDied) as e:
+        return {"raised": type(e).__name__}
+    shards = {k: v.to_local().detach().view(-1).view(torch.int32).tolist() for k, v in model.state_dict().items()}
+    return {"shards": shards, "norms": norms, "events": odc.fsdp.elastic_events(model)}
+
+
+def test_a_hugging_face_loop_under_elastic_rerun_is_bitwise_the_run_without_the_death():
+    # As a user runs it: the same loop, the same data plan, torch's clip clipping (its norm summed over the node's
+    # shards, equal with or without the death since every gradient is). Rank 3 dies in step 1; its node's packed
+    # rows of that step and of step 2 run on nodes 0 and 2. Every rank's parameters after the job, and every
+    # step's clip norm, are bit for bit those of the same job where nobody died.
+    res = run_ranks(_hf_elastic, WORLD, timeout=300, victim=3, at=1)
+    clean = run_ranks(_hf_elastic, WORLD, timeout=300, victim=None, at=1)
+    for r in (0, 1, 4, 5):
+        assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
+        assert [e["node"] for e in res[r][1]["events"]] == [1], res[r][1]["events"]
+        assert clean[r][0] == "ok" and not clean[r][1]["events"], (r, clean[r])
+        assert res[r][1]["norms"] == clean[r][1]["norms"], (r, res[r][1]["norms"], clean[r][1]["norms"])
+        assert any(n > HF_CLIP for n in res[r][1]["norms"]), res[r][1]["norms"]  # the clip clipped
+        assert res[r][1]["shards"] == clean[r][1]["shards"], f"rank {r}: not the bits of the run without the death"
+
+
 def test_a_death_during_a_rerun_is_rerun_too():
     # Rank 3 dies at step 1 (node 1 dropped); its node's microbatches of step 1 rerun on nodes 0 and 2, and rank 4
     # dies after its first rerun backward (node 2 dropped from the rerun minibatch; node 2's step-1 gradients were
