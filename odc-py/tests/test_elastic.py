@@ -5,6 +5,7 @@ raises; ``elastic=True`` outside ``sharding="hybrid"`` is refused by name."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -425,11 +426,12 @@ HF_TABLE = ((2, 1, 3, 1, 0, 2), (1, 2, 2, 1, 2, 1), (2, 2, 1, 0, 1, 3))
 HF_CLIP = 0.1
 
 
-def _hf_elastic(rank, world, store, victim, at):
+def _hf_elastic(rank, world, store, victim, at, mixed=False):
     """A user's loop, unchanged by deaths: a tiny Hugging Face Qwen2 (tied embeddings, grouped-query attention) in
     FSDP2 HSDP, elastic='rerun' with deterministic sums, the plan's lists through odc.fsdp.microbatches, the loss
     summed and divided by the step's global token count, torch's clip_grad_norm_ (which clips here) and AdamW.
-    `victim` (if any) is SIGKILLed after its first backward of step `at`."""
+    `victim` (if any) is SIGKILLed after its first backward of step `at`. ``mixed``: FSDP2's mixed precision (bf16
+    parameters and gradients, f32 reduction) under CPU bf16 autocast."""
     import _loops as L
     from torch.distributed.fsdp import fully_shard
 
@@ -437,18 +439,26 @@ def _hf_elastic(rank, world, store, victim, at):
     H.init_pg(rank, world, store)
     model = L.hf_model("qwen2")
     mesh = H.hsdp_mesh(world, LOCAL)
+    kw = {"mesh": mesh}
+    if mixed:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     odc.fsdp.enable(model, opt, sharding="hybrid", elastic="rerun", deterministic=True, timeout=60)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
     norms = []
     try:
         for s, counts in enumerate(HF_TABLE):
             lists = [[(r, m) for m in range(counts[r])] for r in range(world)]
             total = sum(L.tokens(L.packed(s, r, m)) for r in range(world) for m in range(counts[r]))
             for r, m in odc.fsdp.microbatches(model, lists):
-                (L.loss_sum(model, L.packed(s, r, m)) / total * world).backward()
+                with autocast:
+                    loss = L.loss_sum(model, L.packed(s, r, m))
+                (loss / total * world).backward()
                 if rank == victim and s == at:
                     os.kill(os.getpid(), signal.SIGKILL)
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), HF_CLIP).full_tensor().item())
@@ -460,13 +470,14 @@ def _hf_elastic(rank, world, store, victim, at):
     return {"shards": shards, "norms": norms, "events": odc.fsdp.elastic_events(model)}
 
 
-def test_a_hugging_face_loop_under_elastic_rerun_is_bitwise_the_run_without_the_death():
+@pytest.mark.parametrize("mixed", [False, True], ids=["f32", "bf16 mixed precision"])
+def test_a_hugging_face_loop_under_elastic_rerun_is_bitwise_the_run_without_the_death(mixed):
     # As a user runs it: the same loop, the same data plan, torch's clip clipping (its norm summed over the node's
     # shards, equal with or without the death since every gradient is). Rank 3 dies in step 1; its node's packed
     # rows of that step and of step 2 run on nodes 0 and 2. Every rank's parameters after the job, and every
     # step's clip norm, are bit for bit those of the same job where nobody died.
-    res = run_ranks(_hf_elastic, WORLD, timeout=300, victim=3, at=1)
-    clean = run_ranks(_hf_elastic, WORLD, timeout=300, victim=None, at=1)
+    res = run_ranks(_hf_elastic, WORLD, timeout=300, victim=3, at=1, mixed=mixed)
+    clean = run_ranks(_hf_elastic, WORLD, timeout=300, victim=None, at=1, mixed=mixed)
     for r in (0, 1, 4, 5):
         assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
         assert [e["node"] for e in res[r][1]["events"]] == [1], res[r][1]["events"]
