@@ -212,7 +212,8 @@ impl<'a> Rounds<'a> {
     /// `members` of `per_node` ranks each: one atomic add to the round's
     /// read count (O(1) store requests per rank, whatever the world), and
     /// the read that completes the count commits the round, with the
-    /// joiners so far, unless a void came first. Returns the decision, or
+    /// joiners so far (none after a void: epoch 0 only), unless a void came
+    /// first. Returns the decision, or
     /// `Open` with the count this read made (its joiners left out).
     pub fn read_in(&self, k: u64, e: u32, members: u64, per_node: u32) -> Result<Round> {
         if let Some(d) = self.decision(k, e)? {
@@ -226,7 +227,14 @@ impl<'a> Rounds<'a> {
             let read = u32::try_from(read).unwrap_or(u32::MAX);
             return Ok(Round::Open { read, joining: 0 });
         }
-        let joining = self.number(&format!("{key}/joins"), 16)?;
+        // A minibatch that dropped a node (a later epoch) admits no one: the
+        // loop may run it again before its step (a rerun continues it), and
+        // a node admitted there would start in the middle of a step. Its
+        // joiners ask the next minibatch.
+        let joining = match e {
+            0 => self.number(&format!("{key}/joins"), 16)?,
+            _ => 0,
+        };
         let decided = self.decide(k, e, Round::Committed { joining })?;
         if matches!(decided, Round::Committed { .. }) {
             // Where a joiner starts looking for an open round (a hint: a
@@ -743,8 +751,32 @@ mod tests {
 
     #[test]
     fn a_restarted_node_still_counted_a_member_is_admitted_after_the_void_that_drops_it() {
-        let (g, _) = admit_while_running(true);
+        let (g, k) = admit_while_running(true);
         assert_eq!((g.members, g.joining), (0b111, node(2)));
+        assert!(k > 5, "admitted by minibatch 5, which dropped its node");
+    }
+
+    #[test]
+    fn a_minibatch_that_dropped_a_node_admits_no_one_and_its_joiner_asks_the_next() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileStore::new(dir.path()).unwrap());
+        let rounds = Rounds::new(&*store, "job/elastic/j0", 0);
+        // Minibatch 3: node 2 dies (epoch 0 void), node 3 asks to join epoch 1; the survivors commit epoch 1
+        // without it (the loop may rerun minibatch 3 before its step).
+        rounds.void(3, 0, 2).unwrap();
+        rounds.join(3, 1, 3).unwrap();
+        rounds.read_in(3, 1, 0b011, 1).unwrap();
+        assert_eq!(
+            rounds.read_in(3, 1, 0b011, 1).unwrap(),
+            Round::Committed { joining: 0 }
+        );
+        // Minibatch 4 (epoch 0) admits it.
+        rounds.join(4, 0, 3).unwrap();
+        rounds.read_in(4, 0, 0b011, 1).unwrap();
+        assert_eq!(
+            rounds.read_in(4, 0, 0b011, 1).unwrap(),
+            Round::Committed { joining: node(3) }
+        );
     }
 
     #[test]

@@ -1078,6 +1078,22 @@ fn decide_generation(py: Python<'_>, store: Py<PyAny>, prefix: String, go: bool)
         .map_err(|e| core_error(py, e))
 }
 
+/// Elastic rejoin: proposes that the generation admitted at `start` of the
+/// job under `base` is abandoned before anyone began it (the members
+/// decline the admission there; the joiners ask a later round); returns the
+/// decision that stands (`true`: another rank proposed that it go ahead).
+#[pyfunction]
+fn decline_generation(
+    py: Python<'_>,
+    store: Py<PyAny>,
+    base: String,
+    start: u64,
+) -> PyResult<bool> {
+    let store = PyStore { obj: store };
+    py.detach(|| Generation::decide(&store, &Generation::prefix_at(&base, start), false))
+        .map_err(|e| core_error(py, e))
+}
+
 /// Elastic rejoin: makes the generation under `prefix` the current one of
 /// the job under `base` again.
 #[pyfunction]
@@ -1095,6 +1111,7 @@ fn restore_generation(
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(await_admission, m)?)?;
     m.add_function(wrap_pyfunction!(decide_generation, m)?)?;
+    m.add_function(wrap_pyfunction!(decline_generation, m)?)?;
     m.add_function(wrap_pyfunction!(restore_generation, m)?)?;
     m.add_function(wrap_pyfunction!(begin_generation, m)?)?;
     m.add_class::<PyEngine>()?;

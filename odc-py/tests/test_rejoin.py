@@ -362,6 +362,84 @@ def test_a_restarted_node_rejoins_an_fsdp_job_that_then_equals_one_process_that_
             H.assert_shards_near(res[r][1]["shards"][len(PLAN) - 1], ref, r % LOCAL, LOCAL)
 
 
+def _fsdp_rejoin_two_per_step(rank, world, store, victim, at):
+    """FSDP2 HSDP under odc.fsdp (elastic, deterministic sums, AdamW, torch's clip) with two minibatches per step
+    (two odc.fsdp.minibatch blocks, no step between: the second continues the first's sums). `victim` SIGKILLed
+    in step `at`'s first block; processes 6 and 7 rebuild its node and rejoin. The members pause before each
+    step's first block, so a restarted node asks that block's round and is admitted from the second block: the
+    middle of a step, which the members decline (it asks the next round). Returns the shards after every step."""
+    import torch.distributed as dist
+
+    H.as_nodes(LOCAL, "shm")
+    dead = victim // LOCAL
+    if rank < WORLD:
+        me = rank
+        H.init_pg(rank, WORLD, store)
+        model = H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, store=store, deterministic=True)
+        first = 0
+    else:
+        me = dead * LOCAL + rank - WORLD
+        store.wait(["killed_at"])
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"node{dead}/", store), rank=me % LOCAL,
+                                world_size=LOCAL)
+        model = H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        store.set(f"joining/{me}", b"1")
+        first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60, deterministic=True)
+    out = {"first": first, "shards": {}, "norms": {}}
+    try:
+        for s in range(first // 2, len(PLAN)):
+            if rank < WORLD and s > at:
+                store.wait([f"joining/{dead * LOCAL + i}" for i in range(LOCAL)])
+                time.sleep(0.5)
+            for half in (0, 1):
+                with odc.fsdp.minibatch(model):
+                    for m in range(PLAN[s][me]):
+                        if m % 2 == half:
+                            (H.sample_loss(model, H.data(s, m, me)) / 27).backward()
+                        if me == victim and s == at and rank < WORLD:
+                            store.set("killed_at", repr(time.time()))
+                            os.kill(os.getpid(), signal.SIGKILL)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            out["norms"][s] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            opt.step()
+            opt.zero_grad()
+            out["shards"][s] = H.local_shards(model)
+    except (odc.NodeDropped, odc.PeerDied) as e:
+        out["raised"] = type(e).__name__
+    out["events"] = [(e["kind"], e["minibatch"], e.get("reason", "")) for e in odc.fsdp.elastic_events(model)]
+    return out
+
+
+def test_a_node_is_let_in_only_where_a_step_begins_when_minibatches_share_a_step():
+    # Two minibatches per step: a node admitted from the second would start in the middle of the step, without
+    # the gradients of the first (its replica would step on half of them, silently). The members decline that
+    # admission alike (an "abandoned" event), the restarted node asks the next round and comes in where a step
+    # begins; from then every replica holds the same bits and every rank clips by the same norm.
+    victim, at = 3, 1
+    dead = victim // LOCAL
+    res = run_ranks(_fsdp_rejoin_two_per_step, WORLD + LOCAL, timeout=300, victim=victim, at=at)
+    live = [r for r in range(WORLD) if r // LOCAL != dead]
+    joiners = {WORLD + i: dead * LOCAL + i for i in range(LOCAL)}
+    for r in [*live, *joiners]:
+        assert res[r][0] == "ok" and "raised" not in res[r][1], (r, str(res[r])[:3000])
+    back = res[WORLD][1]["first"]
+    assert back % 2 == 0 and back // 2 < len(PLAN), back  # where a step begins
+    for r in live:
+        kinds = [(k, mb) for k, mb, _ in res[r][1]["events"]]
+        assert ("join", back) in kinds, (r, res[r][1]["events"])
+        declined = [(mb, why) for k, mb, why in res[r][1]["events"] if k == "abandoned"]
+        assert declined and all(mb % 2 == 1 and "continues" in why for mb, why in declined), (r, declined)
+    for j, rank in joiners.items():
+        for s in range(back // 2, len(PLAN)):
+            assert {res[r][1]["norms"][s] for r in [*live, *joiners]} == {res[j][1]["norms"][s]}, (j, s)
+            for r in live:
+                if r % LOCAL == rank % LOCAL:
+                    assert res[j][1]["shards"][s] == res[r][1]["shards"][s], (j, r, s)
+
+
 def test_a_joiner_that_dies_before_it_registers_is_abandoned_and_the_members_go_on():
     # Rank 3's new process dies as soon as the members begin the generation that admits node 1, before it
     # registers there: every rank's registration gives up after 3 s, the generation is abandoned alike on all,

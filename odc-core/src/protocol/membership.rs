@@ -25,10 +25,12 @@
 //!   A death learnt once the round committed counts from the next
 //!   minibatch (the dead node's partials are in every survivor's sum); one
 //!   learnt in a voided round is handled at the next epoch;
-//! - a restarted node **asks to join** an open round ([`on_join`]), once
-//!   it holds a copy of a live replica's state; a committed round's joiners
-//!   are members from the next minibatch, and a voided round forgets them
-//!   (they ask again).
+//! - a restarted node **asks to join** an open round ([`on_join`]); a
+//!   committed round's joiners are members from the next minibatch, and a
+//!   voided round forgets them (they ask again). The engine commits a
+//!   later epoch (a minibatch that dropped a node) without joiners: the
+//!   loop may continue that minibatch before its step (a rerun), which a
+//!   node admitted from the next minibatch would start in the middle of.
 //!
 //! A round is decided once (committed or void) and never changes after:
 //! every rank that reads it decided reads the same outcome, and the next

@@ -619,6 +619,27 @@ class Engine:
             )
         return int(n) - self._offset
 
+    def _decline(self, why: str) -> None:
+        """Elastic: lets no admitted node in at this boundary (the members' loop is in the middle of a step):
+        the generation that would admit it is abandoned before anyone begins it, alike for every member (the
+        first proposal stands), and the joiners ask a later round. Raises where another member began it."""
+        adm = self.admitted
+        if adm is None:
+            return
+        start, joining = adm
+        if _odc.decline_generation(self._store, self._base, int(start)):
+            raise ProtocolError(
+                f"elastic: rank {self.rank} cannot let node(s) {list(joining)} in at minibatch {start} ({why}), but "
+                "another member rank began the generation that admits them: the member ranks' loops disagree on "
+                "where a step ends (every rank steps, or none, between the same minibatches)"
+            )
+        self._native.clear_admitted()
+        ev = {"kind": "abandoned", "minibatch": int(start), "nodes": list(joining),
+              "members": list(self.members or []), "waited_s": 0.0, "reason": why}
+        self._history.append(ev)
+        _elastic_log.warning("rank %d: node(s) %s not let in at minibatch %d (%s); they ask a later minibatch",
+                             self.rank, list(joining), start, why)
+
     def admit(self, state: Sequence[torch.Tensor] = (), *, register_timeout: float | None = None) -> Engine:
         """Elastic: at a minibatch boundary, after the step, lets admitted nodes in; returns the engine to go on with.
 

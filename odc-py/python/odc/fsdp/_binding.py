@@ -175,9 +175,12 @@ class _Binding:
         s = self.state
         if s.engine.admitted is None:
             return
-        # A minibatch that continued the held sums starts on a new engine (zeroed accumulators): it adds onto
-        # the installed gradients instead.
-        s.continuing = False
+        if s.continuing:
+            # No step since the last minibatch (a rerun, or several minibatches per step): a node let in here
+            # would start in the middle of the step, without the gradients of its first part.
+            s.engine._decline(f"minibatch {s.version} continues minibatch {s.version - 1}'s gradients, no step "
+                              "between")
+            return
         s.engine = s.engine.admit(replica_state(s.groups, self.optimizer_objs))
 
     def check_zero_grad(self) -> None:
