@@ -258,6 +258,35 @@ PLAN = ((1, 2, 0, 1, 2, 1), (2, 1, 1, 2, 0, 1), (1, 0, 2, 1, 1, 2), (0, 2, 1, 1,
         (1, 1, 2, 1, 0, 1), (1, 2, 1, 2, 1, 0))
 
 
+def _member_or_joiner(rank, store, dead, fsdp1=False, deterministic=False):
+    """Ranks 0-5: the job's FSDP2 HSDP model (FSDP1 HYBRID_SHARD with ``fsdp1``) and AdamW, enabled elastic with
+    the job's store. Processes 6 and 7: node `dead` restarted once its victim is killed (``killed_at``): a process
+    group of their own, the model over a (1, 2) mesh from another seed (the copy must set the parameters), and
+    rejoin. Returns (model, optimizer, the rank it plays, its first minibatch)."""
+    import _fsdp1 as F1
+    import torch.distributed as dist
+
+    if rank < WORLD:
+        H.init_pg(rank, WORLD, store)
+        model = (F1.build(strategy="HYBRID_SHARD", nodes=WORLD // LOCAL) if fsdp1
+                 else H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, store=store,
+                        deterministic=deterministic)
+        return model, opt, rank, 0
+    me = dead * LOCAL + rank - WORLD
+    store.wait(["killed_at"])
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"node{dead}/", store), rank=me % LOCAL,
+                            world_size=LOCAL)
+    model = (F1.build(seed=1, strategy="HYBRID_SHARD", nodes=1) if fsdp1
+             else H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    store.set(f"joining/{me}", b"1")
+    first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60,
+                            deterministic=deterministic)
+    return model, opt, me, first
+
+
 def _fsdp_rejoin(rank, world, store, victim, at, transport, flavour):
     """FSDP2 HSDP (``flavour="fsdp2"``, torch's own clip) or FSDP1's HYBRID_SHARD (``"fsdp1"``, flat parameters,
     ODC's clip) under odc.fsdp (elastic, AdamW) on ranks 0-5; `victim` SIGKILLed after its first backward of step `at`;
@@ -265,30 +294,11 @@ def _fsdp_rejoin(rank, world, store, victim, at, transport, flavour):
     its plan's microbatches, the loss normalized by the member nodes' tokens (rescaled to the survivors' at a
     step that dropped a node). Returns the shards after every step."""
     import _fsdp1 as F1
-    import torch.distributed as dist
 
     H.as_nodes(LOCAL, transport)
     dead = victim // LOCAL
     fsdp1 = flavour == "fsdp1"
-    if rank < WORLD:
-        me = rank
-        H.init_pg(rank, WORLD, store)
-        model = (F1.build(strategy="HYBRID_SHARD", nodes=WORLD // LOCAL) if fsdp1
-                 else H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL)))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, store=store)
-        first = 0
-    else:
-        me = dead * LOCAL + rank - WORLD
-        store.wait(["killed_at"])
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"node{dead}/", store), rank=me % LOCAL,
-                                world_size=LOCAL)
-        # Another seed: the copy must set the parameters.
-        model = (F1.build(seed=1, strategy="HYBRID_SHARD", nodes=1) if fsdp1
-                 else H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL)))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        store.set(f"joining/{me}", b"1")
-        first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60)
+    model, opt, me, first = _member_or_joiner(rank, store, dead, fsdp1=fsdp1)
     tokens = lambda s, nodes: 27 * sum(PLAN[s][r] for r in range(WORLD) if r // LOCAL in nodes)  # noqa: E731
     out = {"first": first, "shards": {}, "members": {}, "norms": {}}
     try:
@@ -368,26 +378,9 @@ def _fsdp_rejoin_two_per_step(rank, world, store, victim, at):
     in step `at`'s first block; processes 6 and 7 rebuild its node and rejoin. The members pause before each
     step's first block, so a restarted node asks that block's round and is admitted from the second block: the
     middle of a step, which the members decline (it asks the next round). Returns the shards after every step."""
-    import torch.distributed as dist
-
     H.as_nodes(LOCAL, "shm")
     dead = victim // LOCAL
-    if rank < WORLD:
-        me = rank
-        H.init_pg(rank, WORLD, store)
-        model = H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, store=store, deterministic=True)
-        first = 0
-    else:
-        me = dead * LOCAL + rank - WORLD
-        store.wait(["killed_at"])
-        dist.init_process_group("gloo", store=dist.PrefixStore(f"node{dead}/", store), rank=me % LOCAL,
-                                world_size=LOCAL)
-        model = H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        store.set(f"joining/{me}", b"1")
-        first = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60, deterministic=True)
+    model, opt, me, first = _member_or_joiner(rank, store, dead, deterministic=True)
     out = {"first": first, "shards": {}, "norms": {}}
     try:
         for s in range(first // 2, len(PLAN)):
