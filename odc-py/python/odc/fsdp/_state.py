@@ -5,7 +5,7 @@ protocol's steps in the order a loop drives them.
 ``end`` (the engine's finish: this rank's gradient shards are final) → ``hold`` (the accumulators keep
 their sums until the step or zero_grad clears them, which opens them for the next minibatch's pushes, or
 the next minibatch continues them) → ``advance`` (the next minibatch). It knows nothing of
-``.grad`` (the gradient contract, :mod:`._grads`, drives ``end`` and ``clear`` around its install), of the
+``.grad`` (the gradient contract, :mod:`._grads`, drives ``end`` and ``hold`` around its install), of the
 optimizer hooks or of FSDP2's seams (:mod:`._binding`, :mod:`._seams`): those call into it, never the other
 way round. It reads FSDP2 only through :mod:`._private`'s groups.
 """
