@@ -72,3 +72,66 @@ def test_an_odc_groups_all_reduces_go_on_over_the_surviving_nodes(transport):
             assert x == [i * weight for i in (0, 1, 2, N - 3, N - 2, N - 1)], (r, k)
             want = torch.tensor(sum(float(q + k) for q in ranks) / len(ranks), dtype=torch.bfloat16)
             assert mean == [want.item()] * 3, (r, k, mean)
+
+
+def _other_ops(rank, world, store, victim, at, transport):
+    """The group's other collectives a loop asks of the world: a barrier, MAX / MIN / PRODUCT / BOR all-reduces and
+    a broadcast (its payload's bits: -0.0, a NaN's payload, the largest int64), each step; then a broadcast from a
+    rank of the dropped node."""
+    os.environ.update(LOCAL_WORLD_SIZE=str(LOCAL), ODC_BACKEND_ELASTIC="1", ODC_TRANSPORT=transport)
+    dist.init_process_group("odc", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    pg = odc.backend.get_process_group()
+    out = {"steps": {}}
+    payload = torch.tensor([-0.0, float("nan"), 1.5], dtype=torch.float32)
+    payload.view(torch.int32)[1] = 0x7FC0_1234  # a NaN with a payload
+    for k in range(STEPS):
+        if rank == victim and k == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        hi = torch.tensor([rank + k + 0.5, -float(rank)], dtype=torch.float32)
+        lo = torch.tensor([10 * rank + k], dtype=torch.int64)
+        prod = torch.tensor([2.0 if rank % 2 else 1.0], dtype=torch.bfloat16)
+        bits = torch.tensor([1 << rank], dtype=torch.int32)
+        sent = payload.clone() if rank == 0 else torch.zeros(3)
+        big = torch.tensor([2**63 - 1 - k], dtype=torch.int64) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+        try:
+            dist.barrier()
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+            dist.all_reduce(prod, op=dist.ReduceOp.PRODUCT)
+            dist.all_reduce(bits, op=dist.ReduceOp.BOR)
+            dist.broadcast(sent, src=0)
+            dist.broadcast(big, src=0)
+        except (odc.NodeDropped, odc.PeerDied) as e:
+            return {"raised": type(e).__name__, "message": str(e), "k": k}
+        out["steps"][k] = (hi.tolist(), lo.item(), prod.float().item(), bits.item(), sent.view(torch.int32).tolist(),
+                           big.item())
+    try:
+        dist.broadcast(torch.zeros(2), src=victim ^ 1)
+        out["dead_root"] = None
+    except odc.PeerDied as e:
+        out["dead_root"] = str(e)
+    out["counts"] = dict(pg.op_counts)
+    return out
+
+
+def test_an_odc_groups_barrier_broadcast_and_other_reductions_go_on_over_the_surviving_nodes():
+    victim, at = 3, 2
+    dead = victim // LOCAL
+    res = run_ranks(_other_ops, WORLD, timeout=180, victim=victim, at=at, transport="shm")
+    survivors = [r for r in range(WORLD) if r // LOCAL != dead]
+    payload = torch.tensor([-0.0, 0.0, 1.5])
+    payload.view(torch.int32)[1] = 0x7FC0_1234
+    for r in survivors:
+        assert res[r][0] == "ok" and "steps" in res[r][1], (r, res[r])
+        out = res[r][1]
+        for k, (hi, lo, prod, bits, sent, big) in out["steps"].items():
+            ranks = [q for q in range(WORLD) if k < at or q // LOCAL != dead]
+            assert hi == [max(ranks) + k + 0.5, -float(min(ranks))], (r, k, hi)
+            assert lo == 10 * min(ranks) + k, (r, k, lo)
+            assert prod == 2.0 ** sum(q % 2 for q in ranks), (r, k, prod)
+            assert bits == sum(1 << q for q in ranks), (r, k, bits)
+            assert sent == payload.view(torch.int32).tolist() and big == 2**63 - 1 - k, (r, k, sent, big)
+        assert "rank 2" in out["dead_root"] and f"node {dead}" in out["dead_root"], out["dead_root"]
+        assert out["counts"].get("odc-elastic:barrier") == STEPS, out["counts"]
+    status, mate = res[victim ^ 1]
+    assert (mate["raised"] if status == "ok" else mate[0]) in ("NodeDropped", "PeerDied"), res[victim ^ 1]

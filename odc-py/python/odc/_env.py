@@ -129,10 +129,11 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "fractions allowed): the engines of a rank set are sized by its largest operation up to this bound, and "
            "larger operations are cut into pieces.", "python"),
     EnvVar("ODC_BACKEND_ELASTIC", "0", "`odc.backend` (`_elastic`)",
-           "`1`: an `odc` process group's sum-like all-reduces (SUM, AVG, PREMUL_SUM; float and integer tensors) "
-           "go on over the surviving nodes when a rank dies (elastic hybrid sharding's membership rounds; whole "
-           "nodes of `LOCAL_WORLD_SIZE` ranks); every other operation still waits for every rank. Equal on every "
-           "rank.", "python"),
+           "`1`: an `odc` process group's all-reduces (SUM, AVG, PREMUL_SUM; MAX, MIN, PRODUCT and the bitwise ops "
+           "up to 1 MiB of every rank's tensors together; float and integer tensors), barrier and broadcast go on "
+           "over the surviving nodes when a rank dies (elastic hybrid sharding's membership rounds; whole nodes of "
+           "`LOCAL_WORLD_SIZE` ranks); every other operation still waits for every rank. Equal on every rank.",
+           "python"),
     EnvVar("ODC_ALLOW_UNCHECKED_TORCH", "unset: a torch outside 2.11–2.15 is a `ConfigError`",
            "`odc.fsdp` (`_private`)",
            "`1` lets `odc.fsdp.enable` run on a torch newer than the checked range, with a warning; its private "

@@ -8,8 +8,14 @@ membership round decides, a gather of the node's reduced shards). When a rank di
 that all-reduce on, alike on every survivor; its node-mates raise :class:`odc.NodeDropped` (or
 :class:`odc.PeerDied`). The ranks keep their numbers and ``get_world_size`` its value: ``SUM`` adds the
 member nodes' tensors, ``AVG`` divides by their ranks. Integer tensors are added exactly (as 8-bit limbs,
-each limb's sum exact in f32 up to 65,793 ranks, wrapping as integer sums do). Every other operation of the
-group, and any other group, still waits for the dead rank.
+each limb's sum exact in f32 up to 65,793 ranks, wrapping as integer sums do).
+
+The group's other reductions (``MAX``, ``MIN``, ``PRODUCT``, the bitwise ones) go on too, up to
+:data:`GATHER_BYTES` bytes of every rank's tensors together: every rank's tensor reaches every rank bit for bit
+(its bytes at its rank's place, the other places zero, summed as limbs) and each rank reduces the member ranks'
+(of the nodes still members at the end) itself. A broadcast sends its root's bytes the same way and raises
+:class:`odc.PeerDied` if the root's node was dropped; a barrier is an all-reduce of one element. Every other
+operation of the group (all-gather, reduce-scatter, ...), and any other group, still waits for the dead rank.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 import torch
 
 from ..engine import Bucket, Engine
-from ..errors import ConfigError
+from ..errors import ConfigError, PeerDied
 
 ELASTIC_ENV = "ODC_BACKEND_ELASTIC"
 """The environment variable that makes an ``odc`` group's sum-like all-reduces elastic (``1``)."""
@@ -29,6 +35,8 @@ CAPACITY = 1 << 16
 #: Integer dtypes added exactly as limbs (floats are added in f32).
 INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Most bytes of every rank's tensors together that a gathered reduction (MAX, MIN, ...) moves elastically.
+GATHER_BYTES = 1 << 20
 
 
 def enabled() -> bool:
@@ -136,3 +144,53 @@ class ElasticAllReduce:
     def _ranks(self) -> int:
         members = self.members or []
         return len(members) * self._local
+
+    def _member_ranks(self) -> list[int]:
+        members = set(self.members or [])
+        return [r for r in range(self._args[2]) if r // self._local in members]
+
+    def _exact_bytes(self, flat: torch.Tensor, rank_slot: int | None) -> torch.Tensor:
+        """Bytes summed as limbs over the member nodes, each place written by one rank only (so every limb's sum
+        is that rank's byte, exactly): ``flat`` (uint8) at place ``rank_slot`` of ``world`` places, or, with
+        ``None``, ``flat`` as it is (a broadcast's root; the others pass zeros)."""
+        if rank_slot is None:
+            limbs = flat.to(torch.float32)
+        else:
+            limbs = torch.zeros(self._args[2] * flat.numel(), dtype=torch.float32)
+            limbs[rank_slot * flat.numel():(rank_slot + 1) * flat.numel()] = flat.to(torch.float32)
+        return self._sum(limbs).to(torch.uint8)
+
+    @staticmethod
+    def gathers(numel: int, dtype: torch.dtype, world: int) -> bool:
+        """Whether a gathered reduction of ``numel`` elements of ``dtype`` over ``world`` ranks runs elastically
+        (at most :data:`GATHER_BYTES` in all)."""
+        return numel * dtype.itemsize * world <= GATHER_BYTES
+
+    def reduce_gathered(self, t: torch.Tensor, reduce: Any) -> None:
+        """``t`` becomes ``reduce(rows)`` over the member ranks' tensors (``rows``: one per member rank, in rank
+        order, bit for bit each rank's), the members being those at the end of the all-reduce."""
+        if t.numel() == 0:
+            return
+        host = t.detach().reshape(-1).to("cpu").contiguous()
+        rank, world = self._args[1], self._args[2]
+        rows = self._exact_bytes(host.view(torch.uint8), rank).view(world, -1).view(t.dtype)
+        result = reduce(rows[self._member_ranks()])
+        t.copy_(result.view(t.shape).to(t.device))
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        """``t`` becomes the root's, bit for bit; :class:`odc.PeerDied` if the root's node was dropped."""
+        rank = self._args[1]
+        host = t.detach().reshape(-1).to("cpu").contiguous()
+        flat = host.view(torch.uint8) if rank == root else torch.zeros(host.numel() * host.element_size(),
+                                                                          dtype=torch.uint8)
+        got = self._exact_bytes(flat, None) if t.numel() else flat
+        if root not in self._member_ranks():
+            raise PeerDied(
+                f"odc elastic broadcast: its root, rank {root}, is on node {root // self._local}, which was dropped "
+                f"(members now {self.members}); broadcast from a rank of a member node"
+            )
+        t.copy_(got.view(t.dtype).view(t.shape).to(t.device))
+
+    def barrier(self) -> None:
+        """Every member rank reached it (an all-reduce of one element)."""
+        self._sum(torch.zeros(1))

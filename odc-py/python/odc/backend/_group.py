@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,21 @@ __all__ = [
 
 _ReduceOp = dist.ReduceOp
 _SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
+# ODC_BACKEND_ELASTIC=1: the reductions every rank computes over the member ranks' tensors, gathered bit for bit.
+_BITWISE = {_ReduceOp.BAND: torch.bitwise_and, _ReduceOp.BOR: torch.bitwise_or, _ReduceOp.BXOR: torch.bitwise_xor}
+
+
+def _folding(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Folds ``f`` over the rows (one per member rank, in rank order)."""
+    return lambda rows: functools.reduce(f, rows.unbind(0))
+
+
+_GATHERED: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
+    _ReduceOp.MAX: lambda rows: rows.amax(0),
+    _ReduceOp.MIN: lambda rows: rows.amin(0),
+    _ReduceOp.PRODUCT: _folding(torch.mul),
+    **{op: _folding(f) for op, f in _BITWISE.items()},
+}
 
 
 class UnsupportedCollective(OdcError, NotImplementedError):
@@ -469,10 +485,14 @@ class ProcessGroupODC(_Base):
         return completed_work(list(tensors), device)
 
     def _elastic_ok(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
-        """Whether an all-reduce runs elastically (``ODC_BACKEND_ELASTIC=1``: sum-like, float or integer)."""
+        """Whether an all-reduce runs elastically (``ODC_BACKEND_ELASTIC=1``: sum-like on float or integer
+        tensors; MAX, MIN, PRODUCT and the bitwise ops up to :data:`._elastic.GATHER_BYTES`)."""
         red = getattr(op, "op", op)
-        return (self._elastic is not None and red in _SUM_LIKE and len(tensors) > 0
-                and all(t.dtype in FLOAT_DTYPES + INT_DTYPES for t in tensors))
+        if self._elastic is None or not tensors or not all(t.dtype in FLOAT_DTYPES + INT_DTYPES for t in tensors):
+            return False
+        if red in _SUM_LIKE:
+            return True
+        return red in _GATHERED and all(ElasticAllReduce.gathers(t.numel(), t.dtype, self._size) for t in tensors)
 
     def _elastic_allreduce(self, what: str, tensors: list[torch.Tensor], op: Any) -> dist.Work:
         """An all-reduce over the member nodes (see :mod:`._elastic`)."""
@@ -481,6 +501,11 @@ class ProcessGroupODC(_Base):
         red = getattr(op, "op", op)
         self.op_counts[f"odc-elastic:{what}"] += 1
         for t in tensors:
+            if red in _GATHERED:
+                if red in _BITWISE and t.dtype not in INT_DTYPES:
+                    raise UnsupportedCollective(f"{what}: {red} on {t.dtype}")
+                self._elastic.reduce_gathered(t, _GATHERED[red])
+                continue
             if red == _ReduceOp.PREMUL_SUM and t.dtype in INT_DTYPES:
                 raise UnsupportedCollective(f"{what}: PREMUL_SUM on {t.dtype}")
             scale = 1.0 if red != _ReduceOp.PREMUL_SUM else _scale(op, self._size, what, t.dtype)
@@ -500,11 +525,23 @@ class ProcessGroupODC(_Base):
 
     # -- delegated to gloo ---------------------------------------------------------
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        """Broadcast, on the group's internal gloo backend."""
-        return self._delegate("broadcast", tensors, opts or dist.BroadcastOptions())
+        """Broadcast, on the group's internal gloo backend (``ODC_BACKEND_ELASTIC=1``: over the member nodes, bit
+        for bit, for float and integer tensors)."""
+        opts = opts or dist.BroadcastOptions()
+        if self._elastic is not None and tensors and all(t.dtype in FLOAT_DTYPES + INT_DTYPES for t in tensors):
+            device = _op_device("broadcast", tensors)
+            self.op_counts["odc-elastic:broadcast"] += 1
+            for t in tensors:
+                self._elastic.broadcast(t, opts.rootRank)
+            return completed_work(list(tensors), device)
+        return self._delegate("broadcast", tensors, opts)
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        """Barrier, on the group's internal gloo backend."""
+        """Barrier, on the group's internal gloo backend (``ODC_BACKEND_ELASTIC=1``: over the member nodes)."""
+        if self._elastic is not None:
+            self.op_counts["odc-elastic:barrier"] += 1
+            self._elastic.barrier()
+            return completed_work([], torch.device("cpu"))
         return self._delegate("barrier", opts or dist.BarrierOptions())
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
