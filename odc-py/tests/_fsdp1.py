@@ -316,11 +316,14 @@ def death_worker(rank, world, store, orig):
 
 def assert_flat_shards_near(shards, ref, per_node, tol=1e-5):
     """Each FlatParameter shard of ``local_shards`` is its slice of the flattened, padded reference (a state
-    dict), within ``tol``."""
+    dict), within ``tol`` (``tol=0``: bit for bit)."""
     for s in shards:
         flat = torch.cat([ref[n].detach().flatten() for n in s["names"]])
         n = len(s["shard"])
         padded = torch.zeros(n * per_node)
         padded[: flat.numel()] = flat
         want = padded[s["index"] * n:(s["index"] + 1) * n]
-        assert (torch.tensor(s["shard"]) - want).abs().max().item() < tol, s["names"]
+        if tol == 0:
+            assert torch.equal(torch.tensor(s["shard"]), want), s["names"]
+        else:
+            assert (torch.tensor(s["shard"]) - want).abs().max().item() < tol, s["names"]

@@ -336,14 +336,18 @@ def test_a_deterministic_rerun_is_bitwise_one_process_on_every_sample(second):
             assert torch.equal(got, want), (r, name, (got != want).sum().item(), (got - want).abs().max().item())
 
 
-def _fsdp_rerun_iterator(rank, world, store, victim, at, second, elastic, rerun_by_hand=False):
+def _fsdp_rerun_iterator(rank, world, store, victim, at, second, elastic, fsdp1=False):
     """FSDP2 HSDP with ``elastic=`` and deterministic sums; the loop iterates ``odc.fsdp.microbatches`` over the
     whole plan at every step (the dead node's lists included), normalized by every rank's tokens. `victim` is
     SIGKILLed after its first backward of step `at`, `second` after its first backward of the rerun (the iterator
-    yields it once the finish dropped a node). Returns the shards and events, or what a rank raised."""
+    yields it once the finish dropped a node). ``fsdp1``: FSDP1's HYBRID_SHARD and ODC's clip. Returns the shards
+    and events, or what a rank raised."""
+    import _fsdp1 as F1
+
     H.as_nodes(LOCAL, "shm")
     H.init_pg(rank, world, store)
-    model = H.build(world, mesh=H.hsdp_mesh(world, LOCAL))
+    model = (F1.build(strategy="HYBRID_SHARD", nodes=world // LOCAL) if fsdp1
+             else H.build(world, mesh=H.hsdp_mesh(world, LOCAL)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     odc.fsdp.enable(model, opt, sharding="hybrid", elastic=elastic, timeout=60, deterministic=True)
     yielded = []
@@ -358,28 +362,35 @@ def _fsdp_rerun_iterator(rank, world, store, victim, at, second, elastic, rerun_
                     os.kill(os.getpid(), signal.SIGKILL)
                 if rank == second and s == at and odc.fsdp.elastic_events(model):
                     os.kill(os.getpid(), signal.SIGKILL)
-            odc.fsdp.clip_grad_norm_(model.parameters(), 1e9)
+            odc.fsdp.clip_grad_norm_(model if fsdp1 else model.parameters(), 1e9)
             opt.step()
             opt.zero_grad()
     except (odc.NodeDropped, odc.PeerDied, odc.ConfigError, odc.ProtocolError) as e:
         return {"raised": type(e).__name__, "message": str(e), "yielded": yielded}
-    return {"shards": H.local_shards(model), "events": odc.fsdp.elastic_events(model), "yielded": yielded}
+    shards = F1.local_shards(model) if fsdp1 else H.local_shards(model)
+    return {"shards": shards, "events": odc.fsdp.elastic_events(model), "yielded": yielded}
 
 
-@pytest.mark.parametrize("second", [None, 4], ids=["one death", "a death during the rerun"])
-def test_elastic_rerun_reruns_inside_the_iterator_bitwise_one_process(second):
+@pytest.mark.parametrize(("second", "fsdp1"), [(None, False), (4, False), (4, True)],
+                         ids=["one death", "a death during the rerun", "fsdp1, a death during the rerun"])
+def test_elastic_rerun_reruns_inside_the_iterator_bitwise_one_process(second, fsdp1):
     # enable(..., elastic="rerun"): the loop is the plain odc.fsdp.microbatches loop, unchanged by deaths. The
     # iterator's end finishes the minibatch and, while that drops a node, yields this rank's share of what the
     # dropped nodes ran since the step; later steps spread the dead node's lists over the members up front. Every
     # sample of every step trains: bit for bit one process with exact sums (deterministic=True).
     victim, at = 3, 1
+    import _fsdp1 as F1
+
     res = run_ranks(_fsdp_rerun_iterator, WORLD, timeout=240, victim=victim, at=at, second=second,
-                    elastic="rerun")
+                    elastic="rerun", fsdp1=fsdp1)
     ref = H.exact_reference(TABLE, WORLD, 1e9)
     alive = [0, 1] if second else [0, 1, 4, 5]
     ran = sorted(it for r in alive for it in res[r][1]["yielded"])
     for r in alive:
         assert res[r][0] == "ok" and "shards" in res[r][1], (r, res[r])
+        if fsdp1:
+            F1.assert_flat_shards_near(res[r][1]["shards"], ref, LOCAL, tol=0)
+            continue
         for name, shard in res[r][1]["shards"].items():
             want = torch.chunk(ref[name].detach(), LOCAL, dim=0)[r % LOCAL]
             assert torch.equal(torch.tensor(shard), want), (r, name)

@@ -168,6 +168,15 @@ def _pending_cell(g: Any) -> _Cell | None:
     return None
 
 
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """``a`` is ``b`` or a view of all of it (FSDP1 accumulates onto ``.grad.data``: another object, the same
+    memory)."""
+    if a is None or b is None:
+        return False
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+                      and a.dtype == b.dtype)
+
+
 def _local(g: Any) -> torch.Tensor | None:
     """The local tensor of a real (not pending) ``.grad``, or None."""
     if g is None:
@@ -387,7 +396,7 @@ class GradContract:
         for rec in self.params:
             cell = _pending_cell(rec.param.grad)
             base = cell.base if cell is not None and cell.real is None else _local(rec.param.grad)
-            if s.continuing and base is not rec.installed:
+            if s.continuing and not _same_tensor(base, rec.installed):
                 raise ProtocolError(
                     f"odc.fsdp: the gradient of {rec.fqn} was replaced or cleared during minibatch {version}, which "
                     f"continues the sums of minibatch {version - 1}: its gradient cannot be taken out of them. Clear "
