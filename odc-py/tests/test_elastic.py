@@ -519,10 +519,11 @@ def _enable_refused(rank, world, store):
 
     H.init_pg(rank, world, store)
     out = {}
-    for sharding in ("full", "hybrid-zero"):
+    for sharding, elastic in (("full", True), ("hybrid-zero", True), ("rerun/full", "rerun"), ("typo", "rerunn")):
         model = H.build(world)
         try:
-            odc.fsdp.enable(model, None, sharding=sharding, elastic=True)
+            odc.fsdp.enable(model, None, sharding=sharding.split("/")[-1] if elastic is True else "full",
+                            elastic=elastic)
         except odc.ConfigError as e:
             out[sharding] = str(e)
     return out
@@ -534,6 +535,8 @@ def test_fsdp_enable_refuses_elastic_outside_hybrid():
         assert status == "ok", res[r]
         assert "elastic=True needs sharding='hybrid'" in out["full"] and "'full'" in out["full"], out
         assert "optimizer state" in out["hybrid-zero"] and "'hybrid-zero'" in out["hybrid-zero"], out
+        assert "elastic='rerun' needs sharding='hybrid'" in out["rerun/full"], out
+        assert "elastic='rerunn'" in out["typo"] and "'rerun'" in out["typo"], out
 
 
 def _fsdp1_elastic(rank, world, store, victim, at):

@@ -351,7 +351,7 @@ def enable(
     _check_elastic(elastic, "odc.fsdp.enable")
     if elastic and sharding != "hybrid":
         raise ConfigError(
-            f"odc.fsdp.enable: elastic=True needs sharding='hybrid' (a whole replica of the parameters and "
+            f"odc.fsdp.enable: elastic={elastic!r} needs sharding='hybrid' (a whole replica of the parameters and "
             f"the optimizer state on every node); under sharding={sharding!r} one copy of "
             f"{'each parameter and gradient shard' if sharding == 'full' else 'each shard of the optimizer state'} "
             "lives on one rank and dies with it"
