@@ -240,7 +240,10 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=Fals
             odc.fsdp.finish(model)
             if not rerun:  # minibatches are steps (a rerun adds a minibatch)
                 assert odc.fsdp.dropped(model) == [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
+            first = None  # the step's first minibatch: every drop of its reruns reaches back to it
             while rerun and (drops := odc.fsdp.dropped(model)):
+                first = drops[0]["minibatch"] if first is None else first
+                assert all(d["since"] == first for d in drops), (drops, first)
                 # `ran`: what each rank ran since the step (a rerun continues the minibatch's sums, so a node
                 # dropped during it takes every microbatch it ran since the step out).
                 members = drops[-1]["members"]

@@ -423,7 +423,7 @@ def _attach(model: Any, optimizers: list[torch.optim.Optimizer], groups: list[An
         g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
     reshard = (lambda: _fsdp1.reshard(model)) if fsdp1 else (lambda: _reshard(model))
     b = _Binding(model, groups, engine, layout, reshard)  # the first operation of minibatch `first` publishes
-    b.state.version = first
+    b.state.version = b.state.since = first
     b.rerun = rerun
     if b.state.hybrid and not fsdp1:
         b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
@@ -699,7 +699,9 @@ def elastic_events(model: Any) -> list[dict[str, Any]]:
 def dropped(model: Any) -> list[dict[str, Any]]:
     """Under ``enable(..., elastic=True)``: the drops of the minibatch this rank finished last (see
     :func:`elastic_events`), whose gradients leave out those nodes' microbatches; empty while a minibatch runs,
-    when it dropped nothing, and without ``elastic``.
+    when it dropped nothing, and without ``elastic``. Each drop's ``since`` is the first minibatch whose sums
+    the finished one continues (itself, unless it is a rerun): the dropped node's microbatches of every
+    minibatch from ``since`` on are out.
 
     To **rerun** what a drop left out instead of training without it, run the dropped nodes' microbatches of
     that minibatch on the members in one more minibatch before the step (``odc.fsdp.minibatch``, no

@@ -165,7 +165,8 @@ class _Binding:
         s = self.state
         if s.open:
             return []
-        return [e for e in s.engine.elastic_events() if e["kind"] == "drop" and e["minibatch"] == s.version]
+        return [{**e, "since": s.since} for e in s.engine.elastic_events()
+                if e["kind"] == "drop" and e["minibatch"] == s.version]
 
     def admit(self) -> None:
         """Elastic: where the last minibatch's round admitted a restarted node, begins the engine generation

@@ -60,6 +60,7 @@ class Minibatch:
         # change: a rerun) continues them (``may_continue`` says): under deterministic=True exactly.
         self.held = False
         self.continuing = False  # the running minibatch continues the last one's sums
+        self.since = 0  # the first minibatch whose sums the running one continues (itself, unless continuing)
         self.may_continue: Any = None
         #: The parameters that trained at enable (ODC laid out gradients for them).
         self.trained = {id(fp) for g in groups for fp in g.pg.fsdp_params if fp.sharded_param.requires_grad}
@@ -229,6 +230,8 @@ class Minibatch:
             if not self.continuing:
                 self.clear()
             self.held = False
+        if not self.continuing:
+            self.since = self.version + 1
         self.version += 1
         self.published = False
         self.open = True
