@@ -239,7 +239,8 @@ def _train_through_a_death(model, opt, rank, world, victim, at, clip, rerun=Fals
                     os.kill(os.getpid(), signal.SIGKILL)
             odc.fsdp.finish(model)
             if not rerun:  # minibatches are steps (a rerun adds a minibatch)
-                assert odc.fsdp.dropped(model) == [e for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
+                want = [{**e, "since": s} for e in odc.fsdp.elastic_events(model) if e["minibatch"] == s]
+                assert odc.fsdp.dropped(model) == want, (odc.fsdp.dropped(model), want)
             first = None  # the step's first minibatch: every drop of its reruns reaches back to it
             while rerun and (drops := odc.fsdp.dropped(model)):
                 first = drops[0]["minibatch"] if first is None else first
