@@ -741,6 +741,15 @@ impl PyEngine {
             .map_err(|e| core_error(py, e))
     }
 
+    /// Waits until the other nodes read this rank's partial sums of the last
+    /// finished minibatch, without the GIL (hybrid across nodes; at once
+    /// otherwise).
+    fn wait_partials_read(&self, py: Python<'_>) -> PyResult<()> {
+        let host = self.host_calls(py)?;
+        py.detach(|| host.wait_partials_read())
+            .map_err(|e| core_error(py, e))
+    }
+
     // -- device engines (cuda-ipc, emu-ipc) ---------------------------------
     //
     // Pointers are device addresses (host addresses under emu-ipc); every

@@ -455,6 +455,15 @@ impl<'e> Host<'e> {
         self.w.open_accumulators(Some(bucket))
     }
 
+    /// Hybrid sharding over several nodes: waits until every other node
+    /// has read this rank's partial sums of the last finished minibatch
+    /// (what [`zero_grad`](Self::zero_grad) waits for first), without
+    /// changing them: after it this rank may hold them, or exit, without a
+    /// peer still reading. Returns at once otherwise.
+    pub fn wait_partials_read(&self) -> Result<()> {
+        self.w.wait_partials_read(None)
+    }
+
     /// Zeroes every accumulator.
     pub fn zero_grads(&self) -> Result<()> {
         (0..self.w.reg.buckets.len()).try_for_each(|b| self.zero_grad(BucketId(b)))

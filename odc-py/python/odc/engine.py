@@ -1071,6 +1071,13 @@ class Engine:
         else:
             self._native.zero_grad(self._id(bucket))
 
+    def _wait_partials_read(self) -> None:
+        """Hybrid sharding across nodes (host transports): waits until the other nodes have read this rank's
+        partial sums of the last finished minibatch, leaving them as they are (what :meth:`zero_grad` waits for
+        before it zeroes). At once otherwise."""
+        if not self._native.is_device:
+            self._native.wait_partials_read()
+
     # -- device engines --------------------------------------------------------
     def _stream(self) -> int:
         """The stream handle of a device call: the emulated stream, or the

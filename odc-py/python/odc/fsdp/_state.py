@@ -210,7 +210,9 @@ class Minibatch:
         minibatch's publish), so that a minibatch run onto its gradients adds into them (:meth:`advance`):
         under ``deterministic=True`` exactly, so the result is the bits of one minibatch of both; and a node
         dropped during that minibatch takes its microbatches of both out. The step or a zero_grad clears
-        them first."""
+        them first. Waits, as a clear would, until the other nodes read this rank's partial sums: the loop may
+        end here (and the process exit) while a peer still reads them."""
+        self.engine._wait_partials_read()
         self.pushed = False
         self.held = True
 
