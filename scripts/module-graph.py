@@ -39,7 +39,7 @@ FSDP_LAYERS = [
     {"_state"},
     {"_grads"},
     {"_binding"},
-    {"_seams", "_clip", "_steal"},
+    {"_seams", "_clip", "_steal", "_sum"},
     {"_fsdp1"},
     {"__init__"},
 ]

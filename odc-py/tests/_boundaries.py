@@ -1,6 +1,6 @@
 """Workers for test_fsdp_boundaries.py: what happens at a minibatch's edges (the first push of the next
-minibatch, an evaluation block, an exception out of a block, an iterator left early, a clip over a list of
-parameters), each against a reference computed in one process from the same samples.
+minibatch, an evaluation block, an exception out of a block or odc.fsdp.skip, an iterator left early, a clip
+over a list of parameters), each against a reference computed in one process from the same samples.
 
 The model is _fsdp_helpers' Tiny. Losses are per-sample sums over 27 targets per microbatch; FSDP2 averages
 the D ranks' gradients, so each rank scales its loss by D.
@@ -152,6 +152,9 @@ class BadBatch(Exception):
 
 #: Microbatches per rank per step; at step SKIP rank 0 raises before its microbatch 1 and skips the step.
 SKIP_PLAN = [(2, 2), (3, 1), (1, 2), (2, 1)]
+#: The same for 2 nodes of 2 ranks (hybrid sharding): rank 0 raises; the skip crosses to node 1 in the
+#: cross-node sum.
+SKIP_PLAN_4 = [(2, 2, 1, 1), (3, 1, 2, 0), (1, 2, 1, 2), (2, 1, 1, 1)]
 SKIP = 1
 
 
@@ -160,55 +163,105 @@ def _shard_rows(n, world, r):
     return slice(r * per, min((r + 1) * per, n))
 
 
-def skip_worker(rank, world, store):
+def skip_worker(rank, world, store, variant="fsdp2"):
     """The skip-a-bad-batch loop over ``odc.fsdp.minibatch`` (enable(model, None)): rank 0's data raises in
-    the middle of minibatch SKIP; the loop catches it, moves on without stepping (``continue``), while rank 1
-    runs the minibatch and steps. Returns the warnings, the versions and the full parameters."""
-    init_pg(rank, world, store)
-    model = build(world)
+    the middle of minibatch SKIP, after it pushed its first microbatch's gradients; the loop catches it and
+    moves on without stepping (``continue``), while rank 1 runs the minibatch to its end and steps as usual.
+    Returns each minibatch's warnings and ``odc.fsdp.skipped``, the versions and the full parameters."""
+    plan = SKIP_PLAN_4 if variant == "hybrid" else SKIP_PLAN
+    if variant == "hybrid":
+        from _fsdp_helpers import as_nodes, hsdp_mesh
+
+        as_nodes(2, "shm")
+        init_pg(rank, world, store)
+        model, fsdp1 = build(world, mesh=hsdp_mesh(world, 2)), None
+    else:
+        init_pg(rank, world, store)
+        model, fsdp1 = _build_variant({"fsdp2": "fsdp2-root", "fsdp1": "fsdp1-full-shard"}[variant], world)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    odc.fsdp.enable(model, None, timeout=60)
-    caught = []
-    for s, counts in enumerate(SKIP_PLAN):
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
+    odc.fsdp.enable(model, None, timeout=60, sharding="hybrid" if variant == "hybrid" else "full")
+    caught, skipped = [], []
+    for s, counts in enumerate(plan):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
                 with odc.fsdp.minibatch(model):
                     for m in range(counts[rank]):
                         if rank == 0 and s == SKIP and m == 1:
                             raise BadBatch(f"sample {s}/{m} is unreadable")
                         (sample_loss(model, data(s, m, rank)) * world / (27 * sum(counts))).backward()
-        except BadBatch:
-            caught += [str(w.message) for w in seen]
-            continue  # skip the step; the gradients of what ran stay in .grad, as in any PyTorch loop
+            except BadBatch:
+                continue  # skip the step, as any PyTorch loop skips a bad batch
+            finally:
+                caught.append([str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)])
+                skipped.append(odc.fsdp.skipped(model))
         opt.step()
         model.zero_grad()
     version = getattr(model._odc_fsdp, "state", model._odc_fsdp).version
     odc.fsdp.disable(model)
-    return {"warnings": caught, "version": version, "params": full_params(model)}
+    return {"warnings": caught, "skipped": skipped, "version": version, "params": _full(model, fsdp1)}
 
 
-def skip_reference(world):
-    """One process, shard by shard: every rank's gradient of a minibatch is the sum of what ran on every
-    rank; a rank that skipped a step keeps its shard's gradient and adds the next one onto it (SGD)."""
+def skip_reference(world, skip=SKIP, plan=SKIP_PLAN):
+    """One process that skipped minibatch ``skip`` whole (SGD): every other minibatch's gradient is the sum of
+    what ran on every rank."""
     model = plain()
-    params = dict(model.named_parameters())
-    pending = {k: torch.zeros_like(p) for k, p in params.items()}
-    for s, counts in enumerate(SKIP_PLAN):
-        model.zero_grad()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for s, counts in enumerate(plan):
+        if s == skip:
+            continue
         for r in range(world):
-            ran = 1 if (r == 0 and s == SKIP) else counts[r]
-            for m in range(ran):
+            for m in range(counts[r]):
                 (sample_loss(model, data(s, m, r)) / (27 * sum(counts))).backward()
-        with torch.no_grad():
-            for k, p in params.items():
-                pending[k] += p.grad
-                for r in range(world):
-                    if r == 0 and s == SKIP:
-                        continue  # rank 0 skipped the step: its shard keeps its gradient
-                    rows = _shard_rows(p.shape[0], world, r)
-                    p[rows] -= LR * pending[k][rows]
-                    pending[k][rows] = 0
+        opt.step()
+        opt.zero_grad()
+    return params_of(model)
+
+
+def hooked_skip_worker(rank, world, store, optimizer):
+    """The same plan with the optimizer hooked (enable(model, opt)) and no ``odc.fsdp.minibatch``: rank 0's
+    handler calls ``odc.fsdp.skip(model)`` and then steps and zero_grads as every rank does. ``optimizer``:
+    "sgd" or "adamw" (AdamW would move every parameter on a step on zero gradients: weight decay, momentum).
+    Returns the skipped counts, the warnings and the full parameters."""
+    init_pg(rank, world, store)
+    model = build(world)
+    opt = (torch.optim.SGD(model.parameters(), lr=LR) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    odc.fsdp.enable(model, opt, timeout=60)
+    caught, skipped = [], []
+    for s, counts in enumerate(SKIP_PLAN):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for m in range(counts[rank]):
+                try:
+                    if rank == 0 and s == SKIP and m == 1:
+                        raise BadBatch(f"sample {s}/{m} is unreadable")
+                    (sample_loss(model, data(s, m, rank)) * world / (27 * sum(counts))).backward()
+                except BadBatch:
+                    odc.fsdp.skip(model)
+                    break
+            odc.fsdp.finish(model)
+            skipped.append(odc.fsdp.skipped(model))
+            opt.step()
+            opt.zero_grad()
+        caught.append([str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)])
+    odc.fsdp.disable(model)
+    return {"warnings": caught, "skipped": skipped, "params": full_params(model)}
+
+
+def hooked_skip_reference(world, optimizer):
+    """One process that skipped minibatch SKIP whole, with the optimizer of :func:`hooked_skip_worker`."""
+    model = plain()
+    opt = (torch.optim.SGD(model.parameters(), lr=LR) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    for s, counts in enumerate(SKIP_PLAN):
+        if s == SKIP:
+            continue
+        for r in range(world):
+            for m in range(counts[r]):
+                (sample_loss(model, data(s, m, r)) / (27 * sum(counts))).backward()
+        opt.step()
+        opt.zero_grad()
     return params_of(model)
 
 
@@ -244,8 +297,9 @@ LISTS = [[0, 1, 2, 3], [4]]
 
 def held_iterator_worker(rank, world, store, steal):
     """Rank 0 keeps the iterator and leaves the loop after its first microbatch (the generator is neither
-    exhausted nor closed); the step finishes the minibatch with what ran and names what did not. Returns
-    the microbatches each rank ran, the error, what resuming the iterator says, and the full parameters."""
+    exhausted nor closed); the step finishes the minibatch, names what it left, and skips it on every rank.
+    Returns the microbatches each rank ran, the error, what resuming the iterator says, the skipped count and
+    the full parameters."""
     init_pg(rank, world, store)
     model = build(world)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -260,10 +314,11 @@ def held_iterator_worker(rank, world, store, steal):
                 time.sleep(1.0)  # the thief takes some of what is left before this rank's step
             break
     try:
-        opt.step()
+        odc.fsdp.finish(model)  # what the step does first
     except odc.ProtocolError as e:
         error = str(e)
-        opt.step()  # the minibatch finished with what ran: step on it
+    skipped = odc.fsdp.skipped(model)
+    opt.step()  # the minibatch finished (skipped): this step trains on nothing, on either rank
     opt.zero_grad()
     try:
         next(it)
@@ -273,17 +328,7 @@ def held_iterator_worker(rank, world, store, steal):
         resumed = "StopIteration"
     dist.barrier()  # this rank's daemon serves the peer's steal requests until the peer is done too
     odc.fsdp.disable(model)
-    return {"ran": ran, "error": error, "resumed": resumed, "params": full_params(model)}
-
-
-def ran_reference(ran):
-    """One process: one SGD step on the microbatches that ran (any rank), each scaled as the ranks scale."""
-    model = plain()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for mb in ran:
-        (sample_loss(model, data(0, mb, 0)) / (27 * 5)).backward()
-    opt.step()
-    return params_of(model)
+    return {"ran": ran, "error": error, "resumed": resumed, "skipped": skipped, "params": full_params(model)}
 
 
 # -- 5. odc.fsdp.clip_grad_norm_ over a list of parameters -----------------------------------------------------

@@ -251,9 +251,10 @@ def errors_worker(rank, world, store):
     with odc.fsdp.minibatch(model):
         sample_loss(model, data(0, 0, rank)).backward()
     opt.step()
-    expect("pending", odc.ProtocolError, lambda: _push_then_disable(model, rank))
-    odc.fsdp.finish(model)
-    opt.step()
+    expect("pending", odc.ProtocolError, lambda: _push_then_disable(model, rank))  # out of the block: skipped
+    with odc.fsdp.minibatch(model):
+        sample_loss(model, data(1, 0, rank)).backward()
+    opt.step()  # by hand: no hook tells ODC
     # A forward between the finished minibatch and the next one would read stale parameters.
     expect("stale_forward", odc.ProtocolError, lambda: model(data(1, 0, rank)))
     odc.fsdp.disable(model)

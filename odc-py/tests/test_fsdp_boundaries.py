@@ -1,8 +1,8 @@
 """A minibatch's edges, each against a reference computed in one process from the same samples (workers in
 _boundaries.py): a push that is a minibatch's first operation reaches a slow owner only once it has read the
 previous minibatch's sums; an evaluation block reshards what its forward left unsharded; an exception out of
-``odc.fsdp.minibatch`` finishes the minibatch with what ran (or leaves it refused); an iterator of
-``odc.fsdp.microbatches`` left early is named from the claim counts; ``odc.fsdp.clip_grad_norm_`` over a list of
+``odc.fsdp.minibatch``, ``odc.fsdp.skip`` and an iterator of ``odc.fsdp.microbatches`` left early skip the
+minibatch on every rank alike (or leave it refused); ``odc.fsdp.clip_grad_norm_`` over a list of
 parameters behaves the same on every rank; world size 1 trains as one process does."""
 
 from __future__ import annotations
@@ -40,19 +40,44 @@ def test_an_evaluation_block_reshards_what_its_forward_left_unsharded(variant):
         assert ok, f"{variant}, rank {rank}: parameters differ from one process by {worst}"
 
 
-def test_an_exception_out_of_a_minibatch_block_finishes_it_with_what_ran_and_says_so():
-    """The skip-a-bad-batch loop: rank 0's data raises in the middle of a minibatch, the loop catches it and
-    moves on without stepping; the minibatch was finished with what ran (a warning says so), rank 1 stepped
-    on it, and the next minibatches stay apart (the same minibatch count on both ranks)."""
-    out = all_ok(run_ranks(W.skip_worker, 2, timeout=240))
-    ref = W.skip_reference(2)
-    (msg,) = out[0]["warnings"]
-    assert "BadBatch" in msg and f"minibatch {W.SKIP}" in msg and "zero_grad" in msg, msg
-    assert out[1]["warnings"] == []
-    assert out[0]["version"] == out[1]["version"] == len(W.SKIP_PLAN) - 1, out
+@pytest.mark.parametrize("variant", ["fsdp2", "fsdp1", "hybrid"])
+def test_an_exception_out_of_a_minibatch_block_skips_it_on_every_rank(variant):
+    """The skip-a-bad-batch loop: rank 0's data raises in the middle of a minibatch, after its first push; the loop
+    catches it and moves on without stepping, while the other ranks finish the minibatch and step as usual. Every
+    rank skips it alike (warned, ``odc.fsdp.skipped``; under hybrid sharding the other node learns it in the
+    cross-node sum): the parameters are one process's that skipped the minibatch whole, and the next minibatches
+    stay apart (the same minibatch count on every rank)."""
+    world, plan = (4, W.SKIP_PLAN_4) if variant == "hybrid" else (2, W.SKIP_PLAN)
+    out = all_ok(run_ranks(W.skip_worker, world, timeout=240, variant=variant))
+    ref = W.skip_reference(world, plan=plan)
+    for rank in range(world):
+        for s, msgs in enumerate(out[rank]["warnings"]):
+            if s != W.SKIP:
+                assert msgs == [], (rank, s, msgs)
+                continue
+            (msg,) = msgs
+            assert f"minibatch {W.SKIP}" in msg and "skipped on every rank" in msg, (rank, msg)
+            assert ("BadBatch" in msg) == (rank == 0), (rank, msg)
+        assert out[rank]["skipped"] == [int(s == W.SKIP) for s in range(len(plan))], out[rank]["skipped"]
+    assert {res["version"] for res in out.values()} == {len(plan) - 1}, out
     for rank, res in out.items():
         worst, ok = W.close(ref, res["params"], 1e-5)
-        assert ok, f"rank {rank}: parameters differ from one process by {worst}"
+        assert ok, f"rank {rank}: parameters differ from one process that skipped minibatch {W.SKIP} by {worst}"
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_odc_fsdp_skip_with_a_hooked_optimizer_makes_every_ranks_step_a_no_op(optimizer):
+    """A loop with the optimizer hooked calls ``odc.fsdp.skip`` in its handler and steps as usual on every rank:
+    the skipped minibatch's step trains nothing anywhere (AdamW would otherwise move every parameter on zero
+    gradients): one process that skipped the minibatch whole."""
+    out = all_ok(run_ranks(W.hooked_skip_worker, 2, timeout=240, optimizer=optimizer))
+    ref = W.hooked_skip_reference(2, optimizer)
+    assert out[1]["warnings"][W.SKIP] and "skipped on every rank" in out[1]["warnings"][W.SKIP][0], out[1]
+    assert out[0]["warnings"][W.SKIP] == [], out[0]  # the rank that skipped knows
+    for rank, res in out.items():
+        assert res["skipped"] == [int(s == W.SKIP) for s in range(len(W.SKIP_PLAN))], (rank, res["skipped"])
+        worst, ok = W.close(ref, res["params"], 1e-5)
+        assert ok, f"rank {rank}: parameters differ from one process that skipped minibatch {W.SKIP} by {worst}"
 
 
 def test_a_minibatch_that_cannot_be_finished_after_an_exception_is_refused_at_the_next_block():
@@ -62,29 +87,30 @@ def test_a_minibatch_that_cannot_be_finished_after_an_exception_is_refused_at_th
 
 
 @pytest.mark.parametrize("steal", [False, True])
-def test_an_iterator_left_early_and_kept_is_named_from_the_claim_counts(steal):
+def test_an_iterator_left_early_and_kept_is_named_and_skips_the_minibatch_everywhere(steal):
     """Rank 0 breaks out of a loop over an iterator it keeps (the generator is never finalized): the step
-    finishes the minibatch with what ran and names every microbatch of its own list that ran nowhere; each
-    microbatch ran at most once, the parameters are one process's step on what ran, and the iterator refuses
-    to resume."""
+    finishes the minibatch, names every microbatch of its own list that ran nowhere (and the one it left with),
+    and skips the minibatch on every rank; each microbatch ran at most once, no rank's parameters moved, and
+    the iterator refuses to resume."""
     out = all_ok(run_ranks(W.held_iterator_worker, 2, timeout=240, steal=steal))
     ran = out[0]["ran"] + out[1]["ran"]
     assert len(ran) == len(set(ran)), ran
     unrun = sorted(set(range(5)) - set(ran))
+    err = out[0]["error"]
+    assert err.startswith("odc.fsdp.microbatches") and "skipped on every rank" in err, (err, ran)
+    assert "1 microbatch(es) handed to it" in err, err  # the one it left with
     if unrun:
-        err = out[0]["error"]
-        assert err.startswith("odc.fsdp.microbatches") and f"indices {unrun}" in err, (err, ran)
-    else:
-        assert out[0]["error"] == "", out[0]
+        assert f"indices {unrun}" in err, (err, ran)
     if not steal:
         assert unrun == [1, 2, 3], ran
     assert out[1]["error"] == ""
+    assert out[0]["skipped"] == out[1]["skipped"] == 1, out
     assert "resumed after that minibatch finished" in out[0]["resumed"], out[0]["resumed"]
     assert out[1]["resumed"] == "StopIteration"  # drained
-    ref = W.ran_reference(sorted(ran))
+    ref = W.params_of(W.plain())  # skipped: no step trained on any of it
     for rank, res in out.items():
-        worst, ok = W.close(ref, res["params"], 1e-5)
-        assert ok, f"rank {rank}: parameters differ from one process by {worst}"
+        worst, ok = W.close(ref, res["params"], 1e-6)
+        assert ok, f"rank {rank}: parameters moved by {worst} on a skipped minibatch"
 
 
 def test_odc_clip_over_a_list_of_fsdp1_original_parameters_agrees_on_every_rank():

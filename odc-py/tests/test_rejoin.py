@@ -51,14 +51,22 @@ def _die(store):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _lr(k: int) -> float:
+    """The learning rate of minibatch ``k``, as a scheduler stepped after each optimizer step would set it."""
+    return 0.5 ** k
+
+
 def _train(eng, rank, store, state, start, victim, at, log, where="start", delay=0.0):
-    """Minibatches ``start``.. of publish, gather, pushes, finish, step and admit; ``victim`` SIGKILLed in
-    minibatch ``at``: before its publish (``where="start"``), after its pushes (``"pushed"``), or ``delay`` s into
-    its finish_minibatch (``"finish"``: in the cross-node sum, the round, or after it returned)."""
+    """Minibatches ``start``.. of publish, gather, pushes, finish, step, admit and a "scheduler" step; ``victim``
+    SIGKILLed in minibatch ``at``: before its publish (``where="start"``), after its pushes (``"pushed"``), or
+    ``delay`` s into its finish_minibatch (``"finish"``: in the cross-node sum, the round, or after it returned).
+    Admit serves the loop's learning rate as ``extra``, which the loop changes only after admit returned."""
+    import json
     import threading
 
     pattern = torch.arange(NUMEL, dtype=torch.float32) % 13
     sl = eng.bucket("w")["shard_len"]
+    sched = {"lr": _lr(start)}
     for k in range(start, STEPS):
         time.sleep(0.02)  # the minibatch's compute
         if victim is not None and k > at:
@@ -92,8 +100,9 @@ def _train(eng, rank, store, state, start, victim, at, log, where="start", delay
         _step(state, g)
         log["state"][k] = [t.tolist() for t in state]  # exact: f32 values are Python floats
         t0 = time.perf_counter()
-        eng = eng.admit(state, register_timeout=3)
+        eng = eng.admit(state, register_timeout=3, extra=lambda: json.dumps(sched).encode())
         log["boundary_s"][k] = time.perf_counter() - t0
+        sched["lr"] = _lr(k + 1)  # after the step (and admit): what the joiner's copy must hold
     log["events"] = eng.elastic_events()
     return log
 
@@ -137,9 +146,10 @@ def _rejoin_run(rank, world, store, victim, at, transport, joiner_killed=None, k
     state = _state(_shard_len())
     t0 = time.perf_counter()
     eng = odc.Engine.rejoin(store, me, WORLD, [odc.Bucket("w", NUMEL, torch.float32)], state,
-                            local_world_size=LOCAL, register_timeout=3, **kw)
+                            local_world_size=LOCAL, register_timeout=3, extra=True, **kw)
     log["rejoin_s"] = time.perf_counter() - t0
     log["copied"] = (eng.first_minibatch, [t.tolist() for t in state])
+    log["extra"] = (eng.rejoin_source, eng.extra_state)
     return _train(eng, me, store, state, eng.first_minibatch, None, None, log)
 
 
@@ -182,6 +192,9 @@ def _check_rejoin(res, victim, at):
         _, copied = res[j][1]["copied"]
         src = next(r for r in live if r % LOCAL == rank % LOCAL)
         assert copied == res[src][1]["state"][back - 1], j
+        # What the source served beside the tensors is what its loop set after the step and admit (the learning
+        # rate of minibatch `back`), not what it held when admit served the tensors (that of `back - 1`).
+        assert res[j][1]["extra"] == (src, f'{{"lr": {_lr(back)}}}'.encode()), (j, res[j][1]["extra"], back)
         # And stays so: every later step's state equals every replica's, bit for bit.
         for k in range(back, STEPS):
             for r in live:
@@ -457,3 +470,252 @@ def test_a_joiner_that_dies_before_it_registers_is_abandoned_and_the_members_go_
         assert sorted(res[r][1]["sums"]) == list(range(STEPS)), r
         twin = live[(live.index(r) + LOCAL) % len(live)]
         assert res[r][1]["state"] == res[twin][1]["state"], (r, twin)
+
+
+class _Normed(H.Tiny):
+    """Tiny with module buffers that change in training: a BatchNorm's statistics of the embeddings (changed by
+    every forward, from this rank's data) and a step counter the loop advances in each minibatch (the same on
+    every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(H.DIM)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, tokens):
+        x = self.bn(self.emb(tokens).transpose(1, 2)).transpose(1, 2)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _normed(nodes, seed, fsdp1):
+    """_Normed under FSDP2 HSDP (each block, then the root) or FSDP1 HYBRID_SHARD (each block its own instance),
+    over a (nodes, LOCAL) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(seed)
+    model = _Normed()
+    mesh = init_device_mesh("cpu", (nodes, LOCAL), mesh_dim_names=("replicate", "shard"))
+    if fsdp1:
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({H.Block}), device_mesh=mesh,
+                                        sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"))
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _local_tensor(t):
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.detach().tolist()
+
+
+def _whole(model, opt, scaler, sched):
+    """Every piece of a rank's replica state, as plain data (exact: f32 values are Python floats)."""
+    return {
+        "params": {n: _local_tensor(p) for n, p in model.named_parameters()},
+        "buffers": {n: _local_tensor(b) for n, b in model.named_buffers()},
+        "optimizer": [sorted((k, _local_tensor(v) if isinstance(v, torch.Tensor) else v) for k, v in st.items())
+                      for st in (opt.state[p] for g in opt.param_groups for p in g["params"])],
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "scaler": scaler.state_dict(),
+        "scheduler": sched.state_dict(),
+    }
+
+
+def _evaluate(model, s, me):
+    """An EMA-style evaluation at the start of step ``s``: other weights swapped in (the parameters halved), an
+    eval-mode forward inside odc.fsdp.evaluation (a minibatch of its own), the trained weights swapped back."""
+    with torch.no_grad():
+        keep = [p.detach().clone() for p in model.parameters()]
+        for p in model.parameters():
+            p.mul_(0.5)
+        model.eval()
+        with odc.fsdp.evaluation(model):
+            model(H.data(s, 0, me)[:, :-1])
+        model.train()
+        for p, k in zip(model.parameters(), keep, strict=True):
+            p.copy_(k)
+
+
+def _fsdp_rejoin_whole(rank, world, store, victim, at, flavour):
+    """As _fsdp_rejoin, with replica state beyond the parameters and the optimizer's tensors: module buffers
+    (_Normed), a OneCycleLR (it moves the learning rate and AdamW's beta1 at every step) and a GradScaler
+    (growth_interval=2: its scale and growth tracker move), passed to enable and rejoin, and an EMA-style
+    evaluation at the start of every step (so step s is minibatches 2s, the evaluation, and 2s + 1). The loss's
+    normaliser is odc.fsdp.global_sum of every rank's tokens, the gradients divided by it after the finish.
+    Returns the counts and each step's whole replica state (the joiner's also as copied, at its first step - 1)."""
+    import torch.distributed as dist
+
+    H.as_nodes(LOCAL, "shm")
+    dead = victim // LOCAL
+    fsdp1 = flavour == "fsdp1"
+    member = rank < WORLD
+    me = rank if member else dead * LOCAL + rank - WORLD
+    if member:
+        H.init_pg(rank, WORLD, store)
+    else:
+        store.wait(["killed_at"])
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"node{dead}/", store), rank=me % LOCAL,
+                                world_size=LOCAL)
+    model = _normed(WORLD // LOCAL if member else 1, 0 if member else 1, fsdp1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=len(PLAN))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    extras = {"scaler": scaler, "scheduler": sched}
+    steps = next(b for n, b in model.named_buffers() if n.endswith("steps"))
+    out = {"first": 0, "whole": {}, "counts": {}}
+    if member:
+        odc.fsdp.enable(model, opt, sharding="hybrid", elastic=True, timeout=60, store=store, **extras)
+    else:
+        store.set(f"joining/{me}", b"1")
+        out["first"] = odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60, **extras)
+        out["whole"][out["first"] // 2 - 1] = _whole(model, opt, scaler, sched)  # as copied
+    try:
+        for s in range(out["first"] // 2, len(PLAN)):
+            if member and s > at:
+                store.wait([f"joining/{dead * LOCAL + i}" for i in range(LOCAL)])
+                time.sleep(0.5)
+            if 2 * s >= out["first"]:  # (a joiner let in at an evaluation's end starts with the step's training)
+                _evaluate(model, s, me)
+            scaler.scale(torch.zeros(()))  # a rank without a microbatch: the scaler's lazy init
+            for m in range(PLAN[s][me]):
+                scaler.scale(H.sample_loss(model, H.data(s, m, me)) * WORLD).backward()  # FSDP averages over D
+                if me == victim and s == at and member:
+                    store.set("killed_at", repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)
+            count = odc.fsdp.global_sum(model, 27 * PLAN[s][me])  # finishes the minibatch
+            out["counts"][s] = count.item()
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(count)
+            with torch.no_grad():
+                steps.add_(1)
+            scaler.unscale_(opt)
+            if fsdp1:
+                odc.fsdp.clip_grad_norm_(model, 0.5)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad()
+            out["whole"][s] = _whole(model, opt, scaler, sched)
+    except (odc.NodeDropped, odc.PeerDied) as e:
+        out["raised"] = type(e).__name__
+    out["events"] = [(e["kind"], e["minibatch"], e.get("node", e.get("reason"))) for e in
+                     odc.fsdp.elastic_events(model)]
+    return out
+
+
+def _check_whole(res, victim, at):
+    """Asserts a run of _fsdp_rejoin_whole: the joiners' replica state as copied is bitwise their sources'
+    at the boundary, and every piece of it that is the same on every replica stays so after every later step
+    (the BatchNorm's statistics follow each rank's own data from then on); every rank's token count is the
+    member nodes' tokens of the step, the rejoined node's included once it is back. Returns where it came back."""
+    dead = victim // LOCAL
+    live = [r for r in range(WORLD) if r // LOCAL != dead]
+    joiners = {WORLD + i: dead * LOCAL + i for i in range(LOCAL)}
+    for r in [*live, *joiners]:
+        assert res[r][0] == "ok" and "raised" not in res[r][1], (r, str(res[r])[:3000])
+    first = res[WORLD][1]["first"]
+    back = first // 2  # the step it comes back at
+    assert at < back < len(PLAN) and res[WORLD + 1][1]["first"] == first, first
+    for j, rank in joiners.items():
+        src = next(r for r in live if r % LOCAL == rank % LOCAL)  # the first member node's (one joining node)
+        copied, theirs = res[j][1]["whole"][back - 1], res[src][1]["whole"][back - 1]
+        differ = [piece for piece in theirs if copied[piece] != theirs[piece]]
+        assert not differ, (j, src, differ, {p: (str(copied[p])[:200], str(theirs[p])[:200]) for p in differ})
+    assert first % 2 == 0, first  # let in where a step ended, not at an evaluation's end
+    for r in live:
+        events = res[r][1]["events"]
+        # It asks the round of an evaluation's minibatch (the members pause before it): admitted there, it would
+        # be let in at the block's end, with the evaluated weights still swapped in; the members decline that
+        # alike (it asks the next round), so it comes in where a step ended: `first` is even.
+        declined = [e for e in events if e[0] == "abandoned"]
+        assert all(mb % 2 == 1 and "evaluation" in why for _, mb, why in declined), (r, events)
+        assert [e for e in events if e[0] != "abandoned"] == [("drop", 2 * at + 1, dead), ("join", first, dead)], (
+            r, events)
+
+    def same_on_replicas(whole):  # BatchNorm's statistics follow this rank's own data; its step counter does not
+        return {**whole, "buffers": {n: v for n, v in whole["buffers"].items() if n.endswith("steps")}}
+
+    for j, rank in joiners.items():
+        for s in range(back, len(PLAN)):
+            for r in live:
+                if r % LOCAL == rank % LOCAL:
+                    mine, twin = same_on_replicas(res[j][1]["whole"][s]), same_on_replicas(res[r][1]["whole"][s])
+                    differ = [piece for piece in mine if mine[piece] != twin[piece]]
+                    assert not differ, (j, r, s, differ)
+    for r in [*live, *joiners]:
+        for s, count in res[r][1]["counts"].items():
+            nodes = [n for n in range(WORLD // LOCAL) if not (at <= s < back and n == dead)]
+            assert count == 27 * sum(PLAN[s][q] for q in range(WORLD) if q // LOCAL in nodes), (r, s, count)
+        assert sorted(res[r][1]["counts"]) == list(range(0 if r in live else back, len(PLAN))), r
+    return back
+
+
+@pytest.mark.torch_versions
+@pytest.mark.parametrize("flavour", ["fsdp2", "fsdp1"])
+def test_a_rejoined_replica_is_whole_and_every_ranks_token_count_counts_it(flavour):
+    # A model with buffers, a OneCycleLR and a GradScaler passed to enable and rejoin: the joiner's buffers,
+    # parameter groups (learning rate, betas), scaler and scheduler are its source's as the members' next
+    # minibatch starts (after scaler.update() and scheduler.step()), bitwise, and stay its replicas' after every
+    # later step; odc.fsdp.global_sum counts the rejoined node's tokens from its first minibatch on.
+    victim, at = 3, 1
+    res = run_ranks(_fsdp_rejoin_whole, WORLD + LOCAL, timeout=300, victim=victim, at=at, flavour=flavour)
+    back = _check_whole(res, victim, at)
+    counts = {s: res[WORLD][1]["counts"][s] for s in range(back, len(PLAN))}  # steps, not minibatches
+    declined = [e for e in res[0][1]["events"] if e[0] == "abandoned"]
+    print(f"{flavour}: node {victim // LOCAL} dropped at step {at}, back at step {back} (declined at an evaluation's "
+          f"end: {declined}); the joiners' token counts from then on, every rank's too: {counts}")
+
+
+def _rejoin_without_optimizer(rank, world, store):
+    """Ranks 0-5 enable elastic without an optimizer hook (a loop on odc.fsdp.minibatch) and train a step;
+    processes 6 and 7 build node 1's model over a process group of their own and try to rejoin: with an
+    optimizer (the members' replica has no optimizer state ODC knows) and without one."""
+    import torch.distributed as dist
+
+    H.as_nodes(LOCAL, "shm")
+    if rank < WORLD:
+        H.init_pg(rank, WORLD, store)
+        model = H.build(WORLD, mesh=H.hsdp_mesh(WORLD, LOCAL))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        odc.fsdp.enable(model, None, sharding="hybrid", elastic=True, timeout=60, store=store)
+        with odc.fsdp.minibatch(model):
+            H.sample_loss(model, H.data(0, 0, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        store.set(f"enabled/{rank}", b"1")
+        store.wait([f"tried/{r}" for r in (WORLD, WORLD + 1)])
+        return {}
+    store.wait([f"enabled/{r}" for r in range(WORLD)])
+    me = LOCAL + rank - WORLD
+    dist.init_process_group("gloo", store=dist.PrefixStore("node1/", store), rank=me % LOCAL, world_size=LOCAL)
+    model = H.build(LOCAL, seed=1, mesh=H.hsdp_mesh(LOCAL, LOCAL))
+    out = {}
+    for name, opt in (("with", torch.optim.AdamW(model.parameters(), lr=1e-2)), ("without", None)):
+        t0 = time.perf_counter()
+        try:
+            odc.fsdp.rejoin(model, opt, store=store, rank=me, world_size=WORLD, timeout=60)
+            out[name] = "rejoined"
+        except odc.ConfigError as e:
+            out[name] = (str(e), time.perf_counter() - t0)
+    store.set(f"tried/{rank}", b"1")
+    return out
+
+
+def test_a_job_without_an_optimizer_hook_refuses_a_rejoin_by_name_at_once():
+    # enable(model, None, elastic=True) serves no optimizer state (ODC does not know it): a joiner would restart
+    # the optimizer at step 0 with zero moments and diverge silently. Its rejoin raises at once, naming why.
+    res = run_ranks(_rejoin_without_optimizer, WORLD + LOCAL, timeout=180)
+    assert all(res[r][0] == "ok" for r in res), res
+    for j in (WORLD, WORLD + 1):
+        with_opt, without = res[j][1]["with"], res[j][1]["without"]
+        assert "the members let no node rejoin: odc.fsdp.enable(model, None, elastic=...) hooks no optimizer" in \
+            with_opt[0] and with_opt[1] < 5, with_opt
+        assert "odc.fsdp.rejoin needs the loop's optimizer(s)" in without[0], without

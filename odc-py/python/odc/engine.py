@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from . import _odc
 from .deadline import deadline_for
-from .errors import ConfigError, LayoutError, OdcError, PeerTimeout, ProtocolError
+from .errors import ConfigError, LayoutError, MalformedError, OdcError, PeerTimeout, ProtocolError
 
 if TYPE_CHECKING:
     import torch
@@ -256,6 +256,31 @@ def _enter_generation(store: Any, prefix: str, make: Callable[[], Engine]) -> tu
     if failed is not None:
         raise failed
     return eng, ""
+
+
+def _await_extra(store: Any, key: str, source: int, rank: int, wait_s: float) -> bytes:
+    """A joining rank waits (up to ``wait_s``) for the bytes its source serves beside its state
+    (``Engine.admit(extra=...)``, at the source's first operation of the new generation where ``extra`` is a
+    function); raises the source's error where it served one."""
+    deadline = time.perf_counter() + wait_s
+    nap = 0.001
+    while not store.check([key]):
+        if time.perf_counter() >= deadline:
+            raise PeerTimeout(
+                f"rejoin: rank {rank} waited {wait_s:g} s for what rank {source} serves beside its replica state "
+                "(a learning rate, a loss scale: served as its next minibatch starts, at its first publish, push "
+                "or finish): it served the tensors, then did not start the next minibatch",
+                peer=source,
+            )
+        time.sleep(nap)
+        nap = min(nap * 2, 0.02)
+    raw = bytes(store.get(key))
+    if raw[:1] == b"!":
+        raise ProtocolError(f"rejoin: rank {source}, whose replica rank {rank} copies, could not serve what it "
+                            f"serves beside its state: {raw[1:].decode(errors='replace')}")
+    if raw[:1] != b"+":
+        raise MalformedError(f"rejoin: rank {source}'s extra state starts with {raw[:1]!r}, not b'+' or b'!'")
+    return raw[1:]
 
 
 class Engine:
@@ -469,6 +494,13 @@ class Engine:
         self._history: list[dict[str, Any]] = []
         #: Elastic: the first minibatch this generation runs (None for the job's first).
         self.first_minibatch: int | None = None
+        #: Elastic, a rejoined rank's engine: the ``extra`` bytes its source served (``rejoin(extra=True)``).
+        self.extra_state: bytes | None = None
+        #: Elastic, a rejoined rank's engine: the member rank whose replica state it copied.
+        self.rejoin_source: int | None = None
+        # Elastic, a member's new generation: the function whose bytes admit(extra=...) serves at this engine's
+        # first operation.
+        self._extra: Callable[[], bytes] | None = None
         # A later generation's native engine counts versions and minibatches from its first minibatch.
         self._offset = 0
         # Typed as the native engine it forwards to (``_odc.pyi``).
@@ -592,7 +624,8 @@ class Engine:
         (after), and on a member ``register_s`` (the new generation's
         registration) and ``copy_s`` (serving its state to the ranks in
         ``served``), on the joiner ``waited_s`` (for its admission),
-        ``register_s`` and ``copy_s`` (reading rank ``source``'s state). Events of earlier
+        ``register_s``, ``copy_s`` (reading rank ``source``'s state) and, where it waited for the source's
+        ``extra`` bytes, ``extra_s``. Events of earlier
         generations carry over to the next.
         """
         native = self._native.elastic_events()
@@ -640,7 +673,8 @@ class Engine:
         _elastic_log.warning("rank %d: node(s) %s not let in at minibatch %d (%s); they ask a later minibatch",
                              self.rank, list(joining), start, why)
 
-    def admit(self, state: Sequence[torch.Tensor] = (), *, register_timeout: float | None = None) -> Engine:
+    def admit(self, state: Sequence[torch.Tensor] = (), *, register_timeout: float | None = None,
+              extra: bytes | Callable[[], bytes] | None = None) -> Engine:
         """Elastic: at a minibatch boundary, after the step, lets admitted nodes in; returns the engine to go on with.
 
         Call it on every member rank after each step (it returns ``self`` at
@@ -664,6 +698,16 @@ class Engine:
         members go on with this engine (``self`` is returned, the
         admission forgotten, an ``"abandoned"`` event and a warning say so)
         and the joiners' :meth:`rejoin` raises.
+
+        ``extra``: bytes the joining ranks that copy this rank's state take
+        beside it (the joiners' :meth:`rejoin` with ``extra=True`` keeps
+        them): served with the state, or, given a function that makes them,
+        by the returned engine at its first operation (its first publish,
+        gather, push, claim or finish), so that what the loop changes between
+        its step and the next minibatch (a learning rate a scheduler sets
+        after the step, a loss scaler's update) is in them; the joiners wait
+        for them. A function that raises serves its error instead, which the
+        joiners raise, and raises there.
         """
         from . import _rejoin
 
@@ -701,6 +745,11 @@ class Engine:
         flat = _rejoin.pack(state)
         self._store.set(f"{gen['prefix']}/state/{self.rank}/layout", json.dumps(_rejoin.layout(state)))
         new._native.serve_state(flat.data_ptr() if flat.numel() else 0, flat.numel(), readers)
+        if readers and extra is not None:
+            if callable(extra):
+                new._extra = extra
+            else:
+                self._store.set(f"{gen['prefix']}/state/{self.rank}/extra", b"+" + bytes(extra))
         done = time.perf_counter()
         new._history = self.elastic_events()
         for node in joining:
@@ -729,6 +778,8 @@ class Engine:
         prefix: str | None = None,
         timeout: float | None = None,
         register_timeout: float | None = None,
+        extra: bool = False,
+        names: Sequence[str] | None = None,
         **settings: Any,
     ) -> Engine:
         """Elastic: a restarted node's rank joins the running job; returns its engine, ``state`` filled.
@@ -748,6 +799,13 @@ class Engine:
         :class:`odc.ProtocolError` when the generation that admitted it was
         abandoned (a rank did not register within ``register_timeout``; see
         :meth:`admit`).
+
+        With ``extra`` it then waits (up to ``timeout`` seconds) for the
+        bytes its source serves beside the tensors (the members' ``admit(...,
+        extra=...)``: at once, or as their next minibatch starts) and keeps
+        them as :attr:`extra_state`; :attr:`rejoin_source` names the source.
+        ``names`` (one per state tensor) name the tensor whose layout differs
+        from the source's in the error.
         """
         from . import _rejoin
 
@@ -794,13 +852,24 @@ class Engine:
         t_reg = time.perf_counter()
         flat = torch.empty(sum(t.numel() * t.element_size() for t in state), dtype=torch.uint8)
         eng._native.read_state(source, flat.data_ptr() if flat.numel() else 0, flat.numel())
-        _rejoin.compare_layouts(mine, store.get(f"{gen['prefix']}/state/{source}/layout"), source)
+        raw = store.get(f"{gen['prefix']}/state/{source}/layout")
+        try:
+            _rejoin.compare_layouts(mine, raw, source)
+        except ConfigError as e:
+            if names is not None and (what := _rejoin.name_first_difference(mine, raw, names)):
+                e.add_note(what)
+            raise
+        eng.rejoin_source = source
         _rejoin.unpack(flat, state)
         done = time.perf_counter()
         eng._history = [{
             "kind": "join", "minibatch": gen["start"], "node": node, "members": gen["members"],
             "waited_s": t_admitted - t0, "register_s": t_reg - t_admitted, "copy_s": done - t_reg, "source": source,
         }]
+        if extra:
+            eng.extra_state = _await_extra(store, f"{gen['prefix']}/state/{source}/extra", source, int(rank),
+                                           float(wait_s))
+            eng._history[0]["extra_s"] = time.perf_counter() - done
         _elastic_log.warning(
             "rank %d: node %d rejoined at minibatch %s; members %s; admitted after %.3f s, registered in %.3f s, "
             "copied rank %d's state in %.3f s", rank, node, gen["start"], gen["members"], t_admitted - t0,
@@ -856,6 +925,21 @@ class Engine:
             raise LayoutError(f"unknown bucket index {ref}: {len(self._infos)} buckets are registered")
         return ref
 
+    def _serve_extra(self) -> None:
+        """A member's new generation, at its first operation: serves the bytes ``admit(extra=...)``'s function
+        makes now to the joining ranks that copied this rank's state; where it raises, serves the error (the
+        joiners raise it) and raises."""
+        make, self._extra = self._extra, None
+        key = f"{self._prefix}/state/{self.rank}/extra"
+        try:
+            blob = make() if make is not None else b""
+            if not isinstance(blob, (bytes, bytearray)):
+                raise ConfigError(f"admit: extra gave a {type(blob).__name__}, not bytes")
+        except BaseException as e:
+            self._store.set(key, b"!" + f"{type(e).__name__}: {e}".encode())
+            raise
+        self._store.set(key, b"+" + bytes(blob))
+
     # -- data path -----------------------------------------------------------
     def publish(self, bucket: BucketRef, shard: torch.Tensor, version: int) -> None:
         """Publishes this rank's shard (``piece_len`` elements, parameter dtype) as ``version``.
@@ -863,6 +947,8 @@ class Engine:
         Waits until every reader released ``version - 1``. On ``cuda-ipc`` the
         copy out of ``shard`` is enqueued on the current stream of its device.
         """
+        if self._extra is not None:
+            self._serve_extra()
         if self._native.is_device:
             ptr, n, dt, stream = self._device_buffer(shard, "shard")
             self._device_call(self._native.publish_device, self._id(bucket), ptr, n, dt, self._rel(version), stream)
@@ -878,6 +964,8 @@ class Engine:
         waits on the host until every owner published ``version`` and
         enqueues the copies on the current stream of ``out``'s device.
         """
+        if self._extra is not None:
+            self._serve_extra()
         if self._native.is_device:
             ptr, n, dt, stream = self._device_buffer(out, "output")
             self._device_call(self._native.gather_device, self._id(bucket), self._rel(version), ptr, n, dt, skip_own,
@@ -909,6 +997,8 @@ class Engine:
         copies are enqueued on the current stream of ``grads``' device and
         later work on that stream may overwrite ``grads``.
         """
+        if self._extra is not None:
+            self._serve_extra()
         at = None if offset is None else int(offset)
         if self._native.is_device:
             ptr, n, dt, stream = self._device_buffer(grads, "gradient")
@@ -926,6 +1016,8 @@ class Engine:
         engine enqueued work on since the previous finish (FSDP runs its
         comms on streams of its own), and the host then waits for it.
         """
+        if self._extra is not None:
+            self._serve_extra()
         if self._native.is_device:
             stream = self._stream()
             if self._cuda is not None:
@@ -991,6 +1083,8 @@ class Engine:
         from the back). The first claim of ``k`` starts minibatch ``k`` for
         thieves; every microbatch is claimed exactly once. Host transports.
         """
+        if self._extra is not None:
+            self._serve_extra()
         return self._native.claim_own(self._rel(k, "minibatch"), int(count))
 
     def steal(self, victim: int, k: int) -> tuple[str, int | None]:
@@ -1004,6 +1098,8 @@ class Engine:
         rank's shard group (every rank under full sharding, the node under
         hybrid sharding).
         """
+        if self._extra is not None:
+            self._serve_extra()
         return self._native.steal(int(victim), self._rel(k, "minibatch"))
 
     def claims_of(self, rank: int) -> tuple[int | None, int, int]:

@@ -156,27 +156,29 @@ from ._binding import SHARDINGS, _Binding, _bound, _enables, _live, _Solo, _solo
 from ._clip import clip_grad_norm_
 from ._grads import wrap_zero_grad
 from ._private import (
+    NO_OPTIMIZER,
     TORCH_RANGE,
     TORCH_VERSIONS_CHECKED,
     TORCH_VERSIONS_TESTED,
     DefaultAllGather,
     DefaultReduceScatter,
+    Replica,
     _describe,
     _Layout,
     _node_layout,
     check_fsdp2,
     materialize_optimizer_state,
     prefix_store,
-    replica_state,
 )
 from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
-from ._state import _NORM_BUCKET
+from ._state import _NORM_BUCKET, _SKIP_BUCKET
 from ._steal import microbatches, rerun_share
+from ._sum import _SUM_BUCKET, global_sum, sum_bucket_numel
 from ._transport import _param_device, _pick_transport
 
 __all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
-           "dropped", "elastic_events", "enable", "evaluation", "finish", "is_enabled", "members", "microbatches",
-           "minibatch", "rejoin", "rerun_share"]
+           "dropped", "elastic_events", "enable", "evaluation", "finish", "global_sum", "is_enabled", "members",
+           "microbatches", "minibatch", "rejoin", "rerun_share", "skip", "skipped"]
 
 
 def is_enabled(model: Any) -> bool:
@@ -196,6 +198,8 @@ def enable(
     cross_node: str | None = None,
     elastic: bool | str = False,
     store: Any = None,
+    scaler: Any = None,
+    scheduler: Any = None,
 ) -> None:
     """Makes a ``fully_shard``-ed model's all-gathers and reduce-scatters ODC operations.
 
@@ -315,6 +319,15 @@ def enable(
             rejoin pass the job's store here (a client of the rendezvous
             store, say) and the same to :func:`rejoin`, whose process group
             cannot be the members' default one.
+        scaler: under ``elastic``: the loop's ``GradScaler`` (or any object
+            with ``state_dict()`` / ``load_state_dict()``), whose state a
+            rejoining node copies beside the replica (the parameters, the
+            module buffers, the optimizers' state and ``param_groups``).
+        scheduler: under ``elastic``: the loop's LR scheduler(s), one or a
+            list, copied the same way. Both are taken as the next minibatch
+            starts (after the loop's ``scaler.update()`` and
+            ``scheduler.step()``); a value in them that cannot be copied is
+            refused here, naming it. See docs/elastic.md.
 
     Warns:
         UserWarning: a torch newer than :data:`TORCH_RANGE`, allowed by
@@ -356,6 +369,7 @@ def enable(
             f"{'each parameter and gradient shard' if sharding == 'full' else 'each shard of the optimizer state'} "
             "lives on one rank and dies with it"
         )
+    replica = _replica(model, optimizers, scaler, scheduler, elastic, "odc.fsdp.enable")
     if fsdp1:
         groups, layout, process_group = _fsdp1.describe(model, sharding)
     else:
@@ -397,13 +411,18 @@ def enable(
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, sharding="hybrid-zero", **kw)
     else:
         engine = Engine(store, layout.rank, layout.world, local_world_size=local, **kw)
-    engine.register(_buckets(groups, layout.shards))
+    engine.register(_buckets(groups, layout.shards, layout.world))
     _attach(model, optimizers, groups, engine, layout, fsdp1, rerun=elastic == "rerun")
+    _keep_replica(model, replica, store)
 
 
-def _buckets(groups: list[Any], ws: int) -> list[Bucket]:
-    """The engine's buckets: one per parameter group (its ``ws`` shards), and the clip's norm bucket."""
-    return [Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32)]
+def _buckets(groups: list[Any], ws: int, world: int) -> list[Bucket]:
+    """The engine's buckets: one per parameter group (its ``ws`` shards), the clip's norm bucket, the skip
+    bucket, and :func:`global_sum`'s (a block per rank of the ``world`` in each shard)."""
+    return [Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32),
+                                                                  Bucket(_SKIP_BUCKET, ws, torch.float32),
+                                                                  Bucket(_SUM_BUCKET, sum_bucket_numel(ws, world),
+                                                                         torch.float32)]
 
 
 def _check_elastic(elastic: Any, what: str) -> None:
@@ -436,11 +455,12 @@ def _attach(model: Any, optimizers: list[torch.optim.Optimizer], groups: list[An
         b.grads.ensure_hooked(b.grads.params)
     b.grads.pend(first)  # a rank with no microbatch in its first minibatch reads final gradients too
     for i, opt in enumerate(optimizers):
-        b.hooks.append(opt.register_step_pre_hook(lambda *_: b.before_step()))
+        b.hooks.append(opt.register_step_pre_hook(lambda o, *_: b.before_step(o)))
         b.hooks.append(opt.register_step_post_hook(lambda *_, i=i: b.after_step(i)))
         b.hooks.append(_Undo(wrap_zero_grad(opt, b.after_zero_grad, b.check_zero_grad)))
     b.optimizers = len(optimizers)
     b.optimizer_objs = optimizers
+    b.grads.zeros_for_none = bool(optimizers)  # a skipped minibatch: their hooked step is made a no-op
     b.hooks.append(_Undo(wrap_zero_grad(model, b.after_zero_grad, b.check_zero_grad)))
     model.__dict__["_odc_fsdp"] = b
     _live.add(b)
@@ -448,7 +468,7 @@ def _attach(model: Any, optimizers: list[torch.optim.Optimizer], groups: list[An
 
 def rejoin(
     model: Any,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
     store: Any,
     rank: int,
@@ -458,6 +478,8 @@ def rejoin(
     transport: str | None = None,
     deterministic: bool = False,
     elastic: bool | str = True,
+    scaler: Any = None,
+    scheduler: Any = None,
 ) -> int:
     """A restarted node's rank joins a running elastic job (``enable(..., sharding="hybrid", elastic=True)``);
     returns the first minibatch it runs.
@@ -467,23 +489,32 @@ def rejoin(
     of its own node (``init_device_mesh(device, (1, G), mesh_dim_names=
     ("replicate", "shard"))`` in a process group of the node's G ranks: it
     cannot join the members' default group; FSDP1: ``HYBRID_SHARD`` with
-    that mesh as ``device_mesh``), creates its optimizer, and
-    calls this in place of :func:`enable`, with the job's ``store`` (what the
-    members passed to :func:`enable`), its rank in the job and the job's
-    world size. It asks the members' membership round to admit its node,
-    waits for the generation that does (the members begin it after their
-    optimizer step), registers with them, and copies its local rank's replica
-    state from a member one-sidedly: the parameters' local shards and every
-    optimizer's state (created here first by one step on zero gradients,
-    then overwritten bit for bit). From then on the model is enabled as
-    :func:`enable` leaves it; run the loop from the returned minibatch, with
-    that minibatch's plan (the data position), as every member does.
+    that mesh as ``device_mesh``), creates its optimizer (and its
+    ``GradScaler`` and LR scheduler, where the members passed theirs to
+    :func:`enable`), and calls this in place of :func:`enable`, with the
+    job's ``store`` (what the members passed to :func:`enable`), its rank in
+    the job and the job's world size. It asks the members' membership round
+    to admit its node, waits for the generation that does (the members begin
+    it after their optimizer step), registers with them, and copies its local
+    rank's replica from a member: one-sidedly the parameters' local shards,
+    the module buffers and every optimizer's tensor state (created here first
+    by one step on zero gradients, then overwritten bit for bit); then, as
+    the members start their next minibatch (after the loop's
+    ``scaler.update()`` and ``scheduler.step()``), each optimizer's
+    ``param_groups`` (every number copied, every other setting compared),
+    ``scaler``'s and each scheduler's ``state_dict()``. From then on the model
+    is enabled as :func:`enable` leaves it; run the loop from the returned
+    minibatch, with that minibatch's plan (the data position), as every
+    member does.
 
     Args:
         model: the ``fully_shard``-ed root module over a ``(1, G)`` mesh, or
             FSDP1's root module with ``HYBRID_SHARD`` over one.
         optimizer: its optimizer(s), as passed to :func:`enable` on the
-            members (their state is copied in the same order).
+            members (their state is copied in the same order). A job whose
+            members enabled without an optimizer (``enable(model, None,
+            ...)``) lets no node rejoin: their optimizer's state is unknown
+            to ODC.
         store: the job's store (a client of the store the members passed as
             ``store=`` to :func:`enable`).
         rank: this rank in the job (node n's ranks are n·G … n·G + G − 1;
@@ -491,16 +522,21 @@ def rejoin(
         world_size: the job's ranks D.
         chunk_bytes: as the members' :func:`enable`.
         timeout: as the members' :func:`enable`; also how long to wait for
-            the admission.
+            the admission, and then for the members' next minibatch to start.
         transport: as the members' :func:`enable`.
         deterministic: as the members' :func:`enable`.
         elastic: as the members' :func:`enable` (``True``, ``"drop"`` or ``"rerun"``).
+        scaler: as the members' :func:`enable`: its state is copied.
+        scheduler: as the members' :func:`enable` (one or a list): their state is copied.
 
     Raises:
         ConfigError: not an FSDP model, a mesh that is not one node's, a rank
-            whose local rank is not its mesh index, optimizer state that is
-            not tensors, or state laid out unlike its source's.
+            whose local rank is not its mesh index, no optimizer (or members
+            without one), state laid out unlike its source's, a setting, a
+            scaler or a scheduler unlike the source's (each named), or a value
+            of them that cannot be copied.
         StoreError: no round admitted the node within the timeout.
+        PeerTimeout: the source did not start its next minibatch within the timeout.
     """
     check_fsdp2()
     _check_elastic(elastic, "odc.fsdp.rejoin")
@@ -508,6 +544,9 @@ def rejoin(
         raise ConfigError("odc.fsdp.rejoin: elastic=False; a rejoined node takes part in an elastic job (True, "
                           "'drop' or 'rerun', as the members' enable)")
     optimizers = _optimizers(optimizer)
+    if not optimizers:
+        raise ConfigError(f"odc.fsdp.rejoin needs the loop's optimizer(s): {NO_OPTIMIZER}")
+    replica = cast(Replica, _replica(model, optimizers, scaler, scheduler, elastic, "odc.fsdp.rejoin"))
     fsdp1 = _fsdp1.is_fsdp1(model)
     if not fsdp1 and not isinstance(model, FSDPModule):
         raise ConfigError(
@@ -539,15 +578,55 @@ def rejoin(
         os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT")
     chosen = _pick_transport(groups, requested, source, world_size // g_size, "hybrid")
     seconds, deadline_source = deadline_for(process_group, explicit=timeout)
-    materialize_optimizer_state(optimizers)
-    state = replica_state(groups, optimizers)
     engine_store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/", store)
-    engine = Engine.rejoin(engine_store, rank, world_size, _buckets(groups, g_size), state,
+    if engine_store.check([_REFUSED]):
+        raise ConfigError(f"odc.fsdp.rejoin: the members let no node rejoin: {engine_store.get(_REFUSED).decode()}")
+    materialize_optimizer_state(optimizers)
+    state = replica.tensors(groups)
+    engine = Engine.rejoin(engine_store, rank, world_size, _buckets(groups, g_size, world_size), state,
                            local_world_size=g_size, timeout=seconds, deadline_source=deadline_source,
-                           transport=chosen, sharding="hybrid", deterministic=deterministic, chunk_bytes=chunk_bytes)
+                           transport=chosen, sharding="hybrid", deterministic=deterministic, chunk_bytes=chunk_bytes,
+                           extra=True, names=replica.names(groups))
+    replica.load(engine.extra_state or b"", int(engine.rejoin_source if engine.rejoin_source is not None else -1))
     first = int(engine.first_minibatch or 0)
     _attach(model, optimizers, groups, engine, layout, fsdp1, first, rerun=elastic == "rerun")
+    _keep_replica(model, replica, engine_store)
     return first
+
+
+#: Where members enabled without an optimizer say so, under the store prefix a joiner's rejoin shares with them.
+_REFUSED = "rejoin-refused"
+
+
+def _replica(model: Any, optimizers: list[torch.optim.Optimizer], scaler: Any, scheduler: Any, elastic: Any,
+             what: str) -> Replica | None:
+    """What a rejoining node copies of this rank's replica (None without ``elastic``), checked: every value of
+    it can be copied (else a ConfigError naming it)."""
+    schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
+    if not elastic:
+        if scaler is not None or schedulers:
+            raise ConfigError(f"{what}: scaler= and scheduler= name what a rejoining node copies; they need "
+                              "elastic=True (or 'drop', 'rerun')")
+        return None
+    for i, obj in enumerate([scaler, *schedulers]):
+        if obj is not None and not (callable(getattr(obj, "state_dict", None))
+                                    and callable(getattr(obj, "load_state_dict", None))):
+            kind = "scaler" if i == 0 else f"scheduler {i - 1}"
+            raise ConfigError(f"{what}: the {kind} is a {type(obj).__name__}, which has no state_dict() and "
+                              "load_state_dict() to copy it by")
+    replica = Replica(model, optimizers, scaler, schedulers)
+    replica.check(what)
+    return replica
+
+
+def _keep_replica(model: Any, replica: Replica | None, store: Any) -> None:
+    """Elastic: the binding serves ``replica`` to rejoining nodes; a job without an optimizer hook says in the
+    store (``store``: the engine's) that it lets none in, so that a joiner's :func:`rejoin` says why at once."""
+    if replica is None:
+        return
+    _bound(model).replica = replica
+    if why := replica.refusal():
+        store.set(_REFUSED, why)
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
@@ -620,14 +699,17 @@ def minibatch(model: Any) -> Iterator[None]:
     minibatch of both would have made (under ``deterministic=True`` the very
     bits). Gradients changed in between (a clip) are added onto instead.
 
-    An exception out of the block still finishes the minibatch, with the
-    microbatches that ran before it, and warns that it did (``RuntimeWarning``):
-    the peers are not left waiting, and the next block is the next minibatch.
-    A loop that catches it and moves on (skipping a bad batch) clears those
-    gradients with ``optimizer.zero_grad()``, or steps on them. Where the
-    minibatch cannot be finished (a peer died or stalled, a ``KeyboardInterrupt``,
-    the finish failing too), every later ODC operation on the model raises
-    :class:`odc.ProtocolError` naming the minibatch and the exception.
+    An exception out of the block skips the minibatch on every rank
+    (:func:`skip`): this rank finishes it with its skip mark, so the peers are
+    not left waiting, every rank's finish of it clears its sums and leaves
+    ``.grad`` as it was before the minibatch (``None`` after a ``zero_grad``:
+    torch's optimizers then step nothing), and it warns on every rank
+    (``RuntimeWarning``; :func:`skipped` tells a loop). A loop that catches the
+    exception and moves on (skipping a bad batch) needs nothing else; the next
+    block is the next minibatch. Where the minibatch cannot be finished (a
+    peer died or stalled, a ``KeyboardInterrupt``, the finish failing too),
+    every later ODC operation on the model raises :class:`odc.ProtocolError`
+    naming the minibatch and the exception.
     """
     if solo(model) is not None:
         yield
@@ -723,6 +805,45 @@ def dropped(model: Any) -> list[dict[str, Any]]:
     if solo(model) is not None:
         return []
     return _bound(model).drops()
+
+
+def skip(model: Any) -> None:
+    """Skips the running minibatch on every rank: for a loop with hooked optimizers that catches an exception
+    in the middle of a minibatch (a bad batch, a non-finite loss seen on this rank only).
+
+    This rank finishes the minibatch with its skip mark (the peers are not left
+    waiting); at their own finish every rank learns it, alike: the minibatch's
+    sums are cleared, each ``.grad`` is what it held before the minibatch
+    (zeros where that was nothing, so that reads, clips and a ``GradScaler``
+    find a gradient), and the hooked optimizers' next step trains on nothing.
+    Then step (or ``zero_grad``) as after any minibatch, or go straight to the
+    next one. An exception out of :func:`minibatch` and a loop that leaves
+    :func:`microbatches` early skip the same way by themselves::
+
+        for batch in minibatch_batches:
+            try:
+                loss_fn(model, batch).backward()
+            except BadBatch:
+                odc.fsdp.skip(model)
+                break
+        optimizer.step(); optimizer.zero_grad()   # on every rank: a no-op step where the minibatch was skipped
+
+    Raises:
+        ProtocolError: the minibatch has finished already (its gradients were read): skip the step on every
+            rank alike instead (every rank reads the same gradients and norm).
+    """
+    if solo(model) is None:
+        _bound(model).skip("odc.fsdp.skip")
+
+
+def skipped(model: Any) -> int:
+    """How many ranks abandoned the minibatch this rank finished last (an exception out of :func:`minibatch`,
+    :func:`skip`, a loop that left :func:`microbatches` early): non-zero where it was skipped on every rank.
+    0 while a minibatch runs, and at world size 1."""
+    if solo(model) is not None:
+        return 0
+    s = _bound(model).state
+    return 0 if s.open else s.skipped
 
 
 def finish(model: Any) -> None:

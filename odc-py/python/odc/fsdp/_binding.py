@@ -17,7 +17,7 @@ from typing import Any
 from ..engine import Engine
 from ..errors import ConfigError, PeerError, ProtocolError
 from ._grads import GradContract
-from ._private import _Group, _Layout, replica_state
+from ._private import Replica, _Group, _Layout
 from ._state import Minibatch
 
 SHARDINGS = ("full", "hybrid", "hybrid-zero")
@@ -46,7 +46,8 @@ class _Binding:
         self.reshard = reshard  # reshards every FSDP module of the model (FSDP2's or FSDP1's way)
         self.hooks: list[Any] = []  # optimizer hook handles and zero_grad undos
         self.optimizers = 0  # optimizers hooked by enable
-        self.optimizer_objs: list[Any] = []  # those optimizers (elastic rejoin serves their state)
+        self.optimizer_objs: list[Any] = []  # those optimizers
+        self.replica: Replica | None = None  # elastic: what a rejoining node copies (set by enable and rejoin)
         self.stepped: set[int] = set()  # those that stepped since the minibatch finished
         self.stepped_in = -1  # the minibatch they stepped after (a start by another path resets the set)
         self.rerun = False  # elastic="rerun": dropped microbatches run again (odc.fsdp.microbatches reruns them)
@@ -78,11 +79,11 @@ class _Binding:
     def leave_minibatch(self, exc: BaseException | None) -> None:
         """Leaving ``odc.fsdp.minibatch``: finishes the minibatch, also after an exception out of the block.
 
-        After an exception the minibatch is finished with what ran (the peers are not left waiting for
-        this rank, and its next block is the next minibatch, not this one again), with a warning that
-        says so; the loop that moves past it holds those gradients and clears them to skip the step
-        (``optimizer.zero_grad()``). Where it cannot be finished (a peer died or stalled, a Ctrl-C, a
-        second failure), every later operation is refused naming the minibatch instead.
+        After an exception this rank abandons the minibatch: it finishes it (the peers are not left waiting
+        for this rank, and its next block is the next minibatch, not this one again) with its skip mark, so
+        that every rank skips it (:meth:`skip`), with a warning that says so. Where it cannot be finished (a
+        peer died or stalled, a Ctrl-C, a second failure), every later operation is refused naming the
+        minibatch instead.
         """
         if exc is None:
             self.finish("leaving odc.fsdp.minibatch")
@@ -90,21 +91,51 @@ class _Binding:
         s = self.state
         what = f"{type(exc).__name__}: {exc}"
         if not s.open:
-            return  # finished already (a gradient read, an explicit finish) before the exception
+            # Finished already (a gradient read, an explicit finish) before the exception: its gradients are
+            # final on every rank, and a peer may step on them; nothing can be taken back here.
+            warnings.warn(
+                f"odc.fsdp.minibatch: {what} left the block after minibatch {s.version} had finished "
+                f"({s.finished_by}): its gradients are final in .grad on every rank, and the peers step on them "
+                "unless they skip it too; step on them here as well, or raise before reading gradients so "
+                "that ODC skips the minibatch on every rank",
+                RuntimeWarning, stacklevel=4,
+            )
+            return
         if isinstance(exc, PeerError) or not isinstance(exc, Exception):
             s.break_off(what)
             return
         try:
-            self.finish(f"an exception out of odc.fsdp.minibatch ({type(exc).__name__})")
+            self.skip(f"an exception out of odc.fsdp.minibatch ({type(exc).__name__})")
         except Exception as e:
-            s.break_off(f"{what}; then, finishing it: {type(e).__name__}: {e}")
-            return
+            if s.open:
+                s.break_off(f"{what}; then, finishing it: {type(e).__name__}: {e}")
+                return
+            # Finished and skipped; what else it says (microbatches left early) is part of the skip.
         warnings.warn(
-            f"odc.fsdp.minibatch: {what} left minibatch {s.version} early; it was finished with the "
-            "microbatches that ran before it (their gradients are in .grad now, and the peers went on). To skip "
-            "the minibatch, call optimizer.zero_grad() before the next one; to train on what ran, step",
+            f"odc.fsdp.minibatch: {what} left minibatch {s.version} early; it was skipped on every rank: no "
+            "rank's gradients hold any of it (.grad is as before the minibatch), no step trains on it, and the "
+            "peers went on. The next block is the next minibatch",
             RuntimeWarning, stacklevel=4,
         )
+
+    def skip(self, why: str) -> None:
+        """This rank abandons the running minibatch (``why``): it finishes it with its skip mark, and every
+        rank's finish of it then skips it alike (:meth:`GradContract.finish`: the sums cleared, ``.grad`` as
+        before the minibatch, a hooked optimizer's step on it a no-op). Between minibatches (the gradients
+        of the last one cleared without a step) it skips the next one."""
+        s = self.state
+        s.check_not_broken("odc.fsdp.skip")
+        if not s.open and s.cleared:
+            s.advance()
+        if not s.open:
+            raise ProtocolError(
+                f"odc.fsdp.skip: minibatch {s.version} has finished already ({s.finished_by}): every rank holds "
+                "the same final gradients, and the peers may have stepped on them. Skip before the gradients "
+                "are read (a step, a clip, a norm), or skip the step on every rank alike (a non-finite norm, "
+                "which every rank reads the same)"
+            )
+        s.abandoned = why
+        self.finish(why)
 
     # -- evaluation on other weights (odc.fsdp.evaluation) -------------------------
     def begin_evaluation(self) -> None:
@@ -129,7 +160,7 @@ class _Binding:
             )
 
     # -- optimizer and zero_grad hooks -----------------------------------------
-    def before_step(self) -> None:
+    def before_step(self, optimizer: Any) -> None:
         s = self.state
         if s.open and not s.pushed and self.grads.stepped_twice():
             raise ProtocolError(
@@ -140,6 +171,12 @@ class _Binding:
             )
         s.check_not_broken("optimizer.step()")
         self.finish("optimizer.step()")
+        if s.skipped:
+            # A skipped minibatch (some rank abandoned it): the step trains on nothing, on every rank alike.
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+            return
         if self.rerun and (drops := self.drops()):
             nodes = sorted({d["node"] for d in drops})
             raise ProtocolError(
@@ -172,7 +209,8 @@ class _Binding:
         """Elastic: where the last minibatch's round admitted a restarted node, begins the engine generation
         that counts it (every member rank, as the next minibatch starts: after the step, a skipped step's
         ``zero_grad`` or at ``odc.fsdp.minibatch``) and serves this rank's replica state to its joiner
-        (:meth:`odc.Engine.admit`); nothing otherwise."""
+        (:meth:`Replica.serve`: the tensors now, the rest at the next minibatch's first operation), or declines
+        it where the replica cannot be copied; nothing otherwise."""
         s = self.state
         if s.engine.admitted is None:
             return
@@ -182,7 +220,12 @@ class _Binding:
             s.engine._decline(f"minibatch {s.version} continues minibatch {s.version - 1}'s gradients, no step "
                               "between")
             return
-        s.engine = s.engine.admit(replica_state(s.groups, self.optimizer_objs))
+        if s.finished_by == "leaving odc.fsdp.evaluation":
+            # The block's exit: the weights it evaluated are still swapped in (the loop swaps them back after it).
+            s.engine._decline(f"minibatch {s.version - 1} was an odc.fsdp.evaluation block, whose weights are "
+                              "still swapped in as it ends")
+            return
+        s.engine = (self.replica or Replica(self.model, self.optimizer_objs)).serve(s.engine, s.groups)
 
     def check_zero_grad(self) -> None:
         s = self.state

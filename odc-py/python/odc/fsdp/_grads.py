@@ -44,6 +44,7 @@ through a finish; the optimizer hooks and FSDP's seams sit on it.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -235,6 +236,8 @@ class GradContract:
             self.by_group.append(recs)
             self.params.extend(recs)
         self.by_id: dict[int, _Param] = {}
+        #: A skipped minibatch leaves zeros where ``.grad`` held nothing (optimizers hooked), not None.
+        self.zeros_for_none = False
 
     # -- hooks -------------------------------------------------------------------
     def refuse_foreign_hooks(self) -> None:
@@ -363,25 +366,73 @@ class GradContract:
         block ends), then the accumulators held (:meth:`Minibatch.hold`: the step or ``zero_grad`` clears
         them, which opens them for the next minibatch's pushes, or the next minibatch continues their sums).
 
+        A minibatch some rank abandoned (:attr:`Minibatch.skipped`) is skipped here, on every rank alike: its
+        sums are cleared and each ``.grad`` goes back to what it held before the minibatch (:meth:`drop`).
+
         Raises:
             ProtocolError: the loop left ``odc.fsdp.microbatches`` with microbatches of this rank's own list
-                unclaimed (after finishing with the ones that ran).
+                unclaimed (the minibatch was skipped on every rank).
         """
         s = self.state
         if not s.open:
             return
+        abandoning = bool(s.abandoned)  # this rank's own skip (it says so itself)
         left = s.end(reason, check=install)
+        skipped = install and s.skipped > 0
         try:
-            if install:
+            if skipped:
+                self.drop()
+            elif install:
                 self.install([s.engine.grad_shard(g.name) for g in s.groups])
         finally:
-            if install:
+            if install and not skipped:
                 s.hold()  # the next minibatch may continue the sums (a rerun); a step or zero_grad clears them
             else:
                 s.clear()
+            if skipped:
+                s.cleared = True  # the next minibatch starts on the unchanged parameters, with or without a step
             s.continuing = False
-        if left:
+        if left or s.unfinished:
             raise s.left_early(left)
+        if skipped and not abandoning:
+            warnings.warn(
+                f"odc.fsdp: minibatch {s.version} was skipped on every rank: {s.skipped} rank(s) abandoned it (an "
+                "exception out of odc.fsdp.minibatch, odc.fsdp.skip, or odc.fsdp.microbatches left early; their "
+                "own warnings and errors say why). No rank's gradients hold any of it: .grad is as before the "
+                "minibatch" + ("; the next optimizer.step() trains on nothing" if self.zeros_for_none else ""),
+                RuntimeWarning, stacklevel=2,
+            )
+
+    def drop(self) -> None:
+        """The minibatch was skipped (some rank abandoned it): each ``.grad`` goes back to what it held before
+        the minibatch (before the first minibatch of the held sums, where it continued them). Where that was
+        nothing, ``.grad`` is zeros when optimizers are hooked (:attr:`zeros_for_none`: their step is then
+        made a no-op, and a ``GradScaler`` still finds gradients to check), else ``None`` (the loop steps by
+        hand, and torch's optimizers skip a parameter without a gradient)."""
+        s = self.state
+        for rec in self.params:
+            cell = _pending_cell(rec.param.grad)
+            base = cell.base if cell is not None and cell.real is None else _local(rec.param.grad)
+            if s.continuing and base is not None:
+                if rec.held_base is not None:
+                    base = base.copy_(rec.held_base)
+                elif rec.held_zeros:
+                    base = base.zero_()
+                else:
+                    base = None
+            final = base
+            if final is None and self.zeros_for_none:
+                final = torch.zeros(rec.fp.sharded_size, dtype=rec.dtype, device=rec.device)
+            rec.param.grad = None if final is None else rec.fp.to_sharded_dtensor(final)
+            rec.installed = final
+            rec.installed_version = -1 if final is None else final._version
+            rec.held_base, rec.held_zeros = None, False
+            real = final if final is not None else torch.zeros(rec.fp.sharded_size, dtype=rec.dtype,
+                                                               device=rec.device)
+            for c in (cell, rec.cell):
+                if c is not None and c.real is None and c.version == s.version:
+                    c.real = real
+            rec.pending = None
 
     def install(self, accums: list[torch.Tensor]) -> None:
         """The minibatch finished: each ``.grad`` becomes the final gradient (accumulator slice + base).
@@ -403,6 +454,10 @@ class GradContract:
                     "gradients with optimizer.zero_grad() between minibatches"
                 )
             bases.append((rec, cell, base))
+        # Which bases hold only zeros (zero_grad(set_to_none=False)): those need no copy to be added onto
+        # again. One reduction over all of them and one host read, not a host sync per parameter.
+        given = [base for _, _, base in bases if base is not None and not s.continuing]
+        zeros = iter(_all_zero(given))
         for rec, cell, base in bases:
             shape = rec.fp.sharded_size
             src = accums[rec.group][rec.offset : rec.offset + rec.numel].view(shape)
@@ -417,7 +472,7 @@ class GradContract:
                     final = base.copy_(src)
             elif base is not None:
                 # Zeros (zero_grad(set_to_none=False)) need no copy to be added onto again.
-                rec.held_zeros = not bool(torch.count_nonzero(base))
+                rec.held_zeros = next(zeros)
                 rec.held_base = None if rec.held_zeros else base.clone()
                 final = base.add_(src)
             else:
@@ -461,6 +516,22 @@ class GradContract:
                 real = _local(g)
                 rec.param.grad = None if real is None else rec.fp.to_sharded_dtensor(real)
         self.remove_hooks()
+
+
+def _all_zero(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds only zeros (NaN is not zero), with one host read for all of them: one
+    ``_foreach_norm`` per device and dtype (as torch's clip groups them)."""
+    if not tensors:
+        return []
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    peaks: list[torch.Tensor] = [torch.empty(0)] * len(tensors)
+    for idx in groups.values():
+        for i, p in zip(idx, torch._foreach_norm([tensors[i] for i in idx], float("inf")), strict=True):
+            peaks[i] = p.float()
+    nonzero = torch.stack([p.to(peaks[0].device) for p in peaks]).ne(0).tolist()
+    return [not v for v in nonzero]
 
 
 def wrap_zero_grad(owner: Any, on_zero_grad: Callable[[], None], check: Callable[[], None]) -> Callable[[], None]:

@@ -28,9 +28,11 @@ attributes except through what these return.
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import socket
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from .. import _rejoin
 from ..errors import ConfigError
 
 if TYPE_CHECKING:
@@ -573,22 +576,136 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
 
-def replica_state(groups: list[_Group], optimizers: list[torch.optim.Optimizer]) -> list[torch.Tensor]:
+def replica_state(groups: list[_Group], optimizers: list[torch.optim.Optimizer],
+                  buffers: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
     """This rank's part of its node's replica, in an order every rank of every node agrees on: each group's
-    parameters' local shards, then each optimizer's state of each of its parameters (keys sorted). Elastic
+    parameters' local shards, then the model's ``buffers``, then each optimizer's tensor state of each of its
+    parameters (keys sorted; what is not a tensor travels in :func:`odc._rejoin.scalar_state`). Elastic
     rejoin copies it, byte for byte, from a member to the joiner of the same local rank."""
-    out = [_local(fp.sharded_param) for g in groups for fp in g.pg.fsdp_params]
+    # FSDP1's FlatParameter: its full-precision local shard (the parameter itself holds a mixed-precision copy
+    # while its handle unshards); between minibatches the same storage.
+    out = [_local(getattr(fp.sharded_param, "_local_shard", fp.sharded_param)) for g in groups
+           for fp in g.pg.fsdp_params]
+    out.extend(buffers)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                out.extend(_local(v) for _, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor))
+    return out
+
+
+def _state_names(groups: list[_Group], optimizers: list[torch.optim.Optimizer], buffers: Sequence[str],
+                 param_names: dict[int, str]) -> list[str]:
+    """What each tensor of :func:`replica_state` is, in its order (for errors)."""
+    out = [f"the local shard of parameter {fp._param_fqn or '<root>'}" for g in groups for fp in g.pg.fsdp_params]
+    out.extend(f"buffer {name}" for name in buffers)
     for i, opt in enumerate(optimizers):
         for group in opt.param_groups:
             for p in group["params"]:
-                for key, value in sorted(opt.state.get(p, {}).items()):
-                    if not isinstance(value, torch.Tensor):
-                        raise ConfigError(
-                            f"odc.fsdp: optimizer {i} keeps state {key!r} = {value!r} (a {type(value).__name__}) "
-                            "for a parameter: elastic rejoin copies tensors only"
-                        )
-                    out.append(_local(value))
+                out.extend(f"optimizer {i}'s state {k!r} of parameter {param_names.get(id(p), '?')}"
+                           for k, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor))
     return out
+
+
+#: Why a member enabled without an optimizer hook lets no restarted node in.
+NO_OPTIMIZER = (
+    "odc.fsdp.enable(model, None, elastic=...) hooks no optimizer, so odc.fsdp does not know the state the "
+    "loop's optimizer keeps, and a rejoined replica would start it afresh (step 0, zero moments) and diverge; "
+    "a job that lets restarted nodes rejoin passes its optimizer(s) to enable"
+)
+
+
+class Replica:
+    """What an elastic member's replica holds beyond its parameter shards, which a rejoining node copies, and
+    the joiner's side of that copy.
+
+    Tensors (:meth:`tensors`, copied one-sidedly when the members let the
+    node in, right after their step): the parameters' local shards, every
+    module buffer (``model.named_buffers()``: BatchNorm statistics, any
+    ``register_buffer`` state; FSDP leaves buffers whole on every rank) and
+    each optimizer's tensor state. The rest (:meth:`scalars`, JSON, served as
+    the members' next minibatch starts, at its first gather, push or finish:
+    after the loop's ``scaler.update()`` and ``scheduler.step()``, which
+    follow the step, and unaffected by weights an evaluation block swaps in):
+    each optimizer's ``param_groups`` numbers and settings, its
+    per-parameter state that is not a tensor, ``scaler``'s and each of
+    ``schedulers``' ``state_dict()``.
+    """
+
+    def __init__(self, model: Any, optimizers: list[torch.optim.Optimizer], scaler: Any = None,
+                 schedulers: Sequence[Any] = ()) -> None:
+        self.model = model
+        self.optimizers = optimizers
+        self.scaler = scaler
+        self.schedulers = list(schedulers)
+
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's buffers, by name, in ``named_buffers()`` order (FSDP1's wrapper prefixes left out)."""
+        return [(n.replace("_fsdp_wrapped_module.", ""), b) for n, b in self.model.named_buffers()]
+
+    def tensors(self, groups: list[_Group]) -> list[torch.Tensor]:
+        """The tensors a joiner copies (:func:`replica_state` with the model's buffers)."""
+        return replica_state(groups, self.optimizers, [b for _, b in self.buffers()])
+
+    def names(self, groups: list[_Group]) -> list[str]:
+        """What each of :meth:`tensors` is, for errors."""
+        params = {id(p): n.replace("_fsdp_wrapped_module.", "") for n, p in self.model.named_parameters()}
+        return _state_names(groups, self.optimizers, [n for n, _ in self.buffers()], params)
+
+    def refusal(self) -> str:
+        """Why this replica cannot be copied to a rejoining node (empty: it can)."""
+        return "" if self.optimizers else NO_OPTIMIZER
+
+    def check(self, what: str) -> None:
+        """Refuses (naming it) a buffer that is not a contiguous host tensor, or a value of the state that is
+        not a tensor which cannot be copied (see :func:`odc._rejoin.encode`).
+
+        Raises:
+            ConfigError: naming the buffer or the value, and ``what`` refused it.
+        """
+        for name, buf in self.buffers():
+            if buf.device.type != "cpu" or not buf.is_contiguous():
+                raise ConfigError(
+                    f"{what}: buffer {name} ({buf.dtype}, {tuple(buf.shape)}) is "
+                    f"{'on ' + str(buf.device) if buf.device.type != 'cpu' else 'not contiguous'}: elastic rejoin "
+                    "copies the bytes of contiguous host tensors"
+                )
+        try:
+            _rejoin.scalar_state(self.optimizers, self.scaler, self.schedulers)
+        except ConfigError as e:
+            raise ConfigError(f"{what}: {e}") from None
+
+    def scalars(self) -> bytes:
+        """The state that is not tensors, as JSON (:func:`odc._rejoin.scalar_state`); where a value cannot be
+        copied, a refusal that names it (the joiner raises it, this rank warns and goes on)."""
+        try:
+            doc: dict[str, Any] = _rejoin.scalar_state(self.optimizers, self.scaler, self.schedulers)
+        except ConfigError as e:
+            warnings.warn(f"odc.fsdp: a rejoining node cannot copy this replica: {e}", RuntimeWarning, stacklevel=2)
+            doc = {"refused": str(e)}
+        return json.dumps(doc).encode()
+
+    def serve(self, engine: Any, groups: list[_Group]) -> Any:
+        """A member, where its last round admitted a node (after the step): lets it in (``engine.admit``:
+        :meth:`tensors` served now, :meth:`scalars` at the new generation's first operation) and returns the
+        engine to go on with; where this replica cannot be copied, declines the node alike on every member (an
+        ``"abandoned"`` event naming why) and returns ``engine``."""
+        why = self.refusal()
+        state: list[torch.Tensor] = []
+        if not why:
+            try:
+                state = self.tensors(groups)
+                _rejoin.check_state(state, "odc.fsdp")
+            except ConfigError as e:
+                why = str(e)
+        if why:
+            engine._decline(why)
+            return engine
+        return engine.admit(state, extra=self.scalars)
+
+    def load(self, raw: bytes, source: int) -> None:
+        """The joiner: takes rank ``source``'s :meth:`scalars` (see :func:`odc._rejoin.load_scalar_state`)."""
+        _rejoin.load_scalar_state(raw, self.optimizers, self.scaler, self.schedulers, source)
 
 
 def materialize_optimizer_state(optimizers: list[torch.optim.Optimizer]) -> None:

@@ -21,6 +21,10 @@ from ..errors import ConfigError, ProtocolError
 from ._private import _Group, _Layout
 
 _NORM_BUCKET = "odc-fsdp/grad-norm"
+#: A rank that abandons a minibatch (an exception out of ``odc.fsdp.minibatch``, ``odc.fsdp.skip``, a loop that
+#: left ``odc.fsdp.microbatches`` early) pushes ones into every element of this bucket before its finish; every
+#: owner's accumulator then counts the ranks that abandoned it, so every rank learns it at its own finish.
+_SKIP_BUCKET = "odc-fsdp/skip"
 
 
 class Minibatch:
@@ -54,6 +58,14 @@ class Minibatch:
         self.clipped = -1  # last minibatch whose gradients were clipped
         self.broken = ""  # why a minibatch was left without its finish (an exception it could not finish after)
         self.iterated: dict[int, int] = {}  # minibatch -> length of this rank's own list in odc.fsdp.microbatches
+        # minibatch -> microbatches odc.fsdp.microbatches handed to the loop (or owes it: a rerun share) that the
+        # loop has not finished (it did not ask for the next one); the finish counts them.
+        self.owed: dict[int, int] = {}
+        self.unfinished = 0  # what the finished minibatch's loop left so (it left the iteration early)
+        # Why this rank abandons the running minibatch (every rank then skips it), and how many ranks
+        # abandoned the last finished one (0: it was not skipped), as its finish counted them.
+        self.abandoned = ""
+        self.skipped = 0
         self.on_advance: Any = None  # called once the next minibatch started (elastic: admits restarted nodes)
         # A finish holds the sums in the accumulators instead of clearing them; the step or zero_grad clears
         # them, and a minibatch run onto the gradients the loop left as installed (no step, no zero_grad, no
@@ -173,13 +185,23 @@ class Minibatch:
     def end(self, reason: str, check: bool = True) -> list[int]:
         """Ends the running minibatch in the engine: this rank's own gradient shards are final in its
         accumulators (the gradient contract reads them next, then :meth:`clear`). Returns the indices of this
-        rank's own microbatches that ran nowhere (see :meth:`unclaimed`; :meth:`left_early` words the error)."""
+        rank's own microbatches that ran nowhere (see :meth:`unclaimed`; :meth:`left_early` words the error).
+
+        Where this rank abandons the minibatch (:attr:`abandoned`, or microbatches of its list or of its rerun
+        share left unrun), it marks the skip bucket first, so that every rank skips the minibatch:
+        :attr:`skipped` counts, after the finish, the ranks that abandoned it (``check=False``, a teardown or an
+        evaluation block, marks nothing)."""
         left = self.unclaimed()
+        self.unfinished = self.owed.pop(self.version, 0)
         if not self.published:  # a rank that ran nothing in this minibatch publishes for its peers here
             self.publish_all(check=check)  # disable (check=False) tears down whatever was frozen
+        if check and (left or self.unfinished or self.abandoned):
+            self.mark_skip()
         self.engine.finish_minibatch(self.version)
         self.open = False
         self.finished_by = reason
+        self.abandoned = ""
+        self.skipped = self.count_skips()
         if self.hybrid:
             # FSDP parked its reduce-scatter outputs (zeros) as HSDP partials
             # awaiting an all-reduce that never comes; they would stay
@@ -188,14 +210,33 @@ class Minibatch:
                 g.drop_parked()
         return left
 
+    def mark_skip(self) -> None:
+        """Pushes this rank's mark into every owner's skip accumulator (see :data:`_SKIP_BUCKET`)."""
+        n = self.engine.bucket(_SKIP_BUCKET)["padded_len"]
+        self.engine.scatter_accumulate(_SKIP_BUCKET, torch.ones(n, dtype=torch.float32, device=self.device))
+        self.pushed = True
+
+    def count_skips(self) -> int:
+        """The ranks that abandoned the minibatch just finished, read from this rank's skip accumulator: the
+        same count on every rank (every rank pushes to every owner; across nodes the cross-node sum adds
+        them, over the member nodes)."""
+        return round(float(self.engine.grad_shard(_SKIP_BUCKET)[0]))
+
     def left_early(self, left: list[int]) -> ProtocolError:
-        """The error for a minibatch finished with ``left`` of this rank's own microbatches unrun."""
+        """The error for a minibatch finished with ``left`` of this rank's own microbatches unrun (or microbatches
+        handed to the loop, or owed to it by a rerun, that it did not finish)."""
+        what = []
+        if left:
+            what.append(f"{len(left)} of this rank's own microbatches unclaimed (indices {left} of its list)")
+        if self.unfinished:
+            what.append(f"{self.unfinished} microbatch(es) handed to it (or owed to it by a rerun under "
+                        "elastic='rerun') unfinished")
         return ProtocolError(
             f"odc.fsdp.microbatches: the loop left minibatch {self.version}'s iteration early (a break, an "
-            f"exception, an iterator no longer iterated) with {len(left)} of this rank's own microbatches "
-            f"unclaimed (indices {left} of its list); they ran nowhere, so the minibatch's gradients miss them "
-            "(it was finished with the microbatches that ran). Iterate odc.fsdp.microbatches to the end on "
-            "every rank (to skip a microbatch, continue inside the loop)"
+            f"exception, an iterator no longer iterated) with {' and '.join(what)}; they ran nowhere, so minibatch "
+            f"{self.version} was skipped on every rank (no rank's gradients hold any of it, and no step trains on "
+            "it). Iterate odc.fsdp.microbatches to the end on every rank (to skip a microbatch, continue inside "
+            "the loop)"
         )
 
     def clear(self) -> None:

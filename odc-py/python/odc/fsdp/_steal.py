@@ -44,10 +44,12 @@ def microbatches(model: Any, lists: Sequence[Sequence[T]], *, cost: Callable[[T]
     everything the dropped nodes ran since the step, in a minibatch that continues the sums (so ``.grad`` after
     the loop holds every microbatch of the lists; under ``deterministic=True``, the bits of a run without the
     death). Left early (a ``break``, an exception out of the
-    loop, an iterator kept and no longer iterated) with microbatches of its own list unclaimed, those run
-    nowhere: the minibatch's finish on this rank (the gradient read or the step) counts the claims, finishes
-    the minibatch with what ran and raises :class:`odc.ProtocolError` naming them. An iterator resumed after
-    its minibatch finished raises too. With ``steal=False`` it yields this rank's own list only.
+    loop, an iterator kept and no longer iterated) with microbatches of its own list unclaimed, of its share of
+    a rerun not handed out, or the one it was handed last not finished (the iterator was not asked for the next
+    one), those run nowhere: the minibatch's finish on this rank (the gradient read or the step) counts them,
+    skips the minibatch on every rank (:func:`odc.fsdp.skip`) and raises :class:`odc.ProtocolError` naming
+    them. An iterator resumed after its minibatch finished raises too. With ``steal=False`` it yields this
+    rank's own list only.
 
     Args:
         model: the model :func:`odc.fsdp.enable` was called on.
@@ -126,20 +128,23 @@ def _rerunning(b: _Binding, claims: Iterator[tuple[int, int]], lists: Sequence[S
     yield from _yield(b, s.version, claims, lists)
     ran = {r: list(x) for r, x in enumerate(lists) if r // per in (b.engine.members or [])}
     b.finish("odc.fsdp.microbatches (elastic='rerun')")
-    while drops := b.drops():
+    while not s.skipped and (drops := b.drops()):
         members = drops[-1]["members"]
         lost = [it for r, x in sorted(ran.items()) if r // per not in members for it in x]
         share = {r: rerun_share(lost, members, r, per) for r in ran}
         ran = {r: x + share[r] for r, x in ran.items() if r // per in members}
         b.enter_minibatch()  # no step, no zero_grad: continues the minibatch's sums
         version = s.version
-        for item in share.get(me, []):
+        mine = share.get(me, [])
+        s.owed[version] = len(mine)  # the finish counts what the loop did not finish (it left early)
+        for item in mine:
             if s.version != version or not s.open:
                 raise ProtocolError(
                     f"odc.fsdp.microbatches: the rerun of minibatch {version} was resumed after it finished; "
                     "iterate to the end before reading gradients or stepping"
                 )
             yield item
+            s.owed[version] -= 1  # resumed: the loop finished the item
         b.finish("odc.fsdp.microbatches (elastic='rerun')")
 
 
@@ -155,7 +160,9 @@ def _yield(b: _Binding, version: int, claims: Iterator[tuple[int, int]], lists: 
             owner, i = next(claims)
         except StopIteration:
             return
+        b.state.owed[version] = 1  # in the loop's hands: a loop that leaves with it did not finish it
         yield lists[owner][i]
+        b.state.owed[version] = 0
 
 
 def _stealable(b: Any) -> range:
