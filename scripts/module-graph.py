@@ -32,8 +32,9 @@ SKIP = {"lib", "engine_tests", "loom_model"}  # the crate root and test-only mod
 
 FSDP = Path(__file__).resolve().parents[1] / "odc-py" / "python" / "odc" / "fsdp"
 # odc.fsdp, bottom first: FSDP2's private state and the transport choice; the minibatch state machine; the
-# gradient contract on it; the binding (hooks) on that; the seams, the clip and work stealing; FSDP1 (which
-# reuses FSDP2's seam helpers); the public API.
+# gradient contract on it; the binding (hooks) on that; the seams, the clip, work stealing and global sums; FSDP1
+# (which reuses FSDP2's seam helpers); enable's first two steps (the model described, the engine made); the
+# public API.
 FSDP_LAYERS = [
     {"_private", "_transport"},
     {"_state"},
@@ -41,6 +42,7 @@ FSDP_LAYERS = [
     {"_binding"},
     {"_seams", "_clip", "_steal", "_sum"},
     {"_fsdp1"},
+    {"_model", "_engine"},
     {"__init__"},
 ]
 

@@ -889,3 +889,31 @@ def assert_shards_near(shards, ref, index, per_node, tol=1e-5):
         got = torch.tensor(shard)
         assert got.shape == want.shape, (name, got.shape, want.shape)
         assert (got - want).abs().max().item() < tol, (index, name, (got - want).abs().max().item())
+
+
+def enable_steps_worker(rank, world, store, fsdp1):
+    """The calls ``odc.fsdp.enable`` itself makes (``module.function``), traced on an FSDP2 or FSDP1 model."""
+    import sys
+
+    init_pg(rank, world, store)
+    if fsdp1:
+        from _fsdp1 import build as build1
+
+        model = build1(strategy="FULL_SHARD")
+    else:
+        model = build(world)
+    steps = []
+
+    def trace(frame, event, _arg):
+        up = frame.f_back
+        if (event == "call" and up is not None and up.f_code.co_name == "enable"
+                and up.f_globals.get("__name__") == "odc.fsdp"):
+            steps.append(f"{frame.f_globals.get('__name__')}.{frame.f_code.co_name}")
+
+    sys.setprofile(trace)
+    try:
+        odc.fsdp.enable(model, torch.optim.SGD(model.parameters(), lr=0.1), timeout=30)
+    finally:
+        sys.setprofile(None)
+    odc.fsdp.disable(model)
+    return steps

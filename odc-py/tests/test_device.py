@@ -287,7 +287,7 @@ def test_fsdp_picks_a_transport_that_carries_the_parameters():
     def group(name, device):
         return SimpleNamespace(name=name, pg=SimpleNamespace(device=torch.device(device)))
 
-    pick = odc.fsdp._pick_transport
+    pick = odc.fsdp._transport._pick_transport
     cpu, gpu = [group("fsdp0:blocks.0", "cpu")], [group("fsdp1:<root>", "cuda:0")]
     assert pick(cpu, None, "ODC_TRANSPORT", nodes=None) is None  # the engine's default (auto)
     assert pick(cpu, "emu-ipc", "ODC_TRANSPORT", nodes=1) == "emu-ipc"

@@ -170,3 +170,13 @@ except odc.ConfigError as e:
     version = torch.__version__.split("+")[0]
     assert msg.startswith("CONFIG") and f"torch {version} " in msg and "_get_gradient_divide_factors" in msg, msg
     assert "2.11 to 2.15" in msg and all(v in msg for v in odc.fsdp.TORCH_VERSIONS_CHECKED), msg
+
+
+@pytest.mark.parametrize("fsdp1", [False, True], ids=["fsdp2", "fsdp1"])
+def test_enable_is_a_pipeline_of_four_steps_each_in_one_module(fsdp1):
+    """enable describes the model, makes the engine, binds, installs the seams: one call into one module each."""
+    out = H.all_ok(run_ranks(H.enable_steps_worker, 2, timeout=120, fsdp1=fsdp1))
+    seams = "odc.fsdp._fsdp1.install" if fsdp1 else "odc.fsdp._seams.install"
+    for rank, steps in out.items():
+        assert steps == ["odc.fsdp._model.describe", "odc.fsdp._engine.make", "odc.fsdp._binding.bind", seams], (
+            rank, steps)

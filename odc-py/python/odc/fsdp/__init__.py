@@ -127,54 +127,50 @@ range where the torch is outside it or a name it reads is missing, before
 anything is registered (a newer torch runs with ``ODC_ALLOW_UNCHECKED_TORCH=1``
 and a warning).
 
-The package, one way from the top: this module is the public API;
-``_seams`` FSDP2's comm seams and ``_fsdp1`` FSDP1's buckets, gather and
-comm hook (the only reader of private FSDP1 state), with ``_clip``
-(:func:`clip_grad_norm_`) and ``_steal`` (:func:`microbatches`, work
-stealing) beside them; all of them call ``_binding``, the hooks of one
-enabled model, which drive ``_grads``, the gradient contract, which drives
-``_state``, the minibatch state machine. ``_private`` (the only reader of
-private FSDP2 state) and ``_transport`` (the transport and device choice)
-sit under them all. No module imports one above it (``make lint`` checks).
+:func:`enable` (and :func:`rejoin`) is a pipeline of four steps, each in one
+module: ``_model`` describes the model once (FSDP2 or FSDP1, its groups and
+this rank's layout, the optimizers and what an elastic replica copies, every
+refusal that needs nothing registered); ``_engine`` picks the transport and
+makes the engine, its buckets registered; ``_binding.bind`` binds the
+gradient contract and the optimizer hooks; and the kind's installer
+(``_seams`` for FSDP2, ``_fsdp1`` for FSDP1), which the description carries,
+puts ODC's gather and push in FSDP's seams.
+
+The package, one way from the top: this module is the public API; ``_model``
+and ``_engine`` (the pipeline's first steps) over ``_seams`` FSDP2's comm
+seams and ``_fsdp1`` FSDP1's buckets, gather and comm hook (the only reader
+of private FSDP1 state), with ``_clip`` (:func:`clip_grad_norm_`), ``_steal``
+(:func:`microbatches`, work stealing) and ``_sum`` (:func:`global_sum`)
+beside them; all of them call ``_binding``, the hooks of one enabled model,
+which drive ``_grads``, the gradient contract, which drives ``_state``, the
+minibatch state machine. ``_private`` (the only reader of private FSDP2
+state) and ``_transport`` (the transport and device choice) sit under them
+all. No module imports one above it (``make lint`` checks).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from ..deadline import deadline_for
-from ..engine import Bucket, Engine, _local_world_size
-from ..errors import ConfigError, ProtocolError
-from . import _fsdp1
-from ._binding import SHARDINGS, _Binding, _bound, _enables, _live, _Solo, _solos, _Undo, solo
+from ..errors import ProtocolError
+from . import _binding, _engine, _model
+from ._binding import _bound, _live, solo
 from ._clip import clip_grad_norm_
-from ._grads import wrap_zero_grad
 from ._private import (
-    NO_OPTIMIZER,
     TORCH_RANGE,
     TORCH_VERSIONS_CHECKED,
     TORCH_VERSIONS_TESTED,
     DefaultAllGather,
     DefaultReduceScatter,
-    Replica,
-    _describe,
-    _Layout,
-    _node_layout,
-    check_fsdp2,
-    materialize_optimizer_state,
-    prefix_store,
 )
-from ._seams import _install_comms, _OdcAllGather, _OdcReduceScatter
-from ._state import _NORM_BUCKET, _SKIP_BUCKET
+from ._seams import _install_comms
 from ._steal import microbatches, rerun_share
-from ._sum import _SUM_BUCKET, global_sum, sum_bucket_numel
-from ._transport import _param_device, _pick_transport
+from ._sum import global_sum
 
 __all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
            "dropped", "elastic_events", "enable", "evaluation", "finish", "global_sum", "is_enabled", "members",
@@ -345,125 +341,15 @@ def enable(
             ``nvshmem`` for CPU, ``cuda-ipc`` across nodes).
         RegistrationError: ranks built different models.
     """
-    check_fsdp2()
-    optimizers = _optimizers(optimizer)
-    fsdp1 = _fsdp1.is_fsdp1(model)
-    if not fsdp1 and not isinstance(model, FSDPModule):
-        raise ConfigError(
-            f"odc.fsdp.enable needs a module passed through torch.distributed.fsdp.fully_shard (FSDP2) or "
-            f"wrapped in FullyShardedDataParallel (FSDP1); got {type(model).__name__}"
-        )
-    if is_enabled(model):
-        raise ConfigError("odc.fsdp.enable: this model is already enabled")
-    if sharding not in SHARDINGS:
-        raise ConfigError(
-            f"odc.fsdp.enable: unknown sharding {sharding!r}; use 'full' (shard over every rank, 1-D mesh), "
-            "'hybrid' (shard within a node, 2-D (replicate, shard) mesh) or 'hybrid-zero' (shard within a "
-            "node, optimizer state over every rank, 1-D mesh)"
-        )
-    _check_elastic(elastic, "odc.fsdp.enable")
-    if elastic and sharding != "hybrid":
-        raise ConfigError(
-            f"odc.fsdp.enable: elastic={elastic!r} needs sharding='hybrid' (a whole replica of the parameters and "
-            f"the optimizer state on every node); under sharding={sharding!r} one copy of "
-            f"{'each parameter and gradient shard' if sharding == 'full' else 'each shard of the optimizer state'} "
-            "lives on one rank and dies with it"
-        )
-    replica = _replica(model, optimizers, scaler, scheduler, elastic, "odc.fsdp.enable")
-    if fsdp1:
-        groups, layout, process_group = _fsdp1.describe(model, sharding)
-    else:
-        groups = _describe(model, sharding)
-    if not groups and not (fsdp1 and layout.world == 1):
-        raise ConfigError("odc.fsdp.enable: the model has no FSDP parameter groups")
-    requested: str | None = transport
-    source = "the transport argument"
-    if transport is None:
-        requested, source = os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT"
-    if not fsdp1:
-        _pick_transport(groups, requested, source, nodes=None)
-        layout = _node_layout(groups, sharding)
-        process_group = cast(Any, groups[0].pg.mesh_info).shard_process_group
-    if layout.world == 1:
-        # FSDP bypasses both seams at world size 1; nothing to replace, every call a no-op.
-        model.__dict__["_odc_fsdp"] = s = _Solo(model)
-        _solos.add(s)
+    m = _model.describe(model, optimizer, sharding=sharding, elastic=elastic, transport=transport, scaler=scaler,
+                        scheduler=scheduler)  # 1. FSDP2 or FSDP1, its groups and layout; every refusal
+    if m.layout.world == 1:
+        _binding.bind_solo(model)  # FSDP bypasses both seams at world size 1: nothing to replace
         return
-    device = _param_device(groups)
-    store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/", store)
-    # Ranks per node: the shard group under hybrid sharding; under full
-    # sharding only CUDA parameters need it now (cuda-ipc or nvshmem).
-    local = layout.shards if layout.sharding == "hybrid" else layout.per_node
-    if local is None and device.type == "cuda":
-        local = _local_world_size(store, layout.rank, layout.world, "odc")
-    nodes = layout.world // local if local else None
-    chosen = _pick_transport(groups, requested, source, nodes, layout.sharding)
-    # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
-    seconds, deadline_source = deadline_for(process_group, explicit=timeout)
-    kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
-                          "transport": chosen, "deterministic": deterministic, "cross_node": cross_node}
-    if device.type == "cuda":
-        kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
-    if layout.sharding == "hybrid":
-        engine = Engine(store, layout.rank, layout.world, local_world_size=layout.shards, sharding="hybrid",
-                        elastic=bool(elastic), **kw)
-    elif layout.sharding == "hybrid-zero":
-        engine = Engine(store, layout.rank, layout.world, local_world_size=local, sharding="hybrid-zero", **kw)
-    else:
-        engine = Engine(store, layout.rank, layout.world, local_world_size=local, **kw)
-    engine.register(_buckets(groups, layout.shards, layout.world))
-    _attach(model, optimizers, groups, engine, layout, fsdp1, rerun=elastic == "rerun")
-    _keep_replica(model, replica, store)
-
-
-def _buckets(groups: list[Any], ws: int, world: int) -> list[Bucket]:
-    """The engine's buckets: one per parameter group (its ``ws`` shards), the clip's norm bucket, the skip
-    bucket, and :func:`global_sum`'s (a block per rank of the ``world`` in each shard)."""
-    return [Bucket(g.name, ws * g.n, g.dtype) for g in groups] + [Bucket(_NORM_BUCKET, ws, torch.float32),
-                                                                  Bucket(_SKIP_BUCKET, ws, torch.float32),
-                                                                  Bucket(_SUM_BUCKET, sum_bucket_numel(ws, world),
-                                                                         torch.float32)]
-
-
-def _check_elastic(elastic: Any, what: str) -> None:
-    if elastic not in (False, True, "drop", "rerun"):
-        raise ConfigError(f"{what}: elastic={elastic!r}; use True or 'drop' (a dead node's microbatches of the "
-                          "minibatch are dropped), 'rerun' (they run again on the other nodes) or False")
-
-
-def _attach(model: Any, optimizers: list[torch.optim.Optimizer], groups: list[Any], engine: Engine, layout: Any,
-            fsdp1: bool, first: int = 0, rerun: bool = False) -> None:
-    """Binds ``engine`` (its buckets registered) to the model: staging buffers, the seams, the gradient contract
-    and the optimizer hooks; ``first`` is the minibatch the model runs first (a rejoined node's, else 0);
-    ``rerun``: ``elastic="rerun"``."""
-    device = _param_device(groups)
-    for g in groups:
-        g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
-        g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
-    reshard = (lambda: _fsdp1.reshard(model)) if fsdp1 else (lambda: _reshard(model))
-    b = _Binding(model, groups, engine, layout, reshard)  # the first operation of minibatch `first` publishes
-    b.state.version = b.state.since = first
-    b.rerun = rerun
-    if b.state.hybrid and not fsdp1:
-        b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
-        model.set_requires_all_reduce(False)  # the engine reduces across nodes
-    b.grads.refuse_foreign_hooks()
-    if fsdp1:
-        b.hooks.append(_fsdp1.install(b, model, groups))
-    else:
-        _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
-        b.grads.ensure_hooked(b.grads.params)
-    b.grads.pend(first)  # a rank with no microbatch in its first minibatch reads final gradients too
-    for i, opt in enumerate(optimizers):
-        b.hooks.append(opt.register_step_pre_hook(lambda o, *_: b.before_step(o)))
-        b.hooks.append(opt.register_step_post_hook(lambda *_, i=i: b.after_step(i)))
-        b.hooks.append(_Undo(wrap_zero_grad(opt, b.after_zero_grad, b.check_zero_grad)))
-    b.optimizers = len(optimizers)
-    b.optimizer_objs = optimizers
-    b.grads.zeros_for_none = bool(optimizers)  # a skipped minibatch: their hooked step is made a no-op
-    b.hooks.append(_Undo(wrap_zero_grad(model, b.after_zero_grad, b.check_zero_grad)))
-    model.__dict__["_odc_fsdp"] = b
-    _live.add(b)
+    engine = _engine.make(m, store=store, transport=transport, chunk_bytes=chunk_bytes, timeout=timeout,
+                          deterministic=deterministic, cross_node=cross_node, elastic=elastic)  # 2. buckets registered
+    b = _binding.bind(m, engine, rerun=elastic == "rerun")  # 3. the gradient contract, the optimizer hooks
+    m.install(b)  # 4. FSDP's comm seams
 
 
 def rejoin(
@@ -538,110 +424,14 @@ def rejoin(
         StoreError: no round admitted the node within the timeout.
         PeerTimeout: the source did not start its next minibatch within the timeout.
     """
-    check_fsdp2()
-    _check_elastic(elastic, "odc.fsdp.rejoin")
-    if not elastic:
-        raise ConfigError("odc.fsdp.rejoin: elastic=False; a rejoined node takes part in an elastic job (True, "
-                          "'drop' or 'rerun', as the members' enable)")
-    optimizers = _optimizers(optimizer)
-    if not optimizers:
-        raise ConfigError(f"odc.fsdp.rejoin needs the loop's optimizer(s): {NO_OPTIMIZER}")
-    replica = cast(Replica, _replica(model, optimizers, scaler, scheduler, elastic, "odc.fsdp.rejoin"))
-    fsdp1 = _fsdp1.is_fsdp1(model)
-    if not fsdp1 and not isinstance(model, FSDPModule):
-        raise ConfigError(
-            f"odc.fsdp.rejoin needs a module passed through torch.distributed.fsdp.fully_shard (FSDP2) over one "
-            f"node's (1, ranks per node) mesh, or FSDP1's root FullyShardedDataParallel with HYBRID_SHARD over "
-            f"one; got {type(model).__name__}"
-        )
-    if is_enabled(model):
-        raise ConfigError("odc.fsdp.rejoin: this model is already enabled")
-    if fsdp1:
-        groups, node, process_group = _fsdp1.describe(model, "hybrid")
-    else:
-        groups = _describe(model, "hybrid")
-    if not groups:
-        raise ConfigError("odc.fsdp.rejoin: the model has no FSDP parameter groups")
-    if not fsdp1:
-        node = _node_layout(groups, "hybrid")
-        process_group = cast(Any, groups[0].pg.mesh_info).shard_process_group
-    g_size, rank, world_size = node.shards, int(rank), int(world_size)
-    if node.world != g_size or world_size % g_size or rank % g_size != node.index or not 0 <= rank < world_size:
-        raise ConfigError(
-            f"odc.fsdp.rejoin: rank {rank} of {world_size} with a mesh of {node.world} ranks, {g_size} per shard "
-            f"group, this rank at index {node.index}: shard the model over this node's ranks only (a (1, "
-            f"{g_size}) mesh), with this rank at its local rank ({rank % g_size if g_size else '?'})"
-        )
-    layout = _Layout("hybrid", world=world_size, rank=rank, shards=g_size, index=node.index,
-                     members=tuple(range(world_size)))
-    requested, source = (transport, "the transport argument") if transport is not None else (
-        os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT")
-    chosen = _pick_transport(groups, requested, source, world_size // g_size, "hybrid")
-    seconds, deadline_source = deadline_for(process_group, explicit=timeout)
-    engine_store = prefix_store(f"odc-fsdp/{next(_enables)}/{'-'.join(map(str, layout.members))}/", store)
-    if engine_store.check([_REFUSED]):
-        raise ConfigError(f"odc.fsdp.rejoin: the members let no node rejoin: {engine_store.get(_REFUSED).decode()}")
-    materialize_optimizer_state(optimizers)
-    state = replica.tensors(groups)
-    engine = Engine.rejoin(engine_store, rank, world_size, _buckets(groups, g_size, world_size), state,
-                           local_world_size=g_size, timeout=seconds, deadline_source=deadline_source,
-                           transport=chosen, sharding="hybrid", deterministic=deterministic, chunk_bytes=chunk_bytes,
-                           extra=True, names=replica.names(groups))
-    replica.load(engine.extra_state or b"", int(engine.rejoin_source if engine.rejoin_source is not None else -1))
+    m = _model.describe_joiner(model, optimizer, rank=rank, world_size=world_size, elastic=elastic, scaler=scaler,
+                               scheduler=scheduler)
+    engine = _engine.make_joining(m, store=store, transport=transport, chunk_bytes=chunk_bytes, timeout=timeout,
+                                  deterministic=deterministic)
     first = int(engine.first_minibatch or 0)
-    _attach(model, optimizers, groups, engine, layout, fsdp1, first, rerun=elastic == "rerun")
-    _keep_replica(model, replica, engine_store)
+    b = _binding.bind(m, engine, first=first, rerun=elastic == "rerun")
+    m.install(b)
     return first
-
-
-#: Where members enabled without an optimizer say so, under the store prefix a joiner's rejoin shares with them.
-_REFUSED = "rejoin-refused"
-
-
-def _replica(model: Any, optimizers: list[torch.optim.Optimizer], scaler: Any, scheduler: Any, elastic: Any,
-             what: str) -> Replica | None:
-    """What a rejoining node copies of this rank's replica (None without ``elastic``), checked: every value of
-    it can be copied (else a ConfigError naming it)."""
-    schedulers = [] if scheduler is None else list(scheduler) if isinstance(scheduler, (list, tuple)) else [scheduler]
-    if not elastic:
-        if scaler is not None or schedulers:
-            raise ConfigError(f"{what}: scaler= and scheduler= name what a rejoining node copies; they need "
-                              "elastic=True (or 'drop', 'rerun')")
-        return None
-    for i, obj in enumerate([scaler, *schedulers]):
-        if obj is not None and not (callable(getattr(obj, "state_dict", None))
-                                    and callable(getattr(obj, "load_state_dict", None))):
-            kind = "scaler" if i == 0 else f"scheduler {i - 1}"
-            raise ConfigError(f"{what}: the {kind} is a {type(obj).__name__}, which has no state_dict() and "
-                              "load_state_dict() to copy it by")
-    replica = Replica(model, optimizers, scaler, schedulers)
-    replica.check(what)
-    return replica
-
-
-def _keep_replica(model: Any, replica: Replica | None, store: Any) -> None:
-    """Elastic: the binding serves ``replica`` to rejoining nodes; a job without an optimizer hook says in the
-    store (``store``: the engine's) that it lets none in, so that a joiner's :func:`rejoin` says why at once."""
-    if replica is None:
-        return
-    _bound(model).replica = replica
-    if why := replica.refusal():
-        store.set(_REFUSED, why)
-
-
-def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    if optimizer is None:
-        return []
-    opts = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    for opt in opts:
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(
-                f"odc.fsdp.enable: optimizer must be a torch.optim.Optimizer, a list of them or None; got "
-                f"{type(opt).__name__}"
-            )
-    if len({id(o) for o in opts}) != len(opts):
-        raise ConfigError("odc.fsdp.enable: the same optimizer was passed twice")
-    return opts
 
 
 def disable(model: Any) -> None:
@@ -671,13 +461,6 @@ def disable(model: Any) -> None:
     del model.__dict__["_odc_fsdp"]
     _live.discard(b)
     b.state.engine = None  # type: ignore[assignment]  # drops the engine (unmaps, joins the daemon)
-
-
-def _reshard(model: Any) -> None:
-    """Reshards every FSDP2 module of ``model`` (public ``FSDPModule.reshard``): its next forward gathers."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""What ``odc.fsdp.enable`` leaves on a model (:class:`_Binding`): the minibatch state machine
-(:mod:`._state`) and the gradient contract (:mod:`._grads`) of one enabled model, driven by the loop's
-optimizer and ``zero_grad`` hooks, ``odc.fsdp.minibatch`` and ``odc.fsdp.evaluation``.
+"""What ``odc.fsdp.enable`` leaves on a model (:class:`_Binding`, made by :func:`bind`, the pipeline's third
+step): the minibatch state machine (:mod:`._state`) and the gradient contract (:mod:`._grads`) of one enabled
+model, driven by the loop's optimizer and ``zero_grad`` hooks, ``odc.fsdp.minibatch`` and
+``odc.fsdp.evaluation``.
 
 FSDP2's seams (:mod:`._seams`), FSDP1's (:mod:`._fsdp1`), the clip (:mod:`._clip`) and the work-stealing
 iterator (:mod:`._steal`) call into it; it calls into the contract and the state machine, never back up.
@@ -8,20 +9,21 @@ iterator (:mod:`._steal`) call into it; it calls into the contract and the state
 
 from __future__ import annotations
 
-import itertools
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..engine import Engine
 from ..errors import ConfigError, PeerError, ProtocolError
-from ._grads import GradContract
-from ._private import Replica, _Group, _Layout
+from ._grads import GradContract, wrap_zero_grad
+from ._private import Replica, _Group, _Layout, _Model
 from ._state import Minibatch
+from ._transport import _param_device
 
 SHARDINGS = ("full", "hybrid", "hybrid-zero")
-_enables = itertools.count()  # one per enable() in this process; equal on every rank
 _live: weakref.WeakSet[_Binding] = weakref.WeakSet()
 _solos: weakref.WeakSet[_Solo] = weakref.WeakSet()  # models enabled on one rank
 
@@ -243,6 +245,45 @@ class _Binding:
             s.release_held()
         # Pending again, so that a rank with no microbatch in the next minibatch reads final gradients.
         self.grads.pend(s.version if s.open else s.version + 1)
+
+
+def bind(m: _Model, engine: Engine, *, first: int = 0, rerun: bool = False) -> _Binding:
+    """Binds ``engine`` (its buckets registered) to the described model: staging buffers, the gradient contract
+    and the optimizer and ``zero_grad`` hooks (the seams come next: ``m.install``); ``first`` is the minibatch the
+    model runs first (a rejoined node's, else 0); ``rerun``: ``elastic="rerun"``."""
+    model, groups = m.module, m.groups
+    device = _param_device(groups)
+    for g in groups:
+        g.shard_len = engine.bucket(g.name)["piece_len"]  # the shard, or this rank's piece (hybrid-zero)
+        g.shard = torch.zeros(g.shard_len, dtype=g.dtype, device=device)
+    b = _Binding(model, groups, engine, m.layout, m.reshard)  # the first operation of minibatch `first` publishes
+    b.state.version = b.state.since = first
+    b.rerun = rerun
+    b.replica = m.replica
+    if b.state.hybrid and not m.fsdp1:
+        b.all_reduce_was = [g.pg.all_reduce_grads for g in groups]
+        model.set_requires_all_reduce(False)  # the engine reduces across nodes
+    b.grads.refuse_foreign_hooks()
+    if not m.fsdp1:
+        b.grads.ensure_hooked(b.grads.params)
+    b.grads.pend(first)  # a rank with no microbatch in its first minibatch reads final gradients too
+    for i, opt in enumerate(m.optimizers):
+        b.hooks.append(opt.register_step_pre_hook(lambda o, *_: b.before_step(o)))
+        b.hooks.append(opt.register_step_post_hook(lambda *_, i=i: b.after_step(i)))
+        b.hooks.append(_Undo(wrap_zero_grad(opt, b.after_zero_grad, b.check_zero_grad)))
+    b.optimizers = len(m.optimizers)
+    b.optimizer_objs = m.optimizers
+    b.grads.zeros_for_none = bool(m.optimizers)  # a skipped minibatch: their hooked step is made a no-op
+    b.hooks.append(_Undo(wrap_zero_grad(model, b.after_zero_grad, b.check_zero_grad)))
+    model.__dict__["_odc_fsdp"] = b
+    _live.add(b)
+    return b
+
+
+def bind_solo(model: Any) -> None:
+    """World size 1: FSDP bypasses both seams, so there is nothing to replace; every call a no-op."""
+    model.__dict__["_odc_fsdp"] = s = _Solo(model)
+    _solos.add(s)
 
 
 class _Undo:

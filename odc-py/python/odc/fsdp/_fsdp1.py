@@ -515,8 +515,9 @@ def _after_backward(bw: _Backward) -> None:
     bw.queued = False
 
 
-def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
-    """Installs ODC's gather on each handle and its push as FSDP1's comm hook; returns the undo."""
+def install(b: _Binding, model: Any, groups: list[_Group]) -> None:
+    """The pipeline's last step for an FSDP1 model: ODC's gather on each handle and its push as FSDP1's comm
+    hook; the undo joins the binding's hooks (``odc.fsdp.disable`` restores FSDP1's own)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     backward = _Backward(b)
@@ -549,7 +550,7 @@ def install(b: _Binding, model: Any, groups: list[_Group]) -> _Undo:
             inst._comm_hook = None
             inst._comm_hook_state = None
 
-    return _Undo(undo)
+    b.hooks.append(_Undo(undo))
 
 
 def _push(state: _FlatComms, padded_unsharded_grad: torch.Tensor, new_sharded_grad: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ import json
 import os
 import socket
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -224,6 +224,7 @@ __all__ = [
     "ReduceScatter",
     "_Group",
     "_Layout",
+    "_Model",
     "_describe",
     "_get_gradient_divide_factors",
     "_get_param_all_gather_inputs",
@@ -387,6 +388,24 @@ class _Layout:
     index: int  # this rank's shard
     members: tuple[int, ...]  # global ranks of the mesh, node-major
     per_node: int | None = None  # hybrid-zero: G, the ranks of a node (the engine's node shards)
+
+
+@dataclass
+class _Model:
+    """An FSDP model as ``odc.fsdp.enable`` / ``rejoin`` see it, made once by ``odc.fsdp._model``: its kind, its
+    parameter groups (one ODC bucket each), this rank's layout, what the loop hands ODC beside it, and the
+    kind's own ways to install ODC's comms and to reshard. The later steps (the engine, the binding) read only
+    this."""
+
+    module: Any  # the root module (FSDP2's fully_shard-ed one, or FSDP1's FullyShardedDataParallel)
+    fsdp1: bool
+    groups: list[_Group]
+    layout: _Layout
+    process_group: Any  # the group FSDP shards over (its timeout is ODC's default deadline)
+    optimizers: list[torch.optim.Optimizer]
+    replica: Replica | None  # elastic: what a rejoining node copies beside the tensors; None otherwise
+    install: Callable[[Any], None]  # installs ODC's gather and push in FSDP's seams, given the binding
+    reshard: Callable[[], None]  # reshards every FSDP module (the next forward gathers)
 
 
 def _states(model: FSDPModule) -> list[Any]:

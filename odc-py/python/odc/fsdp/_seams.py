@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from .._c10d import premul_factor
 from ..errors import ConfigError, LayoutError
@@ -194,3 +195,13 @@ def _install_comms(groups: list[_Group], comms: list[tuple[AllGather, ReduceScat
         g.module.set_custom_reduce_scatter(reduce_scatter)
 
 
+def install(b: _Binding, groups: list[_Group]) -> None:
+    """The pipeline's last step for an FSDP2 model: every group's all-gather and reduce-scatter become ODC's."""
+    _install_comms(groups, [(_OdcAllGather(b, g), _OdcReduceScatter(b, g)) for g in groups])
+
+
+def reshard(model: Any) -> None:
+    """Reshards every FSDP2 module of ``model`` (public ``FSDPModule.reshard``): its next forward gathers."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -3,11 +3,20 @@ unless ``transport=`` or ``ODC_TRANSPORT`` says; checked before anything is regi
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..engine import CUDA_TRANSPORTS, TRANSPORTS, transport_name
 from ..errors import ConfigError
 from ._private import _Group
+
+
+def requested(transport: str | None) -> tuple[str | None, str]:
+    """The transport asked for and where it was asked: the ``transport=`` argument, else ``ODC_TRANSPORT``."""
+    if transport is not None:
+        return transport, "the transport argument"
+    return os.environ.get("ODC_TRANSPORT") or None, "ODC_TRANSPORT"
 
 
 def _param_device(groups: list[_Group]) -> torch.device:
