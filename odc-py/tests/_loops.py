@@ -150,8 +150,25 @@ def verl_clip(parameters, max_norm):
     return total
 
 
-def step_titan(model, opt, mbs, world, clip, scaler=None):
-    """torchtitan's ``train_step``: zero, global token count, sum-loss / count per microbatch, clip, step."""
+def shard_sq(parameters):
+    """The sum of squares of this rank's gradient shards (``p.grad.to_local()``), in float64: what it holds
+    before any exchange, which a test combines over the ranks to check each rank's norm independently."""
+    total = 0.0
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            total += float(g.detach().double().pow(2).sum())
+    return total
+
+
+def _log_shards(model, log):
+    if log is not None:
+        log.append(shard_sq(model.parameters()))
+
+
+def step_titan(model, opt, mbs, world, clip, scaler=None, log=None):
+    """torchtitan's ``train_step``: zero, global token count, sum-loss / count per microbatch, clip, step.
+    ``log`` (a list): gets :func:`shard_sq` just before the clip (every step function's)."""
     opt.zero_grad()
     count = torch.tensor(float(sum(tokens(mb) for mb in mbs)), dtype=torch.float64)
     dist.all_reduce(count)  # once per minibatch, on every rank
@@ -162,6 +179,7 @@ def step_titan(model, opt, mbs, world, clip, scaler=None):
         (scaler.scale(loss) if scaler else loss).backward()
     if scaler is not None:
         scaler.unscale_(opt)
+    _log_shards(model, log)
     norm = titan_clip(model.parameters(), clip)
     if scaler is not None:
         scaler.step(opt)
@@ -171,7 +189,7 @@ def step_titan(model, opt, mbs, world, clip, scaler=None):
     return float(norm)
 
 
-def step_verl(model, opt, mbs, world, clip, scaler=None):
+def step_verl(model, opt, mbs, world, clip, scaler=None, log=None):
     """verl's ``train_batch``: zero, global token count, gradient sync only on the last microbatch,
     loss · dp / count, FSDP2 clip, skip the step on a non-finite norm."""
     opt.zero_grad()
@@ -182,6 +200,7 @@ def step_verl(model, opt, mbs, world, clip, scaler=None):
         with contextlib.nullcontext() if last else _no_sync(model):
             loss = loss_sum(model, mb) / count.item() * world
             loss.backward()
+    _log_shards(model, log)
     norm = verl_clip(model.parameters(), clip)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
@@ -201,10 +220,11 @@ def _no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def step_hf(model, opt, mbs, world, clip, scaler=None, sched=None):
+def step_hf(model, opt, mbs, world, clip, scaler=None, sched=None, log=None):
     """The Hugging Face Trainer's step: mean loss / accumulation count, torch's clip, step, schedule, zero."""
     for mb in mbs:
         (loss_hf(model, mb) / len(mbs)).backward()
+    _log_shards(model, log)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
@@ -236,7 +256,8 @@ def full_params(model):
 
 def train(variant, rank, world, plan, comm):
     """Trains ``variant`` with FSDP2 (``comm`` "gloo": its collectives; "odc": ``odc.fsdp.enable``) on
-    ``plan[s][r]`` microbatches of rank r at step s; returns per-step grad norms and the full parameters."""
+    ``plan[s][r]`` microbatches of rank r at step s; returns per-step grad norms, this rank's :func:`shard_sq`
+    before each clip and the full parameters."""
     loop, kind, prec = variant["loop"], variant["model"], variant.get("precision", "fp32")
     model = shard(hf_model(kind, ckpt=variant.get("ckpt", False)), mp_policy(prec))
     if loop == "titan":
@@ -251,12 +272,12 @@ def train(variant, rank, world, plan, comm):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if prec == "fp16" else None
     if comm == "odc":
         odc.fsdp.enable(model, opt, timeout=60, deterministic=variant.get("deterministic", False))
-    norms = []
+    norms, shards = [], []
     for s, counts in enumerate(plan):
         mbs = [packed(s, rank, j) for j in range(counts[rank])]
         kw = {"sched": sched} if loop == "hf" else {"scaler": scaler}
-        norms.append(STEPS[loop](model, opt, mbs, world, variant.get("clip", 1.0), **kw))
-    out = {"norms": norms, "params": full_params(model)}
+        norms.append(STEPS[loop](model, opt, mbs, world, variant.get("clip", 1.0), log=shards, **kw))
+    out = {"norms": norms, "shard_sq": shards, "params": full_params(model)}
     if comm == "odc":
         engine = model._odc_fsdp.engine
         out.update(transport=engine.transport, cross_node=engine.cross_node, cache=engine.node_cache_stats())
@@ -265,14 +286,19 @@ def train(variant, rank, world, plan, comm):
 
 
 def reference(variant, world, plan):
-    """One process, every rank's microbatches, the same loss; returns per-step norms and parameters."""
+    """One process, every rank's microbatches, the same loss; returns per-step norms, parameters and, per step,
+    each rank's :func:`shard_sq` as FSDP2 shards the gradients (dim 0 in ``world`` chunks). ``variant["autocast"]``:
+    the forward under CPU autocast to the precision's dtype, for a loop that computes under it."""
     loop, kind, prec = variant["loop"], variant["model"], variant.get("precision", "fp32")
     model = hf_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=variant.get("lr", 1e-2), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if loop == "hf" else None
     scale = 2.0**8 if prec == "fp16" else 1.0
     low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(prec)
-    norms = []
+    autocast = contextlib.nullcontext
+    if variant.get("autocast"):
+        autocast = functools.partial(torch.autocast, "cpu", dtype=low)
+    norms, shards = [], []
     for s, counts in enumerate(plan):
         mbs = [(r, packed(s, r, j)) for r in range(world) for j in range(counts[r])]
         count = sum(tokens(mb) for _, mb in mbs)
@@ -285,24 +311,29 @@ def reference(variant, world, plan):
             p.grad = torch.zeros_like(p)
         for r, mb in mbs:
             # The loss as rank r computes it; FSDP2 averages over the ranks (hf, verl) after summing in f32.
-            if loop == "hf":
-                loss = loss_hf(compute, mb) / counts[r]
-            elif loop == "verl":
-                loss = loss_sum(compute, mb) / count * world
-            else:
-                loss = loss_sum(compute, mb) / count
+            with autocast():
+                if loop == "hf":
+                    loss = loss_hf(compute, mb) / counts[r]
+                elif loop == "verl":
+                    loss = loss_sum(compute, mb) / count * world
+                else:
+                    loss = loss_sum(compute, mb) / count
             compute.zero_grad()
             (loss * scale).backward()
             for p, q in zip(model.parameters(), compute.parameters(), strict=True):
                 p.grad += q.grad.float()
         for p in model.parameters():
             p.grad /= scale * (1 if loop == "titan" else world)
+        shards.append([sum(float(c[r].double().pow(2).sum()) if r < len(c) else 0.0
+                           for c in (torch.chunk(p.grad, world, dim=0) for p in model.parameters()))
+                       for r in range(world)])
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), variant.get("clip", 1.0))))
         opt.step()
         if sched is not None:
             sched.step()
         opt.zero_grad()
-    return {"norms": norms, "params": {k: v.detach().float().tolist() for k, v in model.state_dict().items()}}
+    return {"norms": norms, "shard_sq": shards,
+            "params": {k: v.detach().float().tolist() for k, v in model.state_dict().items()}}
 
 
 def loops_worker(rank, world, store, variants, plan, comms=("odc",), ref=True):
@@ -329,6 +360,25 @@ def assert_close(got, want, norm_rel, param_abs, what):
         assert math.isclose(x, y, rel_tol=norm_rel), f"{what}: step {s} grad norm {x} != {y}"
     diff, name = max_diff(got["params"], want["params"])
     assert diff <= param_abs, f"{what}: parameters differ by {diff} at {name} (> {param_abs})"
+
+
+def assert_norms_from_shards(by_rank, ref, what, norm_rel=1e-5, shard_rel=2e-5):
+    """Each rank's grad norms against the ones computed without its exchange: every rank's :func:`shard_sq`
+    (what it held before its clip) against the one-process reference's for that rank's shards, and every
+    rank's norm against both the reference's norm and the square root of the ranks' own shards' sum.
+    ``by_rank``: rank -> ``train``'s result."""
+    world = len(by_rank)
+    for s, want in enumerate(ref["norms"]):
+        own = [by_rank[r]["shard_sq"][s] for r in range(world)]
+        for r in range(world):
+            assert math.isclose(own[r], ref["shard_sq"][s][r], rel_tol=shard_rel, abs_tol=1e-12), \
+                f"{what}: step {s} rank {r}'s gradient shards: sum of squares {own[r]} != {ref['shard_sq'][s][r]}"
+        combined = math.sqrt(sum(own))
+        for r in range(world):
+            got = by_rank[r]["norms"][s]
+            assert math.isclose(got, want, rel_tol=norm_rel), f"{what}: step {s} rank {r}: grad norm {got} != {want}"
+            assert math.isclose(got, combined, rel_tol=norm_rel), \
+                f"{what}: step {s} rank {r}: grad norm {got} != {combined}, the norm of the ranks' own shards"
 
 
 def quiet():
