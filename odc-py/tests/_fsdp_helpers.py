@@ -60,15 +60,19 @@ def init_pg(rank, world, store):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
-def build(world, seed=0, mp=None, reshard=True, mesh=None, unused=False, layers=2):
+def build(world, seed=0, mp=None, reshard=True, mesh=None, unused=False, layers=2, tail=False):
+    """Tiny, each block ``fully_shard``-ed, then the root; ``tail``: the last block and the head as one group of
+    two modules, ``fully_shard([block, head])``, as accelerate shards a causal LM's tail."""
     torch.manual_seed(seed)
     model = Tiny(layers=layers, unused=unused)
     mesh = mesh or init_device_mesh("cpu", (world,))
     kw = {"mesh": mesh, "reshard_after_forward": reshard}
     if mp is not None:
         kw["mp_policy"] = mp
-    for b in model.blocks:
+    for b in model.blocks[:-1] if tail else model.blocks:
         fully_shard(b, **kw)
+    if tail:
+        fully_shard([model.blocks[-1], model.head], **kw)
     fully_shard(model, **kw)
     return model
 
@@ -917,3 +921,28 @@ def enable_steps_worker(rank, world, store, fsdp1):
         sys.setprofile(None)
     odc.fsdp.disable(model)
     return steps
+
+
+def tail_group_worker(rank, world, store, comm):
+    """Uneven microbatches on a model whose tail is one group of two modules (``build(tail=True)``), torch's clip
+    reading the pending gradients (active: max_norm 0.05), AdamW; over FSDP2's gloo collectives or ODC. Returns
+    each step's norm and the full parameters."""
+    init_pg(rank, world, store)
+    model = build(world, tail=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if comm == "odc":
+        odc.fsdp.enable(model, opt, timeout=60)
+    counts = [(1, 2), (2, 1), (1, 1)]
+    norms = []
+    for s, plan in enumerate(counts):
+        for m in range(plan[rank]):
+            (sample_loss(model, data(s, m, rank)) * world / (27 * sum(plan))).backward()
+        if comm == "gloo":  # FSDP2 needs the same microbatch count on every rank: pad with a zero loss
+            for _ in range(max(plan) - plan[rank]):
+                (sample_loss(model, data(s, 0, rank)) * 0.0).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).full_tensor()))
+        opt.step()
+        opt.zero_grad()
+    if comm == "odc":
+        odc.fsdp.disable(model)
+    return {"norms": norms, "params": full_params(model)}

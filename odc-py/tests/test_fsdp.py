@@ -180,3 +180,15 @@ def test_enable_is_a_pipeline_of_four_steps_each_in_one_module(fsdp1):
     for rank, steps in out.items():
         assert steps == ["odc.fsdp._model.describe", "odc.fsdp._engine.make", "odc.fsdp._binding.bind", seams], (
             rank, steps)
+
+
+def test_torchs_clip_on_pending_gradients_counts_a_group_of_two_modules():
+    """fully_shard([block, head]) (accelerate's tail of a causal LM), torch's clip finishing the minibatch: the norms
+    and parameters equal FSDP2's over gloo. On torch 2.11 the group was listed once per module, so it became two
+    buckets and the clip read the empty one (the norm left the tail out)."""
+    runs = {comm: H.all_ok(run_ranks(H.tail_group_worker, 2, timeout=180, comm=comm)) for comm in ("gloo", "odc")}
+    for rank in (0, 1):
+        g, o = runs["gloo"][rank], runs["odc"][rank]
+        assert g["norms"][0] > 0.05  # the clip is active
+        assert o["norms"] == pytest.approx(g["norms"], rel=1e-5), (rank, o["norms"], g["norms"])
+        H.assert_params_close(o["params"], g["params"], 1e-5)

@@ -414,7 +414,8 @@ def _states(model: FSDPModule) -> list[Any]:
     state._lazy_init()  # what the first forward does; idempotent
     if not state._is_root:
         raise ConfigError("odc.fsdp.enable: pass the root fully_shard-ed module (the one that runs forward)")
-    return list(state._state_ctx.all_states)
+    # torch 2.11 lists the state of fully_shard([a, b]) once per module (2.12 and later once): one group, one bucket.
+    return list({id(s): s for s in state._state_ctx.all_states}.values())
 
 
 _HSDP_MESH = (
