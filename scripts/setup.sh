@@ -4,10 +4,12 @@
 #
 #   scripts/setup.sh           .venv: torch 2.15.0 (the newest supported torch; torchtitan 0.3.0 needs torch
 #                              2.12 or newer), the linters, the docs site's tools, the NVRTC / NVSHMEM wheels
-#                              the GPU checks load, torchtitan 0.3.0 with the packages it pulls
+#                              the GPU checks load, torchtitan 0.3.0 with the packages it pulls, TRL 1.16.0 and
+#                              accelerate 1.15.0 (fsdp-odc[hf])
 #   scripts/setup.sh torch211  .venv-torch211: verl 0.9.1's `cpu` extra as verl resolves it (torch 2.11.0,
-#                              transformers 5.9.0, ...), pinned in scripts/requirements-torch211.txt, plus
-#                              pytest; the oldest supported torch, and verl on its own pins
+#                              transformers 5.9.0, accelerate 1.15.0, ...) and TRL 1.16.0, pinned in
+#                              scripts/requirements-torch211.txt, plus pytest; the oldest supported torch, and
+#                              verl on its own pins
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,12 +33,15 @@ default)
     # (it does not pin torch). verl is not here: it pins torch 2.11.0 and lives in .venv-torch211.
     PY_PKGS+=("torchtitan==0.3.0" "torch-checkpointing==0.1.1" "spmd-types==0.2.3" "tyro==1.0.17" "einops==0.8.2"
         "datasets==4.7.0" "tensorboard==2.21.0" "wandb==0.31.0" "torchdata==0.11.0")
+    # fsdp-odc[hf] (odc.integrations.transformers): TRL and accelerate at the versions it was checked on, and psutil,
+    # which accelerate pulls, as resolved with the packages above.
+    PY_PKGS+=("trl==1.16.0" "accelerate==1.15.0" "psutil==7.2.2")
     ;;
 torch211)
     TORCH_VERSION=2.11.0
     VENV=.venv-torch211
-    # Compiled from scripts/requirements-torch211.in (verl[cpu]==0.9.1, pytest, pytest-timeout; the command is
-    # in both files' headers).
+    # Compiled from scripts/requirements-torch211.in (verl[cpu]==0.9.1, trl==1.16.0, pytest, pytest-timeout; the
+    # command is in both files' headers).
     PY_PKGS=(-r scripts/requirements-torch211.txt)
     ;;
 *)

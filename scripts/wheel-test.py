@@ -22,10 +22,17 @@ newest supported), this
    same seeded model and data, only the collectives moved), which an all-reduce over ODC that summed wrong
    would not be (one that doubled its sums printed 0.0925 for 0.0654).
 
+Then, as a Hugging Face user meets it, docs/trainers.md's ``SFTTrainer`` script: a fresh venv holding only the
+wheel with its ``hf`` extra (``fsdp-odc[hf] @ file://...whl``: TRL, accelerate, transformers and the torch they
+resolve to, nothing else), the blocks after ``<!-- hf:train_sft.py -->`` (```python), ``<!-- hf:fsdp2.yaml -->``
+(```yaml) and ``<!-- hf:run -->`` (```bash, ``accelerate launch --config_file fsdp2.yaml train_sft.py``) written
+and run as they are, on CPU; the Trainer's log must show one finite loss per step of the script's ``max_steps``
+and the run's ``train_loss``.
+
 A missing or misplaced block, a failed install or run, or a print that does not match fails the test (exit 1);
 the time of each step (venv, installs, runs) is printed at the end.
 
-    scripts/wheel-test.py [--wheels dist] [--torch 2.11.0,2.15.0] [--work target/wheel-test]
+    scripts/wheel-test.py [--wheels dist] [--torch 2.11.0,2.15.0] [--work target/wheel-test] [--no-hf]
 """
 
 from __future__ import annotations
@@ -49,6 +56,11 @@ NUMBER = r"([-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|nan|inf))"
 STEP = re.compile(rf"rank (\d+) step (\d+): loss {NUMBER} grad norm {NUMBER}")
 # Torch versions and the constraints their install takes (the lock verl's pins come from, for 2.11).
 CONSTRAINTS = {"2.11.0": ROOT / "scripts" / "requirements-torch211.txt"}
+# docs/trainers.md's Hugging Face blocks (<!-- hf:NAME --> markers): the files the run block names, and the command.
+HF_BLOCKS = {"train_sft.py": "python", "fsdp2.yaml": "yaml", "run": "bash"}
+# A step's log line as the Trainer prints it on rank 0 ("{'loss': '4.559', 'grad_norm': ..."; transformers 5.24
+# prints the values as strings, older releases as numbers).
+HF_STEP = re.compile(rf"\{{'loss': '?{NUMBER}'?, 'grad_norm'")
 # How far the backend run's printed grad norms may be from the gloo run's: about a unit of the fourth printed
 # decimal (the gradients are summed in arrival order, so the last bits may differ; a wrong all-reduce is far off).
 NORM_TOLERANCE = 1.5e-4
@@ -79,6 +91,21 @@ def quickstart(readme: Path) -> dict[str, str]:
             raise Failure(f"{readme}: the ```{lang} block after {marker} is empty")
         blocks[name] = fence.group(1)
     return blocks
+
+
+def marked_blocks(path: Path, prefix: str, blocks: dict[str, str]) -> dict[str, str]:
+    """The fenced blocks that follow ``<!-- PREFIX:NAME -->`` markers in ``path``, by name (each marker once)."""
+    text = path.read_text(encoding="utf-8")
+    found = {}
+    for name, lang in blocks.items():
+        marker = f"<!-- {prefix}:{name} -->"
+        if text.count(marker) != 1:
+            raise Failure(f"{path}: the marker {marker} appears {text.count(marker)} times (once)")
+        fence = re.search(re.escape(marker) + r"[ \t]*\n```" + lang + r"[ \t]*\n(.*?)^```[ \t]*$", text, re.M | re.S)
+        if fence is None or not fence.group(1).strip():
+            raise Failure(f"{path}: {marker} is not followed by a non-empty ```{lang} fence")
+        found[name] = fence.group(1)
+    return found
 
 
 def with_backend(train: str, backend: str) -> str:
@@ -221,12 +248,68 @@ def leg(version: str, wheel: Path, command: str, scripts: dict[str, str], work: 
                       f"alike whichever backend carries the process group's collectives")
 
 
+def leg_env(venv: Path, uv: str) -> dict[str, str]:
+    """What the user's shell would have: the venv's bin first (as an activated venv has it), the system's
+    folders, no Rust toolchain, nothing of this checkout's environment but the network settings installs need."""
+    path = f"{venv}/bin:/usr/bin:/bin"
+    for tool in ("cargo", "rustc"):
+        if shutil.which(tool, path=path):
+            raise Failure(f"{tool} is on the test's PATH ({shutil.which(tool, path=path)}); the wheel must install "
+                          f"and run without a Rust toolchain")
+    cache = subprocess.run([uv, "cache", "dir"], capture_output=True, text=True, check=True).stdout.strip()
+    env = {"PATH": path, "HOME": str(venv / "home"), "LANG": "C.UTF-8"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("UV_", "PIP_", "SSL_CERT_"))
+                or k.endswith("CA_BUNDLE") or k.lower() in ("https_proxy", "http_proxy", "no_proxy", "all_proxy")})
+    env["UV_CACHE_DIR"] = cache
+    return env
+
+
+def hf_leg(wheel: Path, blocks: dict[str, str], work: Path, uv: str, times: list[tuple[str, float]]) -> None:
+    """docs/trainers.md's SFTTrainer script with its accelerate launch command, in a venv of the wheel and its hf
+    extra only."""
+    venv = work / "hf"
+    shutil.rmtree(venv, ignore_errors=True)
+    env = leg_env(venv, uv)
+    python = str(venv / "bin" / "python")
+    _, t = run([uv, "venv", "-q", "--python", "python3", str(venv)], env=env, cwd=work, timeout=120,
+               what="hf: uv venv")
+    times.append(("hf: uv venv", t))
+    (venv / "home").mkdir()
+    _, t = run([uv, "pip", "install", "-q", "--no-build", "--python", python, f"fsdp-odc[hf] @ {wheel.as_uri()}"],
+               env=env, cwd=work, timeout=900, what=f"hf: uv pip install fsdp-odc[hf] @ {wheel.name}")
+    times.append(("hf: install the wheel with its hf extra", t))
+    listed, _ = run([uv, "pip", "freeze", "--python", python], env=env, cwd=work, timeout=60, what="hf: uv pip freeze")
+    for pin in ("trl==1.16.0", "accelerate==1.15.0"):
+        if pin not in listed.splitlines():
+            raise Failure(f"hf: the venv holds no {pin} (fsdp-odc[hf]'s pin):\n{listed}")
+    env["VIRTUAL_ENV"] = str(venv)
+    scratch = venv / "docs-hf"
+    scratch.mkdir()
+    for name, text in blocks.items():
+        if name != "run":
+            (scratch / name).write_text(text, encoding="utf-8")
+    what = "hf: docs/trainers.md's SFTTrainer script, its accelerate launch command as written"
+    out, t = run(["bash", "-c", blocks["run"]], env=env, cwd=scratch, timeout=900, what=what)
+    times.append((what, t))
+    (scratch / "output.txt").write_text(out, encoding="utf-8")
+    steps = re.search(r"max_steps=(\d+)", blocks["train_sft.py"])
+    if steps is None:
+        raise Failure("hf: the docs' train_sft.py sets no max_steps=N (the steps its log must show)")
+    losses = [float(v) for v in HF_STEP.findall(out)]
+    if len(losses) != int(steps.group(1)) or not all(math.isfinite(v) for v in losses) or "'train_loss'" not in out:
+        raise Failure(f"hf: {what}: {len(losses)} step losses {losses} (want {steps.group(1)}, finite) and a "
+                      f"train_loss; its output:\n{out}")
+    print(f"[wheel-test] {what}: ok, losses {', '.join(f'{v:g}' for v in losses)} ({t:.1f} s)", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--wheels", default="dist", help="the folder holding the one fsdp_odc-*.whl (default dist)")
     p.add_argument("--torch", default="2.11.0,2.15.0", help="torch versions, comma-separated (default 2.11.0,2.15.0)")
     p.add_argument("--work", default="target/wheel-test", help="where the venvs go (default target/wheel-test)")
     p.add_argument("--readme", default="README.md", help="where the quickstart is read (default README.md)")
+    p.add_argument("--docs", default="docs/trainers.md", help="where the Hugging Face blocks are read")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face leg")
     args = p.parse_args()
     times: list[tuple[str, float]] = []
     t0 = time.monotonic()
@@ -241,15 +324,19 @@ def main() -> int:
         print(f"[wheel-test] {wheel.name}; README.md's quickstart: train.py ({len(blocks['train.py'].splitlines())} "
               f"lines), run: {blocks['run'].strip()}; the backend block replaces train.py's {GLOO_LINE} line in "
               f"the second run", flush=True)
-        for version in args.torch.split(","):
-            leg(version.strip(), wheel, blocks["run"], scripts, work, uv, times)
+        hf = None if args.no_hf else marked_blocks(ROOT / args.docs, "hf", HF_BLOCKS)
+        for version in filter(None, (v.strip() for v in args.torch.split(","))):  # --torch '': the hf leg alone
+            leg(version, wheel, blocks["run"], scripts, work, uv, times)
+        if hf is not None:
+            hf_leg(wheel, hf, work, uv, times)
     except Failure as e:
         print(f"[wheel-test] FAILED: {e}", file=sys.stderr)
         return 1
     finally:
         for what, t in times:
             print(f"[wheel-test] {t:6.1f} s  {what}")
-    print(f"[wheel-test] ok: the quickstart ran as written in fresh venvs ({time.monotonic() - t0:.0f} s)")
+    print(f"[wheel-test] ok: the quickstart{'' if args.no_hf else ' and the Hugging Face script'} ran as written in "
+          f"fresh venvs ({time.monotonic() - t0:.0f} s)")
     return 0
 
 

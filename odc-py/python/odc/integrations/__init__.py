@@ -1,7 +1,13 @@
 """ODC inside the trainers people run.
 
 Each integration is imported on demand (its trainer is an optional
-dependency: ``pip install 'fsdp-odc[verl]'`` or ``'fsdp-odc[torchtitan]'``):
+dependency: ``pip install 'fsdp-odc[hf]'``, ``'fsdp-odc[verl]'`` or
+``'fsdp-odc[torchtitan]'``):
+
+- :mod:`odc.integrations.transformers`: ``enable(trainer)`` before
+  ``trainer.train()``; a Hugging Face ``Trainer`` or TRL ``SFTTrainer`` under
+  accelerate's FSDP2 trains on ODC, each optimizer step's samples planned
+  with LB-Mini over the global batch, each rank its own microbatch count.
 
 - :mod:`odc.integrations.verl`: ``enable()`` before verl builds its engines;
   the actor's and critic's FSDP2 modules run on ODC, each rank keeps its own
@@ -14,7 +20,8 @@ dependency: ``pip install 'fsdp-odc[verl]'`` or ``'fsdp-odc[torchtitan]'``):
   each rank's own microbatch count per step.
 
 What moves a minibatch's samples between ranks lives in
-:mod:`odc.integrations._exchange` (no trainer imported there).
+:mod:`odc.integrations._exchange` (no trainer imported there); the Hugging
+Face integration's step loader in :mod:`odc.integrations._hf_data`.
 """
 
 from __future__ import annotations

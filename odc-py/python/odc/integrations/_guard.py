@@ -10,7 +10,8 @@ from ..errors import ConfigError
 
 
 def import_trainer(
-    package: str, checked: tuple[str, ...], advice: str, min_torch: str | None = None
+    package: str, checked: tuple[str, ...], advice: str, min_torch: str | None = None, extra: str | None = None,
+    integration: str | None = None,
 ) -> tuple[ModuleType, str]:
     """Imports ``package`` (``verl``, ``torchtitan``) for ``odc.integrations.<package>``.
 
@@ -18,12 +19,15 @@ def import_trainer(
     for error messages. Warns (``advice`` says what to compare) when the
     version is not in ``checked``.
 
+    ``extra`` names the ``fsdp-odc`` extra that installs it (default: ``package``), ``integration`` the module
+    the messages name (default: ``odc.integrations.<package>``).
+
     Raises:
         ConfigError: the package is not installed, saying which extra installs it;
             or the running torch is older than ``min_torch`` (major.minor), the
             oldest the checked version of the package imports on.
     """
-    integration = f"odc.integrations.{package}"
+    integration = integration or f"odc.integrations.{package}"
     if min_torch is not None:
         import torch
 
@@ -37,7 +41,7 @@ def import_trainer(
         module = importlib.import_module(package)
     except ImportError as e:
         raise ConfigError(
-            f"{integration} needs {package} ({e}); install it with `pip install 'fsdp-odc[{package}]'`"
+            f"{integration} needs {package} ({e}); install it with `pip install 'fsdp-odc[{extra or package}]'`"
         ) from None
     version = str(getattr(module, "__version__", "unknown"))
     where = f"{package} {version} ({integration} was checked on {', '.join(checked)})"
