@@ -233,3 +233,47 @@ def test_per_node_reads_torchruns_placement_from_global_ranks():
     assert per_node((0, 1, 4), "4") is None  # 2 on one node, 1 on the other: not for this topology
     assert per_node((4, 0), "4") is None  # not node-major
     assert per_node((0, 1), None) is None and per_node((0, 1), "x") is None
+
+
+def _c10d_kernel_at_backend_select() -> bool:
+    """Whether a kernel sits at ``BackendSelect`` for ``c10d::allreduce_`` (odc's route; torch has none there)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("c10d::allreduce_", "BackendSelect")
+
+
+def _route_lifetime(rank, world, store):
+    from odc.backend import _route
+
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    seen = {"before": _c10d_kernel_at_backend_select()}
+    for i in range(2):  # made, used, destroyed; then again (registered anew)
+        groups = [dist.new_group(backend="odc"), dist.new_group(backend="odc")]
+        t = torch.ones(4)
+        dist.all_reduce(t, group=groups[0])
+        seen[f"two alive {i}"] = (_c10d_kernel_at_backend_select(), _route.installed(), t.tolist())
+        dist.destroy_process_group(groups[0])
+        seen[f"one alive {i}"] = _c10d_kernel_at_backend_select()
+        dist.all_reduce(t, group=groups[1])
+        dist.destroy_process_group(groups[1])
+        del groups
+        seen[f"none alive {i}"] = (_c10d_kernel_at_backend_select(), _route.installed())
+    t = torch.ones(4)
+    dist.all_reduce(t)  # gloo's own kernels again
+    seen["gloo"] = t.tolist()
+    return seen
+
+
+def test_the_route_kernels_go_with_the_last_odc_group():
+    """Before, torch 2.11's route kernels stayed registered for good once the first ``odc`` group was made: every
+    later gloo or NCCL collective of the process took a Python call on the way (torch 2.15 has Python backends
+    and never registers them)."""
+    from odc._c10d import python_backends
+
+    routed = not python_backends()
+    for rank, (status, seen) in run_ranks(_route_lifetime, 2, timeout=180).items():
+        assert status == "ok", (rank, seen)
+        assert seen["before"] is False, seen
+        for i in range(2):
+            assert seen[f"two alive {i}"] == (routed, routed, [2.0] * 4), seen
+            assert seen[f"one alive {i}"] is routed, seen  # another odc group still lives
+            assert seen[f"none alive {i}"] == (False, False), seen
+        assert seen["gloo"] == [2.0] * 4, seen

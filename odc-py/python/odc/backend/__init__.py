@@ -32,30 +32,36 @@ others on an internal gloo backend on the group's store (under its own
 +------------------------------------------+---------------------------------------------+
 | operation                                | runs on                                     |
 +==========================================+=============================================+
-| ``all_gather_single`` (alias             | ODC gather for f32 / bf16 / f16;            |
-| ``all_gather_into_tensor``,              | other dtypes (int, bool, f64): gloo         |
-| ``_allgather_base``), ``*_coalesced``    |                                             |
+| ``all_gather_single`` (alias             | ODC gather for dense f32 / bf16 / f16;      |
+| ``all_gather_into_tensor``,              | other dtypes (int, bool, f64) and sparse    |
+| ``_allgather_base``), ``*_coalesced``    | tensors: gloo                               |
 +------------------------------------------+---------------------------------------------+
 | ``allgather`` (list form)                | ODC when every output has the input's size  |
-|                                          | and dtype (f32 / bf16 / f16); else gloo     |
+|                                          | and dtype (dense f32 / bf16 / f16); else    |
+|                                          | gloo                                        |
 +------------------------------------------+---------------------------------------------+
 | ``reduce_scatter_single`` (alias         | ODC scatter-accumulate: SUM / AVG /         |
-| ``reduce_scatter_tensor``,               | PREMUL_SUM on f32 / bf16 / f16; anything    |
-| ``_reduce_scatter_base``),               | else raises :class:`UnsupportedCollective`  |
-| ``*_coalesced``, ``reduce_scatter``      | (op) or :class:`odc.LayoutError` (dtype)    |
+| ``reduce_scatter_tensor``,               | PREMUL_SUM on dense f32 / bf16 / f16; other |
+| ``_reduce_scatter_base``),               | ops, dtypes and layouts, and the list form  |
+| ``*_coalesced``, ``reduce_scatter``      | with a size per rank: gloo (which refuses   |
+|                                          | what it does not run, PREMUL_SUM among it)  |
 +------------------------------------------+---------------------------------------------+
 | ``allreduce``, ``allreduce_coalesced``   | ODC reduce-scatter, then gather, for SUM /  |
-|                                          | AVG / PREMUL_SUM on f32 / bf16 / f16;       |
-|                                          | other ops and dtypes: gloo. With            |
-|                                          | ``ODC_BACKEND_ELASTIC=1``: sum-like ops on  |
-|                                          | float and integer tensors on an elastic     |
-|                                          | hybrid engine, over the surviving nodes     |
-|                                          | after a death (docs/elastic.md)             |
+|                                          | AVG / PREMUL_SUM on dense f32 / bf16 / f16  |
+|                                          | (in place where the group's size divides    |
+|                                          | the length of a contiguous tensor); other   |
+|                                          | ops, dtypes and sparse tensors: gloo. With  |
+|                                          | ``ODC_BACKEND_ELASTIC=1``: every all-reduce |
+|                                          | on an elastic hybrid engine of the group's  |
+|                                          | nodes, over the surviving nodes after a     |
+|                                          | death, one membership decision per call, or |
+|                                          | refused by name (:mod:`._elastic`)          |
 +------------------------------------------+---------------------------------------------+
 | ``broadcast``, ``barrier``, ``reduce``,  | gloo (CUDA tensors: on host copies)         |
 | ``gather``, ``scatter``,                 |                                             |
 | ``all_to_all_single``, ``send``,         |                                             |
-| ``recv``, ``recv_anysource``             |                                             |
+| ``recv``, ``recv_anysource``,            |                                             |
+| ``monitored_barrier``                    |                                             |
 +------------------------------------------+---------------------------------------------+
 | ``alltoall`` (list form)                 | gloo's ``all_to_all_single`` over flat      |
 |                                          | buffers (one dtype; gloo has no list form   |
@@ -69,16 +75,25 @@ Work that copies the results back). Every tensor of one operation must be on
 one device, else :class:`odc.LayoutError`. ``ProcessGroupODC.op_counts``
 counts which ran where.
 
+Debugging tools. The group's sequence number (``group._get_sequence_number_for_group()``, what torch's tools
+compare across ranks) counts every collective it ran, on ODC or on gloo, one per call. ``monitored_barrier``
+runs on the internal gloo backend and names the ranks that did not reach it. torch 2.15's Python-backend
+trampoline forwards both by name (``PyBackend.hpp``: ``getSequenceNumberForGroup``, ``monitoredBarrier``); on
+torch 2.11 the group forwards the first, and ``dist.monitored_barrier`` itself accepts gloo groups only
+(``distributed_c10d.py``: ``if get_backend(group) != Backend.GLOO: raise ValueError``), so there the group's
+own ``group.monitored_barrier(timeout)`` is the way.
+
 Memory. A group reserves no ODC memory when it is created: its engines come
 from :mod:`odc.backend._engines` at its first ODC operation on each device, and
 every group of the same global ranks (and the same transport, bound and
 deadline) shares them, so the default group, the groups of a device mesh and
 the groups a test makes again and again cost one set of engines per rank set.
-Groups that share engines run their ODC operations one at a time, in the order
-each rank issues them, which must be the same on every rank (as it must for
-operations of one group; an ODC operation completes before it returns, so two
-groups' operations issued in different orders on two ranks could not complete
-on separate engines either). The last group of a rank set to go
+Groups that share engines still cannot cross, whatever order their threads
+issue operations in: they take turns on the engines, every rank running the
+same group's operation in each turn. From the second group of a rank set on,
+the set's rank 0 decides the turns and posts each one in the store (a store
+round trip per ODC operation, on every rank; a set with one group skips it;
+see :mod:`odc.backend._engines`). The last group of a rank set to go
 (``destroy_process_group``, or garbage collection) unmaps and unlinks them.
 
 An engine's registration is collective (every rank registers the same buckets)

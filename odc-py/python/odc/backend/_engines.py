@@ -2,16 +2,33 @@
 largest operation seen up to a bound, shared by every group of the same ranks, freed with the last of
 those groups (the module doc of :mod:`odc.backend`, *Memory*, says what that costs).
 
-Owns :class:`EngineSet` (one per rank set: the engines of each device it ran on) and the registry that
-hands a group the set of its ranks (:func:`engine_set`). Knows nothing of torch.distributed's process
-groups: a group hands in its store and a fresh store prefix whenever an engine must be made.
+Owns :class:`EngineSet` (one per rank set: the engines of each device it ran on), the order in which the
+groups sharing a set take their turns on it (:meth:`EngineSet.acquire`), and the registry that hands a
+group the set of its ranks (:func:`engine_set`). Knows nothing of torch.distributed's process groups: a
+group hands in its store and a fresh store prefix whenever an engine must be made.
+
+Groups that share a set cannot cross. An engine matches operations by its own counters (a bucket's
+version, the minibatch), not by group, so every rank must run the same group's operation in each turn,
+whatever order its threads issued them in. Each group of a rank set has an index equal on every rank
+(the order torch creates groups in, which must be the same on every rank); each of its ODC operations is
+a ticket ``(group index, operation index)``. From the second group of a rank set on, the set's rank 0
+decides the order: at each turn it posts the ticket it runs under the turn's number in the store, and
+the other ranks run the operation of that ticket there (a thread holding another group's operation waits
+for its own turn). A set with one group has only one order and skips this, so a set switches to posted
+turns when its second group is made, without waiting for any operation in progress: rank 0 posts from its
+next turn on and says which that is, each other rank reads from then, or from its own next turn if that is
+later, and the new group's creation waits until every rank has switched. A turn a rank ran unread after
+rank 0 began posting is safe: until the switch completes, no rank has made the new group, so the turn was
+an operation of the one group that rank had (in that group's order).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +45,7 @@ from ..engine import (
     heap_bytes,
     transport_name,
 )
-from ..errors import ConfigError, LayoutError, ProtocolError
+from ..errors import ConfigError, LayoutError, PeerTimeout, ProtocolError
 from ._parts import WIRE_BYTES, Gatherer, Reducer, class_for, shard_classes
 
 if TYPE_CHECKING:
@@ -203,24 +220,127 @@ def device_plan(
 class EngineSet:
     """The engines of one rank set, by device, shared by every ``odc`` group of those ranks.
 
-    Operations on it are serialized by :attr:`lock` (groups of the same ranks may run in several
-    threads). A failure inside an operation leaves the engines' versions and minibatch counters out of
-    step with the peers': the set records it in :attr:`failure` and refuses ODC work from then on; the
-    registry hands later groups a fresh set.
+    Operations on it take turns (:meth:`acquire`, :meth:`release`; groups of the same ranks may run in
+    several threads, in any order: see the module doc). A failure inside an operation leaves the engines'
+    versions and minibatch counters out of step with the peers': the set records it in :attr:`failure` and
+    refuses ODC work from then on; the registry hands later groups a fresh set.
 
     Args:
         key: the ranks, transports, bound and deadline.
         rank: this rank's index in ``key.ranks``.
+        store: the store of the group that makes the set, where rank 0 posts its turns.
     """
 
-    def __init__(self, key: SetKey, rank: int) -> None:
+    def __init__(self, key: SetKey, rank: int, store: Store) -> None:
         self.key = key
         self.rank = rank
         self.world = len(key.ranks)
-        self.lock = threading.Lock()
         self.failure: BaseException | None = None
         self.local_world: int | None = None  # ranks per node, learned by the first engine made
         self._devices: dict[str, Engines] = {}
+        # The turns (see the module doc): posted under the store of the group that made the set.
+        self._order_store = store
+        self._cv = threading.Condition()
+        self._busy = False  # a thread holds the turn
+        self._turn = 0  # turns taken so far, alike on every rank
+        self._next: tuple[int, int] | None = None  # the ticket rank 0 posted for this turn, once read
+        self._posted_from: int | None = None  # the first turn this rank posts (rank 0) or reads (the others)
+
+    # -- turns ---------------------------------------------------------------------------------------
+    @property
+    def posted(self) -> bool:
+        """Whether this set's turns are posted (from its second group on)."""
+        return self._posted_from is not None
+
+    def post_turns(self, group_store: Store, seconds: float) -> None:
+        """Switches this set to posted turns for a new group of it (collective over the new group, through its
+        store, before the group's creation completes: see the module doc)."""
+        if self.world == 1 or self.posted:
+            return
+        deadline = time.monotonic() + seconds
+        if self.rank == 0:
+            group_store.set("odc-turns/from", str(self._switch(0)))
+            group_store.wait([f"odc-turns/ack{r}" for r in range(1, self.world)], _delta(deadline))
+        else:
+            group_store.wait(["odc-turns/from"], _delta(deadline))
+            self._switch(int(group_store.get("odc-turns/from").decode()))
+            group_store.set(f"odc-turns/ack{self.rank}", "1")
+
+    def _switch(self, first: int) -> int:
+        """Posts (rank 0) or reads (the others) every turn from ``first`` or this rank's next turn, whichever is
+        later; returns that turn."""
+        with self._cv:
+            upcoming = self._turn + (1 if self._busy else 0)
+            self._posted_from = max(first, upcoming)
+            return self._posted_from
+
+    def _wait(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        """Waits on the set's condition until ``ready()`` (holding it), or raises PeerTimeout naming ``what``."""
+        while not ready():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (not self._cv.wait(remaining) and not ready()):
+                raise PeerTimeout(
+                    f"odc process group: waited {self.key.seconds:.0f} s ({self.key.deadline_source}) for "
+                    f"{what} on the engines of ranks {list(self.key.ranks)} (turn {self._turn})"
+                )
+
+    def acquire(self, ticket: tuple[int, int], what: str) -> None:
+        """Returns when this thread may run the operation ``ticket`` (group index, operation index) on the set:
+        the set is free and, under posted turns, rank 0 runs the same ticket in this turn. Pair with
+        :meth:`release`."""
+        deadline = time.monotonic() + self.key.seconds
+        while True:
+            with self._cv:
+                self._wait(lambda: not self._busy and self._next in (None, ticket), deadline,
+                           f"its turn for {what} (group {ticket[0]}, operation {ticket[1]}) after "
+                           f"group {self._next[0] if self._next else '?'}'s operation "
+                           f"{self._next[1] if self._next else '?'}, which rank {self.key.ranks[0]} runs now")
+                self._busy = True
+                turn = self._turn
+                if self._posted_from is None or turn < self._posted_from or self._next == ticket:
+                    return
+            try:
+                chosen = self._post(turn, ticket) if self.rank == 0 else self._read(turn, deadline)
+            except BaseException:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+                raise
+            with self._cv:
+                self._next = chosen
+                if chosen == ticket:
+                    return
+                self._busy = False  # another group's operation runs in this turn: its thread takes it
+                self._cv.notify_all()
+
+    def release(self) -> None:
+        """Ends this thread's turn, used whether its operation ran or raised (every rank raises alike before an
+        engine is reached; after, the set has failed)."""
+        with self._cv:
+            self._turn += 1
+            self._next = None
+            self._busy = False
+            self._cv.notify_all()
+
+    def _post(self, turn: int, ticket: tuple[int, int]) -> tuple[int, int]:
+        store = self._order_store
+        store.set(f"odc-turn/{turn}", f"{ticket[0]}:{ticket[1]}")
+        if turn > 0:  # every rank read the previous turn's before it ran it, and rank 0 ran it with them
+            store.delete_key(f"odc-turn/{turn - 1}")
+        return ticket
+
+    def _read(self, turn: int, deadline: float) -> tuple[int, int]:
+        key = f"odc-turn/{turn}"
+        try:
+            self._order_store.wait([key], _delta(deadline))
+            raw = self._order_store.get(key).decode()
+        except RuntimeError as e:  # the store's timeout (DistStoreError), or rank 0's store gone
+            raise PeerTimeout(
+                f"odc process group: rank {self.key.ranks[0]} did not post turn {turn} of the engines of ranks "
+                f"{list(self.key.ranks)} ({type(e).__name__}: {e})", peer=self.key.ranks[0]
+            ) from e
+        gid, seq = raw.split(":")
+        return int(gid), int(seq)
 
     @property
     def transports(self) -> dict[str, str]:
@@ -298,15 +418,25 @@ def per_node(ranks: tuple[int, ...], local_world_size: str | None) -> int | None
     return counts[nodes[0]] if len(set(counts.values())) == 1 else None
 
 
+def _delta(deadline: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
 _SETS: weakref.WeakValueDictionary[SetKey, EngineSet] = weakref.WeakValueDictionary()
+#: Groups made so far per key in this process (never reset): a group's index, equal on every rank.
+_MADE: dict[SetKey, int] = {}
 _SETS_LOCK = threading.Lock()
 
 
-def engine_set(key: SetKey, rank: int) -> EngineSet:
-    """The engine set of ``key``: the one another live group of the same ranks holds, else a new one (which
-    reserves nothing). It lives as long as a group holds it."""
+def engine_set(key: SetKey, rank: int, store: Store) -> tuple[EngineSet, int]:
+    """The engine set of ``key`` and the new group's index among the groups of ``key``: the set another live
+    group of the same ranks holds, else a new one (which reserves nothing, and posts its turns under ``store``,
+    the new group's). It lives as long as a group holds it. From the second group of ``key`` on, the caller
+    switches the set to posted turns (:meth:`EngineSet.post_turns`)."""
     with _SETS_LOCK:
         found = _SETS.get(key)
         if found is None or found.failure is not None:
-            found = _SETS[key] = EngineSet(key, rank)
-        return found
+            found = _SETS[key] = EngineSet(key, rank, store)
+        index = _MADE.get(key, 0)
+        _MADE[key] = index + 1
+        return found, index

@@ -12,7 +12,7 @@ import datetime
 import functools
 import os
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from .._c10d import backend_base, gloo_method, init_backend, premul_factor
 from ..deadline import deadline_for
 from ..engine import Engine
 from ..errors import ConfigError, LayoutError, OdcError, ProtocolError
-from ._elastic import FLOAT_DTYPES, INT_DTYPES, ElasticAllReduce
+from ._elastic import ElasticAllReduce, route
 from ._elastic import enabled as elastic_enabled
 from ._engines import (
     DEFAULT_SCRATCH_MB,
@@ -61,21 +61,10 @@ __all__ = [
 
 _ReduceOp = dist.ReduceOp
 _SUM_LIKE = (_ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PREMUL_SUM)
-# ODC_BACKEND_ELASTIC=1: the reductions every rank computes over the member ranks' tensors, gathered bit for bit.
-_BITWISE = {_ReduceOp.BAND: torch.bitwise_and, _ReduceOp.BOR: torch.bitwise_or, _ReduceOp.BXOR: torch.bitwise_xor}
 
 
-def _folding(f: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Folds ``f`` over the rows (one per member rank, in rank order)."""
-    return lambda rows: functools.reduce(f, rows.unbind(0))
-
-
-_GATHERED: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
-    _ReduceOp.MAX: lambda rows: rows.amax(0),
-    _ReduceOp.MIN: lambda rows: rows.amin(0),
-    _ReduceOp.PRODUCT: _folding(torch.mul),
-    **{op: _folding(f) for op, f in _BITWISE.items()},
-}
+#: Where the elastic all-reduce's refusals send the reader.
+ELASTIC_NOTE = "ODC_BACKEND_ELASTIC=1 runs every all-reduce of the group over the member nodes or refuses it"
 
 
 class UnsupportedCollective(OdcError, NotImplementedError):
@@ -128,11 +117,6 @@ def _scale(op: Any, world: int, what: str, dtype: torch.dtype) -> float:
     )
 
 
-def _check_dtype(what: str, dtype: torch.dtype) -> None:
-    if dtype not in _DTYPES:
-        raise LayoutError(f"{what}: dtype {dtype} is not supported by the odc backend (float32, bfloat16, float16 are)")
-
-
 def _op_device(what: str, tensors: Sequence[torch.Tensor]) -> torch.device:
     """The one device of an operation's tensors (``cpu`` when it has none), or a LayoutError naming them."""
     devices = sorted({t.device for t in tensors}, key=str)
@@ -151,6 +135,32 @@ def _op_device(what: str, tensors: Sequence[torch.Tensor]) -> torch.device:
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def _dense(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is dense (strided): ODC moves those; sparse ones go to gloo."""
+    return all(t.layout == torch.strided for t in tensors)
+
+
+def _readable_factor(op: Any) -> bool:
+    """Whether a PREMUL_SUM's factor can be read (a number, or a tensor of one element)."""
+    factor = premul_factor(op)
+    return factor is not None and (not isinstance(factor, torch.Tensor) or factor.numel() == 1)
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _collective(method: _Method) -> _Method:
+    """Counts a call of a collective in the group's sequence number (``_get_sequence_number_for_group``): one per
+    call, whatever ran it, alike on every rank."""
+
+    @functools.wraps(method)
+    def counted(self: ProcessGroupODC, *args: Any, **kwargs: Any) -> Any:
+        self._seq += 1
+        return method(self, *args, **kwargs)
+
+    return cast("_Method", counted)
 
 
 # -- the backend -------------------------------------------------------------------
@@ -197,9 +207,14 @@ class ProcessGroupODC(_Base):
             raise ConfigError(f"odc backend: {len(global_ranks)} global ranks for a group of {world_size}")
         key = SetKey(global_ranks, cpu_transport, self._cuda_requested, self._nbytes, self._seconds,
                      self.deadline_source)
-        self._set: EngineSet | None = engine_set(key, rank)
+        self._set: EngineSet | None
+        self._set, self._index = engine_set(key, rank, store)
         self._set.check_transport()
+        self._ops = 0  # this group's ODC operations so far: with _index, the ticket of its next one
+        if self._index > 0:  # groups of these ranks share engines from now on: their turns are posted
+            self._set.post_turns(store, self._seconds)
         self._engines_made = 0  # names each engine made through this group's store afresh
+        self._seq = 0  # the collectives called so far (_get_sequence_number_for_group)
         self._gloo: Any = dist.ProcessGroupGloo(prefix_store("odc-gloo/", store), rank, world_size, self._timeout)
         self._elastic = (
             ElasticAllReduce(prefix_store("odc-elastic/", store), rank, world_size, global_ranks, self._seconds,
@@ -270,7 +285,10 @@ class ProcessGroupODC(_Base):
         engine_set = self._set
         if engine_set is None:
             raise OdcError(f"{what}: this odc process group was shut down")
-        with engine_set.lock:
+        ticket = (self._index, self._ops)
+        self._ops += 1
+        engine_set.acquire(ticket, what)
+        try:
             if engine_set.failure is not None:
                 raise OdcError(
                     f"{what}: this odc process group is unusable after an earlier failure "
@@ -285,6 +303,8 @@ class ProcessGroupODC(_Base):
             except BaseException as e:
                 engine_set.failure = e
                 raise
+        finally:
+            engine_set.release()
 
     def _delegate(self, op: str, *args: Any, count_as: str | None = None) -> dist.Work:
         """Runs ``op`` on the internal gloo backend (an operation ODC does not run); CUDA tensors on host copies.
@@ -327,8 +347,7 @@ class ProcessGroupODC(_Base):
         return device
 
     def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op: Any, what: str) -> torch.device:
-        _check_dtype(what, inp.dtype)
-        _check_dtype(what, out.dtype)
+        """An ODC reduce-scatter (the caller checked :meth:`_odc_reduce_scatter_ok`)."""
         device = _op_device(what, (out, inp))
         scale = _scale(op, self._size, what, inp.dtype)
         if inp.numel() != out.numel() * self._size:
@@ -342,16 +361,36 @@ class ProcessGroupODC(_Base):
             out.copy_(dst.view(out.shape))
         return device
 
+    def _odc_reduce_scatter_ok(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
+        """Whether ODC runs a reduce-scatter of ``tensors`` with ``op``: a sum-like op (a PREMUL_SUM whose factor
+        it can read) on dense f32 / bf16 / f16 tensors; everything else runs on gloo."""
+        red = getattr(op, "op", op)
+        if red not in _SUM_LIKE or not _dense(tensors) or any(t.dtype not in _DTYPES for t in tensors):
+            return False
+        return red != _ReduceOp.PREMUL_SUM or _readable_factor(op)
+
     def _odc_allreduce(self, t: torch.Tensor, scale: float) -> None:
-        """All-reduce as an ODC reduce-scatter of a padded copy, then a gather of the reduced shards."""
+        """All-reduce as an ODC reduce-scatter, then a gather of the reduced shards.
+
+        A contiguous tensor whose length the group's size divides is reduced in place: its rows are pushed as
+        they are, this rank's row receives its reduced shard, and the gather writes every row into the tensor
+        itself (a row is read for its push, and for its publish, before anything is written over it). Any other
+        tensor goes through a padded copy.
+        """
         world, n = self._size, t.numel()
         if n == 0:
             return
-        per = -(-n // world)
-        padded = torch.zeros(world * per, dtype=t.dtype, device=t.device)
-        padded[:n].copy_(t.reshape(-1))
-        shard = torch.empty(per, dtype=t.dtype, device=t.device)
-        full = torch.empty(world * per, dtype=t.dtype, device=t.device)
+        if n % world == 0 and t.is_contiguous():
+            per = n // world
+            full = t.view(-1)
+            shard = full[self._rank * per:(self._rank + 1) * per]
+            padded = full
+        else:
+            per = -(-n // world)
+            padded = torch.zeros(world * per, dtype=t.dtype, device=t.device)
+            padded[:n].copy_(t.reshape(-1))
+            shard = torch.empty(per, dtype=t.dtype, device=t.device)
+            full = torch.empty(world * per, dtype=t.dtype, device=t.device)
         words = per * t.element_size() // WIRE_BYTES
 
         def body(engines: Engines) -> None:
@@ -359,45 +398,53 @@ class ProcessGroupODC(_Base):
             engines.gatherer(self._make, words).all_gather(full, shard)
 
         self._run("allreduce", t.device, body)
-        t.copy_(full[:n].view(t.shape))
+        if full.data_ptr() != t.data_ptr():
+            t.copy_(full[:n].view(t.shape))
 
     def _odc_reduce_ok(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
-        red = getattr(op, "op", op)
-        return red in _SUM_LIKE and len(tensors) > 0 and all(t.dtype in _DTYPES for t in tensors)
+        """Whether ODC runs an all-reduce of ``tensors`` with ``op`` (as :meth:`_odc_reduce_scatter_ok`)."""
+        return len(tensors) > 0 and self._odc_reduce_scatter_ok(tensors, op)
 
     # -- all-gather ----------------------------------------------------------------
+    @_collective
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         """All-gather into one tensor (``all_gather_into_tensor``) as an ODC gather.
 
-        f32 / bf16 / f16 run on ODC; other dtypes go to the group's gloo backend. Completes before it returns on
-        CPU tensors; on CUDA tensors it is enqueued on the current stream.
+        Dense f32 / bf16 / f16 tensors run on ODC; other dtypes and layouts go to the group's gloo backend.
+        Completes before it returns on CPU tensors; on CUDA tensors it is enqueued on the current stream.
         """
-        if input.dtype not in _DTYPES:
+        return self._all_gather_single(output, input, opts)
+
+    def _all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> dist.Work:
+        if input.dtype not in _DTYPES or not _dense((output, input)):
             return self._delegate("all_gather_single", output, input, opts or AllgatherOptions())
         device = self._all_gather_into(output, input, "all_gather_single")
         return completed_work([output], device)
 
     _allgather_base = all_gather_single
 
+    @_collective
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         """Several :meth:`all_gather_single` calls, one after the other, as one Work."""
         device = _op_device("all_gather_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
-            self.all_gather_single(out, inp).wait()
+            self._all_gather_single(out, inp, None).wait()
         return completed_work(list(outputs), device)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
+    @_collective
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """The list form of all-gather: an ODC gather into a flat buffer, copied out to the list.
 
-        A list whose tensors differ from the input in dtype or size goes to gloo.
+        A list whose tensors differ from the input in dtype or size, or are not dense, goes to gloo.
         """
         device = _op_device("allgather", _tensors((outputs, inputs)))
         for outs, inp in zip(outputs, inputs, strict=True):
-            if inp.dtype in _DTYPES and all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs):
+            same = all(o.dtype == inp.dtype and o.numel() == inp.numel() for o in outs)
+            if inp.dtype in _DTYPES and same and _dense((*outs, inp)):
                 full = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=device)
                 self._all_gather_into(full, inp, "allgather")
                 for o, row in zip(outs, full.view(len(outs), -1), strict=True):
@@ -406,6 +453,7 @@ class ProcessGroupODC(_Base):
                 self._delegate("allgather", [outs], [inp], opts or AllgatherOptions()).wait()
         return completed_work([o for outs in outputs for o in outs], device)
 
+    @_collective
     def allgather_coalesced(
         self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
@@ -413,57 +461,66 @@ class ProcessGroupODC(_Base):
         return self._delegate("allgather_coalesced", output_lists, inputs, opts or AllgatherOptions())
 
     # -- reduce-scatter ------------------------------------------------------------
+    @_collective
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         """Reduce-scatter from one tensor (``reduce_scatter_tensor``) as an ODC scatter-accumulate.
 
-        Sum, average and premul-sum on f32 / bf16 / f16, accumulated in f32; another op raises
-        :class:`UnsupportedCollective`, another dtype a :class:`~odc.LayoutError`.
+        Sum, average and premul-sum on dense f32 / bf16 / f16, accumulated in f32; other ops, dtypes and layouts
+        run on the group's gloo backend (which refuses what it does not run, PREMUL_SUM among them).
         """
-        op = opts.reduceOp if opts is not None else _ReduceOp.SUM
-        device = self._reduce_scatter_into(output, input, op, "reduce_scatter_single")
+        opts = opts or dist.ReduceScatterOptions()
+        return self._reduce_scatter_single(output, input, opts)
+
+    def _reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any,
+                               what: str = "reduce_scatter_single") -> dist.Work:
+        if not self._odc_reduce_scatter_ok((output, input), opts.reduceOp):
+            return self._delegate("_reduce_scatter_base", output, input, opts, count_as=what)
+        device = self._reduce_scatter_into(output, input, opts.reduceOp, what)
         return completed_work([output], device)
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_collective
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> dist.Work:
         """Several :meth:`reduce_scatter_single` calls as one Work."""
-        op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        opts = opts or dist.ReduceScatterOptions()
         device = _op_device("reduce_scatter_single_coalesced", [*outputs, *inputs])
         for out, inp in zip(outputs, inputs, strict=True):
-            self._reduce_scatter_into(out, inp, op, "reduce_scatter_single_coalesced")
+            self._reduce_scatter_single(out, inp, opts, "reduce_scatter_single_coalesced").wait()
         return completed_work(list(outputs), device)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
+    @_collective
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> dist.Work:
-        """The list form of reduce-scatter: the inputs concatenated, then one ODC scatter-accumulate.
-
-        Raises:
-            LayoutError: not one input per rank, or inputs whose size differs from the output's.
-        """
-        op = opts.reduceOp if opts is not None else _ReduceOp.SUM
+        """The list form of reduce-scatter: the inputs concatenated, then one ODC scatter-accumulate, where every
+        input has the output's size and ODC runs the op and dtypes; otherwise (a size per rank, say) gloo's list
+        form."""
+        opts = opts or dist.ReduceScatterOptions()
         device = _op_device("reduce_scatter", _tensors((outputs, inputs)))
         for out, ins in zip(outputs, inputs, strict=True):
-            if len(ins) != self._size or any(i.numel() != out.numel() for i in ins):
-                raise LayoutError(f"reduce_scatter: needs {self._size} inputs of {out.numel()} elements each")
-            for t in (out, *ins):
-                _check_dtype("reduce_scatter", t.dtype)
+            even = len(ins) == self._size and all(i.numel() == out.numel() for i in ins)
+            if not even or not self._odc_reduce_scatter_ok((out, *ins), opts.reduceOp):
+                self._delegate("reduce_scatter", [out], [ins], opts).wait()
+                continue
             stacked = torch.cat([i.reshape(-1).to(out.dtype) for i in ins])
-            self._reduce_scatter_into(out, stacked, op, "reduce_scatter")
+            self._reduce_scatter_into(out, stacked, opts.reduceOp, "reduce_scatter")
         return completed_work(list(outputs), device)
 
     # -- all-reduce ----------------------------------------------------------------
+    @_collective
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """All-reduce as an ODC reduce-scatter and gather, for sum-like ops on f32 / bf16 / f16.
 
-        Max, min, integer dtypes and the rest go to gloo.
+        Max, min, integer dtypes and the rest go to gloo; with ``ODC_BACKEND_ELASTIC=1`` every all-reduce runs
+        elastically or raises :class:`UnsupportedCollective` (see :mod:`odc.backend._elastic`).
         """
         opts = opts or dist.AllreduceOptions()
-        if self._elastic_ok(tensors, opts.reduceOp):
+        if self._elastic is not None:
             return self._elastic_allreduce("allreduce", tensors, opts.reduceOp)
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce", tensors, opts)
@@ -472,10 +529,11 @@ class ProcessGroupODC(_Base):
             self._odc_allreduce(t, _scale(opts.reduceOp, self._size, "allreduce", t.dtype))
         return completed_work(list(tensors), device)
 
+    @_collective
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """All-reduce of several tensors, each as :meth:`allreduce`."""
         opts = opts or dist.AllreduceCoalescedOptions()
-        if self._elastic_ok(tensors, opts.reduceOp):
+        if self._elastic is not None:
             return self._elastic_allreduce("allreduce_coalesced", tensors, opts.reduceOp)
         if not self._odc_reduce_ok(tensors, opts.reduceOp):
             return self._delegate("allreduce_coalesced", tensors, opts)
@@ -484,32 +542,23 @@ class ProcessGroupODC(_Base):
             self._odc_allreduce(t, _scale(opts.reduceOp, self._size, "allreduce_coalesced", t.dtype))
         return completed_work(list(tensors), device)
 
-    def _elastic_ok(self, tensors: Sequence[torch.Tensor], op: Any) -> bool:
-        """Whether an all-reduce runs elastically (``ODC_BACKEND_ELASTIC=1``: sum-like on float or integer
-        tensors; MAX, MIN, PRODUCT and the bitwise ops up to :data:`._elastic.GATHER_BYTES`)."""
-        red = getattr(op, "op", op)
-        if self._elastic is None or not tensors or not all(t.dtype in FLOAT_DTYPES + INT_DTYPES for t in tensors):
-            return False
-        if red in _SUM_LIKE:
-            return True
-        return red in _GATHERED and all(ElasticAllReduce.gathers(t.numel(), t.dtype, self._size) for t in tensors)
-
     def _elastic_allreduce(self, what: str, tensors: list[torch.Tensor], op: Any) -> dist.Work:
-        """An all-reduce over the member nodes (see :mod:`._elastic`)."""
+        """An all-reduce over the member nodes (see :mod:`._elastic`), or :class:`UnsupportedCollective` naming
+        what it does not carry (checked for every tensor before any runs: every rank refuses alike)."""
         assert self._elastic is not None
         device = _op_device(what, tensors)
         red = getattr(op, "op", op)
-        self.op_counts[f"odc-elastic:{what}"] += 1
+        scales = []
         for t in tensors:
-            if red in _GATHERED:
-                if red in _BITWISE and t.dtype not in INT_DTYPES:
-                    raise UnsupportedCollective(f"{what}: {red} on {t.dtype}")
-                self._elastic.reduce_gathered(t, _GATHERED[red])
-                continue
-            if red == _ReduceOp.PREMUL_SUM and t.dtype in INT_DTYPES:
-                raise UnsupportedCollective(f"{what}: PREMUL_SUM on {t.dtype}")
-            scale = 1.0 if red != _ReduceOp.PREMUL_SUM else _scale(op, self._size, what, t.dtype)
-            self._elastic.all_reduce(t, scale, average=red == _ReduceOp.AVG)
+            if t.is_sparse:
+                raise UnsupportedCollective(f"{what}: a sparse tensor on an elastic odc group ({ELASTIC_NOTE})")
+            _, why = route(t.dtype, red, t.numel(), self._size)
+            if why is not None:
+                raise UnsupportedCollective(f"{what}: {why} ({ELASTIC_NOTE})")
+            scales.append(_scale(op, self._size, what, t.dtype) if red == _ReduceOp.PREMUL_SUM else 1.0)
+        self.op_counts[f"odc-elastic:{what}"] += 1
+        for t, scale in zip(tensors, scales, strict=True):
+            self._elastic.all_reduce(t, red, scale)
         return completed_work(list(tensors), device)
 
     @property
@@ -524,18 +573,22 @@ class ProcessGroupODC(_Base):
         return [] if self._elastic is None else self._elastic.events()
 
     # -- delegated to gloo ---------------------------------------------------------
+    @_collective
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Broadcast, on the group's internal gloo backend (``ODC_BACKEND_ELASTIC=1``: over the member nodes, bit
-        for bit, for float and integer tensors)."""
+        for bit, any dtype)."""
         opts = opts or dist.BroadcastOptions()
-        if self._elastic is not None and tensors and all(t.dtype in FLOAT_DTYPES + INT_DTYPES for t in tensors):
+        if self._elastic is not None:
             device = _op_device("broadcast", tensors)
+            if any(t.is_sparse for t in tensors):
+                raise UnsupportedCollective(f"broadcast: a sparse tensor on an elastic odc group ({ELASTIC_NOTE})")
             self.op_counts["odc-elastic:broadcast"] += 1
             for t in tensors:
                 self._elastic.broadcast(t, opts.rootRank)
             return completed_work(list(tensors), device)
         return self._delegate("broadcast", tensors, opts)
 
+    @_collective
     def barrier(self, opts: Any = None) -> dist.Work:
         """Barrier, on the group's internal gloo backend (``ODC_BACKEND_ELASTIC=1``: over the member nodes)."""
         if self._elastic is not None:
@@ -544,18 +597,22 @@ class ProcessGroupODC(_Base):
             return completed_work([], torch.device("cpu"))
         return self._delegate("barrier", opts or dist.BarrierOptions())
 
+    @_collective
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Reduce to one rank, on the group's internal gloo backend."""
         return self._delegate("reduce", tensors, opts or dist.ReduceOptions())
 
+    @_collective
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """Gather to one rank, on the group's internal gloo backend."""
         return self._delegate("gather", outputs, inputs, opts or dist.GatherOptions())
 
+    @_collective
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:
         """Scatter from one rank, on the group's internal gloo backend."""
         return self._delegate("scatter", outputs, inputs, opts or dist.ScatterOptions())
 
+    @_collective
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         """The list form, as one gloo ``all_to_all_single`` over flat buffers: gloo has no list form on torch
         2.11 (nor on some later builds), and one code path serves every torch."""
@@ -578,6 +635,7 @@ class ProcessGroupODC(_Base):
                   for out, off in zip(outputs, offsets, strict=True)]
         return _StagedWork(work, copies)
 
+    @_collective
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -592,19 +650,43 @@ class ProcessGroupODC(_Base):
 
     alltoall_base = all_to_all_single
 
+    @_collective
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> dist.Work:
         """Point-to-point send, on the group's internal gloo backend."""
         return self._delegate("send", tensors, dst, tag)
 
+    @_collective
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> dist.Work:
         """Point-to-point receive from ``src``, on the group's internal gloo backend."""
         return self._delegate("recv", tensors, src, tag)
 
+    @_collective
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
         """Point-to-point receive from any rank, on the group's internal gloo backend."""
         return self._delegate("recv_anysource", tensors, tag)
 
     recvAnysource = recv_anysource
+
+    # -- debugging tools -------------------------------------------------------------
+    # torch 2.15's PyBackend trampoline calls these two by name (torch/csrc/distributed/c10d/py/PyBackend.hpp,
+    # getSequenceNumberForGroup and monitoredBarrier); on torch 2.11 the OdcGroup forwards the first, and the
+    # monitored_barrier_ op reaches the OdcGroup's registered gloo backend itself.
+    def _get_sequence_number_for_group(self) -> int:
+        """The number of collectives this group has run (equal on every rank while they issue the same ones),
+        as gloo's sequence number counts them: the debugging tools' check that ranks are in step."""
+        return self._seq
+
+    def monitored_barrier(self, opts: Any = None, wait_all_ranks: bool = False) -> None:
+        """``dist.monitored_barrier`` on the group's internal gloo backend: a barrier that names the ranks that did
+        not reach it within the timeout (``opts``: torch's ``BarrierOptions`` or a ``timedelta``; default: the
+        group's)."""
+        if self._gloo is None:
+            raise OdcError("monitored_barrier: this odc process group was shut down")
+        timeout = getattr(opts, "timeout", opts)
+        if not isinstance(timeout, datetime.timedelta) or timeout <= datetime.timedelta(0):
+            timeout = self._timeout
+        self.op_counts["gloo:monitored_barrier"] += 1
+        self._gloo.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
     # -- teardown ------------------------------------------------------------------
     def shutdown(self) -> None:

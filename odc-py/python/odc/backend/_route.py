@@ -11,11 +11,13 @@ trampoline nor a constructor, so no Python object can be that backend. The neare
   ``ProcessGroup``'s own methods. It holds the group's :class:`ProcessGroupODC` and registers that
   object's gloo backend as its C++ backend for what bypasses the ops (``pg._get_backend(device)``).
 * a kernel for every ``c10d`` op at the ``BackendSelect`` dispatch key (below the ``Python`` key where
-  ``CommDebugMode`` and other modes see an op, above the ``CPU`` / ``CUDA`` kernels), registered once
-  (:func:`install`) when the first such group is made: for an :class:`OdcGroup` it calls the
+  ``CommDebugMode`` and other modes see an op, above the ``CPU`` / ``CUDA`` kernels), registered
+  (:func:`install`) while an :class:`OdcGroup` lives: for an :class:`OdcGroup` it calls the
   :class:`ProcessGroupODC` method the op's backend call would have, else it passes the op on unchanged
-  (a few microseconds per collective of other backends' groups, only in processes with an ``odc`` group
-  on such a torch).
+  (a Python call per collective of other backends' groups, only while an ``odc`` group lives on such a
+  torch). The kernels go (:func:`uninstall`) when the last :class:`OdcGroup` is shut down
+  (``destroy_process_group``) or collected, so gloo's and NCCL's collectives cost what they cost without
+  ``odc`` again; the next :class:`OdcGroup` registers them anew.
 
 A ``c10d::ReduceOp`` reaches a kernel without its ``PREMUL_SUM`` factor (the TorchScript class binds
 only ``op()``), so :class:`OdcGroup` overrides the five methods that take a reduce op to hand the
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -42,7 +45,7 @@ from ._group import AllgatherOptions, ProcessGroupODC, UnsupportedCollective
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
 
-__all__ = ["OdcGroup", "install"]
+__all__ = ["OdcGroup", "install", "installed", "uninstall"]
 
 _ReduceOp = dist.ReduceOp
 _CUSTOM = dist.ProcessGroup.BackendType.CUSTOM
@@ -85,7 +88,7 @@ class OdcGroup(dist.ProcessGroup):
         self, store: Store, rank: int, world_size: int, timeout: datetime.timedelta, ranks: Sequence[int] | None
     ) -> None:
         super().__init__(rank, world_size)
-        install()
+        self._live = _attach(self)
         self.odc = ProcessGroupODC(store, rank, world_size, timeout, ranks)
         self.odc._owner = weakref.ref(self)
         self._odc_timeout_s = self.odc._odc_timeout_s  # what odc.deadline reads from a group
@@ -96,11 +99,15 @@ class OdcGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return "odc"
 
+    def _get_sequence_number_for_group(self) -> int:
+        return self.odc._get_sequence_number_for_group()
+
     def shutdown(self) -> None:
         self.odc.shutdown()
+        _detach(self._live)
 
     def abort(self) -> None:
-        self.odc.shutdown()
+        self.shutdown()
 
     # The methods that take a reduce op: the op for the kernel, then ProcessGroup's own method (torch's
     # trampoline sees the call come from the override of the same name and calls the C++ method).
@@ -271,6 +278,9 @@ HANDLERS: dict[str, Callable[..., Any]] = {
 
 _LIB: Any = None
 _INSTALL_LOCK = threading.Lock()
+#: The live OdcGroups, by token (each goes at its group's shutdown, or when the group is collected).
+_LIVE: set[int] = set()
+_TOKENS = itertools.count()
 
 
 def _kernel(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
@@ -289,12 +299,53 @@ def _kernel(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def install() -> None:
-    """Registers the kernels (once per process; see the module doc)."""
-    global _LIB  # noqa: PLW0603 - one registration per process
+    """Registers the kernels (once while an :class:`OdcGroup` lives; see the module doc)."""
     with _INSTALL_LOCK:
-        if _LIB is not None:
-            return
-        lib = torch.library.Library("c10d", "IMPL")  # type: ignore[no-untyped-call]
-        for name, handler in HANDLERS.items():
-            lib.impl(name, _kernel(name, handler), "BackendSelect", with_keyset=True)  # type: ignore[no-untyped-call]
-        _LIB = lib
+        _install()
+
+
+def _install() -> None:
+    global _LIB  # noqa: PLW0603 - one registration per process
+    if _LIB is not None:
+        return
+    lib = torch.library.Library("c10d", "IMPL")  # type: ignore[no-untyped-call]
+    for name, handler in HANDLERS.items():
+        lib.impl(name, _kernel(name, handler), "BackendSelect", with_keyset=True)  # type: ignore[no-untyped-call]
+    _LIB = lib
+
+
+def uninstall() -> None:
+    """Removes the kernels: torch's dispatcher goes straight to the ``c10d`` ops' own kernels again."""
+    with _INSTALL_LOCK:
+        _uninstall()
+
+
+def _uninstall() -> None:
+    global _LIB
+    lib, _LIB = _LIB, None
+    if lib is not None:
+        lib._destroy()
+
+
+def installed() -> bool:
+    """Whether the kernels are registered now."""
+    return _LIB is not None
+
+
+def _attach(group: OdcGroup) -> int:
+    """Counts ``group`` live (the kernels registered) until its shutdown or collection; returns its token."""
+    with _INSTALL_LOCK:
+        key = next(_TOKENS)
+        _LIVE.add(key)
+        _install()
+    weakref.finalize(group, _detach, key)
+    return key
+
+
+def _detach(key: int) -> None:
+    """``key``'s group was shut down or collected: the kernels go with the last live group."""
+    with _INSTALL_LOCK:
+        if key in _LIVE:
+            _LIVE.discard(key)
+            if not _LIVE:
+                _uninstall()
