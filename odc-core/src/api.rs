@@ -6,6 +6,7 @@
 //! [`Host`] or [`Device`], handed out by [`Engine::host`] /
 //! [`Engine::device`].
 
+use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
@@ -55,17 +56,23 @@ impl Engine {
             .daemon
             .lock()
             .map_err(|_| Error::protocol(None, "an earlier register call panicked"))?;
+        let fault = crate::server::Fault::from_env()?;
         self.core.register(specs)?;
-        *daemon = Some(crate::server::spawn(Arc::clone(&self.core))?);
+        *daemon = Some(crate::server::spawn(Arc::clone(&self.core), fault)?);
         Ok(())
     }
 
     /// The worker calls of a host engine (`shm`, `fabric`, `shm+fabric`).
     ///
-    /// Errors: not registered yet, or the engine's data lives in device
-    /// memory (use [`device`](Self::device)).
+    /// Errors: not registered yet, the engine's data lives in device
+    /// memory (use [`device`](Self::device)), or a thread of this rank's
+    /// engine (its shard server, the fabric progress thread) panicked
+    /// ([`Error::Internal`], naming what it was doing).
     pub fn host(&self) -> Result<Host<'_>> {
         let reg = self.core.registered()?;
+        if let Some(e) = self.core.failed() {
+            return Err(e);
+        }
         if reg.plane.is_some() {
             return Err(Error::Config(format!(
                 "this engine's data lives in device memory ({}): use Engine::device",
@@ -78,10 +85,14 @@ impl Engine {
     /// The worker calls of a device engine (`cuda-ipc`, `nvshmem`, `emu-ipc`,
     /// `emu-shmem`).
     ///
-    /// Errors: not registered yet, or the engine's data lives in host memory
-    /// (use [`host`](Self::host)).
+    /// Errors: not registered yet, the engine's data lives in host memory
+    /// (use [`host`](Self::host)), or a thread of this rank's engine
+    /// panicked ([`Error::Internal`]).
     pub fn device(&self) -> Result<Device<'_>> {
         let reg = self.core.registered()?;
+        if let Some(e) = self.core.failed() {
+            return Err(e);
+        }
         match &reg.plane {
             Some(plane) => Ok(Device::new(&self.core, reg, plane.as_ref())),
             None => Err(Error::Config(format!(
@@ -232,16 +243,20 @@ impl Drop for Engine {
             Ok(h) => h.take(),
             Err(poisoned) => poisoned.into_inner().take(),
         };
+        // Written without `eprintln!`, which panics when stderr is gone: a
+        // panic in a drop that runs while another unwinds aborts.
+        let mut err = std::io::stderr().lock();
+        let rank = self.core.topo.rank();
         if let Some(h) = handle {
             if h.join().is_err() {
-                eprintln!(
-                    "odc: rank {}: server thread panicked",
-                    self.core.topo.rank()
-                );
+                let _ = writeln!(err, "odc: rank {rank}: server thread panicked");
             }
         }
+        if let Some(e) = self.core.failed() {
+            let _ = writeln!(err, "odc: {e}");
+        }
         if let Some(e) = self.core.take_server_error() {
-            eprintln!("odc: rank {}: server reported: {e}", self.core.topo.rank());
+            let _ = writeln!(err, "odc: rank {rank}: server reported: {e}");
         }
     }
 }

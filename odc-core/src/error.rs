@@ -198,6 +198,23 @@ pub enum Error {
     /// An operating-system error outside the transport.
     #[error(transparent)]
     Io(#[from] std::io::Error),
+
+    /// A bug in ODC: its native code panicked, in a call on this rank or in
+    /// a thread the engine started (the shard server daemon, the fabric
+    /// progress thread). The panic was caught where it happened (never an
+    /// abort of the process); this rank's engine cannot go on.
+    #[error(
+        "rank {rank}: internal error in ODC while {during}: {detail} (a bug: the panic's \
+         location is on this rank's stderr; this rank's engine cannot go on)"
+    )]
+    Internal {
+        /// The rank whose code panicked.
+        rank: usize,
+        /// What it was doing (`"adding rank 2's chunk of bucket \"b\" ..."`).
+        during: String,
+        /// The panic's message.
+        detail: String,
+    },
 }
 
 fn bucket_suffix(bucket: &Option<String>) -> String {
@@ -263,6 +280,38 @@ impl Error {
             source: Some(source),
         }
     }
+
+    /// The error a caught panic becomes: rank `rank` was doing `during`;
+    /// `payload` is what [`std::panic::catch_unwind`] returned (dropped
+    /// here, where a panic of its own `Drop` cannot unwind any further).
+    pub fn from_panic(
+        rank: usize,
+        during: impl Into<String>,
+        payload: Box<dyn std::any::Any + Send>,
+    ) -> Error {
+        Error::Internal {
+            rank,
+            during: during.into(),
+            detail: panic_message(payload),
+        }
+    }
+}
+
+/// The message of a caught panic (`panic!("...")` carries a `&str` or a
+/// `String`); the payload is dropped inside a `catch_unwind` of its own.
+pub fn panic_message(payload: Box<dyn std::any::Any + Send>) -> String {
+    let text = if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    };
+    // A payload whose Drop panics would otherwise unwind out of the handler
+    // that caught the first panic (and across a thread's or an FFI
+    // boundary: an abort).
+    let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(payload)));
+    text
 }
 
 /// `Result` with this crate's [`Error`].
@@ -294,6 +343,45 @@ mod tests {
             reported_by: Some(2),
         };
         assert!(e.to_string().contains("reported by rank 2"));
+    }
+
+    #[test]
+    fn a_caught_panic_names_the_rank_what_it_was_doing_and_the_message() {
+        for (payload, want) in [
+            (
+                std::panic::catch_unwind(|| panic!("plain")).unwrap_err(),
+                "plain",
+            ),
+            (
+                std::panic::catch_unwind(|| panic!("formatted {}", 7)).unwrap_err(),
+                "formatted 7",
+            ),
+            (
+                std::panic::catch_unwind(|| std::panic::panic_any(3u8)).unwrap_err(),
+                "a panic without a message",
+            ),
+        ] {
+            let e = Error::from_panic(2, "adding rank 1's chunk", payload);
+            let s = e.to_string();
+            assert!(
+                s.starts_with("rank 2: internal error in ODC while adding rank 1's chunk: ")
+                    && s.contains(want),
+                "{s}"
+            );
+            assert_eq!(e.blamed_peer(), None);
+        }
+    }
+
+    #[test]
+    fn a_payload_whose_drop_panics_does_not_unwind_out_of_the_handler() {
+        struct Bomb;
+        impl Drop for Bomb {
+            fn drop(&mut self) {
+                panic!("the payload's drop panics (expected by this test)");
+            }
+        }
+        let payload = std::panic::catch_unwind(|| std::panic::panic_any(Bomb)).unwrap_err();
+        assert_eq!(panic_message(payload), "a panic without a message");
     }
 }
 

@@ -246,7 +246,36 @@ pub(crate) struct PyEngine {
     engine: Engine,
 }
 
+/// Runs engine work with the GIL released, on behalf of `rank`'s `Engine.{what}`. An engine error
+/// raises its class; a panic (a bug in ODC) raises `InternalError` naming the rank and the call, where
+/// pyo3 would raise a `PanicException` (a `BaseException`) naming neither.
+fn detached<T: Send>(
+    py: Python<'_>,
+    rank: usize,
+    what: &str,
+    work: impl FnOnce() -> odc_core::Result<T> + Send,
+) -> PyResult<T> {
+    let ran = py.detach(|| std::panic::catch_unwind(std::panic::AssertUnwindSafe(work)));
+    match ran {
+        Ok(result) => result.map_err(|e| core_error(py, e)),
+        Err(payload) => Err(core_error(
+            py,
+            odc_core::Error::from_panic(rank, format!("in Engine.{what}"), payload),
+        )),
+    }
+}
+
 impl PyEngine {
+    /// [`detached`] for this engine's rank.
+    fn detached<T: Send>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        work: impl FnOnce() -> odc_core::Result<T> + Send,
+    ) -> PyResult<T> {
+        detached(py, self.engine.rank(), what, work)
+    }
+
     /// The engine's host worker handle (a device engine refuses, naming the right calls).
     fn host_calls(&self, py: Python<'_>) -> PyResult<odc_core::Host<'_>> {
         if self.engine.is_device() {
@@ -393,9 +422,7 @@ impl PyEngine {
             })?);
         }
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
-        let engine = py
-            .detach(|| Engine::new(store, topo, cfg))
-            .map_err(|e| core_error(py, e))?;
+        let engine = detached(py, rank, "__init__", || Engine::new(store, topo, cfg))?;
         Ok(PyEngine { engine })
     }
 
@@ -454,8 +481,7 @@ impl PyEngine {
         check_ptr(py, ptr, nbytes, 1)?;
         // SAFETY: as in `publish`.
         let state = unsafe { bytes(ptr, nbytes) };
-        py.detach(|| host.serve_state(state, &readers))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "serve_state", || host.serve_state(state, &readers))
     }
 
     /// Elastic rejoin: reads rank `source`'s replica state into `nbytes` at
@@ -465,8 +491,7 @@ impl PyEngine {
         check_ptr(py, ptr, nbytes, 1)?;
         // SAFETY: as in `gather`.
         let out = unsafe { bytes_mut(ptr, nbytes) };
-        py.detach(|| host.read_state(source, out))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "read_state", || host.read_state(source, out))
     }
 
     /// Elastic hybrid sharding: the node drops this rank saw, oldest first.
@@ -543,8 +568,7 @@ impl PyEngine {
         for (name, numel, dtype) in buckets {
             specs.push(BucketSpec::new(name, numel, parse_dtype(py, &dtype)?));
         }
-        py.detach(|| self.engine.register(&specs))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "register", || self.engine.register(&specs))
     }
 
     /// The index of the bucket called `name`.
@@ -602,8 +626,9 @@ impl PyEngine {
         // tensor handed to a call is not written by anyone until it returns,
         // as for torch's own kernels, which also run without the GIL.
         let shard = unsafe { bytes(ptr, nbytes) };
-        py.detach(|| host.publish(BucketId(bucket), shard, dtype, version))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "publish", || {
+            host.publish(BucketId(bucket), shard, dtype, version)
+        })
     }
 
     /// Gathers `version` of the bucket into `nbytes` at `ptr`; with
@@ -626,21 +651,19 @@ impl PyEngine {
         // SAFETY: as in `publish`; for an output the same contract forbids
         // reading it too until the call returns.
         let out = unsafe { bytes_mut(ptr, nbytes) };
-        py.detach(|| {
+        self.detached(py, "gather", || {
             if skip_own {
                 host.gather_remote(BucketId(bucket), version, out, dtype)
             } else {
                 host.gather(BucketId(bucket), version, out, dtype)
             }
         })
-        .map_err(|e| core_error(py, e))
     }
 
     /// Tells the owners this rank is done reading `version` of `bucket`.
     fn release(&self, py: Python<'_>, bucket: usize, version: u64) -> PyResult<()> {
         let host = self.host_calls(py)?;
-        py.detach(|| host.release(BucketId(bucket), version))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "release", || host.release(BucketId(bucket), version))
     }
 
     /// Pushes `nbytes` of gradients at `ptr`, scaled by `scale`: the whole
@@ -662,18 +685,16 @@ impl PyEngine {
         check_ptr(py, ptr, nbytes, dtype.size_bytes())?;
         // SAFETY: as in `publish`.
         let grads = unsafe { bytes(ptr, nbytes) };
-        py.detach(|| match offset {
+        self.detached(py, "scatter_accumulate", || match offset {
             None => host.scatter_accumulate(BucketId(bucket), grads, dtype, scale),
             Some(at) => host.scatter_accumulate_at(BucketId(bucket), at, grads, dtype, scale),
         })
-        .map_err(|e| core_error(py, e))
     }
 
     /// Ends minibatch `k` for this rank; returns when its own gradient shards are final.
     fn finish_minibatch(&self, py: Python<'_>, k: u64) -> PyResult<()> {
         let host = self.host_calls(py)?;
-        py.detach(|| host.finish_minibatch(k))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "finish_minibatch", || host.finish_minibatch(k))
     }
 
     /// `(pointer, numel)` of this rank's f32 gradient accumulator for `bucket`.
@@ -705,9 +726,7 @@ impl PyEngine {
         k: u64,
     ) -> PyResult<(&'static str, Option<u64>)> {
         let host = self.host_calls(py)?;
-        let claim = py
-            .detach(|| host.steal(victim, k))
-            .map_err(|e| core_error(py, e))?;
+        let claim = self.detached(py, "steal", || host.steal(victim, k))?;
         Ok(match claim {
             Claim::Got(i) => ("got", Some(i)),
             Claim::Empty => ("empty", None),
@@ -719,9 +738,7 @@ impl PyEngine {
     /// front, back)` (its unclaimed range of that minibatch's list).
     fn claims_of(&self, py: Python<'_>, rank: usize) -> PyResult<(Option<u64>, u64, u64)> {
         let host = self.host_calls(py)?;
-        let w = py
-            .detach(|| host.claims_of(rank))
-            .map_err(|e| core_error(py, e))?;
+        let w = self.detached(py, "claims_of", || host.claims_of(rank))?;
         Ok((w.stamp.checked_sub(1), w.front, w.back))
     }
 
@@ -730,15 +747,13 @@ impl PyEngine {
     /// sums, so the GIL is released.
     fn zero_grad(&self, py: Python<'_>, bucket: usize) -> PyResult<()> {
         let host = self.host_calls(py)?;
-        py.detach(|| host.zero_grad(BucketId(bucket)))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "zero_grad", || host.zero_grad(BucketId(bucket)))
     }
 
     /// Zeroes every accumulator (the same wait, without the GIL).
     fn zero_grads(&self, py: Python<'_>) -> PyResult<()> {
         let host = self.host_calls(py)?;
-        py.detach(|| host.zero_grads())
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "zero_grads", || host.zero_grads())
     }
 
     /// Waits until the other nodes read this rank's partial sums of the last
@@ -746,8 +761,7 @@ impl PyEngine {
     /// otherwise).
     fn wait_partials_read(&self, py: Python<'_>) -> PyResult<()> {
         let host = self.host_calls(py)?;
-        py.detach(|| host.wait_partials_read())
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "wait_partials_read", || host.wait_partials_read())
     }
 
     // -- device engines (cuda-ipc, emu-ipc) ---------------------------------
@@ -772,13 +786,12 @@ impl PyEngine {
         let device = self.device_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
-        py.detach(|| {
+        self.detached(py, "publish_device", || {
             // SAFETY: the Python layer passes a live, contiguous tensor of
             // `nbytes` on the engine's device, allocated on (or recorded to)
             // `stream`, so it stays valid until the enqueued copy has run.
             unsafe { device.publish(BucketId(bucket), ptr, nbytes, dtype, version, stream) }
         })
-        .map_err(|e| core_error(py, e))
     }
 
     /// [`Engine::gather_device`]: enqueues on `stream` the copies of every
@@ -799,7 +812,7 @@ impl PyEngine {
         let device = self.device_calls(py)?;
         let dtype = parse_dtype(py, dtype)?;
         check_ptr(py, ptr as usize, nbytes, dtype.size_bytes())?;
-        py.detach(|| {
+        self.detached(py, "gather_device", || {
             // SAFETY: as in `publish_device`; nothing else writes the
             // output on `stream` between the copies.
             unsafe {
@@ -814,7 +827,6 @@ impl PyEngine {
                 )
             }
         })
-        .map_err(|e| core_error(py, e))
     }
 
     /// [`Engine::release_device`]: the release signal, enqueued on `stream`.
@@ -826,8 +838,9 @@ impl PyEngine {
         stream: usize,
     ) -> PyResult<()> {
         let device = self.device_calls(py)?;
-        py.detach(|| device.release(BucketId(bucket), version, stream))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "release_device", || {
+            device.release(BucketId(bucket), version, stream)
+        })
     }
 
     /// [`Engine::scatter_accumulate_device`]: pushes `nbytes` of gradients
@@ -858,7 +871,7 @@ impl PyEngine {
                 .and_then(|b| b.check_full_len(nbytes / dtype.size_bytes()))
                 .map_err(|e| core_error(py, e))?;
         }
-        py.detach(|| {
+        self.detached(py, "scatter_accumulate_device", || {
             // SAFETY: as in `publish_device`; the gradient stays unchanged
             // until the work enqueued on `stream` has run (stream order).
             unsafe {
@@ -873,15 +886,15 @@ impl PyEngine {
                 )
             }
         })
-        .map_err(|e| core_error(py, e))
     }
 
     /// [`Engine::finish_minibatch_device`]: waits for `stream`, finishes
     /// minibatch `k`; on return the accumulators are final in device memory.
     fn finish_minibatch_device(&self, py: Python<'_>, k: u64, stream: usize) -> PyResult<()> {
         let device = self.device_calls(py)?;
-        py.detach(|| device.finish_minibatch(k, stream))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "finish_minibatch_device", || {
+            device.finish_minibatch(k, stream)
+        })
     }
 
     /// `(device address, numel)` of this rank's f32 accumulator of `bucket`
@@ -909,23 +922,24 @@ impl PyEngine {
         // for the call and that, by its contract, nobody touches until it
         // returns.
         let out = unsafe { f32s_mut(ptr, numel) };
-        py.detach(|| device.read_grad_shard(BucketId(bucket), out))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "read_grad_shard_device", || {
+            device.read_grad_shard(BucketId(bucket), out)
+        })
     }
 
     /// [`Engine::zero_grad_device`]: zeroes the accumulator of `bucket` on
     /// the daemon's stream after `stream`'s work so far.
     fn zero_grad_device(&self, py: Python<'_>, bucket: usize, stream: usize) -> PyResult<()> {
         let device = self.device_calls(py)?;
-        py.detach(|| device.zero_grad(BucketId(bucket), stream))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "zero_grad_device", || {
+            device.zero_grad(BucketId(bucket), stream)
+        })
     }
 
     /// [`Engine::zero_grads_device`]: every accumulator.
     fn zero_grads_device(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
         let device = self.device_calls(py)?;
-        py.detach(|| device.zero_grads(stream))
-            .map_err(|e| core_error(py, e))
+        self.detached(py, "zero_grads_device", || device.zero_grads(stream))
     }
 
     fn __repr__(&self) -> String {

@@ -42,6 +42,7 @@ fn class_name(e: &odc_core::Error) -> &'static str {
         E::Fabric { .. } => "FabricError",
         E::Dropped { .. } => "NodeDropped",
         E::Io(_) => "OdcOSError",
+        E::Internal { .. } => "InternalError",
         // `odc_core::Error` is non-exhaustive: a variant added there and not
         // yet here still raises an `OdcError`, with its message.
         _ => "OdcError",
@@ -173,6 +174,14 @@ fn examples() -> Vec<(&'static str, odc_core::Error)> {
             E::Dropped {
                 node: 1,
                 minibatch: 3,
+            },
+        ),
+        (
+            "Internal",
+            E::Internal {
+                rank: 1,
+                during: "its shard server thread was adding rank 0's chunk".into(),
+                detail: "example".into(),
             },
         ),
     ]

@@ -116,6 +116,9 @@ def _entry(fn, rank, world, port, queue, kwargs, env=None, out=None, preload=())
     if env is not None:  # forked: the test's environment and output now (pytest's capture of this test)
         adopt(env, out[0], out[1])
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks asks a rank that hangs for its stacks
+    # A rank that dies of a signal (SIGABRT from a C++ terminate or a Rust abort, SIGSEGV) prints every thread's
+    # Python stack into the test's stderr first; the signal then takes its default action (a core dump where on).
+    faulthandler.enable(all_threads=True)
     _share_cores(world)
     try:
         # A fork server skips a module it fails to import without a word: name it here, or every rank would
@@ -148,7 +151,10 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, fresh:
     ``(class name, message, peer, traceback)``. A rank that reports nothing
     within ``timeout`` seconds prints the stack of each of its threads to the
     test's stderr (shown with the failure), is killed and reported as
-    ``("hung", exit code)``.
+    ``("hung", exit code)``; one killed by SIGKILL from outside reads the same.
+    A rank that dies of another signal (an abort, a segfault), before or after
+    it reported, is ``("died", (exit code, signal name, what it reported or
+    None))``, and a line naming it goes to the test's stderr.
     """
     master = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, timeout=datetime.timedelta(seconds=60),
                            wait_for_workers=False)
@@ -184,6 +190,12 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, fresh:
         if p.is_alive():
             p.kill()
             p.join()
+        if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL:
+            # Its own death (SIGKILL is how the harness and the tests end a rank): never quiet, also after a report.
+            name = signal.Signals(-p.exitcode).name
+            print(f"run_ranks: rank {r} (pid {p.pid}) died of {name} (exit code {p.exitcode}), "
+                  f"{'after it reported' if r in results else 'before reporting'}", file=sys.stderr, flush=True)
+            results[r] = ("died", (p.exitcode, name, results.get(r)))
         results.setdefault(r, ("hung" if p.exitcode is None or p.exitcode < 0 else "exited", p.exitcode))
     del master
     return results

@@ -253,6 +253,7 @@ CORE_ERROR_CLASSES = {
     "ShmSpace": (odc.ShmSpaceError, odc.TransportError),
     "Io": (odc.OdcOSError, odc.OdcError),
     "Dropped": (odc.NodeDropped, odc.OdcError),
+    "Internal": (odc.InternalError, odc.OdcError),
 }
 
 

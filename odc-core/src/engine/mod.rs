@@ -166,6 +166,7 @@ impl Core {
             reg: OnceLock::new(),
             shutdown: AtomicBool::new(false),
             server_error: Arc::new(Mutex::new(None)),
+            server_failure: OnceLock::new(),
             own: OwnPush::new(),
             push: Mutex::new(PushState::new(world)),
             publish_lock: Mutex::new(()),

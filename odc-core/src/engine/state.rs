@@ -17,7 +17,7 @@ use crate::plane::{Connect, Plane};
 use crate::protocol::handoff::OwnPush;
 use crate::protocol::nodesum;
 use crate::protocol::slots::SlotSender;
-use crate::region::{HeapBlock, LocalRegion, RegionDesc};
+use crate::region::{Bell, HeapBlock, LocalRegion, RegionDesc};
 use crate::store::Store;
 use crate::sync::{AtomicBool, AtomicU64, Ordering};
 use crate::topology::Topology;
@@ -368,6 +368,10 @@ pub(crate) struct Core {
     pub(crate) shutdown: AtomicBool,
     /// Shared with work enqueued on streams, which may report late.
     pub(crate) server_error: Arc<Mutex<Option<String>>>,
+    /// Set once if the shard server thread panicked: `(what it was doing,
+    /// the panic's message)`. Every later call and wait of this rank fails
+    /// with [`Error::Internal`] ([`Core::failed`]).
+    pub(crate) server_failure: OnceLock<(String, String)>,
     /// This client's own slice of the push in progress, for its server.
     pub(crate) own: OwnPush,
     /// Pushes and finishes serialize on this (taken once per call).
@@ -441,6 +445,7 @@ impl Core {
         waited_for: &dyn Fn() -> String,
         check: impl FnMut() -> Result<Option<usize>>,
     ) -> Result<()> {
+        let check = self.unless_failed(check);
         self.retire_on_failure(self.waiter().wait(bucket, waited_for, check))
     }
 
@@ -452,7 +457,49 @@ impl Core {
         relay: &dyn Fn(usize) -> Option<usize>,
         check: impl FnMut() -> Result<Option<usize>>,
     ) -> Result<()> {
+        let check = self.unless_failed(check);
         self.retire_on_failure(self.waiter().wait_via(bucket, waited_for, relay, check))
+    }
+
+    /// `check`, failing first once a thread of this rank's engine has
+    /// failed: what a wait awaits may hang on it (an acknowledgement or the
+    /// own slice from the dead daemon, a completion from the dead progress
+    /// thread), so it ends now with that thread's error, not at the deadline
+    /// naming a peer. Two loads per check.
+    fn unless_failed<'a>(
+        &'a self,
+        mut check: impl FnMut() -> Result<Option<usize>> + 'a,
+    ) -> impl FnMut() -> Result<Option<usize>> + 'a {
+        move || match self.failed() {
+            Some(e) => Err(e),
+            None => check(),
+        }
+    }
+
+    /// The error of a thread of this rank's engine that panicked: the shard
+    /// server ([`Core::record_server_panic`]) or the transport's own
+    /// ([`Transport::failure`]).
+    pub(crate) fn failed(&self) -> Option<Error> {
+        let server = self
+            .server_failure
+            .get()
+            .map(|(during, detail)| Error::Internal {
+                rank: self.topo.rank(),
+                during: format!("its shard server thread was {during}"),
+                detail: detail.clone(),
+            });
+        server.or_else(|| self.transport.failure())
+    }
+
+    /// The shard server thread panicked while `during`: records it (the
+    /// first time), releases the own slice it may have been reading, tells
+    /// the peers this rank is gone (they name it at once instead of at their
+    /// deadline) and wakes this rank's waiters, which then fail with it.
+    pub(crate) fn record_server_panic(&self, during: String, detail: String) {
+        let _ = self.server_failure.set((during, detail));
+        self.own.abandon();
+        self.transport.retire();
+        self.transport.ring(Bell::Client);
     }
 
     /// [`Waiter::attribute`] with this rank's waiter.

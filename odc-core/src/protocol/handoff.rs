@@ -139,6 +139,23 @@ impl OwnPush {
             .is_ok()
     }
 
+    /// Server, once its thread has failed (panicked): frees a claim it
+    /// still held (the read it was doing ended with the thread), so that the
+    /// client's [`revoke`](Self::revoke) does not wait for it forever. The
+    /// post is not reported done.
+    pub(crate) fn abandon(&self) {
+        let w = self.claim.load(Ordering::Acquire);
+        if w & 3 == BUSY {
+            // Only the server claims, and it is gone: no claim can race this.
+            let _ = self.claim.compare_exchange(
+                w,
+                tag(w >> 2, FREE),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
     /// Server: ends a claim; with `finished`, also reports post `gen` done.
     pub(crate) fn unclaim(&self, gen: u64, finished: bool) {
         // Free the claim before reporting done: once the client sees done it
@@ -148,5 +165,46 @@ impl OwnPush {
         if finished {
             self.done.store(gen, Ordering::Release);
         }
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    fn slice() -> OwnSlice {
+        OwnSlice {
+            bucket: 0,
+            offset: 0,
+            len: 4,
+            addr: 0x1000,
+            dtype: 0,
+            scale: 1.0,
+        }
+    }
+
+    #[test]
+    fn a_claim_left_by_a_failed_server_no_longer_holds_up_the_revoke() {
+        let own = OwnPush::new();
+        own.post(1, slice());
+        assert!(own.claim(1)); // the server reads a chunk ... and its thread dies
+        own.abandon();
+        own.revoke(1); // returns: it waited for the BUSY claim forever before
+        assert!(!own.is_done(1));
+        assert!(!own.claim(1), "a revoked post cannot be claimed");
+    }
+
+    #[test]
+    fn abandoning_without_a_claim_changes_nothing() {
+        let own = OwnPush::new();
+        own.post(1, slice());
+        own.abandon();
+        assert!(own.claim(1), "the free post is still claimable");
+        own.unclaim(1, true);
+        assert!(own.is_done(1));
+        own.post(2, slice());
+        own.revoke(2);
+        own.abandon();
+        assert!(!own.claim(2), "abandon does not undo a revoke");
     }
 }

@@ -26,7 +26,15 @@
 //! It touches only the landing slots, the hand-off, accumulators and the
 //! claim word; it never reads or writes published shards or version words. It depends on
 //! the engine's state and the protocol, never on the worker API.
+//!
+//! A panic in the daemon (a bug) ends its thread, never the process: it is
+//! caught at the thread's top, recorded with what the daemon was doing
+//! ([`Doing`]), and every later call and wait of this rank fails with it as
+//! [`crate::Error::Internal`] ([`crate::engine`]'s `record_server_panic`),
+//! while the peers see this rank as gone. `ODC_FAULT_SERVER_PANIC`
+//! ([`Fault`]) injects one, for the tests.
 
+use std::cell::Cell;
 use std::ops::Range;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -70,16 +78,122 @@ struct Own {
     back: usize,
 }
 
-/// Starts the daemon of `core` (registered) on a thread of its own.
-pub(crate) fn spawn(core: Arc<Core>) -> std::io::Result<JoinHandle<()>> {
+/// The variable that injects a panic into a daemon, for the tests:
+/// `RANK:N`, the daemon of rank RANK panics as it is about to add the N-th
+/// chunk a peer pushed to it (N from 1).
+pub(crate) const FAULT_ENV: &str = "ODC_FAULT_SERVER_PANIC";
+
+/// A panic to inject ([`FAULT_ENV`]): in the daemon of `rank`, at its
+/// `chunk`-th peer chunk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Fault {
+    rank: usize,
+    chunk: u64,
+}
+
+impl Fault {
+    /// The fault [`FAULT_ENV`] asks for, if set; a malformed value is a
+    /// configuration error naming it.
+    pub(crate) fn from_env() -> crate::Result<Option<Fault>> {
+        match std::env::var(FAULT_ENV) {
+            Ok(v) => Fault::parse(&v).map(Some).ok_or_else(|| {
+                crate::Error::Config(format!(
+                    "{FAULT_ENV}={v:?}: expected RANK:N (the daemon of rank RANK panics at the \
+                     N-th chunk pushed to it, N from 1)"
+                ))
+            }),
+            Err(_) => Ok(None),
+        }
+    }
+
+    fn parse(v: &str) -> Option<Fault> {
+        let (rank, chunk) = v.trim().split_once(':')?;
+        let chunk = chunk.trim().parse().ok().filter(|&n| n > 0)?;
+        Some(Fault {
+            rank: rank.trim().parse().ok()?,
+            chunk,
+        })
+    }
+}
+
+/// What the daemon is doing: set before each step of its loop (a store
+/// into a local cell), read only to describe a panic.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Doing {
+    Starting,
+    TakingOwnSlice,
+    Adding { client: usize, slot: usize },
+    AddingOwnSlice,
+    Acknowledging,
+    AnsweringSteals,
+    Sleeping,
+}
+
+impl Doing {
+    /// In words, for [`crate::Error::Internal`]; a chunk's header names its
+    /// bucket, minibatch and range where it still decodes.
+    fn describe(self, reg: Option<&Registered>) -> String {
+        match self {
+            Doing::Starting => "starting".to_owned(),
+            Doing::TakingOwnSlice => "taking this rank's own slice of a push".to_owned(),
+            Doing::AddingOwnSlice => "adding this rank's own slice of a push".to_owned(),
+            Doing::Acknowledging => "acknowledging chunks".to_owned(),
+            Doing::AnsweringSteals => "answering steal requests".to_owned(),
+            Doing::Sleeping => "waiting for pushes".to_owned(),
+            Doing::Adding { client, slot } => {
+                let Some(reg) = reg else {
+                    return format!("adding a chunk from landing slot {slot} of client {client}");
+                };
+                let rank = reg.groups.group.get(client).copied().unwrap_or(client);
+                let header = read_header(reg, client, slot);
+                match header.and_then(|h| Some((reg.buckets.get(h.bucket as usize)?, h))) {
+                    Some((b, h)) => format!(
+                        "adding rank {rank}'s chunk of bucket {:?} (minibatch {}, elements {}..{} \
+                         of this rank's shard)",
+                        b.name(),
+                        h.minibatch,
+                        h.offset,
+                        h.offset.saturating_add(h.len)
+                    ),
+                    None => format!("adding rank {rank}'s chunk in landing slot {slot}"),
+                }
+            }
+        }
+    }
+}
+
+/// Starts the daemon of `core` (registered) on a thread of its own. A panic
+/// in it is caught here and recorded (see the module doc).
+pub(crate) fn spawn(core: Arc<Core>, fault: Option<Fault>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
         .name(format!("odc-server-{}", core.topo.rank()))
-        .spawn(move || run(&core))
+        .spawn(move || {
+            let doing = Cell::new(Doing::Starting);
+            let fault = fault.filter(|f| f.rank == core.topo.rank());
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run(&core, &doing, fault);
+            }));
+            if let Err(payload) = ran {
+                let detail = crate::error::panic_message(payload);
+                // Describing reads the chunk's header: never let that be a
+                // second panic that leaves the first unrecorded.
+                let during = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    doing.get().describe(core.reg.get())
+                }))
+                .unwrap_or_else(|p| {
+                    let again = crate::error::panic_message(p);
+                    format!("{:?} (describing it panicked too: {again})", doing.get())
+                });
+                core.record_server_panic(during, detail);
+            }
+        })
 }
 
 /// The daemon's loop; returns when the engine shuts down.
-fn run(core: &Core) {
+fn run(core: &Core, doing: &Cell<Doing>, fault: Option<Fault>) {
     let Some(reg) = core.reg.get() else { return };
+    // Peer chunks taken so far, for the injected fault.
+    let mut added = 0u64;
     // Clients are indexed by their place in the shard group; one receiver
     // per client, allocated once.
     let world = reg.groups.group.len();
@@ -96,6 +210,7 @@ fn run(core: &Core) {
             return;
         }
         let epoch = core.transport.bell_epoch(Bell::Server);
+        doing.set(Doing::TakingOwnSlice);
         if let Some((gen, slice)) = core.own.take(seen_gen) {
             seen_gen = gen;
             // Give the peers' first chunks their time to arrive and pair.
@@ -124,6 +239,7 @@ fn run(core: &Core) {
                 let Some(seq) = receiver.waiting(slot, count) else {
                     continue;
                 };
+                doing.set(Doing::Adding { client, slot });
                 match admission(reg, client, slot) {
                     // The client's younger chunk waits behind this one.
                     Admit::Hold => break,
@@ -138,6 +254,10 @@ fn run(core: &Core) {
                 }
                 receiver.take(slot, seq);
                 progressed = true;
+                added += 1;
+                if fault.is_some_and(|f| f.chunk == added) {
+                    panic!("injected by {FAULT_ENV} at this daemon's chunk {added}");
+                }
                 if let Some(plane) = &reg.plane {
                     add_on_device(core, reg, plane.as_ref(), client, slot, seq);
                     continue;
@@ -147,10 +267,13 @@ fn run(core: &Core) {
                 }
                 // Acknowledge even a rejected chunk so the client never
                 // hangs; the error surfaces at this rank's finish.
+                doing.set(Doing::Acknowledging);
                 acks.add(core, reg, client, slot, seq);
             }
         }
+        doing.set(Doing::Acknowledging);
         acks.send(core, reg);
+        doing.set(Doing::AnsweringSteals);
         progressed |= serve_steals(core, reg, &mut served);
         if progressed {
             last_progress = Instant::now();
@@ -161,6 +284,7 @@ fn run(core: &Core) {
             // Never sleep while the own slice is pending: add a chunk of it
             // alone once no peer chunk came for a while.
             if last_progress.elapsed() >= SOLO_AFTER {
+                doing.set(Doing::AddingOwnSlice);
                 add_own_solo(core, reg, &mut own);
                 last_progress = Instant::now();
                 backoff.reset();
@@ -170,6 +294,7 @@ fn run(core: &Core) {
         } else if !backoff.is_completed() {
             backoff.snooze();
         } else {
+            doing.set(Doing::Sleeping);
             // A failed wait only means "scan again".
             let _ = core.transport.bell_wait(Bell::Server, epoch, NAP);
         }
@@ -670,11 +795,7 @@ fn node_sum_target<'r>(
     };
     let (me, local) = (reg.groups.group[reg.groups.me], sums.local);
     let owner = owner as usize;
-    let ours = owner < sums.nodes * local
-        && owner / local != me / local
-        && owner % local == me % local
-        && rank / local == me / local;
-    if !ours {
+    if !crate::protocol::nodesum::aggregates(me, rank, owner, sums.nodes, local) {
         return Err(format!(
             "rank {rank}: a push for rank {owner} through rank {me}, which is not its \
              aggregator (nodes of {local})"

@@ -244,6 +244,10 @@ impl Transport for MixedTransport {
         self.fabric.retire();
     }
 
+    fn failure(&self) -> Option<Error> {
+        self.fabric.failure()
+    }
+
     fn report_dropped(&self, nodes: u64) {
         // Node-mates read it through the reports the fabric side consults.
         self.shm.report_dropped(nodes);

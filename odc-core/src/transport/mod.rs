@@ -184,10 +184,18 @@ pub trait Transport: Send + Sync + fmt::Debug {
     fn set_blame(&self, peer: usize);
 
     /// Tells the peers that this rank takes no further part (an elastic
-    /// engine's rank that failed on a peer or whose node was dropped), as
-    /// closing would, while its memory stays mapped: their liveness probes
-    /// see it closed, naming whom it blamed. The default does nothing.
+    /// engine's rank that failed on a peer or whose node was dropped, a
+    /// rank whose shard server thread panicked), as closing would, while
+    /// its memory stays mapped: their liveness probes see it closed, naming
+    /// whom it blamed. The default does nothing.
     fn retire(&self) {}
+
+    /// The failure of a thread the transport runs itself (the fabric
+    /// progress thread panicked: [`Error::Internal`]): every later call and
+    /// wait of the engine fails with it. The default has no such thread.
+    fn failure(&self) -> Option<Error> {
+        None
+    }
 
     /// Records that the elastic membership rounds dropped `nodes` (a bit
     /// per node) for good. Where a backend lets this node's ranks read it

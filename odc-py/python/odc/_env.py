@@ -191,6 +191,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "A variable only the library-search test sets and reads.", "tests"),
     EnvVar("ODC_LOOM_BROKEN_NOTIFY", "unset", "odc-core `loom_model` (unit test)",
            "Set in the child process that runs the deliberately broken loom model.", "tests"),
+    EnvVar("ODC_FAULT_SERVER_PANIC", "unset", "odc-core `server` (read at `register`)",
+           "`RANK:N`: the shard server daemon of rank RANK panics as it is about to add the N-th chunk a peer "
+           "pushed to it (N from 1), so that tests see a daemon's panic become an `InternalError` naming the "
+           "rank (never an abort). A malformed value is a `ConfigError` at `register`.", "tests"),
     EnvVar("ODC_ALL_NS", "unset: rank 0 stays in the test's pid namespace", "`tests/tests/containers.rs`",
            "`1`: the containers test's launcher puts every rank in a pid namespace of its own.", "tests"),
     EnvVar("ODC_IN_SMALL_SHM", "unset", "`tests/tests/containers.rs`",

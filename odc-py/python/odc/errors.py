@@ -12,6 +12,7 @@ __all__ = [
     "CudaError",
     "FabricError",
     "GpuUnavailable",
+    "InternalError",
     "LayoutError",
     "MalformedError",
     "NodeDropped",
@@ -240,6 +241,21 @@ class PeerDied(PeerError):
 
     What to do: read that rank's own error or crash; this one is its
     consequence.
+    """
+
+
+class InternalError(OdcError):
+    """A bug in ODC: its native code panicked, and the panic was caught instead of aborting the process.
+
+    Raised by the :class:`odc.Engine` call that panicked, or, when the rank's
+    shard server daemon (a thread of the engine) panicked, by every later call
+    of that rank's engine. The message names the rank and what it was doing
+    (the call, or the daemon's step: whose chunk of which bucket, which
+    minibatch); the panic's location is on the rank's stderr. The other ranks
+    see the rank as gone and raise :class:`PeerDied` naming it.
+
+    What to do: report it with the message and the rank's stderr. The rank's
+    engine cannot go on; the job restarts as after a crash.
     """
 
 

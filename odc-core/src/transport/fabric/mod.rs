@@ -354,6 +354,9 @@ impl FabricTransport {
             reports: OnceLock::new(),
             stop: AtomicBool::new(false),
             progress_errors: AtomicU64::new(0),
+            progress_failure: OnceLock::new(),
+            #[cfg(test)]
+            inject_panic: AtomicBool::new(false),
             local_keys: AtomicU64::new(shared::random_key()?),
             reorder: config.reorder,
         });
@@ -361,7 +364,16 @@ impl FabricTransport {
         let worker = Arc::clone(&core);
         let progress = std::thread::Builder::new()
             .name(format!("odc-fabric-{rank}"))
-            .spawn(move || worker.progress_loop())?;
+            .spawn(move || {
+                // A panic (a bug) ends the thread, never the process: every
+                // operation and wait of this rank then fails naming it.
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    worker.progress_loop();
+                }));
+                if let Err(payload) = ran {
+                    worker.progress_panicked(crate::error::panic_message(payload));
+                }
+            })?;
         Ok(FabricTransport {
             core,
             progress: Some(progress),
@@ -854,6 +866,10 @@ impl Transport for FabricTransport {
 
     fn set_blame(&self, peer: usize) {
         self.core.blame(peer);
+    }
+
+    fn failure(&self) -> Option<Error> {
+        self.core.progress_failed()
     }
 
     fn retire(&self) {

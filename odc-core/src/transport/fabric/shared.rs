@@ -160,6 +160,12 @@ pub(super) struct Core {
     pub(super) node_ring: OnceLock<(u32, std::ops::Range<usize>, NodeRing)>,
     pub(super) stop: AtomicBool,
     pub(super) progress_errors: AtomicU64,
+    /// The panic message of the progress thread, if it panicked: no
+    /// completion arrives any more ([`Core::progress_failed`]).
+    pub(super) progress_failure: OnceLock<String>,
+    /// Tests: the progress thread panics at its next turn.
+    #[cfg(test)]
+    pub(super) inject_panic: AtomicBool,
     /// Next key for a per-operation local registration (`FI_MR_LOCAL`).
     pub(super) local_keys: AtomicU64,
     /// Seed of the completion-shuffling test mode, when it is on.
@@ -285,6 +291,34 @@ impl Core {
         Ok(region)
     }
 
+    /// The progress thread panicked with `detail`: records it, tells the
+    /// peers this rank is gone (as closing does) and wakes every waiter of
+    /// this rank, which then fails with [`Core::progress_failed`].
+    pub(super) fn progress_panicked(&self, detail: String) {
+        let _ = self.progress_failure.set(detail);
+        if let Some(w) = (self.regions.get(STATUS_ID as usize))
+            .and_then(OnceLock::get)
+            .and_then(|r| r.word(0))
+        {
+            w.store(STATE_CLOSED, Ordering::Release);
+        }
+        self.send_notices(true);
+        self.ops_done.notify();
+        self.credit_freed.notify();
+        self.ring(Bell::Client);
+        self.ring(Bell::Server);
+    }
+
+    /// The error every operation of this rank fails with once the progress
+    /// thread panicked (no completion would ever arrive).
+    pub(super) fn progress_failed(&self) -> Option<Error> {
+        self.progress_failure.get().map(|detail| Error::Internal {
+            rank: self.rank,
+            during: "its libfabric progress thread was reading completions".to_owned(),
+            detail: detail.clone(),
+        })
+    }
+
     /// Rings this rank's `bell`, and whatever bell it is forwarded to.
     pub(super) fn ring(&self, bell: Bell) {
         self.bells[bell_index(bell)].notify();
@@ -324,6 +358,10 @@ impl Core {
             .map(|seed| Shuffler::new(seed ^ (self.rank as u64).wrapping_mul(0x9e37_79b9)));
         let mut due = Vec::new();
         loop {
+            #[cfg(test)]
+            if self.inject_panic.load(Ordering::Acquire) {
+                panic!("injected into the progress thread by a test");
+            }
             let stopping = self.stop.load(Ordering::Acquire);
             // On stop, drain until the CQ stays quiet: closing an endpoint
             // with a partly arrived write crashed libfabric 1.17.
@@ -515,6 +553,9 @@ impl Core {
                     return Ok((i, s.ctx.get().cast()));
                 }
             }
+            if let Some(e) = self.progress_failed() {
+                return Err(e);
+            }
             if Instant::now() >= deadline {
                 return Err(Error::transport(
                     "fabric",
@@ -703,6 +744,11 @@ impl Core {
                     ));
                 }
                 _ => {}
+            }
+            if let Some(e) = self.progress_failed() {
+                // No completion arrives any more: the slot stays taken (the
+                // engine cannot go on), and the peer is not blamed.
+                return Err(e);
             }
             let gave_up = backoff.is_completed() && give_up();
             if gave_up || Instant::now() >= deadline {

@@ -719,3 +719,32 @@ fn a_batch_keeps_many_operations_in_flight_and_completes_them_all() {
         ts[0].get(1, &desc, 0, &mut dst[..8]).unwrap();
     }
 }
+
+#[test]
+fn a_panic_in_the_progress_thread_fails_this_ranks_operations_naming_it() {
+    need_libfabric!();
+    let (ts, regions) = pair(4096);
+    let mut dst = vec![0u8; 64];
+    ts[0].get(1, &regions[1].desc(), 0, &mut dst).unwrap();
+    ts[0].core.inject_panic.store(true, Ordering::Release);
+    ts[0].core.cq.signal().unwrap(); // wakes the thread from its CQ read
+    let until = Instant::now() + Duration::from_secs(10);
+    while ts[0].failure().is_none() {
+        assert!(Instant::now() < until, "the panic was never recorded");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The next operation fails at once (the deadline is 20 s), naming this
+    // rank and its progress thread, instead of blaming the peer.
+    let start = Instant::now();
+    let e = ts[0].get(1, &regions[1].desc(), 0, &mut dst).unwrap_err();
+    assert!(start.elapsed() < Duration::from_secs(5), "{e}");
+    let s = e.to_string();
+    assert!(
+        matches!(e, Error::Internal { rank: 0, .. })
+            && s.contains("progress thread")
+            && s.contains("injected into the progress thread"),
+        "{s}"
+    );
+    assert_eq!(e.blamed_peer(), None);
+    drop(regions);
+}
