@@ -147,7 +147,8 @@ rehearse:
 
 # The fuzz targets, coverage-guided on stable Rust (scripts/fuzz.sh: libFuzzer through libfuzzer-sys, rustc's
 # SanitizerCoverage pass, debug assertions and overflow checks on; the C++ compiler comes with make setup's
-# build-essential): builds them, runs each for FUZZ_SECONDS, fails on any crash, hang or out-of-memory.
+# build-essential) and, for the Python decoder, under atheris in .venv (make setup): builds them, runs each for
+# FUZZ_SECONDS, fails on any crash, hang or out-of-memory.
 FUZZ_SECONDS ?= 20
 fuzz:
 	@scripts/fuzz.sh --seconds $(FUZZ_SECONDS)
@@ -170,7 +171,7 @@ wheel-quickstart:
 # its ranks waiting on each other, on sleeps and on stragglers); the Rust builds (&rust-builds), the Python
 # linters (&lint-python: mypy is one core for a minute from a cold cache) and the docs (&docs: mkdocs, cargo doc,
 # a headless browser) and the fuzz targets (&fuzz: their instrumented build, about 150 core-seconds from a clean
-# clone, then 7 x FUZZ_SECONDS of one core) run beside them at the lowest priority on what the legs leave idle;
+# clone, then 11 x FUZZ_SECONDS of one core) run beside them at the lowest priority on what the legs leave idle;
 # the stages that need them wait for them (=..., a failure stops the run there; the fuzz targets last).
 # The rehearsal (one Python process at a time) and the wheel's fresh-venv test (needs the wheel rust-builds
 # made; one torchrun of 2 ranks at a time) run at the lowest priority beside the cargo tests, which wait on

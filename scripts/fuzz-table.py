@@ -20,17 +20,19 @@ BEGIN, END = "<!-- campaigns -->", "<!-- /campaigns -->"
 def table() -> str:
     rows = json.loads(DATA.read_text())["campaigns"]
     out = [
-        "| target | seconds | executions | executions/s | corpus | crashes | slowest input | peak RSS "
+        "| target | seconds | executions | executions/s | coverage | corpus | crashes | slowest input | peak RSS "
         "| commit | date |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for r in rows:
         rate = r["executions"] / max(r["seconds"], 1)
         # libFuzzer counts the slowest input in whole seconds.
         slowest = r.get("slowest_input_s", "?")
         slowest = "< 1" if slowest == 0 else slowest
+        # libFuzzer's coverage: edges ("cov") / features ("ft"); not recorded before the field existed.
+        cov = f"{r['coverage']:,} / {r['features']:,}" if "coverage" in r else "–"
         out.append(
-            f"| `{r['target']}` | {r['seconds']} | {r['executions']:,} | {rate:,.0f} | {r['corpus_size']} "
+            f"| `{r['target']}` | {r['seconds']} | {r['executions']:,} | {rate:,.0f} | {cov} | {r['corpus_size']} "
             f"| {r['crashes']} | {slowest} s | {r.get('peak_rss_mb', '?')} MB "
             f"| {r['commit']} | {r['date'][:10]} |"
         )

@@ -24,7 +24,8 @@ default)
         # make wheel: zig links the extension against glibc 2.28's symbols (the manylinux_2_28 tag torch's own
         # wheels carry) on any build host; auditwheel checks the tag and the libraries the wheel needs.
         "ziglang==0.17.1" "auditwheel==6.8.2"
-        "tqdm==4.70.1")  # odc-bench's progress bars (the `bench` extra)
+        "tqdm==4.70.1"  # odc-bench's progress bars (the `bench` extra)
+        "atheris==3.0.0")  # make fuzz's Python target (fuzz/python/): libFuzzer for Python; 3.1 has no cp311 wheel
     # What make docs builds the site with (mkdocs --strict; griffe reads the sources, and make lint's docstring
     # check runs on it), pinned for the same reason: a new release's warnings would fail the build.
     PY_PKGS+=("mkdocs==1.6.1" "mkdocs-material==9.8.1" "pymdown-extensions==13.1.2" "mkdocstrings==1.0.8"

@@ -14,6 +14,9 @@
 //! | [`store_values`] | what registration reads from the store: endpoint posts and region descriptors, registration posts, counters (`store::added`), the job id |
 //! | [`gpu_descriptors`] | the cuda-ipc exchange's posts (`gpu::ipc::parse_post`), the fd-share socket's request and reply headers (`gpu::fdshare`), NVSHMEM unique ids |
 //! | [`pack_input`] | `odc-pack`'s readers (`parse_lengths`: JSON arrays and line lists; `fit::parse_timings`) and the command on what they accept |
+//! | [`membership`] | elastic membership: rounds (`protocol::membership`, the rule and the store's bytes), their keys as `elastic::Rounds` reads them, generation records (`elastic::Generation`) and a restarted rank's walk (`elastic::await_admission`) |
+//! | [`node_cache`] | the node cache's entry and slot words (`protocol::cache`): the checked decode, the reader's rule, take-overs, eviction, and node-mates filling and reading slots in any interleaving |
+//! | [`node_sums`] | node aggregation (`protocol::nodesum`): where a chunk goes, the owner field an aggregator's daemon accepts, whose done words feed and release an owner, when the sums go; node-mates, aggregators and owners in any interleaving |
 //!
 //! [`TARGETS`] lists them for the replay test and `scripts/fuzz.sh`.
 
@@ -24,6 +27,10 @@ pub mod claims;
 pub mod control_words;
 pub mod fabric_imm;
 pub mod gpu_descriptors;
+pub mod mem_store;
+pub mod membership;
+pub mod node_cache;
+pub mod node_sums;
 pub mod pack_input;
 pub mod slot_header;
 pub mod store_values;
@@ -40,6 +47,9 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("store_values", store_values::run),
     ("gpu_descriptors", gpu_descriptors::run),
     ("pack_input", pack_input::run),
+    ("membership", membership::run),
+    ("node_cache", node_cache::run),
+    ("node_sums", node_sums::run),
 ];
 
 /// Whether an error's message names rank `peer` the way the engine's

@@ -167,7 +167,7 @@ impl<'a> Rounds<'a> {
         let key = self.key(k, e);
         match self.store.get(&key)? {
             None => Ok(None),
-            Some(raw) => decode(&key, Some(&raw)).map(Some),
+            Some(raw) => decode(&key, &raw).map(Some),
         }
     }
 
@@ -177,10 +177,13 @@ impl<'a> Rounds<'a> {
             return Ok(0);
         };
         let text = String::from_utf8_lossy(&raw);
-        u64::from_str_radix(text.trim(), radix).map_err(|_| Error::Store {
+        membership::number(text.trim(), radix).ok_or_else(|| Error::Store {
             op: "get",
             key: key.to_owned(),
-            detail: format!("membership round: unreadable value {text:?}"),
+            detail: format!(
+                "membership round: unreadable value {text:?}: {} is not a number as written",
+                key.rsplit('/').next().unwrap_or(key)
+            ),
         })
     }
 
@@ -205,7 +208,7 @@ impl<'a> Rounds<'a> {
         let mut bytes = want.to_bytes();
         bytes.extend_from_slice(format!(" @{}", self.rank).as_bytes());
         let after = self.store.compare_set(&key, None, &bytes)?;
-        decode(&key, Some(&after))
+        decode(&key, &after)
     }
 
     /// This rank read every member's partials for round `(k, e)` over
@@ -377,14 +380,51 @@ impl Generation {
     }
 
     /// The current generation of the job under `base`, of `nodes` nodes.
+    /// Only what [`Generation::begin`], [`Generation::describe_first`] and
+    /// [`Generation::restore`] write is accepted: a pointer to `base` or to
+    /// `{base}/gen/{start}`, a record there whose start is that one (`-` for
+    /// the first generation, under `base`), members a nonempty set of the
+    /// job's nodes and joiners among them (none in the first). A refusal is
+    /// an [`Error::Store`] naming the key and the field.
     pub fn current(store: &dyn Store, base: &str, nodes: usize) -> Result<Generation> {
         let key = Generation::current_key(base);
-        let prefix = match store.get(&key)? {
-            Some(p) => String::from_utf8_lossy(&p).into_owned(),
-            None => base.to_owned(),
+        let refuse = |key: &str, text: &str, field: &str, why: &str| Error::Store {
+            op: "get",
+            key: key.to_owned(),
+            detail: format!("elastic generation: unreadable value {text:?}: {field} {why}"),
+        };
+        let (prefix, at) = match store.get(&key)? {
+            None => (base.to_owned(), None),
+            Some(p) => {
+                let text = String::from_utf8_lossy(&p).into_owned();
+                let start = text
+                    .strip_prefix(base)
+                    .and_then(|r| r.strip_prefix("/gen/"))
+                    .and_then(|s| membership::number(s, 10));
+                match start {
+                    _ if text == base => (text, None),
+                    Some(s) => (text, Some(s)),
+                    None => {
+                        return Err(refuse(
+                            &key,
+                            &text,
+                            "current",
+                            &format!("is neither {base:?} nor a generation under {base:?}/gen"),
+                        ));
+                    }
+                }
+            }
         };
         let key = format!("{prefix}/generation");
         let Some(raw) = store.get(&key)? else {
+            if at.is_some() {
+                return Err(refuse(
+                    &key,
+                    "",
+                    "generation",
+                    "is missing (begin writes it first)",
+                ));
+            }
             return Ok(Generation {
                 prefix,
                 start: None,
@@ -393,18 +433,42 @@ impl Generation {
             });
         };
         let text = String::from_utf8_lossy(&raw);
+        let bad = |field: &str, why: &str| refuse(&key, &text, field, why);
         let mut w = text.split(' ');
-        let bad = || Error::Store {
-            op: "get",
-            key: key.clone(),
-            detail: format!("elastic generation: unreadable value {text:?}"),
+        let first = w.next();
+        let mut hex = |field| {
+            w.next()
+                .and_then(|v| membership::number(v, 16))
+                .ok_or_else(|| bad(field, "is missing or not a node set as written"))
         };
-        let start = match w.next() {
-            Some("-") => None, // a first generation that started with some nodes only
-            v => Some(v.and_then(|v| v.parse().ok()).ok_or_else(bad)?),
+        let start = match (first, at) {
+            // A first generation that started with some nodes only.
+            (Some("-"), None) => None,
+            (Some(s), Some(at)) if membership::number(s, 10) == Some(at) => Some(at),
+            _ => {
+                return Err(bad(
+                    "start",
+                    &format!("is not {}", at.map_or("-".into(), |s| s.to_string())),
+                ));
+            }
         };
-        let members = (w.next().and_then(|v| u64::from_str_radix(v, 16).ok())).ok_or_else(bad)?;
-        let joining = (w.next().and_then(|v| u64::from_str_radix(v, 16).ok())).ok_or_else(bad)?;
+        let members = hex("members")?;
+        if members == 0 || members & !membership::all_nodes(nodes) != 0 {
+            return Err(bad(
+                "members",
+                &format!("is not a nonempty set of the job's {nodes} nodes"),
+            ));
+        }
+        let joining = hex("joining")?;
+        if joining & !members != 0 || start.is_none() && joining != 0 {
+            return Err(bad(
+                "joining",
+                "names a node that is not a member (or joins a first generation)",
+            ));
+        }
+        if w.next().is_some() {
+            return Err(bad("trailing", "words follow the last field"));
+        }
         Ok(Generation {
             prefix,
             start,
@@ -548,6 +612,23 @@ pub fn await_admission(
             continue;
         };
         let mut e = 0u32;
+        // The minibatch after `k` (its number in the job's count too): none
+        // past the counter's end, where a stored last minibatch or a
+        // generation's start no job reaches would lead the walk.
+        let start = generation.start.unwrap_or(0);
+        let after = |k: u64| {
+            (k.checked_add(1))
+                .filter(|&n| start.checked_add(n).is_some())
+                .ok_or_else(|| Error::Store {
+                    op: "get",
+                    key: format!("{prefix}/last"),
+                    detail: format!(
+                        "membership round: minibatch {k} of the generation that starts at {start} \
+                         has no next one: the last committed minibatch or the generation's start \
+                         is past any a job reaches"
+                    ),
+                })
+        };
         // Walk to the first undecided round and ask it, until the
         // generation changes (its members began the next one).
         loop {
@@ -561,9 +642,9 @@ pub fn await_admission(
                     // it was abandoned (its members went on without it: an
                     // earlier incarnation's admission, or this one's that
                     // failed; ask again).
-                    let next = Generation::prefix_at(base, generation.start.unwrap_or(0) + k + 1);
+                    let next = Generation::prefix_at(base, start + after(k)?);
                     if Generation::abandoned(store, &next)? {
-                        (k, e) = (k + 1, 0);
+                        (k, e) = (after(k)?, 0);
                         continue;
                     }
                     while Generation::current(store, base, nodes)?.prefix == generation.prefix
@@ -573,7 +654,7 @@ pub fn await_admission(
                     }
                     break;
                 }
-                Round::Committed { .. } => (k, e) = (k + 1, 0),
+                Round::Committed { .. } => (k, e) = (after(k)?, 0),
                 Round::Void { .. } => e += 1,
                 Round::Open { .. } => {
                     if Generation::current(store, base, nodes)?.prefix != generation.prefix {
@@ -586,17 +667,43 @@ pub fn await_admission(
     }
 }
 
-/// The round in a stored value (absent: fresh), its writer's tag dropped.
-fn decode(key: &str, raw: Option<&[u8]>) -> Result<Round> {
-    let body = raw.map(|b| match b.iter().rposition(|&c| c == b'@') {
-        Some(at) if at > 0 && b[at - 1] == b' ' => &b[..at - 1],
-        _ => b,
-    });
-    Round::from_bytes(body).map_err(|e| Error::Store {
+/// The decision a round's key holds (`commit J` or `void D`, then
+/// ` @{rank}`, the rank that wrote it), its writer's tag dropped. An open
+/// round (never a decision) or a value without a rank's tag is refused,
+/// naming the key and the field.
+pub(crate) fn decode(key: &str, raw: &[u8]) -> Result<Round> {
+    let refuse = |detail: String| Error::Store {
         op: "get",
         key: key.to_owned(),
-        detail: e.to_string(),
-    })
+        detail,
+    };
+    let text = || String::from_utf8_lossy(raw);
+    let body = match raw.iter().rposition(|&c| c == b'@') {
+        Some(at) if at > 0 && raw[at - 1] == b' ' => {
+            let tag = std::str::from_utf8(&raw[at + 1..]).ok();
+            if tag.and_then(|t| membership::number(t, 10)).is_none() {
+                return Err(refuse(format!(
+                    "membership round: unreadable value {:?}: writer is not a rank",
+                    text()
+                )));
+            }
+            &raw[..at - 1]
+        }
+        _ => {
+            return Err(refuse(format!(
+                "membership round: unreadable value {:?}: writer is missing (\" @rank\")",
+                text()
+            )));
+        }
+    };
+    let r = Round::from_bytes(Some(body)).map_err(|e| refuse(e.to_string()))?;
+    if membership::outcome(r).is_none() {
+        return Err(refuse(format!(
+            "membership round: unreadable value {:?}: kind is open, which is never a decision",
+            text()
+        )));
+    }
+    Ok(r)
 }
 
 #[cfg(test)]
@@ -906,5 +1013,97 @@ mod tests {
         store.set("job/round/3/1", b"garbage @1").unwrap();
         let e = r.get(3, 1).unwrap_err().to_string();
         assert!(e.contains("job/round/3/1") && e.contains("garbage"), "{e}");
+    }
+
+    #[test]
+    fn an_open_round_in_a_decision_key_is_refused_and_leave_returns() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(FileStore::new(dir.path()).unwrap());
+        // Never written by a rank (a decision is commit or void), so nothing
+        // could decide the round: `leave` voided it again and again.
+        store.set("job/round/4/0", b"open 0 0 @1").unwrap();
+        let left = {
+            let store = Arc::clone(&store);
+            std::thread::spawn(move || Rounds::new(&*store, "job", 0).leave(4, 0b11, 1))
+        };
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while !left.is_finished() {
+            assert!(
+                Instant::now() < give_up,
+                "leave still loops on an open decision"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let e = left.join().unwrap().unwrap_err().to_string();
+        assert!(
+            e.contains("job/round/4/0") && e.contains("kind is open"),
+            "{e}"
+        );
+        for (bad, field) in [
+            (&b"commit 1"[..], "writer"),
+            (b"commit 1 @x", "writer"),
+            (b"void 3 @0", "dead"),
+        ] {
+            store.set("job/round/5/0", bad).unwrap();
+            let e = Rounds::new(&*store, "job", 0)
+                .get(5, 0)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("job/round/5/0") && e.contains(field),
+                "{bad:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_generation_record_is_read_only_as_written_and_a_refusal_names_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path()).unwrap();
+        let g = Generation::begin(&store, "job", 7, 0b11, 0b10).unwrap();
+        assert_eq!(Generation::current(&store, "job", 2).unwrap(), g);
+        for (key, value, field) in [
+            ("job/gen/7/generation", &b"7 3 2 junk"[..], "trailing"),
+            ("job/gen/7/generation", b"+7 3 2", "start"),
+            ("job/gen/7/generation", b"8 3 2", "start"),
+            ("job/gen/7/generation", b"7 7 2", "members"), // node 2 of a 2-node job
+            ("job/gen/7/generation", b"7 0 0", "members"),
+            ("job/gen/7/generation", b"7 1 2", "joining"), // a joiner that is no member
+            ("job/elastic/current", b"elsewhere", "current"),
+        ] {
+            Generation::begin(&store, "job", 7, 0b11, 0b10).unwrap();
+            store.set(key, value).unwrap();
+            let e = Generation::current(&store, "job", 2)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(key) && e.contains(&format!(": {field} ")),
+                "{value:?}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_walk_from_the_counters_last_minibatch_is_refused_not_overflowed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path()).unwrap();
+        store.set("job/job_id", b"j0").unwrap();
+        store.set("job/reg/0", b"{}").unwrap();
+        store
+            .set("job/elastic/j0/last", u64::MAX.to_string().as_bytes())
+            .unwrap();
+        store
+            .set(
+                &format!("job/elastic/j0/round/{}/0", u64::MAX),
+                b"commit 0 @1",
+            )
+            .unwrap();
+        let e = await_admission(&store, "job", 2, 0, 0, Instant::now())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("job/elastic/j0/last") && e.contains("has no next one"),
+            "{e}"
+        );
     }
 }

@@ -1,5 +1,6 @@
 //! Entry points of the fuzz targets (`fuzz/`, `make fuzz`) into decoders
-//! that live in private modules: what registration reads from the store.
+//! that live in private modules: what registration reads from the store,
+//! the decision of an elastic membership round.
 //! Built with the `fuzzing` feature only; not part of the API.
 
 use crate::engine::register::{self, RegionSizes};
@@ -34,4 +35,10 @@ pub fn check_endpoint(
 pub fn compare_reg_posts(key: &str, peer: usize, ours: &[u8], theirs: &[u8]) -> Result<()> {
     let ours = register::parse_reg_post("ours", 0, ours)?;
     register::compare(&ours, &register::parse_reg_post(key, peer, theirs)?, peer)
+}
+
+/// The decision a membership round's key `key` holds, decoded as
+/// `elastic::Rounds` decodes it (its writer's tag dropped).
+pub fn round_decision(key: &str, raw: &[u8]) -> Result<crate::protocol::membership::Round> {
+    crate::elastic::decode(key, raw)
 }

@@ -254,7 +254,7 @@ fn first_look(
     let reg = w.reg;
     for _ in 0..4 {
         let word = cache.entry_word(piece.entry).load(Ordering::Acquire);
-        match cache::look(word, version) {
+        match look(cache, piece.entry, word, version)? {
             Look::Hit { slot } => {
                 // SAFETY: the gather's output (its caller's contract).
                 if unsafe { copy_cached(path, cache, piece, slot)? } {
@@ -299,6 +299,23 @@ fn first_look(
     // The entry kept changing under this reader: read it straight.
     Counters::add(&cache.counters.direct);
     Ok((Todo::Direct, Some(direct(piece, bucket))))
+}
+
+/// The reader's rule on `entry`'s word `word` ([`cache::look_in`]): a word
+/// whose slot or fetcher does not fit this node's cache is refused before
+/// either indexes anything.
+fn look(cache: &NodeCache, entry: usize, word: u64, version: u64) -> Result<Look> {
+    let (slots, local) = (cache.layout.slots, cache.layout.local);
+    cache::look_in(word, version, slots, local).map_err(|b| Error::Malformed {
+        peer: cache.node_start + entry % local,
+        what: "node-cache entry word",
+        field: b.field,
+        detail: format!(
+            "in {:#x} (entry {entry}, held in this rank's cache region, written by any \
+             node-mate; the cache has {slots} slots and {local} ranks per node)",
+            b.word
+        ),
+    })
 }
 
 /// The read of `piece` straight into the output (no cache).
@@ -610,7 +627,7 @@ unsafe fn wait_for_pieces(
             while i < waits.len() {
                 let piece = waits[i];
                 let word = cache.entry_word(piece.entry).load(Ordering::Acquire);
-                let done = match cache::look(word, version) {
+                let done = match look(cache, piece.entry, word, version)? {
                     // SAFETY: the caller vouches for the output.
                     Look::Hit { slot } => {
                         // SAFETY: the caller vouches for the output.

@@ -112,6 +112,28 @@ impl Entry {
         }
     }
 
+    /// The state entry word `w` holds in a node cache of `slots` slots and
+    /// `local` ranks per node, checked before any of it is used: only a
+    /// word [`Entry::encode`] writes (no unknown state, no stamp without a
+    /// state, no fetcher in a ready word), with a slot of the cache and a
+    /// fetcher of the node. [`Entry::decode`] alone reads any word as
+    /// something; a slot from it indexes node memory only once checked.
+    pub fn check(w: u64, slots: usize, local: usize) -> Result<Entry, BadWord> {
+        let e = Entry::decode(w);
+        let bad = |field| Err(BadWord { field, word: w });
+        if e.encode() != w {
+            let fetcher = w & 3 == READY && w >> 32 > 0;
+            return bad(if fetcher { "fetcher" } else { "state" });
+        }
+        match e {
+            Entry::Fetching { slot, .. } | Entry::Ready { slot, .. } if slot >= slots => {
+                bad("slot")
+            }
+            Entry::Fetching { by, .. } if by >= local => bad("fetcher"),
+            _ => Ok(e),
+        }
+    }
+
     /// The slot the word names (a claimer's first choice: the entry's old
     /// version is overwritten in place).
     pub fn slot(self) -> Option<usize> {
@@ -120,6 +142,16 @@ impl Entry {
             Entry::Fetching { slot, .. } | Entry::Ready { slot, .. } => Some(slot),
         }
     }
+}
+
+/// An entry word that no node-mate following the rule writes: its field
+/// (`state`, `slot`, `fetcher`) does not fit the cache ([`Entry::check`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BadWord {
+    /// The field that is wrong.
+    pub field: &'static str,
+    /// The word.
+    pub word: u64,
 }
 
 /// What a reader of `version` does with an entry.
@@ -157,6 +189,14 @@ pub fn look(w: u64, version: u64) -> Look {
         // docs), so it may be overwritten.
         _ => Look::Claim,
     }
+}
+
+/// The rule for a reader of `version` that loaded entry word `w` from a
+/// node cache of `slots` slots and `local` ranks per node: [`look`], once
+/// [`Entry::check`] accepted the word (a slot it hands out indexes the
+/// cache, a fetcher it names is a node-mate).
+pub fn look_in(w: u64, version: u64, slots: usize, local: usize) -> Result<Look, BadWord> {
+    Entry::check(w, slots, local).map(|_| look(w, version))
 }
 
 /// The word with which local rank `me` claims the entry to fetch `version`
@@ -297,6 +337,27 @@ mod tests {
         }
         assert_eq!(Entry::decode(3 | 1 << 40), Entry::Empty);
         assert_eq!(Entry::decode(READY), Entry::Empty, "no stamp");
+    }
+
+    #[test]
+    fn a_word_whose_slot_or_fetcher_is_not_the_caches_is_refused_before_use() {
+        // 4 slots, 2 ranks per node.
+        assert_eq!(look_in(filled(3, 2), 3, 4, 2), Ok(Look::Hit { slot: 2 }));
+        let bad = |w, field| Err(BadWord { field, word: w });
+        // A ready word naming slot 4 would index past the node's slots.
+        assert_eq!(look_in(filled(3, 4), 3, 4, 2), bad(filled(3, 4), "slot"));
+        assert_eq!(
+            look_in(claim(3, 1, 2), 3, 4, 2),
+            bad(claim(3, 1, 2), "fetcher")
+        );
+        for w in [1, READY, 3 | 1 << 40, filled(3, 2) | 1 << 4] {
+            let field = if w == filled(3, 2) | 1 << 4 {
+                "fetcher"
+            } else {
+                "state"
+            };
+            assert_eq!(look_in(w, 3, 4, 2), bad(w, field), "{w:#x}");
+        }
     }
 
     #[test]

@@ -141,7 +141,8 @@ pub fn total(members: Nodes, per_node: u32) -> u32 {
 /// `total` from [`total`].
 pub fn on_read(cur: Round, total: u32) -> Next {
     match cur {
-        Round::Open { read, joining } if read + 1 >= total => {
+        // (A count read from the store may be any u32: no overflow.)
+        Round::Open { read, joining } if read.saturating_add(1) >= total => {
             Next::Write(Round::Committed { joining })
         }
         Round::Open { read, joining } => Next::Write(Round::Open {
@@ -206,39 +207,60 @@ impl Round {
         .into_bytes()
     }
 
-    /// The value the store's bytes hold; absent bytes are [`FRESH`].
+    /// The value the store's bytes hold; absent bytes are [`FRESH`]. Only
+    /// what [`Round::to_bytes`] writes is accepted (decimal and lower-case
+    /// hexadecimal without sign or leading zeros, single spaces, a void
+    /// naming one node); a refusal names the first field that is wrong
+    /// (`kind`, `read`, `joining`, `dead`, `trailing`).
     pub fn from_bytes(b: Option<&[u8]>) -> Result<Round, RoundError> {
         let Some(b) = b else { return Ok(FRESH) };
-        let text = std::str::from_utf8(b).map_err(|_| bad(b))?;
+        let text = std::str::from_utf8(b).map_err(|_| bad(b, "kind", "is not text"))?;
         let mut words = text.split(' ');
-        let hex = |w: Option<&str>| w.and_then(|w| u64::from_str_radix(w, 16).ok());
-        let r = match words.next() {
-            Some("open") => Round::Open {
-                read: words
-                    .next()
-                    .and_then(|w| w.parse().ok())
-                    .ok_or_else(|| bad(b))?,
-                joining: hex(words.next()).ok_or_else(|| bad(b))?,
+        let kind = words.next().unwrap_or_default();
+        let mut field = |name: &'static str, radix: u32| {
+            words
+                .next()
+                .and_then(|w| number(w, radix))
+                .ok_or_else(|| bad(b, name, "is missing or not a number as written"))
+        };
+        let r = match kind {
+            "open" => Round::Open {
+                read: u32::try_from(field("read", 10)?)
+                    .map_err(|_| bad(b, "read", "exceeds 32 bits"))?,
+                joining: field("joining", 16)?,
             },
-            Some("commit") => Round::Committed {
-                joining: hex(words.next()).ok_or_else(|| bad(b))?,
+            "commit" => Round::Committed {
+                joining: field("joining", 16)?,
             },
-            Some("void") => match hex(words.next()) {
-                Some(dead) if dead.count_ones() == 1 => Round::Void { dead },
-                _ => return Err(bad(b)),
+            "void" => match field("dead", 16)? {
+                dead if dead.count_ones() == 1 => Round::Void { dead },
+                _ => return Err(bad(b, "dead", "does not name exactly one node")),
             },
-            _ => return Err(bad(b)),
+            _ => return Err(bad(b, "kind", "is not open, commit or void")),
         };
         if words.next().is_some() {
-            return Err(bad(b));
+            return Err(bad(b, "trailing", "words follow the last field"));
         }
         Ok(r)
     }
 }
 
-fn bad(b: &[u8]) -> RoundError {
+/// `w` as the writers of rounds and generation records write a number in
+/// `radix` (10: `{}`, 16: `{:x}`): digits only (lower case), no sign, no
+/// leading zero.
+pub fn number(w: &str, radix: u32) -> Option<u64> {
+    let digits = w
+        .bytes()
+        .all(|c| c.is_ascii_digit() || radix == 16 && matches!(c, b'a'..=b'f'));
+    let canonical = digits && !w.is_empty() && (w == "0" || !w.starts_with('0'));
+    canonical
+        .then(|| u64::from_str_radix(w, radix).ok())
+        .flatten()
+}
+
+fn bad(b: &[u8], field: &str, why: &str) -> RoundError {
     RoundError(format!(
-        "membership round: unreadable value {:?}",
+        "membership round: unreadable value {:?}: {field} {why}",
         String::from_utf8_lossy(b)
     ))
 }

@@ -48,6 +48,20 @@ pub fn server(client: usize, owner: usize, local: usize) -> usize {
     }
 }
 
+/// Whether rank `me` adds a chunk that rank `client` pushed naming `owner`
+/// (its header's owner field, any value a peer wrote) into its node buffer
+/// for `owner`, with `nodes` nodes of `local` ranks: `owner` is a rank of
+/// the job on another node with `me`'s local rank, and `client` is `me`'s
+/// node-mate: exactly the chunks [`server`] routes to `me` for an owner on
+/// another node. Any other is refused.
+pub fn aggregates(me: usize, client: usize, owner: usize, nodes: usize, local: usize) -> bool {
+    let local = local.max(1);
+    owner / local < nodes
+        && owner / local != me / local
+        && owner % local == me % local
+        && client / local == me / local
+}
+
 /// Whether `client`'s done word counts towards `owner`'s gradients being
 /// final under node aggregation: a node-mate, or the owner's aggregator on
 /// another node (same local rank).

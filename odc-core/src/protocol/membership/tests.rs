@@ -30,6 +30,38 @@ fn rounds_round_trip_through_the_store_and_garbage_is_refused() {
 }
 
 #[test]
+fn only_what_the_writers_write_is_read_and_a_refusal_names_the_field() {
+    // Values the writers never write: a sign, a leading zero, upper case,
+    // a double space, a trailing word; each refused naming its field.
+    for (bad, field) in [
+        (&b"commit +4"[..], "joining"),
+        (b"commit 04", "joining"),
+        (b"commit F", "joining"),
+        (b"open 01 0", "read"),
+        (b"open +1 0", "read"),
+        (b"open 4294967296 0", "read"),
+        (b"void  4", "dead"),
+        (b"void 6", "dead"),
+        (b"commit 4 ", "trailing"),
+        (b"Commit 4", "kind"),
+        (b"", "kind"),
+    ] {
+        let e = Round::from_bytes(Some(bad)).unwrap_err().to_string();
+        assert!(e.contains(&format!(": {field} ")), "{bad:?}: {e}");
+    }
+}
+
+#[test]
+fn a_read_count_at_the_top_of_its_range_commits_without_overflow() {
+    // Any count a stored value holds: "open 4294967295 0" decodes.
+    let top = Round::from_bytes(Some(b"open 4294967295 0")).unwrap();
+    assert_eq!(
+        on_read(top, 3),
+        Next::Write(Round::Committed { joining: 0 })
+    );
+}
+
+#[test]
 fn the_last_read_commits_a_death_first_voids_and_a_decided_round_stays() {
     let open = |read| Round::Open {
         read,
