@@ -164,6 +164,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="runs of every mode, alternating the order")
     ap.add_argument("-J", "--json", default="", help="write the results here too")
     args = ap.parse_args()
+    if args.json:
+        from odc.bench.report import sample_load
+
+        sample_load()  # the load average while the run lasts, for the JSON's provenance
     args.numel = int(args.bucket_mb * (1 << 20) / 4) // (args.world * 16) * (args.world * 16)
     from odc.bench import netns
 

@@ -82,6 +82,10 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.json:
+        from odc.bench.report import sample_load
+
+        sample_load()  # the load average while the run lasts, for the JSON's provenance
     if args.ranks < 2 or args.ranks % 2:
         ap.error("--ranks must be even and at least 2")
     configs = [(n, d) for n in (2, 1) for d in (False, True)]

@@ -13,13 +13,20 @@ A page asks for a part with a marker on a line of its own:
     <!-- odc:quickstart NAME -->                  the README's block marked <!-- quickstart:NAME --> (the one
                                                   make test runs), so that the docs' copy cannot drift
 
-Every benchmark table is followed by the command, commit and date that made its JSON (its "provenance").
-A marker with an unknown kind, a missing file or JSON the renderer cannot read fails the build. Nothing here
-imports odc (no torch): the table of variables is read by path, the errors from their source.
+Every benchmark table is followed by the command, commit and date that made its JSON (its "provenance") and
+the load average sampled while it ran. A marker with an unknown kind, a missing file, a file outside
+``docs/bench/`` and ``docs/scale/`` or JSON the renderer cannot read fails the build. Before the pages build,
+every file of those folders is checked (``scripts/docs_provenance.py``: a command and a clean commit that made
+it; for the files shown first, a load average below the core count throughout the run): each one that fails
+is a warning naming it and the command that rewrites it, so the strict build fails and lists them all.
+Nothing here imports odc (no torch): the table of variables is read by path, the errors from their source.
 
 ``python scripts/docs_hooks.py --readme`` prints the README's measured-results table (the block between
 ``<!-- results:begin -->`` and ``<!-- results:end -->``), ``--write-readme`` writes it there, and
-``--check-readme`` (in ``make docs``) fails when the README's differs or a README link names a missing file.
+``--check-readme`` (in ``make docs``) fails when a benchmark file fails the provenance check, the README's
+table differs or a README link names a missing file. ``--check-provenance`` prints the provenance check alone
+(the files to rerun, each with its command and an estimate of its time), ``--stale`` the same as tab-separated
+lines (``scripts/rerun-figures.sh`` reads them).
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ def _load(path: Path, name: str) -> ModuleType:
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+prov = _load(ROOT / "scripts" / "docs_provenance.py", "docs_provenance")
 
 
 def _md(text: str) -> str:
@@ -156,14 +166,19 @@ def exceptions(paths: list[str]) -> str:
 
 
 def provenance(doc: dict[str, Any], rel: str, link: str) -> str:
-    """The line under a benchmark table: command, commit, date, and the machine's load while it ran."""
+    """The line under a benchmark table: command, commit, date, and the machine's load while it ran (whether a
+    clean commit reproduces it is ``docs_provenance``'s check, over every file, before the pages build)."""
     p = doc.get("provenance")
     if not isinstance(p, dict) or not p.get("command") or not p.get("date"):
         raise DocsError(f"{rel}: no provenance (command, commit, date); rerun the benchmark that writes it")
     commit = p.get("commit") or f"none (version {p.get('version', '?')})"
     load = doc.get("load_average")
+    samples, cpus = prov.load_samples(doc)
     load_txt = ""
-    if isinstance(load, list) and load:
+    if len(samples) >= 2:
+        load_txt = (f"; load average {min(samples):.1f}–{max(samples):.1f} during the run ({len(samples)} "
+                    "samples)" + (f" on {cpus} cores" if cpus else ""))
+    elif isinstance(load, list) and load:
         load_txt = f"; load average {' '.join(f'{x:.1f}' for x in load)} at the end"
         if doc.get("cpus"):
             load_txt += f" on {doc['cpus']} cores"
@@ -368,7 +383,21 @@ def bench_hybrid(doc: dict[str, Any]) -> str:
     link = f", every link shaped to {a['rate']} each way" if a.get("rate") else ""
     return (f"{a['world']} ranks as {a['netns']} network namespaces{link}, a model of {rows[0][5] / 1e6:.2f} M "
             f"parameters, {a['micros']} microbatches of {a['seq']} tokens per rank per minibatch, {a['minibatches']} "
-            f"timed minibatches:\n\n" + table(head, out))
+            f"timed minibatches:\n\n" + table(head, out) + _alternated(rows))
+
+
+def _alternated(rows: list[list[Any]]) -> str:
+    """For a run of two modes, each run the same number of times (alternated): the ratio of each pair's times (the
+    second mode's over the first's, the i-th run of each), and their median."""
+    modes = list(dict.fromkeys(r[0] for r in rows))
+    if len(modes) != 2:
+        return ""
+    runs = [[r[1] for r in rows if r[0] == m] for m in modes]
+    if len(runs[0]) != len(runs[1]) or len(runs[0]) < 2:
+        return ""
+    ratios = [b / a for a, b in zip(*runs, strict=True)]
+    return (f"\n\n`{modes[1]}` over `{modes[0]}`, pair by pair (the i-th run of each): "
+            f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}).")
 
 
 def bench_cross_node(doc: dict[str, Any]) -> str:
@@ -517,29 +546,79 @@ def bench_memory_fits(docs: list[dict[str, Any]]) -> str:
 def bench_elastic(doc: dict[str, Any]) -> str:
     """scripts/elastic-bench.py: time per minibatch of hybrid sharding with and without elastic=True, alternated."""
     a = doc["args"]
-    out = [[str(i), f"{r['hybrid']:.2f}", f"{r['elastic']:.2f}", f"{r['ratio']:.2f}"]
-           for i, r in enumerate(doc["rows"])]
+    out = [[str(i), f"{r['hybrid']:.2f}", f"{r['elastic']:.2f}", f"{r['elastic'] - r['hybrid']:.2f}",
+            f"{r['ratio']:.2f}"] for i, r in enumerate(doc["rows"])]
     return (f"{a['world']} ranks as {a['world'] // a['per_node']} emulated nodes of {a['per_node']} (shared memory), "
             f"one f32 bucket of {a['numel']:,} elements, no compute, the median of {a['minibatches']} minibatches "
             "(the slowest rank's) per run:\n\n"
-            + table(["pair", "ms / minibatch, hybrid", "ms / minibatch, elastic", "elastic / hybrid"], out))
+            + table(["pair", "ms / minibatch, hybrid", "ms / minibatch, elastic", "ms the round adds",
+                     "elastic / hybrid"], out))
 
 
 def bench_rejoin(doc: dict[str, Any]) -> str:
     """scripts/rejoin-bench.py: a rejoin's cost at the engine, against a checkpoint file of the same state."""
     a = doc["args"]
     out = [[f"{r['state_mb']:.0f}", f"{r['admit_s']:.3f}", f"{r['other_boundary_s'] * 1e3:.2f}",
-            f"{r['rejoin_s']:.3f}", f"{r['copy_s']:.3f}", f"{r['save_s']:.3f}", f"{r['load_s']:.3f}",
-            f"{r['copy_over_ckpt']:.2f}"] for r in doc["rows"]]
+            f"{r['rejoin_s']:.3f}", f"{r['copy_s']:.3f}", f"{r['state_mb'] * 2**20 / r['copy_s'] / 1e9:.2f}",
+            f"{r['save_s']:.3f}", f"{r['load_s']:.3f}", f"{r['copy_over_ckpt']:.2f}"] for r in doc["rows"]]
     return (f"2 emulated nodes of {a['per_node']} ranks (`{a['transport']}`), node 1 joining node 0's running job "
             f"({a['compute_ms']:g} ms of compute per minibatch); the state per rank: a parameter shard, two f32 "
             "moments and a step count. *admit*: the members' boundary that let node 1 in (the slowest member); "
             "*other*: the median of their other boundaries; *rejoin*: the joiner's call, from its start (asking "
-            "and waiting for the boundary included); *copy*: its one-sided read of the state; *save*, *load*: "
-            "the same state through `torch.save` (with `fsync`) and `torch.load` (page cache) on the joiner, "
-            "after the run:\n\n"
-            + table(["MiB per rank", "admit s", "other ms", "rejoin s", "copy s", "save s", "load s",
+            "and waiting for the boundary included); *copy*: its one-sided read of the state (and its rate, GB = "
+            "10⁹ B); *save*, *load*: the same state through `torch.save` (with `fsync`) and `torch.load` (page "
+            "cache) on the joiner, after the run:\n\n"
+            + table(["MiB per rank", "admit s", "other ms", "rejoin s", "copy s", "copy GB/s", "save s", "load s",
                      "copy / (save + load)"], out))
+
+
+def _span(values: list[float], digits: int = 3) -> str:
+    """``min–max`` of ``values`` (one value when they are equal at ``digits``)."""
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
+def _by_transport(rows: list[dict[str, Any]], series: str) -> list[tuple[str, list[dict[str, Any]]]]:
+    return [(t, got) for t in ("shm", "mixed")
+            if (got := [r for r in rows if r["series"] == series and r["case"]["transport"] == t])]
+
+
+def bench_elastic_drop(doc: dict[str, Any]) -> str:
+    """scripts/elastic-timings.py: from a death to the survivors' return from the minibatch that dropped its node."""
+    what = {"random": "a random rank killed at a random point of a random minibatch (`test_random_kill_points`)",
+            "whole node": "a whole node killed at once (`test_a_whole_node_killed_at_once_is_dropped`)"}
+    out = []
+    for series, text in what.items():
+        for transport, rows in _by_transport(doc["drop"], series):
+            times = [t for r in rows for t in r["death_to_step_s"]]
+            out.append([text, f"`{transport}`", str(len(rows)), _span(times)])
+    return (f"{doc['world']} ranks as {doc['world'] // doc['per_node']} emulated nodes of {doc['per_node']} "
+            "(`shm`: shared memory between the nodes too; `mixed`: libfabric `tcp` between them), each run checked "
+            "as its test checks it (every sum exact over its minibatch's members, the replicas bitwise equal):\n\n"
+            + table(["kill", "transport", "runs", "death → each survivor's return from that minibatch, s"], out))
+
+
+def bench_elastic_rejoin(doc: dict[str, Any]) -> str:
+    """scripts/elastic-timings.py: a restarted node's rejoin, the members' boundary that admits it and the joiner's
+    wait."""
+    what = {"one kill": "rank 3 killed in minibatch 1, its node restarted (`test_a_restarted_node_rejoins_...`)",
+            "random": "a random kill, its node restarted at once (`test_random_kills_and_rejoins`)"}
+    out = []
+    for series, text in what.items():
+        for transport, rows in _by_transport(doc["rejoin"], series):
+            back = sorted({r["back"] - r["drop"] for r in rows})
+            out.append([text, f"`{transport}`", str(len(rows)), _span([t for r in rows for t in r["admit_s"]]),
+                        f"{max(r['other_boundary_max_s'] for r in rows):.4f}",
+                        _span([t for r in rows for t in r["joiner_s"]]), ", ".join(map(str, back))])
+    return (f"{doc['world']} ranks as {doc['world'] // doc['per_node']} emulated nodes of {doc['per_node']}, a "
+            "4 KB state per rank (a parameter shard, a momentum, a step count), each run checked as its test "
+            "checks it (every sum exact over its minibatch's members, the copy bitwise its source's, the rejoined "
+            "replica equal to the others after every later step). *admit*: each member's boundary that built the "
+            "new generation and served the copy; *other*: the longest of the members' other boundaries; *joiner*: "
+            "each joiner's `rejoin` call (asking, the members' step, registration and copy); *back*: minibatches "
+            "from the drop to the first the node ran again:\n\n"
+            + table(["kill", "transport", "runs", "admit s", "other boundaries, at most s", "joiner s", "back after"],
+                    out))
 
 
 def bench_scale_compare(doc: dict[str, Any]) -> str:
@@ -564,6 +643,8 @@ BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "imbalance-bubbles": bench_imbalance_bubbles,
     "hybrid": bench_hybrid,
     "elastic": bench_elastic,
+    "elastic-drop": bench_elastic_drop,
+    "elastic-rejoin": bench_elastic_rejoin,
     "rejoin": bench_rejoin,
     "cross-node": bench_cross_node,
     "memory": bench_memory,
@@ -577,8 +658,12 @@ MULTI: dict[str, Callable[[list[dict[str, Any]]], str]] = {"memory-fits": bench_
 
 
 def read_json(rel: str, docs: Path = DOCS) -> dict[str, Any]:
-    """A committed benchmark file, relative to docs/."""
+    """A committed benchmark file, relative to docs/ (in one of the folders whose every file the provenance check
+    reads)."""
     path = docs / rel
+    if Path(rel).parent.as_posix() not in prov.DATA:
+        raise DocsError(f"docs/{rel}: benchmark data lives in docs/{' or docs/'.join(prov.DATA)}/ (where the "
+                        "provenance check reads every file)")
     if not path.is_file():
         raise DocsError(f"docs/{rel}: no such file")
     doc: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
@@ -592,6 +677,10 @@ def bench(kind: str, rel: str | list[str], page_dir: str, docs: Path = DOCS) -> 
         raise DocsError(f"unknown benchmark kind {kind!r} (known: {', '.join([*BENCHES, *MULTI])})")
     if kind in BENCHES and len(rels) != 1:
         raise DocsError(f"benchmark kind {kind!r} renders one file, got {len(rels)}")
+    pending = [r for r in rels if r in prov.PENDING and not (docs / r).exists()]
+    if pending:  # listed by the provenance check too, so the strict build fails until the run is made
+        return "\n\n".join(f"*Not measured yet: `{prov.PENDING[r][0]}` writes `docs/{r}`, this table's data.*"
+                             for r in pending)
     loaded = [read_json(r, docs) for r in rels]
     try:
         body = MULTI[kind](loaded) if kind in MULTI else BENCHES[kind](loaded[0])
@@ -625,6 +714,21 @@ def render(markdown: str, page_path: str, docs: Path = DOCS) -> str:
 # -- mkdocs --------------------------------------------------------------------------------------------------
 
 
+def on_pre_build(config: Any) -> None:
+    """mkdocs' hook, before any page: the provenance check of every benchmark file, each failure a warning (the
+    strict build then fails, listing every file to rerun and the pages' own problems alike)."""
+    import logging
+
+    from mkdocs.exceptions import PluginError
+
+    try:
+        problems = provenance_problems()
+    except DocsError as e:
+        raise PluginError(str(e)) from None
+    if problems:
+        logging.getLogger("mkdocs.plugins.odc").warning("docs: %s", problems)
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     """mkdocs' hook: renders the page's markers; an error stops the build, naming the page."""
     from mkdocs.exceptions import PluginError
@@ -639,15 +743,20 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 
 
 def _load_avg(doc: dict[str, Any]) -> str:
-    """The 1-minute load average at the end of a run, against the machine's cores."""
+    """The highest 1-minute load average sampled during a run (older files: the one at its end), against the
+    machine's cores."""
+    samples, cpus = prov.load_samples(doc)
+    if len(samples) >= 2:
+        return f"{max(samples):.1f} at most" + (f" on {cpus} cores" if cpus else "")
     load, cpus = doc.get("load_average"), doc.get("cpus")
     if not isinstance(load, list) or not load:
         return "–"
-    return f"{load[0]:.1f}" + (f" on {cpus} cores" if cpus else "")
+    return f"{load[0]:.1f} at the end" + (f" on {cpus} cores" if cpus else "")
 
 
-def readme_results() -> str:
-    """The README's measured-results table: each row a headline figure from a committed JSON, linked to its page."""
+def readme_results(read: Callable[[str], dict[str, Any]] = read_json) -> str:
+    """The README's measured-results table: each row a headline figure from a committed JSON (``read`` from
+    docs/), linked to its page."""
     def rows_of(doc: dict[str, Any], config: str) -> list[dict[str, Any]]:
         rows = [r for r in doc["rows"] if r["config"] == config]
         if not rows:
@@ -656,12 +765,22 @@ def readme_results() -> str:
 
     site = "docs/benchmarks"
     out: list[list[str]] = []
-    train = read_json("bench/train.json")
+    peak = read("bench/imbalance-8ranks-peak.json")
+    r = max(rows_of(peak, "odc+lb-mini"), key=lambda x: x["speedup_predicted"])
+    out.append([f"emulated compute, {r['world']} ranks, minibatch size {r['minibatch_size']}: ODC + LB-Mini, measured "
+                "/ predicted", f"{r['speedup_measured']:.2f}× / {r['speedup_predicted']:.2f}×", _load_avg(peak),
+                f"[imbalance]({site}/imbalance.md#where-the-prediction-peaks)"])
+    steal = read("bench/imbalance-steal-straggler.json")
+    plain, stolen = rows_of(steal, "odc+lb-mini")[0], rows_of(steal, "odc+lb-mini+steal")[0]
+    out.append([f"one rank 1.5× slower, {stolen['world']} ranks (emulated): bubble without → with work stealing",
+                f"{_pct(plain['bubble_measured'])} → {_pct(stolen['bubble_measured'])}", _load_avg(steal),
+                f"[imbalance]({site}/imbalance.md#work-stealing)"])
+    train = read("bench/train.json")
     sp = [r["speedup_measured"] for r in rows_of(train, "odc+lb-mini")]
     out.append(["real training (FSDP2, 2 CPU ranks, tiny Qwen2): ODC + LB-Mini against FSDP2's gloo collectives "
                 "+ LB-Micro", f"{min(sp):.2f}–{max(sp):.2f}× per minibatch", _load_avg(train),
                 f"[real training]({site}/train.md#odc-bench-train)"])
-    base = read_json("bench/train-baselines.json")
+    base = read("bench/train-baselines.json")
     without = [p for p in base["pairs"] if p["other"] in ("verl-maxcount", "dummy-pad", "fsdp2-accum")]
     # The strongest baseline: the one ODC + LB-Mini beats by the least (over the minibatch sizes, the median).
     best = min({p["other"] for p in without},
@@ -671,39 +790,55 @@ def readme_results() -> str:
                 "(of verl-maxcount, dummy-pad, fsdp2-accum)", f"{min(ratios):.2f}–{max(ratios):.2f}× per minibatch",
                 _load_avg(base),
                 f"[baselines]({site}/baselines.md)"])
-    curves_doc = read_json("bench/train-curves.json")
+    curves_doc = read("bench/train-curves.json")
     curves = curves_doc["curves"]
     d = curves["max_abs_loss_diff"]["odc+lb-mini"]
     out.append([f"loss over {len(curves['losses']['odc+lb-mini'])} minibatches, ODC + LB-Mini against the same "
                 "samples over gloo", f"within {d:.1e}", _load_avg(curves_doc),
                 f"[real training]({site}/train.md#convergence)"])
-    peak = read_json("bench/imbalance-8ranks-peak.json")
-    r = max(rows_of(peak, "odc+lb-mini"), key=lambda x: x["speedup_predicted"])
-    out.append([f"emulated compute, {r['world']} ranks, minibatch size {r['minibatch_size']}: ODC + LB-Mini, measured "
-                "/ predicted", f"{r['speedup_measured']:.2f}× / {r['speedup_predicted']:.2f}×", _load_avg(peak),
-                f"[imbalance]({site}/imbalance.md#where-the-prediction-peaks)"])
-    steal = read_json("bench/imbalance-steal-straggler.json")
-    plain, stolen = rows_of(steal, "odc+lb-mini")[0], rows_of(steal, "odc+lb-mini+steal")[0]
-    out.append([f"one rank 1.5× slower, {stolen['world']} ranks (emulated): bubble without → with work stealing",
-                f"{_pct(plain['bubble_measured'])} → {_pct(stolen['bubble_measured'])}", _load_avg(steal),
-                f"[imbalance]({site}/imbalance.md#work-stealing)"])
-    prim = read_json("bench/primitives.json")
+    prim = read("bench/primitives.json")
     for op, what in (("all_gather_in_place", "gather in place (FSDP's case)"),
                      ("reduce_scatter", "scatter-accumulate")):
         big = max((x for x in prim["rows"] if x["op"] == op), key=lambda x: x["size"])
         out.append([f"{what} against gloo, {_size(big['size'])}, {big['world']} ranks on one host",
                     f"{big['busbw_ratio']:.1f}× busbw", _load_avg(prim), f"[collectives vs ODC]({site}/primitives.md)"])
-    hyb = read_json("bench/hybrid.json")
+    hyb = read("bench/hybrid.json")
     modes = {m[0]: m for m in hyb["rows"]}
     if "odc-hybrid-zero" in modes and "odc-full" in modes:
         hz, full = modes["odc-hybrid-zero"], modes["odc-full"]
         out.append(["cross-node bytes per rank, `hybrid-zero` against `full` sharding, 2 network namespaces",
                     f"{hz[2] / full[2]:.2f}× (measured on the veth)", _load_avg(hyb), f"[hybrid]({site}/hybrid.md)"])
-    scale = read_json("scale/shm-full.json")
+    scale = read("scale/shm-full.json")
     top = max(scale["points"], key=lambda p: p["ranks"])
     out.append([f"{top['ranks']} processes on one host: a killed rank named by every survivor",
                 f"in {top['detect_s']:.2f} s", "–", f"[number of ranks]({site}/scale.md)"])
     return table(["what", "measured", "load average", "details"], out)
+
+
+def front_files() -> dict[str, str]:
+    """The benchmark files shown first (relative to docs/) and where: the README's first measured-results row, and
+    the JSON behind each figure of the README and the front page."""
+    read: list[str] = []
+
+    def record(rel: str) -> dict[str, Any]:
+        read.append(rel)
+        return read_json(rel)
+
+    readme_results(record)
+    # The first row is what a reader sees first (the rows after it state their runs' load).
+    out = dict.fromkeys(read[:1], "the first row of README.md's measured results")
+    for png, page in prov.front_figures(ROOT).items():
+        for src in prov.FIGURES.get(png, ((), None))[0]:
+            out.setdefault(src, f"the figure docs/{png} on {page}")
+    return out
+
+
+def provenance_problems() -> str:
+    """What the provenance check finds, as ``make docs`` prints it ("" when every file passes)."""
+    items = prov.stale(front_files())
+    figures = prov.figure_problems()
+    parts = ([prov.report(items)] if items else []) + figures
+    return "\n".join(parts)
 
 
 def _readme_block() -> tuple[str, str, str]:
@@ -717,9 +852,28 @@ def _readme_block() -> tuple[str, str, str]:
 
 
 def main(argv: list[str]) -> int:
-    """``--readme``: print the README's results table; ``--check-readme``: fail when the README's differs."""
+    """``--readme``: print the README's results table; ``--check-readme``: fail when a benchmark file fails the
+    provenance check or the README's table differs; ``--check-provenance``: the provenance check alone;
+    ``--stale``: the files that fail it, as lines of REL, estimated seconds and the command that rewrites it;
+    ``--redraw REL...``: the commands that redraw the figures drawn from those files by a command of their own."""
     if argv == ["--readme"]:
         print(readme_results())
+        return 0
+    if argv in (["--check-provenance"], ["--check-readme"]):
+        problems = provenance_problems()
+        if problems:
+            print(f"docs: {problems}\nAfter the reruns: python3 scripts/docs_hooks.py --write-readme, then commit "
+                  "the JSON and figures.", file=sys.stderr)
+            return 1
+        if argv == ["--check-provenance"]:
+            print("docs: every benchmark file names the clean commit and command that made it, and the files "
+                  "shown first ran below the core count's load")
+            return 0
+    if argv == ["--stale"]:
+        print(prov.tsv(prov.stale(front_files())), end="")
+        return 0
+    if argv[:1] == ["--redraw"]:
+        print("".join(f"{cmd}\n" for cmd in prov.redraw_commands([a.removeprefix("docs/") for a in argv[1:]])), end="")
         return 0
     if argv == ["--check-readme"]:
         _, block, _ = _readme_block()
@@ -740,7 +894,8 @@ def main(argv: list[str]) -> int:
         head, _, tail = _readme_block()
         (ROOT / "README.md").write_text(head + readme_results() + "\n" + tail, encoding="utf-8")
         return 0
-    print("usage: scripts/docs_hooks.py --readme | --check-readme | --write-readme", file=sys.stderr)
+    print("usage: scripts/docs_hooks.py --readme | --check-readme | --write-readme | --check-provenance | --stale | "
+          "--redraw REL...", file=sys.stderr)
     return 2
 
 

@@ -76,6 +76,10 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.json:
+        from odc.bench.report import sample_load
+
+        sample_load()  # the load average while the run lasts, for the JSON's provenance
     if args.world % args.per_node or args.world // args.per_node < 2:
         ap.error("--world must be at least two nodes of --per-node ranks")
     rows = []

@@ -216,6 +216,10 @@ def main() -> int:
     ap.add_argument("--rate", default="", help="tc rate of every namespace's link, each way ('1gbit'; none)")
     ap.add_argument("--json", default="", help="write the results here too")
     args = ap.parse_args()
+    if args.json:
+        from odc.bench.report import sample_load
+
+        sample_load()  # the load average while the run lasts, for the JSON's provenance
     from odc.bench import netns
 
     spec = {"hidden": args.hidden, "layers": args.layers}

@@ -131,6 +131,10 @@ def main() -> int:
     ap.add_argument("--ckpt-dir", default="/tmp")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.json:
+        from odc.bench.report import sample_load
+
+        sample_load()  # the load average while the run lasts, for the JSON's provenance
     rows = []
     for mb in (float(x) for x in args.state_mb.split(",")):
         row = run(args, mb)

@@ -15,7 +15,6 @@ odc-benches --features odc-benches/fabric --bin scale_perf)`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -42,12 +41,16 @@ def run(binary: str, ranks: int, minibatches: int) -> dict[str, Any]:
     return point
 
 
-def commit() -> str:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                         check=False).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True, check=False).stdout.strip()
-    return rev + ("+dirty" if dirty else "")
+def report() -> Any:
+    """odc.bench.report, the benchmarks' provenance writer, loaded by path: this script needs neither torch nor
+    odc's native module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_odc_bench_report", ROOT / "odc-py/python/odc/bench/report.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main(argv: list[str]) -> int:
@@ -60,6 +63,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--minibatches", type=int, default=10)
     ap.add_argument("--json", required=True)
     a = ap.parse_args(argv)
+    rep = report()
+    rep.set_command(["scripts/scale-compare.py", *argv])
+    rep.sample_load()  # the load average while the run lasts, for the JSON's provenance
     rows = []
     for d in (int(x) for x in a.ranks.split(",")):
         for pair in range(a.pairs):
@@ -78,8 +84,7 @@ def main(argv: list[str]) -> int:
                   flush=True)
     doc = {"bench": "scale-compare", "base_commit": a.base_commit, "node_ranks": 8, "bucket_bytes": 1 << 20,
            "minibatches": a.minibatches, "rows": rows, "cpus": os.cpu_count(), "load_average": list(os.getloadavg()),
-           "provenance": {"command": "scripts/scale-compare.py " + " ".join(argv), "commit": commit(),
-                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}}
+           "provenance": rep.provenance()}
     Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 0
 

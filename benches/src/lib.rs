@@ -883,9 +883,95 @@ impl Drop for CopyAddPipe {
     }
 }
 
+/// What a result does not depend on: the benchmarks' own output under `docs/`, so that rerunning one figure
+/// does not make the next one's run `+dirty` (git pathspecs from the top of the checkout; Python's
+/// `odc.bench.report.OUTPUTS` leaves out the same).
+const OUTPUTS: [&str; 3] = [
+    ":(top,exclude)docs/bench",
+    ":(top,exclude)docs/scale",
+    ":(top,exclude,glob)docs/*.png",
+];
+
+/// How often [`sample_load`] reads the load average.
+const LOAD_PERIOD: Duration = Duration::from_secs(5);
+
+/// The load average samples since [`sample_load`].
+struct LoadSamples {
+    /// When sampling started.
+    t0: Instant,
+    /// `(seconds since t0, 1-minute load average)`.
+    samples: std::sync::Mutex<Vec<(f64, f64)>>,
+}
+
+static LOAD: std::sync::OnceLock<LoadSamples> = std::sync::OnceLock::new();
+
+/// The 1-minute load average (`/proc/loadavg`'s first field), or `None` where there is none.
+fn load_now() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The machine's online cores: what its load average counts against (not this process's affinity).
+fn online_cpus() -> Option<u64> {
+    // SAFETY: sysconf reads a system constant; it takes and returns plain integers.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
+    u64::try_from(n).ok().filter(|&n| n > 0)
+}
+
+/// Starts sampling the machine's 1-minute load average every five seconds (a detached thread), for the
+/// [`provenance`] of this process's results: call it where the run starts. Later calls do nothing.
+pub fn sample_load() {
+    LOAD.get_or_init(|| {
+        let spawned = std::thread::Builder::new()
+            .name("odc-bench-load".into())
+            .spawn(|| loop {
+                std::thread::sleep(LOAD_PERIOD);
+                if let (Some(load), Some(v)) = (LOAD.get(), load_now()) {
+                    if let Ok(mut s) = load.samples.lock() {
+                        s.push((load.t0.elapsed().as_secs_f64(), v));
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!(
+                "warning: no load average sampling thread ({e}): the JSON records its end only"
+            );
+        }
+        let first = load_now().map(|v| (0.0, v));
+        LoadSamples {
+            t0: Instant::now(),
+            samples: std::sync::Mutex::new(first.into_iter().collect()),
+        }
+    });
+}
+
+/// The `load` of [`provenance`]: the core count, the sampling period and the samples, the last taken now
+/// (one, taken now, where [`sample_load`] never ran).
+fn load_record() -> serde_json::Value {
+    let now = load_now();
+    let (period, samples) = match LOAD.get() {
+        Some(load) => {
+            let mut s = load.samples.lock().map(|s| s.clone()).unwrap_or_default();
+            s.extend(now.map(|v| (load.t0.elapsed().as_secs_f64(), v)));
+            (Some(LOAD_PERIOD.as_secs_f64()), s)
+        }
+        None => (None, now.map(|v| (0.0, v)).into_iter().collect()),
+    };
+    let samples: Vec<[f64; 2]> = samples
+        .into_iter()
+        .map(|(t, v)| [(t * 1e3).round() / 1e3, v])
+        .collect();
+    serde_json::json!({"cpus": online_cpus(), "period_s": period, "samples": samples})
+}
+
 /// What made a result, for the JSON files the docs render: the command line, the commit of the checkout
-/// the binary was built from (`+dirty` when tracked files differ from it; `null` outside a git checkout)
-/// and the UTC time.
+/// the binary was built from (`+dirty` when tracked files differ from it, the benchmarks' output under
+/// `docs/` aside; `null` outside a git checkout), the UTC time, and the machine's load while it ran
+/// (`load`: the samples since [`sample_load`], and the core count).
 pub fn provenance() -> serde_json::Value {
     let checkout = env!("CARGO_MANIFEST_DIR");
     let git = |args: &[&str]| {
@@ -899,15 +985,21 @@ pub fn provenance() -> serde_json::Value {
             .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
     };
     let commit = git(&["rev-parse", "--short=12", "HEAD"]).map(|c| {
-        let dirty =
-            git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+        let mut status = vec!["status", "--porcelain", "--untracked-files=no", "--", ":/"];
+        status.extend(OUTPUTS);
+        let dirty = git(&status).is_some_and(|s| !s.is_empty());
         if dirty {
             c + "+dirty"
         } else {
             c
         }
     });
-    serde_json::json!({"command": command_line(std::env::args().collect()), "commit": commit, "date": utc_now()})
+    serde_json::json!({
+        "command": command_line(std::env::args().collect()),
+        "commit": commit,
+        "date": utc_now(),
+        "load": load_record(),
+    })
 }
 
 /// The command a user typed, from a rank's arguments: the launcher appends `--rank R` (and `--world`,
@@ -1157,6 +1249,9 @@ pub fn perf_main(
     let Some(rank) = args.rank else {
         return launch(&args);
     };
+    if rank == 0 && args.json.is_some() {
+        sample_load(); // rank 0 writes the JSON; it lives as long as the run
+    }
     let result = join(&args, rank).and_then(|ctx| {
         if rank == 0 {
             print_header(title, &args, in_place);

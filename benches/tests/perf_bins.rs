@@ -50,6 +50,16 @@ fn check_json(path: &std::path::Path, bench: &str) {
         .unwrap()
         .ends_with("+00:00"));
     assert!(doc["provenance"].get("commit").is_some());
+    // The load average sampled while it ran (rank 0 starts sampling at its start; the last sample is taken
+    // as the JSON is written), against the machine's cores: what the docs require of a figure shown first.
+    let load = &doc["provenance"]["load"];
+    assert!(load["cpus"].as_u64().unwrap() > 0, "{load}");
+    let samples = load["samples"].as_array().unwrap();
+    assert!(samples.len() >= 2, "{load}");
+    assert!(
+        samples.iter().all(|s| s[1].as_f64().unwrap() >= 0.0),
+        "{load}"
+    );
     let rows = doc["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3, "sizes 4K, 16K, 64K");
     for r in rows {

@@ -27,8 +27,11 @@ def test_primitives_every_dtype_is_exact(tmp_path, capsys):
     # The run's last word: where its results went.
     assert captured.err.splitlines()[-1] == f"odc-bench: wrote {out} (JSON)", captured.err
     doc = json.loads(out.read_text())
-    # What made it, for the docs' benchmark pages: the command, the commit (or None outside a checkout), the date.
-    assert set(doc["provenance"]) == {"command", "commit", "version", "date"}
+    # What made it, for the docs' benchmark pages: the command, the commit (or None outside a checkout), the date,
+    # and the load average sampled from the run's start (odc-bench's main) to the JSON's writing, with the cores.
+    assert set(doc["provenance"]) == {"command", "commit", "version", "date", "load"}
+    load = doc["provenance"]["load"]
+    assert load["cpus"] > 0 and load["period_s"] > 0 and len(load["samples"]) >= 2, load
     assert "primitives -g 2 -b 4K" in doc["provenance"]["command"] and doc["provenance"]["date"].endswith("+00:00")
     rows = doc["rows"]
     # 3 dtypes x 2 sizes (4K, 16K) x 2 ops

@@ -924,6 +924,9 @@ fn main() -> ExitCode {
             }
         };
     }
+    if args.json.is_some() {
+        odc_benches::sample_load(); // the load average while the run lasts, for the JSON's provenance
+    }
     print_header(&args);
     let mut points = Vec::new();
     let mut failed = false;

@@ -869,9 +869,10 @@ def _memory_formula(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``odc-bench`` command line; returns (or, from the console script, exits with) its status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    from .report import set_command
+    from .report import sample_load, set_command
 
     set_command(["odc-bench", *args])  # what the JSON files' provenance names
+    sample_load()  # and the machine's load while the run lasts
     code = _main(args)
     if argv is None:
         raise SystemExit(code)

@@ -61,7 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .report import fmt, table
+from .report import fmt, png_metadata, table
 
 __all__ = ["CONFIGS", "STEAL", "build_point", "imbalance_rank", "plot", "render", "steal_bound", "summarize"]
 
@@ -756,5 +756,5 @@ def plot(rows: list[dict[str, Any]], path: str, title: str, sweep_name: str | No
     ax.legend(fontsize=7, ncol=2)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=png_metadata())  # which run drew it (the docs check it)
     plt.close(fig)

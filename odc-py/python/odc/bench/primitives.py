@@ -29,7 +29,7 @@ import functools
 import time
 from typing import Any
 
-from .report import busbw_factor, fmt, format_size, table
+from .report import busbw_factor, fmt, format_size, png_metadata, table
 
 __all__ = ["OPS", "plot", "primitives_rank", "render"]
 
@@ -296,5 +296,5 @@ def plot(rows: list[dict[str, Any]], path: str, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=png_metadata())  # which run drew it (the docs check it)
     plt.close(fig)

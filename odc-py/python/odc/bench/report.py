@@ -9,6 +9,7 @@ nccl-tests (and the Rust ``*_perf`` binaries in ``benches/``): sizes accept
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -28,8 +29,10 @@ __all__ = [
     "busbw_factor",
     "format_size",
     "parse_size",
+    "png_metadata",
     "provenance",
     "require_matplotlib",
+    "sample_load",
     "say_written",
     "set_command",
     "write_json",
@@ -149,15 +152,21 @@ def set_command(argv: Sequence[str]) -> None:
     """The command line :func:`provenance` reports (``odc-bench`` sets its own; else ``sys.argv``)."""
     global _COMMAND  # noqa: PLW0603 - one command per process
     _COMMAND = list(argv)
+    _identity.cache_clear()  # a new run (odc-bench's main called again in one process): its own date and command
 
 
-def provenance() -> dict[str, Any]:
-    """What made a result: the command line, the commit of the ODC checkout it ran from and the UTC time.
+# What a run's result does not depend on: the benchmarks' own output under docs/, so that rerunning one figure
+# does not make the next figure's run "+dirty" (git pathspecs from the top of the checkout; odc_benches::provenance
+# leaves out the same).
+OUTPUTS = (":(top,exclude)docs/bench", ":(top,exclude)docs/scale", ":(top,exclude,glob)docs/*.png")
 
-    ``commit`` ends in ``+dirty`` when tracked files differ from it, and is ``None`` outside a git checkout
-    (an installed wheel: ``version`` says which).
-    """
-    from odc import __version__
+
+@functools.cache
+def _identity() -> dict[str, Any]:
+    """The run's command, commit, version and start of writing: the same for its JSON and its plot."""
+    version: str | None = None
+    with contextlib.suppress(ImportError):  # this file loaded by path without odc (scripts/scale-compare.py)
+        from odc import __version__ as version
 
     if _COMMAND is not None:
         command = _COMMAND
@@ -182,10 +191,55 @@ def provenance() -> dict[str, Any]:
         return out.stdout.strip() if out.returncode == 0 else None
 
     commit = git("rev-parse", "--short=12", "HEAD")
-    if commit is not None and git("status", "--porcelain", "--untracked-files=no"):
+    if commit is not None and git("status", "--porcelain", "--untracked-files=no", "--", ":/", *OUTPUTS):
         commit += "+dirty"
-    return {"command": shlex.join(command), "commit": commit, "version": __version__,
+    return {"command": shlex.join(command), "commit": commit, "version": version,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def provenance() -> dict[str, Any]:
+    """What made a result: the command line, the commit of the ODC checkout it ran from, the UTC time, and the
+    machine's load while it ran.
+
+    ``commit`` ends in ``+dirty`` when tracked files differ from it (the benchmarks' output under ``docs/``
+    aside), and is ``None`` outside a git checkout (an installed wheel: ``version`` says which). ``load`` holds
+    the 1-minute load average sampled since :func:`sample_load` (``[seconds since the start, load]`` pairs, the
+    last taken now) and the machine's core count; a run that never called it has one sample, taken now. The
+    command, commit and date are the process's first call's, so that a run's JSON and plot name the same.
+    """
+    return {**_identity(), "load": _load_record()}
+
+
+def sample_load(period: float = 5.0) -> None:
+    """Starts sampling the machine's 1-minute load average every ``period`` seconds (a daemon thread), for the
+    :func:`provenance` of this process's results; call it at the start of the run. A later call (another run in
+    the same process) starts the samples anew."""
+    global _LOAD  # noqa: PLW0603 - one sampler per process
+    if _LOAD is not None:
+        _LOAD.__exit__()
+    _LOAD = LoadSampler(period)
+    _LOAD.__enter__()
+
+
+_LOAD: LoadSampler | None = None
+
+
+def _load_record() -> dict[str, Any]:
+    try:
+        now = os.getloadavg()[0]
+    except OSError:  # pragma: no cover - no load average on this platform
+        return {"cpus": os.cpu_count(), "period_s": None, "samples": []}
+    if _LOAD is None:
+        return {"cpus": os.cpu_count(), "period_s": None, "samples": [[0.0, now]]}
+    samples = [[round(t, 3), v] for t, v in list(_LOAD.samples)]
+    samples.append([round(time.monotonic() - _LOAD.t0, 3), now])
+    return {"cpus": os.cpu_count(), "period_s": _LOAD.period, "samples": samples}
+
+
+def png_metadata() -> dict[str, str]:
+    """The text a plot's PNG carries (``savefig(..., metadata=png_metadata())``): its run's command, commit and
+    date, so that the docs can tell which run drew a figure."""
+    return {"Software": "odc-bench", "odc-provenance": json.dumps(_identity(), sort_keys=True)}
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
@@ -251,18 +305,18 @@ class LoadSampler:
         self.samples: list[tuple[float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="odc-bench-load", daemon=True)
-        self._t0 = 0.0
+        self.t0 = 0.0
 
     def _take(self) -> None:
         with contextlib.suppress(OSError):  # no load average on this platform
-            self.samples.append((time.monotonic() - self._t0, os.getloadavg()[0]))
+            self.samples.append((time.monotonic() - self.t0, os.getloadavg()[0]))
 
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             self._take()
 
     def __enter__(self) -> LoadSampler:
-        self._t0 = time.monotonic()
+        self.t0 = time.monotonic()
         self._take()
         self._thread.start()
         return self

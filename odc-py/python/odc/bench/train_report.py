@@ -15,7 +15,7 @@ import statistics
 import sys
 from typing import Any
 
-from .report import UsageError, fmt, table
+from .report import UsageError, fmt, png_metadata, table
 
 __all__ = ["PAIRS", "SAME_SAMPLES_TOLERANCE", "command", "pairs", "plot_curves", "render", "render_curves",
            "render_memory", "render_pairs", "summarize"]
@@ -498,7 +498,7 @@ def plot_speedups(rows: list[dict[str, Any]], path: str, title: str) -> None:
     axes[0][0].legend(fontsize=7, loc="upper left")
     fig.suptitle(title, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=png_metadata())  # which run drew it (the docs check it)
     plt.close(fig)
 
 
@@ -580,5 +580,5 @@ def plot_curves(s: dict[str, Any], path: str, title: str) -> None:
     bottom.grid(True, alpha=0.3, which="both")
     bottom.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=png_metadata())  # which run drew it (the docs check it)
     plt.close(fig)
