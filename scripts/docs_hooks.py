@@ -500,6 +500,35 @@ def bench_baselines(doc: dict[str, Any]) -> str:
                "largest |entry|" if grads else "") + "):\n\n" + table(mem_head, mem))
 
 
+def bench_trainer(doc: dict[str, Any]) -> str:
+    """odc-bench trainer: per minibatch size, each arm's time per optimizer step and peak memory per rank, with
+    their ratios to TRL's default in the same run, and the arms' step-0 losses (same rows, same weights)."""
+    base = doc["baseline"]
+    rows = []
+    for p in doc["points"]:
+        for arm in doc["arms"]:
+            a, ratio = p["arms"][arm], p["ratios"].get(arm)
+            runs = a["step_s_runs"]
+            counts = sorted({c for per in a["microbatches"] for c in per})
+            rows.append([str(p["minibatch_size"]), f"`{arm}`",
+                         f"{a['step_s']:.3f} [{min(runs):.3f}–{max(runs):.3f}]",
+                         "1 (baseline)" if ratio is None else f"**{ratio['speedup']:.3f}×**",
+                         _mib(a["rss_peak"]), _mib(a["rss_grown"]),
+                         "1 (baseline)" if ratio is None or ratio["memory"] is None else f"{ratio['memory']:.3f}",
+                         _mib(a["odc_shm"]), f"{min(counts)}–{max(counts)}" if len(counts) > 1 else str(counts[0]),
+                         f"{a['losses'][0]:.6f}"])
+    head = ["minibatch size (rows / rank / step)", "arm", "s / step: median [min–max]", f"speedup vs `{base}`",
+            "peak RSS / rank", "RSS grown in the arm", f"peak RSS vs `{base}`", "ODC shared memory",
+            "microbatches / rank / step", "loss at step 0"]
+    same = all(p["same_samples"] for p in doc["points"])
+    return (f"{doc['world']} ranks, real compute, {doc['model']}; {doc['samples']} samples. Time per optimizer "
+            "step: rank 0's wall time over the steps after the first, the median of the interleaved repeats "
+            "(arm order rotated per repeat). Memory per rank: the largest over ranks and repeats of the process's "
+            "peak resident set during the arm (CPU: torch keeps no allocator figures there); ODC's shared-memory "
+            "segments apart. Step-0 losses " + ("agree" if same else "**disagree**") + " across the arms.\n\n"
+            + table(head, rows))
+
+
 def bench_baselines_with_control(docs: list[dict[str, Any]]) -> str:
     """bench_baselines, and from a second file (an odc-bench train run with ``collective+local-sort``) how far the
     control strays from its baseline: what reordering float sums alone does to losses and parameters."""
@@ -651,6 +680,7 @@ BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "scale": bench_scale,
     "scale-compare": bench_scale_compare,
     "train-baselines": bench_baselines,
+    "trainer": bench_trainer,
 }
 # Kinds that render several files as one table.
 MULTI: dict[str, Callable[[list[dict[str, Any]]], str]] = {"memory-fits": bench_memory_fits,

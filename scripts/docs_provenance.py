@@ -44,6 +44,7 @@ FIGURES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "train-2ranks.png": (("bench/train.json",), None),
     "train-baselines.png": (("bench/train-baselines.json",), None),
     "train-curves.png": (("bench/train-curves.json",), None),
+    "trainer.png": (("bench/trainer.json",), None),
     "imbalance-4ranks.png": (("bench/imbalance-4ranks.json",), None),
     "imbalance-8ranks-peak.png": (("bench/imbalance-8ranks-peak.json",), None),
     "imbalance-baselines.png": (("bench/imbalance-baselines.json",), None),
@@ -57,6 +58,9 @@ FIGURES: dict[str, tuple[tuple[str, ...], str | None]] = {
 PENDING: dict[str, tuple[str, float]] = {
     "bench/elastic-timings.json": (
         "scripts/elastic-timings.py --kills 20 --seed 1 --json docs/bench/elastic-timings.json", 15 * 60.0),
+    "bench/trainer.json": (
+        "odc-bench trainer --sweep minibatch-size=4,8,16 --repeats 3 --json docs/bench/trainer.json "
+        "--plot docs/trainer.png", 30 * 60.0),
 }
 FRONT_PAGES = ("README.md", "docs/index.md")  # a figure on these is shown first
 OUTPUT_FLAGS = ("--json", "-J")

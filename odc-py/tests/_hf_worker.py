@@ -170,7 +170,9 @@ def train(rank: int, kind: str, out_dir: str, steps: int, world: int, on_odc: bo
     import odc.fsdp
     import odc.integrations.transformers as odc_hf
 
-    extra = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
+    extra: dict[str, Any] = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
+    if enable.get("accumulation") == odc_hf.FSDP2_ACCUM:  # one all-gather per group per step
+        extra["fsdp_config"] = {**arguments(kind, out_dir, steps)["fsdp_config"], "reshard_after_forward": False}
     trainer = make_trainer(kind, world, out_dir, steps, **extra)
     if on_odc:
         odc_hf.enable(trainer, max_tokens=KINDS[kind]["max_tokens"], **enable)
@@ -272,6 +274,8 @@ def refused(world: int, out_dir: str) -> dict[str, str]:
     attempt("strategy", trainer, strategy="verl-native")
     attempt("budget", trainer, max_tokens=0)
     attempt("cost", trainer, cost="cubic")
+    attempt("accumulation", trainer, accumulation="zero2")
+    attempt("accum resharding", trainer, accumulation="fsdp2-accum")  # reshard_after_forward left True
     dist.barrier()
     return out
 

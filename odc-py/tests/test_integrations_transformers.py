@@ -58,7 +58,8 @@ def two(tmp_path_factory):
     cases = [{"name": "trainer", "kind": "trainer", "steps": STEPS, "save_steps": 2},
              {"name": "resumed", "kind": "trainer", "steps": STEPS, "resume": checkpoint},
              {"name": "sft-packed", "kind": "sft-packed", "steps": STEPS},
-             {"name": "sft", "kind": "sft", "steps": STEPS}]
+             {"name": "sft", "kind": "sft", "steps": STEPS},
+             {"name": "sft-packed-accum", "kind": "sft-packed", "steps": STEPS, "accumulation": "fsdp2-accum"}]
     return _suite(2, root, cases, refusals=True)
 
 
@@ -73,11 +74,12 @@ def _logged(run):
     return [line for line in run["logs"] if "loss" in line and "train_loss" not in line]
 
 
-def _same_as_one_process(results, name, kind, world):
+def _same_as_one_process(results, name, kind, world, odc=True):
     import _hf_worker as W
 
     runs = [results[r][name] for r in range(world)]
-    assert all(r["enabled"] and r["class"].startswith("Odc") for r in runs), [(r["class"], r["enabled"]) for r in runs]
+    assert all(r["enabled"] == odc and r["class"].startswith("Odc") for r in runs), [(r["class"], r["enabled"])
+                                                                                     for r in runs]
     ref = W.reference(kind, runs[0]["rows"], world, STEPS)
     got = _logged(runs[0])
     assert len(got) == STEPS, got
@@ -129,6 +131,17 @@ def test_sft_without_packing_matches_one_process(two):
     assert any(0 in s for s in zip(*counts, strict=True)), counts
 
 
+def test_the_same_plan_on_fsdp2_accumulation_matches_one_process(two):
+    """enable(trainer, accumulation="fsdp2-accum"): LB-Mini's plan without ODC, under FSDP2's own accumulation (the
+    baseline of odc-bench trainer); a rank the plan gives nothing runs one zero-loss microbatch."""
+    counts = _same_as_one_process(two, "sft-packed-accum", "sft-packed", 2, odc=False)
+    steps = list(zip(*counts, strict=True))
+    assert all(min(s) >= 1 for s in steps), steps  # at least one microbatch per rank, every step
+    assert any(len(set(s)) > 1 for s in steps), steps  # and uneven counts
+    odc_counts = [two[r]["sft-packed"]["counts"] for r in range(2)]
+    assert any(0 in s for s in zip(*odc_counts, strict=True))  # where ODC's plan gave a rank nothing: the dummy ran
+
+
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(two):
     full, resumed = two[0]["trainer"], two[0]["resumed"]
     got, want = _logged(resumed), _logged(full)
@@ -161,6 +174,8 @@ REFUSED = {
     "strategy": "strategy='verl-native'",
     "budget": "max_tokens=0",
     "cost": "cost='cubic'",
+    "accumulation": "accumulation='zero2'",
+    "accum resharding": "reshard_after_forward': False",
 }
 
 

@@ -17,6 +17,11 @@ Subcommands:
   and memory beside the packer's predictions with a cost model fitted to the
   model in the same run; ``--curves``: loss curves of ODC + LB-Mini and
   Collective + LB-Micro (:mod:`odc.bench.train`).
+- ``trainer`` — the same TRL ``SFTTrainer`` job three ways: TRL's best
+  default (packing ``bfd`` + ``padding_free``), that plus ODC + LB-Mini
+  (``odc.integrations.transformers.enable``), and LB-Mini's plan under FSDP2's
+  own accumulation; time per step, peak memory, loss curves
+  (:mod:`odc.bench.trainer`).
 
 All launch their own local ranks (spawned processes sharing a TCPStore),
 or run as one rank of a torchrun job when ``RANK``, ``WORLD_SIZE`` and
@@ -30,6 +35,7 @@ Example::
     odc-bench primitives -g 2 -b 64K -e 64M -f 4 --json prim.json --plot prim.png
     odc-bench imbalance --world 4 --sweep minibatch-size=1,2,4,8 --run-seconds 10
     odc-bench train --sweep minibatch-size=4,8 --repeats 3 --plot train.png
+    odc-bench trainer --sweep minibatch-size=4,8,16 --repeats 3 --json trainer.json --plot trainer.png
 """
 
 from __future__ import annotations
@@ -99,6 +105,8 @@ examples:
       real FSDP2 training of a tiny Qwen2 on 2 ranks, collectives against ODC
   odc-bench memory --world 4 --per-node 2 --markdown
       bytes per rank of FSDP2 over gloo and of ODC, full and hybrid sharding
+  odc-bench trainer --minibatch-size 4 --steps 4 --repeats 1 --plot trainer.png
+      TRL's SFTTrainer three ways on 2 ranks: TRL's default, + ODC + LB-Mini, LB-Mini under FSDP2's accumulation
 
 Tables go to stdout, the progress bar to stderr; the last line says where --json and --plot went.""",
     "primitives": """\
@@ -127,6 +135,14 @@ examples:
       the speedup table and plot over three minibatch sizes, 3 interleaved repeats
   odc-bench train --curves --minibatch-size 4 --minibatches 120 --plot curves.png
       loss curves of ODC + LB-Mini against the collectives' on the same samples""",
+    "trainer": """\
+examples:
+  odc-bench trainer --minibatch-size 4 --steps 4 --repeats 1 --plot trainer.png
+      each arm once on 2 ranks, 4 packed rows per rank per step: time, memory, losses
+  odc-bench trainer --sweep minibatch-size=4,8,16 --repeats 3 --json trainer.json --plot trainer.png
+      the table of the docs: three minibatch sizes, 3 interleaved repeats (arm order rotated per repeat)
+  odc-bench trainer --synthetic lognormal:n=4096,median=600,sigma=1.2,max=4096,seed=1 --max-length 4096
+      a heavier tail: longer samples and rows""",
     "memory": """\
 examples:
   odc-bench memory --world 4 --per-node 2 --markdown --json memory.json
@@ -142,7 +158,8 @@ def _build_parser() -> _Parser:
     raw = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).",
                 epilog=EXAMPLES["odc-bench"], formatter_class=raw)
-    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train,memory}", parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train,trainer,memory}",
+                           parser_class=_Parser)
 
     pr = sub.add_parser("primitives", help="all-gather / reduce-scatter against ODC gather / scatter-accumulate",
                         description="nccl-tests-style sweep: collective baseline against ODC, same run.",
@@ -220,6 +237,7 @@ def _build_parser() -> _Parser:
                     help="slow one rank's compute by a factor, e.g. 0:1.5")
     _common(im)
     _train_parser(sub)
+    _trainer_parser(sub)
     return p
 
 
@@ -347,6 +365,40 @@ def _train_parser(sub: Any) -> None:
     me.add_argument("--json", metavar="FILE", help="write the results as JSON")
     me.add_argument("--timeout", type=_positive(float, "--timeout"), default=300.0,
                     help="seconds any wait on a peer may take (default 300)")
+
+
+def _trainer_parser(sub: Any) -> None:
+    from .trainer import DEFAULT_SYNTHETIC as TRAINER_SYNTHETIC
+
+    tr = sub.add_parser("trainer", help="TRL's SFTTrainer: its best default, + ODC + LB-Mini, LB-Mini on fsdp2-accum",
+                        description="The same SFTTrainer job (packing bfd + padding_free, a tiny Qwen2 from a config, "
+                                    "real compute) three ways, interleaved: TRL's best default, that plus "
+                                    "odc.integrations.transformers.enable (ODC + LB-Mini), and LB-Mini's plan under "
+                                    "FSDP2's own accumulation (fsdp2-accum). Time per optimizer step, peak memory "
+                                    "per rank, loss curves, ratios against TRL's default in the same run.",
+                        epilog=EXAMPLES["trainer"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = tr.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE", help="sample lengths: one integer per line, or a JSON array")
+    src.add_argument("--synthetic", metavar="SPEC",
+                     help=f"synthetic lengths, as odc-pack (default {TRAINER_SYNTHETIC}: LongAlign's shape scaled "
+                          "1/32)")
+    tr.add_argument("--world", type=_positive(int, "--world"), default=2,
+                    help="ranks, at most one per core (default 2)")
+    tr.add_argument("--minibatch-size", type=_positive(int, "--minibatch-size"), default=8,
+                    help="packed rows per rank per optimizer step M: TRL's gradient_accumulation_steps with "
+                         "per_device_train_batch_size 1 (default 8)")
+    tr.add_argument("--sweep", metavar="minibatch-size=V1,V2,..", help="sweep the minibatch size (one table, one plot)")
+    tr.add_argument("--max-length", type=_positive(int, "--max-length"), default=2048,
+                    help="TRL's max_length: tokens of a packed row, and ODC's microbatch budget (default 2048)")
+    tr.add_argument("--steps", type=_positive(int, "--steps"), default=6,
+                    help="optimizer steps per run (default 6; the first is not timed)")
+    tr.add_argument("--repeats", type=_positive(int, "--repeats"), default=3,
+                    help="interleaved runs per arm (median; arm order rotated per repeat; default 3)")
+    _model_flags(tr)
+    tr.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3, help="AdamW learning rate (default 1e-3)")
+    tr.add_argument("--clip", type=_positive(float, "--clip"), default=1.0, help="max_grad_norm (default 1.0)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the samples' tokens (default 0)")
+    _common(tr)
 
 
 def _param_count(text: str) -> int:
@@ -886,7 +938,7 @@ def _main(argv: list[str]) -> int:
     try:
         args = parser.parse_args(argv)
         if args.command is None:
-            raise UsageError("missing subcommand: choose primitives, imbalance, train or memory")
+            raise UsageError("missing subcommand: choose primitives, imbalance, train, trainer or memory")
         if args.command == "primitives":
             return _primitives(args)
         if args.command == "train":
@@ -895,6 +947,10 @@ def _main(argv: list[str]) -> int:
             return command(args, _model_spec(args))
         if args.command == "memory":
             return _memory(args)
+        if args.command == "trainer":
+            from .trainer import command as trainer_command
+
+            return trainer_command(args, _model_spec(args))
         return _imbalance(args)
     except UsageError as e:
         print(f"odc-bench: error: {e}", file=sys.stderr)

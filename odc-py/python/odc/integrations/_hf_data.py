@@ -64,12 +64,14 @@ class Step:
         tokens: the step's loss tokens over every rank (labels other than -100 after the causal shift).
         count: the step's microbatches over every rank.
         rank_tokens: this rank's input tokens (every position of its rows).
+        dummy: tokens of the zero-loss microbatch among ``microbatches`` (:attr:`Layout.at_least_one`), else 0.
     """
 
     microbatches: list[dict[str, Any]]
     tokens: int
     count: int
     rank_tokens: int
+    dummy: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,8 @@ class Layout:
             transformers' ``DataCollatorWithFlattening`` format, its flash-attention keys only when ``flash``.
         flash: add the sequence boundaries flash attention reads (``cu_seq_lens_*``, ``max_length_*``).
         no_cache: add ``use_cache=False`` (a model with a cache builds no per-sample mask from ``position_ids``).
+        at_least_one: a rank the plan gives no microbatch runs one zero-loss one (:data:`DUMMY_LENGTH` tokens, every
+            label -100), so that collectives at each rank's last microbatch happen on every rank.
     """
 
     world: int
@@ -107,6 +111,11 @@ class Layout:
     trl: bool = False
     flash: bool = False
     no_cache: bool = False
+    at_least_one: bool = False
+
+
+DUMMY_LENGTH = 16
+"""Tokens of the zero-loss microbatch of :attr:`Layout.at_least_one`."""
 
 
 def steps_per_epoch(rows: int, layout: Layout) -> int:
@@ -265,8 +274,13 @@ class StepDataset(torch.utils.data.Dataset[Any]):
                               "minibatches, expected 1")
         ranks = plan.minibatches[0]
         mine = [pack([samples[i] for i in mb], layout) for mb in ranks[layout.rank]]
+        rank_tokens = sum(int(mb["input_ids"].numel()) for mb in mine)
+        dummy = 0
+        if not mine and layout.at_least_one:
+            mine = [pack([(samples[0][0][:1].repeat(DUMMY_LENGTH), torch.full((DUMMY_LENGTH,), -100))], layout)]
+            dummy = DUMMY_LENGTH
         return Step(microbatches=mine, tokens=sum(loss_tokens(labels) for _, labels in samples),
-                    count=sum(len(r) for r in ranks), rank_tokens=sum(int(mb["input_ids"].numel()) for mb in mine))
+                    count=sum(len(r) for r in ranks), rank_tokens=rank_tokens, dummy=dummy)
 
 
 def first(batch: list[Any]) -> Any:

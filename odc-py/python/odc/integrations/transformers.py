@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` and TRL's ``SFTTrainer`` on ODC: ``odc.integrations.transformers.enable(trainer)``.
+"""Hugging Face ``Trainer``, TRL's ``SFTTrainer`` and ``GRPOTrainer`` on ODC: ``odc.integrations.transformers.enable``.
 
 A ``Trainer`` runs ``gradient_accumulation_steps`` microbatches per rank per
 optimizer step and decides when to step from a global microbatch counter, so
@@ -48,7 +48,18 @@ accelerate, no FSDP, tensor, context and sequence parallelism, HSDP
 parameter offload, an iterable dataset, ``auto_find_batch_size``, a sampling
 strategy other than ``random`` or ``sequential``,
 ``average_tokens_across_devices=False``, a loss that is not normalized by
-``num_items_in_batch``, and TRL trainers other than ``SFTTrainer``.
+``num_items_in_batch``, and TRL trainers other than ``SFTTrainer`` and
+``GRPOTrainer``.
+
+TRL's ``GRPOTrainer`` keeps its own loader, generation (once per optimizer
+step, at the step's first batch), rewards and advantages; at the step's last
+batch each rank runs its own completions in as few microbatches as a token
+budget allows, its count its own, with TRL's loss normalized over the whole
+step (:mod:`._hf_grpo`, which also lists what it refuses).
+
+``enable(trainer, accumulation="fsdp2-accum")`` runs the same plan without
+ODC, under FSDP2's own gradient accumulation: the baseline ``odc-bench
+trainer`` measures ODC against.
 
 On CPU ranks (``use_cpu=True``) accelerate 1.15 turns FSDP off whatever its
 config says (its FSDP is for accelerators); :func:`enable` turns accelerate's
@@ -65,6 +76,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -74,10 +86,11 @@ import torch.distributed as dist
 from .. import fsdp as odc_fsdp
 from .. import packing
 from ..errors import ConfigError, PackingError, ProtocolError
-from . import _hf_data
+from . import _hf_data, _hf_grpo
 from ._guard import import_trainer
 
-__all__ = ["ACCELERATE_VERSIONS_CHECKED", "TRANSFORMERS_VERSIONS_CHECKED", "TRL_VERSIONS_CHECKED", "enable"]
+__all__ = ["ACCELERATE_VERSIONS_CHECKED", "FSDP2_ACCUM", "TRANSFORMERS_VERSIONS_CHECKED", "TRL_VERSIONS_CHECKED",
+           "enable"]
 
 TRANSFORMERS_VERSIONS_CHECKED = ("5.9.0", "5.24.0")
 """transformers versions whose ``Trainer`` this module was checked against (another one warns)."""
@@ -87,13 +100,16 @@ TRL_VERSIONS_CHECKED = ("1.16.0",)
 """TRL versions whose ``SFTTrainer`` this module was checked against (another one warns)."""
 
 _ADVICE = "compare a few steps against the same trainer without ODC"
+FSDP2_ACCUM = "fsdp2-accum"
+"""``enable``'s ``accumulation`` without ODC: LB-Mini's plan under FSDP2's own gradient accumulation."""
 _WHAT = "odc.integrations.transformers"
 
 
 def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-mini",
            cost: str | packing.CostFit = "quadratic", timeout: float | None = None,
-           transport: str | None = None) -> Any:
-    """Makes ``trainer`` (a ``transformers.Trainer`` or ``trl.SFTTrainer``, or a subclass) train on ODC.
+           transport: str | None = None, accumulation: str = "odc") -> Any:
+    """Makes ``trainer`` (a ``transformers.Trainer``, ``trl.SFTTrainer`` or ``trl.GRPOTrainer``, or a subclass) train
+    on ODC.
 
     Call on every rank, after building the trainer and before ``trainer.train()``. The trainer is changed in
     place (its class becomes a subclass of its own) and returned. Calling it again does nothing.
@@ -110,6 +126,12 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
             :class:`odc.packing.CostFit`).
         timeout: seconds any wait on a peer may take (default: as ``odc.fsdp.enable``).
         transport: as ``odc.fsdp.enable``.
+        accumulation: ``"odc"``, or ``"fsdp2-accum"``: the same plan without ODC, under FSDP2's own gradient
+            accumulation (``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` on all but
+            each rank's last microbatch, so that every rank makes one reduce-scatter per group whatever its count;
+            a rank the plan gives nothing runs one zero-loss microbatch). Pair it with
+            ``fsdp_config={"reshard_after_forward": False}`` for one all-gather per group per step: ZeRO-2's
+            memory. The baseline ``odc-bench trainer`` measures ODC against; ``Trainer`` and ``SFTTrainer`` only.
 
     Returns:
         The same trainer.
@@ -120,24 +142,37 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
     trainer_cls = _imports()
     if not isinstance(trainer, trainer_cls):
         raise ConfigError(f"{_WHAT}.enable takes a transformers.Trainer; got {type(trainer).__name__}")
-    if isinstance(trainer, _OdcTrainer):
+    if isinstance(trainer, (_OdcTrainer, _OdcGRPOTrainer)):
         return trainer
     if strategy not in packing.STRATEGIES or strategy == "verl-native":
         raise ConfigError(f"{_WHAT}: strategy={strategy!r}; one of 'lb-mini', 'lb-micro', 'local-sort'")
+    if accumulation not in ("odc", FSDP2_ACCUM):
+        raise ConfigError(f"{_WHAT}: accumulation={accumulation!r}; 'odc' or {FSDP2_ACCUM!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ConfigError(f"{_WHAT}: max_tokens={max_tokens!r}; a positive number of tokens, or None")
     try:  # the cost model's name, checked before the first step plans with it
         packing.plan([1], world_size=1, minibatch_size=1, strategy=strategy, max_tokens=1, cost=cost)
     except PackingError as e:
         raise ConfigError(f"{_WHAT}: cost={cost!r}: {e}") from None
-    trl = _trl_kind(trainer)
+    kind = _trl_kind(trainer)
     _fsdp_on_cpu(trainer)
     _refuse(trainer)
+    if kind == "grpo":
+        if accumulation != "odc":
+            raise ConfigError(f"{_WHAT}: accumulation={accumulation!r} is for Trainer and SFTTrainer; GRPOTrainer "
+                              "runs on ODC")
+        _hf_grpo.refuse(trainer)
+    if accumulation == FSDP2_ACCUM and getattr(trainer.accelerator.state.fsdp_plugin, "reshard_after_forward",
+                                               None) is not False:
+        raise ConfigError(f"{_WHAT}: accumulation={FSDP2_ACCUM!r} needs fsdp_config={{'reshard_after_forward': False}} "
+                          "(accelerate's fsdp_reshard_after_forward: false): each rank gathers once per step, whatever "
+                          "its microbatch count")
     args = trainer.args
-    rows_limit = getattr(args, "max_length", None) if trl else None
+    rows_limit = getattr(args, "max_length", None) if kind == "sft" else None
     trainer._odc = _Settings(max_tokens=max_tokens, row_limit=rows_limit, strategy=strategy, cost=cost,
-                             timeout=timeout, transport=transport, trl=trl)
-    trainer.__class__ = _subclass(type(trainer))
+                             timeout=timeout, transport=transport, trl=kind == "sft",
+                             accum=accumulation == FSDP2_ACCUM)
+    trainer.__class__ = _subclass(type(trainer), _OdcGRPOTrainer if kind == "grpo" else _OdcTrainer)
     return trainer
 
 
@@ -152,8 +187,12 @@ class _Settings:
     timeout: float | None
     transport: str | None
     trl: bool
+    accum: bool = False  # FSDP2's own accumulation instead of ODC
     sampler: _hf_data.StepSampler | None = None
     optimizer: Any = None
+    started: float = 0.0  # GRPO: when the step's first batch began
+    calls: int = 0  # GRPO: the Trainer's batches so far (its step's position)
+    rollout: Any = None  # GRPO: this rank's completions of the step, generated at its first batch
 
 
 def _imports() -> Any:
@@ -164,20 +203,23 @@ def _imports() -> Any:
     return Trainer
 
 
-def _trl_kind(trainer: Any) -> bool:
-    """Whether ``trainer`` is TRL's ``SFTTrainer`` (or a subclass); other TRL trainers are refused."""
+def _trl_kind(trainer: Any) -> str | None:
+    """``"sft"`` for TRL's ``SFTTrainer``, ``"grpo"`` for its ``GRPOTrainer`` (or a subclass), None for a trainer of
+    transformers; other TRL trainers are refused."""
     trl_classes = [c for c in type(trainer).__mro__ if c.__module__.split(".", 1)[0] == "trl"]
     if not trl_classes:
-        return False
+        return None
     import_trainer("trl", TRL_VERSIONS_CHECKED, _ADVICE, extra="hf", integration=_WHAT)
-    from trl import SFTTrainer
+    from trl import GRPOTrainer, SFTTrainer
 
-    if not isinstance(trainer, SFTTrainer):
-        raise ConfigError(
-            f"{_WHAT}: {trl_classes[0].__name__} is not supported (its step is not a loss over dataset rows that "
-            "can be packed); TRL's SFTTrainer is"
-        )
-    return True
+    if isinstance(trainer, SFTTrainer):
+        return "sft"
+    if isinstance(trainer, GRPOTrainer):
+        return "grpo"
+    raise ConfigError(
+        f"{_WHAT}: {trl_classes[0].__name__} is not supported (its step is not a loss over dataset rows that "
+        "can be packed); TRL's SFTTrainer and GRPOTrainer are"
+    )
 
 
 def _fsdp_on_cpu(trainer: Any) -> None:
@@ -289,7 +331,8 @@ class _OdcTrainer:
             calls=calls, shuffle=args.train_sampling_strategy == "random",
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
             max_tokens=row, rows_per_device=args.per_device_train_batch_size, strategy=s.strategy, cost=s.cost,
-            trl=s.trl, flash="flash" in attention, no_cache=getattr(config, "use_cache", None) is not None)
+            trl=s.trl, flash="flash" in attention, no_cache=getattr(config, "use_cache", None) is not None,
+            at_least_one=s.accum)
         steps = _hf_data.steps_per_epoch(len(dataset), layout)
         if steps < 1:
             raise ConfigError(f"{_WHAT}: {len(dataset)} rows make no step of {layout.rows_per_step} rows "
@@ -335,8 +378,13 @@ class _OdcTrainer:
         # Per-microbatch terms that are means (a MoE router's aux loss) average over the step's microbatches.
         trainer.current_gradient_accumulation_steps = max(inputs.count, 1) / trainer.args.world_size
         loss = torch.zeros((), device=trainer.args.device)
+        accum = self._odc.accum
         with _sft_metrics(trainer, model, inputs) if self._odc.trl else contextlib.nullcontext():
-            for mb in inputs.microbatches:
+            for j, mb in enumerate(inputs.microbatches):
+                if accum:  # one reduce-scatter per group, at this rank's last microbatch
+                    last = j == len(inputs.microbatches) - 1
+                    model.set_requires_gradient_sync(last)
+                    model.set_reshard_after_backward(last)
                 loss = loss + super().training_step(model, mb, num_items_in_batch)  # type: ignore[misc]
         return loss
 
@@ -346,6 +394,8 @@ class _OdcTrainer:
         trainer: Any = self
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         s = self._odc
+        if s.accum:
+            return
         if odc_fsdp.is_enabled(model):
             if s.optimizer is optimizer:
                 return
@@ -376,14 +426,65 @@ class _OdcTrainer:
         trainer.state.num_input_tokens_seen += int(trainer.accelerator.gather(count).sum().item())
 
 
-_SUBCLASSES: dict[type, type] = {}
+class _OdcGRPOTrainer:
+    """The methods :func:`enable` puts in front of TRL's ``GRPOTrainer`` (see :mod:`._hf_grpo`): TRL's own loader
+    and generation, then this rank's completions in its own microbatches at the step's last batch."""
+
+    _odc: _Settings
+
+    def _odc_enable(self, model: Any) -> None:
+        _OdcTrainer._odc_enable(cast(Any, self), model)
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        """The step's first batch generates and scores (TRL's ``_generate_and_score_completions``, every rank alike);
+        its last runs this rank's completions; the others run nothing."""
+        trainer: Any = self
+        self._odc_enable(model)
+        s, args = self._odc, trainer.args
+        calls = args.gradient_accumulation_steps
+        call, s.calls = s.calls % calls, s.calls + 1
+        if call == 0:
+            s.started = time.perf_counter()
+            model.train()
+            s.rollout = trainer._generate_and_score_completions(inputs)
+        if call < calls - 1:
+            return torch.zeros((), device=args.device)
+        rollout, s.rollout = s.rollout, None
+        lengths = [int(rollout["prompt_ids"].shape[1]) + n for n in _hf_grpo.completion_lengths(rollout)]
+        longest = getattr(trainer, "max_completion_length", None) or int(rollout["completion_ids"].shape[1])
+        budget = s.max_tokens or args.per_device_train_batch_size * (int(rollout["prompt_ids"].shape[1]) + longest)
+        plan = _hf_grpo.plan_rows(lengths, budget)
+        from transformers import Trainer
+
+        loss = torch.zeros((), device=args.device)
+        held = trainer.current_gradient_accumulation_steps
+        try:
+            with _hf_grpo.local_metrics(trainer, lambda: odc_fsdp.finish(model), len(plan),
+                                        ", ".join(TRL_VERSIONS_CHECKED)):
+                for rows in plan:
+                    trainer.current_gradient_accumulation_steps = _hf_grpo.accumulation(
+                        trainer.loss_type, args.steps_per_generation, len(lengths) * args.world_size,
+                        args.world_size, len(rows))
+                    loss = loss + Trainer.training_step(trainer, model, _hf_grpo.select(rollout, rows), None)
+        finally:
+            trainer.current_gradient_accumulation_steps = held
+        trainer._metrics["train"]["step_time"].append(time.perf_counter() - s.started)
+        return loss
+
+    def _prepare_inputs(self, inputs: Any) -> Any:
+        if isinstance(inputs, _hf_grpo.Ready):
+            return inputs
+        return super()._prepare_inputs(inputs)  # type: ignore[misc]
 
 
-def _subclass(cls: type) -> type:
-    """``cls`` with :class:`_OdcTrainer` in front (one class per trainer class)."""
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(f"Odc{cls.__name__}", (_OdcTrainer, cls), {"__module__": cls.__module__})
-    return _SUBCLASSES[cls]
+_SUBCLASSES: dict[tuple[type, type], type] = {}
+
+
+def _subclass(cls: type, front: type) -> type:
+    """``cls`` with ``front`` in front (one class per trainer class)."""
+    if (cls, front) not in _SUBCLASSES:
+        _SUBCLASSES[cls, front] = type(f"Odc{cls.__name__}", (front, cls), {"__module__": cls.__module__})
+    return _SUBCLASSES[cls, front]
 
 
 @contextlib.contextmanager
@@ -420,10 +521,12 @@ def _sft_metrics(trainer: Any, model: Any, step: _hf_data.Step) -> Iterator[None
     sums[0] = ran
     for i, value in enumerate(seen):
         sums[1 + i % per] += value
+    sums[4] -= step.dummy  # a zero-loss microbatch's tokens are not the step's
     sums = sums.to(trainer.args.device)
     # Finished first: a rank that ran nothing has published nothing of this minibatch yet, and its peers' gathers
     # wait for that while it would wait in the all-reduce. The clip's read of the gradients comes next anyway.
-    odc_fsdp.finish(model)
+    if odc_fsdp.is_enabled(model):
+        odc_fsdp.finish(model)
     dist.all_reduce(sums)  # once per step, on every rank
     sums = sums.cpu()
     for key in list(metrics):
