@@ -55,13 +55,7 @@ FIGURES: dict[str, tuple[tuple[str, ...], str | None]] = {
 # Files a page renders that no run has written yet: the command that writes each, and a guess at its time. Until
 # the file exists the page shows that command in the table's place and the check lists the file with the others
 # (an entry whose file exists is not used).
-PENDING: dict[str, tuple[str, float]] = {
-    "bench/elastic-timings.json": (
-        "scripts/elastic-timings.py --kills 20 --seed 1 --json docs/bench/elastic-timings.json", 15 * 60.0),
-    "bench/trainer.json": (
-        "odc-bench trainer --sweep minibatch-size=4,8,16 --repeats 3 --json docs/bench/trainer.json "
-        "--plot docs/trainer.png", 30 * 60.0),
-}
+PENDING: dict[str, tuple[str, float]] = {}
 FRONT_PAGES = ("README.md", "docs/index.md")  # a figure on these is shown first
 OUTPUT_FLAGS = ("--json", "-J")
 PLOT_FLAGS = ("--plot",)
