@@ -190,8 +190,11 @@ def run_ranks(fn: Callable[..., Any], world: int, timeout: float = 120.0, fresh:
         if p.is_alive():
             p.kill()
             p.join()
-        if p.exitcode is not None and p.exitcode < 0 and p.exitcode != -signal.SIGKILL:
-            # Its own death (SIGKILL is how the harness and the tests end a rank): never quiet, also after a report.
+        # SIGKILL is how the harness and the tests end a rank, and a rank the harness found hung may die of the
+        # SIGUSR1 it sent before it is killed: those are hung. Any other signal is the rank's own death: never
+        # quiet, also after a report.
+        sent = -signal.SIGUSR1 if p in hung else -signal.SIGKILL
+        if p.exitcode is not None and p.exitcode < 0 and p.exitcode not in (-signal.SIGKILL, sent):
             name = signal.Signals(-p.exitcode).name
             print(f"run_ranks: rank {r} (pid {p.pid}) died of {name} (exit code {p.exitcode}), "
                   f"{'after it reported' if r in results else 'before reporting'}", file=sys.stderr, flush=True)
