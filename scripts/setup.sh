@@ -7,7 +7,8 @@
 #                              the GPU checks load, torchtitan 0.3.0 with the packages it pulls, TRL 1.16.0 and
 #                              accelerate 1.15.0 (fsdp-odc[hf])
 #   scripts/setup.sh torch211  .venv-torch211: verl 0.9.1's `cpu` extra as verl resolves it (torch 2.11.0,
-#                              transformers 5.9.0, accelerate 1.15.0, ...) and TRL 1.16.0, pinned in
+#                              transformers 5.9.0, accelerate 1.15.0, ...; no TRL: verl 0.9.1 fails beside
+#                              TRL 1.x, see requirements-torch211.in), pinned in
 #                              scripts/requirements-torch211.txt, plus pytest; the oldest supported torch, and
 #                              verl on its own pins
 set -euo pipefail
@@ -41,7 +42,7 @@ default)
 torch211)
     TORCH_VERSION=2.11.0
     VENV=.venv-torch211
-    # Compiled from scripts/requirements-torch211.in (verl[cpu]==0.9.1, trl==1.16.0, pytest, pytest-timeout; the
+    # Compiled from scripts/requirements-torch211.in (verl[cpu]==0.9.1, pytest, pytest-timeout; the
     # command is in both files' headers).
     PY_PKGS=(-r scripts/requirements-torch211.txt)
     ;;
