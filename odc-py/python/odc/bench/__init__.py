@@ -622,6 +622,23 @@ def _row_progress(bar: Any, kind: str, payload: Any) -> None:
 # -- imbalance ---------------------------------------------------------------------------------------
 
 
+def _minibatch_sizes(args: argparse.Namespace, bench: str) -> list[int]:
+    """The minibatch sizes of ``--sweep minibatch-size=A,B,...`` (else ``[--minibatch-size]``); a UsageError naming
+    what is wrong (``bench``: the subcommand, for the message)."""
+    if not args.sweep:
+        return [args.minibatch_size]
+    name, _, raw = args.sweep.partition("=")
+    if name.strip() != "minibatch-size":
+        raise UsageError(f"--sweep {name.strip()!r}: odc-bench {bench} sweeps minibatch-size only")
+    try:
+        sizes = [int(v) for v in raw.split(",")]
+    except ValueError:
+        raise UsageError(f"--sweep {args.sweep!r}: not a list of integers") from None
+    if not sizes or any(v < 1 for v in sizes):
+        raise UsageError(f"--sweep {args.sweep!r}: minibatch sizes must be positive")
+    return sizes
+
+
 def _input_lengths(args: argparse.Namespace, default_spec: str) -> tuple[list[int], str | None]:
     """The lengths of ``--lengths FILE`` or ``--synthetic SPEC`` (else ``default_spec``), and the spec (None for a
     file)."""

@@ -36,6 +36,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         _check_outputs,
         _check_straggler,
         _input_lengths,
+        _minibatch_sizes,
         _parse_configs,
         _progress_flag,
         _title,
@@ -63,17 +64,7 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
         raise UsageError(f"--minibatches {args.minibatches}: need at least {minimum} (minibatch 0 is not timed)")
     base, spec = _input_lengths(args, DEFAULT_SYNTHETIC)
     src = f"--lengths {args.lengths}" if spec is None else f"--synthetic {spec}"
-    sizes = [args.minibatch_size]
-    if args.sweep:
-        name, _, raw = args.sweep.partition("=")
-        if name.strip() != "minibatch-size":
-            raise UsageError(f"--sweep {name.strip()!r}: odc-bench train sweeps minibatch-size only")
-        try:
-            sizes = [int(v) for v in raw.split(",")]
-        except ValueError:
-            raise UsageError(f"--sweep {args.sweep!r}: not a list of integers") from None
-        if any(v < 1 for v in sizes):
-            raise UsageError(f"--sweep {args.sweep!r}: minibatch sizes must be positive")
+    sizes = _minibatch_sizes(args, "train")
     points = []
     for m in sizes:
         n = args.minibatches * m * world

@@ -286,7 +286,7 @@ def command(args: argparse.Namespace, spec: Any) -> int:
     """Runs ``odc-bench trainer`` (the parsed command line, the model); returns the exit status."""
     import dataclasses
 
-    from . import _check_outputs, _input_lengths, _progress_flag, _title, launch
+    from . import _check_outputs, _input_lengths, _minibatch_sizes, _progress_flag, _title, launch
     from .report import Progress, say_written, write_json
 
     world = int(os.environ["WORLD_SIZE"]) if launch.under_torchrun() else args.world
@@ -297,17 +297,7 @@ def command(args: argparse.Namespace, spec: Any) -> int:
         raise UsageError(f"--world {world}: real compute needs a core per rank and this host has {cores}")
     if args.steps < 2:
         raise UsageError(f"--steps {args.steps}: need at least 2 (the first step is not timed)")
-    sizes = [args.minibatch_size]
-    if args.sweep:
-        name, _, raw = args.sweep.partition("=")
-        if name.strip() != "minibatch-size":
-            raise UsageError(f"--sweep {name.strip()!r}: odc-bench trainer sweeps minibatch-size only")
-        try:
-            sizes = [int(v) for v in raw.split(",")]
-        except ValueError:
-            raise UsageError(f"--sweep {args.sweep!r}: not a list of integers") from None
-        if not sizes or any(v < 1 for v in sizes):
-            raise UsageError(f"--sweep {args.sweep!r}: minibatch sizes must be positive")
+    sizes = _minibatch_sizes(args, "trainer")
     _check_outputs(args)
     lengths, synthetic = _input_lengths(args, DEFAULT_SYNTHETIC)
     long = [n for n in lengths if n > args.max_length]
