@@ -76,7 +76,9 @@ def test_odc_fsdp_skip_with_a_hooked_optimizer_makes_every_ranks_step_a_no_op(op
     assert out[0]["warnings"][W.SKIP] == [], out[0]  # the rank that skipped knows
     for rank, res in out.items():
         assert res["skipped"] == [int(s == W.SKIP) for s in range(len(W.SKIP_PLAN))], (rank, res["skipped"])
-        worst, ok = W.close(ref, res["params"], 1e-5)
+        # AdamW divides by sqrt(v): the last-bit differences of a sum in another order grow to ~1e-5 where a
+        # gradient is tiny (seen on torch 2.11). A step on the skipped minibatch's zeros moves parameters by 0.36.
+        worst, ok = W.close(ref, res["params"], 1e-5 if optimizer == "sgd" else 1e-4)
         assert ok, f"rank {rank}: parameters differ from one process that skipped minibatch {W.SKIP} by {worst}"
 
 
