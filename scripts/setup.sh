@@ -123,4 +123,17 @@ if [ ! -f "$built" ] || [ "$(cat "$built")" != "$src_hash" ]; then
     "$UV" pip install -q --python "$VENV/bin/python" --no-deps --reinstall "$editable"/fsdp_odc-*.whl
     printf '%s' "$src_hash" >"$built"
 fi
+# TRL beside verl's environment, for the Hugging Face tests on torch 2.11 only (make pytest-torch211 puts it on
+# PYTHONPATH for those tests alone): verl 0.9.1 fails whenever TRL 1.x is importable (requirements-torch211.in),
+# and TRL's own requirements (accelerate, datasets, transformers) are verl's pins already.
+if [ "$LEG" = torch211 ]; then
+    trl_pin=$(grep -o '"trl==[^"]*"' odc-py/pyproject.toml | tr -d '"')
+    overlay=.venv-torch211-trl
+    if [ "$(cat "$overlay/.odc-pin" 2>/dev/null)" != "$trl_pin" ]; then
+        log "installing $trl_pin into $overlay (beside $VENV, for its Hugging Face tests)"
+        rm -rf "$overlay"
+        "$UV" pip install -q --python "$VENV/bin/python" --no-deps --target "$overlay" "$trl_pin"
+        printf '%s' "$trl_pin" >"$overlay/.odc-pin"
+    fi
+fi
 log "ready: $VENV"

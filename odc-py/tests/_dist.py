@@ -32,6 +32,20 @@ def need_gpu() -> None:
     pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); ODC_REQUIRE_GPU=1 makes this a failure")
 
 
+def need_hf() -> None:
+    """At a module's top: skips the module where fsdp-odc[hf]'s packages (TRL, accelerate, datasets) are missing;
+    under ``ODC_REQUIRE_HF=1`` (make test, on both torch legs) fails it instead."""
+    import pytest
+
+    missing = [p for p in ("trl", "accelerate", "datasets") if importlib.util.find_spec(p) is None]
+    if not missing:
+        return
+    why = f"{', '.join(missing)} not installed here (make setup installs fsdp-odc[hf]'s trl and accelerate)"
+    if os.environ.get("ODC_REQUIRE_HF") == "1":
+        pytest.fail(f"ODC_REQUIRE_HF=1, but {why}", pytrace=False)
+    pytest.skip(f"{why}; ODC_REQUIRE_HF=1 makes this a failure", allow_module_level=True)
+
+
 # Ranks start from a fork server that has imported these once per pytest process: a rank costs a fork, not
 # an interpreter importing torch (5-10 s each on a 2-core machine, the larger part of most tests before).
 # Each rank is still a new process (nothing is shared between cases), with the test's environment as it was

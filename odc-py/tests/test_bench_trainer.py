@@ -8,13 +8,13 @@ import json
 import shlex
 
 import pytest
+from _dist import need_hf
 
 from odc.bench import EXAMPLES, _build_parser, main, trainer
 
-for _package in ("trl", "accelerate", "datasets"):
-    if importlib.util.find_spec(_package) is None:
-        pytest.skip(f"{_package} is not installed here (make setup installs fsdp-odc[hf]'s trl and accelerate)",
-                    allow_module_level=True)
+pytestmark = pytest.mark.hf
+
+need_hf()
 
 # A literal, as test_harness.py reads it; the bench's ranks import the same.
 RANK_PRELOAD = ["torch.distributed.fsdp", "transformers.trainer", "accelerate", "datasets", "trl",

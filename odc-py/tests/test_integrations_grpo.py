@@ -11,20 +11,15 @@ completions and advantages the run generated (``_grpo_worker.reference``), for t
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
-from _dist import run_ranks
+from _dist import need_hf, run_ranks
 
 from odc import ConfigError
 
-pytestmark = pytest.mark.torch_versions
+pytestmark = [pytest.mark.torch_versions, pytest.mark.hf]
 
-for _package in ("trl", "accelerate", "datasets"):
-    if importlib.util.find_spec(_package) is None:
-        pytest.skip(f"{_package} is not installed here (make setup installs fsdp-odc[hf]'s trl and accelerate)",
-                    allow_module_level=True)
+need_hf()
 
 RANK_PRELOAD = ["transformers.trainer", "accelerate", "datasets", "trl", "trl.trainer.grpo_trainer", "_hf_worker",
                 "_grpo_worker"]

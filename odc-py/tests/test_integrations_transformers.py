@@ -12,19 +12,15 @@ mid-run checkpoint is held to the uninterrupted run. Each refused setting names 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
 import pytest
-from _dist import run_ranks
+from _dist import need_hf, run_ranks
 
-pytestmark = pytest.mark.torch_versions
+pytestmark = [pytest.mark.torch_versions, pytest.mark.hf]
 
-for _package in ("trl", "accelerate", "datasets"):
-    if importlib.util.find_spec(_package) is None:
-        pytest.skip(f"{_package} is not installed here (make setup installs fsdp-odc[hf]'s trl and accelerate)",
-                    allow_module_level=True)
+need_hf()
 
 # Imported once by the fork server (conftest.py) instead of in every rank: the Trainer, TRL and datasets take
 # several seconds of CPU each to import.
