@@ -1,4 +1,4 @@
-"""odc-bench trainer: TRL's SFTTrainer three ways at a tiny size on 2 ranks (seconds), the JSON's shape, the arms'
+"""odc-bench trainer: TRL's SFTTrainer four ways at a tiny size on 2 ranks (seconds), the JSON's shape, the arms'
 agreement at step 0, and its errors."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ TINY = ["--world", "2", "--hidden", "32", "--layers", "2", "--heads", "4", "--kv
         "--progress", "off", "--timeout", "120"]
 
 
-def test_trainer_runs_three_arms_on_the_same_samples(tmp_path, capsys):
+def test_trainer_runs_four_arms_on_the_same_samples(tmp_path, capsys):
     out, png = tmp_path / "trainer.json", tmp_path / "trainer.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") is not None else []  # not on every leg
     code = main(["trainer", *TINY, "--sweep", "minibatch-size=3", "--steps", "3", "--repeats", "2",
@@ -43,7 +43,7 @@ def test_trainer_runs_three_arms_on_the_same_samples(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     doc = json.loads(out.read_text())
-    assert doc["bench"] == "trainer" and doc["arms"] == ["trl-default", "odc+lb-mini", "fsdp2-accum"]
+    assert doc["bench"] == "trainer" and doc["arms"] == ["trl-default", "odc+lb-mini", "odc-accum", "fsdp2-accum"]
     assert doc["baseline"] == "trl-default" and doc["world"] == 2
     prov = doc["provenance"]
     assert prov["command"].startswith("odc-bench trainer") and "load" in prov and "commit" in prov
@@ -65,7 +65,10 @@ def test_trainer_runs_three_arms_on_the_same_samples(tmp_path, capsys):
         assert all(c == [m] * 3 for c in trl), trl
         assert all(min(c) >= 1 for c in p["arms"]["fsdp2-accum"]["microbatches"])
         assert p["arms"]["odc+lb-mini"]["odc_shm"] > 0 and p["arms"]["trl-default"]["odc_shm"] is None
-        # Same rows, same weights: the three arms' losses at step 0 agree (up to the order of float sums).
+        assert p["arms"]["odc-accum"]["odc_shm"] > 0 and p["arms"]["fsdp2-accum"]["odc_shm"] is None
+        # odc-accum runs ODC's plan: the same counts as odc+lb-mini, a rank with none included.
+        assert p["arms"]["odc-accum"]["microbatches"] == p["arms"]["odc+lb-mini"]["microbatches"]
+        # Same rows, same weights: the arms' losses at step 0 agree (up to the order of float sums).
         zero = [p["arms"][arm]["losses"][0] for arm in doc["arms"]]
         assert max(zero) - min(zero) <= 1e-5 * abs(zero[0]), zero
         assert p["same_samples"] and p["step0_loss_spread"] <= trainer.SAME_SAMPLES_TOLERANCE

@@ -55,7 +55,8 @@ def two(tmp_path_factory):
              {"name": "resumed", "kind": "trainer", "steps": STEPS, "resume": checkpoint},
              {"name": "sft-packed", "kind": "sft-packed", "steps": STEPS},
              {"name": "sft", "kind": "sft", "steps": STEPS},
-             {"name": "sft-packed-accum", "kind": "sft-packed", "steps": STEPS, "accumulation": "fsdp2-accum"}]
+             {"name": "sft-packed-accum", "kind": "sft-packed", "steps": STEPS, "accumulation": "fsdp2-accum"},
+             {"name": "sft-packed-odc-accum", "kind": "sft-packed", "steps": STEPS, "accumulation": "odc-accum"}]
     return _suite(2, root, cases, refusals=True)
 
 
@@ -136,6 +137,14 @@ def test_the_same_plan_on_fsdp2_accumulation_matches_one_process(two):
     assert any(len(set(s)) > 1 for s in steps), steps  # and uneven counts
     odc_counts = [two[r]["sft-packed"]["counts"] for r in range(2)]
     assert any(0 in s for s in zip(*odc_counts, strict=True))  # where ODC's plan gave a rank nothing: the dummy ran
+
+
+def test_odc_with_fsdp2_accumulation_matches_one_process(two):
+    """enable(trainer, accumulation="odc-accum"): each rank accumulates its microbatches as FSDP2 does and pushes
+    once on ODC; a rank the plan gives nothing runs nothing (no zero-loss microbatch, unlike fsdp2-accum)."""
+    counts = _same_as_one_process(two, "sft-packed-odc-accum", "sft-packed", 2)
+    assert counts == [two[r]["sft-packed"]["counts"] for r in range(2)], counts  # "odc"'s plan, ranks with none too
+    _uneven(counts)
 
 
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(two):

@@ -370,10 +370,12 @@ def _train_parser(sub: Any) -> None:
 def _trainer_parser(sub: Any) -> None:
     from .trainer import DEFAULT_SYNTHETIC as TRAINER_SYNTHETIC
 
-    tr = sub.add_parser("trainer", help="TRL's SFTTrainer: its best default, + ODC + LB-Mini, LB-Mini on fsdp2-accum",
+    tr = sub.add_parser("trainer", help="TRL's SFTTrainer: its best default, + ODC + LB-Mini (with and without FSDP2's "
+                                        "accumulation), LB-Mini on fsdp2-accum",
                         description="The same SFTTrainer job (packing bfd + padding_free, a tiny Qwen2 from a config, "
-                                    "real compute) three ways, interleaved: TRL's best default, that plus "
-                                    "odc.integrations.transformers.enable (ODC + LB-Mini), and LB-Mini's plan under "
+                                    "real compute) four ways, interleaved: TRL's best default, that plus "
+                                    "odc.integrations.transformers.enable (ODC + LB-Mini), the same with FSDP2's own "
+                                    "accumulation (odc-accum: one push per step), and LB-Mini's plan without ODC under "
                                     "FSDP2's own accumulation (fsdp2-accum). Time per optimizer step, peak memory "
                                     "per rank, loss curves, ratios against TRL's default in the same run.",
                         epilog=EXAMPLES["trainer"], formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,4 +1,4 @@
-"""``odc-bench trainer``: the same TRL ``SFTTrainer`` job three ways, as a user runs it.
+"""``odc-bench trainer``: the same TRL ``SFTTrainer`` job four ways, as a user runs it.
 
 The job: a causal LM from a tiny config (:func:`odc.bench.train.build_model`: Qwen2, random weights, per-sample
 causal attention over packed rows, what flash-attention's varlen kernels compute on GPUs), samples of LongAlign's
@@ -12,12 +12,15 @@ per optimizer step), FSDP2 through the training arguments (CPU, gloo), constant 
   collectives);
 - ``odc+lb-mini``: the same trainer with ``odc.integrations.transformers.enable(trainer)``: each step's samples
   planned by LB-Mini over the ranks, each rank its own count of microbatches, on ODC;
+- ``odc-accum``: the same on ODC with FSDP2's own accumulation (``enable(trainer, accumulation="odc-accum")`` with
+  ``reshard_after_forward=False``: one gather and one push per group per step and rank, ZeRO-2's memory, a rank
+  with nothing to run runs nothing);
 - ``fsdp2-accum``: the same plan without ODC, under FSDP2's own accumulation
   (``enable(trainer, accumulation="fsdp2-accum")`` with ``reshard_after_forward=False``: one all-gather and one
   reduce-scatter per group per step, at least one microbatch per rank, ZeRO-2's memory).
 
 Every arm trains the same model from the same weights on the same rows, interleaved: for each minibatch size, each
-repeat runs the three arms in an order rotated by the repeat. Reported per arm: the time per optimizer step (rank
+repeat runs the arms in an order rotated by the repeat. Reported per arm: the time per optimizer step (rank
 0's wall time between the ends of the first and the last step, over the steps between: the first step is not
 timed), the peak memory per rank (the process's peak resident set during the arm, Linux ``VmHWM`` reset before the
 arm: on CPU torch's allocator keeps no figures, and ODC's shared-memory segments, counted separately), the loss
@@ -38,8 +41,9 @@ from .report import UsageError
 
 BASELINE = "trl-default"
 ODC = "odc+lb-mini"
+ODC_ACCUM = "odc-accum"
 ACCUM = "fsdp2-accum"
-ARMS = (BASELINE, ODC, ACCUM)
+ARMS = (BASELINE, ODC, ODC_ACCUM, ACCUM)
 DEFAULT_SYNTHETIC = "lognormal:n=4096,median=312,sigma=1.0,max=2048,seed=0"
 """LongAlign's length shape scaled 1/32, as ``odc-bench train``'s."""
 RANK_PRELOAD = ["torch.distributed.fsdp", "transformers.trainer", "accelerate", "datasets", "trl",
@@ -107,13 +111,15 @@ def _arm(ctx: Any, arm: str, spec: Any, dataset: Any, minibatch: int, steps: int
         disable_tqdm=True, train_sampling_strategy="sequential", dataloader_num_workers=0,
         packing=True, packing_strategy="bfd", padding_free=True, max_length=max_length, dataset_num_proc=None,
         fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
-                                "reshard_after_forward": arm != ACCUM})
+                                "reshard_after_forward": arm not in (ACCUM, ODC_ACCUM)})
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=_tokenizer(spec.vocab))
     rows = len(trainer.train_dataset)
     if rows < steps * minibatch * ctx.world:
         raise ValueError(f"{rows} packed rows make fewer than {steps} steps of {minibatch} rows on {ctx.world} ranks")
     if arm == ODC:
         odc_hf.enable(trainer, timeout=timeout)
+    elif arm == ODC_ACCUM:
+        odc_hf.enable(trainer, timeout=timeout, accumulation=odc_hf.ODC_ACCUM)
     elif arm == ACCUM:
         odc_hf.enable(trainer, timeout=timeout, accumulation=odc_hf.FSDP2_ACCUM)
     else:
@@ -253,9 +259,9 @@ def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
 
     plt = require_matplotlib()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.4))
-    width = 0.27
+    width = 0.8 / len(ARMS)
     for i, arm in enumerate(ARMS):
-        xs = [j + (i - 1) * width for j in range(len(points))]
+        xs = [j + (i - (len(ARMS) - 1) / 2) * width for j in range(len(points))]
         ys = [p["arms"][arm]["step_s"] for p in points]
         bars = left.bar(xs, ys, width, color=f"C{i}", label=arm)
         for bar, p in zip(bars, points, strict=True):
@@ -271,7 +277,7 @@ def plot(points: list[dict[str, Any]], path: str, title: str) -> None:
     last = points[-1]
     for i, arm in enumerate(ARMS):
         losses = last["arms"][arm]["losses"]
-        right.plot(range(len(losses)), losses, color=f"C{i}", label=arm, lw=1.2, ls=("-", "--", ":")[i])
+        right.plot(range(len(losses)), losses, color=f"C{i}", label=arm, lw=1.2, ls=("-", "--", "-.", ":")[i])
     right.set_xlabel("optimizer step")
     right.set_ylabel("loss")
     right.set_title(f"loss, M={last['minibatch_size']}", fontsize=9)

@@ -59,7 +59,11 @@ step (:mod:`._hf_grpo`, which also lists what it refuses).
 
 ``enable(trainer, accumulation="fsdp2-accum")`` runs the same plan without
 ODC, under FSDP2's own gradient accumulation: the baseline ``odc-bench
-trainer`` measures ODC against.
+trainer`` measures ODC against. ``accumulation="odc-accum"`` is both: each
+rank accumulates its own microbatches' gradients as FSDP2 does and pushes
+them on ODC once, at its last microbatch (ZeRO-2's gradient memory, one
+push per step, and still no collective: a rank the plan gives nothing runs
+nothing).
 
 On CPU ranks (``use_cpu=True``) accelerate 1.15 turns FSDP off whatever its
 config says (its FSDP is for accelerators); :func:`enable` turns accelerate's
@@ -89,8 +93,8 @@ from ..errors import ConfigError, PackingError, ProtocolError
 from . import _hf_data, _hf_grpo
 from ._guard import import_trainer
 
-__all__ = ["ACCELERATE_VERSIONS_CHECKED", "FSDP2_ACCUM", "TRANSFORMERS_VERSIONS_CHECKED", "TRL_VERSIONS_CHECKED",
-           "enable"]
+__all__ = ["ACCELERATE_VERSIONS_CHECKED", "FSDP2_ACCUM", "ODC_ACCUM", "TRANSFORMERS_VERSIONS_CHECKED",
+           "TRL_VERSIONS_CHECKED", "enable"]
 
 TRANSFORMERS_VERSIONS_CHECKED = ("5.9.0", "5.24.0")
 """transformers versions whose ``Trainer`` this module was checked against (another one warns)."""
@@ -102,6 +106,9 @@ TRL_VERSIONS_CHECKED = ("1.16.0",)
 _ADVICE = "compare a few steps against the same trainer without ODC"
 FSDP2_ACCUM = "fsdp2-accum"
 """``enable``'s ``accumulation`` without ODC: LB-Mini's plan under FSDP2's own gradient accumulation."""
+ODC_ACCUM = "odc-accum"
+"""``enable``'s ``accumulation`` on ODC with FSDP2's own accumulation: one push per group per step and rank."""
+_ACCUMULATIONS = ("odc", ODC_ACCUM, FSDP2_ACCUM)
 _WHAT = "odc.integrations.transformers"
 
 
@@ -132,6 +139,10 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
             a rank the plan gives nothing runs one zero-loss microbatch). Pair it with
             ``fsdp_config={"reshard_after_forward": False}`` for one all-gather per group per step: ZeRO-2's
             memory. The baseline ``odc-bench trainer`` measures ODC against; ``Trainer`` and ``SFTTrainer`` only.
+            ``"odc-accum"``: on ODC, with the same toggles: each rank's gradients accumulate unsharded over its
+            microbatches and are pushed once, at its last one (ZeRO-2's gradient memory, one push per group per
+            step); a rank the plan gives nothing runs nothing, as under ``"odc"``. ``Trainer`` and
+            ``SFTTrainer`` only.
 
     Returns:
         The same trainer.
@@ -146,8 +157,8 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
         return trainer
     if strategy not in packing.STRATEGIES or strategy == "verl-native":
         raise ConfigError(f"{_WHAT}: strategy={strategy!r}; one of 'lb-mini', 'lb-micro', 'local-sort'")
-    if accumulation not in ("odc", FSDP2_ACCUM):
-        raise ConfigError(f"{_WHAT}: accumulation={accumulation!r}; 'odc' or {FSDP2_ACCUM!r}")
+    if accumulation not in _ACCUMULATIONS:
+        raise ConfigError(f"{_WHAT}: accumulation={accumulation!r}; one of {', '.join(map(repr, _ACCUMULATIONS))}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
         raise ConfigError(f"{_WHAT}: max_tokens={max_tokens!r}; a positive number of tokens, or None")
     try:  # the cost model's name, checked before the first step plans with it
@@ -171,7 +182,7 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
     rows_limit = getattr(args, "max_length", None) if kind == "sft" else None
     trainer._odc = _Settings(max_tokens=max_tokens, row_limit=rows_limit, strategy=strategy, cost=cost,
                              timeout=timeout, transport=transport, trl=kind == "sft",
-                             accum=accumulation == FSDP2_ACCUM)
+                             accumulation=accumulation)
     trainer.__class__ = _subclass(type(trainer), _OdcGRPOTrainer if kind == "grpo" else _OdcTrainer)
     return trainer
 
@@ -187,7 +198,7 @@ class _Settings:
     timeout: float | None
     transport: str | None
     trl: bool
-    accum: bool = False  # FSDP2's own accumulation instead of ODC
+    accumulation: str = "odc"  # one of _ACCUMULATIONS
     sampler: _hf_data.StepSampler | None = None
     optimizer: Any = None
     started: float = 0.0  # GRPO: when the step's first batch began
@@ -332,7 +343,7 @@ class _OdcTrainer:
             seed=args.data_seed if args.data_seed is not None else args.seed, drop_last=args.dataloader_drop_last,
             max_tokens=row, rows_per_device=args.per_device_train_batch_size, strategy=s.strategy, cost=s.cost,
             trl=s.trl, flash="flash" in attention, no_cache=getattr(config, "use_cache", None) is not None,
-            at_least_one=s.accum)
+            at_least_one=s.accumulation == FSDP2_ACCUM)
         steps = _hf_data.steps_per_epoch(len(dataset), layout)
         if steps < 1:
             raise ConfigError(f"{_WHAT}: {len(dataset)} rows make no step of {layout.rows_per_step} rows "
@@ -378,10 +389,10 @@ class _OdcTrainer:
         # Per-microbatch terms that are means (a MoE router's aux loss) average over the step's microbatches.
         trainer.current_gradient_accumulation_steps = max(inputs.count, 1) / trainer.args.world_size
         loss = torch.zeros((), device=trainer.args.device)
-        accum = self._odc.accum
+        accum = self._odc.accumulation != "odc"
         with _sft_metrics(trainer, model, inputs) if self._odc.trl else contextlib.nullcontext():
             for j, mb in enumerate(inputs.microbatches):
-                if accum:  # one reduce-scatter per group, at this rank's last microbatch
+                if accum:  # one reduce-scatter (push) per group, at this rank's last microbatch
                     last = j == len(inputs.microbatches) - 1
                     model.set_requires_gradient_sync(last)
                     model.set_reshard_after_backward(last)
@@ -394,7 +405,7 @@ class _OdcTrainer:
         trainer: Any = self
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
         s = self._odc
-        if s.accum:
+        if s.accumulation == FSDP2_ACCUM:
             return
         if odc_fsdp.is_enabled(model):
             if s.optimizer is optimizer:
