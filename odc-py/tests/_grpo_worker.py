@@ -32,6 +32,8 @@ LR = 0.2
 CLIP = 1.0
 PER_DEVICE, ACCUM, GENERATIONS = 4, 2, 8
 MAX_TOKENS = 24  # a microbatch's budget: one row of the longest completions, three of the shortest
+SAPO_TEMPERATURES = (1.0, 1.05)  # GRPOConfig's defaults: positive advantages, the others
+CISPO_EPS_MAX = 5.0  # epsilon_high for cispo, as TRL recommends (its default, epsilon, would scale by 0.2)
 
 
 def tokenizer() -> Any:
@@ -94,7 +96,10 @@ def train(rank: int, out_dir: str, steps: int, loss_type: str) -> dict[str, Any]
     import odc.fsdp
     import odc.integrations.transformers as odc_hf
 
-    trainer = make_trainer(out_dir, steps, loss_type=loss_type)
+    extra: dict[str, Any] = {"epsilon_high": CISPO_EPS_MAX} if loss_type == "cispo" else {}
+    trainer = make_trainer(out_dir, steps, loss_type=loss_type, **extra)
+    if loss_type == "sapo":
+        assert (trainer.args.sapo_temperature_pos, trainer.args.sapo_temperature_neg) == SAPO_TEMPERATURES
     odc_hf.enable(trainer, max_tokens=MAX_TOKENS)
     rollouts: list[dict[str, Any]] = []
     generate = trainer._generate_and_score_completions
@@ -186,13 +191,24 @@ def reference(per_rank: list[list[dict[str, Any]]], steps: int, loss_type: str) 
             ids = torch.tensor([prompt + completion])
             logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-            per_token = -advantage * torch.exp(logp - logp.detach())  # the clipped ratio at the on-policy point
-            if loss_type == "dapo":
-                total = total + per_token.sum() / tokens
-            elif loss_type == "grpo":
-                total = total + per_token.mean() / len(rows)
+            ratio = torch.exp(logp - logp.detach())  # the importance ratio at the on-policy point: 1, its gradient
+            if loss_type in ("dapo", "grpo", "luspo", "dr_grpo"):  # the clipped surrogate, unclipped at 1
+                per_token = -advantage * ratio
+            elif loss_type == "sapo":  # the soft gate, temperature by the advantage's sign
+                t = SAPO_TEMPERATURES[0] if advantage > 0 else SAPO_TEMPERATURES[1]
+                per_token = -advantage * torch.sigmoid(t * (ratio - 1)) * 4 / t
+            elif loss_type in ("cispo", "vespo"):  # a detached weight (1 here: eps_max above 1; phi(1) = 1) on logp
+                per_token = -advantage * logp
             else:
                 raise ValueError(loss_type)
+            if loss_type in ("dapo", "cispo", "vespo"):  # over the step's tokens
+                total = total + per_token.sum() / tokens
+            elif loss_type in ("grpo", "sapo"):  # each row's token mean, over the step's rows
+                total = total + per_token.mean() / len(rows)
+            elif loss_type == "luspo":  # each row's token sum, over the step's rows
+                total = total + per_token.sum() / len(rows)
+            else:  # dr_grpo: over rows times the longest a completion may be
+                total = total + per_token.sum() / (len(rows) * MAX_COMPLETION)
         total.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()

@@ -5,8 +5,9 @@ gloo), add ``odc.integrations.transformers.enable(trainer)`` and train two steps
 completions with transformers' ``generate`` (lengths 1 to 12 tokens, different on each rank), then each rank runs
 its own completions in as few microbatches as the token budget allows, so the ranks run different counts. The
 logged loss and grad norm of every step and the final parameters are held to plain torch in one process over the
-completions and advantages the run generated (``_grpo_worker.reference``), for the token-normalized ``dapo`` loss
-(TRL's default) and the per-sequence ``grpo`` loss. Each refused setting names itself.
+completions and advantages the run generated (``_grpo_worker.reference``), for every loss type the integration runs:
+the token-normalized ``dapo`` (TRL's default), ``cispo`` and ``vespo``, and the per-sequence ``grpo``, ``sapo``,
+``luspo`` and ``dr_grpo``. Each refused setting names itself.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ RANK_PRELOAD = ["transformers.trainer", "accelerate", "datasets", "trl", "trl.tr
 
 STEPS = 2
 TOL = 1e-5
-LOSS_TYPES = ["dapo", "grpo"]
+LOSS_TYPES = ["dapo", "grpo", "cispo", "vespo", "sapo", "luspo", "dr_grpo"]  # every one the integration runs
 
 
 @pytest.fixture(scope="module")
