@@ -37,7 +37,7 @@ TESTS_ENV=(CARGO_TARGET_DIR="${GPU_BUNDLE_TARGET:-target/gpu-bundle}" CARGO_PROF
 log() { printf '[gpu-bundle] %s\n' "$*" >&2; }
 
 # The test targets that touch a GPU, NVRTC or NVSHMEM (the rest of the suite runs here, under make test).
-KERNELS_TESTS=(cuda_compile cuda_exact)
+KERNELS_TESTS=(cuda_compile cuda_exact cuda_quant)
 CORE_TESTS=(gpu_device gpu_engine gpu_plane cuda_driver_bindings nvshmem_bindings)
 
 rm -rf "$OUT"

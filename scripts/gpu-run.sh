@@ -151,6 +151,8 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,m
     | sed 's/^/[gpu-run] nvidia-smi: /' | tee -a "$SUMMARY" >&2
 
 step "CUDA kernels bit for bit against the CPU (cuda_exact)" "$BUNDLE/bin/cuda_exact" --test-threads=1 --show-output
+step "block-scaled quantise / dequantise kernels bit for bit against the CPU (cuda_quant)" "$BUNDLE/bin/cuda_quant" \
+    --test-threads=1 --show-output
 step "odc-kernels unit tests on the device (cuda::)" "$BUNDLE/bin/odc_kernels-lib" --test-threads=1 --show-output cuda::
 step "the driver calls against the headers (cuda_driver_bindings)" "$BUNDLE/bin/cuda_driver_bindings" --test-threads=1 --show-output
 step "device memory shared between processes (gpu_device)" "$BUNDLE/bin/gpu_device" --test-threads=1 --show-output

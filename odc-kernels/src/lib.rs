@@ -18,10 +18,14 @@
 //!   elsewhere; [`cpu::reference`] holds the scalar definitions they are
 //!   tested against. [`cpu::exact`] is deterministic mode's add: every
 //!   contribution as a fixed-point integer, so sums do not depend on order.
+//!   [`cpu::quant`] holds the block-scaled formats of compressed chunks
+//!   (bf16, fp8 e4m3, int8 with f32 block scales), their quantise /
+//!   dequantise(-accumulate) kernels and error feedback.
 //! - `cuda` — the same kernels for device memory (`kernels.cu`), compiled
 //!   at run time through NVRTC and launched through cudarc, so the crate
 //!   builds on machines without CUDA; `cuda::probe` names what is missing
-//!   (driver, device, NVRTC) as [`Error::GpuUnavailable`].
+//!   (driver, device, NVRTC) as [`Error::GpuUnavailable`]; `cuda::quant`
+//!   is the block-scaled formats' kernels (`quant.cu`).
 //!
 //! # Quick start
 //!
@@ -89,3 +93,5 @@ pub mod wheels;
 
 pub use dtype::{DType, Element};
 pub use error::{Error, Result, Unavailable};
+/// The `half` crate, whose `bf16` and `f16` are [`Element`]s.
+pub use half;

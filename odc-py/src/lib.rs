@@ -9,6 +9,7 @@
 //! - [`engine`] — `odc-core`: the worker API (`odc._odc.Engine`) and the
 //!   emulated stream of the `emu-ipc` transport (`odc._odc.EmuStream`).
 //! - [`probe`] — what GPU support this process finds (`odc._odc.probe`).
+//! - [`quant`] — block-scaled formats on host buffers (`odc._odc.quantise`, ...).
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
@@ -18,6 +19,7 @@ mod engine;
 mod errors;
 mod packing;
 mod probe;
+mod quant;
 
 /// The native module `odc._odc`.
 #[pymodule]
@@ -27,5 +29,6 @@ fn _odc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     errors::register(m)?;
     probe::register(m)?;
+    quant::register(m)?;
     Ok(())
 }

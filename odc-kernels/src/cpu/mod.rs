@@ -31,6 +31,7 @@ use half::{bf16, f16};
 use crate::{DType, Element, Error, Result};
 
 pub mod exact;
+pub mod quant;
 pub mod reference;
 #[cfg(test)]
 mod tests;

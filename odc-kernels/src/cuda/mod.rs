@@ -30,6 +30,7 @@ use crate::{DType, Error, Result, Unavailable};
 
 mod launch;
 pub mod nvrtc;
+pub mod quant;
 
 pub use cudarc;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};

@@ -1,0 +1,130 @@
+//! Error feedback: the pusher's quantisation residual, per bucket.
+//!
+//! A compressed push loses `t - dequantise(quantise(t))`. Error feedback
+//! keeps that residual on the pusher and adds it to the next push of the
+//! same elements, so over a run nothing is lost: the sum of everything
+//! pushed (dequantised) plus the residual still held equals the sum of the
+//! uncompressed gradients, up to the f32 rounding of each `grad + residual`
+//! (the subtraction `t - dequantised` is exact: the dequantised value is 0
+//! or within a factor of two of `t`).
+//!
+//! Deterministic: a push is a pure function of the gradient, the residual
+//! and the [`Spec`]. A non-finite element is pushed as NaN (see the formats'
+//! NaN rule in [`super`]) and leaves a zero residual, so one overflowed step
+//! (a loss scaler's skipped step) does not poison later pushes.
+//!
+//! This type owns residual memory only; which bytes go to which owner is the
+//! caller's business.
+
+use std::collections::BTreeMap;
+
+use super::{dequantise_accumulate_on, quantise_on, Spec};
+use crate::cpu::Level;
+use crate::{Error, Result};
+
+/// Quantisation residuals of one pusher, one f32 buffer per bucket.
+#[derive(Debug, Clone)]
+pub struct ErrorFeedback {
+    spec: Spec,
+    residuals: BTreeMap<usize, Vec<f32>>,
+}
+
+impl ErrorFeedback {
+    /// No buckets yet; every push uses `spec`.
+    pub fn new(spec: Spec) -> ErrorFeedback {
+        ErrorFeedback {
+            spec,
+            residuals: BTreeMap::new(),
+        }
+    }
+
+    /// The format pushes use.
+    pub fn spec(&self) -> Spec {
+        self.spec
+    }
+
+    /// Gives `bucket` a zero residual of `numel` elements; registering it
+    /// again with the same `numel` keeps its residual.
+    ///
+    /// Errors: [`Error::InvalidArgument`] if `bucket` has another size.
+    pub fn register(&mut self, bucket: usize, numel: usize) -> Result<()> {
+        let held = self
+            .residuals
+            .entry(bucket)
+            .or_insert_with(|| vec![0.0; numel]);
+        if held.len() != numel {
+            return Err(Error::InvalidArgument {
+                op: "ErrorFeedback::register",
+                detail: format!(
+                    "bucket {bucket} holds a residual of {} elements, registered again with {numel}",
+                    held.len()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The residual of `bucket`, if registered.
+    pub fn residual(&self, bucket: usize) -> Option<&[f32]> {
+        self.residuals.get(&bucket).map(Vec::as_slice)
+    }
+
+    /// Zeroes every residual (e.g. when the run's membership changes).
+    pub fn clear(&mut self) {
+        for r in self.residuals.values_mut() {
+            r.fill(0.0);
+        }
+    }
+
+    /// Quantises `grad + residual` for elements `offset..offset +
+    /// grad.len()` of `bucket` into `payload` and `scales` (sized as for
+    /// [`super::quantise`]), and keeps `(grad + residual) - dequantised` as
+    /// the new residual.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for an unregistered bucket, a range
+    /// outside it, or wrongly sized `payload` / `scales` (the residual is
+    /// then unchanged).
+    pub fn push(
+        &mut self,
+        bucket: usize,
+        offset: usize,
+        grad: &[f32],
+        payload: &mut [u8],
+        scales: &mut [f32],
+    ) -> Result<()> {
+        const OP: &str = "ErrorFeedback::push";
+        let spec = self.spec;
+        let n = grad.len();
+        let Some(held) = self.residuals.get_mut(&bucket) else {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                detail: format!("bucket {bucket} is not registered"),
+            });
+        };
+        let Some(residual) = offset
+            .checked_add(n)
+            .and_then(|end| held.get_mut(offset..end))
+        else {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                detail: format!(
+                    "elements {offset}..{offset}+{n} are outside bucket {bucket} ({} elements)",
+                    held.len()
+                ),
+            });
+        };
+        spec.check(OP, n, payload.len(), scales.len())?;
+        let level = Level::current();
+        // t = grad + residual, held in the residual buffer.
+        level.accumulate(residual, grad, 1.0);
+        quantise_on(level, spec, residual, payload, scales)?;
+        // residual = t + (-1) · dequantised = t - dequantised.
+        dequantise_accumulate_on(level, spec, payload, scales, residual, -1.0)?;
+        for r in residual.iter_mut() {
+            if !r.is_finite() {
+                *r = 0.0;
+            }
+        }
+        Ok(())
+    }
+}
