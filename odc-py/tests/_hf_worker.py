@@ -171,7 +171,7 @@ def train(rank: int, kind: str, out_dir: str, steps: int, world: int, on_odc: bo
     import odc.integrations.transformers as odc_hf
 
     extra: dict[str, Any] = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {}
-    if enable.get("accumulation") in (odc_hf.FSDP2_ACCUM, odc_hf.ODC_ACCUM):  # one all-gather per group per step
+    if enable.get("accumulation") in (odc_hf.FSDP2_ACCUM, odc_hf.ACCUM_ON_ODC):  # one all-gather per group per step
         extra["fsdp_config"] = {**arguments(kind, out_dir, steps)["fsdp_config"], "reshard_after_forward": False}
     trainer = make_trainer(kind, world, out_dir, steps, **extra)
     if on_odc:

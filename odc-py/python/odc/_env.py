@@ -166,6 +166,9 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "`1`: a multi-host test that cannot make its network namespaces fails instead of skipping.", "tests"),
     EnvVar("ODC_REQUIRE_VERL", "unset (`make pytest-torch211` sets it)", "`odc-py/tests/test_integrations_verl.py`",
            "`1`: the verl tests fail where verl does not import instead of skipping.", "tests"),
+    EnvVar("ODC_REQUIRE_HF", "unset (`make pytest` and `make pytest-torch211` set it)", "`odc-py/tests/_dist.py`",
+           "`1`: the Hugging Face trainers' tests fail where TRL, accelerate or datasets is missing instead of "
+           "skipping.", "tests"),
     EnvVar("ODC_TEST_SPAWN", "unset: test ranks fork from a server", "`odc-py/tests/_dist.py`, `_netns.py`",
            "`1`: every test rank is a fresh interpreter.", "tests"),
     EnvVar("ODC_ELASTIC_KILLS", "1", "`odc-py/tests/test_elastic.py`",

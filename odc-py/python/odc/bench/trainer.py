@@ -41,9 +41,9 @@ from .report import UsageError
 
 BASELINE = "trl-default"
 ODC = "odc+lb-mini"
-ODC_ACCUM = "odc-accum"
+ACCUM_ON_ODC = "odc-accum"
 ACCUM = "fsdp2-accum"
-ARMS = (BASELINE, ODC, ODC_ACCUM, ACCUM)
+ARMS = (BASELINE, ODC, ACCUM_ON_ODC, ACCUM)
 DEFAULT_SYNTHETIC = "lognormal:n=4096,median=312,sigma=1.0,max=2048,seed=0"
 """LongAlign's length shape scaled 1/32, as ``odc-bench train``'s."""
 RANK_PRELOAD = ["torch.distributed.fsdp", "transformers.trainer", "accelerate", "datasets", "trl",
@@ -111,15 +111,15 @@ def _arm(ctx: Any, arm: str, spec: Any, dataset: Any, minibatch: int, steps: int
         disable_tqdm=True, train_sampling_strategy="sequential", dataloader_num_workers=0,
         packing=True, packing_strategy="bfd", padding_free=True, max_length=max_length, dataset_num_proc=None,
         fsdp=True, fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
-                                "reshard_after_forward": arm not in (ACCUM, ODC_ACCUM)})
+                                "reshard_after_forward": arm not in (ACCUM, ACCUM_ON_ODC)})
     trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=_tokenizer(spec.vocab))
     rows = len(trainer.train_dataset)
     if rows < steps * minibatch * ctx.world:
         raise ValueError(f"{rows} packed rows make fewer than {steps} steps of {minibatch} rows on {ctx.world} ranks")
     if arm == ODC:
         odc_hf.enable(trainer, timeout=timeout)
-    elif arm == ODC_ACCUM:
-        odc_hf.enable(trainer, timeout=timeout, accumulation=odc_hf.ODC_ACCUM)
+    elif arm == ACCUM_ON_ODC:
+        odc_hf.enable(trainer, timeout=timeout, accumulation=odc_hf.ACCUM_ON_ODC)
     elif arm == ACCUM:
         odc_hf.enable(trainer, timeout=timeout, accumulation=odc_hf.FSDP2_ACCUM)
     else:

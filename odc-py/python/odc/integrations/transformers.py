@@ -93,7 +93,7 @@ from ..errors import ConfigError, PackingError, ProtocolError
 from . import _hf_data, _hf_grpo
 from ._guard import import_trainer
 
-__all__ = ["ACCELERATE_VERSIONS_CHECKED", "FSDP2_ACCUM", "ODC_ACCUM", "TRANSFORMERS_VERSIONS_CHECKED",
+__all__ = ["ACCELERATE_VERSIONS_CHECKED", "ACCUM_ON_ODC", "FSDP2_ACCUM", "TRANSFORMERS_VERSIONS_CHECKED",
            "TRL_VERSIONS_CHECKED", "enable"]
 
 TRANSFORMERS_VERSIONS_CHECKED = ("5.9.0", "5.24.0")
@@ -106,9 +106,9 @@ TRL_VERSIONS_CHECKED = ("1.16.0",)
 _ADVICE = "compare a few steps against the same trainer without ODC"
 FSDP2_ACCUM = "fsdp2-accum"
 """``enable``'s ``accumulation`` without ODC: LB-Mini's plan under FSDP2's own gradient accumulation."""
-ODC_ACCUM = "odc-accum"
+ACCUM_ON_ODC = "odc-accum"
 """``enable``'s ``accumulation`` on ODC with FSDP2's own accumulation: one push per group per step and rank."""
-_ACCUMULATIONS = ("odc", ODC_ACCUM, FSDP2_ACCUM)
+_ACCUMULATIONS = ("odc", ACCUM_ON_ODC, FSDP2_ACCUM)
 _WHAT = "odc.integrations.transformers"
 
 
