@@ -24,7 +24,7 @@ LAYERS = [
     {"error", "sync", "topology", "layout", "store", "control", "region", "protocol", "wait", "elastic"},
     {"transport", "plane", "gpu"},
     {"engine"},
-    {"client", "server"},
+    {"client", "server", "weights"},
     {"api", "fuzzing"},
 ]
 FORBIDDEN = {("client", "server"), ("server", "client")}

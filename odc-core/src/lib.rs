@@ -27,6 +27,7 @@
 //! | `client` | the worker API written once over a data path: [`Host`] (host memory) and [`Device`] (device memory on a stream) |
 //! | `server` | the shard server daemon loop |
 //! | `api` | the public [`Engine`]: setup, registration, the daemon's lifetime, accessors, the worker handle of its kind |
+//! | [`weights`] | rollout weights: a trainer rank's K snapshot slots ([`weights::WeightServer`]) and a reader outside the training group that reads a whole version or none ([`weights::WeightReader`]) |
 //!
 //! Data flows one way, and so do the module arrows (`scripts/module-graph.py`
 //! checks it in `make lint`): `api` → `client`, `server` → `engine` →
@@ -165,6 +166,8 @@ pub mod region;
 pub mod transport;
 #[cfg(not(loom))]
 pub mod wait;
+#[cfg(not(loom))]
+pub mod weights;
 
 #[cfg(not(loom))]
 mod api;

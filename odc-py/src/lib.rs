@@ -10,6 +10,8 @@
 //!   emulated stream of the `emu-ipc` transport (`odc._odc.EmuStream`).
 //! - [`probe`] — what GPU support this process finds (`odc._odc.probe`).
 //! - [`quant`] — block-scaled formats on host buffers (`odc._odc.quantise`, ...).
+//! - [`weights`] — rollout weights: `odc._odc.WeightServer` (a trainer rank's
+//!   snapshot slots) and `odc._odc.WeightReader` (a reader outside the group).
 
 #![warn(unsafe_op_in_unsafe_fn)]
 
@@ -20,6 +22,7 @@ mod errors;
 mod packing;
 mod probe;
 mod quant;
+mod weights;
 
 /// The native module `odc._odc`.
 #[pymodule]
@@ -30,5 +33,6 @@ fn _odc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     probe::register(m)?;
     quant::register(m)?;
+    weights::register(m)?;
     Ok(())
 }

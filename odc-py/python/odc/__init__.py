@@ -16,6 +16,8 @@ Modules:
     odc.fsdp: ``odc.fsdp.enable(model, optimizer)``, FSDP2 on ODC (picks
         ``cuda-ipc`` / ``nvshmem`` for CUDA parameters).
     odc.errors: the exception hierarchy rooted at :class:`OdcError`.
+    odc.weights: rollout weights: :class:`WeightReader` reads the versions a
+        trainer serves (``odc.fsdp.serve_weights``) from outside its group.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from .errors import (
     StoreError,
     TransportError,
 )
+from .weights import ReadResult, VersionRefused, WeightReader
 
 
 def probe() -> dict[str, dict[str, object]]:
@@ -108,10 +111,13 @@ __all__ = [
     "PeerError",
     "PeerTimeout",
     "ProtocolError",
+    "ReadResult",
     "RegistrationError",
     "ShmSpaceError",
     "StoreError",
     "TransportError",
+    "VersionRefused",
+    "WeightReader",
     "__version__",
     "errors",
     "packing",

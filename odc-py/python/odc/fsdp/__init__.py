@@ -158,6 +158,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from ..errors import ProtocolError
+from ..weights import serve_weights
 from . import _binding, _engine, _model
 from ._binding import _bound, _live, solo
 from ._clip import clip_grad_norm_
@@ -174,7 +175,7 @@ from ._sum import global_sum
 
 __all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
            "dropped", "elastic_events", "enable", "evaluation", "finish", "global_sum", "is_enabled", "members",
-           "microbatches", "minibatch", "rejoin", "rerun_share", "skip", "skipped"]
+           "microbatches", "minibatch", "rejoin", "rerun_share", "serve_weights", "skip", "skipped"]
 
 
 def is_enabled(model: Any) -> bool:

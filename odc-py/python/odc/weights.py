@@ -1,0 +1,470 @@
+"""Rollout weights: processes outside the training group read the trainer's parameter versions.
+
+A trainer serves its parameters with :func:`serve_weights` (also exported as ``odc.fsdp.serve_weights``); any
+process on the host that knows the job's store and the served name reads them with :class:`WeightReader`::
+
+    # every trainer rank, after fully_shard and before the loop
+    server = odc.fsdp.serve_weights(model, optimizer, name="policy")
+
+    # a rollout worker, an evaluator: not a rank of the training job
+    reader = odc.WeightReader("127.0.0.1:29500", name="policy")
+    got = reader.read(into=inference_model)  # got.version, got.age
+
+How it works (docs/weights.md has the rest). Each trainer rank keeps K snapshot slots (``slots=K``, at least 2) in
+shared memory registered with its own ``shm`` transport. After each optimizer step (its step post-hook) the rank
+copies its parameter shards, as the optimizer left them, into slot ``v mod K`` between two sequence words
+(``begin = v + 1`` before the data, ``end = v + 1`` after). The trainer never reads anything a reader writes, so a
+reader that is slow, late or killed cannot make it wait. A reader takes the newest version every trainer rank
+published, copies every rank's slot one-sidedly, then reads the ``begin`` words again: a slot overwritten meanwhile
+is read again (a newer version), or the read is refused with :class:`VersionRefused` naming the rank and the
+versions. A read is a whole version or nothing, and ``into`` changes only after a whole version arrived.
+
+What goes into the store under ``odc/weights/<name>/``: ``meta`` (the job's segment names, K, every parameter's
+fully qualified name, full shape and dtype) and ``rank<r>`` (rank r's endpoint, slot region and where each of its
+shards lies: element offset in the flattened full parameter, element count, byte offset in the slot). FSDP2 shards
+dim 0 (``Shard(0)``), so a rank's local shard is a contiguous run of the full parameter's flattened elements.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._odc import WeightReader as _Reader
+from ._odc import WeightServer as _Server
+from .errors import ConfigError, LayoutError, OdcError, StoreError, TransportError
+
+__all__ = ["ReadResult", "VersionRefused", "WeightReader", "WeightServer", "serve_weights"]
+
+#: Store keys live under ``f"{STORE_PREFIX}/{name}/"``.
+STORE_PREFIX = "odc/weights"
+_FORMAT = 1
+_ALIGN = 64
+
+
+class VersionRefused(OdcError):
+    """A weight read gave up: the version it read was overwritten on a trainer rank while it was copied.
+
+    Raised by :meth:`WeightReader.read` when a version asked for by number was overwritten, or when reading the
+    latest version found it overwritten ``retries + 1`` times in a row (the reader is slower than K versions of
+    the trainer). ``into`` is unchanged.
+
+    Attributes:
+        owner: the trainer rank whose slot was overwritten.
+        version: the version being read.
+        by: the version that overwrote it.
+        attempts: reads started.
+
+    What to do: read again (the newest version), serve more slots (``serve_weights(slots=K)``), or read faster.
+    """
+
+    def __init__(self, message: str, owner: int = -1, version: int = -1, by: int = -1, attempts: int = 0):
+        super().__init__(message)
+        self.owner, self.version, self.by, self.attempts = owner, version, by, attempts
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """What :meth:`WeightReader.read` got.
+
+    Attributes:
+        version: the version read (the trainer's optimizer steps since :func:`serve_weights`).
+        newest: the newest version any trainer rank had published when the read ended.
+        attempts: reads started (1 when no slot was overwritten under it).
+        seconds: the read's wall time, copy and cast included.
+        tensors: the full parameters by name, when the read was given no ``into``.
+    """
+
+    version: int
+    newest: int
+    attempts: int
+    seconds: float
+    tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def age(self) -> int:
+        """How many versions newer than the one read the trainer had published (0: the newest)."""
+        return self.newest - self.version
+
+
+def _key(name: str, what: str) -> str:
+    return f"{STORE_PREFIX}/{name}/{what}"
+
+
+def _base_store(store: Any) -> Any:
+    """``store`` without its ``PrefixStore`` wrappers: readers reach the job's store by address, unprefixed."""
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    return store
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or any(c.isspace() or c == "/" for c in name):
+        raise ConfigError(f"weights name {name!r}: expected a non-empty string without spaces or '/'")
+
+
+def _wait_keys(store: Any, keys: list[str], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    nap = 0.001
+    while not store.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [k for k in keys if not store.check([k])]
+            raise StoreError(f"{what}: store key(s) {', '.join(missing)} not set after {timeout:g} s")
+        time.sleep(nap)
+        nap = min(nap * 2, 0.05)
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise LayoutError(f"weights manifest: unknown dtype {name!r}")
+    return dt
+
+
+def _local_pieces(model: nn.Module, rank: int, world: int) -> Iterator[tuple[str, torch.Tensor, list[int], int]]:
+    """(name, local shard, full shape, element offset of the shard in the flattened full parameter) per parameter
+    this rank holds: FSDP2's ``Shard(0)`` DTensors (rank r holds rows ``[r·ceil(dim0/D), ...)``), and plain tensors
+    (replicated: rank 0 serves them whole)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    for fqn, p in model.named_parameters():
+        shape = list(p.shape)
+        if isinstance(p, DTensor):
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                raise ConfigError(f"serve_weights: parameter {fqn!r} is placed {tuple(p.placements)} on a "
+                                  f"{p.device_mesh.ndim}-D mesh; only FSDP2's Shard(0) on a 1-D mesh is served")
+            if p.device_mesh.size() != world:
+                raise ConfigError(f"serve_weights: parameter {fqn!r} is sharded over {p.device_mesh.size()} "
+                                  f"ranks, the job has {world}")
+            local = p.to_local().detach()
+            mesh_rank = p.device_mesh.get_local_rank()
+            rows = math.ceil(shape[0] / world) if shape else 0
+            start = min(mesh_rank * rows, shape[0]) if shape else 0
+            row_numel = math.prod(shape[1:]) if shape else 1
+            if local.numel() != max(0, min(rows, shape[0] - start)) * row_numel:
+                raise LayoutError(f"serve_weights: parameter {fqn!r}: the local shard has {local.numel()} "
+                                  f"elements, FSDP2's Shard(0) of {shape} over {world} ranks gives rank "
+                                  f"{mesh_rank} rows from {start}")
+            yield fqn, local, shape, start * row_numel
+        elif rank == 0:
+            yield fqn, p.detach(), shape, 0
+
+
+class WeightServer:
+    """One trainer rank's published parameter versions (made by :func:`serve_weights`).
+
+    Attributes:
+        name: the served name.
+        slots: K, the versions kept.
+        slot_bytes: bytes of one version of this rank's shards; the slots hold ``slots · slot_bytes``.
+        version: the newest version published (0 at :func:`serve_weights`, then one per optimizer step).
+        publish_seconds: wall time of every publish (the copy into the slot), in order.
+    """
+
+    def __init__(self, model: nn.Module, *, store: Any, name: str, slots: int, rank: int, world: int,
+                 timeout: float) -> None:
+        _check_name(name)
+        if not isinstance(slots, int) or slots < 2:
+            raise ConfigError(f"serve_weights: slots={slots!r}; K must be an integer >= 2, so that a reader "
+                              "of version v never blocks the publish of v + 1")
+        self.name, self.slots, self.rank, self.world = name, slots, rank, world
+        self._pieces: list[tuple[str, torch.Tensor, int, int]] = []  # name, local shard, elem offset, byte offset
+        params, offset = [], 0
+        for fqn, local, _, elem in _local_pieces(model, rank, world):
+            if local.device.type != "cpu":
+                raise ConfigError(f"serve_weights: parameter {fqn!r} is on {local.device}; this release serves "
+                                  "CPU parameters only (the device plane comes later)")
+            self._pieces.append((fqn, local, elem, offset))
+            offset += -(-local.numel() * local.element_size() // _ALIGN) * _ALIGN
+        for fqn, p in model.named_parameters():
+            params.append([fqn, list(p.shape), _dtype_name(p.dtype)])
+        self.slot_bytes = max(offset, _ALIGN)
+        base = _base_store(store)
+        job_key = "w" + "".join(c if c.isalnum() else "_" for c in name)[:15]
+        # Serving a name again in the same store (a restart, a test) is a new generation: every rank counts its
+        # own serves of the name, so rank r > 0 never takes an earlier generation's job id.
+        gen = base.add(_key(name, f"gen{rank}"), 1)
+        job = _key(name, f"job{gen}")
+        if rank == 0:
+            base.set(job, uuid.uuid4().hex[:12])
+        else:
+            _wait_keys(base, [job], timeout, f"serve_weights({name!r}) on rank {rank}")
+        job_id = base.get(job).decode()
+        self._server = _Server(rank, world, job_key, job_id, slots, self.slot_bytes)
+        self.version = -1
+        self.publish_seconds: list[float] = []
+        self.publish(0)
+        shards = [[fqn, elem, t.numel(), off] for fqn, t, elem, off in self._pieces]
+        base.set(_key(name, f"rank{rank}"), json.dumps({
+            "job_id": job_id, "endpoint": json.loads(self._server.endpoint()),
+            "region": json.loads(self._server.region()), "slots": slots, "slot_bytes": self.slot_bytes,
+            "shards": shards}))
+        if rank == 0:
+            base.set(_key(name, "meta"), json.dumps({
+                "format": _FORMAT, "world": world, "slots": slots, "job_key": job_key, "job_id": job_id,
+                "params": params}))
+        self._hook: Any = None
+
+    def publish(self, version: int | None = None) -> int:
+        """Copies this rank's shards as they are now into the slot of ``version`` (default: the next one) and
+        announces it; returns the version. Never waits for a reader."""
+        v = self.version + 1 if version is None else int(version)
+        t0 = time.perf_counter()
+        parts = []
+        for _, local, _, off in self._pieces:
+            src = local if local.is_contiguous() else local.contiguous()
+            parts.append((off, src.data_ptr(), src.numel() * src.element_size()))
+        self._server.publish(v, parts)
+        self.publish_seconds.append(time.perf_counter() - t0)
+        self.version = v
+        return v
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes of shared memory the slots hold on this rank (K · slot bytes, plus headers)."""
+        return self.slots * (self.slot_bytes + 128) + 64
+
+    def close(self) -> None:
+        """Stops publishing (removes the optimizer hook); the slots stay readable until this object is gone."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def __repr__(self) -> str:
+        return (f"WeightServer(name={self.name!r}, rank={self.rank}, slots={self.slots}, "
+                f"slot_bytes={self.slot_bytes}, version={self.version})")
+
+
+def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, name: str = "policy",
+                  slots: int = 2, store: Any = None, timeout: float = 60.0) -> WeightServer:
+    """Publishes this trainer rank's parameter shards for readers outside the training group.
+
+    Call it on every rank, after ``fully_shard`` (and after ``odc.fsdp.enable``, if used), before the loop. It
+    publishes version 0 (the parameters now), then, with an ``optimizer``, version k after its k-th step (a step
+    post-hook: the optimizer has just written this rank's shards). Without one, call
+    :meth:`WeightServer.publish` yourself where a new version is final.
+
+    Args:
+        model: the FSDP2 model (parameters ``Shard(0)`` DTensors on a 1-D mesh, on CPU) or a plain module
+            (rank 0 serves it whole).
+        optimizer: whose steps make new versions; None to publish by hand.
+        name: what readers ask for (``WeightReader(..., name=...)``).
+        slots: K >= 2, the versions each rank keeps; memory is K times this rank's shard bytes.
+        store: where readers find the slots (default: the default process group's store, without its prefix,
+            so ``WeightReader("MASTER_ADDR:MASTER_PORT")`` finds it).
+        timeout: seconds rank r > 0 waits for rank 0's job id in the store.
+
+    Returns:
+        this rank's :class:`WeightServer`. Keep it: when it is garbage collected its slots are withdrawn (the
+        optimizer hook holds it as long as the optimizer lives).
+
+    Raises:
+        ConfigError: ``slots`` < 2, a parameter not on CPU or not sharded as FSDP2 does.
+    """
+    if store is None:
+        store = dist.distributed_c10d._get_default_store()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    server = WeightServer(model, store=store, name=name, slots=slots, rank=rank, world=world, timeout=timeout)
+    if optimizer is not None:
+        def publish(*_: Any) -> None:
+            server.publish()
+
+        server._hook = optimizer.register_step_post_hook(publish)
+    return server
+
+
+@dataclass(frozen=True)
+class _Shard:
+    name: str
+    elem: int
+    numel: int
+    offset: int
+
+
+class WeightReader:
+    """Reads a served model's parameter versions from outside the training group.
+
+    Args:
+        store: the job's store (a ``torch.distributed.Store``), or its address ``"host:port"`` (a TCPStore).
+        name: the name the trainer served (``serve_weights(name=...)``).
+        timeout: seconds to wait for the trainer's ranks to appear in the store, and the default deadline of
+            each :meth:`read`.
+
+    Raises:
+        StoreError: nothing is served under ``name`` within ``timeout`` (the message names the missing key).
+    """
+
+    def __init__(self, store: Any, name: str = "policy", *, timeout: float = 60.0) -> None:
+        _check_name(name)
+        if isinstance(store, str):
+            host, _, port = store.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"WeightReader: store address {store!r}: expected 'host:port'")
+            store = dist.TCPStore(host, int(port), is_master=False,  # type: ignore[attr-defined]
+                                  timeout=datetime.timedelta(seconds=timeout))
+        self.name, self.timeout = name, timeout
+        base = _base_store(store)
+        _wait_keys(base, [_key(name, "meta")], timeout, f"WeightReader({name!r}): nothing served under this name")
+        deadline = time.monotonic() + timeout
+        while True:  # the manifest and every rank's post of one generation (a name served again moves on)
+            meta = json.loads(base.get(_key(name, "meta")))
+            if meta.get("format") != _FORMAT:
+                raise ConfigError(f"WeightReader({name!r}): manifest format {meta.get('format')!r}, this reader "
+                                  f"reads {_FORMAT}")
+            world = int(meta["world"])
+            keys = [_key(name, f"rank{r}") for r in range(world)]
+            _wait_keys(base, keys, max(deadline - time.monotonic(), 0.001), f"WeightReader({name!r})")
+            ranks = [json.loads(v) for v in base.multi_get(keys)]
+            stale = [r for r, info in enumerate(ranks) if info["job_id"] != meta["job_id"]]
+            if not stale:
+                break
+            if time.monotonic() >= deadline:
+                raise StoreError(f"WeightReader({name!r}): rank {stale[0]} serves job {ranks[stale[0]]['job_id']}, "
+                                 f"the manifest names {meta['job_id']} (a rank of the trainer did not serve again?)")
+            time.sleep(0.01)
+        #: name -> (full shape, dtype) in the trainer's parameter order.
+        self.params: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            fqn: (tuple(shape), _dtype(dt)) for fqn, shape, dt in meta["params"]}
+        self.slots = int(meta["slots"])
+        self.world = world
+        self._shards = [[_Shard(*s) for s in info["shards"]] for info in ranks]
+        self._check_cover()
+        owners = [(json.dumps(i["endpoint"]), json.dumps(i["region"]), int(i["slots"]), int(i["slot_bytes"]))
+                  for i in ranks]
+        try:
+            self._reader = _Reader(meta["job_key"], meta["job_id"], owners)
+        except TransportError as e:
+            raise TransportError(f"WeightReader({name!r}): cannot map the served slots (is the trainer still running "
+                                 f"and holding what serve_weights returned?): {e}") from e
+        self._staging = [torch.empty(int(i["slot_bytes"]), dtype=torch.uint8) for i in ranks]
+
+    def _check_cover(self) -> None:
+        """Every parameter's shards cover it exactly once (a manifest that does not is refused)."""
+        seen: dict[str, list[tuple[int, int]]] = {n: [] for n in self.params}
+        for r, shards in enumerate(self._shards):
+            for s in shards:
+                if s.name not in seen:
+                    raise LayoutError(f"WeightReader({self.name!r}): rank {r} serves {s.name!r}, which the "
+                                      "manifest does not list")
+                seen[s.name].append((s.elem, s.numel))
+        for n, runs in seen.items():
+            numel = math.prod(self.params[n][0])
+            at = 0
+            for elem, count in sorted(runs):
+                if elem != at:
+                    break
+                at += count
+            if at != numel:
+                raise LayoutError(f"WeightReader({self.name!r}): the served shards of {n!r} cover {at} of its "
+                                  f"{numel} elements")
+
+    def latest(self) -> int | None:
+        """The newest version every trainer rank has published, or None before the first."""
+        words = self._reader.latest()
+        return None if min(words) == 0 else min(words) - 1
+
+    def _targets(self, into: nn.Module | Mapping[str, torch.Tensor], strict: bool) -> dict[str, torch.Tensor]:
+        targets: dict[str, torch.Tensor] = (dict(into.named_parameters()) if isinstance(into, nn.Module)
+                                            else dict(into))
+        for n, (shape, _) in self.params.items():
+            if n not in targets:
+                raise LayoutError(f"WeightReader.read: {n!r} is served but not in `into` (first missing name; "
+                                  f"`into` has {len(targets)} entries)")
+            t = targets[n]
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LayoutError(f"WeightReader.read: {n!r} has shape {got} in `into`, the trainer's is {shape}")
+        if strict:
+            extra = [n for n in targets if n not in self.params]
+            if extra:
+                raise LayoutError(f"WeightReader.read: `into` has {extra[0]!r}, which is not served "
+                                  f"({len(extra)} such name(s); strict=False ignores them)")
+        return targets
+
+    def read(self, version: int | str = "latest", into: nn.Module | Mapping[str, torch.Tensor] | None = None,
+             dtype: torch.dtype = torch.bfloat16, *, timeout: float | None = None, retries: int = 16,
+             strict: bool = True) -> ReadResult:
+        """Reads one whole version of every parameter.
+
+        Args:
+            version: ``"latest"`` (the newest every trainer rank has; if it is overwritten while read, a newer one
+                is read) or a version number (waited for if not yet published; refused if overwritten).
+            into: a model (its ``named_parameters``) or a state dict whose tensors receive the parameters, cast to
+                each tensor's own dtype; None to get new tensors of ``dtype`` in :attr:`ReadResult.tensors`.
+            dtype: the dtype of new tensors (``into=None``).
+            timeout: seconds the read may wait (default: the reader's).
+            retries: how many times a ``"latest"`` read starts again after a version was overwritten under it.
+            strict: with ``into``, refuse names in it that are not served (its buffers, say: pass
+                ``strict=False``).
+
+        Returns:
+            the :class:`ReadResult` (version, age, ...).
+
+        Raises:
+            LayoutError: ``into`` misses a served name or holds one with another shape (the first named);
+                ``into`` is unchanged.
+            VersionRefused: no whole version could be read (see the class); ``into`` is unchanged.
+            PeerTimeout: a trainer rank published nothing (or not ``version``) within the timeout.
+        """
+        t0 = time.perf_counter()
+        if version == "latest":
+            want = None
+        elif isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+            want = version
+        else:
+            raise ConfigError(f"WeightReader.read: version={version!r}; expected 'latest' or a number >= 0")
+        targets = self._targets(into, strict) if into is not None else None
+        bufs = [(t.data_ptr(), t.numel()) for t in self._staging]
+        got = self._reader.read(want, bufs, float(self.timeout if timeout is None else timeout), int(retries))
+        if "refused" in got:
+            raise VersionRefused(got["refused"], got["owner"], got["version"], got["by"], got["attempts"])
+        if targets is None:
+            targets = {n: torch.empty(shape, dtype=dtype) for n, (shape, _) in self.params.items()}
+            out: dict[str, torch.Tensor] | None = targets
+        else:
+            out = None
+        self._assemble(targets)
+        return ReadResult(version=got["version"], newest=got["newest"], attempts=got["attempts"],
+                          seconds=time.perf_counter() - t0, tensors=out)
+
+    def _assemble(self, targets: dict[str, torch.Tensor]) -> None:
+        """Copies every staged shard into its full tensor (casting)."""
+        flat: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for n in self.params:
+                t = targets[n]
+                flat[n] = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+            for r, shards in enumerate(self._shards):
+                stage = self._staging[r]
+                for s in shards:
+                    src_dtype = self.params[s.name][1]
+                    nbytes = s.numel * src_dtype.itemsize
+                    src = stage[s.offset:s.offset + nbytes].view(src_dtype)
+                    flat[s.name][s.elem:s.elem + s.numel].copy_(src)
+            for n, f in flat.items():
+                t = targets[n]
+                if not t.is_contiguous():
+                    t.copy_(f.view(t.shape))
+
+    def _set_fault(self, delay: float, reads: int = 1) -> None:
+        """Test fault point: sleep ``delay`` seconds halfway through the copy of the last rank's slot in each of the
+        next ``reads`` reads."""
+        self._reader._set_fault(float(delay), int(reads))
+
+    def __repr__(self) -> str:
+        return f"WeightReader(name={self.name!r}, ranks={self.world}, slots={self.slots}, params={len(self.params)})"

@@ -1,0 +1,238 @@
+//! Bindings for rollout weights (`odc_core::weights`): `odc._odc.WeightServer`
+//! (a trainer rank's snapshot slots) and `odc._odc.WeightReader` (a reader
+//! outside the training group). The Python layer (`odc.weights`) owns the
+//! manifest, the Store and the tensors; buffers cross as raw pointers with
+//! byte lengths, and every call that copies releases the GIL.
+//!
+//! Endpoints and region descriptors cross as JSON strings (what the Python
+//! layer puts into the Store). A read that gave up is not an exception
+//! here: `read` returns a dict with `refused` set, and `odc.weights` raises
+//! `odc.weights.VersionRefused` with it.
+
+use std::time::Duration;
+
+use odc_core::region::{Endpoint, RegionDesc};
+use odc_core::weights::{Outcome, Owner, ReadOptions, SlotLayout, Want};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{core_error, odc_error};
+
+/// Runs `work` with the GIL released, mapping an ODC error to its class.
+fn detached<T: Send>(
+    py: Python<'_>,
+    work: impl FnOnce() -> odc_core::Result<T> + Send,
+) -> PyResult<T> {
+    py.detach(work).map_err(|e| core_error(py, e))
+}
+
+fn config(py: Python<'_>, msg: String) -> PyErr {
+    odc_error(py, "ConfigError", msg)
+}
+
+/// One trainer rank's K snapshot slots (private: use `odc.fsdp.serve_weights`).
+#[pyclass(module = "odc._odc", name = "WeightServer", frozen)]
+pub(crate) struct PyWeightServer {
+    inner: odc_core::weights::WeightServer,
+}
+
+#[pymethods]
+impl PyWeightServer {
+    /// Registers the slots of server rank `rank` of `world`.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world: usize,
+        job_key: String,
+        job_id: String,
+        slots: usize,
+        slot_bytes: usize,
+    ) -> PyResult<Self> {
+        if rank >= world {
+            return Err(config(py, format!("rank {rank} of a world of {world}")));
+        }
+        let layout = SlotLayout { slots, slot_bytes };
+        let inner = detached(py, || {
+            odc_core::weights::WeightServer::new(rank, world, &job_key, &job_id, layout)
+        })?;
+        Ok(PyWeightServer { inner })
+    }
+
+    /// This rank's transport endpoint, as JSON.
+    fn endpoint(&self, py: Python<'_>) -> PyResult<String> {
+        serde_json::to_string(&self.inner.endpoint()).map_err(|e| config(py, e.to_string()))
+    }
+
+    /// The slots' region descriptor, as JSON.
+    fn region(&self, py: Python<'_>) -> PyResult<String> {
+        serde_json::to_string(&self.inner.desc()).map_err(|e| config(py, e.to_string()))
+    }
+
+    /// The newest version published, if any.
+    #[getter]
+    fn latest(&self) -> Option<u64> {
+        self.inner.latest()
+    }
+
+    /// Copies `parts` (`(offset in the slot, pointer, bytes)`) into slot
+    /// `version mod K` and announces `version`.
+    fn publish(
+        &self,
+        py: Python<'_>,
+        version: u64,
+        parts: Vec<(usize, usize, usize)>,
+    ) -> PyResult<()> {
+        for &(_, ptr, nbytes) in &parts {
+            if nbytes > 0 && ptr == 0 {
+                return Err(odc_error(py, "LayoutError", "null buffer pointer".into()));
+            }
+        }
+        let inner = &self.inner;
+        detached(py, move || {
+            let views: Vec<(usize, &[u8])> = parts
+                .iter()
+                .map(|&(off, ptr, nbytes)| {
+                    let bytes: &[u8] = if nbytes == 0 {
+                        &[]
+                    } else {
+                        // SAFETY: the Python layer passes a contiguous CPU
+                        // tensor's data_ptr and nbytes, kept alive (and not
+                        // written: the optimizer step is over) for the call.
+                        unsafe { std::slice::from_raw_parts(ptr as *const u8, nbytes) }
+                    };
+                    (off, bytes)
+                })
+                .collect();
+            inner.publish(version, &views)
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "WeightServer(rank={}, slots={}, slot_bytes={}, latest={:?})",
+            self.inner.endpoint().rank,
+            self.inner.layout().slots,
+            self.inner.layout().slot_bytes,
+            self.inner.latest()
+        )
+    }
+}
+
+/// A reader of every server rank's slots (private: use `odc.WeightReader`).
+#[pyclass(module = "odc._odc", name = "WeightReader", frozen)]
+pub(crate) struct PyWeightReader {
+    inner: odc_core::weights::WeightReader,
+}
+
+#[pymethods]
+impl PyWeightReader {
+    /// Maps the slots of `owners` (by rank: endpoint JSON, region JSON, K,
+    /// slot bytes) of the servers under `job_key` / `job_id`.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        job_key: String,
+        job_id: String,
+        owners: Vec<(String, String, usize, usize)>,
+    ) -> PyResult<Self> {
+        let mut list = Vec::with_capacity(owners.len());
+        for (r, (ep, region, slots, slot_bytes)) in owners.into_iter().enumerate() {
+            let endpoint: Endpoint = serde_json::from_str(&ep)
+                .map_err(|e| config(py, format!("rank {r}'s endpoint {ep:?}: {e}")))?;
+            let region: RegionDesc = serde_json::from_str(&region)
+                .map_err(|e| config(py, format!("rank {r}'s region {region:?}: {e}")))?;
+            list.push(Owner {
+                endpoint,
+                region,
+                layout: SlotLayout { slots, slot_bytes },
+            });
+        }
+        let inner = detached(py, || {
+            odc_core::weights::WeightReader::connect(&job_key, &job_id, list)
+        })?;
+        Ok(PyWeightReader { inner })
+    }
+
+    /// Every owner's `latest` word (version + 1; 0: nothing published).
+    fn latest(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        detached(py, || self.inner.latest())
+    }
+
+    /// Reads `version` (None: the newest every owner holds) into
+    /// `buffers` (`(pointer, bytes)` per owner). Returns `{"version",
+    /// "newest", "attempts"}`, or `{"refused": message, "owner",
+    /// "version", "by", "attempts"}`.
+    #[pyo3(signature = (version, buffers, timeout, retries))]
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        version: Option<u64>,
+        buffers: Vec<(usize, usize)>,
+        timeout: f64,
+        retries: u32,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(config(
+                py,
+                format!("timeout must be positive seconds, got {timeout}"),
+            ));
+        }
+        if buffers.iter().any(|&(ptr, n)| n > 0 && ptr == 0) {
+            return Err(odc_error(py, "LayoutError", "null buffer pointer".into()));
+        }
+        let want = version.map_or(Want::Latest, Want::Exactly);
+        let opts = ReadOptions {
+            timeout: Duration::from_secs_f64(timeout),
+            retries,
+        };
+        let inner = &self.inner;
+        let outcome = detached(py, move || {
+            let mut views: Vec<&mut [u8]> = buffers
+                .iter()
+                .map(|&(ptr, nbytes)| -> &mut [u8] {
+                    if nbytes == 0 {
+                        return &mut [];
+                    }
+                    // SAFETY: the Python layer passes its own staging
+                    // tensors (contiguous, CPU, distinct), alive and used by
+                    // nobody else during the call.
+                    unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, nbytes) }
+                })
+                .collect();
+            inner.read(want, &mut views, opts)
+        })?;
+        let d = PyDict::new(py);
+        match outcome {
+            Outcome::Got(g) => {
+                d.set_item("version", g.version)?;
+                d.set_item("newest", g.newest)?;
+                d.set_item("attempts", g.attempts)?;
+            }
+            Outcome::Refused(r) => {
+                d.set_item("refused", r.to_string())?;
+                d.set_item("owner", r.owner)?;
+                d.set_item("version", r.version)?;
+                d.set_item("by", r.by)?;
+                d.set_item("attempts", r.attempts)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Test fault point: sleep `delay` seconds halfway through the copy of
+    /// the last owner's slot in each of the next `reads` reads started.
+    fn _set_fault(&self, delay: f64, reads: u32) {
+        self.inner
+            .set_fault(Duration::from_secs_f64(delay.max(0.0)), reads);
+    }
+
+    fn __repr__(&self) -> String {
+        format!("WeightReader(owners={})", self.inner.layouts().len())
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyWeightServer>()?;
+    m.add_class::<PyWeightReader>()
+}

@@ -1,0 +1,207 @@
+"""Rollout weights: readers outside the training group read whole parameter versions one-sidedly
+(``odc.fsdp.serve_weights``, ``odc.WeightReader``).
+
+The multi-process cases launch trainer ranks (a gloo group of their own, FSDP2, SGD) and reader processes that never
+join it, in one ``run_ranks`` (``_weights.ranks`` dispatches each rank to its role). Every trainer rank records each
+version's local shards; every read must equal exactly one version, element for element in the reader's dtype.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import _weights as W
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+
+import odc
+from odc.weights import VersionRefused, serve_weights
+
+
+def _ok(res: dict, ranks) -> None:
+    for r in ranks:
+        assert res[r][0] == "ok", (r, res[r])
+
+
+def _versions(out, trainers: int) -> list[dict[str, torch.Tensor]]:
+    """Every version's full parameters: the trainers' local Shard(0) shards, concatenated in rank order."""
+    per_rank = [torch.load(f"{out}/trainer{r}.pt") for r in range(trainers)]
+    n = len(per_rank[0])
+    assert all(len(p) == n for p in per_rank)
+    names = list(per_rank[0][0])
+    return [{k: torch.cat([per_rank[r][v][k] for r in range(trainers)]) for k in names} for v in range(n)]
+
+
+def _every_rank_changes(out, trainers: int, dtype: torch.dtype) -> None:
+    """Each step changes, in ``dtype``, both halves of every rank's slot (its shards in parameter order): so a read
+    mixing two versions across ranks, or torn within one rank's slot, cannot equal either."""
+    for r in range(trainers):
+        flat = [torch.cat([t.reshape(-1) for t in v.values()]).to(dtype) for v in torch.load(f"{out}/trainer{r}.pt")]
+        half = flat[0].numel() // 2
+        for v in range(1, len(flat)):
+            a, b = flat[v], flat[v - 1]
+            assert not torch.equal(a[:half], b[:half]) and not torch.equal(a[half:], b[half:]), (r, v)
+
+
+def _check_reads(reads, per_version) -> tuple[int, int]:
+    """Every read equals exactly its version (bf16); versions never go backwards. Returns (reads, distinct)."""
+    last = -1
+    for version, age, attempts, tensors in reads:
+        assert 0 <= version < len(per_version) and age >= 0 and attempts >= 1
+        assert version >= last, (version, last)
+        last = version
+        want = per_version[version]
+        assert tensors.keys() == want.keys()
+        for k, t in tensors.items():
+            assert t.dtype == torch.bfloat16
+            assert torch.equal(t, want[k].to(torch.bfloat16)), f"read of version {version}: {k} differs"
+    return len(reads), len({r[0] for r in reads})
+
+
+@pytest.mark.parametrize(("kill", "odc_on"), [(False, False), (True, False), (False, True)],
+                         ids=["two-readers", "one-reader-sigkilled", "fsdp2-on-odc"])
+def test_whole_versions_while_training(tmp_path, kill, odc_on):
+    """2 trainer ranks step 100 times as fast as they can while 2 readers loop: every read is exactly one
+    version. With ``kill``, one reader is SIGKILLed in the middle of a copy: the trainers finish, the other reader
+    still reads whole versions. ``odc_on``: the trainer's FSDP2 runs on ODC (``odc.fsdp.enable``)."""
+    trainers, steps = 2, 100
+    roles = ["trainer", "trainer", "reader", "reader"]
+    kw = {"trainer": {"trainers": trainers, "steps": steps, "slots": 2, "out": str(tmp_path),
+                      "readers_first": 2, "odc_on": odc_on},
+          "reader": {"out": str(tmp_path), "fault_every": 3}}
+    if kill:
+        roles[3] = "killed"
+        kw["killed"] = {"out": str(tmp_path), "kill_after": 0.2}
+    res = run_ranks(W.ranks, 4, timeout=180, roles=roles, **kw)
+    _ok(res, [0, 1, 2] if kill else [0, 1, 2, 3])
+    if kill:
+        assert res[3][0] == "hung", res[3]  # how run_ranks reports a rank ended by SIGKILL
+    per_version = _versions(tmp_path, trainers)
+    assert len(per_version) == steps + 1
+    _every_rank_changes(tmp_path, trainers, torch.bfloat16)
+    retried = 0
+    for r in [2] if kill else [2, 3]:
+        reads = torch.load(f"{tmp_path}/reader{r}.pt")
+        n, distinct = _check_reads(reads, per_version)
+        retried += res[r][1]["retried"]
+        print(f"reader {r}: {n} reads, {distinct} distinct versions, {res[r][1]['retried']} retried")
+        assert distinct >= 2
+    assert retried >= 1, "no slot was overwritten under a read: the race this test guards never ran"
+
+
+def test_slow_reader_gets_newest_or_refusal(tmp_path):
+    """A reader slower than K versions (it sleeps 0.3 s inside its copy): retried, it gets a newer version whole;
+    with too few retries it is refused naming the owner and the versions; an overwritten old version is refused."""
+    trainers = 2
+    res = run_ranks(W.ranks, 3, timeout=180, roles=["slow_trainer", "slow_trainer", "slow_reader"],
+                    slow_trainer={"trainers": trainers, "slots": 2, "out": str(tmp_path)}, slow_reader={})
+    _ok(res, [0, 1, 2])
+    per_version = _versions(tmp_path, trainers)
+    out = res[2][1]
+    version, attempts, tensors = out["retry"]
+    assert attempts >= 2, "the trainer did not overwrite the slow read's version (did it step?)"
+    for k, t in tensors.items():
+        assert torch.equal(torch.tensor(t), per_version[version][k]), k
+    message, owner, v, by, attempts = out["refused"]
+    assert attempts == 3 and by >= v + 2 and owner in (0, 1)
+    assert f"version {v} of owner rank {owner} was overwritten by version {by}" in message
+    assert "version 0 of owner rank" in out["old"]
+
+
+def test_late_reader_reads_latest(tmp_path):
+    """A reader that attaches after the trainers stepped reads the last version into a model."""
+    trainers, steps = 2, 7
+    res = run_ranks(W.ranks, 3, timeout=180, roles=["trainer", "trainer", "late_reader"],
+                    trainer={"trainers": trainers, "steps": steps, "slots": 3, "out": str(tmp_path),
+                             "hold_until": "t/late_done"},
+                    late_reader={"steps": steps})
+    _ok(res, [0, 1, 2])
+    per_version = _versions(tmp_path, trainers)
+    got = res[2][1]
+    assert got["version"] == steps and got["age"] == 0
+    for k, p in got["params"].items():
+        assert torch.equal(torch.tensor(p), per_version[steps][k]), k
+
+
+# In one process (no FSDP): a plain module's parameters are served whole by rank 0.
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+
+
+def _step(model, opt):
+    model(torch.randn(2, 5)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_read_by_address_into_model_and_versions(store):
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    server = serve_weights(m, opt, store=store, name="plain", slots=2)
+    r = odc.WeightReader(f"127.0.0.1:{store.port}", name="plain", timeout=5)
+    got = r.read()
+    assert (got.version, got.age) == (0, 0)
+    assert all(torch.equal(got.tensors[k], v.detach().bfloat16()) for k, v in m.named_parameters())
+    for _ in range(3):
+        _step(m, opt)
+    assert server.version == 3 and r.latest() == 3
+    into = _model(seed=1)
+    got = r.read(into=into, version=3)
+    assert got.version == 3 and got.tensors is None
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), into.parameters(), strict=True))
+    assert len(server.publish_seconds) == 4 and server.memory_bytes >= 2 * server.slot_bytes
+    with pytest.raises(VersionRefused, match="version 1 of owner rank 0 was overwritten by version 3") as e:
+        r.read(version=1)
+    assert (e.value.owner, e.value.version, e.value.by) == (0, 1, 3)
+    with pytest.raises(odc.PeerTimeout, match="weight version 9"):
+        r.read(version=9, timeout=0.2)
+
+
+def test_bad_input_names_the_first_mismatch_and_leaves_into_unchanged(store):
+    m = _model()
+    server = serve_weights(m, store=store, name="bad", slots=2)  # kept: dropping it withdraws the slots
+    r = odc.WeightReader(store, name="bad", timeout=5)
+    with pytest.raises(odc.StoreError, match="odc/weights/nope/meta"):
+        odc.WeightReader(store, name="nope", timeout=0.2)
+    with pytest.raises(odc.ConfigError, match="slots"):
+        serve_weights(m, store=store, name="k1", slots=1)
+    cases = {
+        "missing": ({"0.weight": torch.zeros(7, 5)}, "'0.bias' is served but not in `into`"),
+        "shape": ({"0.weight": torch.zeros(7, 5), "0.bias": torch.zeros(8), "1.weight": torch.zeros(3, 7),
+                   "1.bias": torch.zeros(3)}, r"'0.bias' has shape \(8,\) in `into`, the trainer's is \(7,\)"),
+        "extra": ({**{k: torch.zeros_like(v) for k, v in m.state_dict().items()}, "2.weight": torch.zeros(1)},
+                  "`into` has '2.weight', which is not served"),
+    }
+    for into, match in cases.values():
+        before = {k: v.clone() for k, v in into.items()}
+        with pytest.raises(odc.LayoutError, match=match):
+            r.read(into=into)
+        assert all(torch.equal(before[k], into[k]) for k in into)
+    other = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 4))
+    before = [p.clone() for p in other.parameters()]
+    with pytest.raises(odc.LayoutError, match=r"'1.weight' has shape \(4, 7\)"):
+        r.read(into=other)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+    extra = cases["extra"][0]
+    got = r.read(into=extra, strict=False)  # names not served are ignored when asked
+    assert got.version == 0 and torch.equal(extra["1.bias"], m[1].bias.detach())
+    with pytest.raises(odc.ConfigError, match="version="):
+        r.read(version=-1)
+    del server  # the slots are withdrawn: a new reader is refused by name
+    with pytest.raises(odc.TransportError, match=r"'bad'.*trainer still running"):
+        odc.WeightReader(store, name="bad", timeout=5)
+    again = _model(seed=2)
+    server = serve_weights(again, store=store, name="bad", slots=3)  # served again: a new generation
+    got = odc.WeightReader(store, name="bad", timeout=5).read(dtype=torch.float32)
+    assert server.slots == 3
+    assert all(torch.equal(got.tensors[k], v) for k, v in again.named_parameters())
