@@ -67,6 +67,7 @@ fn body(u: &mut Unstructured<'_>) -> Result<()> {
             } else {
                 Some(u.int_in_range(0..=u32::MAX - 1)?)
             },
+            compress: None,
         };
         round_trips(&h);
         raw = h.encode();
@@ -77,7 +78,10 @@ fn body(u: &mut Unstructured<'_>) -> Result<()> {
     }
 
     let decoded = SlotHeader::decode(&raw);
-    assert_eq!(decoded.is_some(), DType::from_u8(raw[12]).is_some());
+    assert_eq!(
+        decoded.is_some(),
+        DType::from_u8(raw[12]).is_some() && SlotHeader::compress_of(&raw).is_ok()
+    );
     if let Some(h) = decoded {
         // The fields the format defines come back as written.
         let again = h.encode();
@@ -87,7 +91,10 @@ fn body(u: &mut Unstructured<'_>) -> Result<()> {
     }
 
     let checked = check_header(&raw, signal, peer, &buckets, chunk_bytes);
-    let expected = spelled_out(decoded, signal, &buckets, chunk_bytes);
+    let expected = match SlotHeader::compress_of(&raw) {
+        Err(_) => Err("format"),
+        Ok(_) => spelled_out(decoded, signal, &buckets, chunk_bytes),
+    };
     match (&checked, expected) {
         (Ok(c), Ok(())) => inside(c, &raw, &buckets, chunk_bytes),
         (
@@ -112,7 +119,7 @@ fn body(u: &mut Unstructured<'_>) -> Result<()> {
         }
         (got, want) => panic!("check_header gave {got:?}, the rule says {want:?}"),
     }
-    if let Ok(c) = checked {
+    if let Some(c) = checked.ok().filter(|c| c.compress.is_none()) {
         accumulate(u, &c, buckets[c.bucket].shard_len())?;
     }
     Ok(())
@@ -166,7 +173,11 @@ fn spelled_out(
     if u128::from(h.offset) + u128::from(h.len) > shard {
         return Err("len");
     }
-    if u128::from(h.len) * h.dtype.size_bytes() as u128 > chunk_bytes as u128 {
+    let bytes = match h.compress {
+        Some(spec) => spec.chunk_bytes(h.len as usize) as u128,
+        None => u128::from(h.len) * h.dtype.size_bytes() as u128,
+    };
+    if bytes > chunk_bytes as u128 {
         return Err("len");
     }
     Ok(())
@@ -179,7 +190,10 @@ fn inside(c: &Chunk, raw: &[u8; HEADER_BYTES], buckets: &[BucketLayout], chunk_b
         panic!("accepted bucket {} of {}", c.bucket, buckets.len())
     };
     assert!(c.offset + c.len <= b.shard_len(), "{c:?} outside {b:?}");
-    assert_eq!(c.bytes, c.len * c.dtype.size_bytes());
+    match c.compress {
+        Some(spec) => assert_eq!(c.bytes, spec.chunk_bytes(c.len)),
+        None => assert_eq!(c.bytes, c.len * c.dtype.size_bytes()),
+    }
     assert!(c.bytes <= chunk_bytes);
     let Some(h) = SlotHeader::decode(raw) else {
         panic!("accepted a header that does not decode")

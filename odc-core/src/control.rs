@@ -40,6 +40,7 @@
 //! sequence number (fabric-lib's immediate counter), and the server turns
 //! the count back into the sequence number ([`slot_seq`](crate::protocol::slots::slot_seq)).
 
+use odc_kernels::cpu::quant::{Format, Spec};
 use odc_kernels::DType;
 
 use crate::layout::BucketLayout;
@@ -304,6 +305,12 @@ pub struct SlotHeader {
     /// node buffer for that owner, [`crate::protocol::nodesum`]); `None`
     /// for the server's own shard. On the wire `rank + 1`, 0 for `None`.
     pub owner: Option<u32>,
+    /// The chunk's compressed format and block size, when its data is a
+    /// compressed chunk of `len` elements (block scales, then codes:
+    /// `odc_kernels::cpu::quant`) rather than `len` elements of `dtype`
+    /// ([`crate::protocol::compress`]). On the wire the format's code at
+    /// byte 13 (0 for `None`) and the block size at bytes 52..56.
+    pub compress: Option<Spec>,
 }
 
 impl SlotHeader {
@@ -319,10 +326,17 @@ impl SlotHeader {
         b[40..48].copy_from_slice(&self.minibatch.to_le_bytes());
         let owner = self.owner.map_or(0, |o| o.saturating_add(1));
         b[48..52].copy_from_slice(&owner.to_le_bytes());
+        if let Some(spec) = self.compress {
+            b[13] = spec.format().code();
+            let block = u32::try_from(spec.block()).unwrap_or(u32::MAX);
+            b[52..56].copy_from_slice(&block.to_le_bytes());
+        }
         b
     }
 
-    /// Parses the wire form; `None` for an unknown dtype code.
+    /// Parses the wire form; `None` for an unknown dtype code or a
+    /// compressed format or block size that is none
+    /// ([`compress_of`](Self::compress_of) says which).
     pub fn decode(b: &[u8; HEADER_BYTES]) -> Option<SlotHeader> {
         let u64_at = |i: usize| {
             let mut w = [0u8; 8];
@@ -345,7 +359,23 @@ impl SlotHeader {
             scale,
             minibatch: u64_at(40),
             owner,
+            compress: SlotHeader::compress_of(b).ok()?,
         })
+    }
+
+    /// The compressed format and block size of the wire form `b`:
+    /// `Ok(None)` for an uncompressed chunk, `Err` naming what is wrong.
+    pub fn compress_of(b: &[u8; HEADER_BYTES]) -> std::result::Result<Option<Spec>, String> {
+        if b[13] == 0 {
+            return Ok(None);
+        }
+        let format = Format::from_code(b[13]).map_err(|e| e.to_string())?;
+        let mut w4 = [0u8; 4];
+        w4.copy_from_slice(&b[52..56]);
+        let block = usize::try_from(u32::from_le_bytes(w4)).unwrap_or(usize::MAX);
+        Spec::new(format, block)
+            .map(Some)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -372,6 +402,9 @@ pub struct Chunk {
     /// node-mate's push into this rank's node buffer for a remote owner,
     /// [`crate::protocol::nodesum`]); `None` for the receiver's own shard.
     pub owner: Option<u32>,
+    /// The compressed format and block size, when the `bytes` of slot data
+    /// are a compressed chunk of `len` elements (scales, then codes).
+    pub compress: Option<Spec>,
 }
 
 /// What the owner's daemon may do with the header `raw` that client rank
@@ -391,6 +424,7 @@ pub fn check_header(
 ) -> Result<Chunk> {
     const WHAT: &str = "landing-slot header";
     let bad = |field, detail: String| Error::malformed(peer, WHAT, field, detail);
+    let compress = SlotHeader::compress_of(raw).map_err(|e| bad("format", e))?;
     let h = SlotHeader::decode(raw)
         .ok_or_else(|| bad("dtype", format!("code {} is no element type", raw[12])))?;
     if h.seq != seq {
@@ -431,16 +465,17 @@ pub fn check_header(
             ),
         ));
     };
-    let bytes = len
-        .checked_mul(h.dtype.size_bytes())
-        .filter(|&n| n <= chunk_bytes);
+    let bytes = match compress {
+        // `len <= shard`, so the product cannot overflow.
+        Some(spec) => Some(spec.chunk_bytes(len)),
+        None => len.checked_mul(h.dtype.size_bytes()),
+    }
+    .filter(|&n| n <= chunk_bytes);
     let Some(bytes) = bytes else {
+        let what = compress.map_or_else(|| h.dtype.name().to_owned(), |s| s.to_string());
         return Err(bad(
             "len",
-            format!(
-                "{len} elements of {} exceed a landing slot ({chunk_bytes} bytes)",
-                h.dtype.name()
-            ),
+            format!("{len} elements of {what} exceed a landing slot ({chunk_bytes} bytes)"),
         ));
     };
     Ok(Chunk {
@@ -452,6 +487,7 @@ pub fn check_header(
         dtype: h.dtype,
         scale: h.scale,
         owner: h.owner,
+        compress,
     })
 }
 
@@ -470,8 +506,20 @@ mod tests {
             scale: 0.5,
             minibatch: 12,
             owner: None,
+            compress: None,
         };
         assert_eq!(SlotHeader::decode(&h.encode()), Some(h));
+        let int8 = Spec::new(Format::Int8, 128).unwrap();
+        let packed = SlotHeader {
+            compress: Some(int8),
+            ..h
+        };
+        assert_eq!(SlotHeader::decode(&packed.encode()), Some(packed));
+        let mut unknown = packed.encode();
+        unknown[13] = 9;
+        assert!(SlotHeader::compress_of(&unknown)
+            .unwrap_err()
+            .contains("format code 9"));
         let via = SlotHeader {
             owner: Some(4095),
             ..h

@@ -23,16 +23,19 @@
 //! [`odc_core::Store`]. Waits poll `check` with the GIL released between
 //! polls, so a rank waiting at setup never blocks the interpreter.
 
+use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use odc_core::elastic::Generation;
 use odc_core::plane::emu::EmuStream;
 use odc_core::protocol::claims::Claim;
+use odc_core::protocol::compress::{Compress, Scope};
 use odc_core::{
     BucketId, BucketSpec, CrossNode, DType, Engine, EngineConfig, Sharding, Store, Topology,
     TransportKind,
 };
+use odc_kernels::cpu::quant::{Format, Spec};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -319,11 +322,43 @@ macro_rules! py_dict {
     }};
 }
 
+/// `compress=` as `odc.Engine` passes it: (push format, gather format,
+/// block size, error feedback, scope), checked there for unknown keys.
+type CompressArgs = (Option<String>, Option<String>, usize, bool, String);
+
+/// The engine's compressed-chunk setting from [`CompressArgs`].
+fn parse_compress(
+    py: Python<'_>,
+    (push, gather, block, feedback, scope): CompressArgs,
+) -> PyResult<Compress> {
+    let config = |msg: String| odc_error(py, "ConfigError", msg);
+    let spec = |what: &str, name: Option<String>| -> PyResult<Option<Spec>> {
+        let Some(name) = name else { return Ok(None) };
+        let format =
+            Format::from_str(&name).map_err(|e| config(format!("compress {what}: {e}")))?;
+        Spec::new(format, block)
+            .map(Some)
+            .map_err(|e| config(format!("compress {what}: {e}")))
+    };
+    let scope = Scope::parse(&scope).ok_or_else(|| {
+        config(format!(
+            "compress scope {scope:?}: expected one of {}",
+            Scope::NAMES.join(", ")
+        ))
+    })?;
+    Ok(Compress {
+        push: spec("push", push)?,
+        gather: spec("gather", gather)?,
+        feedback,
+        scope,
+    })
+}
+
 #[pymethods]
 impl PyEngine {
     /// Joins the job as `rank` of `world_size` through `store`.
     #[new]
-    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None, elastic=false, members=None, register_timeout=None))]
+    #[pyo3(signature = (store, rank, world_size, *, local_world_size=None, chunk_bytes=None, timeout=None, job_key=None, prefix=None, transport=None, sharding=None, device=None, heap_reserve=None, deterministic=false, cross_node=None, node_cache_mb=None, elastic=false, members=None, register_timeout=None, compress=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -345,6 +380,7 @@ impl PyEngine {
         elastic: bool,
         members: Option<Vec<usize>>,
         register_timeout: Option<f64>,
+        compress: Option<CompressArgs>,
     ) -> PyResult<Self> {
         let topo = Topology::new(rank, world_size, local_world_size.unwrap_or(world_size))
             .map_err(|e| core_error(py, e))?;
@@ -420,6 +456,9 @@ impl PyEngine {
                     format!("node_cache_mb={mb}: expected a finite number of MiB, 0 or more"),
                 )
             })?);
+        }
+        if let Some(c) = compress {
+            cfg.compress = Some(parse_compress(py, c)?);
         }
         let store: Arc<dyn Store> = Arc::new(PyStore { obj: store });
         let engine = detached(py, rank, "__init__", || Engine::new(store, topo, cfg))?;

@@ -35,12 +35,14 @@ pub(crate) use signals::Signals;
 
 use crate::control::{SlotHeader, HEADER_BYTES};
 use crate::engine::CrossNode;
-use crate::engine::{load, BucketId, Core, NodeSums, PushState, Registered};
+use crate::engine::{load, BucketId, Core, NodeSums, Packer, PushState, Registered};
 use crate::layout::BucketLayout;
 use crate::plane::HostWork;
+use crate::protocol::compress::{self, Compress};
 use crate::protocol::{admit, finish, nodesum, versions};
 use crate::region::Bell;
 use crate::sync::Ordering;
+use crate::topology::Topology;
 use crate::{Error, Result};
 
 /// How a worker call moves data. Addresses are host pointers on the host
@@ -550,9 +552,24 @@ impl<'e> Worker<'e> {
         let (gs, lay) = (&reg.groups, &reg.ctrl_layout);
         let world = gs.group.len();
         let local = self.core.topo.local_world();
+        let packing = self
+            .core
+            .config
+            .compress
+            .as_ref()
+            .filter(|c| c.push.is_some());
+        if let (Some(c), None) = (packing.and_then(|c| c.push), &push.packer) {
+            let slot = lay.chunk_bytes();
+            let elems = compress::chunk_elems(c, slot).unwrap_or(0);
+            let feedback = packing.is_some_and(|c| c.feedback);
+            push.packer = Some(Packer::new(c, feedback, world, slot, elems));
+        }
         let headers = push.headers.as_mut_ptr();
         loop {
             let mut round = PushRound {
+                topo: &self.core.topo,
+                compress: packing,
+                error: None,
                 reg,
                 push: &mut *push,
                 headers,
@@ -570,8 +587,11 @@ impl<'e> Worker<'e> {
             // a chunk, the caller vouches for the source, and each header
             // sits in `push.headers` at its (server, slot), untouched until
             // the slot is acknowledged.
-            unsafe { path.put_chunks(reg, &mut round) }
-                .map_err(|e| self.core.attribute(Some(b.name()), e))?;
+            let put = unsafe { path.put_chunks(reg, &mut round) };
+            if let Some(e) = round.error.take() {
+                return Err(e);
+            }
+            put.map_err(|e| self.core.attribute(Some(b.name()), e))?;
             let pushed = round.pushed;
             if push.cursor.iter().all(|c| c.is_empty()) {
                 return Ok(());
@@ -937,6 +957,11 @@ enum Source {
 /// acknowledgement.
 struct PushRound<'a> {
     reg: &'a Registered,
+    topo: &'a Topology,
+    /// The compressed-chunk setting, when pushes are compressed.
+    compress: Option<&'a Compress>,
+    /// Why a chunk could not be compressed (the round stops there).
+    error: Option<Error>,
     push: &'a mut PushState,
     headers: *mut [u8; HEADER_BYTES],
     b: &'a BucketLayout,
@@ -971,6 +996,52 @@ impl PushRound<'_> {
     }
 }
 
+impl PushRound<'_> {
+    /// Quantises `scale ·` elements `start..start + len` of owner `o`'s
+    /// shard in the source (plus their residual, with error feedback) into
+    /// staging cell `cell` (scales, then codes); returns the cell's address.
+    fn pack(
+        &mut self,
+        spec: odc_kernels::cpu::quant::Spec,
+        o: usize,
+        cell: usize,
+        start: usize,
+        len: usize,
+    ) -> Result<u64> {
+        let size = self.dtype.size_bytes();
+        let src = self.addr(o, start);
+        let key = self.bucket as usize * self.reg.groups.group.len() + o;
+        let (shard, name) = (self.b.shard_len(), self.b.name());
+        let kernel = |e: odc_kernels::Error| Error::protocol(Some(name), e.to_string());
+        let packer =
+            self.push.packer.as_mut().ok_or_else(|| {
+                Error::protocol(Some(name), "compressed push without its buffers")
+            })?;
+        // SAFETY: `push_from`'s caller vouches that the source holds every
+        // cursor's elements, valid until the writes have run; this reads
+        // `len` of them from the cursor's start.
+        let data = unsafe { std::slice::from_raw_parts(src as *const u8, len * size) };
+        let values = &mut packer.values[..len];
+        values.fill(0.0);
+        odc_kernels::cpu::accumulate_into_f32(values, data, self.dtype, self.scale)
+            .map_err(kernel)?;
+        let cell = &mut packer.staging[cell];
+        let (scales, rest) = cell.split_at_mut(spec.scales(len));
+        let payload = &mut crate::bytes_of_mut(rest)[..spec.payload_bytes(len)];
+        match &mut packer.feedback {
+            Some(fb) => {
+                fb.register(key, shard).map_err(kernel)?;
+                fb.push(key, start, values, payload, scales)
+                    .map_err(kernel)?;
+            }
+            None => {
+                odc_kernels::cpu::quant::quantise(spec, values, payload, scales).map_err(kernel)?
+            }
+        }
+        Ok(cell.as_ptr() as u64)
+    }
+}
+
 impl Iterator for PushRound<'_> {
     type Item = ChunkPut;
 
@@ -992,22 +1063,46 @@ impl Iterator for PushRound<'_> {
                 self.step += 1;
                 continue;
             };
+            // Compressed: whole blocks that fit the slot (none fit: as is).
+            let local = self.topo.is_local(gs.group[srv]);
+            let packed = compress::push_spec(self.compress, local)
+                .and_then(|spec| Some((spec, compress::chunk_elems(spec, lay.chunk_bytes())?)));
             // A chunk never crosses a block: it is contiguous in the source.
             let len = range
                 .len()
-                .min(chunk)
+                .min(packed.map_or(chunk, |(_, elems)| elems))
                 .min(self.b.block_end(range.start) - range.start);
+            let (src, bytes, dtype, scale) = match packed {
+                None => (
+                    self.addr(o, range.start),
+                    len * size,
+                    self.dtype,
+                    self.scale,
+                ),
+                Some((spec, _)) => match self.pack(spec, o, 2 * srv + slot, range.start, len) {
+                    // The factor went into the values before they were quantised.
+                    Ok(src) => (src, spec.chunk_bytes(len), DType::F32, 1.0),
+                    Err(e) => {
+                        self.error = Some(e);
+                        return None;
+                    }
+                },
+            };
             let header = SlotHeader {
                 seq,
                 bucket: self.bucket,
-                dtype: self.dtype,
+                dtype,
                 offset: range.start as u64,
                 len: len as u64,
-                scale: self.scale,
+                scale,
                 minibatch: self.minibatch,
                 owner: (srv != o).then(|| u32::try_from(gs.group[o]).unwrap_or(u32::MAX)),
+                compress: packed.map(|(spec, _)| spec),
             }
             .encode();
+            if !local {
+                self.push.sent_across += (HEADER_BYTES + bytes) as u64;
+            }
             // SAFETY: `headers` holds 2 · world cells; this one's slot is
             // free, so no write still reads it.
             let cell = unsafe {
@@ -1015,7 +1110,6 @@ impl Iterator for PushRound<'_> {
                 cell.write(header);
                 cell.cast_const()
             };
-            let src = self.addr(o, range.start);
             self.push.slots[srv].sent(slot, seq);
             self.push.cursor[o].start += len;
             self.pushed = true;
@@ -1025,7 +1119,7 @@ impl Iterator for PushRound<'_> {
                 slot,
                 header: cell,
                 src,
-                len: len * size,
+                len: bytes,
                 seq,
             });
         }

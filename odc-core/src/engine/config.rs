@@ -284,6 +284,12 @@ pub struct EngineConfig {
     /// process; its heap is fixed when it starts). Compute it with
     /// [`Engine::heap_bytes`](crate::Engine::heap_bytes) of those engines (default 0).
     pub heap_reserve: usize,
+    /// Compressed chunks ([`crate::protocol::compress`]): pushes carry
+    /// block-scaled low-precision chunks (by default only those that cross
+    /// nodes), with error feedback if asked. `None` (the default) moves
+    /// every byte as it is. Host engines only, not with `deterministic`;
+    /// compressed gathers are refused as not built yet.
+    pub compress: Option<crate::protocol::compress::Compress>,
 }
 
 impl EngineConfig {
@@ -315,6 +321,7 @@ impl Default for EngineConfig {
             node_cache,
             cross_node: lenient(env_cross_node()).unwrap_or_default(),
             heap_reserve: 0,
+            compress: None,
             elastic: false,
             members: None,
             register_timeout: None,

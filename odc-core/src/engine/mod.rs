@@ -20,7 +20,7 @@ pub use config::{
     check_env, node_cache_bytes, BucketId, CrossNode, EngineConfig, Sharding, DEFAULT_NODE_CACHE,
 };
 pub(crate) use register::data_sizes;
-pub(crate) use state::{load, record_error, Core, NodeSums, PushState, Registered};
+pub(crate) use state::{load, record_error, Core, NodeSums, Packer, PushState, Registered};
 
 use crate::layout::BucketSpec;
 use crate::protocol::handoff::OwnPush;
@@ -69,6 +69,9 @@ impl Core {
                  is not built: drop deterministic=True or use a host transport",
                 config.transport.name()
             )));
+        }
+        if let Some(c) = &config.compress {
+            check_compress(c, &config)?;
         }
         if config.elastic && config.sharding != Sharding::Hybrid {
             return Err(Error::Config(format!(
@@ -204,4 +207,30 @@ impl Core {
             .map(|&i| BucketId(i))
             .ok_or_else(|| Error::layout(Some(name), "unknown bucket"))
     }
+}
+
+/// Refuses by name what compressed chunks do not (yet) combine with.
+fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig) -> Result<()> {
+    if config.deterministic {
+        return Err(Error::Config(
+            "compress with deterministic=True: deterministic mode promises the same bits in any \
+             arrival order, which compressed pushes (each quantised on its own, with a \
+             residual kept per pusher) do not keep; drop compress or deterministic"
+                .into(),
+        ));
+    }
+    if config.device.is_some() || config.transport.is_device() {
+        return Err(Error::Config(format!(
+            "compress on a device engine (transport {}): compressed chunks are built on the \
+             host data path only; drop compress or use a host transport",
+            config.transport.name()
+        )));
+    }
+    if let Some(g) = c.gather {
+        return Err(Error::Config(format!(
+            "compress gather={g}: compressed gathers are not built yet (only compressed \
+             pushes are); leave gather unset"
+        )));
+    }
+    Ok(())
 }

@@ -404,6 +404,12 @@ pub(crate) struct PushState {
     /// Per owner and slot, the header of the chunk last written there: it
     /// must outlive the write, which a batch completes later.
     pub(crate) headers: Vec<[u8; HEADER_BYTES]>,
+    /// Compressed pushes' working memory, made by the first push when the
+    /// engine compresses pushes.
+    pub(crate) packer: Option<Packer>,
+    /// Bytes this client handed to landing slots on other nodes (headers
+    /// and chunk data), since the engine started.
+    pub(crate) sent_across: u64,
 }
 
 impl PushState {
@@ -413,6 +419,38 @@ impl PushState {
             cursor: vec![0..0; world],
             own_gen: 0,
             headers: vec![[0; HEADER_BYTES]; 2 * world],
+            packer: None,
+            sent_across: 0,
+        }
+    }
+}
+
+/// A pusher's compressed-chunk memory ([`crate::protocol::compress`]):
+/// per server and slot a staging cell that holds the compressed chunk last
+/// written there until the slot's acknowledgement (as `headers` holds its
+/// header), one chunk's scaled f32 values, and the error-feedback
+/// residuals, one per (bucket, owner) shard (key `bucket · world + owner`).
+#[derive(Debug)]
+pub(crate) struct Packer {
+    pub(crate) staging: Vec<Vec<f32>>,
+    pub(crate) values: Vec<f32>,
+    pub(crate) feedback: Option<odc_kernels::cpu::quant::ErrorFeedback>,
+}
+
+impl Packer {
+    /// Cells for `servers` servers' two slots of `slot_bytes`, chunks of
+    /// at most `elems` elements, and residuals when `feedback`.
+    pub(crate) fn new(
+        spec: odc_kernels::cpu::quant::Spec,
+        feedback: bool,
+        servers: usize,
+        slot_bytes: usize,
+        elems: usize,
+    ) -> Packer {
+        Packer {
+            staging: vec![vec![0.0; slot_bytes.div_ceil(4)]; 2 * servers],
+            values: vec![0.0; elems],
+            feedback: feedback.then(|| odc_kernels::cpu::quant::ErrorFeedback::new(spec)),
         }
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use odc_kernels::DType;
 
+mod compress;
 mod deterministic;
 mod node_cache;
 

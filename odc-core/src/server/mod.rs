@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use odc_kernels::cpu::accumulate_into_f32;
 use odc_kernels::cpu::exact::accumulate_exact;
+use odc_kernels::cpu::quant::dequantise_accumulate_chunk;
 use odc_kernels::DType;
 
 use crate::control::{check_header, Chunk, SlotHeader, HEADER_BYTES};
@@ -503,6 +504,12 @@ fn add_on_device(
     let peer = reg.groups.group[client];
     let lay = &reg.ctrl_layout;
     let enqueued = checked_header(reg, client, slot, seq).and_then(|h| {
+        if let Some(spec) = h.compress {
+            return Err(format!(
+                "rank {peer}: a compressed chunk ({spec}) on the device plane, which adds \
+                 uncompressed chunks only"
+            ));
+        }
         let x = plane.local_landing() + lay.landing_data(client, slot) as u64;
         let acc = match h.owner {
             // Node aggregation: into this rank's node buffer for `owner`.
@@ -578,6 +585,30 @@ impl Target<'_> {
                 dtype,
                 scale,
             ),
+        }
+    }
+
+    /// Adds the checked chunk `h`'s slot data `data` into elements `range`
+    /// of the target: `h.len` elements of `h.dtype`, or a compressed chunk
+    /// dequantised into f32 in one pass.
+    fn add_chunk(
+        &mut self,
+        range: Range<usize>,
+        data: &[u8],
+        h: &Chunk,
+    ) -> odc_kernels::Result<()> {
+        match (h.compress, self) {
+            (None, target) => target.add(range, data, h.dtype, h.scale),
+            (Some(spec), Target::F32(acc)) => {
+                dequantise_accumulate_chunk(spec, data, &mut acc[range], h.scale)
+            }
+            (Some(spec), Target::Exact(..)) => Err(odc_kernels::Error::InvalidArgument {
+                op: "accumulate",
+                detail: format!(
+                    "a compressed chunk ({spec}) into an exact accumulator: deterministic mode \
+                     takes no compressed pushes"
+                ),
+            }),
         }
     }
 }
@@ -693,9 +724,12 @@ fn accumulate(
             bytes,
         )
     };
-    let pairs = own_slot
-        .as_ref()
-        .is_some_and(|o| o.slice.bucket == b && o.slice.offset + o.front == offset);
+    // A compressed chunk is added alone (its elements are not addressable
+    // one by one); the own slice goes on its own.
+    let pairs = h.compress.is_none()
+        && own_slot
+            .as_ref()
+            .is_some_and(|o| o.slice.bucket == b && o.slice.offset + o.front == offset);
     let rejected = |e| {
         format!(
             "rank {rank}'s push into bucket {:?}: {e}",
@@ -703,11 +737,11 @@ fn accumulate(
         )
     };
     let Some(own) = own_slot.as_mut().filter(|_| pairs) else {
-        return acc.add(0..len, data, h.dtype, h.scale).map_err(rejected);
+        return acc.add_chunk(0..len, data, &h).map_err(rejected);
     };
     if !core.own.claim(own.gen) {
         *own_slot = None;
-        return acc.add(0..len, data, h.dtype, h.scale).map_err(rejected);
+        return acc.add_chunk(0..len, data, &h).map_err(rejected);
     }
     // The pending front of the own slice may be shorter than the chunk
     // (its back was added alone): pair what overlaps, add the rest alone.
@@ -765,7 +799,11 @@ fn add_to_node_sum(
             ),
         )
     };
-    accumulate_into_f32(acc, data, h.dtype, h.scale).map_err(|e| {
+    let added = match h.compress {
+        None => accumulate_into_f32(acc, data, h.dtype, h.scale),
+        Some(spec) => dequantise_accumulate_chunk(spec, data, acc, h.scale),
+    };
+    added.map_err(|e| {
         format!(
             "rank {}'s push for rank {owner} into bucket {:?}: {e}",
             reg.groups.group[client],

@@ -83,6 +83,7 @@ class Engine:
         elastic: bool = False,
         members: Sequence[int] | None = None,
         register_timeout: float | None = None,
+        compress: tuple[str | None, str | None, int, bool, str] | None = None,
     ) -> None: ...
     @property
     def rank(self) -> int: ...

@@ -49,7 +49,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -195,6 +195,48 @@ class _CudaArray:
             "strides": None,
             "stream": None,
         }
+
+
+COMPRESS_KEYS = ("push", "gather", "block", "feedback", "scope")
+
+
+def compress_args(compress: Mapping[str, Any] | None) -> tuple[str | None, str | None, int, bool, str] | None:
+    """Checks a ``compress=`` setting and returns what the native engine takes.
+
+    Args:
+        compress: ``None`` (nothing compressed) or a mapping with the keys
+            ``push`` / ``gather`` (a format name: ``"bf16"``, ``"fp8"`` or
+            ``"int8"``, or ``None``), ``block`` (elements per scale, a
+            multiple of 16; default 32), ``feedback`` (error feedback on
+            pushes; default ``True``) and ``scope`` (``"cross-node"``, the
+            default, or ``"all"``).
+
+    Returns:
+        ``(push, gather, block, feedback, scope)``, or ``None``.
+
+    Raises:
+        ConfigError: an unknown key, or a value of the wrong type.
+    """
+    if compress is None:
+        return None
+    if not isinstance(compress, Mapping):
+        raise ConfigError(f"compress={compress!r}: expected a dict with keys {', '.join(COMPRESS_KEYS)}")
+    unknown = sorted(set(compress) - set(COMPRESS_KEYS))
+    if unknown:
+        raise ConfigError(f"compress: unknown key(s) {unknown}: expected some of {', '.join(COMPRESS_KEYS)}")
+    formats = []
+    for key in ("push", "gather"):
+        v = compress.get(key)
+        if v is not None and not isinstance(v, str):
+            raise ConfigError(f"compress {key}={v!r}: expected a format name (bf16, fp8, int8) or None")
+        formats.append(v)
+    block = compress.get("block", 32)
+    if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
+        raise ConfigError(f"compress block={block!r}: expected a positive multiple of 16")
+    scope = compress.get("scope", "cross-node")
+    if not isinstance(scope, str):
+        raise ConfigError(f"compress scope={scope!r}: expected \"cross-node\" or \"all\"")
+    return formats[0], formats[1], int(block), bool(compress.get("feedback", True)), scope
 
 
 def _local_world_size(store: Any, rank: int, world: int, prefix: str) -> int:
@@ -402,6 +444,20 @@ class Engine:
             :meth:`rejoin` passes them. Equal on every member rank.
         register_timeout: seconds joining the job and registering may wait
             for the other ranks (default ``timeout``).
+        compress: compressed chunks (default ``None``: every byte moves as
+            it is). A dict: ``push`` (``"bf16"``, ``"fp8"`` or ``"int8"``):
+            pushed gradient chunks carry that format with one f32 scale per
+            ``block`` elements (default 32; blocks never straddle a shard),
+            and the owner's daemon adds them into its f32 accumulator in
+            one pass; ``feedback`` (default ``True``): the pusher keeps each
+            shard's quantisation residual and adds it into its next push of
+            the same elements, so over a run nothing is lost; ``scope``:
+            ``"cross-node"`` (the default: only chunks whose landing slot is
+            on another node, e.g. the node sums under ``cross_node="node"``)
+            or ``"all"`` (every push; for tests on one host). ``gather``
+            (compressed gathers) is not built yet and raises
+            ``ConfigError``, as do ``deterministic=True`` and the device
+            transports. Unknown keys raise ``ConfigError``.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
@@ -437,6 +493,7 @@ class Engine:
         elastic: bool = False,
         members: Sequence[int] | None = None,
         register_timeout: float | None = None,
+        compress: Mapping[str, Any] | None = None,
     ) -> None:
         # deadline_source: where ``timeout`` came from, for errors (a process group's timeout, say);
         # None: from ``timeout=`` itself, else ODC_TIMEOUT_S, else the default.
@@ -475,6 +532,7 @@ class Engine:
                 elastic=bool(elastic),
                 members=None if members is None else [int(n) for n in members],
                 register_timeout=register_timeout,
+                compress=compress_args(compress),
             )
         finally:
             if addr is not None:
@@ -487,7 +545,7 @@ class Engine:
             "local_world_size": local_world_size, "chunk_bytes": chunk_bytes, "timeout": timeout,
             "job_key": job_key, "transport": transport, "sharding": sharding, "deadline_source": deadline_source,
             "deterministic": deterministic, "cross_node": cross_node, "node_cache_mb": node_cache_mb,
-            "elastic": elastic,
+            "elastic": elastic, "compress": compress,
         }
         self._specs: list[Bucket] = []
         # Joins (and the drops of earlier generations) this rank saw, for elastic_events.

@@ -195,6 +195,7 @@ def enable(
     cross_node: str | None = None,
     elastic: bool | str = False,
     store: Any = None,
+    compress: dict[str, Any] | None = None,
     scaler: Any = None,
     scheduler: Any = None,
 ) -> None:
@@ -288,6 +289,12 @@ def enable(
             joined by a network, ``"direct"`` on ``nvshmem``). Default ``ODC_CROSS_NODE``, else
             ``"auto"``. ``"node"`` with ``deterministic=True`` is a
             ``ConfigError``. See :class:`odc.Engine` and docs/many-nodes.md.
+        compress: compressed pushes, e.g. ``{"push": "int8", "block": 32,
+            "feedback": True}``: by default only what crosses nodes (the
+            node sums' pushes) carries block-scaled chunks; ``"scope":
+            "all"`` compresses every push. Default ``None`` (nothing
+            compressed). Not with ``deterministic=True``. See the
+            ``compress`` argument of :class:`odc.Engine`.
         elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
             dies: its node is dropped at the end of that minibatch, the other
             nodes' gradients are summed without its microbatches of that
@@ -348,7 +355,8 @@ def enable(
         _binding.bind_solo(model)  # FSDP bypasses both seams at world size 1: nothing to replace
         return
     engine = _engine.make(m, store=store, transport=transport, chunk_bytes=chunk_bytes, timeout=timeout,
-                          deterministic=deterministic, cross_node=cross_node, elastic=elastic)  # 2. buckets registered
+                          deterministic=deterministic, cross_node=cross_node, elastic=elastic,
+                          compress=compress)  # 2. buckets registered
     b = _binding.bind(m, engine, rerun=elastic == "rerun")  # 3. the gradient contract, the optimizer hooks
     m.install(b)  # 4. FSDP's comm seams
 

@@ -29,7 +29,8 @@ _REFUSED = "rejoin-refused"
 
 
 def make(m: _Model, *, store: Any, transport: str | None, chunk_bytes: int | None, timeout: float | None,
-         deterministic: bool, cross_node: str | None, elastic: bool | str) -> Engine:
+         deterministic: bool, cross_node: str | None, elastic: bool | str,
+         compress: dict[str, Any] | None = None) -> Engine:
     """The engine of ``m`` (more than one rank), its buckets registered with every peer's."""
     groups, layout = m.groups, m.layout
     device = _param_device(groups)
@@ -44,7 +45,8 @@ def make(m: _Model, *, store: Any, transport: str | None, chunk_bytes: int | Non
     # ODC waits as long as FSDP's process group would (its timeout), unless ODC_TIMEOUT_S or timeout= says.
     seconds, deadline_source = deadline_for(m.process_group, explicit=timeout)
     kw: dict[str, Any] = {"chunk_bytes": chunk_bytes, "timeout": seconds, "deadline_source": deadline_source,
-                          "transport": chosen, "deterministic": deterministic, "cross_node": cross_node}
+                          "transport": chosen, "deterministic": deterministic, "cross_node": cross_node,
+                          "compress": compress}
     if device.type == "cuda":
         kw["device"] = device.index if device.index is not None else torch.cuda.current_device()
     if layout.sharding == "hybrid":
