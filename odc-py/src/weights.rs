@@ -9,10 +9,11 @@
 //! here: `read` returns a dict with `refused` set, and `odc.weights` raises
 //! `odc.weights.VersionRefused` with it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use odc_core::region::{Endpoint, RegionDesc};
-use odc_core::weights::{Outcome, Owner, ReadOptions, SlotLayout, Want};
+use odc_core::weights::{Outcome, Owner, Prefer, Reach, ReadOptions, Serve, SlotLayout, Want};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -30,6 +31,29 @@ fn config(py: Python<'_>, msg: String) -> PyErr {
     odc_error(py, "ConfigError", msg)
 }
 
+fn seconds(py: Python<'_>, timeout: f64) -> PyResult<Duration> {
+    if !(timeout.is_finite() && timeout > 0.0) {
+        return Err(config(
+            py,
+            format!("timeout must be positive seconds, got {timeout}"),
+        ));
+    }
+    Ok(Duration::from_secs_f64(timeout))
+}
+
+/// One owner as the Python layer passes it: endpoint JSON, region JSON, K,
+/// slot bytes, node, fabric endpoint JSON (or None), why not fabric (or
+/// None).
+type OwnerTuple = (
+    String,
+    String,
+    usize,
+    usize,
+    String,
+    Option<String>,
+    Option<String>,
+);
+
 /// One trainer rank's K snapshot slots (private: use `odc.fsdp.serve_weights`).
 #[pyclass(module = "odc._odc", name = "WeightServer", frozen)]
 pub(crate) struct PyWeightServer {
@@ -38,8 +62,12 @@ pub(crate) struct PyWeightServer {
 
 #[pymethods]
 impl PyWeightServer {
-    /// Registers the slots of server rank `rank` of `world`.
+    /// Registers the slots of server rank `rank` of `world` with shared
+    /// memory and, as `transport` says (`"shm"`, `"fabric"`, `"auto"`),
+    /// libfabric; `timeout` (seconds) bounds its network operations.
     #[new]
+    #[pyo3(signature = (rank, world, job_key, job_id, slots, slot_bytes, transport="shm", timeout=60.0))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         rank: usize,
@@ -48,15 +76,42 @@ impl PyWeightServer {
         job_id: String,
         slots: usize,
         slot_bytes: usize,
+        transport: &str,
+        timeout: f64,
     ) -> PyResult<Self> {
         if rank >= world {
             return Err(config(py, format!("rank {rank} of a world of {world}")));
         }
+        let serve = Serve::parse(transport).ok_or_else(|| {
+            let expected = "expected 'auto', 'shm' or 'fabric'";
+            config(
+                py,
+                format!("serve_weights: transport={transport:?}; {expected}"),
+            )
+        })?;
+        let timeout = seconds(py, timeout)?;
         let layout = SlotLayout { slots, slot_bytes };
         let inner = detached(py, || {
-            odc_core::weights::WeightServer::new(rank, world, &job_key, &job_id, layout)
+            odc_core::weights::WeightServer::new(
+                rank, world, &job_key, &job_id, layout, serve, timeout,
+            )
         })?;
         Ok(PyWeightServer { inner })
+    }
+
+    /// This rank's libfabric endpoint, as JSON, or None where the slots are
+    /// not served over libfabric.
+    fn fabric_endpoint(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.inner
+            .fabric_endpoint()
+            .map(|e| serde_json::to_string(&e).map_err(|e| config(py, e.to_string())))
+            .transpose()
+    }
+
+    /// Why the slots are not served over libfabric (None when they are).
+    #[getter]
+    fn fabric_error(&self) -> Option<String> {
+        self.inner.fabric_error().map(str::to_owned)
     }
 
     /// This rank's transport endpoint, as JSON.
@@ -122,36 +177,76 @@ impl PyWeightServer {
 /// A reader of every server rank's slots (private: use `odc.WeightReader`).
 #[pyclass(module = "odc._odc", name = "WeightReader", frozen)]
 pub(crate) struct PyWeightReader {
-    inner: odc_core::weights::WeightReader,
+    inner: Arc<odc_core::weights::WeightReader>,
 }
 
 #[pymethods]
 impl PyWeightReader {
-    /// Maps the slots of `owners` (by rank: endpoint JSON, region JSON, K,
-    /// slot bytes) of the servers under `job_key` / `job_id`.
+    /// Connects to the slots of `owners` (by rank: endpoint JSON, region
+    /// JSON, K, slot bytes, node, fabric endpoint JSON or None, why not
+    /// fabric or None) of the servers under `job_key` / `job_id`, each by
+    /// shared memory or libfabric as `transport` (`"auto"`, `"shm"`,
+    /// `"fabric"`) and its node say; `timeout` (seconds) bounds every
+    /// network operation.
     #[new]
+    #[pyo3(signature = (job_key, job_id, owners, transport="auto", timeout=60.0))]
     fn new(
         py: Python<'_>,
         job_key: String,
         job_id: String,
-        owners: Vec<(String, String, usize, usize)>,
+        owners: Vec<OwnerTuple>,
+        transport: &str,
+        timeout: f64,
     ) -> PyResult<Self> {
+        let prefer = Prefer::parse(transport).ok_or_else(|| {
+            let expected = "expected 'auto', 'shm' or 'fabric'";
+            config(
+                py,
+                format!("WeightReader: transport={transport:?}; {expected}"),
+            )
+        })?;
+        let timeout = seconds(py, timeout)?;
         let mut list = Vec::with_capacity(owners.len());
-        for (r, (ep, region, slots, slot_bytes)) in owners.into_iter().enumerate() {
+        for (r, (ep, region, slots, slot_bytes, node, fabric, fabric_error)) in
+            owners.into_iter().enumerate()
+        {
             let endpoint: Endpoint = serde_json::from_str(&ep)
                 .map_err(|e| config(py, format!("rank {r}'s endpoint {ep:?}: {e}")))?;
             let region: RegionDesc = serde_json::from_str(&region)
                 .map_err(|e| config(py, format!("rank {r}'s region {region:?}: {e}")))?;
+            let fabric: Option<Endpoint> = fabric
+                .map(|f| {
+                    serde_json::from_str(&f)
+                        .map_err(|e| config(py, format!("rank {r}'s fabric endpoint {f:?}: {e}")))
+                })
+                .transpose()?;
             list.push(Owner {
                 endpoint,
                 region,
                 layout: SlotLayout { slots, slot_bytes },
+                node,
+                fabric,
+                fabric_error,
             });
         }
         let inner = detached(py, || {
-            odc_core::weights::WeightReader::connect(&job_key, &job_id, list)
+            odc_core::weights::WeightReader::connect(&job_key, &job_id, list, prefer, timeout)
         })?;
-        Ok(PyWeightReader { inner })
+        Ok(PyWeightReader {
+            inner: Arc::new(inner),
+        })
+    }
+
+    /// How each trainer rank is reached (`"shm"` or `"fabric"`), by rank.
+    fn routes(&self) -> Vec<&'static str> {
+        self.inner
+            .reach()
+            .iter()
+            .map(|r| match r {
+                Reach::Shm => "shm",
+                Reach::Fabric => "fabric",
+            })
+            .collect()
     }
 
     /// Every owner's `latest` word (version + 1; 0: nothing published).
@@ -232,7 +327,73 @@ impl PyWeightReader {
     }
 }
 
+/// This process's node as weight servers and readers compare them (host
+/// name and network namespace).
+#[pyfunction]
+fn weights_node() -> String {
+    odc_core::weights::node_id()
+}
+
+/// A reader-node cache (private: `odc.WeightReader(node_cache=True)`): copies
+/// of the trainer ranks' slots on this node, filled by a thread that reads
+/// every new version whole through `reader`.
+#[pyclass(module = "odc._odc", name = "WeightNodeCache", frozen)]
+pub(crate) struct PyWeightNodeCache {
+    inner: odc_core::weights::cache::NodeCache,
+}
+
+#[pymethods]
+impl PyWeightNodeCache {
+    /// Serves the copies under `job_key` / `job_id` (the node's own job id)
+    /// and starts fetching into them; `timeout` (seconds) bounds each fetch.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        reader: &PyWeightReader,
+        job_key: String,
+        job_id: String,
+        timeout: f64,
+    ) -> PyResult<Self> {
+        let timeout = seconds(py, timeout)?;
+        let up = Arc::clone(&reader.inner);
+        let inner = detached(py, || {
+            odc_core::weights::cache::NodeCache::start(up, &job_key, &job_id, timeout)
+        })?;
+        Ok(PyWeightNodeCache { inner })
+    }
+
+    /// The copies by trainer rank: `(endpoint JSON, region JSON, K, slot
+    /// bytes)`.
+    fn owners(&self, py: Python<'_>) -> PyResult<Vec<(String, String, usize, usize)>> {
+        self.inner
+            .owners()
+            .into_iter()
+            .map(|o| {
+                let ep =
+                    serde_json::to_string(&o.endpoint).map_err(|e| config(py, e.to_string()))?;
+                let region =
+                    serde_json::to_string(&o.region).map_err(|e| config(py, e.to_string()))?;
+                Ok((ep, region, o.layout.slots, o.layout.slot_bytes))
+            })
+            .collect()
+    }
+
+    /// Versions fetched across so far.
+    #[getter]
+    fn fetched(&self) -> u64 {
+        self.inner.fetched()
+    }
+
+    /// Why the fetch thread stopped, if it did.
+    #[getter]
+    fn failure(&self) -> Option<String> {
+        self.inner.failure()
+    }
+}
+
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyWeightNodeCache>()?;
+    m.add_function(wrap_pyfunction!(weights_node, m)?)?;
     m.add_class::<PyWeightServer>()?;
     m.add_class::<PyWeightReader>()
 }

@@ -248,10 +248,21 @@ SCENARIOS = {"exact": exact, "fsdp_hybrid": fsdp_hybrid, "fault": fault}
 FAULTS = ("fault",)
 
 
+def _scenario(name: str) -> Any:
+    """A scenario of this module, or ``"module:function"`` from a test's own worker module (which marks a scenario
+    that leaves peers gone or unreachable with ``function.fault = True``, as :data:`FAULTS` does here)."""
+    if ":" in name:
+        import importlib
+
+        module, _, fn = name.partition(":")
+        return getattr(importlib.import_module(module), fn)
+    return SCENARIOS[name]
+
+
 def _run_step(ctx: Rank, scenario: str, params: dict) -> dict:
     t0 = time.monotonic()
     try:
-        return {"status": "ok", "value": SCENARIOS[scenario](ctx, **params)}
+        return {"status": "ok", "value": _scenario(scenario)(ctx, **params)}
     except Unavailable as e:
         return {"status": "unavailable", "message": str(e)}
     except BaseException as e:  # every failure goes to the test
@@ -280,7 +291,7 @@ def run(folder: Path, steps: list[Any]) -> None:
         path = folder / f"rank{rank}.s{i}.json"
         path.with_suffix(".tmp").write_text(json.dumps(res))
         path.with_suffix(".tmp").rename(path)
-        if scenario in FAULTS:
+        if scenario in FAULTS or getattr(_scenario(scenario), "fault", False):
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)  # peers are gone or unreachable: no orderly engine close to wait for

@@ -14,15 +14,32 @@
 //!   words again ([`slots::after`]): a version overwritten meanwhile is read
 //!   again (a newer one) or refused by name ([`Refusal`]).
 //!
+//! # Across nodes
+//!
+//! A server registers its slots with `shm` always and, when asked
+//! ([`Serve`]), with a libfabric transport of its own too: one piece of
+//! memory, two ways in (as the `shm+fabric` transport does). Its fabric
+//! progress thread serves remote reads; the training thread's publish is
+//! the same stores either way. A reader reaches each owner one way
+//! ([`slots::reach`]): `shm` for owners on its node ([`node_id`]: host
+//! name and network namespace), libfabric `fi_read` for the others. The
+//! sequence words of a remote owner are one-sided reads (both words in one
+//! read before the copy, `begin` again after it); the copies of every
+//! owner's slot go out together in one batch (reads of up to 32 MiB, every
+//! owner's link busy at once), the `shm` ones copied while the remote ones
+//! fly. A dead or unreachable owner fails the read with `PeerDied` naming
+//! its rank: an operation that fails, or none completing within the
+//! reader's timeout.
+//!
 //! This module owns the slot words' use and the read loop; the rules are
 //! the pure functions of [`slots`]. It knows nothing of parameters, names
 //! or dtypes (the manifest is the Python layer's), and it does not touch
-//! the engine: a server has its own transport, so a reader never maps a
-//! training rank's engine memory. Only the `shm` transport is built here;
-//! reads go through the [`Transport`] verbs (words through
-//! [`Transport::mapped`] where the transport maps the peer, else `get`), so
-//! a network transport slots in at [`WeightReader::connect`].
+//! the engine: a server has its own transports, so a reader never maps or
+//! reads a training rank's engine memory. Reads go through the
+//! [`Transport`] verbs (words through [`Transport::mapped`] where `shm`
+//! maps the owner, else `get`).
 
+pub mod cache;
 pub mod slots;
 
 use std::ptr::NonNull;
@@ -32,22 +49,98 @@ use std::time::{Duration, Instant};
 
 use crate::region::{Endpoint, LocalRegion, RegionDesc};
 use crate::sync::{fence, AtomicU64, Ordering};
+#[cfg(feature = "fabric")]
+use crate::transport::fabric::FabricTransport;
 use crate::transport::shm::ShmTransport;
-use crate::transport::{PeerStatus, Transport};
+use crate::transport::{run_one, Op, PeerStatus, Transport};
 use crate::{Error, Result};
-pub use slots::SlotLayout;
-use slots::{Before, OFF_LATEST, OFF_SLOTS, OFF_SLOT_BYTES};
+use slots::{Before, OFF_CACHE, OFF_FAILED, OFF_LATEST, OFF_SLOTS, OFF_SLOT_BYTES};
+pub use slots::{Prefer, Reach, SlotLayout};
 
 /// The region id of a server's slots.
 const REGION_ID: u32 = 0;
+/// The largest single read of a slot copy over the network: a batch of
+/// these keeps every owner's link busy, and no one read outlives its
+/// deadline for being large. (256 MiB between two namespaces over tcp:
+/// 0.84-1.11x a plain TCP stream's time with 32 MiB reads, 1.01-1.38x
+/// with 4 MiB ones, on a noisy 2-core host.)
+const READ_PIECE: usize = 32 << 20;
+/// Bytes of a slot's two words read as one (`begin` at 0, `end` at 64).
+const WORDS: usize = 72;
+
+/// What a server registers its slots with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Serve {
+    /// Shared memory only: readers on this node.
+    #[default]
+    Shm,
+    /// Shared memory and libfabric: readers on any node. Creating the
+    /// server fails if libfabric cannot be opened.
+    Fabric,
+    /// As `Fabric` where libfabric opens, else as `Shm`, keeping the
+    /// reason ([`WeightServer::fabric_error`]) for readers to report.
+    Auto,
+}
+
+impl Serve {
+    /// Parses `"shm"`, `"fabric"` or `"auto"`.
+    pub fn parse(name: &str) -> Option<Serve> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "shm" => Some(Serve::Shm),
+            "fabric" => Some(Serve::Fabric),
+            "auto" => Some(Serve::Auto),
+            _ => None,
+        }
+    }
+}
+
+/// This process's node, as readers and servers compare them: the host
+/// name and the network namespace (two namespaces of one host are two
+/// nodes, as the multi-host tests emulate them; the init namespace has the
+/// same number on every host, so the host name tells real hosts apart).
+pub fn node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_default();
+    let net = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{host}/{net}")
+}
+
+/// Opens this rank's libfabric transport and registers the `shm` region
+/// with it too (the region moves into the registration's backing, which
+/// keeps the segment mapped until the fabric transport let go of it).
+#[cfg(feature = "fabric")]
+fn fabric_region(
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    shm: LocalRegion,
+) -> Result<(FabricTransport, LocalRegion)> {
+    let fabric = FabricTransport::new(rank, world, timeout)?;
+    let ptr = NonNull::new(shm.as_ptr())
+        .ok_or_else(|| Error::transport("register", "null shm mapping"))?;
+    let len = shm.len();
+    // SAFETY: the shm region is a page-aligned mapping of `len` bytes that
+    // stays mapped until the region itself, moved into the backing, is
+    // dropped; nothing else unmaps it.
+    let region = unsafe { fabric.register_foreign(REGION_ID, ptr, len, Box::new(shm))? };
+    Ok((fabric, region))
+}
 
 /// One trainer rank's snapshot slots. See the module docs.
 #[derive(Debug)]
 pub struct WeightServer {
-    // Dropped after the region (field order): the region's segment belongs
-    // to the transport's job prefix.
+    // Field order is drop order: the region first, then the fabric
+    // transport (its progress thread, and its registration that holds the
+    // shm region), then the shm transport (the segments' job prefix).
     region: LocalRegion,
+    #[cfg(feature = "fabric")]
+    fabric: Option<FabricTransport>,
     transport: ShmTransport,
+    /// Why the slots are not registered with libfabric ([`Serve::Auto`]).
+    fabric_error: Option<String>,
     layout: SlotLayout,
     /// The last version published, plus one (0: none); serializes publishes.
     published: Mutex<u64>,
@@ -55,13 +148,17 @@ pub struct WeightServer {
 
 impl WeightServer {
     /// Registers the slots of server rank `rank` of `world` under `job_key`
-    /// and `job_id` (every server rank and every reader use the same two).
+    /// and `job_id` (every server rank and every reader use the same two),
+    /// with shared memory and, as `serve` says, libfabric (`timeout` bounds
+    /// its operations).
     pub fn new(
         rank: usize,
         world: usize,
         job_key: &str,
         job_id: &str,
         layout: SlotLayout,
+        serve: Serve,
+        timeout: Duration,
     ) -> Result<WeightServer> {
         if layout.slots < 2 {
             return Err(Error::Config(format!(
@@ -71,10 +168,46 @@ impl WeightServer {
             )));
         }
         let transport = ShmTransport::new(rank, world, job_key, job_id)?;
-        let region = transport.register(REGION_ID, layout.region_bytes())?;
+        let shm = transport.register(REGION_ID, layout.region_bytes())?;
+        #[cfg(feature = "fabric")]
+        let (region, fabric, fabric_error) = match serve {
+            Serve::Shm => (shm, None, Some("served with shared memory only".to_owned())),
+            Serve::Fabric => {
+                let (f, region) = fabric_region(rank, world, timeout, shm)?;
+                (region, Some(f), None)
+            }
+            Serve::Auto => match fabric_region(rank, world, timeout, shm) {
+                Ok((f, region)) => (region, Some(f), None),
+                // The first region went with the failed registration.
+                Err(e) => (
+                    transport.register(REGION_ID, layout.region_bytes())?,
+                    None,
+                    Some(format!("libfabric could not serve the slots: {e}")),
+                ),
+            },
+        };
+        #[cfg(not(feature = "fabric"))]
+        let (region, fabric_error) = match serve {
+            Serve::Fabric => {
+                let _ = timeout;
+                return Err(Error::Config(
+                    "weight server: serving over libfabric needs odc-core built with the `fabric` \
+                     feature"
+                        .into(),
+                ));
+            }
+            Serve::Shm => (shm, Some("served with shared memory only".to_owned())),
+            Serve::Auto => (
+                shm,
+                Some("odc-core was built without the `fabric` feature".to_owned()),
+            ),
+        };
         let server = WeightServer {
             region,
+            #[cfg(feature = "fabric")]
+            fabric,
             transport,
+            fabric_error,
             layout,
             published: Mutex::new(0),
         };
@@ -88,6 +221,25 @@ impl WeightServer {
         Ok(server)
     }
 
+    /// How readers on other nodes reach this rank's slots (its libfabric
+    /// endpoint: address, keys, status region), if it serves them there.
+    pub fn fabric_endpoint(&self) -> Option<Endpoint> {
+        #[cfg(feature = "fabric")]
+        {
+            self.fabric.as_ref().map(Transport::endpoint)
+        }
+        #[cfg(not(feature = "fabric"))]
+        {
+            None
+        }
+    }
+
+    /// Why this rank does not serve its slots over libfabric (`None` when
+    /// it does).
+    pub fn fabric_error(&self) -> Option<&str> {
+        self.fabric_error.as_deref()
+    }
+
     fn word(&self, offset: usize) -> &AtomicU64 {
         // Offsets come from `slots`, inside the region and 8-aligned.
         self.region
@@ -95,12 +247,14 @@ impl WeightServer {
             .unwrap_or_else(|| unreachable!("slot word {offset} outside the weight region"))
     }
 
-    /// How readers reach this rank's transport.
+    /// How readers on this node reach this rank's slots (its `shm`
+    /// endpoint: pid and host).
     pub fn endpoint(&self) -> Endpoint {
         self.transport.endpoint()
     }
 
-    /// The slots' region, for readers.
+    /// The slots' region, for readers (with the libfabric key where it is
+    /// served there; `shm` ignores the key).
     pub fn desc(&self) -> RegionDesc {
         self.region.desc()
     }
@@ -183,12 +337,18 @@ impl WeightServer {
 /// Where one server rank's slots are, as the Store gives them.
 #[derive(Clone, Debug)]
 pub struct Owner {
-    /// Its transport's endpoint.
+    /// Its `shm` transport's endpoint.
     pub endpoint: Endpoint,
     /// Its slots' region.
     pub region: RegionDesc,
     /// Its slots' layout.
     pub layout: SlotLayout,
+    /// Its node ([`node_id`] on the server).
+    pub node: String,
+    /// Its libfabric endpoint, where it serves its slots there.
+    pub fabric: Option<Endpoint>,
+    /// Why it does not serve them there (reported to a reader that needs it).
+    pub fabric_error: Option<String>,
 }
 
 /// Which version a read wants.
@@ -271,10 +431,16 @@ static READERS: AtomicUsize = AtomicUsize::new(0);
 /// A reader of every server rank's slots. See the module docs.
 #[derive(Debug)]
 pub struct WeightReader {
-    transport: Box<dyn Transport>,
+    shm: Option<ShmTransport>,
+    #[cfg(feature = "fabric")]
+    fabric: Option<FabricTransport>,
     owners: Vec<Owner>,
-    /// Where the transport maps each owner's region (`shm`).
+    /// How each owner is reached.
+    reach: Vec<Reach>,
+    /// Where `shm` maps each owner's region (owners reached by `shm`).
     mapped: Vec<Option<NonNull<u8>>>,
+    /// Owners that are a reader-node cache's copies ([`cache`]).
+    cached: Vec<bool>,
     fault: Mutex<Fault>,
 }
 
@@ -285,18 +451,24 @@ unsafe impl Send for WeightReader {}
 unsafe impl Sync for WeightReader {}
 
 impl WeightReader {
-    /// Maps every owner's slots (`owners[r]` is server rank r) of the
-    /// servers under `job_key` / `job_id`, and checks their headers.
-    pub fn connect(job_key: &str, job_id: &str, owners: Vec<Owner>) -> Result<WeightReader> {
+    /// Connects to every owner's slots (`owners[r]` is server rank r) of
+    /// the servers under `job_key` / `job_id`, each the way `prefer` and
+    /// its node say ([`slots::reach`]), and checks their headers. `timeout`
+    /// bounds every network operation: an owner that answers none within
+    /// it counts as dead.
+    pub fn connect(
+        job_key: &str,
+        job_id: &str,
+        owners: Vec<Owner>,
+        prefer: Prefer,
+        timeout: Duration,
+    ) -> Result<WeightReader> {
         let world = owners.len();
         if world == 0 {
             return Err(Error::Config("weight reader: no server ranks".into()));
         }
-        // A rank number no server has (its bell page's name only).
-        let me = world + READERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let transport: Box<dyn Transport> =
-            Box::new(ShmTransport::new(me, me + 1, job_key, job_id)?);
-        let mut mapped = Vec::with_capacity(world);
+        let here = node_id();
+        let mut reach = Vec::with_capacity(world);
         for (r, o) in owners.iter().enumerate() {
             if o.region.owner as usize != r || o.endpoint.rank != r {
                 return Err(Error::Config(format!(
@@ -311,21 +483,78 @@ impl WeightReader {
                     o.layout.region_bytes()
                 )));
             }
-            transport.connect(r, &o.endpoint, &[o.region])?;
-            mapped.push(transport.mapped(r, &o.region));
+            let fabric = o.fabric.is_some() && cfg!(feature = "fabric");
+            reach.push(slots::reach(prefer, o.node == here, fabric).map_err(|why| {
+                let detail = o
+                    .fabric_error
+                    .as_deref()
+                    .map_or(String::new(), |e| format!(" ({e})"));
+                Error::Config(format!(
+                    "weight reader: cannot reach trainer rank {r} (node {:?}, this reader's \
+                         {here:?}): {why}{detail}",
+                    o.node
+                ))
+            })?);
+        }
+        // A rank number no server has (its bell page's and its fabric
+        // endpoint's only).
+        let me = world + READERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let shm = if reach.contains(&Reach::Shm) {
+            Some(ShmTransport::new(me, me + 1, job_key, job_id)?)
+        } else {
+            None
+        };
+        #[cfg(feature = "fabric")]
+        let fabric = if reach.contains(&Reach::Fabric) {
+            Some(FabricTransport::new(me, me + 1, timeout)?)
+        } else {
+            None
+        };
+        #[cfg(not(feature = "fabric"))]
+        let _ = timeout;
+        let mut mapped = Vec::with_capacity(world);
+        for (r, o) in owners.iter().enumerate() {
+            match reach[r] {
+                Reach::Shm => {
+                    let t = shm.as_ref().ok_or_else(|| no_route(r, "shm"))?;
+                    t.connect(r, &o.endpoint, &[o.region])?;
+                    mapped.push(t.mapped(r, &o.region));
+                }
+                Reach::Fabric => {
+                    #[cfg(feature = "fabric")]
+                    {
+                        let (t, ep) = fabric
+                            .as_ref()
+                            .zip(o.fabric.as_ref())
+                            .ok_or_else(|| no_route(r, "fabric"))?;
+                        t.connect(r, ep, &[o.region])?;
+                    }
+                    mapped.push(None);
+                }
+            }
         }
         let reader = WeightReader {
-            transport,
+            shm,
+            #[cfg(feature = "fabric")]
+            fabric,
             owners,
+            reach,
             mapped,
+            cached: vec![false; world],
             fault: Mutex::new(Fault::default()),
         };
+        let mut heads = vec![[0u8; 40]; world];
+        reader.get_all(
+            heads
+                .iter_mut()
+                .enumerate()
+                .map(|(r, h)| (r, 0, h.as_mut_slice())),
+        )?;
         for (r, o) in reader.owners.iter().enumerate() {
-            let (magic, k, bytes) = (
-                reader.word(r, 0)?,
-                reader.word(r, OFF_SLOTS)?,
-                reader.word(r, OFF_SLOT_BYTES)?,
-            );
+            let word = |i: usize| {
+                u64::from_ne_bytes(heads[r][i * 8..i * 8 + 8].try_into().unwrap_or_default())
+            };
+            let (magic, k, bytes) = (word(0), word(1), word(2));
             if magic != slots::MAGIC
                 || k != o.layout.slots as u64
                 || bytes != o.layout.slot_bytes as u64
@@ -341,7 +570,119 @@ impl WeightReader {
                 ));
             }
         }
+        let mut reader = reader;
+        reader.cached = (0..world)
+            .map(|r| {
+                let w = &heads[r][OFF_CACHE..OFF_CACHE + 8];
+                u64::from_ne_bytes(w.try_into().unwrap_or_default()) == 1
+            })
+            .collect();
+        if reader.cached.iter().any(|&c| c) && reader.reach.contains(&Reach::Fabric) {
+            return Err(Error::Config(
+                "weight reader: a node cache's copies are read over shared memory only".into(),
+            ));
+        }
         Ok(reader)
+    }
+
+    /// Fails, naming the rank, when an owner is a node cache's copy whose
+    /// fetch failed (the trainer rank it failed on) or whose fetching
+    /// process is gone: its versions would stop without either.
+    fn check_cache(&self) -> Result<()> {
+        for r in (0..self.owners.len()).filter(|&r| self.cached[r]) {
+            if let Some(failed) = self
+                .mapped_word(r, OFF_FAILED)
+                .and_then(|w| w.checked_sub(1))
+            {
+                return Err(Error::PeerDied {
+                    peer: usize::try_from(failed).unwrap_or(r),
+                    pid: 0,
+                    bucket: None,
+                    waited_for: "its weight slots, which this node's cache failed to fetch".into(),
+                    reported_by: None,
+                });
+            }
+            if let PeerStatus::Dead { pid, .. } = self.transport(r)?.peer_status(r) {
+                return Err(Error::PeerDied {
+                    peer: r,
+                    pid: 0,
+                    bucket: None,
+                    waited_for: format!(
+                        "its weight slots from this node's cache, whose fetching reader (pid \
+                         {pid}) is gone"
+                    ),
+                    reported_by: None,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// How each owner is reached, by rank.
+    pub fn reach(&self) -> &[Reach] {
+        &self.reach
+    }
+
+    /// The transport owner `r` is reached through.
+    fn transport(&self, r: usize) -> Result<&dyn Transport> {
+        match self.reach[r] {
+            Reach::Shm => self
+                .shm
+                .as_ref()
+                .map(|t| t as &dyn Transport)
+                .ok_or_else(|| no_route(r, "shm")),
+            #[cfg(feature = "fabric")]
+            Reach::Fabric => self
+                .fabric
+                .as_ref()
+                .map(|t| t as &dyn Transport)
+                .ok_or_else(|| no_route(r, "fabric")),
+            #[cfg(not(feature = "fabric"))]
+            Reach::Fabric => Err(no_route(r, "fabric")),
+        }
+    }
+
+    /// One-sided reads of `(owner, offset, dst)`, all in flight together
+    /// where the network carries them (in pieces of [`READ_PIECE`]), the
+    /// `shm` ones copied meanwhile. Returns once every read landed, or with
+    /// the first failure.
+    fn get_all<'a>(&self, reads: impl Iterator<Item = (usize, usize, &'a mut [u8])>) -> Result<()> {
+        let mut ops = Vec::new();
+        for (r, offset, dst) in reads {
+            let remote = self.owners[r].region;
+            let piece = match self.reach[r] {
+                Reach::Shm => dst.len().max(1),
+                Reach::Fabric => READ_PIECE,
+            };
+            for (i, chunk) in dst.chunks_mut(piece).enumerate() {
+                ops.push(Op::Get {
+                    peer: r,
+                    remote,
+                    offset: offset + i * piece,
+                    dst: chunk.as_mut_ptr(),
+                    len: chunk.len(),
+                });
+            }
+        }
+        #[cfg(feature = "fabric")]
+        if let Some(f) = &self.fabric {
+            let shm = self.shm.as_ref();
+            let reach = &self.reach;
+            let mut local = |op: Op| match (reach[op.peer()], shm) {
+                // SAFETY: as for `run_ops` below.
+                (Reach::Shm, Some(t)) => Some(unsafe { run_one(t, op) }),
+                _ => None,
+            };
+            // SAFETY: every op addresses a part of one caller's buffer,
+            // borrowed mutably (and so unaliased) until this returns; the
+            // parts of one buffer do not overlap.
+            return unsafe { f.run_ops(&mut ops.into_iter(), &mut local) };
+        }
+        for op in ops {
+            // SAFETY: as above.
+            unsafe { run_one(self.transport(op.peer())?, op)? };
+        }
+        Ok(())
     }
 
     /// The owners' layouts, by rank.
@@ -367,28 +708,77 @@ impl WeightReader {
         Some(f.delay)
     }
 
-    /// One 64-bit word of owner `r`'s region: an atomic load from the
-    /// mapping where the transport maps it, else a `get`.
-    fn word(&self, r: usize, offset: usize) -> Result<u64> {
-        if let Some(base) = self.mapped[r] {
-            // SAFETY: `offset` comes from `slots` and lies inside the
-            // region (its length was checked at connect); the base is page
-            // aligned, so the word is 8-aligned; the mapping lives as long
-            // as the transport; slot words are only accessed atomically.
-            let w = unsafe { &*base.as_ptr().add(offset).cast::<AtomicU64>() };
-            return Ok(w.load(Ordering::Acquire));
-        }
-        let mut b = [0u8; 8];
-        self.transport
-            .get(r, &self.owners[r].region, offset, &mut b)?;
-        Ok(u64::from_ne_bytes(b))
+    /// The mapped word at `offset` of owner `r`'s region (owners `shm`
+    /// maps), loaded with acquire order.
+    fn mapped_word(&self, r: usize, offset: usize) -> Option<u64> {
+        let base = self.mapped[r]?;
+        // SAFETY: `offset` comes from `slots` and lies inside the region
+        // (its length was checked at connect); the base is page aligned, so
+        // the word is 8-aligned; the mapping lives as long as the
+        // transport; slot words are only accessed atomically.
+        let w = unsafe { &*base.as_ptr().add(offset).cast::<AtomicU64>() };
+        Some(w.load(Ordering::Acquire))
+    }
+
+    /// The word at `offset(r)` of every owner `r`'s region: an atomic load
+    /// where `shm` maps the owner, else a one-sided read (all of them in
+    /// flight together).
+    fn words(&self, offset: impl Fn(usize) -> usize) -> Result<Vec<u64>> {
+        let n = self.owners.len();
+        let mut bytes = vec![[0u8; 8]; n];
+        self.get_all(
+            bytes
+                .iter_mut()
+                .enumerate()
+                .filter(|(r, _)| self.mapped[*r].is_none())
+                .map(|(r, b)| (r, offset(r), b.as_mut_slice())),
+        )?;
+        Ok((0..n)
+            .map(|r| {
+                self.mapped_word(r, offset(r))
+                    .unwrap_or_else(|| u64::from_ne_bytes(bytes[r]))
+            })
+            .collect())
+    }
+
+    /// Every owner's `(begin, end)` words of the slot of `version`, `end`
+    /// read first where they are loads. A remote owner's two words come in
+    /// one read (in no defined order): the copy after it starts only once
+    /// `end` named the version, and the `begin` read after the copy
+    /// decides, so their order does not matter there.
+    fn slot_words(&self, version: u64) -> Result<Vec<(u64, u64)>> {
+        let n = self.owners.len();
+        let mut bytes = vec![[0u8; WORDS]; n];
+        self.get_all(
+            bytes
+                .iter_mut()
+                .enumerate()
+                .filter(|(r, _)| self.mapped[*r].is_none())
+                .map(|(r, b)| {
+                    let l = self.owners[r].layout;
+                    (r, l.begin(l.slot_of(version)), b.as_mut_slice())
+                }),
+        )?;
+        Ok((0..n)
+            .map(|r| {
+                let l = self.owners[r].layout;
+                let s = l.slot_of(version);
+                match self.mapped_word(r, l.end(s)) {
+                    Some(end) => (self.mapped_word(r, l.begin(s)).unwrap_or(0), end),
+                    None => {
+                        let w = |at: usize| {
+                            u64::from_ne_bytes(bytes[r][at..at + 8].try_into().unwrap_or_default())
+                        };
+                        (w(0), w(l.end(s) - l.begin(s)))
+                    }
+                }
+            })
+            .collect())
     }
 
     /// Every owner's `latest` word (version + 1, 0: nothing published).
     pub fn latest(&self) -> Result<Vec<u64>> {
-        (0..self.owners.len())
-            .map(|r| self.word(r, OFF_LATEST))
-            .collect()
+        self.words(|_| OFF_LATEST)
     }
 
     /// Waits until every owner published a version at least `at_least`
@@ -397,6 +787,7 @@ impl WeightReader {
         let start = Instant::now();
         let mut nap = Duration::from_micros(100);
         loop {
+            self.check_cache()?;
             let latest = self.latest()?;
             let missing = match at_least {
                 None => slots::newest_whole(&latest).err(),
@@ -409,7 +800,7 @@ impl WeightReader {
                 None => "its first published weight version".to_owned(),
                 Some(v) => format!("weight version {v}"),
             };
-            if let PeerStatus::Dead { pid, .. } = self.transport.peer_status(o) {
+            if let PeerStatus::Dead { pid, .. } = self.transport(o)?.peer_status(o) {
                 return Err(Error::PeerDied {
                     peer: o,
                     pid,
@@ -438,6 +829,29 @@ impl WeightReader {
     /// not yet `want`'s version. The buffers hold a whole version only when
     /// this returns [`Outcome::Got`].
     pub fn read(&self, want: Want, dst: &mut [&mut [u8]], opts: ReadOptions) -> Result<Outcome> {
+        self.read_inner(want, dst, opts).map_err(|e| match e {
+            // A trainer rank the network lost: say that it was a weight
+            // read, and how the owner was reached.
+            Error::PeerDied {
+                peer,
+                pid,
+                bucket,
+                waited_for,
+                reported_by,
+            } if self.reach.get(peer) == Some(&Reach::Fabric) => Error::PeerDied {
+                peer,
+                pid,
+                bucket,
+                waited_for: format!(
+                    "{waited_for}, reading trainer rank {peer}'s weight slots over libfabric"
+                ),
+                reported_by,
+            },
+            other => other,
+        })
+    }
+
+    fn read_inner(&self, want: Want, dst: &mut [&mut [u8]], opts: ReadOptions) -> Result<Outcome> {
         if dst.len() != self.owners.len() {
             return Err(Error::layout(
                 None,
@@ -509,12 +923,7 @@ impl WeightReader {
         dst: &mut [&mut [u8]],
     ) -> Result<std::result::Result<(), (usize, u64)>> {
         let fault = self.take_fault();
-        let last = dst.len() - 1;
-        for (r, d) in dst.iter_mut().enumerate() {
-            let l = self.owners[r].layout;
-            let s = l.slot_of(version);
-            let end = self.word(r, l.end(s))?;
-            let begin = self.word(r, l.begin(s))?;
+        for (r, (begin, end)) in self.slot_words(version)?.into_iter().enumerate() {
             match slots::before(begin, end, version) {
                 Before::Whole => {}
                 Before::Overwritten { by } => return Ok(Err((r, by))),
@@ -522,28 +931,44 @@ impl WeightReader {
                 // can have moved the words since.
                 Before::NotYet => return Ok(Err((r, begin.max(end).saturating_sub(1)))),
             }
-            match fault {
-                // The test fault sleeps in the middle of the last owner's
-                // copy, where only the re-check below can see a torn copy.
-                Some(delay) if r == last => {
-                    let half = d.len() / 2;
-                    let (a, b) = d.split_at_mut(half);
-                    self.transport
-                        .get(r, &self.owners[r].region, l.data(s), a)?;
-                    std::thread::sleep(delay);
-                    self.transport
-                        .get(r, &self.owners[r].region, l.data(s) + half, b)?;
-                }
-                _ => self
-                    .transport
-                    .get(r, &self.owners[r].region, l.data(s), d)?,
+        }
+        let data = |r: usize| {
+            let l = self.owners[r].layout;
+            l.data(l.slot_of(version))
+        };
+        let last = dst.len() - 1;
+        match fault {
+            // The test fault sleeps in the middle of the last owner's copy,
+            // where only the re-check below can see a torn copy.
+            Some(delay) => {
+                let (first, rest) = dst.split_at_mut(last);
+                let tail = &mut rest[0];
+                let half = tail.len() / 2;
+                let (a, b) = tail.split_at_mut(half);
+                let at = data(last);
+                self.get_all(
+                    first
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(r, d)| (r, data(r), &mut **d))
+                        .chain(std::iter::once((last, at, a))),
+                )?;
+                std::thread::sleep(delay);
+                self.get_all(std::iter::once((last, at + half, b)))?;
             }
+            None => self.get_all(
+                dst.iter_mut()
+                    .enumerate()
+                    .map(|(r, d)| (r, data(r), &mut **d)),
+            )?,
         }
         // The copies above happen before the re-reads below.
         fence(Ordering::Acquire);
-        for r in 0..dst.len() {
+        let begins = self.words(|r| {
             let l = self.owners[r].layout;
-            let begin = self.word(r, l.begin(l.slot_of(version)))?;
+            l.begin(l.slot_of(version))
+        })?;
+        for (r, begin) in begins.into_iter().enumerate() {
             if let Err(by) = slots::after(begin, version) {
                 return Ok(Err((r, by)));
             }
@@ -552,13 +977,32 @@ impl WeightReader {
     }
 }
 
+/// A reader whose route to owner `r` was never opened (a bug, named).
+fn no_route(r: usize, how: &str) -> Error {
+    Error::transport(
+        "weight reader",
+        format!("no {how} transport for trainer rank {r}"),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn servers(job: &str, world: usize, layout: SlotLayout) -> Vec<WeightServer> {
+    fn servers(job: &str, world: usize, layout: SlotLayout, serve: Serve) -> Vec<WeightServer> {
         (0..world)
-            .map(|r| WeightServer::new(r, world, "wtest", job, layout).expect("server"))
+            .map(|r| {
+                WeightServer::new(
+                    r,
+                    world,
+                    "wtest",
+                    job,
+                    layout,
+                    serve,
+                    Duration::from_secs(10),
+                )
+                .expect("server")
+            })
             .collect()
     }
 
@@ -569,8 +1013,16 @@ mod tests {
                 endpoint: s.endpoint(),
                 region: s.desc(),
                 layout: s.layout(),
+                node: node_id(),
+                fabric: s.fabric_endpoint(),
+                fabric_error: s.fabric_error().map(str::to_owned),
             })
             .collect()
+    }
+
+    fn reader(job: &str, srv: &[WeightServer], prefer: Prefer) -> WeightReader {
+        WeightReader::connect("wtest", job, owners(srv), prefer, Duration::from_secs(10))
+            .expect("connect")
     }
 
     fn opts() -> ReadOptions {
@@ -594,8 +1046,9 @@ mod tests {
             slot_bytes: 1000,
         };
         let job = format!("a{}", std::process::id());
-        let srv = servers(&job, 2, layout);
-        let reader = WeightReader::connect("wtest", &job, owners(&srv)).expect("connect");
+        let srv = servers(&job, 2, layout, Serve::Shm);
+        let reader = reader(&job, &srv, Prefer::Auto);
+        assert_eq!(reader.reach(), [Reach::Shm, Reach::Shm]);
         for v in 0..6 {
             publish_all(&srv, v);
         }
@@ -630,27 +1083,33 @@ mod tests {
         assert!(srv[0].publish(5, &[]).is_err(), "a version published twice");
     }
 
-    #[test]
-    fn concurrent_reads_are_whole() {
-        let layout = SlotLayout {
-            slots: 2,
-            slot_bytes: 1 << 16,
-        };
-        let job = format!("b{}", std::process::id());
-        let srv = servers(&job, 2, layout);
-        publish_all(&srv, 0);
-        let reader = WeightReader::connect("wtest", &job, owners(&srv)).expect("connect");
+    /// Every read while the servers publish versions (`pause` between two)
+    /// is one whole version (a third of the reads sleep inside the last
+    /// owner's copy). The servers publish until the reader made 20 reads
+    /// and was made to read again at least once (or 20 s passed).
+    fn whole_while_publishing(
+        srv: &[WeightServer],
+        reader: &WeightReader,
+        bytes: usize,
+        pause: Duration,
+    ) {
+        let enough = std::sync::atomic::AtomicBool::new(false);
         let stop = std::sync::atomic::AtomicBool::new(false);
+        let relaxed = std::sync::atomic::Ordering::Acquire;
         std::thread::scope(|sc| {
             sc.spawn(|| {
-                for v in 1..2000 {
-                    publish_all(&srv, v);
+                let until = Instant::now() + Duration::from_secs(20);
+                let mut v = 1;
+                while !enough.load(relaxed) && Instant::now() < until {
+                    publish_all(srv, v);
+                    v += 1;
+                    std::thread::sleep(pause);
                 }
                 stop.store(true, std::sync::atomic::Ordering::Release);
             });
-            let (mut a, mut b) = (vec![0u8; 1 << 16], vec![0u8; 1 << 16]);
-            let mut reads = 0;
-            while !stop.load(std::sync::atomic::Ordering::Acquire) || reads == 0 {
+            let (mut a, mut b) = (vec![0u8; bytes], vec![0u8; bytes]);
+            let (mut reads, mut retried) = (0, 0);
+            while !stop.load(relaxed) || reads == 0 {
                 reader.set_fault(Duration::from_micros(50), u32::from(reads % 3 == 0));
                 if let Outcome::Got(g) = reader
                     .read(Want::Latest, &mut [&mut a, &mut b], opts())
@@ -664,8 +1123,224 @@ mod tests {
                         g.version
                     );
                     reads += 1;
+                    retried += usize::from(g.attempts > 1);
+                    if reads >= 20 && retried > 0 {
+                        enough.store(true, std::sync::atomic::Ordering::Release);
+                    }
                 }
             }
+            eprintln!("{reads} reads, {retried} retried");
+            assert!(
+                reads >= 20 && retried > 0,
+                "{reads} reads, {retried} retried"
+            );
         });
+    }
+
+    #[test]
+    fn concurrent_reads_are_whole() {
+        let layout = SlotLayout {
+            slots: 2,
+            slot_bytes: 1 << 16,
+        };
+        let job = format!("b{}", std::process::id());
+        let srv = servers(&job, 2, layout, Serve::Shm);
+        publish_all(&srv, 0);
+        let reader = reader(&job, &srv, Prefer::Auto);
+        whole_while_publishing(&srv, &reader, 1 << 16, Duration::ZERO);
+    }
+
+    #[test]
+    fn an_owner_that_serves_no_fabric_is_refused_by_name() {
+        let layout = SlotLayout {
+            slots: 2,
+            slot_bytes: 64,
+        };
+        let job = format!("c{}", std::process::id());
+        let srv = servers(&job, 1, layout, Serve::Shm);
+        let mut o = owners(&srv);
+        o[0].node = "elsewhere/net:[1]".into();
+        let err = WeightReader::connect("wtest", &job, o, Prefer::Auto, Duration::from_secs(1))
+            .expect_err("no way to another node");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("trainer rank 0") && msg.contains("another node"),
+            "{msg}"
+        );
+        assert!(msg.contains("shared memory only"), "{msg}");
+    }
+
+    #[test]
+    fn a_node_cache_serves_whole_versions() {
+        let layout = SlotLayout {
+            slots: 2,
+            slot_bytes: 1 << 16,
+        };
+        let job = format!("d{}", std::process::id());
+        let srv = servers(&job, 2, layout, Serve::Shm);
+        publish_all(&srv, 0);
+        let up = std::sync::Arc::new(reader(&job, &srv, Prefer::Auto));
+        let copies = format!("d{}c", std::process::id());
+        let cache =
+            cache::NodeCache::start(up, "wtest", &copies, Duration::from_secs(10)).expect("cache");
+        let node = WeightReader::connect(
+            "wtest",
+            &copies,
+            cache.owners(),
+            Prefer::Shm,
+            Duration::from_secs(10),
+        )
+        .expect("connect to the cache");
+        assert_eq!(node.cached, [true, true]);
+        whole_while_publishing(&srv, &node, 1 << 16, Duration::from_micros(200));
+        let fetched = cache.fetched();
+        assert!(fetched >= 2, "{fetched}");
+        assert!(cache.failure().is_none());
+    }
+
+    #[cfg(feature = "fabric")]
+    mod fabric {
+        use super::*;
+
+        #[test]
+        fn a_node_cache_whose_fetch_fails_names_the_trainer_rank() {
+            if !crate::transport::fabric::is_present() {
+                eprintln!("skipped: libfabric.so.1 cannot be loaded here");
+                return;
+            }
+            let layout = SlotLayout {
+                slots: 2,
+                slot_bytes: 4096,
+            };
+            let job = format!("h{}", std::process::id());
+            let mut srv = servers(&job, 2, layout, Serve::Fabric);
+            publish_all(&srv, 0);
+            let up = WeightReader::connect(
+                "wtest",
+                &job,
+                owners(&srv),
+                Prefer::Fabric,
+                Duration::from_secs(5),
+            )
+            .expect("connect");
+            let copies = format!("h{}c", std::process::id());
+            let cache = cache::NodeCache::start(
+                std::sync::Arc::new(up),
+                "wtest",
+                &copies,
+                Duration::from_secs(5),
+            )
+            .expect("cache");
+            let node = WeightReader::connect(
+                "wtest",
+                &copies,
+                cache.owners(),
+                Prefer::Auto,
+                Duration::from_secs(5),
+            )
+            .expect("connect to the cache");
+            let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
+            let got = node
+                .read(Want::Latest, &mut [&mut a, &mut b], opts())
+                .expect("read");
+            assert!(
+                matches!(got, Outcome::Got(Got { version: 0, .. })),
+                "{got:?}"
+            );
+            drop(srv.pop());
+            publish_all(&srv, 1); // a newer version the cache must fetch from both
+            let t0 = Instant::now();
+            let err = loop {
+                match node.read(Want::Latest, &mut [&mut a, &mut b], opts()) {
+                    Err(e) => break e,
+                    Ok(_) => assert!(t0.elapsed() < Duration::from_secs(10), "no error"),
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            assert!(
+                matches!(err, Error::PeerDied { peer: 1, .. }),
+                "{err:?} ({:?})",
+                cache.failure()
+            );
+            assert!(err.to_string().contains("node's cache"), "{err}");
+            assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+        }
+
+        #[test]
+        fn reads_over_libfabric_are_whole() {
+            if !crate::transport::fabric::is_present() {
+                eprintln!("skipped: libfabric.so.1 cannot be loaded here");
+                return;
+            }
+            let layout = SlotLayout {
+                slots: 2,
+                slot_bytes: (1 << 16) + 40,
+            };
+            let job = format!("f{}", std::process::id());
+            let srv = servers(&job, 2, layout, Serve::Fabric);
+            assert!(srv.iter().all(|s| s.fabric_endpoint().is_some()));
+            publish_all(&srv, 0);
+            // One owner over the network, one mapped: both routes in one read.
+            let mut o = owners(&srv);
+            o[1].node = "elsewhere/net:[1]".into();
+            let reader =
+                WeightReader::connect("wtest", &job, o, Prefer::Auto, Duration::from_secs(10))
+                    .expect("connect");
+            assert_eq!(reader.reach(), [Reach::Shm, Reach::Fabric]);
+            whole_while_publishing(&srv, &reader, layout.slot_bytes, Duration::from_micros(200));
+            let all = reader_fabric(&job, &srv);
+            let (mut a, mut b) = (vec![0u8; 100], vec![0u8; 100]);
+            let got = all
+                .read(Want::Latest, &mut [&mut a, &mut b], opts())
+                .expect("read");
+            let last = srv[1].latest();
+            assert!(
+                matches!(got, Outcome::Got(Got { version, .. }) if Some(version) == last),
+                "{got:?}, last published {last:?}"
+            );
+        }
+
+        fn reader_fabric(job: &str, srv: &[WeightServer]) -> WeightReader {
+            let r = reader(job, srv, Prefer::Fabric);
+            assert_eq!(r.reach(), [Reach::Fabric, Reach::Fabric]);
+            r
+        }
+
+        #[test]
+        fn a_gone_owner_is_named_not_waited_for() {
+            if !crate::transport::fabric::is_present() {
+                eprintln!("skipped: libfabric.so.1 cannot be loaded here");
+                return;
+            }
+            let layout = SlotLayout {
+                slots: 2,
+                slot_bytes: 4096,
+            };
+            let job = format!("g{}", std::process::id());
+            let mut srv = servers(&job, 2, layout, Serve::Fabric);
+            publish_all(&srv, 0);
+            let r = WeightReader::connect(
+                "wtest",
+                &job,
+                owners(&srv),
+                Prefer::Fabric,
+                Duration::from_secs(5),
+            )
+            .expect("connect");
+            drop(srv.pop());
+            let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
+            let t0 = Instant::now();
+            let err = r
+                .read(Want::Latest, &mut [&mut a, &mut b], opts())
+                .expect_err("owner 1 is gone");
+            assert!(
+                matches!(
+                    err,
+                    Error::PeerDied { peer: 1, .. } | Error::PeerTimeout { peer: 1, .. }
+                ),
+                "{err:?}"
+            );
+            assert!(t0.elapsed() < Duration::from_secs(8), "{:?}", t0.elapsed());
+        }
     }
 }

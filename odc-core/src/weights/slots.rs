@@ -9,6 +9,8 @@
 //! | 8 | K |
 //! | 16 | slot data bytes |
 //! | 24 | `latest`: newest version published whole, plus one (0: none yet) |
+//! | 32 | 1 when the region is a reader-node cache's copy of the owner's slots |
+//! | 40 | a cache's failed fetch: the trainer rank it failed on, plus one |
 //! | 64 + s · stride | slot s: `begin` word |
 //! | + 64 | slot s: `end` word |
 //! | + 128 | slot s: data (the rank's shards of one version) |
@@ -29,6 +31,10 @@ pub const OFF_SLOTS: usize = 8;
 pub const OFF_SLOT_BYTES: usize = 16;
 /// Byte offset of `latest`.
 pub const OFF_LATEST: usize = 24;
+/// Byte offset of the node-cache mark.
+pub const OFF_CACHE: usize = 32;
+/// Byte offset of a node cache's failure word.
+pub const OFF_FAILED: usize = 40;
 /// Bytes before the first slot.
 pub const HEADER: usize = 64;
 /// Bytes of a slot's two words (each on its own cache line) before its data.
@@ -134,6 +140,55 @@ pub fn newest_any(latest: &[u64]) -> Option<u64> {
     latest.iter().copied().max().and_then(|l| l.checked_sub(1))
 }
 
+/// How a reader asks to reach the trainer ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Prefer {
+    /// Shared memory for owners on the reader's node, libfabric for the
+    /// others.
+    #[default]
+    Auto,
+    /// Shared memory for every owner (one host).
+    Shm,
+    /// libfabric for every owner, on this node too.
+    Fabric,
+}
+
+impl Prefer {
+    /// Parses `"auto"`, `"shm"` or `"fabric"`.
+    pub fn parse(name: &str) -> Option<Prefer> {
+        match name.trim().to_ascii_lowercase().as_str() {
+            "auto" => Some(Prefer::Auto),
+            "shm" => Some(Prefer::Shm),
+            "fabric" => Some(Prefer::Fabric),
+            _ => None,
+        }
+    }
+}
+
+/// How a reader reaches one owner's slots.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// Mapped shared memory: words are atomic loads, data a copy.
+    Shm,
+    /// libfabric `fi_read` of the owner's slot region: words and data are
+    /// one-sided reads.
+    Fabric,
+}
+
+/// Which way a reader reaches an owner: `same_node` when the owner's node
+/// (host name and network namespace) is the reader's, `fabric` when the
+/// owner registered its slots with libfabric. `Err` says why it cannot be
+/// reached as asked.
+pub fn reach(prefer: Prefer, same_node: bool, fabric: bool) -> Result<Reach, &'static str> {
+    match prefer {
+        Prefer::Shm => Ok(Reach::Shm),
+        Prefer::Auto if same_node => Ok(Reach::Shm),
+        Prefer::Auto | Prefer::Fabric if fabric => Ok(Reach::Fabric),
+        Prefer::Auto => Err("it runs on another node and serves no libfabric endpoint"),
+        Prefer::Fabric => Err("it serves no libfabric endpoint"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,5 +225,15 @@ mod tests {
         assert_eq!(newest_whole(&[4, 0, 5]), Err(1));
         assert_eq!(newest_any(&[4, 5]), Some(4));
         assert_eq!(newest_any(&[0, 0]), None);
+    }
+
+    #[test]
+    fn shm_on_the_node_fabric_across() {
+        assert_eq!(reach(Prefer::Auto, true, true), Ok(Reach::Shm));
+        assert_eq!(reach(Prefer::Auto, false, true), Ok(Reach::Fabric));
+        assert!(reach(Prefer::Auto, false, false).is_err());
+        assert_eq!(reach(Prefer::Fabric, true, true), Ok(Reach::Fabric));
+        assert!(reach(Prefer::Fabric, true, false).is_err());
+        assert_eq!(reach(Prefer::Shm, false, true), Ok(Reach::Shm));
     }
 }

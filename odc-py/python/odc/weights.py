@@ -1,7 +1,8 @@
 """Rollout weights: processes outside the training group read the trainer's parameter versions.
 
 A trainer serves its parameters with :func:`serve_weights` (also exported as ``odc.fsdp.serve_weights``); any
-process on the host that knows the job's store and the served name reads them with :class:`WeightReader`::
+process, on the trainer's hosts or on others, that knows the job's store and the served name reads them with
+:class:`WeightReader`::
 
     # every trainer rank, after fully_shard and before the loop
     server = odc.fsdp.serve_weights(model, optimizer, name="policy")
@@ -11,25 +12,33 @@ process on the host that knows the job's store and the served name reads them wi
     got = reader.read(into=inference_model)  # got.version, got.age
 
 How it works (docs/weights.md has the rest). Each trainer rank keeps K snapshot slots (``slots=K``, at least 2) in
-shared memory registered with its own ``shm`` transport. After each optimizer step (its step post-hook) the rank
+shared memory registered with its own ``shm`` transport and, to serve readers on other nodes, with its own libfabric
+endpoint too (``transport=``). After each optimizer step (its step post-hook) the rank
 copies its parameter shards, as the optimizer left them, into slot ``v mod K`` between two sequence words
 (``begin = v + 1`` before the data, ``end = v + 1`` after). The trainer never reads anything a reader writes, so a
 reader that is slow, late or killed cannot make it wait. A reader takes the newest version every trainer rank
-published, copies every rank's slot one-sidedly, then reads the ``begin`` words again: a slot overwritten meanwhile
+published, copies every rank's slot one-sidedly (mapped shared memory for ranks on its node, libfabric ``fi_read``
+for the others, all ranks' slots in flight together), then reads the ``begin`` words again: a slot overwritten meanwhile
 is read again (a newer version), or the read is refused with :class:`VersionRefused` naming the rank and the
-versions. A read is a whole version or nothing, and ``into`` changes only after a whole version arrived.
+versions. A read is a whole version or nothing, and ``into`` changes only after a whole version arrived. Readers on
+a node that is not the trainer's can share each version through the node's memory (``node_cache=True``): one of them
+fetches every version across once into copies of the slots, and all of them read the copies by the same rules.
 
 What goes into the store under ``odc/weights/<name>/``: ``meta`` (the job's segment names, K, every parameter's
-fully qualified name, full shape and dtype) and ``rank<r>`` (rank r's endpoint, slot region and where each of its
-shards lies: element offset in the flattened full parameter, element count, byte offset in the slot). FSDP2 shards
+fully qualified name, full shape and dtype) and ``rank<r>`` (rank r's node, its ``shm`` endpoint, its libfabric endpoint
+or why it has none, its slot region, and where each of its shards lies: element offset in the flattened full
+parameter, element count, byte offset in the slot). FSDP2 shards
 dim 0 (``Shard(0)``), so a rank's local shard is a contiguous run of the full parameter's flattened elements.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
+import os
+import socket
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -40,8 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._odc import WeightNodeCache as _NodeCache
 from ._odc import WeightReader as _Reader
 from ._odc import WeightServer as _Server
+from ._odc import weights_node as _node
 from .errors import ConfigError, LayoutError, OdcError, StoreError, TransportError
 
 __all__ = ["ReadResult", "VersionRefused", "WeightReader", "WeightServer", "serve_weights"]
@@ -50,6 +61,7 @@ __all__ = ["ReadResult", "VersionRefused", "WeightReader", "WeightServer", "serv
 STORE_PREFIX = "odc/weights"
 _FORMAT = 1
 _ALIGN = 64
+_TRANSPORTS = ("auto", "shm", "fabric")
 
 
 class VersionRefused(OdcError):
@@ -124,6 +136,37 @@ def _wait_keys(store: Any, keys: list[str], timeout: float, what: str) -> None:
         nap = min(nap * 2, 0.05)
 
 
+def _check_transport(transport: str, who: str) -> None:
+    if transport not in _TRANSPORTS:
+        raise ConfigError(f"{who}: transport={transport!r}; expected one of {', '.join(map(repr, _TRANSPORTS))}")
+
+
+def _route_to(host: str | None) -> str | None:
+    """This host's address on the route to ``host`` (no packet is sent), unless that is a loopback address."""
+    if not host:
+        return None
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            addr: str = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if addr.startswith("127.") else addr
+
+
+@contextlib.contextmanager
+def _fabric_addr(addr: str | None) -> Iterator[None]:
+    """``ODC_FABRIC_ADDR`` set to ``addr`` while libfabric opens (it reads it once), unless already set."""
+    if addr is None or "ODC_FABRIC_ADDR" in os.environ:
+        yield
+        return
+    os.environ["ODC_FABRIC_ADDR"] = addr
+    try:
+        yield
+    finally:
+        os.environ.pop("ODC_FABRIC_ADDR", None)
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
@@ -176,8 +219,9 @@ class WeightServer:
     """
 
     def __init__(self, model: nn.Module, *, store: Any, name: str, slots: int, rank: int, world: int,
-                 timeout: float) -> None:
+                 timeout: float, transport: str = "auto") -> None:
         _check_name(name)
+        _check_transport(transport, "serve_weights")
         if not isinstance(slots, int) or slots < 2:
             raise ConfigError(f"serve_weights: slots={slots!r}; K must be an integer >= 2, so that a reader "
                               "of version v never blocks the publish of v + 1")
@@ -204,13 +248,27 @@ class WeightServer:
         else:
             _wait_keys(base, [job], timeout, f"serve_weights({name!r}) on rank {rank}")
         job_id = base.get(job).decode()
-        self._server = _Server(rank, world, job_key, job_id, slots, self.slot_bytes)
+        # libfabric binds ODC_FABRIC_ADDR, else (as odc.Engine does) this host's address on the route to
+        # MASTER_ADDR. "auto" serves over libfabric only where that address is one other nodes can reach.
+        addr = os.environ.get("ODC_FABRIC_ADDR") or _route_to(os.environ.get("MASTER_ADDR"))
+        serve, why_not = transport, None
+        if transport == "auto" and addr is None:
+            serve, why_not = "shm", ("served with shared memory only: set ODC_FABRIC_ADDR on the trainer (or a "
+                                     "non-loopback MASTER_ADDR) to serve readers on other nodes")
+        with _fabric_addr(addr):
+            self._server = _Server(rank, world, job_key, job_id, slots, self.slot_bytes, serve, timeout)
+        fabric = self._server.fabric_endpoint()
+        #: Whether readers on other nodes can read this rank's slots (over libfabric).
+        self.fabric = fabric is not None
+        #: Why not, when they cannot.
+        self.fabric_error: str | None = why_not or self._server.fabric_error
         self.version = -1
         self.publish_seconds: list[float] = []
         self.publish(0)
         shards = [[fqn, elem, t.numel(), off] for fqn, t, elem, off in self._pieces]
         base.set(_key(name, f"rank{rank}"), json.dumps({
-            "job_id": job_id, "endpoint": json.loads(self._server.endpoint()),
+            "job_id": job_id, "node": _node(), "endpoint": json.loads(self._server.endpoint()),
+            "fabric": None if fabric is None else json.loads(fabric), "fabric_error": self.fabric_error,
             "region": json.loads(self._server.region()), "slots": slots, "slot_bytes": self.slot_bytes,
             "shards": shards}))
         if rank == 0:
@@ -246,11 +304,11 @@ class WeightServer:
 
     def __repr__(self) -> str:
         return (f"WeightServer(name={self.name!r}, rank={self.rank}, slots={self.slots}, "
-                f"slot_bytes={self.slot_bytes}, version={self.version})")
+                f"slot_bytes={self.slot_bytes}, version={self.version}, fabric={self.fabric})")
 
 
 def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, name: str = "policy",
-                  slots: int = 2, store: Any = None, timeout: float = 60.0) -> WeightServer:
+                  slots: int = 2, store: Any = None, timeout: float = 60.0, transport: str = "auto") -> WeightServer:
     """Publishes this trainer rank's parameter shards for readers outside the training group.
 
     Call it on every rank, after ``fully_shard`` (and after ``odc.fsdp.enable``, if used), before the loop. It
@@ -266,20 +324,27 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         slots: K >= 2, the versions each rank keeps; memory is K times this rank's shard bytes.
         store: where readers find the slots (default: the default process group's store, without its prefix,
             so ``WeightReader("MASTER_ADDR:MASTER_PORT")`` finds it).
-        timeout: seconds rank r > 0 waits for rank 0's job id in the store.
+        timeout: seconds rank r > 0 waits for rank 0's job id in the store; bounds libfabric's operations too.
+        transport: how readers reach the slots. ``"shm"``: readers on this rank's node only. ``"fabric"``: also
+            readers on other nodes, over libfabric (bound to ``ODC_FABRIC_ADDR``, else to this host's address on
+            the route to ``MASTER_ADDR``); an error if libfabric cannot serve them. ``"auto"`` (default): as
+            ``"fabric"`` where such an address exists and libfabric opens, else as ``"shm"`` (the reason is in
+            :attr:`WeightServer.fabric_error` and in a remote reader's error).
 
     Returns:
         this rank's :class:`WeightServer`. Keep it: when it is garbage collected its slots are withdrawn (the
         optimizer hook holds it as long as the optimizer lives).
 
     Raises:
-        ConfigError: ``slots`` < 2, a parameter not on CPU or not sharded as FSDP2 does.
+        ConfigError: ``slots`` < 2, a parameter not on CPU or not sharded as FSDP2 does, an unknown ``transport``.
+        TransportError: ``transport="fabric"`` and libfabric cannot serve the slots.
     """
     if store is None:
         store = dist.distributed_c10d._get_default_store()
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    server = WeightServer(model, store=store, name=name, slots=slots, rank=rank, world=world, timeout=timeout)
+    server = WeightServer(model, store=store, name=name, slots=slots, rank=rank, world=world, timeout=timeout,
+                          transport=transport)
     if optimizer is not None:
         def publish(*_: Any) -> None:
             server.publish()
@@ -302,19 +367,38 @@ class WeightReader:
     Args:
         store: the job's store (a ``torch.distributed.Store``), or its address ``"host:port"`` (a TCPStore).
         name: the name the trainer served (``serve_weights(name=...)``).
-        timeout: seconds to wait for the trainer's ranks to appear in the store, and the default deadline of
-            each :meth:`read`.
+        timeout: seconds to wait for the trainer's ranks to appear in the store, the default deadline of each
+            :meth:`read`, and the longest a network read may go unanswered before its trainer rank counts as dead.
+        transport: ``"auto"`` (default): shared memory for trainer ranks on this node (same host and network
+            namespace), libfabric for the others (bound to ``ODC_FABRIC_ADDR``, else to this host's address on the
+            route to the store). ``"shm"`` or ``"fabric"``: that way to every rank.
+        node_cache: where some trainer rank is on another node, share each version across once per node: the first
+            reader of this node (elected through the store) fetches every new version whole into copies of the
+            trainer's slots in this node's shared memory, and every reader of the node, that one too, reads the
+            copies by the same rules (a version lags by one fetch). If the fetching reader dies, the node's other
+            readers fail naming it (``PeerDied``).
+
+    Attributes:
+        routes: how each trainer rank is reached, by rank (``"shm"``, ``"fabric"``, or ``"node-cache"``).
+        cache_fetches: with ``node_cache``, on the node's fetching reader: versions fetched across so far (else
+            None).
 
     Raises:
         StoreError: nothing is served under ``name`` within ``timeout`` (the message names the missing key).
+        ConfigError: a trainer rank on another node that serves no libfabric endpoint (the message says why it
+            has none).
     """
 
-    def __init__(self, store: Any, name: str = "policy", *, timeout: float = 60.0) -> None:
+    def __init__(self, store: Any, name: str = "policy", *, timeout: float = 60.0, transport: str = "auto",
+                 node_cache: bool = False) -> None:
         _check_name(name)
+        _check_transport(transport, "WeightReader")
+        store_host = None
         if isinstance(store, str):
             host, _, port = store.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"WeightReader: store address {store!r}: expected 'host:port'")
+            store_host = host
             store = dist.TCPStore(host, int(port), is_master=False,  # type: ignore[attr-defined]
                                   timeout=datetime.timedelta(seconds=timeout))
         self.name, self.timeout = name, timeout
@@ -344,14 +428,49 @@ class WeightReader:
         self.world = world
         self._shards = [[_Shard(*s) for s in info["shards"]] for info in ranks]
         self._check_cover()
-        owners = [(json.dumps(i["endpoint"]), json.dumps(i["region"]), int(i["slots"]), int(i["slot_bytes"]))
-                  for i in ranks]
+        # A manifest without nodes (one host) is read over shared memory.
+        here = _node()
+        owners = [(json.dumps(i["endpoint"]), json.dumps(i["region"]), int(i["slots"]), int(i["slot_bytes"]),
+                   i.get("node", here), None if i.get("fabric") is None else json.dumps(i["fabric"]),
+                   i.get("fabric_error")) for i in ranks]
+        if store_host is None:
+            store_host = getattr(base, "host", None) or os.environ.get("MASTER_ADDR")
+        addr = os.environ.get("ODC_FABRIC_ADDR") or _route_to(store_host)
         try:
-            self._reader = _Reader(meta["job_key"], meta["job_id"], owners)
+            with _fabric_addr(addr):
+                self._reader = _Reader(meta["job_key"], meta["job_id"], owners, transport, float(timeout))
         except TransportError as e:
-            raise TransportError(f"WeightReader({name!r}): cannot map the served slots (is the trainer still running "
-                                 f"and holding what serve_weights returned?): {e}") from e
+            raise TransportError(f"WeightReader({name!r}): cannot reach the served slots (is the trainer still "
+                                 f"running and holding what serve_weights returned?): {e}") from e
+        self.routes: list[str] = list(self._reader.routes())
+        self._cache: Any = None
+        if node_cache and "fabric" in self.routes:
+            self._share_on_node(base, meta, here)
         self._staging = [torch.empty(int(i["slot_bytes"]), dtype=torch.uint8) for i in ranks]
+
+    def _share_on_node(self, base: Any, meta: dict[str, Any], here: str) -> None:
+        """Reads this node's copies of the trainer's slots instead (see ``node_cache``), serving them first when this
+        reader is the node's first."""
+        key = _key(self.name, f"cache/{meta['job_id']}/{here}")
+        if base.add(key + "/readers", 1) == 1:
+            copies = meta["job_id"] + uuid.uuid4().hex[:6]
+            self._cache = _NodeCache(self._reader, meta["job_key"], copies, float(self.timeout))
+            base.set(key, json.dumps({"job_id": copies, "owners": self._cache.owners()}))
+        else:
+            _wait_keys(base, [key], self.timeout, f"WeightReader({self.name!r}): this node's cache")
+        info = json.loads(base.get(key))
+        owners = [(ep, region, int(k), int(nbytes), here, None, None) for ep, region, k, nbytes in info["owners"]]
+        try:
+            self._reader = _Reader(meta["job_key"], info["job_id"], owners, "shm", float(self.timeout))
+        except TransportError as e:
+            raise TransportError(f"WeightReader({self.name!r}): cannot map this node's cache (is the reader that "
+                                 f"fetches for the node still running?): {e}") from e
+        self.routes = ["node-cache"] * self.world
+
+    @property
+    def cache_fetches(self) -> int | None:
+        """Versions this reader fetched across for its node (``node_cache``, the fetching reader), else None."""
+        return None if self._cache is None else int(self._cache.fetched)
 
     def _check_cover(self) -> None:
         """Every parameter's shards cover it exactly once (a manifest that does not is refused)."""
@@ -420,6 +539,8 @@ class WeightReader:
                 ``into`` is unchanged.
             VersionRefused: no whole version could be read (see the class); ``into`` is unchanged.
             PeerTimeout: a trainer rank published nothing (or not ``version``) within the timeout.
+            PeerDied: a trainer rank is gone, or on another node answered no read within the reader's timeout
+                (``peer`` names it); ``into`` is unchanged.
         """
         t0 = time.perf_counter()
         if version == "latest":
@@ -467,4 +588,5 @@ class WeightReader:
         self._reader._set_fault(float(delay), int(reads))
 
     def __repr__(self) -> str:
-        return f"WeightReader(name={self.name!r}, ranks={self.world}, slots={self.slots}, params={len(self.params)})"
+        return (f"WeightReader(name={self.name!r}, ranks={self.world}, slots={self.slots}, params={len(self.params)}, "
+                f"routes={self.routes})")
