@@ -56,6 +56,18 @@ offload (``param_offload``,
 ``offload_policy``), Ulysses sequence parallelism (its all-to-all per layer
 would need equal counts); LB-Mini further needs dynamic batching
 (``use_dynamic_bsz=True``) and no forced sample groups.
+
+Rollout weights (independent of the above): :func:`register_checkpoint_engine`
+registers the checkpoint engine ``odc`` (``odc.integrations._verl_weights``)
+in verl's ``CheckpointEngineRegistry``: the rollout replicas read the actor's
+FSDP2 shards one-sidedly as ODC weight versions instead of verl gathering
+full tensors. Importing this module registers it once verl's
+``verl.checkpoint_engine`` is loaded (at once where it is, as when verl
+imports the module named in ``checkpoint_engine.custom_backend_module``; else
+right after verl loads it, through a one-shot import hook)::
+
+    actor_rollout_ref.rollout.checkpoint_engine.backend=odc
+    actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=odc.integrations.verl
 """
 
 from __future__ import annotations
@@ -63,8 +75,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib.abc
+import importlib.util
 import inspect
 import pickle
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -78,7 +94,7 @@ from ..errors import ConfigError, PackingError
 from . import _exchange
 from ._guard import import_trainer
 
-__all__ = ["BALANCES", "VERL_VERSIONS_CHECKED", "disable", "enable", "is_enabled"]
+__all__ = ["BALANCES", "VERL_VERSIONS_CHECKED", "disable", "enable", "is_enabled", "register_checkpoint_engine"]
 
 VERL_VERSIONS_CHECKED = ("0.9.1",)
 """verl versions whose engine internals this module was checked against (another one warns)."""
@@ -401,3 +417,71 @@ def _sample_lengths(data: Any) -> list[int]:
     if getattr(ids, "is_nested", False):
         return [int(x) for x in ids.offsets().diff().tolist()]
     return [int(x) for x in data["attention_mask"].sum(dim=1).tolist()]
+
+
+def register_checkpoint_engine() -> None:
+    """Registers ODC's verl checkpoint engine as ``odc`` in verl's ``CheckpointEngineRegistry``. Idempotent.
+
+    A verl job selects it with ``actor_rollout_ref.rollout.checkpoint_engine.backend=odc`` and
+    ``...checkpoint_engine.custom_backend_module=odc.integrations.verl`` (verl imports that module in its driver,
+    actor and rollout workers before it makes the engine; the import registers it). Engine kwargs
+    (``...checkpoint_engine.engine_kwargs.odc``): ``name``, ``slots``, ``rollout_dtype``, ``timeout``.
+    docs/weights.md ("verl") says what it does and refuses.
+
+    Raises:
+        ConfigError: verl is missing or lacks a name the engine reads.
+    """
+    _, where = import_trainer("verl", VERL_VERSIONS_CHECKED, "it wraps verl's FSDPEngine.get_per_tensor_param, so "
+                              "compare a rollout against verl's naive engine before relying on it")
+    try:
+        from verl.checkpoint_engine import CheckpointEngineRegistry
+    except ImportError as e:
+        raise ConfigError(f"odc.integrations.verl's checkpoint engine cannot run on {where}: {e}") from None
+    if not hasattr(CheckpointEngineRegistry, "register"):
+        raise ConfigError(f"odc.integrations.verl's checkpoint engine cannot run on {where}: "
+                          "CheckpointEngineRegistry has no 'register'")
+    from . import _verl_weights
+
+    _verl_weights.register()
+
+
+def _register_when_loaded() -> None:
+    """Registers the checkpoint engine now if ``verl.checkpoint_engine`` is loaded (as where verl imports
+    ``custom_backend_module``), else right after it is. Importing verl's checkpoint engines here would cost every
+    user of this module verl's Ray stack, and cannot be done where verl imports this module while it is itself
+    being imported (``VERL_USE_EXTERNAL_MODULES``): a later ``custom_backend_module`` import of this module would
+    then find it imported and register nothing."""
+    if "verl.checkpoint_engine" in sys.modules:
+        register_checkpoint_engine()
+    elif importlib.util.find_spec("verl") is not None and not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``verl.checkpoint_engine`` is about to be imported, it removes itself and makes
+    that module's own loader register the checkpoint engine after executing it."""
+
+    name = "verl.checkpoint_engine"
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        execute = spec.loader.exec_module  # this module's own loader instance: nothing else is affected
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            try:
+                register_checkpoint_engine()
+            except Exception as e:  # verl itself must still import; selecting backend=odc then names what failed
+                warnings.warn(f"odc.integrations.verl: the odc checkpoint engine was not registered: {e}",
+                              UserWarning, stacklevel=2)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_register_when_loaded()

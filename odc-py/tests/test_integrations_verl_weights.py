@@ -1,0 +1,134 @@
+"""verl's ``odc`` checkpoint engine against verl's ``naive`` engine on CPU, in the same run.
+
+2 ranks of verl's own FSDP2 actor engine (tiny random Qwen2, fp32) train a PPO step per round; a rollout process
+outside their group holds a bf16 and an f32 Hugging Face model (transformers' ``generate`` standing in for the
+inference engine). Each round both sides drive the ``odc`` engine as verl's ``CheckpointEngineManager`` does, and
+the actor hands verl's ``naive`` engine verl's full-tensor generator. The rollout loads what each engine gave it
+and decodes greedily. See _verl_weights_worker.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from _dist import run_ranks
+
+pytestmark = pytest.mark.verl  # make test runs these in .venv-torch211, on verl's own pins
+
+if importlib.util.find_spec("verl") is None:
+    if os.environ.get("ODC_REQUIRE_VERL") == "1":
+        raise ImportError("ODC_REQUIRE_VERL=1, but verl is not installed here (make setup-torch211 installs it)")
+    pytest.skip("verl is not installed here: it pins torch 2.11.0, and make test runs these tests in .venv-torch211 "
+                "(make setup-torch211); ODC_REQUIRE_VERL=1 makes this a failure", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", params=["fsdp2", "odc"], ids=["actor-on-fsdp2", "actor-on-odc"])
+def runs(request, tmp_path_factory):
+    """The actor trains on verl's FSDP2 collectives, or on ODC (``external_lib=odc.integrations.verl_auto``)."""
+    import _verl_weights_worker as W
+
+    model_dir = str(tmp_path_factory.mktemp("qwen2"))
+    W.V.write_model(model_dir, **W.MODEL)
+    out_dir = str(tmp_path_factory.mktemp("naive"))
+    odc_training = request.param == "odc"
+    out = run_ranks(W.worker, W.ACTORS + 1, timeout=600, model_dir=model_dir, out_dir=out_dir,
+                    odc_training=odc_training)
+    for rank, (status, value) in out.items():
+        assert status == "ok", (rank, status, value if not isinstance(value, tuple) else value[3])
+    assert out[0][1]["odc_training"] is odc_training
+    return {rank: value for rank, (_, value) in out.items()}
+
+
+def _rollout(runs):
+    import _verl_weights_worker as W
+
+    return runs[W.ACTORS]
+
+
+def test_rollout_generates_the_same_tokens_as_with_verls_naive_engine(runs):
+    """Same names in verl's order, every tensor equal to verl's full parameter cast to the rollout's dtype, and the
+    same greedy tokens, after each of two training steps, for a bf16 and an f32 rollout."""
+    import _verl_weights_worker as W
+
+    ro = _rollout(runs)
+    for g, rec in enumerate(ro["rounds"], start=1):
+        for dt in ("torch.bfloat16", "torch.float32"):
+            r = rec[dt]
+            assert r["names"] and r["count"] == runs[0]["rounds"][g - 1]["params"], (g, dt, r["count"])
+            assert r["mismatched"] == [], (g, dt, r["mismatched"][:5])
+            assert r["odc_tokens"] == r["naive_tokens"], (g, dt)
+            assert len(r["odc_tokens"]) == 3 and all(len(t) == W.NEW_TOKENS for t in r["odc_tokens"])
+    # The weights moved between the versions (so an older one fails the equality above), and the generations with
+    # them (the models compared are not the untrained checkpoint).
+    assert ro["rounds"][1]["moved"] > 1e-3, ro["rounds"][1]["moved"]
+    assert ro["rounds"][-1]["torch.bfloat16"]["odc_tokens"] != ro["initial"]["torch.bfloat16"]
+
+
+def test_each_update_reads_the_version_the_actor_published_for_it(runs):
+    for g, rec in enumerate(_rollout(runs)["rounds"], start=1):
+        for dt, read in rec["read"].items():
+            assert (read["asked"], read["version"], read["age"]) == (g, g, 0), (g, dt, read)
+    for rank in (0, 1):
+        assert [r["metrics"]["checkpoint_engine/odc_version"] for r in runs[rank]["rounds"]] == [1.0, 2.0]
+        assert runs[rank]["version"] == 2
+
+
+def test_send_weights_never_iterates_verls_generator(runs):
+    """verl's FSDP2 generator is lazy: the odc engine closes it unstarted, so no parameter is gathered; the naive
+    engine's consumer gathers every one."""
+    for rank in (0, 1):
+        for r in runs[rank]["rounds"]:
+            assert r["odc_gathers"] == 0, r
+            assert r["naive_gathers"] > 0 and r["naive_gathers"] <= r["params"], r
+
+
+def test_what_the_engine_cannot_do_is_refused_by_name(runs):
+    a, ro = runs[0]["refused"], _rollout(runs)
+    assert a["foreign"].startswith("ConfigError") and "get_per_tensor_param did not make" in a["foreign"], a
+    assert "local shard moved" in a["moved"] and "model.embed_tokens.weight" in a["moved"], a
+    assert "FullyShardedDataParallel" in a["fsdp1"] and "strategy='fsdp2'" in a["fsdp1"], a
+    r = ro["refused"]
+    assert "readers on another host" in r["host"], r
+    for what in ("not FSDP2", "LoRA / peft", "QAT", "param_offload"):
+        assert what in r["settings"], (what, r["settings"])
+    assert "rollout_dtype='int8'" in r["dtype"], r
+
+
+def test_transfer_times_side_by_side(runs):
+    """Reported, not asserted: verl's naive engine (gather every full tensor on every actor rank, then the cast a bf16
+    rollout needs) against the odc engine (publish on each actor rank; the rollout's whole read, cast included)."""
+    ro = _rollout(runs)
+    print(f"\nverl checkpoint engines, {runs[0]['rounds'][0]['params']} tensors, "
+          f"odc slots {runs[0]['memory_bytes'] / 2**20:.1f} MiB per actor rank")
+    print("round | naive: gather s (r0, r1), +bf16 cast s | odc: publish s (r0, r1), rollout receive s bf16 (read), "
+          "f32 (read)")
+    for g, rec in enumerate(ro["rounds"]):
+        a0, a1 = runs[0]["rounds"][g], runs[1]["rounds"][g]
+        pub = [x["metrics"]["checkpoint_engine/odc_publish_s"] for x in (a0, a1)]
+        recv = [f"{rec['seconds'][dt]:.4f} ({rec['read'][dt]['seconds']:.4f})" for dt in ("torch.bfloat16",
+                                                                                        "torch.float32")]
+        print(f"{g + 1} | {a0['naive_s']:.4f}, {a1['naive_s']:.4f}, {a0['naive_s'] + a0['naive_cast_s']:.4f} | "
+              f"{pub[0]:.4f}, {pub[1]:.4f}, {recv[0]}, {recv[1]}")
+
+
+def test_the_engine_is_registered_whichever_is_imported_first():
+    """verl's workers import ``custom_backend_module`` after ``verl.checkpoint_engine``; with
+    ``VERL_USE_EXTERNAL_MODULES=odc.integrations.verl_auto`` (ODC training) verl imported odc.integrations.verl long
+    before that, while verl itself was being imported: the engine is registered once verl's checkpoint engines load,
+    and the finder that did it is gone."""
+    import subprocess
+    import sys
+
+    code = ("import sys, verl.checkpoint_engine as ce; from verl.utils.import_utils import import_external_libs; "
+            "import_external_libs('odc.integrations.verl'); "
+            "print(ce.CheckpointEngineRegistry.get('odc').__name__, "
+            "[type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith('odc')])")
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="odc.integrations.verl_auto", ODC_VERL_BALANCE="none",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("VERL_PLATFORM", None)
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=False, capture_output=True, text=True,
+                       env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "OdcCheckpointEngine []", p.stdout
