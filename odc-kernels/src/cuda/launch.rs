@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    result as cu, CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    result as cu, CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut,
+    LaunchConfig, PushKernelArg,
 };
 
 use super::nvrtc::{self, Output};
@@ -68,24 +68,7 @@ impl CudaKernels {
     }
 
     fn load(ctx: Arc<CudaContext>, info: DeviceInfo) -> Result<CudaKernels> {
-        // Machine code first: PTX from a newer NVRTC than the driver is
-        // refused by the JIT, a CUBIN loads on any driver that knows the GPU.
-        let (module, image) = match nvrtc::compile(SOURCE, info.arch, Output::Cubin) {
-            Ok(cubin) => (
-                ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
-                Image::Cubin(info.arch),
-            ),
-            Err(_) => {
-                let arch = info.arch.min(Arch::SM90);
-                let ptx = nvrtc::compile(SOURCE, arch, Output::Ptx)?;
-                let text = String::from_utf8_lossy(&ptx).into_owned();
-                (
-                    ctx.load_module(cudarc::nvrtc::Ptx::from_src(text)),
-                    Image::Ptx(arch),
-                )
-            }
-        };
-        let module = module.map_err(|e| cuda_error("cuModuleLoadData", e))?;
+        let (module, image) = load_module(&ctx, SOURCE, &info)?;
         let function = |name: &str| {
             module
                 .load_function(name)
@@ -284,18 +267,57 @@ impl CudaKernels {
     }
 
     fn check_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
-        if stream.context().cu_ctx() == self.ctx.cu_ctx() {
-            Ok(())
-        } else {
-            Err(Error::InvalidArgument {
-                op,
-                detail: format!(
-                    "stream belongs to device {}'s context, the kernels to device {}'s",
-                    stream.context().ordinal(),
-                    self.ctx.ordinal()
-                ),
-            })
+        check_stream_context(op, stream, &self.ctx)
+    }
+}
+
+/// Compiles `source` for `info`'s device and loads it into `ctx`: machine
+/// code first (PTX from a newer NVRTC than the driver is refused by the
+/// JIT, a CUBIN loads on any driver that knows the GPU), PTX for an older
+/// virtual architecture where NVRTC cannot target the device.
+pub(super) fn load_module(
+    ctx: &Arc<CudaContext>,
+    source: &str,
+    info: &DeviceInfo,
+) -> Result<(Arc<CudaModule>, Image)> {
+    let (module, image) = match nvrtc::compile(source, info.arch, Output::Cubin) {
+        Ok(cubin) => (
+            ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
+            Image::Cubin(info.arch),
+        ),
+        Err(_) => {
+            let arch = info.arch.min(Arch::SM90);
+            let ptx = nvrtc::compile(source, arch, Output::Ptx)?;
+            let text = String::from_utf8_lossy(&ptx).into_owned();
+            (
+                ctx.load_module(cudarc::nvrtc::Ptx::from_src(text)),
+                Image::Ptx(arch),
+            )
         }
+    };
+    Ok((
+        module.map_err(|e| cuda_error("cuModuleLoadData", e))?,
+        image,
+    ))
+}
+
+/// `stream` must belong to `ctx`, the context the kernels were loaded into.
+pub(super) fn check_stream_context(
+    op: &'static str,
+    stream: &CudaStream,
+    ctx: &Arc<CudaContext>,
+) -> Result<()> {
+    if stream.context().cu_ctx() == ctx.cu_ctx() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            op,
+            detail: format!(
+                "stream belongs to device {}'s context, the kernels to device {}'s",
+                stream.context().ordinal(),
+                ctx.ordinal()
+            ),
+        })
     }
 }
 
@@ -305,7 +327,12 @@ fn pack_width(a: DType, b: DType) -> usize {
     16 / a.size_bytes().max(b.size_bytes())
 }
 
-fn elements(op: &'static str, what: &'static str, bytes: usize, dtype: DType) -> Result<usize> {
+pub(super) fn elements(
+    op: &'static str,
+    what: &'static str,
+    bytes: usize,
+    dtype: DType,
+) -> Result<usize> {
     if bytes % dtype.size_bytes() == 0 {
         Ok(bytes / dtype.size_bytes())
     } else {
@@ -318,7 +345,12 @@ fn elements(op: &'static str, what: &'static str, bytes: usize, dtype: DType) ->
     }
 }
 
-fn check_aligned(op: &'static str, what: &'static str, addr: u64, dtype: DType) -> Result<()> {
+pub(super) fn check_aligned(
+    op: &'static str,
+    what: &'static str,
+    addr: u64,
+    dtype: DType,
+) -> Result<()> {
     let align = dtype.size_bytes();
     if addr % align as u64 == 0 {
         Ok(())

@@ -19,10 +19,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 
+use super::launch::{check_aligned, check_stream_context, elements, load_module};
 use super::nvrtc::{self, Output};
 use super::{cuda_error, probe_device, Arch, CudaKernels, DeviceInfo, Image, Ptx};
 use crate::cpu::quant::{Format, Spec};
@@ -103,7 +103,7 @@ impl CudaQuant {
     pub fn with_context(ctx: Arc<CudaContext>) -> Result<CudaQuant> {
         let cast = CudaKernels::with_context(ctx.clone())?;
         let info = cast.device().clone();
-        let (module, image) = load(&ctx, &info)?;
+        let (module, image) = load_module(&ctx, QUANT_SOURCE, &info)?;
         let function = |name: String| {
             module
                 .load_function(&name)
@@ -172,17 +172,17 @@ impl CudaQuant {
         C: DevicePtrMut<u8>,
     {
         const OP: &str = "cuda quantise";
-        let n = f32s(OP, "source", src.len())?;
-        let nscales = f32s(OP, "scales", scales.len())?;
+        let n = elements(OP, "source", src.len(), DType::F32)?;
+        let nscales = elements(OP, "scales", scales.len(), DType::F32)?;
         check(OP, spec, n, payload.len(), nscales)?;
         self.check_stream(OP, stream)?;
         let (s, _s) = src.device_ptr(stream);
         let (p, _p) = payload.device_ptr_mut(stream);
         let (c, _c) = scales.device_ptr_mut(stream);
-        aligned(OP, "source", s, DType::F32)?;
-        aligned(OP, "scales", c, DType::F32)?;
+        check_aligned(OP, "source", s, DType::F32)?;
+        check_aligned(OP, "scales", c, DType::F32)?;
         if !spec.format().scaled() {
-            aligned(OP, "payload", p, DType::BF16)?;
+            check_aligned(OP, "payload", p, DType::BF16)?;
         }
         // SAFETY: the pointers come from live cudarc allocations of the
         // checked lengths, borrowed until the launch is enqueued; the
@@ -209,17 +209,17 @@ impl CudaQuant {
         A: DevicePtrMut<u8>,
     {
         const OP: &str = "cuda dequantise_accumulate";
-        let n = f32s(OP, "accumulator", acc.len())?;
-        let nscales = f32s(OP, "scales", scales.len())?;
+        let n = elements(OP, "accumulator", acc.len(), DType::F32)?;
+        let nscales = elements(OP, "scales", scales.len(), DType::F32)?;
         check(OP, spec, n, payload.len(), nscales)?;
         self.check_stream(OP, stream)?;
         let (p, _p) = payload.device_ptr(stream);
         let (c, _c) = scales.device_ptr(stream);
         let (a, _a) = acc.device_ptr_mut(stream);
-        aligned(OP, "accumulator", a, DType::F32)?;
-        aligned(OP, "scales", c, DType::F32)?;
+        check_aligned(OP, "accumulator", a, DType::F32)?;
+        check_aligned(OP, "scales", c, DType::F32)?;
         if !spec.format().scaled() {
-            aligned(OP, "payload", p, DType::BF16)?;
+            check_aligned(OP, "payload", p, DType::BF16)?;
         }
         // SAFETY: as in `quantise`.
         unsafe { self.dequantise_accumulate_raw(stream, spec, p, c, a, n, factor) }
@@ -254,16 +254,16 @@ impl CudaQuant {
             });
         }
         let n = dst.len() / dst_dtype.size_bytes();
-        let nscales = f32s(OP, "scales", scales.len())?;
+        let nscales = elements(OP, "scales", scales.len(), DType::F32)?;
         check(OP, spec, n, payload.len(), nscales)?;
         self.check_stream(OP, stream)?;
         let (p, _p) = payload.device_ptr(stream);
         let (c, _c) = scales.device_ptr(stream);
         let (d, _d) = dst.device_ptr_mut(stream);
-        aligned(OP, "destination", d, dst_dtype)?;
-        aligned(OP, "scales", c, DType::F32)?;
+        check_aligned(OP, "destination", d, dst_dtype)?;
+        check_aligned(OP, "scales", c, DType::F32)?;
         if !spec.format().scaled() {
-            aligned(OP, "payload", p, DType::BF16)?;
+            check_aligned(OP, "payload", p, DType::BF16)?;
         }
         // SAFETY: as in `quantise`.
         unsafe { self.dequantise_raw(stream, spec, p, c, d, dst_dtype, n) }
@@ -423,54 +423,7 @@ impl CudaQuant {
     }
 
     fn check_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
-        if stream.context().cu_ctx() == self.context().cu_ctx() {
-            return Ok(());
-        }
-        Err(Error::InvalidArgument {
-            op,
-            detail: format!(
-                "stream belongs to device {}'s context, the kernels to device {}'s",
-                stream.context().ordinal(),
-                self.context().ordinal()
-            ),
-        })
-    }
-}
-
-/// Loads [`QUANT_SOURCE`]: machine code first, PTX for an older virtual
-/// architecture where NVRTC cannot target the device (as [`CudaKernels`]).
-fn load(ctx: &Arc<CudaContext>, info: &DeviceInfo) -> Result<(Arc<CudaModule>, Image)> {
-    let (module, image) = match nvrtc::compile(QUANT_SOURCE, info.arch, Output::Cubin) {
-        Ok(cubin) => (
-            ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)),
-            Image::Cubin(info.arch),
-        ),
-        Err(_) => {
-            let arch = info.arch.min(Arch::SM90);
-            let ptx = nvrtc::compile(QUANT_SOURCE, arch, Output::Ptx)?;
-            let text = String::from_utf8_lossy(&ptx).into_owned();
-            (
-                ctx.load_module(cudarc::nvrtc::Ptx::from_src(text)),
-                Image::Ptx(arch),
-            )
-        }
-    };
-    Ok((
-        module.map_err(|e| cuda_error("cuModuleLoadData", e))?,
-        image,
-    ))
-}
-
-fn f32s(op: &'static str, what: &'static str, bytes: usize) -> Result<usize> {
-    if bytes % 4 == 0 {
-        Ok(bytes / 4)
-    } else {
-        Err(Error::PartialElement {
-            op,
-            what,
-            len: bytes,
-            dtype: DType::F32,
-        })
+        check_stream_context(op, stream, self.context())
     }
 }
 
@@ -486,18 +439,4 @@ fn check(op: &'static str, spec: Spec, n: usize, payload: usize, scales: usize) 
         });
     }
     Ok(())
-}
-
-fn aligned(op: &'static str, what: &'static str, addr: u64, dtype: DType) -> Result<()> {
-    let align = dtype.size_bytes();
-    if addr % align as u64 == 0 {
-        return Ok(());
-    }
-    Err(Error::Misaligned {
-        op,
-        what,
-        addr: addr as usize,
-        align,
-        dtype,
-    })
 }
