@@ -62,6 +62,7 @@ STORE_PREFIX = "odc/weights"
 _FORMAT = 1
 _ALIGN = 64
 _TRANSPORTS = ("auto", "shm", "fabric")
+_STAGINGS = ("whole", "rank")
 
 
 class VersionRefused(OdcError):
@@ -308,7 +309,8 @@ class WeightServer:
 
 
 def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, name: str = "policy",
-                  slots: int = 2, store: Any = None, timeout: float = 60.0, transport: str = "auto") -> WeightServer:
+                  slots: int = 2, store: Any = None, timeout: float = 60.0, transport: str = "auto",
+                  group: dist.ProcessGroup | None = None) -> WeightServer:
     """Publishes this trainer rank's parameter shards for readers outside the training group.
 
     Call it on every rank, after ``fully_shard`` (and after ``odc.fsdp.enable``, if used), before the loop. It
@@ -330,6 +332,8 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             the route to ``MASTER_ADDR``); an error if libfabric cannot serve them. ``"auto"`` (default): as
             ``"fabric"`` where such an address exists and libfabric opens, else as ``"shm"`` (the reason is in
             :attr:`WeightServer.fabric_error` and in a remote reader's error).
+        group: the training group whose ranks serve the shards (default: the default process group), for a job
+            whose default group holds other processes too (rollout workers, say).
 
     Returns:
         this rank's :class:`WeightServer`. Keep it: when it is garbage collected its slots are withdrawn (the
@@ -341,8 +345,8 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     """
     if store is None:
         store = dist.distributed_c10d._get_default_store()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
     server = WeightServer(model, store=store, name=name, slots=slots, rank=rank, world=world, timeout=timeout,
                           transport=transport)
     if optimizer is not None:
@@ -377,6 +381,12 @@ class WeightReader:
             trainer's slots in this node's shared memory, and every reader of the node, that one too, reads the
             copies by the same rules (a version lags by one fetch). If the fetching reader dies, the node's other
             readers fail naming it (``PeerDied``).
+        staging: ``"whole"`` (default): every trainer rank's slot is copied at once (all of them in flight together)
+            into staging buffers as large as a whole version, then cast. ``"rank"``: one trainer rank's slot at a
+            time into one buffer as large as the largest slot, each cast into the result before the next is copied
+            (memory: the largest shard instead of the whole model; the ranks' copies are not in flight together).
+            Either way a read is one whole version: every rank's copy is checked against the version's sequence
+            words, and ``into`` changes only after every rank's copy arrived whole.
 
     Attributes:
         routes: how each trainer rank is reached, by rank (``"shm"``, ``"fabric"``, or ``"node-cache"``).
@@ -390,9 +400,11 @@ class WeightReader:
     """
 
     def __init__(self, store: Any, name: str = "policy", *, timeout: float = 60.0, transport: str = "auto",
-                 node_cache: bool = False) -> None:
+                 node_cache: bool = False, staging: str = "whole") -> None:
         _check_name(name)
         _check_transport(transport, "WeightReader")
+        if staging not in _STAGINGS:
+            raise ConfigError(f"WeightReader: staging={staging!r}; expected one of {', '.join(_STAGINGS)}")
         store_host = None
         if isinstance(store, str):
             host, _, port = store.rpartition(":")
@@ -446,7 +458,13 @@ class WeightReader:
         self._cache: Any = None
         if node_cache and "fabric" in self.routes:
             self._share_on_node(base, meta, here)
-        self._staging = [torch.empty(int(i["slot_bytes"]), dtype=torch.uint8) for i in ranks]
+        self.staging = staging
+        sizes = self._slot_bytes = [int(i["slot_bytes"]) for i in ranks]
+        self._staging = ([torch.empty(n, dtype=torch.uint8) for n in sizes] if staging == "whole"
+                         else [torch.empty(max(sizes), dtype=torch.uint8)])
+        #: ``staging="rank"`` with ``into``: the cast version, by name, until it is whole (made at the first read).
+        self._cast: dict[str, torch.Tensor] = {}
+        self._between = [0.0, 0]
 
     def _share_on_node(self, base: Any, meta: dict[str, Any], here: str) -> None:
         """Reads this node's copies of the trainer's slots instead (see ``node_cache``), serving them first when this
@@ -550,32 +568,82 @@ class WeightReader:
         else:
             raise ConfigError(f"WeightReader.read: version={version!r}; expected 'latest' or a number >= 0")
         targets = self._targets(into, strict) if into is not None else None
-        bufs = [(t.data_ptr(), t.numel()) for t in self._staging]
-        got = self._reader.read(want, bufs, float(self.timeout if timeout is None else timeout), int(retries))
-        if "refused" in got:
-            raise VersionRefused(got["refused"], got["owner"], got["version"], got["by"], got["attempts"])
+        wait = float(self.timeout if timeout is None else timeout)
+        out: dict[str, torch.Tensor] | None = None
         if targets is None:
-            targets = {n: torch.empty(shape, dtype=dtype) for n, (shape, _) in self.params.items()}
-            out: dict[str, torch.Tensor] | None = targets
+            out = targets = {n: torch.empty(shape, dtype=dtype) for n, (shape, _) in self.params.items()}
+        if self.staging == "whole":
+            bufs = [(t.data_ptr(), t.numel()) for t in self._staging]
+            got = self._reader.read(want, bufs, wait, int(retries))
+            if "refused" in got:
+                raise VersionRefused(got["refused"], got["owner"], got["version"], got["by"], got["attempts"])
+            self._assemble(targets, range(self.world))
         else:
-            out = None
-        self._assemble(targets)
+            # New tensors are nobody's until returned: cast into them. `into` gets the version only once whole.
+            dst = targets if out is not None else self._cast_buffers(targets)
+            got = self._read_by_rank(want, dst, wait, int(retries))
+            if out is None:
+                with torch.no_grad():
+                    for n, t in dst.items():
+                        targets[n].copy_(t)
         return ReadResult(version=got["version"], newest=got["newest"], attempts=got["attempts"],
                           seconds=time.perf_counter() - t0, tensors=out)
 
-    def _assemble(self, targets: dict[str, torch.Tensor]) -> None:
-        """Copies every staged shard into its full tensor (casting)."""
+    def _cast_buffers(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``staging="rank"``'s buffers for ``into``: each served tensor in its target's dtype and shape."""
+        for n in self.params:
+            t = targets[n]
+            have = self._cast.get(n)
+            if have is None or have.dtype != t.dtype:
+                self._cast[n] = torch.empty(t.shape, dtype=t.dtype)
+        return {n: self._cast[n] for n in self.params}
+
+    def _read_by_rank(self, want: int | None, dst: dict[str, torch.Tensor], wait: float,
+                      retries: int) -> dict[str, Any]:
+        """``staging="rank"``: one version, rank by rank, each rank's copy checked whole by its sequence words (so
+        every rank's part is the version's), cast into ``dst`` as it arrives. A ``"latest"`` read whose version was
+        overwritten on some rank starts again on the newest (``retries`` times)."""
+        deadline = time.monotonic() + wait
+        stage = self._staging[0]
+        attempts = 0
+        while True:
+            attempts += 1
+            if want is None:
+                first = self._reader.read(None, [(stage.data_ptr(), 0)] * self.world,
+                                          max(deadline - time.monotonic(), 1e-3), 0)
+                version = None if "refused" in first else int(first["version"])
+            else:
+                version = want
+            got: dict[str, Any] = first if want is None else {}
+            for r in range(self.world) if version is not None else ():
+                bufs = [(stage.data_ptr(), 0)] * self.world
+                bufs[r] = (stage.data_ptr(), self._slot_bytes[r])
+                got = self._reader.read(version, bufs, max(deadline - time.monotonic(), 1e-3), 0)
+                if "refused" in got:
+                    break
+                self._assemble(dst, (r,), stage)
+                if r == 0 and self._between[1] > 0:  # the test fault point of this staging (_set_fault)
+                    self._between[1] -= 1
+                    time.sleep(self._between[0])
+            if "refused" not in got:
+                return {**got, "attempts": attempts}
+            if want is not None or attempts > retries or time.monotonic() >= deadline:
+                raise VersionRefused(got["refused"], got["owner"], got["version"], got["by"], attempts)
+
+    def _assemble(self, targets: dict[str, torch.Tensor], ranks: Any, stage: torch.Tensor | None = None) -> None:
+        """Copies the staged shards of ``ranks`` into their full tensors (casting); ``stage``: the one buffer all
+        of them are in (``staging="rank"``), else each rank's own."""
         flat: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for n in self.params:
                 t = targets[n]
                 flat[n] = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-            for r, shards in enumerate(self._shards):
-                stage = self._staging[r]
-                for s in shards:
+            for r in ranks:
+                buf = self._staging[r] if stage is None else stage
+                for s in self._shards[r]:
                     src_dtype = self.params[s.name][1]
                     nbytes = s.numel * src_dtype.itemsize
-                    src = stage[s.offset:s.offset + nbytes].view(src_dtype)
+                    src = buf[s.offset:s.offset + nbytes].view(src_dtype)
                     flat[s.name][s.elem:s.elem + s.numel].copy_(src)
             for n, f in flat.items():
                 t = targets[n]
@@ -584,8 +652,12 @@ class WeightReader:
 
     def _set_fault(self, delay: float, reads: int = 1) -> None:
         """Test fault point: sleep ``delay`` seconds halfway through the copy of the last rank's slot in each of the
-        next ``reads`` reads."""
-        self._reader._set_fault(float(delay), int(reads))
+        next ``reads`` reads (``staging="rank"``: between the first rank's copy and the next's, the window that
+        staging adds)."""
+        if self.staging == "rank":
+            self._between = [float(delay), int(reads)]
+        else:
+            self._reader._set_fault(float(delay), int(reads))
 
     def __repr__(self) -> str:
         return (f"WeightReader(name={self.name!r}, ranks={self.world}, slots={self.slots}, params={len(self.params)}, "

@@ -22,6 +22,10 @@ Subcommands:
   (``odc.integrations.transformers.enable``), and LB-Mini's plan under FSDP2's
   own accumulation; time per step, peak memory, loss curves
   (:mod:`odc.bench.trainer`).
+- ``weights`` — rollout weights: 4 trainer ranks serve an FSDP2 model, 2 reader
+  processes read it whole in bf16 with :class:`odc.WeightReader`, against a
+  full state dict gathered on rank 0 and broadcast over gloo; the copy or link
+  limit; the trainer's step time while readers read (:mod:`odc.bench.weights`).
 
 All launch their own local ranks (spawned processes sharing a TCPStore),
 or run as one rank of a torchrun job when ``RANK``, ``WORLD_SIZE`` and
@@ -107,6 +111,8 @@ examples:
       bytes per rank of FSDP2 over gloo and of ODC, full and hybrid sharding
   odc-bench trainer --minibatch-size 4 --steps 4 --repeats 1 --plot trainer.png
       TRL's SFTTrainer three ways on 2 ranks: TRL's default, + ODC + LB-Mini, LB-Mini under FSDP2's accumulation
+  odc-bench weights --sizes 256M --repeats 1 --steps 2
+      rollout weights: 4 trainer ranks, 2 readers, ODC's one-sided reader against gather + broadcast
 
 Tables go to stdout, the progress bar to stderr; the last line says where --json and --plot went.""",
     "primitives": """\
@@ -151,6 +157,12 @@ examples:
       by formula: a 32B-parameter model on 4 nodes of 8, bf16 gathers
   odc-bench memory --formula 70B --world 64 --per-node 8 --param-dtype bf16 --gather-dtype bf16 --formula-layers 80
       by formula: where FSDP2's accumulation (fsdp2-accum) stops fitting and ODC still does""",
+    "weights": """\
+examples:
+  odc-bench weights --sizes 256M --repeats 1 --steps 2
+      4 trainer ranks and 2 readers on this host: ODC's reader against gather + broadcast, once
+  odc-bench weights --sizes 1G,4G --where host,netns,netns:10gbit --json weights.json
+      the docs' table: one host, and readers in another network namespace (unshaped and 10 Gbit/s; root)""",
 }
 
 
@@ -158,7 +170,7 @@ def _build_parser() -> _Parser:
     raw = argparse.RawDescriptionHelpFormatter
     p = _Parser(prog="odc-bench", description="Collective-versus-ODC benchmarks (see `odc-bench SUBCOMMAND -h`).",
                 epilog=EXAMPLES["odc-bench"], formatter_class=raw)
-    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train,trainer,memory}",
+    sub = p.add_subparsers(dest="command", metavar="{primitives,imbalance,train,trainer,memory,weights}",
                            parser_class=_Parser)
 
     pr = sub.add_parser("primitives", help="all-gather / reduce-scatter against ODC gather / scatter-accumulate",
@@ -238,7 +250,29 @@ def _build_parser() -> _Parser:
     _common(im)
     _train_parser(sub)
     _trainer_parser(sub)
+    _weights_parser(sub)
     return p
+
+
+def _weights_parser(sub: Any) -> None:
+    w = sub.add_parser("weights", help="rollout weights: ODC's one-sided reader against gather + broadcast",
+                       description="Time to a reader's usable bf16 model: ODC's WeightReader against a full state "
+                                   "dict gathered on trainer rank 0 and broadcast over gloo, beside the copy or link "
+                                   "limit, and the trainer's step time while readers read (odc.bench.weights).",
+                       epilog=EXAMPLES["weights"], formatter_class=argparse.RawDescriptionHelpFormatter)
+    w.add_argument("--sizes", default="1G", help="f32 model sizes, comma-separated (default 1G)")
+    w.add_argument("--where", default="host",
+                   help="setups, comma-separated: host, netns (2 network namespaces: trainers | readers), "
+                        "netns:RATE (the link shaped with tc tbf, e.g. netns:10gbit) (default host)")
+    w.add_argument("--trainers", type=_positive(int, "--trainers"), default=4, help="trainer ranks (default 4)")
+    w.add_argument("--readers", type=_positive(int, "--readers"), default=2, help="reader processes (default 2)")
+    w.add_argument("--dim", type=_positive(int, "--dim"), default=4096, help="layer width (default 4096)")
+    w.add_argument("--repeats", type=_positive(int, "--repeats"), default=3, help="timed reads per arm (median)")
+    w.add_argument("--steps", type=_positive(int, "--steps"), default=3,
+                   help="trainer steps alone and with readers reading (default 3)")
+    w.add_argument("--staging", choices=("whole", "rank"), default="rank",
+                   help="the readers' WeightReader(staging=...) (default rank: memory of the largest shard)")
+    w.add_argument("--json", metavar="FILE", help="write the rows and every process's measurements")
 
 
 def _nonnegative_float(flag: str) -> Any:
@@ -966,6 +1000,10 @@ def _main(argv: list[str]) -> int:
             return command(args, _model_spec(args))
         if args.command == "memory":
             return _memory(args)
+        if args.command == "weights":
+            from .weights import command as weights_command
+
+            return weights_command(args)
         if args.command == "trainer":
             from .trainer import command as trainer_command
 
