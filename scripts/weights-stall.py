@@ -55,7 +55,8 @@ def copies(sizes: list[int]) -> None:
         m.w = torch.nn.Parameter(torch.randn(mib * 2**20 // 4 // 1024, 1024))
         srv = serve_weights(m, store=store, name=f"copy{mib}", slots=2)
         r = odc.WeightReader(store, name=f"copy{mib}")
-        bufs = [(t.data_ptr(), t.numel()) for t in r._staging]
+        stage = [torch.empty(n, dtype=torch.uint8) for n in r._slot_bytes]
+        bufs = [(t.data_ptr(), t.numel()) for t in stage]
         f32 = {"w": torch.empty_like(m.w)}
         dst = torch.empty_like(m.w)
         return [median(srv.publish), median(lambda: r._reader.read(None, bufs, 10.0, 4)),

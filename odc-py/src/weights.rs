@@ -315,6 +315,20 @@ impl PyWeightReader {
         Ok(d)
     }
 
+    /// `(address, bytes)` of every owner's data of the slot of `version`
+    /// where `shm` maps it, None for owners read over the network. Read it
+    /// only between two `read`s of exactly `version` with empty buffers,
+    /// and trust what was read only if the second is not refused.
+    fn mapped(&self, version: u64) -> Vec<Option<(usize, usize)>> {
+        (0..self.inner.layouts().len())
+            .map(|r| {
+                self.inner
+                    .mapped_data(r, version)
+                    .map(|(ptr, n)| (ptr as usize, n))
+            })
+            .collect()
+    }
+
     /// Test fault point: sleep `delay` seconds halfway through the copy of
     /// the last owner's slot in each of the next `reads` reads started.
     fn _set_fault(&self, delay: f64, reads: u32) {

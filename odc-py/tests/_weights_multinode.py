@@ -172,7 +172,8 @@ def copy_rate(ctx: Any, *, mib: list[int], repeats: int = 5) -> dict:
             if ctx.rank == 2:
                 _wait(store, f"t/rate_shm{m}", 300)
             reader = odc.WeightReader(store, name=name, timeout=30)
-            bufs = [(t.data_ptr(), t.numel()) for t in reader._staging]
+            stage = [torch.empty(n, dtype=torch.uint8) for n in reader._slot_bytes]
+            bufs = [(t.data_ptr(), t.numel()) for t in stage]
             raw = median(lambda r=reader, b=bufs: r._reader.read(None, b, 30.0, 0))
             bf16 = median(lambda r=reader: r.read(dtype=torch.bfloat16))
             row = {"route": reader.routes[0], "bytes": sum(n for _, n in bufs), "copy_s": raw, "bf16_s": bf16}

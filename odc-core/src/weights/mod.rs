@@ -708,6 +708,25 @@ impl WeightReader {
         Some(f.delay)
     }
 
+    /// Where owner `r`'s data of the slot of `version` lies in this
+    /// process, and its bytes, when `shm` maps the owner (None over the
+    /// network). For readers that consume a slot in place (a cast straight
+    /// out of it) instead of copying it: the bytes may change under them
+    /// at any time, so the caller brackets its reads between two
+    /// [`WeightReader::read`]s of exactly `version` with empty buffers (the
+    /// second one's `begin` re-check, after its acquire fence, proves that
+    /// nothing was overwritten in between) and uses what it read only then.
+    pub fn mapped_data(&self, r: usize, version: u64) -> Option<(*const u8, usize)> {
+        let base = (*self.mapped.get(r)?)?;
+        let l = self.owners[r].layout;
+        // SAFETY: the data of a slot lies inside the region, whose length
+        // was checked at connect; the mapping lives as long as `self`.
+        Some((
+            unsafe { base.as_ptr().add(l.data(l.slot_of(version))) }.cast_const(),
+            l.slot_bytes,
+        ))
+    }
+
     /// The mapped word at `offset` of owner `r`'s region (owners `shm`
     /// maps), loaded with acquire order.
     fn mapped_word(&self, r: usize, offset: usize) -> Option<u64> {

@@ -34,6 +34,7 @@ dim 0 (``Shard(0)``), so a rank's local shard is a contiguous run of the full pa
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import json
 import math
@@ -381,12 +382,12 @@ class WeightReader:
             trainer's slots in this node's shared memory, and every reader of the node, that one too, reads the
             copies by the same rules (a version lags by one fetch). If the fetching reader dies, the node's other
             readers fail naming it (``PeerDied``).
-        staging: ``"whole"`` (default): every trainer rank's slot is copied at once (all of them in flight together)
-            into staging buffers as large as a whole version, then cast. ``"rank"``: one trainer rank's slot at a
-            time into one buffer as large as the largest slot, each cast into the result before the next is copied
-            (memory: the largest shard instead of the whole model; the ranks' copies are not in flight together).
-            Either way a read is one whole version: every rank's copy is checked against the version's sequence
-            words, and ``into`` changes only after every rank's copy arrived whole.
+        staging: how the slots of trainer ranks over the network (libfabric) are copied before the cast: ``"whole"``
+            (default) all at once, in flight together, into one buffer per rank; ``"rank"``: one rank at a time into
+            one buffer as large as the largest slot (memory: one shard instead of the model). Slots this process
+            maps (``shm``: the trainer's node, or ``node_cache``) are cast straight out of the mapping, without a
+            copy. Either way a read is one whole version: sequence-word checks bracket every cast, and ``into``
+            changes only after every rank's part arrived whole.
 
     Attributes:
         routes: how each trainer rank is reached, by rank (``"shm"``, ``"fabric"``, or ``"node-cache"``).
@@ -459,10 +460,10 @@ class WeightReader:
         if node_cache and "fabric" in self.routes:
             self._share_on_node(base, meta, here)
         self.staging = staging
-        sizes = self._slot_bytes = [int(i["slot_bytes"]) for i in ranks]
-        self._staging = ([torch.empty(n, dtype=torch.uint8) for n in sizes] if staging == "whole"
-                         else [torch.empty(max(sizes), dtype=torch.uint8)])
-        #: ``staging="rank"`` with ``into``: the cast version, by name, until it is whole (made at the first read).
+        self._slot_bytes = [int(i["slot_bytes"]) for i in ranks]
+        #: Copies of the slots of ranks over the network, by rank (``staging="rank"``: one, under -1).
+        self._staging: dict[int, torch.Tensor] = {}
+        #: A read with ``into``: the version cast, by name, until it is whole (made at the first read).
         self._cast: dict[str, torch.Tensor] = {}
         self._between = [0.0, 0]
 
@@ -568,29 +569,21 @@ class WeightReader:
         else:
             raise ConfigError(f"WeightReader.read: version={version!r}; expected 'latest' or a number >= 0")
         targets = self._targets(into, strict) if into is not None else None
-        wait = float(self.timeout if timeout is None else timeout)
         out: dict[str, torch.Tensor] | None = None
         if targets is None:
             out = targets = {n: torch.empty(shape, dtype=dtype) for n, (shape, _) in self.params.items()}
-        if self.staging == "whole":
-            bufs = [(t.data_ptr(), t.numel()) for t in self._staging]
-            got = self._reader.read(want, bufs, wait, int(retries))
-            if "refused" in got:
-                raise VersionRefused(got["refused"], got["owner"], got["version"], got["by"], got["attempts"])
-            self._assemble(targets, range(self.world))
-        else:
-            # New tensors are nobody's until returned: cast into them. `into` gets the version only once whole.
-            dst = targets if out is not None else self._cast_buffers(targets)
-            got = self._read_by_rank(want, dst, wait, int(retries))
-            if out is None:
-                with torch.no_grad():
-                    for n, t in dst.items():
-                        targets[n].copy_(t)
+        # New tensors are nobody's until returned: cast into them. `into` gets the version only once whole.
+        dst = targets if out is not None else self._cast_buffers(targets)
+        got = self._read_version(want, dst, float(self.timeout if timeout is None else timeout), int(retries))
+        if out is None:
+            with torch.no_grad():
+                for n, t in dst.items():
+                    targets[n].copy_(t)
         return ReadResult(version=got["version"], newest=got["newest"], attempts=got["attempts"],
                           seconds=time.perf_counter() - t0, tensors=out)
 
     def _cast_buffers(self, targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``staging="rank"``'s buffers for ``into``: each served tensor in its target's dtype and shape."""
+        """The buffers a read into ``into`` fills first: each served tensor in its target's dtype and shape."""
         for n in self.params:
             t = targets[n]
             have = self._cast.get(n)
@@ -598,66 +591,89 @@ class WeightReader:
                 self._cast[n] = torch.empty(t.shape, dtype=t.dtype)
         return {n: self._cast[n] for n in self.params}
 
-    def _read_by_rank(self, want: int | None, dst: dict[str, torch.Tensor], wait: float,
+    def _stage(self, r: int) -> torch.Tensor:
+        """Where rank ``r``'s slot is copied over the network: its own buffer (``staging="whole"``) or the one
+        buffer of the largest such slot (``"rank"``), made at the first need."""
+        key = r if self.staging == "whole" else -1
+        if key not in self._staging:
+            n = self._slot_bytes[r] if key >= 0 else max(self._slot_bytes)
+            self._staging[key] = torch.empty(n, dtype=torch.uint8)
+        return self._staging[key]
+
+    def _read_version(self, want: int | None, dst: dict[str, torch.Tensor], wait: float,
                       retries: int) -> dict[str, Any]:
-        """``staging="rank"``: one version, rank by rank, each rank's copy checked whole by its sequence words (so
-        every rank's part is the version's), cast into ``dst`` as it arrives. A ``"latest"`` read whose version was
-        overwritten on some rank starts again on the newest (``retries`` times)."""
+        """Casts one whole version into ``dst``; returns the native reader's answer (version, newest, attempts).
+
+        Sequence-word reads bracket every attempt: the first (a read of no bytes) picks the version and checks
+        every rank's slot holds it; the slots this process maps are cast straight out of the mapping, the others
+        copied (libfabric) into staging and cast; the last (no bytes again) reads every ``begin`` word after an
+        acquire fence: unchanged, nothing the casts read was overwritten. A ``"latest"`` read whose version was
+        overwritten starts again on the newest (``retries`` times); a version asked by number is refused.
+        """
         deadline = time.monotonic() + wait
-        stage = self._staging[0]
+        zeros = [(0, 0)] * self.world
         attempts = 0
         while True:
             attempts += 1
-            if want is None:
-                first = self._reader.read(None, [(stage.data_ptr(), 0)] * self.world,
-                                          max(deadline - time.monotonic(), 1e-3), 0)
-                version = None if "refused" in first else int(first["version"])
-            else:
-                version = want
-            got: dict[str, Any] = first if want is None else {}
-            for r in range(self.world) if version is not None else ():
-                bufs = [(stage.data_ptr(), 0)] * self.world
-                bufs[r] = (stage.data_ptr(), self._slot_bytes[r])
-                got = self._reader.read(version, bufs, max(deadline - time.monotonic(), 1e-3), 0)
-                if "refused" in got:
-                    break
-                self._assemble(dst, (r,), stage)
-                if r == 0 and self._between[1] > 0:  # the test fault point of this staging (_set_fault)
-                    self._between[1] -= 1
-                    time.sleep(self._between[0])
+            got = self._reader.read(want, zeros, max(deadline - time.monotonic(), 1e-3), 0)
             if "refused" not in got:
-                return {**got, "attempts": attempts}
+                version = int(got["version"])
+                got = self._fill(version, dst, zeros, deadline) or self._reader.read(
+                    version, zeros, max(deadline - time.monotonic(), 1e-3), 0)
+                if "refused" not in got:
+                    return {**got, "attempts": attempts}
             if want is not None or attempts > retries or time.monotonic() >= deadline:
                 raise VersionRefused(got["refused"], got["owner"], got["version"], got["by"], attempts)
 
-    def _assemble(self, targets: dict[str, torch.Tensor], ranks: Any, stage: torch.Tensor | None = None) -> None:
-        """Copies the staged shards of ``ranks`` into their full tensors (casting); ``stage``: the one buffer all
-        of them are in (``staging="rank"``), else each rank's own."""
-        flat: dict[str, torch.Tensor] = {}
+    def _fill(self, version: int, dst: dict[str, torch.Tensor], zeros: list[tuple[int, int]],
+              deadline: float) -> dict[str, Any] | None:
+        """Casts every rank's part of ``version`` into ``dst``: ranks over the network copied first (all at once,
+        or one at a time with ``staging="rank"``, each copy checked whole), mapped ranks straight from the mapping.
+        Returns the native reader's refusal if a copy was refused, else None (the caller's last check decides)."""
+        maps = self._reader.mapped(version)
+        remote = [r for r in range(self.world) if maps[r] is None]
+        groups = [remote] if self.staging == "whole" else [[r] for r in remote]
+        done = 0
+        for group in groups if remote else ():
+            bufs = list(zeros)
+            for r in group:
+                stage = self._stage(r)
+                bufs[r] = (stage.data_ptr(), self._slot_bytes[r])
+            got = self._reader.read(version, bufs, max(deadline - time.monotonic(), 1e-3), 0)
+            if "refused" in got:
+                return dict(got)
+            for r in group:
+                self._assemble(dst, r, self._stage(r))
+                done = self._fault_point(done)
+        for r in range(self.world):
+            place = maps[r]
+            if place is not None:
+                addr, nbytes = place
+                self._assemble(dst, r, torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(addr),
+                                                        dtype=torch.uint8))
+                done = self._fault_point(done)
+        return None
+
+    def _fault_point(self, done: int) -> int:
+        """After the first rank's part is cast: the test fault's sleep (:meth:`_set_fault`), if one is pending."""
+        if done == 0 and self._between[1] > 0:
+            self._between[1] -= 1
+            time.sleep(self._between[0])
+        return done + 1
+
+    def _assemble(self, targets: dict[str, torch.Tensor], r: int, buf: torch.Tensor) -> None:
+        """Casts rank ``r``'s shards, laid out in ``buf`` as in its slot, into their full tensors (contiguous)."""
         with torch.no_grad():
-            for n in self.params:
-                t = targets[n]
-                flat[n] = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-            for r in ranks:
-                buf = self._staging[r] if stage is None else stage
-                for s in self._shards[r]:
-                    src_dtype = self.params[s.name][1]
-                    nbytes = s.numel * src_dtype.itemsize
-                    src = buf[s.offset:s.offset + nbytes].view(src_dtype)
-                    flat[s.name][s.elem:s.elem + s.numel].copy_(src)
-            for n, f in flat.items():
-                t = targets[n]
-                if not t.is_contiguous():
-                    t.copy_(f.view(t.shape))
+            for s in self._shards[r]:
+                src_dtype = self.params[s.name][1]
+                nbytes = s.numel * src_dtype.itemsize
+                src = buf[s.offset:s.offset + nbytes].view(src_dtype)
+                targets[s.name].view(-1)[s.elem:s.elem + s.numel].copy_(src)
 
     def _set_fault(self, delay: float, reads: int = 1) -> None:
-        """Test fault point: sleep ``delay`` seconds halfway through the copy of the last rank's slot in each of the
-        next ``reads`` reads (``staging="rank"``: between the first rank's copy and the next's, the window that
-        staging adds)."""
-        if self.staging == "rank":
-            self._between = [float(delay), int(reads)]
-        else:
-            self._reader._set_fault(float(delay), int(reads))
+        """Test fault point: in each of the next ``reads`` reads, sleep ``delay`` seconds after the first rank's part
+        was cast and before the others' (a slot overwritten meanwhile must be seen by the read's last check)."""
+        self._between = [float(delay), int(reads)]
 
     def __repr__(self) -> str:
         return (f"WeightReader(name={self.name!r}, ranks={self.world}, slots={self.slots}, params={len(self.params)}, "
