@@ -13,11 +13,17 @@
 //! died is taken over and fetched here. A piece that cannot be cached (no
 //! slot free of fills) is read straight into the output, as without a
 //! cache.
+//!
+//! Under compressed gathers a piece is a run of the owner's quantised copy
+//! ([`super::quantised`]): the slot holds its quantised bytes and every
+//! copy out of it dequantises into the output; a piece read straight lands
+//! in the gather's staging and is dequantised once its read completed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{version_error, DataPath, ShardRead, Worker};
+use super::quantised::{self, Run};
+use super::{version_error, DataPath, ShardRead, Staging, Worker};
 use crate::engine::cache::{Counters, NodeCache};
 use crate::engine::{load, record_error, BucketId, Registered};
 use crate::layout::BucketLayout;
@@ -37,13 +43,35 @@ pub(super) struct Piece {
     /// The owner (global rank: full sharding).
     owner: usize,
     entry: usize,
-    /// Bytes from the start of the owner's shard, and the piece's bytes.
+    /// Where it is read (bytes from the owner's shard of the bucket in its
+    /// params region: [`ShardRead::at`]), and the piece's bytes.
     at: usize,
     len: usize,
     /// Where its bytes go in the output, and how many of them (the output
     /// may end before the padding).
     dst: u64,
     out_len: usize,
+    /// Compressed gathers: the run it is, and where a straight read of it
+    /// lands (the gather's staging) before it is dequantised.
+    quant: Option<(Run, u64)>,
+}
+
+impl Piece {
+    /// Copies the piece from `src` (a slot holding it, or its staging)
+    /// into the output: a copy, or a dequantisation of a quantised run.
+    ///
+    /// # Safety
+    /// `src` holds the piece; `dst` is valid for `out_len` bytes (until the
+    /// copy ran, on a device).
+    unsafe fn copy_out(&self, path: &impl DataPath, src: u64) -> Result<()> {
+        match self.quant {
+            // SAFETY: the caller's contract; compressed gathers run on
+            // host paths only (host addresses).
+            Some((run, _)) => unsafe { quantised::dequantise_run(run, src, self.dst) },
+            // SAFETY: the caller's contract.
+            None => unsafe { path.copy_in_node(src, self.dst, self.out_len) },
+        }
+    }
 }
 
 /// What a pass does with a piece it does not copy at once.
@@ -53,8 +81,9 @@ enum Todo {
     Fill { piece: Piece, slot: usize },
     /// A node-mate fetches it, or the owner has not published the version.
     Wait(Piece),
-    /// Read straight into the output (its read is in the batch).
-    Direct,
+    /// Read straight into the output, or its staging when quantised (its
+    /// read is in the batch).
+    Direct(Piece),
     /// Copied out of the cache already.
     Done,
 }
@@ -70,11 +99,15 @@ pub(super) struct CachedReads<'w, 'e> {
     out: u64,
     /// Bytes of the output.
     out_bytes: usize,
+    /// Compressed gathers: where straight reads of quantised runs land.
+    staging: Option<Staging>,
     /// Next owner step (from 1) and piece.
     step: usize,
     piece: usize,
     fills: Vec<(Piece, usize)>,
     waits: Vec<Piece>,
+    /// Quantised pieces read straight into staging in this pass.
+    staged: Vec<Piece>,
     error: Option<Error>,
 }
 
@@ -82,10 +115,10 @@ impl<'w, 'e> CachedReads<'w, 'e> {
     pub(super) fn new(
         w: &'w Worker<'e>,
         cache: &'w Arc<NodeCache>,
-        b: &'w BucketLayout,
-        bucket: BucketId,
+        (b, bucket): (&'w BucketLayout, BucketId),
         version: u64,
         (out, out_bytes): (u64, usize),
+        staging: Option<Staging>,
     ) -> CachedReads<'w, 'e> {
         CachedReads {
             w,
@@ -95,10 +128,12 @@ impl<'w, 'e> CachedReads<'w, 'e> {
             version,
             out,
             out_bytes,
+            staging,
             step: 1,
             piece: 0,
             fills: Vec::new(),
             waits: Vec::new(),
+            staged: Vec::new(),
             error: None,
         }
     }
@@ -118,23 +153,41 @@ impl<'w, 'e> CachedReads<'w, 'e> {
             }
             let j = self.piece;
             self.piece += 1;
-            let at = j * cb.piece;
-            let len = cb.piece.min(cb.shard - at);
-            let start = owner * self.b.shard_len() * size + at;
-            let end = (start + len).min(self.out_bytes);
+            let at = j * cb.stride;
+            let len = cb.stride.min(cb.shard - at);
+            let first = j * cb.elems;
+            let elems = cb.elems.min(self.b.shard_len() - first);
+            let start = (owner * self.b.shard_len() + first) * size;
+            let end = (start + elems * size).min(self.out_bytes);
             if start >= end {
                 continue; // padding past the output's end
             }
+            let quant = match (self.cache.layout.quant, self.staging) {
+                (Some(spec), Some(st)) => {
+                    let run = Run {
+                        spec,
+                        len: elems,
+                        take: (end - start) / size,
+                        dtype: self.b.dtype(),
+                    };
+                    Some((run, st.of(owner) + at as u64))
+                }
+                _ => None,
+            };
             return Some(Piece {
                 owner,
                 entry: self
                     .cache
                     .layout
                     .entry(self.bucket.0, owner, self.cache.node_start, j),
-                at,
+                at: match quant {
+                    Some(_) => quantised::copy_at(self.w.reg, self.bucket.0, at),
+                    None => at,
+                },
                 len,
                 dst: self.out + start as u64,
                 out_len: end - start,
+                quant,
             });
         }
         None
@@ -158,7 +211,12 @@ impl<'w, 'e> CachedReads<'w, 'e> {
                     self.fills.push((piece, slot));
                     return read;
                 }
-                Ok((Todo::Direct, read)) => return read,
+                Ok((Todo::Direct(p), read)) => {
+                    if p.quant.is_some() {
+                        self.staged.push(p);
+                    }
+                    return read;
+                }
                 Ok((Todo::Wait(p), _)) => self.waits.push(p),
                 Ok((Todo::Done, _)) => {}
                 Err(e) => self.error = Some(e),
@@ -184,6 +242,7 @@ impl<'w, 'e> CachedReads<'w, 'e> {
             version,
             fills,
             mut waits,
+            staged,
             error,
             ..
         } = self;
@@ -194,6 +253,13 @@ impl<'w, 'e> CachedReads<'w, 'e> {
             return error.map_or(Ok(()), Err);
         }
         let mut copied = Ok(());
+        for piece in &staged {
+            if let (Some((_, src)), true) = (piece.quant, copied.is_ok()) {
+                // SAFETY: its read into staging completed with the batch;
+                // the caller vouches for the output.
+                copied = unsafe { piece.copy_out(path, src) };
+            }
+        }
         let mut filled = Vec::with_capacity(fills.len());
         for (piece, slot) in &fills {
             if copied.is_ok() {
@@ -201,8 +267,7 @@ impl<'w, 'e> CachedReads<'w, 'e> {
                 // evicts it) and holds the piece once the batch's reads ran
                 // (on the host: completed; on a device stream: enqueued
                 // before this copy); the caller vouches for the output.
-                copied =
-                    unsafe { path.copy_in_node(cache.slot_data(*slot), piece.dst, piece.out_len) };
+                copied = unsafe { piece.copy_out(path, cache.slot_data(*slot)) };
             }
             if copied.is_ok() {
                 filled.push((piece.entry, *slot));
@@ -290,7 +355,7 @@ fn first_look(
                     Claimed::Lost => {} // another rank claimed it: look again
                     Claimed::NoSlot => {
                         Counters::add(&cache.counters.direct);
-                        return Ok((Todo::Direct, Some(direct(piece, bucket))));
+                        return Ok((Todo::Direct(piece), Some(direct(piece, bucket))));
                     }
                 }
             }
@@ -298,7 +363,7 @@ fn first_look(
     }
     // The entry kept changing under this reader: read it straight.
     Counters::add(&cache.counters.direct);
-    Ok((Todo::Direct, Some(direct(piece, bucket))))
+    Ok((Todo::Direct(piece), Some(direct(piece, bucket))))
 }
 
 /// The reader's rule on `entry`'s word `word` ([`cache::look_in`]): a word
@@ -318,14 +383,19 @@ fn look(cache: &NodeCache, entry: usize, word: u64, version: u64) -> Result<Look
     })
 }
 
-/// The read of `piece` straight into the output (no cache).
+/// The read of `piece` straight into the output (no cache), or of a
+/// quantised run into its staging (the whole run).
 fn direct(piece: Piece, bucket: BucketId) -> ShardRead {
+    let (dst, len) = match piece.quant {
+        Some((_, stage)) => (stage, piece.len),
+        None => (piece.dst, piece.out_len),
+    };
     ShardRead {
         rank: piece.owner,
         bucket: bucket.0,
         at: piece.at,
-        dst: piece.dst,
-        len: piece.out_len,
+        dst,
+        len,
     }
 }
 
@@ -566,16 +636,23 @@ unsafe fn copy_cached(
         touch(cache, slot);
         return Ok(true);
     }
-    // SAFETY: the slot's data is `slot_bytes` >= the piece; a concurrent
-    // eviction may overwrite it during the copy, which the check after it
-    // catches (the copy is then discarded by the caller, who reads again).
-    unsafe {
-        odc_kernels::cpu::copy_raw(
-            piece.dst as usize as *mut u8,
-            cache.slot_data(slot) as usize as *const u8,
-            piece.out_len,
-        )
-    };
+    match piece.quant {
+        // SAFETY: as below; a run dequantised from a slot overwritten
+        // meanwhile is garbage in the output, discarded the same way.
+        Some((run, _)) => unsafe {
+            quantised::dequantise_run(run, cache.slot_data(slot), piece.dst)?
+        },
+        // SAFETY: the slot's data is `slot_bytes` >= the piece; a concurrent
+        // eviction may overwrite it during the copy, which the check after it
+        // catches (the copy is then discarded by the caller, who reads again).
+        None => unsafe {
+            odc_kernels::cpu::copy_raw(
+                piece.dst as usize as *mut u8,
+                cache.slot_data(slot) as usize as *const u8,
+                piece.out_len,
+            )
+        },
+    }
     fence(Ordering::Acquire);
     if sw.load(Ordering::Relaxed) != before {
         return Ok(false);
@@ -708,6 +785,10 @@ unsafe fn fetch_here(
             // SAFETY: the caller vouches for the output; the version is
             // published (checked by the caller).
             unsafe { path.read_shards(w.reg, &mut read) }.map_err(|e| w.core.attribute(None, e))?;
+            if let Some((_, stage)) = piece.quant {
+                // SAFETY: the read into staging completed; as above.
+                unsafe { piece.copy_out(path, stage)? };
+            }
             return Ok(true);
         }
         Claimed::Slot(slot) => slot,
@@ -782,9 +863,7 @@ unsafe fn fill(
     let got = unsafe { path.read_shards(w.reg, &mut read) }
         // SAFETY: the slot holds the piece now (or once the read above
         // ran, on a device stream); the caller vouches for dst.
-        .and_then(|()| unsafe {
-            path.copy_in_node(cache.slot_data(slot), piece.dst, piece.out_len)
-        });
+        .and_then(|()| unsafe { piece.copy_out(path, cache.slot_data(slot)) });
     match got {
         Ok(()) => publish_fills(w, path, cache, version, vec![(piece.entry, slot)]),
         Err(e) => {

@@ -61,6 +61,7 @@ impl DataPath for HostPath<'_> {
         // SAFETY: the caller vouches for `dst`, a host pointer to `len`
         // writable bytes borrowed for this call.
         let dst = unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut u8, len) };
+        self.count_across(reg, rank, len);
         self.core.transport.get(
             rank,
             &reg.peer_params[rank],
@@ -117,7 +118,10 @@ impl DataPath for HostPath<'_> {
         reg: &Registered,
         reads: &mut dyn Iterator<Item = ShardRead>,
     ) -> Result<()> {
-        let mut ops = reads.map(|r| Self::get_op(reg, r));
+        let mut ops = reads.map(|r| {
+            self.count_across(reg, r.rank, r.len);
+            Self::get_op(reg, r)
+        });
         // SAFETY: the caller vouches for every destination (host pointers)
         // until this returns, which is after every read completed.
         unsafe { self.core.transport.run_batch(&mut ops) }
@@ -137,6 +141,14 @@ impl DataPath for HostPath<'_> {
 }
 
 impl HostPath<'_> {
+    /// Counts a read of `len` bytes of global rank `rank`'s shards into
+    /// the bytes read across nodes when `rank` is on another node.
+    fn count_across(&self, reg: &Registered, rank: usize, len: usize) {
+        if !self.core.topo.is_local(rank) {
+            reg.read_across.fetch_add(len as u64, Ordering::Relaxed);
+        }
+    }
+
     /// A gather's read as a transport operation.
     fn get_op(reg: &Registered, r: ShardRead) -> Op {
         Op::Get {

@@ -20,6 +20,7 @@ mod cache;
 mod device;
 mod host;
 mod hybrid;
+mod quantised;
 mod rejoin;
 mod signals;
 mod steal;
@@ -292,6 +293,9 @@ impl<'e> Worker<'e> {
         if b.blocks() > 1 && reg.cross_node() {
             self.gather_pieces(b, bucket, stamp)?;
         }
+        // Compressed gathers: the quantised copy, before the announce below
+        // makes the version (and with it the copy) visible.
+        self.quantise_shard(bucket.0)?;
         let offset = reg.ctrl_layout.seen_version(reg.groups.me, bucket.0);
         path.announce(Signals::to(self.core, &reg.announce_to, offset, stamp))
             .map_err(|e| self.core.attribute(Some(b.name()), e))
@@ -356,6 +360,60 @@ impl<'e> Worker<'e> {
         let b = reg.bucket(bucket)?;
         check_dtype(b, dtype, "output")?;
         let elems = b.check_full_len(elems_of(b, bytes, dtype, "output")?)?;
+        // Compressed gathers: peers' quantised copies land in staging, one
+        // place per owner, before they are dequantised into `out`.
+        let Some(q) = &reg.quant else {
+            // SAFETY: the caller's contract.
+            return unsafe {
+                self.gather_with(
+                    path,
+                    (b, bucket),
+                    version,
+                    (out, elems, dtype),
+                    skip_own,
+                    None,
+                )
+            };
+        };
+        let copy = q.copies[bucket.0];
+        let stride = copy.len().next_multiple_of(64);
+        let mut buf = q.take(stride * reg.groups.group.len());
+        let staging = Staging {
+            base: buf.as_mut_ptr() as u64,
+            stride,
+            copy,
+        };
+        // SAFETY: the caller's contract; `buf` outlives the call.
+        let done = unsafe {
+            self.gather_with(
+                path,
+                (b, bucket),
+                version,
+                (out, elems, dtype),
+                skip_own,
+                Some(staging),
+            )
+        };
+        q.put_back(buf);
+        done
+    }
+
+    /// [`gather`](Self::gather) of `elems` elements into `out`, with
+    /// `staging` for reads of quantised copies.
+    ///
+    /// # Safety
+    /// As [`gather`](Self::gather); `staging` addresses `stride` bytes per
+    /// shard-group rank until this returns.
+    unsafe fn gather_with(
+        &self,
+        path: &impl DataPath,
+        (b, bucket): (&BucketLayout, BucketId),
+        version: u64,
+        (out, elems, dtype): (u64, usize, DType),
+        skip_own: bool,
+        staging: Option<Staging>,
+    ) -> Result<()> {
+        let reg = self.reg;
         let mut reads = GatherReads {
             w: self,
             b,
@@ -369,6 +427,8 @@ impl<'e> Worker<'e> {
             seg: 0,
             blocked: None,
             error: None,
+            staging,
+            pending: Vec::new(),
         };
         let cached = reg
             .cache
@@ -379,19 +439,27 @@ impl<'e> Worker<'e> {
             // read while the cache's fetches are in flight.
             reads.at = reg.groups.group.len();
             let size = dtype.size_bytes();
-            let mut remote =
-                cache::CachedReads::new(self, cache, b, bucket, version, (out, elems * size));
+            let mut remote = cache::CachedReads::new(
+                self,
+                cache,
+                (b, bucket),
+                version,
+                (out, elems * size),
+                staging,
+            );
             let pass = cache::Pass {
                 reads: &mut remote,
                 path,
             };
             // SAFETY: as below for this node's reads; the cached reads
-            // land in slots this rank claimed, or in `out`.
+            // land in slots this rank claimed, or in `out` (or staging).
             let first = unsafe { path.read_shards(reg, &mut pass.chain(&mut reads)) }
                 .map_err(|e| self.core.attribute(Some(b.name()), e));
             // SAFETY: `out` is valid for the call (the caller's contract).
             unsafe { remote.finish(path, first.is_ok()) }?;
             first?;
+            // SAFETY: the batch completed; `out` as above.
+            unsafe { reads.dequantise_pending() }?;
         }
         loop {
             // SAFETY: each read is of a shard that holds `version` (the
@@ -402,6 +470,8 @@ impl<'e> Worker<'e> {
             if let Some(e) = reads.error.take() {
                 return Err(e);
             }
+            // SAFETY: the batch completed; `out` as above.
+            unsafe { reads.dequantise_pending() }?;
             match reads.blocked.take() {
                 Some(owner) => self.wait_shard(b, bucket, owner, version)?,
                 None => return Ok(()),
@@ -888,6 +958,79 @@ struct GatherReads<'w, 'e> {
     seg: usize,
     blocked: Option<usize>,
     error: Option<Error>,
+    /// Compressed gathers: where reads of quantised copies land.
+    staging: Option<Staging>,
+    /// Those reads in the batch being posted: (staging address, elements
+    /// the output takes, where they go).
+    pending: Vec<(u64, usize, u64)>,
+}
+
+/// A gather's staging for reads of quantised copies: `stride` bytes per
+/// shard-group rank (its whole copy, `copy`) from `base` (8-aligned).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Staging {
+    pub(crate) base: u64,
+    pub(crate) stride: usize,
+    pub(crate) copy: crate::protocol::compress::QuantCopy,
+}
+
+impl Staging {
+    /// Where owner `owner`'s (index in the shard group) copy lands.
+    pub(crate) fn of(&self, owner: usize) -> u64 {
+        self.base + (owner * self.stride) as u64
+    }
+}
+
+impl GatherReads<'_, '_> {
+    /// Dequantises every quantised copy the last batch read into the
+    /// output.
+    ///
+    /// # Safety
+    /// The batch completed; the output is valid for the gather's call.
+    unsafe fn dequantise_pending(&mut self) -> Result<()> {
+        let Some(st) = self.staging else {
+            return Ok(());
+        };
+        let dtype = self.b.dtype();
+        for (src, take, dst) in self.pending.drain(..) {
+            // SAFETY: the read of the copy's covering runs completed into
+            // `src`; `dst` holds `take` elements of the output.
+            unsafe { quantised::dequantise_copy(&st.copy, (src, take), dst, dtype) }
+                .map_err(|e| self.w.core.attribute(Some(self.b.name()), e))?;
+        }
+        Ok(())
+    }
+
+    /// The read of owner `owner`'s (global rank `rank`) quantised copy
+    /// when this gather takes it: the runs covering the output's part of
+    /// its shard, into staging (recorded in `pending`); `None` otherwise
+    /// (and for a blocked layout, whose shard is not contiguous in the
+    /// output: the engine makes no copies there).
+    fn quantised_read(&mut self, owner: usize, rank: usize) -> Option<Option<ShardRead>> {
+        let st = self.staging.filter(|_| self.b.blocks() == 1)?;
+        let (me, topo) = (self.w.reg.groups.me, &self.w.core.topo);
+        compress::gather_spec(
+            self.w.core.config.compress.as_ref(),
+            owner == me,
+            topo.is_local(rank),
+        )?;
+        let (_, global, len) = self.b.segments(owner).next()?;
+        let take = (global + len).min(self.elems).saturating_sub(global);
+        if take == 0 {
+            return Some(None);
+        }
+        let (_, bytes) = st.copy.covering(take);
+        let dst = st.of(owner);
+        self.pending
+            .push((dst, take, self.out + (global * self.size) as u64));
+        Some(Some(ShardRead {
+            rank,
+            bucket: self.bucket.0,
+            at: quantised::copy_at(self.w.reg, self.bucket.0, 0),
+            dst,
+            len: bytes,
+        }))
+    }
 }
 
 impl Iterator for GatherReads<'_, '_> {
@@ -916,6 +1059,13 @@ impl Iterator for GatherReads<'_, '_> {
                         return None;
                     }
                     Ok(versions::Shard::Ready) => {}
+                }
+                if let Some(read) = self.quantised_read(owner, rank) {
+                    self.at += 1;
+                    match read {
+                        Some(read) => return Some(read),
+                        None => continue,
+                    }
                 }
             }
             while let Some((local, global, len)) = self.b.segments(owner).nth(self.seg) {

@@ -12,6 +12,14 @@
 //! entry takes the least recently used slot, preferring one every
 //! node-mate has read since it was filled.
 //!
+//! Under compressed gathers ([`crate::protocol::compress`]) an entry is one
+//! run of the owner's quantised copy instead (whole blocks of its shard):
+//! the slots hold quantised bytes, which each reader dequantises as it
+//! copies them out. A slot then holds about a quarter of an f32 piece's
+//! bytes (fp8, int8), so a bound keeps about four times the pieces, and a
+//! copy-out reads a quarter of the bytes; the price is a dequantisation per
+//! reader instead of one per node, one multiply per element.
+//!
 //! Each rank of the node registers a cache region holding its share, laid
 //! out alike: a header line (the node's use clock, in local rank 0's), the
 //! entry words of entries `e ≡ me (mod G)`, the slot words, use stamps and
@@ -27,8 +35,11 @@
 use std::ptr::NonNull;
 use std::sync::Arc;
 
+use odc_kernels::cpu::quant::Spec;
+
 use crate::layout::BucketLayout;
 use crate::protocol::cache::{MAX_ENTRIES, MAX_LOCAL, MAX_SLOTS};
+use crate::protocol::compress::QuantCopy;
 use crate::region::RegionDesc;
 use crate::sync::{AtomicU64, Ordering};
 use crate::transport::Transport;
@@ -37,12 +48,16 @@ const LINE: usize = 64;
 
 /// One bucket's entries: the first one's number, pieces per remote shard,
 /// bytes per piece (the last piece of a shard may be shorter) and per shard.
+/// Pieces start `stride` bytes apart in what is read (the shard, or its
+/// quantised copy) and hold `elems` shard elements each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct CacheBucket {
     pub(crate) first: usize,
     pub(crate) pieces: usize,
     pub(crate) piece: usize,
     pub(crate) shard: usize,
+    pub(crate) stride: usize,
+    pub(crate) elems: usize,
 }
 
 /// Where everything of a node cache lives, the same on every node-mate.
@@ -62,6 +77,9 @@ pub(crate) struct CacheLayout {
     region_len: usize,
     /// Whether the slots' data lives in device memory (not in the region).
     pub(crate) device: bool,
+    /// Compressed gathers: the format of the quantised copies the entries
+    /// are runs of.
+    pub(crate) quant: Option<Spec>,
 }
 
 fn round_line(n: usize) -> usize {
@@ -70,15 +88,16 @@ fn round_line(n: usize) -> usize {
 
 impl CacheLayout {
     /// The layout for `buckets` sharded over `world` ranks in nodes of
-    /// `local`, with pieces of at most `piece_cap` bytes and `bound` bytes
-    /// of slots per node; `None` when there is no remote shard, no room
-    /// for one slot, or more entries, slots or ranks per node than the
-    /// words hold (the gathers then read every remote shard themselves).
-    /// With `device`, the host region holds the words only.
+    /// `local`, with pieces of at most `piece_cap` bytes (with `quant`, the
+    /// runs of each bucket's quantised copy instead) and `bound` bytes of
+    /// slots per node; `None` when there is no remote shard, no room for
+    /// one slot, or more entries, slots or ranks per node than the words
+    /// hold (the gathers then read every remote shard themselves). With
+    /// `device`, the host region holds the words only.
     pub(crate) fn new(
         buckets: &[BucketLayout],
         (world, local): (usize, usize),
-        piece_cap: usize,
+        (piece_cap, quant): (usize, Option<&[QuantCopy]>),
         bound: usize,
         device: bool,
     ) -> Option<CacheLayout> {
@@ -90,16 +109,31 @@ impl CacheLayout {
         let mut entries = 0usize;
         let mut slot_bytes = 0usize;
         let mut cb = Vec::with_capacity(buckets.len());
-        for b in buckets {
-            let shard = b.shard_bytes();
-            let piece = round_line(shard.min(piece_cap)).max(LINE);
-            let pieces = shard.div_ceil(piece).max(1);
-            cb.push(CacheBucket {
-                first: entries,
-                pieces,
-                piece,
-                shard,
-            });
+        for (i, b) in buckets.iter().enumerate() {
+            let bucket = match quant.and_then(|q| q.get(i)) {
+                Some(q) => CacheBucket {
+                    first: entries,
+                    pieces: q.runs(),
+                    piece: round_line(q.stride().min(q.len())).max(LINE),
+                    shard: q.len(),
+                    stride: q.stride(),
+                    elems: q.run,
+                },
+                None => {
+                    let shard = b.shard_bytes();
+                    let piece = round_line(shard.min(piece_cap)).max(LINE);
+                    CacheBucket {
+                        first: entries,
+                        pieces: shard.div_ceil(piece).max(1),
+                        piece,
+                        shard,
+                        stride: piece,
+                        elems: piece / b.dtype().size_bytes(),
+                    }
+                }
+            };
+            let (pieces, piece) = (bucket.pieces, bucket.piece);
+            cb.push(bucket);
             entries = entries.checked_add(remote.checked_mul(pieces)?)?;
             slot_bytes = slot_bytes.max(piece);
         }
@@ -128,6 +162,7 @@ impl CacheLayout {
             off_data,
             region_len,
             device,
+            quant: quant.and_then(|q| q.first()).map(|q| q.spec),
         })
     }
 
@@ -378,7 +413,7 @@ mod tests {
     fn entries_cover_every_remote_piece_once() {
         // 8 ranks in nodes of 4; shards of 4 KiB and 64 KiB, pieces of 16 KiB.
         let bs = buckets(&[8 * 1024, 8 * 16 * 1024], 8);
-        let l = CacheLayout::new(&bs, (8, 4), 16 << 10, 1 << 30, false).unwrap();
+        let l = CacheLayout::new(&bs, (8, 4), (16 << 10, None), 1 << 30, false).unwrap();
         assert_eq!(l.buckets[0].pieces, 1);
         assert_eq!(l.buckets[1].pieces, 4);
         assert_eq!(l.entries, 4 + 4 * 4);
@@ -400,7 +435,8 @@ mod tests {
     #[test]
     fn the_bound_limits_the_slots_and_nothing_overlaps() {
         let bs = buckets(&[8 * 16 * 1024; 3], 8);
-        let l = CacheLayout::new(&bs, (8, 4), 16 << 10, 5 * (16 << 10) + 100, false).unwrap();
+        let l =
+            CacheLayout::new(&bs, (8, 4), (16 << 10, None), 5 * (16 << 10) + 100, false).unwrap();
         assert_eq!(l.slots, 5);
         assert!(!l.direct());
         assert!(l.bytes() <= 5 * (16 << 10) + 100);
@@ -415,7 +451,7 @@ mod tests {
             assert!(at + 16 <= l.off_data && l.off_data + d + l.slot_bytes <= l.region_len);
         }
         // No room for a slot, or no remote owner: no cache.
-        assert!(CacheLayout::new(&bs, (8, 4), 16 << 10, 100, false).is_none());
-        assert!(CacheLayout::new(&bs, (4, 4), 16 << 10, 1 << 30, false).is_none());
+        assert!(CacheLayout::new(&bs, (8, 4), (16 << 10, None), 100, false).is_none());
+        assert!(CacheLayout::new(&bs, (4, 4), (16 << 10, None), 1 << 30, false).is_none());
     }
 }

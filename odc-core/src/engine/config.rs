@@ -285,10 +285,12 @@ pub struct EngineConfig {
     /// [`Engine::heap_bytes`](crate::Engine::heap_bytes) of those engines (default 0).
     pub heap_reserve: usize,
     /// Compressed chunks ([`crate::protocol::compress`]): pushes carry
-    /// block-scaled low-precision chunks (by default only those that cross
-    /// nodes), with error feedback if asked. `None` (the default) moves
-    /// every byte as it is. Host engines only, not with `deterministic`;
-    /// compressed gathers are refused as not built yet.
+    /// block-scaled low-precision chunks, with error feedback if asked, and
+    /// gathers read the owners' quantised copies of their shards (made once
+    /// per version), by default only what crosses nodes. `None` (the
+    /// default) moves every byte as it is. Host engines only, not with
+    /// `deterministic`; quantised copies not under hybrid-zero with scope
+    /// all.
     pub compress: Option<crate::protocol::compress::Compress>,
 }
 

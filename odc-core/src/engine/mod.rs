@@ -209,8 +209,10 @@ impl Core {
     }
 }
 
-/// Refuses by name what compressed chunks do not (yet) combine with.
+/// Refuses by name what compressed chunks and copies do not (yet) combine
+/// with.
 fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig) -> Result<()> {
+    use crate::protocol::compress::Scope;
     if config.deterministic {
         return Err(Error::Config(
             "compress with deterministic=True: deterministic mode promises the same bits in any \
@@ -226,10 +228,14 @@ fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig
             config.transport.name()
         )));
     }
-    if let Some(g) = c.gather {
+    if let (Some(g), Scope::All, true) =
+        (c.gather, c.scope, config.sharding == Sharding::HybridZero)
+    {
         return Err(Error::Config(format!(
-            "compress gather={g}: compressed gathers are not built yet (only compressed \
-             pushes are); leave gather unset"
+            "compress gather={g} with scope \"all\" under sharding \"hybrid-zero\": a node \
+             shard there is assembled from pieces of every node, and its quantised copy is not \
+             built; use scope \"cross-node\" (no gather crosses nodes under hybrid-zero) or \
+             leave gather unset"
         )));
     }
     Ok(())

@@ -14,10 +14,11 @@ use serde::{Deserialize, Serialize};
 
 use super::cache::{CacheLayout, NodeCache};
 use super::config::{CrossNode, EngineConfig, Groups, Sharding, DEFAULT_NODE_CACHE};
-use super::state::{Accum, Core, Exact, NodeSums, NodeVersions, Registered};
+use super::state::{Accum, Core, Exact, NodeSums, NodeVersions, Quant, Registered};
 use crate::control::{landing_chunk, CtrlLayout};
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{DataSizes, Plane};
+use crate::protocol::compress::QuantCopy;
 use crate::region::{Endpoint, HeapBlock, LocalRegion, RegionDesc};
 use crate::store::{wait_get_all, Store};
 use crate::sync::{AtomicBool, AtomicU64};
@@ -65,6 +66,9 @@ pub(crate) struct Plan {
     cross_node: CrossNode,
     /// Node announces ([`NodeVersions`]): node sums over `shm+fabric`.
     node_announce: bool,
+    /// Compressed gathers: each bucket's quantised copy and its byte
+    /// offset in the params region, when some gather reads them.
+    quant: Option<(Vec<QuantCopy>, Vec<usize>)>,
 }
 
 /// This rank's regions.
@@ -175,6 +179,12 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         done_late,
         announce_to,
         node_versions,
+        quant: plan.quant.map(|(copies, off)| Quant {
+            copies,
+            off,
+            staging: std::sync::Mutex::new(Vec::new()),
+        }),
+        read_across: AtomicU64::new(0),
     };
     core.reg
         .set(reg)
@@ -205,12 +215,30 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         return Err(Error::layout(None, "register needs at least one bucket"));
     }
     let ctrl_layout = control_layout(&groups, buckets.len(), &core.config)?;
+    let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
+    let on_device = core.device.is_some();
+    let quant = quant_copies(&core.config, &core.topo, &groups, &buckets, &ctrl_layout)
+        .filter(|_| !on_device)
+        .map(|copies| {
+            let mut at = params_len;
+            let off: Vec<usize> = (copies.iter())
+                .map(|q| {
+                    let o = at;
+                    at += q.len().next_multiple_of(ALIGN_BYTES);
+                    o
+                })
+                .collect();
+            (copies, off, at - params_len)
+        });
     let cache = cache_layout(
         &core.config,
         &core.topo,
         (core.transport.name(), core.device.is_some()),
         &buckets,
-        ctrl_layout.chunk_bytes(),
+        (
+            ctrl_layout.chunk_bytes(),
+            quant.as_ref().map(|(c, _, _)| &c[..]),
+        ),
     )?;
     let cross_node = cross_node(
         &core.config,
@@ -228,6 +256,9 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         node_cache: cache.as_ref().map_or(0, CacheLayout::bytes),
         cross_node: cross_node.name().into(),
         node_announce,
+        gather: (quant.as_ref()).map_or_else(String::new, |(c, _, _)| {
+            c.first().map_or_else(String::new, |q| q.spec.to_string())
+        }),
         accum: if core.config.deterministic {
             format!("{} (deterministic)", core.config.accum_dtype.name())
         } else {
@@ -240,8 +271,6 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     };
     post.hash = fnv1a(&json("reg", &post.specs)?);
     let my_key = format!("{prefix}/reg/{rank}");
-    let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
-    let on_device = core.device.is_some();
     if on_device && groups.blocks > 1 {
         return Err(Error::Config(format!(
             "sharding \"hybrid-zero\" runs on the host transports (shm, fabric, auto); the {} \
@@ -262,7 +291,11 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     } else {
         0
     };
-    let host_params_len = if on_device { 0 } else { params_len };
+    let host_params_len = match (on_device, &quant) {
+        (true, _) => 0,
+        (false, Some((_, _, bytes))) => params_len + bytes,
+        (false, None) => params_len,
+    };
     let across = groups.replicas.len() > 1 && !on_device;
     let exact_off =
         (across && core.config.deterministic).then(|| (accum_len * 4).next_multiple_of(64));
@@ -309,6 +342,33 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         cache,
         cross_node,
         node_announce,
+        quant: quant.map(|(copies, off, _)| (copies, off)),
+    })
+}
+
+/// The quantised copies of every bucket's shard that compressed gathers
+/// read ([`crate::protocol::compress`]), cut into runs that fit the landing
+/// chunk (a node cache piece is one run); `None` where no gather reads
+/// one: no gather format, or no other rank of the shard group that a read
+/// of the scope compresses (scope cross-node with the whole group on this
+/// node: hybrid sharding, one node).
+fn quant_copies(
+    config: &EngineConfig,
+    topo: &Topology,
+    groups: &Groups,
+    buckets: &[BucketLayout],
+    ctrl: &CtrlLayout,
+) -> Option<Vec<QuantCopy>> {
+    let c = config.compress.as_ref()?;
+    let spec = c.gather?;
+    let me = topo.rank();
+    let read = (groups.group.iter()).any(|&r| {
+        crate::protocol::compress::gather_spec(Some(c), r == me, topo.is_local(r)).is_some()
+    });
+    read.then(|| {
+        (buckets.iter())
+            .map(|b| QuantCopy::new(spec, ctrl.chunk_bytes(), b.shard_len()))
+            .collect()
     })
 }
 
@@ -328,7 +388,7 @@ fn cache_layout(
     topo: &Topology,
     (transport, device): (&str, bool),
     buckets: &[BucketLayout],
-    piece: usize,
+    (piece, quant): (usize, Option<&[QuantCopy]>),
 ) -> Result<Option<CacheLayout>> {
     if config.sharding != Sharding::Full || topo.nodes() < 2 {
         return Ok(None);
@@ -340,13 +400,19 @@ fn cache_layout(
             (None, "shm+fabric") => DEFAULT_NODE_CACHE,
             _ => return Ok(None),
         };
-        return Ok(CacheLayout::new(buckets, world, piece, bound, false));
+        return Ok(CacheLayout::new(
+            buckets,
+            world,
+            (piece, quant),
+            bound,
+            false,
+        ));
     }
     let bound = config.node_cache.unwrap_or(DEFAULT_NODE_CACHE);
     if bound == 0 {
         return Ok(None);
     }
-    let Some(full) = CacheLayout::new(buckets, world, piece, usize::MAX, true) else {
+    let Some(full) = CacheLayout::new(buckets, world, (piece, None), usize::MAX, true) else {
         return Ok(None);
     };
     if full.direct() && full.bytes() <= bound {
@@ -431,6 +497,18 @@ pub(crate) fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<(
             } else {
                 "does not"
             }
+        )));
+    }
+    if theirs.gather != ours.gather {
+        let name = |g: &str| match g {
+            "" => "no quantised copies".to_owned(),
+            g => format!("quantised copies in {g}"),
+        };
+        return Err(Error::Config(format!(
+            "rank {peer} gathers from {}, this rank from {} (compress gather, block and scope: \
+             set them alike on every rank)",
+            name(&theirs.gather),
+            name(&ours.gather)
         )));
     }
     if theirs.node_cache != ours.node_cache {
@@ -930,7 +1008,13 @@ pub(crate) fn data_sizes(
     let ctrl = control_layout(&groups, buckets.len(), config)?;
     let device = config.transport.is_device();
     let cache = match device {
-        true => cache_layout(config, topology, ("", true), &buckets, ctrl.chunk_bytes())?,
+        true => cache_layout(
+            config,
+            topology,
+            ("", true),
+            &buckets,
+            (ctrl.chunk_bytes(), None),
+        )?,
         false => None,
     };
     let transport = crate::transport::control_name(config.transport, topology);
@@ -997,6 +1081,9 @@ pub(crate) struct RegPost {
     /// Whether versions are announced once per node ([`NodeVersions`]).
     #[serde(default)]
     node_announce: bool,
+    /// The format of the quantised copies gathers read (empty: none).
+    #[serde(default)]
+    gather: String,
     accum: String,
     specs: Vec<(String, usize, String)>,
 }

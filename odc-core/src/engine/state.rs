@@ -104,6 +104,48 @@ pub(crate) struct Registered {
     pub(crate) node_versions: Option<NodeVersions>,
     /// This rank's share of it (kept registered while the engine lives).
     pub(crate) _cache_region: Option<LocalRegion>,
+    /// Compressed gathers: where this rank's quantised copies of its
+    /// shards live (every rank's alike), when some gather reads them.
+    pub(crate) quant: Option<Quant>,
+    /// Bytes this rank's gathers read from ranks on other nodes (node
+    /// cache fetches included), since registration.
+    pub(crate) read_across: AtomicU64,
+}
+
+/// Compressed gathers ([`crate::protocol::compress`]): per bucket the
+/// quantised copy's cut and its byte offset in the params region (after
+/// every published shard, each 64-byte aligned; the same on every rank),
+/// and staging buffers for reads of peers' copies (one per gather in
+/// flight, reused).
+#[derive(Debug)]
+pub(crate) struct Quant {
+    pub(crate) copies: Vec<crate::protocol::compress::QuantCopy>,
+    pub(crate) off: Vec<usize>,
+    pub(crate) staging: Mutex<Vec<Vec<u64>>>,
+}
+
+impl Quant {
+    /// A staging buffer of at least `bytes` bytes (8-aligned), taken from
+    /// the pool or made; hand it back with [`Quant::put_back`].
+    pub(crate) fn take(&self, bytes: usize) -> Vec<u64> {
+        let mut buf = self
+            .staging
+            .lock()
+            .ok()
+            .and_then(|mut pool| pool.pop())
+            .unwrap_or_default();
+        if buf.len() < bytes.div_ceil(8) {
+            buf.resize(bytes.div_ceil(8), 0);
+        }
+        buf
+    }
+
+    /// Returns a buffer [`Quant::take`] gave.
+    pub(crate) fn put_back(&self, buf: Vec<u64>) {
+        if let Ok(mut pool) = self.staging.lock() {
+            pool.push(buf);
+        }
+    }
 }
 
 /// Node aggregation's node buffers ([`crate::protocol::nodesum`]): for

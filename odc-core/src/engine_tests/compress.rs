@@ -1,10 +1,13 @@
-//! Compressed pushes across nodes, in process: two emulated nodes of 3
-//! over `shm` with node sums. The owner's sums lie within the format's
-//! error bound of the exact sums; with error feedback, what the owners
-//! accumulated over several minibatches plus the residuals the pushers
-//! still hold equals the exact sum to f32 rounding; the bytes handed to
-//! other nodes are the formula's, scales and headers included; settings
-//! that cannot keep their promise with compression are refused by name.
+//! Compressed pushes and gathers across nodes, in process: two emulated
+//! nodes of 3 over `shm` with node sums. The owner's sums lie within the
+//! format's error bound of the exact sums; with error feedback, what the
+//! owners accumulated over several minibatches plus the residuals the
+//! pushers still hold equals the exact sum to f32 rounding; the bytes
+//! handed to other nodes are the formula's, scales and headers included;
+//! a compressed gather returns, for every shard it reads compressed, the
+//! reference dequantisation of that version's quantised shard bit for bit,
+//! and every other shard exactly; settings that cannot keep their promise
+//! with compression are refused by name.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -291,11 +294,21 @@ fn settings_that_cannot_keep_their_promise_are_refused_by_name() {
         "{det}"
     );
     let mut gather = compressing(spec, true, "cz_gather");
+    gather.sharding = crate::Sharding::HybridZero;
     if let Some(c) = gather.compress.as_mut() {
         c.gather = Some(Spec::new(Format::Fp8E4m3, 32).unwrap());
+        c.scope = Scope::All;
     }
     let msg = refused(gather);
-    assert!(msg.contains("gather") && msg.contains("not built"), "{msg}");
+    assert!(
+        msg.contains("gather") && msg.contains("hybrid-zero") && msg.contains("all"),
+        "{msg}"
+    );
+    let det = refused(EngineConfig {
+        deterministic: true,
+        ..gathering(Scope::CrossNode, None, "cz_gdet")
+    });
+    assert!(det.contains("deterministic"), "{det}");
 }
 
 /// Direct pushes (no node sums), every push compressed (`scope = "all"`):
@@ -320,4 +333,366 @@ fn every_push_compressed_with_direct_pushes_loses_nothing() {
     for (r, s) in seen.iter().enumerate() {
         assert_eq!(s.residuals.len(), WORLD - 1, "rank {r}");
     }
+}
+
+// ---- compressed gathers ------------------------------------------------------
+
+const GATHER_NUMEL: [usize; 2] = [3001, 77];
+
+/// Element `i` of bucket `b` at version `v`: not exact in fp8 or int8,
+/// different at every version (a copy left from an earlier version reads
+/// differently), magnitudes from 0.003 to 8.
+fn param(b: usize, i: usize, v: u64) -> f32 {
+    let x = ((i * 37 + b * 5 + v as usize * 11) % 101) as f32;
+    (x - 50.0) / 7.0 + 0.01 * (i % 13) as f32 + 0.003 * (v + 1) as f32
+}
+
+/// A bucket of f32 and one of bf16 (dequantised into bf16).
+fn gather_specs() -> Vec<BucketSpec> {
+    vec![
+        BucketSpec::new("a", GATHER_NUMEL[0], DType::F32),
+        BucketSpec::new("b", GATHER_NUMEL[1], DType::BF16),
+    ]
+}
+
+/// Node sums over `shm`, a node cache of `cache` bytes (`None`: none), fp8
+/// gathers with blocks of 32 in `scope`, and `push` for pushes.
+fn gathering(scope: Scope, cache: Option<usize>, key: &str) -> EngineConfig {
+    EngineConfig {
+        node_cache: cache,
+        compress: Some(Compress {
+            push: None,
+            gather: Some(Spec::new(Format::Fp8E4m3, 32).unwrap()),
+            feedback: true,
+            scope,
+        }),
+        ..node_sums(key)
+    }
+}
+
+/// What one rank gathered: per version and bucket the full bucket as f32
+/// bits (bf16 widened), the bytes it read from and pushed to other nodes,
+/// and its cache counts.
+#[derive(Clone, Debug, Default)]
+struct Gathered {
+    full: Vec<[Vec<u32>; 2]>,
+    read_across: u64,
+    sent_across: u64,
+    fetched: u64,
+}
+
+/// Every rank publishes `versions` versions of both buckets, gathers each
+/// twice (a forward and a backward: the second from the node cache where
+/// there is one), pushes a gradient of bucket "a" and finishes; returns
+/// what each rank gathered, by rank.
+fn gather_run(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
+    let out = Arc::new(Mutex::new(BTreeMap::new()));
+    let sink = Arc::clone(&out);
+    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+        let rank = e.rank();
+        e.register(&gather_specs()).unwrap();
+        let h = e.host().unwrap();
+        let mut seen = Gathered::default();
+        for v in 0..versions {
+            for (b, s) in gather_specs().iter().enumerate() {
+                let id = e.bucket_id(&s.name).unwrap();
+                let r = e.bucket(id).unwrap().shard_range(rank);
+                let shard: Vec<f32> = r
+                    .map(|i| if i < s.numel { param(b, i, v) } else { 0.0 })
+                    .collect();
+                match s.dtype {
+                    DType::F32 => h.publish(id, bytes_of(&shard), DType::F32, v).unwrap(),
+                    _ => {
+                        let shard: Vec<half::bf16> =
+                            shard.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                        h.publish(id, bytes_of(&shard), DType::BF16, v).unwrap()
+                    }
+                }
+            }
+            let mut got: [Vec<u32>; 2] = Default::default();
+            for pass in 0..2 {
+                for (b, s) in gather_specs().iter().enumerate() {
+                    let id = e.bucket_id(&s.name).unwrap();
+                    let bits: Vec<u32> = match s.dtype {
+                        DType::F32 => {
+                            let mut full = vec![f32::NAN; s.numel];
+                            h.gather(id, v, crate::bytes_of_mut(&mut full), DType::F32)
+                                .unwrap();
+                            full.iter().map(|x| x.to_bits()).collect()
+                        }
+                        _ => {
+                            let mut full = vec![half::bf16::NAN; s.numel];
+                            h.gather(id, v, crate::bytes_of_mut(&mut full), DType::BF16)
+                                .unwrap();
+                            full.iter().map(|x| x.to_f32().to_bits()).collect()
+                        }
+                    };
+                    if pass == 0 {
+                        got[b] = bits;
+                    } else {
+                        assert_eq!(
+                            got[b], bits,
+                            "rank {rank}: the second gather of v{v} differs"
+                        );
+                    }
+                }
+            }
+            seen.full.push(got);
+            let a = e.bucket_id("a").unwrap();
+            let g: Vec<f32> = (0..GATHER_NUMEL[0]).map(|i| grad(rank, v, 0, i)).collect();
+            h.scatter_accumulate(a, bytes_of(&g), DType::F32, 0.5)
+                .unwrap();
+            h.finish_minibatch(v).unwrap();
+            h.zero_grads().unwrap();
+        }
+        let reg = e.core().reg.get().unwrap();
+        seen.read_across = reg.read_across.load(std::sync::atomic::Ordering::Relaxed);
+        seen.sent_across = e.core().push.lock().unwrap().sent_across;
+        seen.fetched = e.node_cache_stats().map_or(0, |s| s.fetched);
+        sink.lock().unwrap().insert(rank, seen);
+    });
+    let v = out.lock().unwrap();
+    (0..WORLD).map(|r| v[&r].clone()).collect()
+}
+
+/// Owner `o`'s shard of bucket `b` at version `v` as its owner holds it
+/// (f32, or bf16 widened), `shard_len` elements.
+fn shard_of(b: usize, o: usize, v: u64, shard_len: usize) -> Vec<f32> {
+    (o * shard_len..(o + 1) * shard_len)
+        .map(|i| {
+            let x = if i < GATHER_NUMEL[b] {
+                param(b, i, v)
+            } else {
+                0.0
+            };
+            match b {
+                0 => x,
+                _ => half::bf16::from_f32(x).to_f32(),
+            }
+        })
+        .collect()
+}
+
+/// The reference (scalar kernels) dequantisation of the whole shard
+/// quantised as one chunk, in bucket `b`'s dtype, widened to f32 bits.
+fn reference(spec: Spec, b: usize, shard: &[f32]) -> Vec<u32> {
+    use odc_kernels::cpu::quant::reference;
+    let n = shard.len();
+    let mut payload = vec![0f32; spec.payload_bytes(n).div_ceil(4)];
+    let payload = &mut crate::bytes_of_mut(&mut payload)[..spec.payload_bytes(n)];
+    let mut scales = vec![0f32; spec.scales(n)];
+    reference::quantise(spec, shard, payload, &mut scales).unwrap();
+    match b {
+        0 => {
+            let mut out = vec![0f32; n];
+            reference::dequantise(spec, payload, &scales, &mut out).unwrap();
+            out.iter().map(|x| x.to_bits()).collect()
+        }
+        _ => {
+            let mut out = vec![half::bf16::ZERO; n];
+            reference::dequantise(spec, payload, &scales, &mut out).unwrap();
+            out.iter().map(|x| x.to_f32().to_bits()).collect()
+        }
+    }
+}
+
+/// Checks every gathered element against its version: owners `compressed`
+/// says read compressed (by reader and owner) equal the reference
+/// dequantisation bit for bit, the others the shard exactly. Returns how
+/// many elements of each kind were checked, and how many of the
+/// compressed ones differ from the shard (the copy is really lossy).
+fn check_gathered(
+    seen: &[Gathered],
+    spec: Spec,
+    compressed: impl Fn(usize, usize) -> bool,
+) -> (usize, usize, usize) {
+    let (mut quantised, mut exact, mut lossy) = (0, 0, 0);
+    let shard_len = |b: usize| {
+        let l = crate::layout::BucketLayout::blocked(gather_specs()[b].clone(), WORLD, 1).unwrap();
+        l.shard_len()
+    };
+    for (v, _) in seen[0].full.iter().enumerate() {
+        let v = v as u64;
+        for (b, &numel) in GATHER_NUMEL.iter().enumerate() {
+            let sl = shard_len(b);
+            for o in 0..WORLD {
+                let shard = shard_of(b, o, v, sl);
+                let want_q = reference(spec, b, &shard);
+                for (r, s) in seen.iter().enumerate() {
+                    let got = &s.full[v as usize][b];
+                    for j in 0..sl {
+                        let i = o * sl + j;
+                        if i >= numel {
+                            break;
+                        }
+                        let exact_bits = shard[j].to_bits();
+                        if compressed(r, o) {
+                            assert_eq!(
+                                got[i],
+                                want_q[j],
+                                "rank {r}, v{v}, bucket {b}, owner {o}, element {i}: {} against \
+                                 the reference {} (shard {})",
+                                f32::from_bits(got[i]),
+                                f32::from_bits(want_q[j]),
+                                shard[j]
+                            );
+                            quantised += 1;
+                            lossy += usize::from(got[i] != exact_bits);
+                        } else {
+                            assert_eq!(
+                                got[i], exact_bits,
+                                "rank {r}, v{v}, bucket {b}, owner {o}, element {i}: not the \
+                                 shard's own value"
+                            );
+                            exact += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    (quantised, exact, lossy)
+}
+
+#[test]
+fn compressed_gathers_are_the_reference_dequantisation_of_their_version() {
+    let spec = Spec::new(Format::Fp8E4m3, 32).unwrap();
+    let across = |r: usize, o: usize| r / LOCAL != o / LOCAL;
+    // The node cache with room for every piece, one with room for 5 (it
+    // evicts), and none (direct reads across nodes).
+    let mut fetches = Vec::new();
+    for (cache, key) in [
+        (Some(1 << 20), "cg_cache"),
+        (Some(5 * 256), "cg_evict"),
+        (None, "cg_direct"),
+    ] {
+        let seen = gather_run(gathering(Scope::CrossNode, cache, key), 3);
+        let (q, x, lossy) = check_gathered(&seen, spec, across);
+        let fetched: u64 = seen.iter().map(|s| s.fetched).sum();
+        eprintln!(
+            "{key}: {q} elements compressed (of which {lossy} lossy), {x} exact; {fetched} \
+             pieces fetched"
+        );
+        assert!(q > 0 && x > 0 && lossy * 2 > q, "{key}: {q} {x} {lossy}");
+        fetches.push(fetched);
+    }
+    // Room for 5 of the 12 pieces a node needs: evicted pieces are fetched
+    // again for the second gather.
+    assert!(
+        fetches[1] > fetches[0] && fetches[0] > 0 && fetches[2] == 0,
+        "{fetches:?}"
+    );
+    // Every other rank's shard compressed (node-mates' too); the own one
+    // exact.
+    let seen = gather_run(gathering(Scope::All, None, "cg_all"), 2);
+    let (q, x, _) = check_gathered(&seen, spec, |r, o| r != o);
+    assert_eq!(q, 5 * x);
+}
+
+#[test]
+fn int8_and_bf16_gathers_are_the_reference_dequantisation_too() {
+    for (format, key) in [(Format::Int8, "cg_int8"), (Format::Bf16, "cg_bf16")] {
+        let spec = Spec::new(format, 32).unwrap();
+        let mut cfg = gathering(Scope::CrossNode, Some(1 << 20), key);
+        if let Some(c) = cfg.compress.as_mut() {
+            c.gather = Some(spec);
+        }
+        let seen = gather_run(cfg, 2);
+        let (q, _, lossy) = check_gathered(&seen, spec, |r, o| r / LOCAL != o / LOCAL);
+        eprintln!("{format}: {q} elements compressed, {lossy} lossy");
+        assert!(lossy > 0, "{format}");
+    }
+}
+
+/// Bytes both nodes' fetches of one version of bucket `b` read from the
+/// other node: each needed piece of every owner once, by the node it is
+/// remote to (`q`: runs of the quantised copy, else f32/bf16 pieces of at
+/// most `piece` bytes).
+fn gather_bytes(b: usize, shard_len: usize, q: Option<QuantCopy>, piece: usize) -> u64 {
+    let spec = &gather_specs()[b];
+    let size = spec.dtype.size_bytes();
+    let mut bytes = 0;
+    for o in 0..WORLD {
+        let first = o * shard_len;
+        match q {
+            Some(q) => {
+                for j in (0..q.runs()).filter(|&j| first + q.elems(j).start < spec.numel) {
+                    bytes += q.bytes(j);
+                }
+            }
+            None => {
+                let shard = shard_len * size;
+                let per = piece.min(shard.next_multiple_of(64));
+                for j in
+                    (0..shard.div_ceil(per)).filter(|&j| first * size + j * per < spec.numel * size)
+                {
+                    bytes += per.min(shard - j * per);
+                }
+            }
+        }
+    }
+    bytes as u64
+}
+
+use crate::protocol::compress::QuantCopy;
+
+#[test]
+fn fp8_gathers_and_int8_pushes_cross_at_most_030_of_the_f32_bytes() {
+    let versions = 3;
+    let plain = gather_run(
+        EngineConfig {
+            node_cache: Some(1 << 20),
+            ..node_sums("cg_plain")
+        },
+        versions,
+    );
+    let fp8 = Spec::new(Format::Fp8E4m3, 32).unwrap();
+    let int8 = Spec::new(Format::Int8, 32).unwrap();
+    let mut cfg = gathering(Scope::CrossNode, Some(1 << 20), "cg_packed");
+    if let Some(c) = cfg.compress.as_mut() {
+        c.push = Some(int8);
+    }
+    let packed = gather_run(cfg, versions);
+    let slot = config("x").chunk_bytes;
+    let total = |s: &[Gathered], f: fn(&Gathered) -> u64| s.iter().map(f).sum::<u64>();
+    // Formula: per node and version each needed piece of the other node's
+    // shards once; per rank and version one shard of node sums pushed.
+    let mut want_plain = 0;
+    let mut want_packed = 0;
+    for (b, spec) in gather_specs().iter().enumerate() {
+        let l = crate::layout::BucketLayout::blocked(spec.clone(), WORLD, 1).unwrap();
+        let q = QuantCopy::new(fp8, slot, l.shard_len());
+        want_plain += versions * gather_bytes(b, l.shard_len(), None, slot);
+        want_packed += versions * gather_bytes(b, l.shard_len(), Some(q), slot);
+    }
+    assert_eq!(total(&plain, |s| s.read_across), want_plain, "f32 gathers");
+    assert_eq!(
+        total(&packed, |s| s.read_across),
+        want_packed,
+        "fp8 gathers"
+    );
+    let shard = crate::layout::BucketLayout::blocked(gather_specs()[0].clone(), WORLD, 1)
+        .unwrap()
+        .shard_len();
+    let pushes = |spec| WORLD as u64 * versions * push_bytes(shard, slot, spec);
+    assert_eq!(total(&plain, |s| s.sent_across), pushes(None), "f32 pushes");
+    assert_eq!(
+        total(&packed, |s| s.sent_across),
+        pushes(Some(int8)),
+        "int8 pushes"
+    );
+    let across = |s: &[Gathered]| total(s, |g| g.read_across + g.sent_across) as f64;
+    let ratio = across(&packed) / across(&plain);
+    let gathers =
+        total(&packed, |s| s.read_across) as f64 / total(&plain, |s| s.read_across) as f64;
+    let formula = (want_packed + pushes(Some(int8))) as f64 / (want_plain + pushes(None)) as f64;
+    eprintln!(
+        "fp8/32 gathers + int8/32 pushes: {ratio:.3} of the f32 bytes across nodes (gathers \
+         {gathers:.3}; formula with scales and headers {formula:.3})"
+    );
+    assert!(ratio <= 0.30, "{ratio}");
+    assert!(
+        (ratio / formula - 1.0).abs() <= 0.02,
+        "{ratio} against {formula}"
+    );
 }

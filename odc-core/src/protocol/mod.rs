@@ -16,7 +16,7 @@
 //! | [`pieces`] | hybrid-zero: a piece is overwritten only after every other node copied it; a node shard is announced only when every piece of its version is in |
 //! | `handoff` | a client's own slice goes to its own server by pointer, read only under a claim |
 //! | [`membership`] | elastic hybrid (the rule only, not yet driven by the engine): a minibatch's cross-node sum counts a node's partials only if every member's every rank read them; a member's death before that voids the round, and the minibatch runs again over the survivors |
-//! | [`compress`] | compressed chunks: by default only pushes to a landing slot on another node carry them; a chunk holds whole blocks of its format |
+//! | [`compress`] | compressed chunks and copies: by default only pushes to a landing slot on another node carry them, and only reads of a shard owned on another node take the owner's quantised copy (never a rank's own shard); a chunk, and a run of a copy, holds whole blocks of its format |
 //! | [`claims`] | work stealing: each microbatch of a rank's list is claimed once, by the rank from the front or for a thief from the back, by one compare-and-swap in the rank's memory |
 //!
 //! Every word stores a **stamp**, value + 1 (0: never written), except the

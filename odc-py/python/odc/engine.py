@@ -455,9 +455,18 @@ class Engine:
             ``"cross-node"`` (the default: only chunks whose landing slot is
             on another node, e.g. the node sums under ``cross_node="node"``)
             or ``"all"`` (every push; for tests on one host). ``gather``
-            (compressed gathers) is not built yet and raises
-            ``ConfigError``, as do ``deterministic=True`` and the device
-            transports. Unknown keys raise ``ConfigError``.
+            (``"fp8"``, ``"bf16"`` or ``"int8"``): each owner makes a
+            quantised copy of its shard once per version (at its publish,
+            before the version is visible; about a quarter of the shard's
+            f32 bytes for fp8 and int8, plus a scale per ``block``), and
+            gathers read that copy instead of the shard where ``scope``
+            says (``"cross-node"``: only shards owned on another node, e.g.
+            the node cache's fetches; ``"all"``: every other rank's shard),
+            dequantised into the output (the node cache keeps the quantised
+            bytes). A rank's own shard is never read compressed.
+            ``deterministic=True`` and the device transports raise
+            ``ConfigError``, as does ``gather`` with ``scope="all"`` under
+            ``sharding="hybrid-zero"``. Unknown keys raise ``ConfigError``.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every

@@ -289,12 +289,14 @@ def enable(
             joined by a network, ``"direct"`` on ``nvshmem``). Default ``ODC_CROSS_NODE``, else
             ``"auto"``. ``"node"`` with ``deterministic=True`` is a
             ``ConfigError``. See :class:`odc.Engine` and docs/many-nodes.md.
-        compress: compressed pushes, e.g. ``{"push": "int8", "block": 32,
-            "feedback": True}``: by default only what crosses nodes (the
-            node sums' pushes) carries block-scaled chunks; ``"scope":
-            "all"`` compresses every push. Default ``None`` (nothing
-            compressed). Not with ``deterministic=True``. See the
-            ``compress`` argument of :class:`odc.Engine`.
+        compress: compressed pushes and gathers, e.g. ``{"gather": "fp8",
+            "push": "int8", "block": 32, "feedback": True}``: by default
+            only what crosses nodes (the node sums' pushes, the node cache's
+            fetches of shards owned on another node) carries block-scaled
+            values; ``"scope": "all"`` compresses every push and every read
+            of another rank's shard. Default ``None`` (nothing compressed).
+            Not with ``deterministic=True``. See the ``compress`` argument
+            of :class:`odc.Engine`.
         elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
             dies: its node is dropped at the end of that minibatch, the other
             nodes' gradients are summed without its microbatches of that
