@@ -81,6 +81,40 @@ def trainer(rank, world, store, *, trainers, steps, slots, out, readers_first=0,
             "slot_bytes": server.slot_bytes}
 
 
+def fsdp1_trainer(rank, world, store, *, trainers, steps, out, orig):
+    """An FSDP1 trainer rank (``_fsdp1.build``: each block its own unit, ``use_orig_params=orig``) that serves its
+    FlatParameters' shards and steps ``steps`` SGD steps once a reader attached; rank 0 records every version's full
+    parameters by name (``summon_full_params``)."""
+    from _fsdp1 import build as build_fsdp1
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: N817 - FSDP1's own docs' name
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=trainers)
+    model = build_fsdp1(seed=0, orig=orig)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    server = odc.fsdp.serve_weights(model, opt, name=NAME, slots=2, store=store)
+
+    def full():
+        with FSDP.summon_full_params(model):
+            return {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone()
+                    for k, v in model.module.named_parameters()}
+
+    versions = [full()]
+    _wait(store, "t/attached1")
+    for s in range(steps):
+        sample_loss(model, data(s, 0, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        versions.append(full())
+    assert server.version == steps, (server.version, steps)
+    if rank == 0:
+        torch.save(versions, f"{out}/full.pt")
+    store.set(f"t/trained{rank}", "1")
+    if rank == 0:
+        store.set("t/trained", "1")
+    dist.destroy_process_group()
+    return {"slot_bytes": server.slot_bytes}
+
+
 def reader(rank, world, store, *, out, fault_every=0, kill_after=None, min_reads=5, staging="whole"):
     """Reads the latest version in a loop until the trainers are done; every ``fault_every``-th read sleeps in the
     middle of its last copy (1-400 ms: longer than two steps of the trainer, so some slots are overwritten under

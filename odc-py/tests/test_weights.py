@@ -94,6 +94,22 @@ def test_whole_versions_while_training(tmp_path, kill, odc_on, staging):
     assert retried >= 1, "no slot was overwritten under a read: the race this test guards never ran"
 
 
+@pytest.mark.parametrize("orig", [False, True], ids=["flat-parameters", "use-orig-params"])
+def test_fsdp1_shards_are_served_by_name_and_read_whole(tmp_path, orig):
+    """FSDP1 (each block its own unit): every rank serves the runs of its FlatParameters' shards by the model's own
+    names; a reader looping while the trainers step reads exactly one version each time, by those names."""
+    steps = 30
+    res = run_ranks(W.ranks, 3, timeout=180, roles=["fsdp1_trainer", "fsdp1_trainer", "reader"],
+                    fsdp1_trainer={"trainers": 2, "steps": steps, "out": str(tmp_path), "orig": orig},
+                    reader={"out": str(tmp_path), "fault_every": 3})
+    _ok(res, [0, 1, 2])
+    per_version = torch.load(f"{tmp_path}/full.pt")
+    assert len(per_version) == steps + 1 and "blocks.0.norm.weight" in per_version[0]
+    n, distinct = _check_reads(torch.load(f"{tmp_path}/reader2.pt"), per_version)
+    print(f"FSDP1 (use_orig_params={orig}): {n} reads, {distinct} distinct versions, {res[2][1]['retried']} retried")
+    assert distinct >= 2
+
+
 def test_slow_reader_gets_newest_or_refusal(tmp_path):
     """A reader slower than K versions (it sleeps 0.3 s inside its copy): retried, it gets a newer version whole;
     with too few retries it is refused naming the owner and the versions; an overwritten old version is refused."""

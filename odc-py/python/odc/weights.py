@@ -180,6 +180,54 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+def _fsdp1_pieces(model: nn.Module, world: int) -> tuple[list[tuple[str, torch.Tensor, list[int], int]],
+                                                          list[list[Any]]] | None:
+    """FSDP1's (``FullyShardedDataParallel``) pieces and parameter list, or None for a model without FSDP1 units.
+
+    Each unit's ``FlatParameter`` flattens its parameters end to end and gives rank r one contiguous run of the
+    result (``_shard_param_infos``: which parameters reach into this rank's shard, where in the shard, and which of
+    their elements), so a rank holds, per parameter, at most one contiguous run of its flattened elements: the
+    pieces the reader assembles, whichever ``use_orig_params``. Names are the model's own (FSDP1's wrapper prefixes
+    removed), as ``summon_full_params`` would name them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    units = FullyShardedDataParallel.fsdp_modules(model)
+    if not units:
+        return None
+    prefixes = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module").rstrip(".")
+                for n, m in model.named_modules()}
+    pieces, params = [], []
+    for unit in units:
+        handle = unit._handle
+        if handle is None:
+            continue
+        strategy = unit.sharding_strategy
+        if strategy not in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP):
+            raise ConfigError(f"serve_weights: FSDP1 unit {prefixes.get(id(unit)) or '(root)'!r} is {strategy.name}; "
+                              "only FULL_SHARD and SHARD_GRAD_OP shard each parameter once over the job are served")
+        if dist.get_world_size(unit.process_group) != world:
+            raise ConfigError(f"serve_weights: FSDP1 unit {prefixes.get(id(unit)) or '(root)'!r} shards over "
+                              f"{dist.get_world_size(unit.process_group)} ranks, the job has {world}")
+        fp = handle.flat_param
+        prefix = prefixes.get(id(unit), "")
+        label = prefix or "(root)"
+        prefix = f"{prefix}." if prefix else ""
+        # Before FSDP1's lazy init (the first forward) the FlatParameter's data is the shard that becomes its
+        # _local_shard; the optimizer steps that storage either way.
+        local = getattr(fp, "_local_shard", fp.data).detach()
+        if local.numel() != fp._sharded_size.numel():
+            raise ConfigError(f"serve_weights: FSDP1 unit {label!r} holds {local.numel()} elements, its shard "
+                              f"{fp._sharded_size.numel()}: call serve_weights outside forward, backward and "
+                              "summon_full_params")
+        for info, fqn, shape in zip(fp._shard_param_infos, fp._fqns, fp._shapes, strict=True):
+            name = prefix + fqn
+            params.append([name, list(shape), _dtype_name(fp.dtype)])
+            start, count, elem = info.offset_in_shard, info.numel_in_shard, info.intra_param_start_idx
+            if info.in_shard and count and start is not None and elem is not None:
+                pieces.append((name, local[start:start + count], list(shape), elem))
+    return pieces, params
+
+
 def _local_pieces(model: nn.Module, rank: int, world: int) -> Iterator[tuple[str, torch.Tensor, list[int], int]]:
     """(name, local shard, full shape, element offset of the shard in the flattened full parameter) per parameter
     this rank holds: FSDP2's ``Shard(0)`` DTensors (rank r holds rows ``[r·ceil(dim0/D), ...)``), and plain tensors
@@ -229,15 +277,19 @@ class WeightServer:
                               "of version v never blocks the publish of v + 1")
         self.name, self.slots, self.rank, self.world = name, slots, rank, world
         self._pieces: list[tuple[str, torch.Tensor, int, int]] = []  # name, local shard, elem offset, byte offset
-        params, offset = [], 0
-        for fqn, local, _, elem in _local_pieces(model, rank, world):
+        offset = 0
+        flat = _fsdp1_pieces(model, world)
+        if flat is None:
+            served = list(_local_pieces(model, rank, world))
+            params = [[fqn, list(p.shape), _dtype_name(p.dtype)] for fqn, p in model.named_parameters()]
+        else:
+            served, params = flat
+        for fqn, local, _, elem in served:
             if local.device.type != "cpu":
                 raise ConfigError(f"serve_weights: parameter {fqn!r} is on {local.device}; this release serves "
                                   "CPU parameters only (the device plane comes later)")
             self._pieces.append((fqn, local, elem, offset))
             offset += -(-local.numel() * local.element_size() // _ALIGN) * _ALIGN
-        for fqn, p in model.named_parameters():
-            params.append([fqn, list(p.shape), _dtype_name(p.dtype)])
         self.slot_bytes = max(offset, _ALIGN)
         base = _base_store(store)
         job_key = "w" + "".join(c if c.isalnum() else "_" for c in name)[:15]
@@ -320,8 +372,10 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     :meth:`WeightServer.publish` yourself where a new version is final.
 
     Args:
-        model: the FSDP2 model (parameters ``Shard(0)`` DTensors on a 1-D mesh, on CPU) or a plain module
-            (rank 0 serves it whole).
+        model: the FSDP2 model (parameters ``Shard(0)`` DTensors on a 1-D mesh, on CPU), an FSDP1 model
+            (``FullyShardedDataParallel`` with ``FULL_SHARD`` or ``SHARD_GRAD_OP``, either ``use_orig_params``: each
+            rank serves the runs of its FlatParameters' shards under the model's own parameter names), or a plain
+            module (rank 0 serves it whole).
         optimizer: whose steps make new versions; None to publish by hand.
         name: what readers ask for (``WeightReader(..., name=...)``).
         slots: K >= 2, the versions each rank keeps; memory is K times this rank's shard bytes.
@@ -341,7 +395,8 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         optimizer hook holds it as long as the optimizer lives).
 
     Raises:
-        ConfigError: ``slots`` < 2, a parameter not on CPU or not sharded as FSDP2 does, an unknown ``transport``.
+        ConfigError: ``slots`` < 2, a parameter not on CPU or not sharded as FSDP2 or FSDP1's full sharding do
+            (FSDP1's hybrid and ``NO_SHARD`` strategies, named), an unknown ``transport``.
         TransportError: ``transport="fabric"`` and libfabric cannot serve the slots.
     """
     if store is None:
