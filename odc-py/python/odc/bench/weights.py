@@ -336,9 +336,9 @@ def command(args: Any) -> int:
         rows += got
         runs[where] = out
         print(render(got), flush=True)
-    if args.json:
-        write_json(args.json, {"bench": "weights", "rows": rows, "runs": runs,
-                               "settings": {k: v for k, v in vars(args).items() if k != "func"}})
+        if args.json:  # after every setup: a later setup that fails loses only itself
+            write_json(args.json, {"bench": "weights", "rows": rows, "runs": runs,
+                                   "settings": {k: v for k, v in vars(args).items() if k != "func"}})
     say_written(args.json, plots=False)
     return 0
 
