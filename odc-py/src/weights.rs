@@ -255,10 +255,11 @@ impl PyWeightReader {
     }
 
     /// Reads `version` (None: the newest every owner holds) into
-    /// `buffers` (`(pointer, bytes)` per owner). Returns `{"version",
+    /// `buffers` (`(pointer, bytes)` per owner), each from byte `at` of
+    /// the owner's slot data. Returns `{"version",
     /// "newest", "attempts"}`, or `{"refused": message, "owner",
     /// "version", "by", "attempts"}`.
-    #[pyo3(signature = (version, buffers, timeout, retries))]
+    #[pyo3(signature = (version, buffers, timeout, retries, at = 0))]
     fn read<'py>(
         &self,
         py: Python<'py>,
@@ -266,6 +267,7 @@ impl PyWeightReader {
         buffers: Vec<(usize, usize)>,
         timeout: f64,
         retries: u32,
+        at: usize,
     ) -> PyResult<Bound<'py, PyDict>> {
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(config(
@@ -278,6 +280,7 @@ impl PyWeightReader {
         }
         let want = version.map_or(Want::Latest, Want::Exactly);
         let opts = ReadOptions {
+            at,
             timeout: Duration::from_secs_f64(timeout),
             retries,
         };

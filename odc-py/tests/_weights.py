@@ -115,12 +115,12 @@ def fsdp1_trainer(rank, world, store, *, trainers, steps, out, orig):
     return {"slot_bytes": server.slot_bytes}
 
 
-def reader(rank, world, store, *, out, fault_every=0, kill_after=None, min_reads=5, staging="whole"):
+def reader(rank, world, store, *, out, fault_every=0, kill_after=None, min_reads=5):
     """Reads the latest version in a loop until the trainers are done; every ``fault_every``-th read sleeps in the
     middle of its last copy (1-400 ms: longer than two steps of the trainer, so some slots are overwritten under
     it), widening the window a torn copy needs. ``kill_after``: SIGKILL itself that many seconds into a read that
-    sleeps 1 s inside its copy. ``staging``: the reader's (``"rank"``: one trainer rank's slot at a time)."""
-    r = odc.WeightReader(store, name=NAME, timeout=60, staging=staging)
+    sleeps 1 s inside its copy."""
+    r = odc.WeightReader(store, name=NAME, timeout=60)
     n = store.add("t/attached", 1)
     store.set(f"t/attached{n}", "1")
     if kill_after is not None:

@@ -37,11 +37,12 @@ def _trainer_setup(ctx: Any, trainers: list[int], name: str, slots: int) -> tupl
 
 
 def race(ctx: Any, *, trainers: list[int], steps: int, slots: int, out: str, fault_every: int = 3,
-         min_reads: int = 5, node_cache: bool = False) -> dict:
+         min_reads: int = 5, node_cache: bool = False, pieces: int | None = None) -> dict:
     """Trainer ranks step ``steps`` times as fast as they can (after every reader attached), recording each version's
     local shards; readers loop on the latest version until the trainers are done, every ``fault_every``-th read
     sleeping 1-400 ms in the middle of its last copy (so slots are overwritten under some reads). ``node_cache``:
-    the readers share each version through their node's cache."""
+    the readers share each version through their node's cache. ``pieces``: the readers copy remote slots in pieces
+    of that many bytes (``staging="pieces"``), a piece in flight while the one before is cast."""
     name = f"policy{ctx.step}"
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,10 @@ def race(ctx: Any, *, trainers: list[int], steps: int, slots: int, out: str, fau
         publish = sorted(server.publish_seconds)
         return {"role": "trainer", "fabric": server.fabric, "fabric_error": server.fabric_error,
                 "steps_per_s": steps / seconds, "publish_median_s": publish[len(publish) // 2]}
-    reader = odc.WeightReader(store, name=name, timeout=30, node_cache=node_cache)
+    if pieces is not None:
+        odc.weights.PIECE_BYTES = pieces
+    reader = odc.WeightReader(store, name=name, timeout=30, node_cache=node_cache,
+                              staging="whole" if pieces is None else "pieces")
     n = store.add("t/attached", 1)
     store.set(f"t/attached{n}", "1")
     rng = random.Random(ctx.rank)

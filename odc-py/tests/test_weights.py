@@ -60,20 +60,17 @@ def _check_reads(reads, per_version) -> tuple[int, int]:
     return len(reads), len({r[0] for r in reads})
 
 
-@pytest.mark.parametrize(("kill", "odc_on", "staging"),
-                         [(False, False, "whole"), (True, False, "whole"), (False, True, "whole"),
-                          (False, False, "rank")],
-                         ids=["two-readers", "one-reader-sigkilled", "fsdp2-on-odc", "two-readers-rank-staging"])
-def test_whole_versions_while_training(tmp_path, kill, odc_on, staging):
+@pytest.mark.parametrize(("kill", "odc_on"), [(False, False), (True, False), (False, True)],
+                         ids=["two-readers", "one-reader-sigkilled", "fsdp2-on-odc"])
+def test_whole_versions_while_training(tmp_path, kill, odc_on):
     """2 trainer ranks step 100 times as fast as they can while 2 readers loop: every read is exactly one
     version. With ``kill``, one reader is SIGKILLed in the middle of a copy: the trainers finish, the other reader
-    still reads whole versions. ``odc_on``: the trainer's FSDP2 runs on ODC (``odc.fsdp.enable``). ``staging``:
-    the readers' (``"rank"``: one trainer rank's slot at a time, each checked whole on its own)."""
+    still reads whole versions. ``odc_on``: the trainer's FSDP2 runs on ODC (``odc.fsdp.enable``)."""
     trainers, steps = 2, 100
     roles = ["trainer", "trainer", "reader", "reader"]
     kw = {"trainer": {"trainers": trainers, "steps": steps, "slots": 2, "out": str(tmp_path),
                       "readers_first": 2, "odc_on": odc_on},
-          "reader": {"out": str(tmp_path), "fault_every": 3, "staging": staging}}
+          "reader": {"out": str(tmp_path), "fault_every": 3}}
     if kill:
         roles[3] = "killed"
         kw["killed"] = {"out": str(tmp_path), "kill_after": 0.2}
@@ -163,12 +160,11 @@ def _step(model, opt):
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("staging", ["whole", "rank"])
-def test_read_by_address_into_model_and_versions(store, staging):
+def test_read_by_address_into_model_and_versions(store):
     m = _model()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     server = serve_weights(m, opt, store=store, name="plain", slots=2)
-    r = odc.WeightReader(f"127.0.0.1:{store.port}", name="plain", timeout=5, staging=staging)
+    r = odc.WeightReader(f"127.0.0.1:{store.port}", name="plain", timeout=5)
     got = r.read()
     assert (got.version, got.age) == (0, 0)
     assert all(torch.equal(got.tensors[k], v.detach().bfloat16()) for k, v in m.named_parameters())
@@ -197,7 +193,7 @@ def test_bad_input_names_the_first_mismatch_and_leaves_into_unchanged(store):
         odc.WeightReader(store, name="nope", timeout=0.2)
     with pytest.raises(odc.ConfigError, match="slots"):
         serve_weights(m, store=store, name="k1", slots=1)
-    with pytest.raises(odc.ConfigError, match="staging='shard'; expected one of whole, rank"):
+    with pytest.raises(odc.ConfigError, match="staging='shard'; expected one of whole, pieces"):
         odc.WeightReader(store, name="bad", timeout=5, staging="shard")
     cases = {
         "missing": ({"0.weight": torch.zeros(7, 5)}, "'0.bias' is served but not in `into`"),

@@ -23,18 +23,22 @@ WORLD = HOSTS * PER_HOST
 STEPS = 100
 # (trainer ranks, reader ranks); ranks 0-1 are the first namespace, 2-3 the second.
 SHAPES = {"trainer-host-readers-host": ([0, 1], [2, 3]), "trainers-and-readers-on-both": ([0, 2], [1, 3]),
-          "readers-share-a-node-cache": ([0, 1], [2, 3])}
+          "readers-share-a-node-cache": ([0, 1], [2, 3]), "readers-copy-in-pieces": ([0, 1], [2, 3])}
 # What each reader's route to each trainer rank must be, by shape.
 ROUTES = {"trainer-host-readers-host": {2: ["fabric", "fabric"], 3: ["fabric", "fabric"]},
           "trainers-and-readers-on-both": {1: ["shm", "fabric"], 3: ["fabric", "shm"]},
-          "readers-share-a-node-cache": {2: ["node-cache", "node-cache"], 3: ["node-cache", "node-cache"]}}
+          "readers-share-a-node-cache": {2: ["node-cache", "node-cache"], 3: ["node-cache", "node-cache"]},
+          "readers-copy-in-pieces": {2: ["fabric", "fabric"], 3: ["fabric", "fabric"]}}
+# "readers-copy-in-pieces": staging="pieces" with pieces of 1 KiB, so that each rank's slot is several pieces.
+PIECES = {"readers-copy-in-pieces": 1024}
 
 
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     folder = tmp_path_factory.mktemp("weights")
     steps = [("_weights_multinode:race", {"trainers": trainers, "steps": STEPS, "slots": 2,
-                                           "out": str(folder / f"s{i}"), "node_cache": "cache" in shape})
+                                           "out": str(folder / f"s{i}"), "node_cache": "cache" in shape,
+                                           "pieces": PIECES.get(shape)})
              for i, (shape, (trainers, _)) in enumerate(SHAPES.items())]
     with cluster(folder, HOSTS, PER_HOST) as c:
         c.start(steps, timeout_s=30)

@@ -180,6 +180,7 @@ fn fetch_once(sh: &Shared, bufs: &mut [Vec<u8>], last: Option<u64>) -> Result<Op
     }
     let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(Vec::as_mut_slice).collect();
     let opts = ReadOptions {
+        at: 0,
         timeout: sh.timeout,
         retries: 16,
     };

@@ -369,6 +369,9 @@ pub struct ReadOptions {
     /// How many times a read of [`Want::Latest`] starts again after a
     /// version was overwritten under it.
     pub retries: u32,
+    /// Where in every owner's slot data the copy starts (bytes; 0: the
+    /// whole slot from its start): a reader that takes a slot in pieces.
+    pub at: usize,
 }
 
 /// A version read whole.
@@ -882,12 +885,13 @@ impl WeightReader {
             ));
         }
         for (r, (d, o)) in dst.iter().zip(&self.owners).enumerate() {
-            if d.len() > o.layout.slot_bytes {
+            if !d.is_empty() && opts.at + d.len() > o.layout.slot_bytes {
                 return Err(Error::layout(
                     None,
                     format!(
-                        "weight reader: {} bytes asked of owner {r}'s {}-byte slot",
+                        "weight reader: {} bytes from byte {} asked of owner {r}'s {}-byte slot",
                         d.len(),
+                        opts.at,
                         o.layout.slot_bytes
                     ),
                 ));
@@ -912,7 +916,7 @@ impl WeightReader {
                 attempts,
                 slots: self.owners[owner].layout.slots,
             };
-            match self.read_once(version, dst)? {
+            match self.read_once(version, dst, opts.at)? {
                 Ok(()) => {
                     let newest = slots::newest_any(&self.latest()?).unwrap_or(version);
                     return Ok(Outcome::Got(Got {
@@ -940,6 +944,7 @@ impl WeightReader {
         &self,
         version: u64,
         dst: &mut [&mut [u8]],
+        at: usize,
     ) -> Result<std::result::Result<(), (usize, u64)>> {
         let fault = self.take_fault();
         for (r, (begin, end)) in self.slot_words(version)?.into_iter().enumerate() {
@@ -953,7 +958,7 @@ impl WeightReader {
         }
         let data = |r: usize| {
             let l = self.owners[r].layout;
-            l.data(l.slot_of(version))
+            l.data(l.slot_of(version)) + at
         };
         let last = dst.len() - 1;
         match fault {
@@ -1046,6 +1051,7 @@ mod tests {
 
     fn opts() -> ReadOptions {
         ReadOptions {
+            at: 0,
             timeout: Duration::from_secs(10),
             retries: 1000,
         }

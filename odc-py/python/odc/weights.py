@@ -33,6 +33,7 @@ dim 0 (``Shard(0)``), so a rank's local shard is a contiguous run of the full pa
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import datetime
@@ -63,7 +64,9 @@ STORE_PREFIX = "odc/weights"
 _FORMAT = 1
 _ALIGN = 64
 _TRANSPORTS = ("auto", "shm", "fabric")
-_STAGINGS = ("whole", "rank")
+_STAGINGS = ("whole", "pieces")
+#: ``staging="pieces"``: the bytes of one piece of a remote slot (a multiple of every dtype's size).
+PIECE_BYTES = 64 << 20
 
 
 class VersionRefused(OdcError):
@@ -438,11 +441,11 @@ class WeightReader:
             copies by the same rules (a version lags by one fetch). If the fetching reader dies, the node's other
             readers fail naming it (``PeerDied``).
         staging: how the slots of trainer ranks over the network (libfabric) are copied before the cast: ``"whole"``
-            (default) all at once, in flight together, into one buffer per rank; ``"rank"``: one rank at a time into
-            one buffer as large as the largest slot (memory: one shard instead of the model). Slots this process
-            maps (``shm``: the trainer's node, or ``node_cache``) are cast straight out of the mapping, without a
-            copy. Either way a read is one whole version: sequence-word checks bracket every cast, and ``into``
-            changes only after every rank's part arrived whole.
+            (default) all at once, in flight together, into one buffer per rank; ``"pieces"``: in pieces of 64 MiB,
+            the next piece's copy in flight while the one before is cast (memory: two pieces instead of the
+            model). Slots this process maps (``shm``: the trainer's node, or ``node_cache``) are cast straight out of
+            the mapping, without a copy. Either way a read is one whole version: sequence-word checks bracket every
+            cast, and ``into`` changes only after every rank's part arrived whole.
 
     Attributes:
         routes: how each trainer rank is reached, by rank (``"shm"``, ``"fabric"``, or ``"node-cache"``).
@@ -516,8 +519,9 @@ class WeightReader:
             self._share_on_node(base, meta, here)
         self.staging = staging
         self._slot_bytes = [int(i["slot_bytes"]) for i in ranks]
-        #: Copies of the slots of ranks over the network, by rank (``staging="rank"``: one, under -1).
+        #: Copies of the slots of ranks over the network, by rank (``staging="pieces"``: two, under -1 and -2).
         self._staging: dict[int, torch.Tensor] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         #: A read with ``into``: the version cast, by name, until it is whole (made at the first read).
         self._cast: dict[str, torch.Tensor] = {}
         self._between = [0.0, 0]
@@ -646,13 +650,11 @@ class WeightReader:
                 self._cast[n] = torch.empty(t.shape, dtype=t.dtype)
         return {n: self._cast[n] for n in self.params}
 
-    def _stage(self, r: int) -> torch.Tensor:
-        """Where rank ``r``'s slot is copied over the network: its own buffer (``staging="whole"``) or the one
-        buffer of the largest such slot (``"rank"``), made at the first need."""
-        key = r if self.staging == "whole" else -1
-        if key not in self._staging:
-            n = self._slot_bytes[r] if key >= 0 else max(self._slot_bytes)
-            self._staging[key] = torch.empty(n, dtype=torch.uint8)
+    def _stage(self, key: int, nbytes: int) -> torch.Tensor:
+        """A staging buffer of at least ``nbytes`` (by rank with ``staging="whole"``; the two pieces' with
+        ``"pieces"``), made at the first need."""
+        if key not in self._staging or self._staging[key].numel() < nbytes:
+            self._staging[key] = torch.empty(nbytes, dtype=torch.uint8)
         return self._staging[key]
 
     def _read_version(self, want: int | None, dst: dict[str, torch.Tensor], wait: float,
@@ -682,24 +684,27 @@ class WeightReader:
 
     def _fill(self, version: int, dst: dict[str, torch.Tensor], zeros: list[tuple[int, int]],
               deadline: float) -> dict[str, Any] | None:
-        """Casts every rank's part of ``version`` into ``dst``: ranks over the network copied first (all at once,
-        or one at a time with ``staging="rank"``, each copy checked whole), mapped ranks straight from the mapping.
-        Returns the native reader's refusal if a copy was refused, else None (the caller's last check decides)."""
+        """Casts every rank's part of ``version`` into ``dst``: ranks over the network copied first (see
+        ``staging``; each copy checked whole on its own), mapped ranks straight from the mapping. Returns the native
+        reader's refusal if a copy was refused, else None (the caller's last check decides)."""
         maps = self._reader.mapped(version)
         remote = [r for r in range(self.world) if maps[r] is None]
-        groups = [remote] if self.staging == "whole" else [[r] for r in remote]
         done = 0
-        for group in groups if remote else ():
+        if remote and self.staging == "whole":
             bufs = list(zeros)
-            for r in group:
-                stage = self._stage(r)
-                bufs[r] = (stage.data_ptr(), self._slot_bytes[r])
+            for r in remote:
+                bufs[r] = (self._stage(r, self._slot_bytes[r]).data_ptr(), self._slot_bytes[r])
             got = self._reader.read(version, bufs, max(deadline - time.monotonic(), 1e-3), 0)
             if "refused" in got:
                 return dict(got)
-            for r in group:
-                self._assemble(dst, r, self._stage(r))
+            for r in remote:
+                self._assemble(dst, r, self._stage(r, self._slot_bytes[r]))
                 done = self._fault_point(done)
+        elif remote:
+            refused = self._fill_pieces(version, dst, zeros, deadline, remote)
+            if refused is not None:
+                return refused
+            done += len(remote)
         for r in range(self.world):
             place = maps[r]
             if place is not None:
@@ -709,21 +714,58 @@ class WeightReader:
                 done = self._fault_point(done)
         return None
 
+    def _fill_pieces(self, version: int, dst: dict[str, torch.Tensor], zeros: list[tuple[int, int]],
+                     deadline: float, remote: list[int]) -> dict[str, Any] | None:
+        """``staging="pieces"``: the remote ranks' slots in pieces of ``PIECE_BYTES``, one in flight while the one
+        before is cast (two buffers); each piece's copy checked whole on its own."""
+        pieces = [(r, a, min(PIECE_BYTES, self._slot_bytes[r] - a)) for r in remote
+                  for a in range(0, self._slot_bytes[r], PIECE_BYTES)]
+        size = max(n for _, _, n in pieces)
+        stages = [self._stage(-1, size), self._stage(-2, size)]
+
+        def fetch(i: int) -> dict[str, Any]:
+            r, a, n = pieces[i]
+            bufs = list(zeros)
+            bufs[r] = (stages[i % 2].data_ptr(), n)
+            return dict(self._reader.read(version, bufs, max(deadline - time.monotonic(), 1e-3), 0, a))
+
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="odc-weight-reader")
+        pending = self._pool.submit(fetch, 0)
+        try:
+            for i, (r, a, _) in enumerate(pieces):
+                got = pending.result()
+                if "refused" in got:
+                    return got
+                if i + 1 < len(pieces):
+                    pending = self._pool.submit(fetch, i + 1)
+                self._assemble(dst, r, stages[i % 2][:pieces[i][2]], a)
+                self._fault_point(i)
+        finally:
+            pending.result()  # never leave a copy landing in a buffer the next read reuses
+        return None
+
     def _fault_point(self, done: int) -> int:
-        """After the first rank's part is cast: the test fault's sleep (:meth:`_set_fault`), if one is pending."""
+        """After the first rank's part (or piece) is cast: the test fault's sleep (:meth:`_set_fault`), if one is
+        pending."""
         if done == 0 and self._between[1] > 0:
             self._between[1] -= 1
             time.sleep(self._between[0])
         return done + 1
 
-    def _assemble(self, targets: dict[str, torch.Tensor], r: int, buf: torch.Tensor) -> None:
-        """Casts rank ``r``'s shards, laid out in ``buf`` as in its slot, into their full tensors (contiguous)."""
+    def _assemble(self, targets: dict[str, torch.Tensor], r: int, buf: torch.Tensor, at: int = 0) -> None:
+        """Casts what ``buf`` holds of rank ``r``'s slot (its bytes from ``at`` on) into the full tensors
+        (contiguous): every shard's elements in that range."""
+        end = at + buf.numel()
         with torch.no_grad():
             for s in self._shards[r]:
-                src_dtype = self.params[s.name][1]
-                nbytes = s.numel * src_dtype.itemsize
-                src = buf[s.offset:s.offset + nbytes].view(src_dtype)
-                targets[s.name].view(-1)[s.elem:s.elem + s.numel].copy_(src)
+                dt = self.params[s.name][1]
+                lo, hi = max(s.offset, at), min(s.offset + s.numel * dt.itemsize, end)
+                if lo >= hi:
+                    continue
+                src = buf[lo - at:hi - at].view(dt)
+                first = s.elem + (lo - s.offset) // dt.itemsize
+                targets[s.name].view(-1)[first:first + src.numel()].copy_(src)
 
     def _set_fault(self, delay: float, reads: int = 1) -> None:
         """Test fault point: in each of the next ``reads`` reads, sleep ``delay`` seconds after the first rank's part

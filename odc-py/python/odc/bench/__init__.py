@@ -15,8 +15,9 @@ Subcommands:
 - ``train`` — real FSDP2 training of a Hugging Face transformer on packed
   variable-length microbatches, the same configurations, measured speedups
   and memory beside the packer's predictions with a cost model fitted to the
-  model in the same run; ``--curves``: loss curves of ODC + LB-Mini and
-  Collective + LB-Micro (:mod:`odc.bench.train`).
+  model in the same run; ``--curves``: loss curves of ODC + LB-Mini, with
+  and without compressed chunks, and Collective + LB-Micro
+  (:mod:`odc.bench.train`).
 - ``trainer`` — the same TRL ``SFTTrainer`` job three ways: TRL's best
   default (packing ``bfd`` + ``padding_free``), that plus ODC + LB-Mini
   (``odc.integrations.transformers.enable``), and LB-Mini's plan under FSDP2's
@@ -140,7 +141,8 @@ examples:
   odc-bench train --sweep minibatch-size=4,8,16 --repeats 3 --json train.json --plot train.png
       the speedup table and plot over three minibatch sizes, 3 interleaved repeats
   odc-bench train --curves --minibatch-size 4 --minibatches 120 --plot curves.png
-      loss curves of ODC + LB-Mini against the collectives' on the same samples""",
+      loss curves of ODC + LB-Mini, uncompressed and with int8 pushes / fp8 gathers, against the
+      collectives' on the same samples""",
     "trainer": """\
 examples:
   odc-bench trainer --minibatch-size 4 --steps 4 --repeats 1 --plot trainer.png
@@ -270,8 +272,9 @@ def _weights_parser(sub: Any) -> None:
     w.add_argument("--repeats", type=_positive(int, "--repeats"), default=3, help="timed reads per arm (median)")
     w.add_argument("--steps", type=_positive(int, "--steps"), default=3,
                    help="trainer steps alone and with readers reading (default 3)")
-    w.add_argument("--staging", choices=("whole", "rank"), default="rank",
-                   help="the readers' WeightReader(staging=...) (default rank: memory of the largest shard)")
+    w.add_argument("--staging", choices=("whole", "pieces"), default="pieces",
+                   help="the readers' WeightReader(staging=...) for trainer ranks over the network (default pieces: "
+                        "two 64 MiB buffers, a copy in flight while the piece before is cast)")
     w.add_argument("--json", metavar="FILE", help="write the rows and every process's measurements")
 
 
@@ -345,10 +348,15 @@ def _train_parser(sub: Any) -> None:
                          "all but odc+lb-mini+steal, which runs LB-Mini's plan with work stealing: a rank out of "
                          "microbatches takes unstarted ones of the rank with the most predicted seconds left, and "
                          "the +det variants of the odc configurations, e.g. odc+lb-mini+det, which accumulate "
-                         "gradients deterministically: odc.fsdp.enable(..., deterministic=True))")
+                         "gradients deterministically: odc.fsdp.enable(..., deterministic=True), and the compressed "
+                         "ones, odc+lb-mini+int8, odc+lb-mini+int8-nofb and odc+lb-mini+fp8g-int8: "
+                         "odc.fsdp.enable(..., compress={...}) on every push (and gather); with --curves, the "
+                         "compressed ones named here are added to the curves' configurations)")
     tr.add_argument("--curves", action="store_true",
-                    help="convergence: train collective+lb-micro, odc+lb-mini and the control collective+local-sort "
-                         "on the same samples and compare their loss curves")
+                    help="convergence: train collective+lb-micro, odc+lb-mini, the control collective+local-sort "
+                         "and odc+lb-mini with compressed chunks (odc+lb-mini+int8: int8 pushes with error feedback; "
+                         "odc+lb-mini+int8-nofb: without; odc+lb-mini+fp8g-int8: fp8 gathers and int8 pushes) on "
+                         "the same samples and compare their loss curves")
     _model_flags(tr)
     tr.add_argument("--lr", type=_positive(float, "--lr"), default=1e-3, help="AdamW learning rate (default 1e-3)")
     tr.add_argument("--clip", type=_positive(float, "--clip"), default=1.0, help="gradient clip norm (default 1.0)")

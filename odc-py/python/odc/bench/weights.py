@@ -23,8 +23,9 @@ gloo group of their own; reader processes (``--readers``, default 2) never join 
 readers in another, libfabric across an unshaped veth), ``netns:RATE`` (the veth shaped to RATE both ways with
 tc tbf, e.g. ``netns:10gbit``). Namespaces need root.
 
-Memory: each trainer rank holds its shard and 2 slots (3x its shard); each reader its bf16 model and its staging
-(``--staging rank``: the largest slot; ``whole``: the whole f32 model); rank 0 the full f32 state dict in the
+Memory: each trainer rank holds its shard and 2 slots (3x its shard); each reader its bf16 model and, for trainer
+ranks over the network, its staging (``--staging pieces``: two 64 MiB pieces; ``whole``: every remote rank's slot);
+rank 0 the full f32 state dict in the
 baseline.
 """
 
