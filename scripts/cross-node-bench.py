@@ -15,7 +15,13 @@ same links:
   cache: every rank reads every remote shard and pushes to every remote
   owner itself (the engine before the node rules);
 - ``odc-cache``: the node cache, pushes direct;
-- ``odc-node``: the node cache and node sums (``cross_node="node"``).
+- ``odc-node``: the node cache and node sums (``cross_node="node"``);
+- ``odc-node-<P>`` / ``odc-node-<G>g`` / ``odc-node-<G>g-<P>``: ``odc-node``
+  with compressed chunks across nodes (``compress={"push": P, "gather": G}``,
+  ``--block`` elements per f32 scale, error feedback on): ``P`` one of
+  ``int8``, ``fp8``, ``bf16`` (the node sums' pushes), ``G`` one of ``fp8``,
+  ``bf16``, ``int8`` (the node cache's fetches), e.g. ``odc-node-int8``,
+  ``odc-node-fp8g-int8``.
 
 Bytes: each namespace's veth counters (``/proc/self/net/dev`` inside it,
 read by its first rank at barriers around the timed minibatches): received
@@ -23,7 +29,10 @@ bytes per minibatch per node (a node's link in; what it sends is the other
 nodes' receive). The formula is the cross-node payload the node rules aim
 at, per node per minibatch: ``(N − 1)/N`` of the gathered bytes (each
 parameter version once) plus ``(N − 1)/N`` of the gradient bytes (each
-node's gradient once), and beside it what ``direct`` must move (G times
+node's gradient once); for a compressed mode each part at its format's
+width with one f32 scale per block (bf16: none) and the pushes' 64-byte
+chunk headers, against which the compressed modes are measured (and
+against ``odc-node``'s bytes of the same run); and beside it what ``direct`` must move (G times
 the gathers of every microbatch and G times the pushes). Time: the slowest
 rank's mean minibatch.
 
@@ -46,11 +55,43 @@ import time
 from typing import Any
 
 MODES = ("gloo", "odc-direct", "odc-cache", "odc-node")
+PUSH_FORMATS = ("int8", "fp8", "bf16")
+GATHER_FORMATS = ("fp8", "bf16", "int8")
+HEADER_BYTES = 64  # a pushed chunk's header (odc-core control::HEADER_BYTES)
+
+
+def compress_of(mode: str, block: int) -> dict[str, Any] | None:
+    """The ``compress=`` setting of a mode (``None``: uncompressed); raises ValueError for a name no mode has."""
+    if mode in MODES:
+        return None
+    parts = mode.split("-")
+    if parts[:2] != ["odc", "node"] or not 3 <= len(parts) <= 4:
+        raise ValueError(mode)
+    gather = parts[2][:-1] if parts[2].endswith("g") else None
+    push = parts[-1] if len(parts) == 4 or gather is None else None
+    if (gather is not None and gather not in GATHER_FORMATS) or (push is not None and push not in PUSH_FORMATS) \
+            or (len(parts) == 4 and gather is None):
+        raise ValueError(mode)
+    return {"push": push, "gather": gather, "block": block, "feedback": True}
+
+
+def width(fmt: str | None, block: int) -> float:
+    """Bytes per element of ``fmt`` (``None``: f32), its f32 scales included."""
+    if fmt is None:
+        return 4.0
+    if fmt == "bf16":
+        return 2.0
+    return 1.0 + 4.0 / block
+
+
+def tolerance(fmt: str | None) -> float:
+    """The largest relative error a value moved in ``fmt`` may carry (half a step, and some)."""
+    return {None: 0.0, "bf16": 2.0**-8, "fp8": 2.0**-4, "int8": 1.0 / 127}[fmt]
 
 
 
 def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minibatches: int, warmup: int,
-            timeout: float, compute_ms: float) -> dict[str, Any]:
+            timeout: float, compute_ms: float, block: int = 32) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -66,11 +107,12 @@ def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minib
         params = [torch.full((shard,), float(rank)) for _ in range(buckets)]
         outs = [torch.empty(shard) for _ in range(buckets)]
     else:
+        compress = compress_of(mode, block)
         kw: dict[str, Any] = {
             "odc-direct": {"cross_node": "direct", "node_cache_mb": 0},
             "odc-cache": {"cross_node": "direct"},
             "odc-node": {"cross_node": "node"},
-        }[mode]
+        }[mode] if compress is None else {"cross_node": "node", "compress": compress}
         eng = ctx.engine(timeout=timeout, **kw)
         eng.register([Bucket(f"b{i}", numel, torch.float32) for i in range(buckets)])
         mine = [torch.full((eng.bucket(f"b{i}")["shard_len"],), float(rank)) for i in range(buckets)]
@@ -99,12 +141,16 @@ def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minib
                     eng.scatter_accumulate(f"b{b}", grads[b])
         if eng is not None:
             eng.finish_minibatch(k)
-            # Every rank pushed 1 + b into every element, every microbatch.
+            # Every rank pushed 1 + b into every element, every microbatch (a compressed push: within its
+            # format's step).
             for b in range(buckets):
-                if not bool((eng.grad_shard(f"b{b}") == micros * world * (1.0 + b)).all()):
+                want_sum = micros * world * (1.0 + b)
+                if float((eng.grad_shard(f"b{b}") - want_sum).abs().max()) > push_tol * want_sum:
                     raise RuntimeError(f"rank {rank}: wrong gradient sum in bucket b{b}, minibatch {k}")
             eng.zero_grad()
 
+    spec = compress_of(mode, block) or {}
+    push_tol, gather_tol = tolerance(spec.get("push")), tolerance(spec.get("gather"))
     ifname = os.environ["GLOO_SOCKET_IFNAME"]
     for k in range(warmup):
         minibatch(k)
@@ -118,17 +164,42 @@ def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minib
     ctx.barrier()
     total = time.perf_counter() - t0
     after = veth_bytes(ifname)
-    # The last minibatch's values: every gathered element is its owner's rank (shards of equal length).
+    # The last minibatch's values: every gathered element is its owner's rank (shards of equal length); a
+    # compressed gather's within its format's step.
     want = torch.arange(world, dtype=torch.float32).repeat_interleave(shard)
-    wrong = sum(int((f != want).sum()) for f in full)
+    wrong = sum(int(((f - want).abs() > gather_tol * want).sum()) for f in full)
     stats = eng.node_cache_stats() if eng is not None else None
     every = ctx.all_gather_object({
         "spans": spans, "total": total, "rx": after[0] - before[0], "tx": after[1] - before[1],
         "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "cache": stats,
         "cross_node": eng.cross_node if eng is not None else None, "wrong": wrong,
         "transport": eng.transport if eng is not None else ctx.backend,
+        "chunk_bytes": eng._native.chunk_bytes if eng is not None else None,
     })
     return {"ranks": every, "g": ctx.local_world or world, "n": world // (ctx.local_world or world)}
+
+
+def compressed_formula(args: argparse.Namespace, n: int, g: int, compress: dict[str, Any],
+                       chunk_bytes: int, cross_node: str = "node") -> float:
+    """Cross-node bytes into one node per minibatch under the node cache with ``compress`` (its ``push`` and
+    ``gather`` ``None``: f32): the gathered parameters at the gather format's width (one f32 scale per block;
+    bf16 none), the other nodes' gradients at the push format's, and a header for every pushed chunk (as many
+    whole blocks as a landing slot of ``chunk_bytes`` holds). ``cross_node`` is the rule the engine resolved:
+    ``"node"``, each node's sum once per minibatch; ``"direct"`` (what ``"node"`` resolves to with one rank
+    per node), every rank's own push every microbatch."""
+    block = compress["block"]
+    elems = args.buckets * args.numel
+    remote = (n - 1) / n
+    gathers = remote * elems * width(compress["gather"], block)
+    shard = args.numel // args.world
+    per_chunk = chunk_bytes // 4 if compress["push"] is None else \
+        chunk_bytes // int(width(compress["push"], block) * block) * block
+    # Into a node: every other node's sums of this node's G owners' shards, per bucket; or every other node's
+    # G ranks' own pushes, every microbatch.
+    senders = 1 if cross_node == "node" else g * args.micros
+    pushes = senders * (n - 1) * g * args.buckets * (shard * width(compress["push"], block)
+                                                     + -(-shard // per_chunk) * HEADER_BYTES)
+    return gathers + pushes
 
 
 def formulas(args: argparse.Namespace, n: int, g: int) -> dict[str, float]:
@@ -160,7 +231,11 @@ def main() -> int:
     ap.add_argument("--minibatches", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="comma-separated: gloo, odc-direct, odc-cache, odc-node, or odc-node with compression: "
+                         "odc-node-<push> (int8, fp8, bf16), odc-node-<gather>g (fp8g, bf16g, int8g) or both, "
+                         "e.g. odc-node-int8, odc-node-fp8g-int8")
+    ap.add_argument("--block", type=int, default=32, help="elements per f32 scale of the compressed modes")
     ap.add_argument("--rounds", type=int, default=2, help="runs of every mode, alternating the order")
     ap.add_argument("-J", "--json", default="", help="write the results here too")
     args = ap.parse_args()
@@ -174,22 +249,28 @@ def main() -> int:
     load_before = os.getloadavg()
     modes = args.modes.split(",")
     for mode in modes:
-        if mode not in MODES:
-            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+        try:
+            compress_of(mode, args.block)
+        except ValueError:
+            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, or odc-node with compression: "
+                     f"odc-node-<push>, odc-node-<gather>g or odc-node-<gather>g-<push> (push: "
+                     f"{', '.join(PUSH_FORMATS)}; gather: {', '.join(GATHER_FORMATS)})")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     raw: dict[str, Any] = {}
     for rnd in range(args.rounds):
         for mode in modes if rnd % 2 == 0 else modes[::-1]:
+            load_run = os.getloadavg()
             res = netns.run_ranks(rank_fn, args.world, netns=args.netns, transport="auto", backend="gloo",
                                   rate=args.rate, mode=mode, buckets=args.buckets, numel=args.numel,
                                   micros=args.micros, minibatches=args.minibatches, warmup=args.warmup,
-                                  timeout=args.timeout, compute_ms=args.compute_ms)
+                                  timeout=args.timeout, compute_ms=args.compute_ms, block=args.block)
             raw[mode] = res
             firsts = [r for r in res["ranks"] if r["local_rank"] == 0]
             run = {"ms": 1e3 * max(r["total"] for r in res["ranks"]) / args.minibatches,
                    "rx_per_node": [r["rx"] / args.minibatches for r in firsts],
                    "tx_per_node": [r["tx"] / args.minibatches for r in firsts],
-                   "wrong": sum(r["wrong"] for r in res["ranks"]), "load": os.getloadavg()}
+                   "wrong": sum(r["wrong"] for r in res["ranks"]), "load_before": load_run,
+                   "load": os.getloadavg()}
             runs[mode].append(run)
             print(f"# round {rnd + 1} {mode}: {run['ms']:.0f} ms / minibatch, rx per node "
                   f"{[f'{x / 2**20:.1f}' for x in run['rx_per_node']]} MiB, load {run['load'][0]:.1f}",
@@ -202,20 +283,36 @@ def main() -> int:
         rows.append({"mode": mode, "ms": med["ms"], "ms_runs": [r["ms"] for r in runs[mode]],
                      "rx_per_node": med["rx_per_node"], "tx_per_node": med["tx_per_node"],
                      "wrong": sum(r["wrong"] for r in runs[mode]), "cross_node": first["cross_node"],
-                     "transport": first["transport"], "cache": [r["cache"] for r in raw[mode]["ranks"]]})
+                     "transport": first["transport"], "cache": [r["cache"] for r in raw[mode]["ranks"]],
+                     "load_runs": [[r["load_before"], r["load"]] for r in runs[mode]]})
     n, g = raw[rows[0]["mode"]]["n"], raw[rows[0]["mode"]]["g"]
     f = formulas(args, n, g)
     model = args.buckets * args.numel * 4
+    for r in rows:
+        # The node-cache modes' formula from the rule the engine resolved (one rank per node: direct pushes).
+        spec = compress_of(r["mode"], args.block)
+        if spec is not None or r["mode"] == "odc-node":
+            chunk = raw[r["mode"]]["ranks"][0]["chunk_bytes"]
+            if spec is not None:
+                r["compress"] = spec
+            plain_spec = {"push": None, "gather": None, "block": args.block}
+            r["formula"] = compressed_formula(args, n, g, spec or plain_spec, chunk, r["cross_node"])
+    plain = next((r for r in rows if r["mode"] == "odc-node"), None)
     print(f"{args.world} ranks over {args.netns} namespaces ({n} x {g}), links {args.rate or 'unshaped'}, "
           f"{args.compute_ms:g} ms of emulated compute per microbatch; model "
           f"{args.buckets} x {args.numel * 4 / 2**20:.2f} MiB f32 = {model / 2**20:.1f} MiB, {args.micros} "
           f"microbatches (2 gathers + 1 reduce each), {args.minibatches} timed minibatches")
     print("| mode | ms / minibatch | cross-node MiB in per node / minibatch (veth rx, mean) | / node-rule formula |"
-          " wrong |")
-    print("|---|---|---|---|---|")
+          " / its own formula (rule resolved, scales, headers) | bytes / odc-node's | ms / odc-node's | wrong |")
+    print("|---|---|---|---|---|---|---|---|")
+    plain_rx = sum(plain["rx_per_node"]) / len(plain["rx_per_node"]) if plain else None
     for r in rows:
         mean_rx = sum(r["rx_per_node"]) / len(r["rx_per_node"])
-        print(f"| {r['mode']} | {r['ms']:.0f} | {mean_rx / 2**20:.1f} | {mean_rx / f['node']:.2f} | {r['wrong']} |")
+        own = f"{mean_rx / r['formula']:.3f}" if "formula" in r else "–"
+        vs_b = f"{mean_rx / plain_rx:.3f}" if plain and plain_rx else "–"
+        vs_t = f"{r['ms'] / plain['ms']:.2f}" if plain else "–"
+        print(f"| {r['mode']} | {r['ms']:.0f} | {mean_rx / 2**20:.1f} | {mean_rx / f['node']:.2f} | {own} | {vs_b} "
+              f"| {vs_t} | {r['wrong']} |")
     print(f"# formula per node per minibatch: node rules {f['node'] / 2**20:.1f} MiB, direct "
           f"{f['direct'] / 2**20:.1f} MiB, a ring {f['ring'] / 2**20:.1f} MiB")
     if args.json:

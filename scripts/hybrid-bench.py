@@ -14,6 +14,14 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
   across nodes: the node cache (each remote shard version crosses once per
   node) and node sums (``cross_node="node"``: each node's gradient for a
   remote owner crosses once);
+- ``odc-full-<P>`` / ``odc-full-<G>g`` / ``odc-full-<G>g-<P>``: ``odc-full``
+  with compressed chunks across nodes (``compress={"push": P, "gather": G}``,
+  ``--block`` elements per f32 scale, error feedback on): ``P`` one of
+  ``int8``, ``fp8``, ``bf16`` (the node sums' pushes), ``G`` one of ``fp8``,
+  ``bf16``, ``int8`` (the node cache's fetches), e.g. ``odc-full-int8``,
+  ``odc-full-fp8g-int8``; its formula column is ``odc-full``'s at the
+  formats' widths (one f32 scale per block; bf16 none) plus the pushes'
+  64-byte chunk headers;
 - ``odc-full-direct``: the same with ``cross_node="direct"`` and no node
   cache (every gather and push of every rank crosses itself);
 - ``odc-full-cache``, ``odc-full-sums``: one node rule each (the cache with
@@ -70,11 +78,38 @@ from typing import Any
 MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
          "odc-full-bounded", "odc-full-bounded-node", "odc-hybrid", "odc-hybrid-elastic", "odc-hybrid-zero",
          "odc-hybrid-zero-raf")
+PUSH_FORMATS = ("int8", "fp8", "bf16")
+GATHER_FORMATS = ("fp8", "bf16", "int8")
+HEADER_BYTES = 64  # a pushed chunk's header (odc-core control::HEADER_BYTES)
+
+
+def compress_of(mode: str, block: int) -> dict[str, Any] | None:
+    """The ``compress=`` setting of a mode (``None``: uncompressed); raises ValueError for a name no mode has."""
+    if mode in MODES:
+        return None
+    parts = mode.split("-")
+    if parts[:2] != ["odc", "full"] or not 3 <= len(parts) <= 4:
+        raise ValueError(mode)
+    gather = parts[2][:-1] if parts[2].endswith("g") else None
+    push = parts[-1] if len(parts) == 4 or gather is None else None
+    if (gather is not None and gather not in GATHER_FORMATS) or (push is not None and push not in PUSH_FORMATS) \
+            or (len(parts) == 4 and gather is None):
+        raise ValueError(mode)
+    return {"push": push, "gather": gather, "block": block, "feedback": True}
+
+
+def width(fmt: str | None, block: int) -> float:
+    """Bytes per element of ``fmt`` (``None``: f32), its f32 scales included."""
+    if fmt is None:
+        return 4.0
+    if fmt == "bf16":
+        return 2.0
+    return 1.0 + 4.0 / block
 
 
 
 def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micros: int, seq: int,
-            warmup: int) -> dict[str, Any]:
+            warmup: int, block: int = 32) -> dict[str, Any]:
     import os
 
     import torch
@@ -110,7 +145,9 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
         if mode == "odc-full-bounded-node":
             os.environ["ODC_NODE_CACHE_MB"] = str(g * bounded_cache_mb(model, n, g))
         cross = {"odc-full-direct": "direct", "odc-full-cache": "direct", "odc-full-sums": "node"}.get(mode)
-        odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross, elastic=elastic)
+        compress = compress_of(mode, block)
+        odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross, elastic=elastic,
+                        compress=compress)
         eng = model._odc_fsdp.engine
         gather, push = eng.gather, eng.scatter_accumulate
 
@@ -156,7 +193,8 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     every = ctx.all_gather_object({"spans": spans, "total": total, "veth": counts, "asked": asked,
                                    "regathers": regathers, "cross_node": cross, "cache": cache,
                                    "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "state": state})
-    return {"params": params, "ranks": every, "n": n, "g": g, "micros": micros}
+    return {"params": params, "ranks": every, "n": n, "g": g, "micros": micros,
+            "buckets": len(model.model.layers) + 1}
 
 
 #: Gathers FSDP2 keeps in flight in the forward: the layer computing and the next one it prefetches.
@@ -171,10 +209,17 @@ def bounded_cache_mb(model: Any, n: int, g: int) -> float:
     return IN_FLIGHT * max(*layers, root) * 4 * (n - 1) / n / 2**20
 
 
-def formula(mode: str, res: dict[str, Any], minibatches: int) -> float:
-    """Payload bytes one rank receives from other nodes per minibatch (fp32), from P and the counted calls."""
+def formula(mode: str, res: dict[str, Any], minibatches: int, block: int = 32) -> float:
+    """Payload bytes one rank receives from other nodes per minibatch (fp32, or a compressed mode's formats with
+    their scales and the pushed chunks' headers), from P and the counted calls."""
     p, n, g = res["params"], res["n"], res["g"]
     d = n * g
+    compress = compress_of(mode, block)
+    if compress is not None:
+        # The node rules at the formats' widths; a header per pushed chunk (each remote node's sums of this
+        # rank's shard of every bucket: one chunk each at these sizes).
+        return (n - 1) / n * p / g * (width(compress["gather"], block) + width(compress["push"], block)) \
+            + (n - 1) * res["buckets"] * HEADER_BYTES * (compress["push"] is not None)
     if mode == "collective-hsdp":
         return 2 * (n - 1) / n * p / g * 4  # ring all-reduce of the node shard, once per minibatch
     if mode in ("odc-hybrid", "odc-hybrid-elastic"):
@@ -210,7 +255,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--micros", type=int, default=2, help="microbatches per rank per minibatch")
     ap.add_argument("--seq", type=int, default=256, help="tokens per microbatch")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, from {', '.join(MODES)}, or odc-full with compression: odc-full-<push> "
+                         f"({', '.join(PUSH_FORMATS)}), odc-full-<gather>g ({', '.join(GATHER_FORMATS)}) or both, "
+                         "e.g. odc-full-int8, odc-full-fp8g-int8; a mode may repeat (runs alternated by hand)")
+    ap.add_argument("--block", type=int, default=32, help="elements per f32 scale of the compressed modes")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--rate", default="", help="tc rate of every namespace's link, each way ('1gbit'; none)")
@@ -223,18 +272,27 @@ def main() -> int:
     from odc.bench import netns
 
     spec = {"hidden": args.hidden, "layers": args.layers}
-    rows, raw = [], {}
-    for mode in args.modes.split(","):
-        if mode not in MODES:
-            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    rows, raw, loads = [], {}, []
+    modes = args.modes.split(",")
+    for mode in modes:
+        try:
+            compress_of(mode, args.block)
+        except ValueError:
+            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, or odc-full with compression: "
+                     f"odc-full-<push>, odc-full-<gather>g or odc-full-<gather>g-<push> (push: "
+                     f"{', '.join(PUSH_FORMATS)}; gather: {', '.join(GATHER_FORMATS)})")
+    for mode in modes:
+        load_before = os.getloadavg()
         res = netns.run_ranks(rank_fn, args.world, netns=args.netns, transport="auto", backend="gloo", mode=mode,
                               rate=args.rate,
                               spec=spec, minibatches=args.minibatches, micros=args.micros, seq=args.seq,
-                              warmup=args.warmup)
+                              warmup=args.warmup, block=args.block)
         raw[mode] = res
+        loads.append([mode, load_before, os.getloadavg()])
         per_rank = sum(r["veth"]["rx"] for r in res["ranks"] if r["local_rank"] == 0) / args.minibatches / args.world
         ms = 1e3 * max(r["total"] for r in res["ranks"]) / args.minibatches
-        rows.append((mode, ms, per_rank, formula(mode, res, args.minibatches), res["ranks"][0]["state"], res["params"]))
+        rows.append((mode, ms, per_rank, formula(mode, res, args.minibatches, args.block), res["ranks"][0]["state"],
+                     res["params"]))
         regathers = min(r["regathers"] for r in res["ranks"])
         print(f"# {mode}: done ({regathers} backward re-gathers over the node per rank)", file=sys.stderr, flush=True)
     base = rows[0][1]
@@ -251,7 +309,7 @@ def main() -> int:
         from odc.bench.report import write_json  # with the command, commit and date that made it
 
         write_json(args.json, {"bench": "hybrid-bench", "load_average": os.getloadavg(), "cpus": os.cpu_count(),
-                               "args": vars(args), "rows": rows, "raw": raw})
+                               "args": vars(args), "rows": rows, "raw": raw, "loads": loads})
     return 0
 
 

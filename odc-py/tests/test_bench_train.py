@@ -177,6 +177,20 @@ def test_stealing_is_checked_against_the_same_plan_without_stealing():
     assert train.same_plan(train.BASELINE, [train.BASELINE]) == train.BASELINE
 
 
+def test_compressed_configurations_are_lb_mini_on_odc_checked_against_it(capsys):
+    every = [c[0] for c in train.CONFIGS]
+    for name, setting in train.COMPRESSED.items():
+        assert (name, "odc", "lb-mini") in train.CONFIGS and name not in train.DEFAULT_CONFIGS
+        assert setting["scope"] == "all" and setting["push"] == "int8"
+        assert train.same_plan(name, every) == "odc+lb-mini"
+        assert train.same_plan(name, [train.BASELINE, name]) == train.BASELINE
+    assert train.COMPRESSED["odc+lb-mini+int8-nofb"]["feedback"] is False
+    assert train.COMPRESSED["odc+lb-mini+fp8g-int8"]["gather"] == "fp8"
+    assert main(["train", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in train.COMPRESSED)
+
+
 @pytest.mark.parametrize(("value", "why"), [("1", "RANK:FACTOR"), ("x:2", "RANK:FACTOR"), ("1:0", "RANK:FACTOR"),
                                             ("1:0.5", "cannot be sped up"), ("2:1.5", "no rank 2 among 2")])
 def test_train_refuses_a_bad_straggler(value, why, capsys):
@@ -199,10 +213,28 @@ def test_train_curves_compare_odc_with_the_collectives(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     curves = json.loads(out.read_text())["curves"]
-    assert list(curves["losses"]) == ["collective+lb-micro", "odc+lb-mini", "collective+local-sort"]
+    assert list(curves["losses"]) == ["collective+lb-micro", "odc+lb-mini", "collective+local-sort", "odc+lb-mini+int8",
+                                      "odc+lb-mini+int8-nofb", "odc+lb-mini+fp8g-int8"]
     assert all(len(v) == 5 for v in curves["losses"].values())
     assert curves["ok"] and curves["max_abs_loss_diff"]["odc+lb-mini"] <= curves["bound"]
     assert "within" in text
+    # The compressed runs (int8 pushes, every push: scope "all") measured against the uncompressed ODC run: the
+    # first minibatch's loss is before any step, so equal; later ones differ by what int8 rounds, a little.
+    for name, feedback in (("odc+lb-mini+int8", True), ("odc+lb-mini+int8-nofb", False)):
+        c = curves["compressed"][name]
+        assert c["compress"]["push"] == "int8" and c["compress"]["scope"] == "all"
+        assert c["compress"].get("feedback", True) is feedback
+        losses, plain = curves["losses"][name], curves["losses"]["odc+lb-mini"]
+        assert losses[0] == plain[0]
+        assert 0 < c["max_vs_odc"] < 1e-2 and c["mean_vs_odc"] <= c["max_vs_odc"]
+        assert c["max_vs_odc"] == max(abs(a - b) for a, b in zip(losses, plain, strict=True))
+        assert c["within"] == (c["max_vs_odc"] <= 2 * curves["max_abs_loss_diff"]["collective+local-sort"])
+        assert f"# {name} (compress=" in text
+    # fp8 gathers round the weights the forward sees: the curve differs from the first minibatch on.
+    c = curves["compressed"]["odc+lb-mini+fp8g-int8"]
+    assert c["compress"] == {"gather": "fp8", "push": "int8", "scope": "all"}
+    assert curves["losses"]["odc+lb-mini+fp8g-int8"][0] != curves["losses"]["odc+lb-mini"][0]
+    assert 0 < c["max_vs_odc"] < 1e-1
 
 
 def _train_steps(rows_per_step, lr=1e-3):

@@ -29,6 +29,10 @@ tokens as before, so its final parameters match ``odc+lb-mini``'s up to the
 order of float sums. Real compute on one host is fairly even; a straggler
 (``--straggler RANK:FACTOR``: that rank sleeps ``FACTOR - 1`` times the CPU
 time of every microbatch it runs) makes ranks run out at different times.
+The compressed configurations (:data:`COMPRESSED`, on request and in
+``--curves``) run LB-Mini's plan on ODC with block-scaled chunks on every
+push (``compress={..., "scope": "all"}``: one host has no cross-node
+traffic to compress), so their loss curves show what the formats round away.
 
 The prediction is not built from the measurement: before any training, every
 rank times forward + backward of single samples on an unsharded copy of the
@@ -71,7 +75,7 @@ RANK_PRELOAD = ["torch.distributed.fsdp", "torch._dynamo", "transformers.models.
 if TYPE_CHECKING:
     from odc.packing import CostFit
 
-__all__ = ["BASELINE", "CONFIGS", "DEFAULT_CONFIGS", "DET", "STEAL", "ModelSpec", "build_model",
+__all__ = ["BASELINE", "COMPRESSED", "CONFIGS", "DEFAULT_CONFIGS", "DET", "STEAL", "ModelSpec", "build_model",
            "fit_lengths", "markov_tokens", "packed_row", "plan_mode", "predict_span", "same_plan", "steals",
            "train_rank", "varlen_attention"]
 
@@ -79,23 +83,34 @@ VARLEN = "odc_bench_varlen"
 DET = "+det"
 """The suffix of an ODC configuration with deterministic accumulation (``odc.fsdp.enable(..., deterministic=True)``),
 run on request."""
-CONFIGS = _IMBALANCE_CONFIGS + tuple((name + DET, mode, strategy) for name, mode, strategy in _IMBALANCE_CONFIGS
-                                     if mode == "odc")
-"""Every configuration ``odc-bench train`` can run, ``(name, mode, strategy)``: ``odc-bench imbalance``'s and their
-deterministic twins."""
+COMPRESSED: dict[str, dict[str, Any]] = {
+    "odc+lb-mini+int8": {"push": "int8", "scope": "all"},
+    "odc+lb-mini+int8-nofb": {"push": "int8", "feedback": False, "scope": "all"},
+    "odc+lb-mini+fp8g-int8": {"gather": "fp8", "push": "int8", "scope": "all"},
+}
+"""ODC configurations with compressed chunks: LB-Mini's plan under ``odc.fsdp.enable(..., compress=...)``, every
+push (and gather) compressed (``"scope": "all"``: on one host nothing crosses nodes), int8 pushes with one f32 scale
+per 32 elements, with error feedback (the default) or without it (``-nofb``), and fp8 gathers (``fp8g``); run on
+request and by ``--curves``."""
+CONFIGS = (_IMBALANCE_CONFIGS
+           + tuple((name + DET, mode, strategy) for name, mode, strategy in _IMBALANCE_CONFIGS if mode == "odc")
+           + tuple((name, "odc", "lb-mini") for name in COMPRESSED))
+"""Every configuration ``odc-bench train`` can run, ``(name, mode, strategy)``: ``odc-bench imbalance``'s, their
+deterministic twins and the compressed ones."""
 
 
 def steals(name: str) -> bool:
     """Whether configuration ``name`` runs its plan through work stealing."""
     return name.removesuffix(DET).endswith(STEAL)
 
-DEFAULT_CONFIGS = tuple(c[0] for c in CONFIGS if not steals(c[0]) and not c[0].endswith(DET))
-"""What runs without ``--configs``: every configuration but stealing and deterministic accumulation."""
+DEFAULT_CONFIGS = tuple(c[0] for c in CONFIGS if not steals(c[0]) and not c[0].endswith(DET) and c[0] not in COMPRESSED)
+"""What runs without ``--configs``: every configuration but stealing, deterministic accumulation and compression."""
 # The run each configuration's final parameters are compared with: a stealing configuration's, the same one without
 # stealing (the same plan, microbatches run by whichever rank claims them); otherwise the collective run with the
 # same plan (same samples in the same microbatches), else the baseline (same samples per minibatch, packed
-# differently).
-SAME_PLAN = {name: (name.removesuffix(DET) if name.endswith(DET)
+# differently). A compressed configuration's is the same plan uncompressed (odc+lb-mini).
+SAME_PLAN = {name: ("odc+lb-mini" if name in COMPRESSED
+                    else name.removesuffix(DET) if name.endswith(DET)
                     else name.removesuffix(STEAL) if name.endswith(STEAL)
                     else f"collective+{strategy}" if any(c[0] == f"collective+{strategy}" for c in CONFIGS)
                     else BASELINE)
@@ -256,7 +271,8 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
          tokens: list[int], lr: float, clip: float, timeout: float, record: bool, *,
          lists: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
          cost: Callable[[Sequence[int]], float] | None = None, slow: float = 1.0,
-         deterministic: bool = False, pad_to: Sequence[int] | None = None) -> dict[str, Any]:
+         deterministic: bool = False, pad_to: Sequence[int] | None = None,
+         compress: dict[str, Any] | None = None) -> dict[str, Any]:
     """One training run of ``minibatches`` (this rank's microbatches per minibatch); timed from a barrier.
 
     ``mode``: ``collective`` (FSDP2's gloo collectives, every rank the same
@@ -274,8 +290,8 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     straggler, ``>= 1``): after each microbatch this rank sleeps ``slow - 1``
     times the microbatch's compute time (CPU time of this thread: waits on
     peers are not counted), so its compute takes ``slow`` times as long; the
-    sleep counts as microbatch time. ``deterministic`` (ODC only) is passed to
-    ``odc.fsdp.enable``. The run's memory: the process's resident set at the
+    sleep counts as microbatch time. ``deterministic`` and ``compress`` (ODC
+    only) are passed to ``odc.fsdp.enable``. The run's memory: the process's resident set at the
     start and its peak during the run (``/proc/self/clear_refs`` resets the
     peak), and the most bytes of parameters and gradients (sharded and
     unsharded) FSDP held after a microbatch.
@@ -303,7 +319,7 @@ def _run(ctx: Any, spec: ModelSpec, mode: str, minibatches: list[list[list[int]]
     sharded = list(model.parameters())  # the sharded DTensors; while unsharded, FSDP registers other tensors
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if mode == "odc":
-        odc.fsdp.enable(model, opt, timeout=timeout, deterministic=deterministic)
+        odc.fsdp.enable(model, opt, timeout=timeout, deterministic=deterministic, compress=compress)
     if lists is None:
         rows = [[packed_row([samples[i] for i in mb]) for mb in mine] for mine in minibatches]
     else:
@@ -485,7 +501,8 @@ def train_rank(ctx: Any, *, spec: dict[str, Any], points: list[dict[str, Any]], 
                 pad_to = [max(len(r) for r in m) for m in p.minibatches] if mode == "pad" else None
                 r = _run(ctx, spec_, mode, p.rank(ctx.rank), samples, tokens, lr, clip, timeout,
                          record=(rep == 0), lists=p.minibatches if steals(name) else None, cost=cost,
-                         slow=slow.get(ctx.rank, 1.0), deterministic=name.endswith(DET), pad_to=pad_to)
+                         slow=slow.get(ctx.rank, 1.0), deterministic=name.endswith(DET), pad_to=pad_to,
+                         compress=COMPRESSED.get(name))
                 if rep == 0:
                     finals[name] = r.pop("final")
                     grads0[name] = r.pop("grad0")

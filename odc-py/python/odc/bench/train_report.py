@@ -22,7 +22,13 @@ __all__ = ["PAIRS", "SAME_SAMPLES_TOLERANCE", "command", "pairs", "plot_curves",
 
 # LongAlign's lengths (lognormal, median 10 000, max 65 536) scaled down 32x: what a CPU core trains in seconds.
 DEFAULT_SYNTHETIC = "lognormal:n=4096,median=312,sigma=1.0,max=2048,seed=0"
-CURVE_CONFIGS = ("collective+lb-micro", "odc+lb-mini", "collective+local-sort")
+CURVE_CONFIGS = ("collective+lb-micro", "odc+lb-mini", "collective+local-sort", "odc+lb-mini+int8",
+                 "odc+lb-mini+int8-nofb", "odc+lb-mini+fp8g-int8")
+"""What ``--curves`` trains: the baseline, ODC + LB-Mini, the float-reordering control and ODC + LB-Mini with int8
+pushes (error feedback on and off) and with fp8 gathers and int8 pushes; ``--configs`` may add other compressed ones
+(``odc.bench.train.COMPRESSED``)."""
+# A compressed curve's target: within this many times the control's distance from the uncompressed run.
+COMPRESSED_FACTOR = 2.0
 # Minibatch 0 warms up (FSDP's lazy init, the first collectives, AdamW's state): it trains but is not timed.
 WARMUP_MINIBATCHES = 1
 
@@ -51,7 +57,11 @@ def command(args: argparse.Namespace, spec_: Any) -> int:
     cores = os.cpu_count() or 1
     if world > cores and not launch.under_torchrun():
         raise UsageError(f"--world {world}: real compute needs a core per rank and this host has {cores}")
-    configs = list(CURVE_CONFIGS) if args.curves else _parse_configs(args.configs, "train")
+    if args.curves:
+        extra = [c for c in _parse_configs(args.configs, "train") if c in train.COMPRESSED and c not in CURVE_CONFIGS]
+        configs = [*CURVE_CONFIGS, *extra]
+    else:
+        configs = _parse_configs(args.configs, "train")
     straggler = args.straggler
     _check_straggler(straggler, world)
     if straggler is not None:
@@ -503,9 +513,13 @@ def curves_summary(res: dict[str, Any], configs: list[str]) -> dict[str, Any]:
     same samples per minibatch, only packed differently, so its distance
     from the baseline is what reordering float sums alone does. ODC +
     LB-Mini passes when its distance is within 4x the control's (or below
-    1e-5 in loss).
+    1e-5 in loss). Each compressed configuration (``odc.bench.train.COMPRESSED``)
+    is measured against the uncompressed run of the same plan (ODC +
+    LB-Mini) and the baseline, largest and mean ``|loss difference|``, and
+    held against ``COMPRESSED_FACTOR`` times the control's distance
+    (reported, not part of ``ok``).
     """
-    from .train import BASELINE
+    from .train import BASELINE, COMPRESSED
 
     base = res["runs"][BASELINE][0]["losses"]
     curves = {name: res["runs"][name][0]["losses"] for name in configs}
@@ -514,10 +528,24 @@ def curves_summary(res: dict[str, Any], configs: list[str]) -> dict[str, Any]:
     control = "collective+local-sort"
     odc_name = "odc+lb-mini"
     bound = max(4 * dist.get(control, 0.0), 1e-5)
+    mean = {name: statistics.mean(abs(a - b) for a, b in zip(curves[name], base, strict=True))
+            for name in configs if name != BASELINE}
+    compressed = {}
+    plain = curves.get(odc_name)
+    for name in configs:
+        if name not in COMPRESSED or plain is None:
+            continue
+        gaps = [abs(a - b) for a, b in zip(curves[name], plain, strict=True)]
+        compressed[name] = {"compress": COMPRESSED[name], "max_vs_odc": max(gaps), "mean_vs_odc": statistics.mean(gaps),
+                            "max_vs_baseline": dist[name], "mean_vs_baseline": mean[name],
+                            "bound": COMPRESSED_FACTOR * dist.get(control, 0.0),
+                            "within": max(gaps) <= COMPRESSED_FACTOR * dist.get(control, 0.0)}
     return {
         "losses": curves,
         "norms": {name: res["runs"][name][0]["norms"] for name in configs},
         "max_abs_loss_diff": dist,
+        "mean_abs_loss_diff": mean,
+        "compressed": compressed,
         "param_diffs": dict(res["diffs"]),
         "bound": bound,
         "fall": (base[0] - min(base[-5:])) if len(base) >= 5 else base[0] - base[-1],
@@ -535,13 +563,20 @@ def render_curves(s: dict[str, Any], title: list[str]) -> str:
     body = [[k, *[f"{s['losses'][c][k]:.6f}" for c in names]] for k in picks]
     out = [table(header, body, [9, *[max(12, len(c)) for c in names]], title)]
     for name, d in s["max_abs_loss_diff"].items():
-        pd = {k: v for k, v in s["param_diffs"].items() if k.startswith(name)}
+        pd = {k: v for k, v in s["param_diffs"].items() if k.startswith(name + " vs ")}
         pd_txt = "; ".join(f"final parameters {k}: max |diff| {v['max_abs']:.2e}, relative norm {v['rel_norm']:.2e}"
                            for k, v in pd.items())
         out.append(f"# {name}: largest |loss difference| from collective+lb-micro {d:.2e}; {pd_txt}")
     out.append(f"# loss fell by {s['fall']:.3f} (first minibatch to the best of the last 5); "
                f"collective+local-sort differs from collective+lb-micro only in the order of float sums: the bound "
                f"for odc+lb-mini is 4x its distance ({s['bound']:.2e}): {'within' if s['ok'] else 'OUTSIDE'}")
+    control = s["max_abs_loss_diff"].get("collective+local-sort", 0.0)
+    for name, c in s.get("compressed", {}).items():
+        out.append(f"# {name} (compress={c['compress']}): from odc+lb-mini max {c['max_vs_odc']:.2e}, mean "
+                   f"{c['mean_vs_odc']:.2e}; from collective+lb-micro max {c['max_vs_baseline']:.2e}, mean "
+                   f"{c['mean_vs_baseline']:.2e}; {c['max_vs_odc'] / control if control else math.inf:.1f}x the "
+                   f"control's distance ({control:.2e}): {'within' if c['within'] else 'OUTSIDE'} "
+                   f"{COMPRESSED_FACTOR:g}x")
     return "\n".join(out)
 
 
@@ -553,7 +588,8 @@ def plot_curves(s: dict[str, Any], path: str, title: str) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     base = s["losses"]["collective+lb-micro"]
     styles = {"collective+lb-micro": ("-", 2.4, "C0"), "odc+lb-mini": ("--", 1.4, "C1"),
-              "collective+local-sort": (":", 1.4, "C2")}
+              "collective+local-sort": (":", 1.4, "C2"), "odc+lb-mini+int8": ("-.", 1.2, "C3"),
+              "odc+lb-mini+int8-nofb": ("-.", 1.0, "C4"), "odc+lb-mini+fp8g-int8": ("-", 1.0, "C5")}
     for name, losses in s["losses"].items():
         ls, lw, color = styles.get(name, ("-", 1.0, "black"))
         top.plot(range(len(losses)), losses, ls, lw=lw, color=color, label=name)
