@@ -54,40 +54,14 @@ import sys
 import time
 from typing import Any
 
+from odc.bench.compressed import GATHER_FORMATS, HEADER_BYTES, PUSH_FORMATS, mode_compress, tolerance, width
+
 MODES = ("gloo", "odc-direct", "odc-cache", "odc-node")
-PUSH_FORMATS = ("int8", "fp8", "bf16")
-GATHER_FORMATS = ("fp8", "bf16", "int8")
-HEADER_BYTES = 64  # a pushed chunk's header (odc-core control::HEADER_BYTES)
 
 
 def compress_of(mode: str, block: int) -> dict[str, Any] | None:
     """The ``compress=`` setting of a mode (``None``: uncompressed); raises ValueError for a name no mode has."""
-    if mode in MODES:
-        return None
-    parts = mode.split("-")
-    if parts[:2] != ["odc", "node"] or not 3 <= len(parts) <= 4:
-        raise ValueError(mode)
-    gather = parts[2][:-1] if parts[2].endswith("g") else None
-    push = parts[-1] if len(parts) == 4 or gather is None else None
-    if (gather is not None and gather not in GATHER_FORMATS) or (push is not None and push not in PUSH_FORMATS) \
-            or (len(parts) == 4 and gather is None):
-        raise ValueError(mode)
-    return {"push": push, "gather": gather, "block": block, "feedback": True}
-
-
-def width(fmt: str | None, block: int) -> float:
-    """Bytes per element of ``fmt`` (``None``: f32), its f32 scales included."""
-    if fmt is None:
-        return 4.0
-    if fmt == "bf16":
-        return 2.0
-    return 1.0 + 4.0 / block
-
-
-def tolerance(fmt: str | None) -> float:
-    """The largest relative error a value moved in ``fmt`` may carry (half a step, and some)."""
-    return {None: 0.0, "bf16": 2.0**-8, "fp8": 2.0**-4, "int8": 1.0 / 127}[fmt]
-
+    return mode_compress(mode, "odc-node", MODES, block)
 
 
 def rank_fn(ctx: Any, *, mode: str, buckets: int, numel: int, micros: int, minibatches: int, warmup: int,

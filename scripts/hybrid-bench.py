@@ -75,37 +75,16 @@ import sys
 import time
 from typing import Any
 
+from odc.bench.compressed import GATHER_FORMATS, HEADER_BYTES, PUSH_FORMATS, mode_compress, width
+
 MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
          "odc-full-bounded", "odc-full-bounded-node", "odc-hybrid", "odc-hybrid-elastic", "odc-hybrid-zero",
          "odc-hybrid-zero-raf")
-PUSH_FORMATS = ("int8", "fp8", "bf16")
-GATHER_FORMATS = ("fp8", "bf16", "int8")
-HEADER_BYTES = 64  # a pushed chunk's header (odc-core control::HEADER_BYTES)
 
 
 def compress_of(mode: str, block: int) -> dict[str, Any] | None:
     """The ``compress=`` setting of a mode (``None``: uncompressed); raises ValueError for a name no mode has."""
-    if mode in MODES:
-        return None
-    parts = mode.split("-")
-    if parts[:2] != ["odc", "full"] or not 3 <= len(parts) <= 4:
-        raise ValueError(mode)
-    gather = parts[2][:-1] if parts[2].endswith("g") else None
-    push = parts[-1] if len(parts) == 4 or gather is None else None
-    if (gather is not None and gather not in GATHER_FORMATS) or (push is not None and push not in PUSH_FORMATS) \
-            or (len(parts) == 4 and gather is None):
-        raise ValueError(mode)
-    return {"push": push, "gather": gather, "block": block, "feedback": True}
-
-
-def width(fmt: str | None, block: int) -> float:
-    """Bytes per element of ``fmt`` (``None``: f32), its f32 scales included."""
-    if fmt is None:
-        return 4.0
-    if fmt == "bf16":
-        return 2.0
-    return 1.0 + 4.0 / block
-
+    return mode_compress(mode, "odc-full", MODES, block)
 
 
 def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micros: int, seq: int,
