@@ -426,6 +426,54 @@ def bench_cross_node(doc: dict[str, Any]) -> str:
             f"all-gather / reduce-scatter {f['ring'] / 2**20:.1f}.")
 
 
+def bench_cross_node_compress(doc: dict[str, Any]) -> str:
+    """scripts/cross-node-bench.py with compressed modes: time and bytes into each node against odc-node's in the same
+    run and against each mode's own formula (formats' widths, scales, chunk headers), the load around each run."""
+    a, f, rows = doc["args"], doc["formula"], doc["rows"]
+    plain = next(r for r in rows if r["mode"] == "odc-node")
+    plain_rx = statistics.mean(plain["rx_per_node"])
+    out = []
+    for r in rows:
+        rx = statistics.mean(r["rx_per_node"])
+        want = r.get("formula", None if r["mode"] == "gloo" else f["node"])
+        loads = ", ".join(f"{b[0]:.1f}→{e[0]:.1f}" for b, e in r.get("load_runs", []))
+        out.append([f"`{r['mode']}`", f"{r['ms']:.0f} ({', '.join(f'{ms:.0f}' for ms in r['ms_runs'])})",
+                    f"{r['ms'] / plain['ms']:.2f}", f"{rx / 2**20:.2f}", f"{rx / plain_rx:.3f}",
+                    "–" if want is None else f"{want / 2**20:.2f}", "–" if want is None else f"{rx / want:.3f}",
+                    loads or "–", str(r["wrong"])])
+    head = ["mode", "ms / minibatch (each run)", "time vs `odc-node`", "MiB into each node / minibatch (veth rx)",
+            "bytes vs `odc-node`", "formula MiB", "measured / formula", "load average before→after each run",
+            "#wrong"]
+    return (f"{a['world']} ranks as {doc['n']} network namespaces × {doc['g']}, every link shaped to "
+            f"{a['rate'] or 'no limit'} each way; {a['buckets']} f32 buckets, {doc['model_bytes'] / 2**20:.0f} MiB; "
+            f"{a['micros']} microbatches per minibatch, {a['minibatches']} timed minibatches, the median of "
+            f"{a['rounds']} alternating runs; blocks of {a.get('block', 32)} elements per f32 scale:\n\n"
+            + table(head, out) + "\n\nFormula: `odc-node` the node "
+            "rules (`(N − 1)/N` of the parameters once and of the gradients once), a compressed mode the same at its "
+            "formats' widths with one f32 scale per block and a 64-byte header per pushed chunk.")
+
+
+def bench_train_curves_compress(doc: dict[str, Any]) -> str:
+    """odc-bench train --curves with compressed configurations: each one's distance from the uncompressed ODC run
+    and from the baseline, against the float-reordering control's."""
+    s = doc["curves"]
+    control = s["max_abs_loss_diff"]["collective+local-sort"]
+    n = len(s["losses"]["collective+lb-micro"])
+    rows = [["`collective+local-sort` (control)", "–", "–", f"{control:.1e}",
+             f"{s['mean_abs_loss_diff']['collective+local-sort']:.1e}", "1.0×", ""],
+            ["`odc+lb-mini`", "–", "–", f"{s['max_abs_loss_diff']['odc+lb-mini']:.1e}",
+             f"{s['mean_abs_loss_diff']['odc+lb-mini']:.1e}", "", ""]]
+    for name, c in s["compressed"].items():
+        setting = ", ".join(f"{k}={v}" for k, v in c["compress"].items())
+        rows.append([f"`{name}` ({setting})", f"{c['max_vs_odc']:.1e}", f"{c['mean_vs_odc']:.1e}",
+                     f"{c['max_vs_baseline']:.1e}", f"{c['mean_vs_baseline']:.1e}",
+                     f"{c['max_vs_odc'] / control:.0f}×" if control else "–", "yes" if c["within"] else "no"])
+    head = ["configuration", "max |Δloss| vs `odc+lb-mini`", "mean vs `odc+lb-mini`",
+            "max |Δloss| vs `collective+lb-micro`", "mean vs `collective+lb-micro`", "max vs odc / control's max",
+            "within 2× the control"]
+    return f"Over {n} minibatches (optimizer steps):\n\n" + table(head, rows)
+
+
 def _bytes(n: float) -> str:
     for unit, m in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= m:
@@ -526,6 +574,26 @@ def bench_trainer(doc: dict[str, Any]) -> str:
             "(arm order rotated per repeat). Memory per rank: the largest over ranks and repeats of the process's "
             "peak resident set during the arm (CPU: torch keeps no allocator figures there); ODC's shared-memory "
             "segments apart. Step-0 losses " + ("agree" if same else "**disagree**") + " across the arms.\n\n"
+            + table(head, rows))
+
+
+def bench_weights(doc: dict[str, Any]) -> str:
+    """odc-bench weights: per setup and size, the slowest reader's time to a bf16 model by ODC's reader and by the
+    gather-and-broadcast baseline, the limit, and the trainers' step time without and with readers reading."""
+    rows = []
+    for r in doc["rows"]:
+        rows.append([r["where"], f"{r['bytes'] / 2**30:.2f} GiB", ", ".join(r["routes"]),
+                     f"{r['baseline_s']:.2f} s", f"{r['odc_s']:.2f} s", f"**{r['speedup']:.1f}×**",
+                     f"{r['limit_s']:.2f} s ({r['limit']})", f"**{r['of_limit']:.2f}×**",
+                     f"{r['step_alone_s'] * 1e3:.0f} ms", f"{r['step_read_s'] * 1e3:.0f} ms", f"{r['stall']:.2f}×",
+                     f"{r['stall_reads']} / {r['stall_refused']}", f"{r['load'][0]:.1f} → {r['load'][1]:.1f}"])
+    head = ["setup", "f32 model", "reader's route", "gather + broadcast", "ODC reader", "speedup", "limit",
+            "ODC / limit", "trainer step alone", "step, readers reading", "ratio", "reads / refused while stepping",
+            "load before → after"]
+    s = doc["settings"]
+    return (f"{s['trainers']} trainer ranks (FSDP2, gloo), {s['readers']} reader processes, `--staging "
+            f"{s['staging']}`; times are the slowest reader's, median of {s['repeats']} (every reader at once); "
+            f"the step is an in-place update of every shard and the publish, median of {s['steps']}.\n\n"
             + table(head, rows))
 
 
@@ -676,11 +744,14 @@ BENCHES: dict[str, Callable[[dict[str, Any]], str]] = {
     "elastic-rejoin": bench_elastic_rejoin,
     "rejoin": bench_rejoin,
     "cross-node": bench_cross_node,
+    "cross-node-compress": bench_cross_node_compress,
+    "train-curves-compress": bench_train_curves_compress,
     "memory": bench_memory,
     "scale": bench_scale,
     "scale-compare": bench_scale_compare,
     "train-baselines": bench_baselines,
     "trainer": bench_trainer,
+    "weights": bench_weights,
 }
 # Kinds that render several files as one table.
 MULTI: dict[str, Callable[[list[dict[str, Any]]], str]] = {"memory-fits": bench_memory_fits,

@@ -44,6 +44,7 @@ FIGURES: dict[str, tuple[tuple[str, ...], str | None]] = {
     "train-2ranks.png": (("bench/train.json",), None),
     "train-baselines.png": (("bench/train-baselines.json",), None),
     "train-curves.png": (("bench/train-curves.json",), None),
+    "compress-curves.png": (("bench/compress-curves.json",), None),
     "trainer.png": (("bench/trainer.json",), None),
     "imbalance-4ranks.png": (("bench/imbalance-4ranks.json",), None),
     "imbalance-8ranks-peak.png": (("bench/imbalance-8ranks-peak.json",), None),
