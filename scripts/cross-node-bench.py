@@ -54,7 +54,7 @@ import sys
 import time
 from typing import Any
 
-from odc.bench.compressed import GATHER_FORMATS, HEADER_BYTES, PUSH_FORMATS, mode_compress, tolerance, width
+from odc.bench.compressed import HEADER_BYTES, mode_compress, tolerance, unknown_mode, width
 
 MODES = ("gloo", "odc-direct", "odc-cache", "odc-node")
 
@@ -222,13 +222,9 @@ def main() -> int:
 
     load_before = os.getloadavg()
     modes = args.modes.split(",")
-    for mode in modes:
-        try:
-            compress_of(mode, args.block)
-        except ValueError:
-            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, or odc-node with compression: "
-                     f"odc-node-<push>, odc-node-<gather>g or odc-node-<gather>g-<push> (push: "
-                     f"{', '.join(PUSH_FORMATS)}; gather: {', '.join(GATHER_FORMATS)})")
+    bad = unknown_mode(modes, "odc-node", MODES)
+    if bad is not None:
+        ap.error(bad)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     raw: dict[str, Any] = {}
     for rnd in range(args.rounds):

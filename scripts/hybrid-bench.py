@@ -75,7 +75,7 @@ import sys
 import time
 from typing import Any
 
-from odc.bench.compressed import GATHER_FORMATS, HEADER_BYTES, PUSH_FORMATS, mode_compress, width
+from odc.bench.compressed import GATHER_FORMATS, HEADER_BYTES, PUSH_FORMATS, mode_compress, unknown_mode, width
 
 MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
          "odc-full-bounded", "odc-full-bounded-node", "odc-hybrid", "odc-hybrid-elastic", "odc-hybrid-zero",
@@ -253,13 +253,9 @@ def main() -> int:
     spec = {"hidden": args.hidden, "layers": args.layers}
     rows, raw, loads = [], {}, []
     modes = args.modes.split(",")
-    for mode in modes:
-        try:
-            compress_of(mode, args.block)
-        except ValueError:
-            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, or odc-full with compression: "
-                     f"odc-full-<push>, odc-full-<gather>g or odc-full-<gather>g-<push> (push: "
-                     f"{', '.join(PUSH_FORMATS)}; gather: {', '.join(GATHER_FORMATS)})")
+    bad = unknown_mode(modes, "odc-full", MODES)
+    if bad is not None:
+        ap.error(bad)
     for mode in modes:
         load_before = os.getloadavg()
         res = netns.run_ranks(rank_fn, args.world, netns=args.netns, transport="auto", backend="gloo", mode=mode,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GATHER_FORMATS", "HEADER_BYTES", "PUSH_FORMATS", "mode_compress", "tolerance", "width"]
+__all__ = ["GATHER_FORMATS", "HEADER_BYTES", "PUSH_FORMATS", "mode_compress", "tolerance", "unknown_mode", "width"]
 
 PUSH_FORMATS = ("int8", "fp8", "bf16")
 """What a pushed gradient chunk may be compressed to."""
@@ -35,6 +35,19 @@ def mode_compress(mode: str, base: str, plain: Sequence[str], block: int) -> dic
             or (len(parts) == 2 and gather is None):
         raise ValueError(mode)
     return {"push": push, "gather": gather, "block": block, "feedback": True}
+
+
+def unknown_mode(modes: Sequence[str], base: str, plain: Sequence[str]) -> str | None:
+    """The error for the first of ``modes`` that is neither one of ``plain`` nor ``base`` with compression, or None
+    when every one is a mode."""
+    for mode in modes:
+        try:
+            mode_compress(mode, base, plain, 32)
+        except ValueError:
+            return (f"unknown mode {mode!r}; choose from {', '.join(plain)}, or {base} with compression: "
+                    f"{base}-<push>, {base}-<gather>g or {base}-<gather>g-<push> (push: {', '.join(PUSH_FORMATS)}; "
+                    f"gather: {', '.join(GATHER_FORMATS)})")
+    return None
 
 
 def width(fmt: str | None, block: int) -> float:
