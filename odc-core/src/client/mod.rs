@@ -362,28 +362,17 @@ impl<'e> Worker<'e> {
         let elems = b.check_full_len(elems_of(b, bytes, dtype, "output")?)?;
         // Compressed gathers: peers' quantised copies land in staging, one
         // place per owner, before they are dequantised into `out`.
-        let Some(q) = &reg.quant else {
-            // SAFETY: the caller's contract.
-            return unsafe {
-                self.gather_with(
-                    path,
-                    (b, bucket),
-                    version,
-                    (out, elems, dtype),
-                    skip_own,
-                    None,
-                )
-            };
-        };
-        let copy = q.copies[bucket.0];
-        let stride = copy.len().next_multiple_of(64);
-        let mut buf = q.take(stride * reg.groups.group.len());
-        let staging = Staging {
+        let mut held = reg.quant.as_ref().map(|q| {
+            let copy = q.copies[bucket.0];
+            let stride = copy.len().next_multiple_of(64);
+            (q, q.take(stride * reg.groups.group.len()), stride, copy)
+        });
+        let staging = held.as_mut().map(|(_, buf, stride, copy)| Staging {
             base: buf.as_mut_ptr() as u64,
-            stride,
-            copy,
-        };
-        // SAFETY: the caller's contract; `buf` outlives the call.
+            stride: *stride,
+            copy: *copy,
+        });
+        // SAFETY: the caller's contract; the staging buffer outlives the call.
         let done = unsafe {
             self.gather_with(
                 path,
@@ -391,10 +380,12 @@ impl<'e> Worker<'e> {
                 version,
                 (out, elems, dtype),
                 skip_own,
-                Some(staging),
+                staging,
             )
         };
-        q.put_back(buf);
+        if let Some((q, buf, ..)) = held {
+            q.put_back(buf);
+        }
         done
     }
 
