@@ -114,6 +114,9 @@ def install_cpu_platform() -> None:
     policy = impl.CPUOffloadPolicy
     if not isinstance(policy, functools.partial):
         impl.CPUOffloadPolicy = functools.partial(_unpinned, policy)
+    # verl's FSDP1 weight export first moves the flat parameters to f"{device}:{id}" ("cpu:cpu" on this platform,
+    # not a device torch parses); on CPU they are there already.
+    impl.load_fsdp_model_to_gpu = _already_on_cpu
     # verl loads a critic with flash-attention 2; sdpa on CPU.
     import verl.utils.model as vmodel
 
@@ -121,6 +124,10 @@ def install_cpu_platform() -> None:
     for model_type, cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
         for backend in ("fsdp", "fsdp2"):
             EngineRegistry._engines[model_type][backend].setdefault("cpu", cls)
+
+
+def _already_on_cpu(module):
+    """verl's ``load_fsdp_model_to_gpu`` on the CPU platform: the parameters are on the device already."""
 
 
 def _unpinned(policy, **kw):

@@ -76,11 +76,11 @@ def _batch(g: int, rank: int):
     return V.ppo_batch(lengths, seed=100 * g + rank, width=50 - V.PROMPT, global_batch=6, max_tokens=MAX_TOKENS)
 
 
-def actor(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_training: bool = False) -> dict:
+def actor(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_training: bool = False,
+          strategy: str = "fsdp2") -> dict:
     from torch.distributed.tensor import DTensor
 
     import odc.fsdp
-    from odc.integrations import _verl_weights
 
     _register()
     dist.init_process_group("gloo", store=dist.PrefixStore("actor", store), rank=rank, world_size=ACTORS)
@@ -88,21 +88,29 @@ def actor(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_tra
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     # odc_training: the actor trains on ODC too (verl's external_lib hook), the checkpoint engine unchanged.
-    engine = V.build_engine(model_dir, MAX_TOKENS, external_lib="odc.integrations.verl_auto" if odc_training else None)
+    engine = V.build_engine(model_dir, MAX_TOKENS, strategy=strategy,
+                            external_lib="odc.integrations.verl_auto" if odc_training else None)
     loss = V.ppo_loss(model_dir, MAX_TOKENS)
     # As verl's ActorRolloutRefWorker.init_model makes its checkpoint engine.
     odc_ce = CheckpointEngineRegistry.new("odc", is_master=rank == 0, bucket_size=1 << 20, name=NAME,
                                          timeout=TIMEOUT)
     naive = CheckpointEngineRegistry.new("naive", is_master=rank == 0, bucket_size=1 << 20)
 
-    gathers = [0]  # full_tensor() calls: each all-gathers one parameter
-    full_tensor = DTensor.full_tensor
+    # Gathers: full_tensor() calls (each all-gathers one parameter) and all_gather / all_gather_into_tensor calls
+    # (FSDP1's state_dict() unshards each unit with one: all_gather for CPU parameters).
+    gathers = [0]
+    originals = {(DTensor, "full_tensor"): DTensor.full_tensor, (dist, "all_gather"): dist.all_gather,
+                 (dist, "all_gather_into_tensor"): dist.all_gather_into_tensor}
 
-    def counted(self, *a, **k):
-        gathers[0] += 1
-        return full_tensor(self, *a, **k)
+    def counting(fn):
+        def counted(*a, **k):
+            gathers[0] += 1
+            return fn(*a, **k)
 
-    DTensor.full_tensor = counted
+        return counted
+
+    for (owner, attr), fn in originals.items():
+        setattr(owner, attr, counting(fn))
     rounds = []
     for g in range(1, ROUNDS + 1):
         with engine.train_mode():
@@ -110,17 +118,17 @@ def actor(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_tra
         actor_kw, _ = _topology(store, g, {rank: odc_ce.prepare()})
         odc_ce.init_process_group(**{k: v[rank] for k, v in actor_kw.items()})
         # ActorRolloutRefWorker.update_weights: the engine's generator to the checkpoint engine.
-        weights, _ = engine.get_per_tensor_param()
         before = gathers[0]
         t0 = time.perf_counter()
+        weights, _ = engine.get_per_tensor_param()
         metrics = asyncio.run(odc_ce.send_weights(weights, global_steps=g))
         send_s = time.perf_counter() - t0
         odc_gathers = gathers[0] - before
         # verl's naive engine on the same weights: the full tensors, gathered as its consumer iterates them.
-        weights, _ = engine.get_per_tensor_param()
-        naive.send_weights(weights, global_steps=g)
         before = gathers[0]
         t0 = time.perf_counter()
+        weights, _ = engine.get_per_tensor_param()
+        naive.send_weights(weights, global_steps=g)
         full = list(naive.receive_weights(global_steps=g))  # full_tensor() made each tensor anew
         naive_s = time.perf_counter() - t0
         naive_gathers = gathers[0] - before
@@ -131,10 +139,12 @@ def actor(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_tra
             torch.save(full, f"{out_dir}/naive{g}.pt")
             store.set(f"t/{g}/naive", "1")
         odc_ce.finalize()
-        _wait(store, f"t/{g}/done")  # the manager returns when every worker has
+        for i in range(len(ROLLOUTS)):  # the manager returns when every worker has
+            _wait(store, f"t/{g}/done{i}")
         rounds.append({"metrics": metrics, "send_s": send_s, "odc_gathers": odc_gathers, "naive_s": naive_s,
                        "naive_cast_s": cast_s, "naive_gathers": naive_gathers, "params": len(full)})
-    DTensor.full_tensor = full_tensor
+    for (owner, attr), fn in originals.items():
+        setattr(owner, attr, fn)
 
     refused = {}
     try:
@@ -142,18 +152,17 @@ def actor(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_tra
     except Exception as e:
         refused["foreign"] = f"{type(e).__name__}: {e}"
     # A parameter whose storage is replaced after it was served (what an offload or a reload does).
-    p = next(engine.module.parameters())
-    p._local_tensor = p._local_tensor.clone()
+    if strategy == "fsdp":
+        fp = engine.module._handle.flat_param  # the root unit's
+        fp._local_shard = fp._local_shard.clone()
+    else:
+        p = next(engine.module.parameters())
+        p._local_tensor = p._local_tensor.clone()
     weights, _ = engine.get_per_tensor_param()
     try:
         asyncio.run(odc_ce.send_weights(weights, global_steps=ROUNDS + 1))
     except Exception as e:
         refused["moved"] = f"{type(e).__name__}: {e}"
-    fsdp1 = V.build_engine(model_dir, MAX_TOKENS, strategy="fsdp")
-    try:
-        _verl_weights.check_actor(fsdp1)
-    except Exception as e:
-        refused["fsdp1"] = f"{type(e).__name__}: {e}"
     return {"rounds": rounds, "refused": refused, "version": odc_ce.server.version,
             "odc_training": odc.fsdp.is_enabled(engine.module),
             "memory_bytes": odc_ce.server.memory_bytes}
@@ -170,7 +179,9 @@ def _generate(model, prompts: torch.Tensor) -> list[list[int]]:
     return out[:, prompts.shape[1]:].tolist()
 
 
-def rollout(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_training: bool = False) -> dict:
+def rollout(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_training: bool = False,
+            workers: tuple[int, ...] = tuple(range(len(ROLLOUTS))), strategy: str = "fsdp2") -> dict:
+    """The rollout workers ``workers`` (indices into ``ROLLOUTS``) in this process."""
     from transformers import Qwen2ForCausalLM
 
     import odc
@@ -180,17 +191,17 @@ def rollout(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_t
     from verl.checkpoint_engine import CheckpointEngineRegistry
 
     # As verl's CheckpointEngineWorker makes it (no is_master), one per rollout worker.
-    engines = [CheckpointEngineRegistry.new("odc", bucket_size=1 << 20, name=NAME, rollout_dtype=dt, timeout=TIMEOUT)
-               for dt in ROLLOUTS]
-    dtypes = [getattr(torch, dt) for dt in ROLLOUTS]
+    engines = [CheckpointEngineRegistry.new("odc", bucket_size=1 << 20, name=NAME, rollout_dtype=ROLLOUTS[i],
+                                           timeout=TIMEOUT) for i in workers]
+    dtypes = [getattr(torch, ROLLOUTS[i]) for i in workers]
     models = {(dt, kind): Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=dt, attn_implementation="sdpa")
               for dt in dtypes for kind in ("odc", "naive")}
     prompts = torch.randint(1, V.VOCAB, (3, 6), generator=torch.Generator().manual_seed(7))
     initial = {str(dt): _generate(models[(dt, "odc")], prompts) for dt in dtypes}
     rounds, previous = [], None
     for g in range(1, ROUNDS + 1):
-        _, rollout_kw = _topology(store, g, {ACTORS + i: e.prepare() for i, e in enumerate(engines)})
-        for i, e in enumerate(engines):
+        _, rollout_kw = _topology(store, g, {ACTORS + i: e.prepare() for i, e in zip(workers, engines, strict=True)})
+        for i, e in zip(workers, engines, strict=True):
             e.init_process_group(**{k: v[i] for k, v in rollout_kw.items()})
         got, seconds = {}, {}
         for dt, e in zip(dtypes, engines, strict=True):
@@ -216,15 +227,24 @@ def rollout(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_t
         previous = full
         for e in engines:
             e.finalize()
-        store.set(f"t/{g}/done", "1")
+        for i in workers:
+            store.set(f"t/{g}/done{i}", "1")
         rounds.append(record)
 
-    refused = {}
-    metas = [{"host": "a/1", "store": "127.0.0.1:1", "name": NAME, "published": 3} for _ in range(ACTORS)]
-    try:
-        _verl_weights.OdcCheckpointEngine.build_topology(ACTORS, 1, [*metas, {**metas[0], "host": "b/2"}])
+    refused: dict = {}
+    if workers[0] != 0:
+        return {"rounds": rounds, "initial": initial, "refused": refused}
+    metas = [{"node": "a/1", "store": "127.0.0.1:1", "name": NAME, "published": 3} for _ in range(ACTORS)]
+    try:  # a rollout worker on another node cannot reach a store on a loopback address
+        _verl_weights.OdcCheckpointEngine.build_topology(ACTORS, 1, [*metas, {**metas[0], "node": "b/2"}])
     except odc.ConfigError as e:
-        refused["host"] = str(e)
+        refused["loopback"] = str(e)
+    metas = [{**m, "store": "10.1.2.3:1", "fabric": r == 0, "fabric_error": "no address"}
+             for r, m in enumerate(metas)]
+    try:  # ... nor read an actor rank that serves its own node only
+        _verl_weights.OdcCheckpointEngine.build_topology(ACTORS, 1, [*metas, {**metas[0], "node": "b/2"}])
+    except odc.ConfigError as e:
+        refused["fabric"] = str(e)
     fake = types.SimpleNamespace(module=types.SimpleNamespace(peft_config={}), _qat_enabled=True,
                                  _is_offload_param=True)
     try:
@@ -238,10 +258,18 @@ def rollout(rank: int, world: int, store, *, model_dir: str, out_dir: str, odc_t
     return {"rounds": rounds, "initial": initial, "refused": refused}
 
 
-def worker(rank: int, world: int, store, **kw) -> dict:
-    """Ranks ``< ACTORS``: the actor; the last: the rollout process."""
+def worker(rank: int, world: int, store, *, split: bool = False, **kw) -> dict:
+    """Ranks ``< ACTORS``: the actor; then the rollout process (``split``: one per rollout worker)."""
     try:
-        return actor(rank, world, store, **kw) if rank < ACTORS else rollout(rank, world, store, **kw)
+        if rank < ACTORS:
+            return actor(rank, world, store, **kw)
+        return rollout(rank, world, store, workers=(rank - ACTORS,) if split else tuple(range(len(ROLLOUTS))), **kw)
     except BaseException:
         store.set("t/failed", f"rank {rank}")  # the others stop waiting for it
         raise
+
+
+def across(ctx, **kw) -> dict:
+    """``_multihost_worker`` scenario: the actor's ranks on the first (emulated) host, one rollout worker per rank on
+    the second."""
+    return worker(ctx.rank, ctx.world, ctx.store, split=True, **kw)

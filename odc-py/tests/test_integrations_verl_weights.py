@@ -24,21 +24,25 @@ if importlib.util.find_spec("verl") is None:
                 "(make setup-torch211); ODC_REQUIRE_VERL=1 makes this a failure", allow_module_level=True)
 
 
-@pytest.fixture(scope="module", params=["fsdp2", "odc"], ids=["actor-on-fsdp2", "actor-on-odc"])
+ACTOR_KINDS = {"actor-on-fsdp2": ("fsdp2", False), "actor-on-odc": ("fsdp2", True), "fsdp1-actor": ("fsdp", False)}
+
+
+@pytest.fixture(scope="module", params=list(ACTOR_KINDS))
 def runs(request, tmp_path_factory):
-    """The actor trains on verl's FSDP2 collectives, or on ODC (``external_lib=odc.integrations.verl_auto``)."""
+    """The actor trains on verl's FSDP2 collectives, on ODC (``external_lib=odc.integrations.verl_auto``), or as
+    verl's FSDP1 actor (``strategy="fsdp"``)."""
     import _verl_weights_worker as W
 
+    strategy, odc_training = ACTOR_KINDS[request.param]
     model_dir = str(tmp_path_factory.mktemp("qwen2"))
     W.V.write_model(model_dir, **W.MODEL)
     out_dir = str(tmp_path_factory.mktemp("naive"))
-    odc_training = request.param == "odc"
     out = run_ranks(W.worker, W.ACTORS + 1, timeout=600, model_dir=model_dir, out_dir=out_dir,
-                    odc_training=odc_training)
+                    odc_training=odc_training, strategy=strategy)
     for rank, (status, value) in out.items():
         assert status == "ok", (rank, status, value if not isinstance(value, tuple) else value[3])
     assert out[0][1]["odc_training"] is odc_training
-    return {rank: value for rank, (_, value) in out.items()}
+    return {"strategy": strategy, **{rank: value for rank, (_, value) in out.items()}}
 
 
 def _rollout(runs):
@@ -77,23 +81,64 @@ def test_each_update_reads_the_version_the_actor_published_for_it(runs):
 
 def test_send_weights_never_iterates_verls_generator(runs):
     """verl's FSDP2 generator is lazy: the odc engine closes it unstarted, so no parameter is gathered; the naive
-    engine's consumer gathers every one."""
+    engine's consumer gathers every one. verl's FSDP1 path gathers every unit in get_per_tensor_param itself (its
+    state_dict()); on an odc engine's actor that call waits for the generator's first item, which never comes."""
     for rank in (0, 1):
         for r in runs[rank]["rounds"]:
             assert r["odc_gathers"] == 0, r
-            assert r["naive_gathers"] > 0 and r["naive_gathers"] <= r["params"], r
+            assert r["naive_gathers"] > 0, r
+            if runs["strategy"] == "fsdp2":
+                assert r["naive_gathers"] <= r["params"], r
 
 
 def test_what_the_engine_cannot_do_is_refused_by_name(runs):
     a, ro = runs[0]["refused"], _rollout(runs)
     assert a["foreign"].startswith("ConfigError") and "get_per_tensor_param did not make" in a["foreign"], a
-    assert "local shard moved" in a["moved"] and "model.embed_tokens.weight" in a["moved"], a
-    assert "FullyShardedDataParallel" in a["fsdp1"] and "strategy='fsdp2'" in a["fsdp1"], a
+    moved = "FSDP1 unit '(root)'" if runs["strategy"] == "fsdp" else "parameter 'model.embed_tokens.weight'"
+    assert f"{moved}'s local shard moved" in a["moved"], a
     r = ro["refused"]
-    assert "readers on another host" in r["host"], r
-    for what in ("not FSDP2", "LoRA / peft", "QAT", "param_offload"):
+    assert "127.0.0.1:1, a loopback address" in r["loopback"] and "rollout worker 0" in r["loopback"], r
+    assert "actor rank 1, which serves its weights to its own node only: no address" in r["fabric"], r
+    for what in ("neither FSDP2", "LoRA / peft", "QAT", "param_offload"):
         assert what in r["settings"], (what, r["settings"])
     assert "rollout_dtype='int8'" in r["dtype"], r
+
+
+@pytest.mark.multinode
+def test_rollout_workers_on_another_host_share_each_version_through_their_nodes_cache(tmp_path):
+    """The actor's 2 ranks in one network namespace, 2 rollout worker processes (bf16, f32) in another: no refusal;
+    each worker's every read is the version the actor published for that update, equal to verl's full parameters
+    (naive engine, same run) in its dtype, generating the same tokens; both read through their node's cache (auto:
+    two workers on the node), which one of them filled over libfabric."""
+    import _verl_weights_worker as W
+    from _netns import cluster, require_ok
+
+    model_dir, out_dir, ranks = tmp_path / "qwen2", tmp_path / "naive", tmp_path / "ranks"
+    out_dir.mkdir()
+    ranks.mkdir()
+    W.V.write_model(str(model_dir), **W.MODEL)
+    with cluster(ranks, hosts=2, per_host=W.ACTORS) as c:
+        c.start([("_verl_weights_worker:across", {"model_dir": str(model_dir), "out_dir": str(out_dir)})],
+                timeout_s=60)
+        out = require_ok(c.wait(600))
+    workers = [out[W.ACTORS + i] for i in range(len(W.ROLLOUTS))]
+    fetched = []
+    for i, (name, ro) in enumerate(zip(W.ROLLOUTS, workers, strict=True)):
+        dt = f"torch.{name}"
+        for g, rec in enumerate(ro["rounds"], start=1):
+            r, read = rec[dt], rec["read"][dt]
+            assert r["names"] and r["mismatched"] == [], (i, g, r["mismatched"][:5])
+            assert r["count"] == out[0]["rounds"][g - 1]["params"], (i, g)
+            assert r["odc_tokens"] == r["naive_tokens"], (i, g)
+            assert (read["asked"], read["version"]) == (g, g), (i, g, read)
+            assert read["routes"] == ["node-cache"] * W.ACTORS, (i, g, read)
+            print(f"rollout worker {i} ({dt}), update {g}: read in {read['seconds']:.3f} s, routes "
+                  f"{read['routes']}, fetched for the node {read['cache_fetches']}")
+        fetched.append(ro["rounds"][-1]["read"][dt]["cache_fetches"])
+    # One worker fetched each version across for the node (at least one per update), the other none.
+    assert fetched.count(None) == 1 and max(f or 0 for f in fetched) >= W.ROUNDS, fetched
+    assert workers[0]["rounds"][-1][f"torch.{W.ROLLOUTS[0]}"]["odc_tokens"] != \
+        workers[0]["initial"][f"torch.{W.ROLLOUTS[0]}"]
 
 
 def test_transfer_times_side_by_side(runs):

@@ -29,10 +29,20 @@ verl's ``global_steps``: the version is ``global_steps`` when that is newer than
 twice at one step after validation, and ``global_steps`` may be None). A rollout worker reads exactly that version;
 if it was overwritten meanwhile (a reader more than K versions behind) it reads the newest and logs which.
 
-Refused by name: FSDP1 actors (``strategy="fsdp"``), LoRA / peft actors, QAT, ``param_offload`` (parameters that
-move), a state dict with buffers, weights that verl's FSDP engine did not make (Megatron, ...), actor ranks on
-several hosts and rollout workers on another host (this release reads within one host), parameters not on CPU
-(:func:`odc.fsdp.serve_weights`).
+Where: each rollout worker reads each actor rank by the route :class:`odc.WeightReader` picks (shared memory on
+that rank's node, libfabric from another node: the actor serves its slots over libfabric too where it has an address
+other nodes can reach, ``ODC_FABRIC_ADDR`` or a non-loopback ``MASTER_ADDR``). Rollout workers that share a node
+without every actor rank on it share each version through that node's memory (``node_cache``: fetched across once per
+node), and copy what crosses in pieces (``staging="pieces"``: two 64 MiB pieces per worker, not the model).
+
+FSDP1 actors (``strategy="fsdp"``): verl's ``get_per_tensor_param`` calls FSDP1's ``state_dict()`` at once, which
+all-gathers every unit; on actor ranks of an ``odc`` engine that call is deferred until the generator is first
+iterated (verl's naive path iterates it: unchanged), so ``send_weights`` gathers nothing there either.
+
+Refused by name: LoRA / peft actors, QAT, ``param_offload`` (parameters that move), a state dict with buffers,
+weights that verl's FSDP engine did not make (Megatron, ...), FSDP1's hybrid and ``NO_SHARD`` strategies, parameters
+not on CPU (:func:`odc.fsdp.serve_weights`), an actor store on a loopback address with rollout workers on other
+nodes, and (at the first read) an actor rank that serves no libfabric endpoint to a worker on another node.
 
 This module imports verl; :func:`odc.integrations.verl.register_checkpoint_engine` imports it. It uses only
 :mod:`odc.weights`' public API and never touches the training engine's communication (``odc.fsdp.enable``).
@@ -44,9 +54,9 @@ import asyncio
 import contextlib
 import datetime
 import functools
+import ipaddress
 import json
 import logging
-import socket
 import time
 import weakref
 from collections.abc import AsyncIterator, Iterable
@@ -57,6 +67,7 @@ import torch.distributed as dist
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
 from .. import weights as odc_weights
+from .._odc import weights_node as _node_id
 from ..errors import ConfigError, LayoutError, StoreError
 
 __all__ = ["BACKEND", "OdcCheckpointEngine", "register"]
@@ -92,7 +103,15 @@ def _tag_exports() -> None:
 
     @functools.wraps(get)
     def get_per_tensor_param(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = get(self, *args, **kwargs)
+        if _is_fsdp1(self.module) and not _is_peft(self.module):
+            # verl's FSDP1 path runs state_dict() (an all-gather of every unit) before it returns; deferred until the
+            # generator is first iterated. Without peft, verl returns no peft config.
+            def deferred() -> Any:
+                yield from get(self, *args, **kwargs)[0]
+
+            out = (deferred(), None)
+        else:
+            out = get(self, *args, **kwargs)
         with contextlib.suppress(TypeError):  # not weakly referable: send_weights refuses it by name
             _exported[out[0]] = self
         return out
@@ -101,14 +120,14 @@ def _tag_exports() -> None:
     impl.FSDPEngine.get_per_tensor_param = get_per_tensor_param
 
 
-def _host() -> str:
-    """This machine: its host name and boot id (containers on two machines may have the same host name)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}/{boot}"
+def _is_fsdp1(module: Any) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def _is_peft(module: Any) -> bool:
+    return hasattr(getattr(module, "_fsdp_wrapped_module", module), "peft_config")
 
 
 def _unprefixed(store: Any) -> Any:
@@ -125,6 +144,16 @@ def _store_address() -> str | None:
     store = _unprefixed(dist.distributed_c10d._get_default_store())
     host, port = getattr(store, "host", None), getattr(store, "port", None)
     return f"{host}:{port}" if host and port else None
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to, the reader tries it
 
 
 def _dtype(value: Any) -> torch.dtype:
@@ -150,11 +179,10 @@ def check_actor(engine: Any) -> None:
     refuse = []
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(module, FSDPModule):
-        kind = type(module).__name__
-        refuse.append(f"the actor module is a {kind}, not FSDP2 (FSDP1, strategy='fsdp', keeps flat parameters "
-                      "this release does not serve: use strategy='fsdp2')")
-    if hasattr(getattr(module, "_fsdp_wrapped_module", module), "peft_config"):
+    if not isinstance(module, FSDPModule) and not _is_fsdp1(module):
+        refuse.append(f"the actor module is a {type(module).__name__}, neither FSDP2 (strategy='fsdp2') nor FSDP1 "
+                      "(strategy='fsdp')")
+    if _is_peft(module):
         refuse.append("LoRA / peft (verl sends adapters or merges them into the weights; this engine serves the "
                       "module's own parameters)")
     if getattr(engine, "_qat_enabled", False):
@@ -171,18 +199,62 @@ def _verl_names(engine: Any) -> tuple[list[tuple[str, str]], str | None]:
     from verl.utils.model import convert_weight_keys
 
     module = engine.module
-    canonical = {id(p): n for n, p in module.named_parameters()}
-    state = module.state_dict(keep_vars=True)  # the parameter objects themselves: nothing is copied
-    state = convert_weight_keys(state, getattr(module, "_fsdp_wrapped_module", module))
-    names = []
-    for key, value in state.items():
-        fqn = canonical.get(id(value))
-        if fqn is None:
-            raise ConfigError(f"odc checkpoint engine: the actor's state dict holds {key!r}, which is not a "
-                              "parameter (a persistent buffer?); this engine serves parameters only")
-        names.append((key, fqn))
+    if _is_fsdp1(module):
+        served = _fsdp1_names(module)
+        state: dict[str, Any] = dict(served)
+    else:
+        canonical = {id(p): n for n, p in module.named_parameters()}
+        state = module.state_dict(keep_vars=True)  # the parameter objects themselves: nothing is copied
+        for key, value in state.items():
+            if id(value) not in canonical:
+                raise ConfigError(f"odc checkpoint engine: the actor's state dict holds {key!r}, which is not a "
+                                  "parameter (a persistent buffer?); this engine serves parameters only")
+        state = {key: canonical[id(value)] for key, value in state.items()}
+    # convert_weight_keys renames keys only; the values (served names) pass through in order.
+    names = list(convert_weight_keys(state, getattr(module, "_fsdp_wrapped_module", module)).items())
     hf_config = getattr(getattr(engine, "model_config", None), "hf_config", None)
     return names, getattr(hf_config, "model_type", None)
+
+
+def _fsdp1_names(module: Any) -> list[tuple[str, str]]:
+    """``(state-dict key, served name)`` of an FSDP1 model's parameters, in the order its ``state_dict()`` gives
+    them, without calling it (that all-gathers every unit): each module of the model in ``named_modules`` order,
+    its parameters as its units' ``FlatParameter`` records them (``_param_infos``), then the ones it shares with a
+    module before it (``_shared_param_infos``: served under the first owner's name). Names without FSDP1's wrapper
+    prefixes, as ``serve_weights`` serves them.
+
+    Raises:
+        ConfigError: the model holds a persistent buffer (a state-dict entry that is not a parameter).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    clean: dict[int, str] = {}
+    for n, m in module.named_modules():
+        clean.setdefault(id(m), n.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module")
+                         .rstrip("."))
+        buffers = [b for b in m._buffers if b not in m._non_persistent_buffers_set and m._buffers[b] is not None]
+        if buffers:
+            raise ConfigError(f"odc checkpoint engine: the actor's state dict holds {clean[id(m)]}.{buffers[0]}, a "
+                              "persistent buffer; this engine serves parameters only")
+    owned: dict[int, list[tuple[str, Any, str]]] = {}  # module -> (its name, owner module, owner's name)
+    for unit in FullyShardedDataParallel.fsdp_modules(module):
+        if unit._handle is None:
+            continue
+        fp = unit._handle.flat_param
+        for info in fp._param_infos:
+            owned.setdefault(id(info.module), []).append((info.param_name, info.module, info.param_name))
+        for shared in fp._shared_param_infos:
+            owned.setdefault(id(shared.module), []).append((shared.param_name, shared.prim_module,
+                                                           shared.prim_param_name))
+
+    def join(m: Any, leaf: str) -> str:
+        return f"{clean[id(m)]}.{leaf}" if clean[id(m)] else leaf
+
+    names = []
+    for _, m in module.named_modules():
+        for leaf, owner, owner_leaf in owned.pop(id(m), []):
+            names.append((join(m, leaf), join(owner, owner_leaf)))
+    return names
 
 
 def _names_key(name: str) -> str:
@@ -203,10 +275,15 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
         rollout_dtype: the dtype ``receive_weights`` yields (``"bfloat16"``, ``"float32"``, a ``torch.dtype``):
             set it to the rollout's ``dtype``.
         timeout: seconds a rollout worker waits for the actor's version (and its first attach).
+        node_cache: on a rollout worker whose node lacks some actor rank, share each version through the node's
+            memory (:class:`odc.WeightReader`'s ``node_cache``: one worker of the node fetches it across, every
+            worker there reads the node's copy; memory: K copies of the model on the node). None (default): where
+            more than one rollout worker runs on the node.
 
     Attributes:
         last_read: on a rollout worker, what the last ``receive_weights`` read: ``version``, ``asked``,
-            ``newest``, ``age``, ``attempts``, ``seconds``.
+            ``newest``, ``age``, ``attempts``, ``seconds``, ``routes`` (how each actor rank was reached: ``shm``,
+            ``fabric``, ``node-cache``) and ``cache_fetches`` (versions this worker fetched for its node, or None).
         server: on an actor rank, its :class:`odc.weights.WeightServer` (after the first ``send_weights``).
 
     Raises:
@@ -214,20 +291,23 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
     """
 
     def __init__(self, bucket_size: int = 0, is_master: bool | None = None, *, name: str = "actor", slots: int = 2,
-                 rollout_dtype: Any = "bfloat16", timeout: float = 120.0, **unknown: Any) -> None:
+                 rollout_dtype: Any = "bfloat16", timeout: float = 120.0, node_cache: bool | None = None,
+                 **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"odc checkpoint engine: unknown engine_kwargs {sorted(unknown)}; it takes name, "
-                              "slots, rollout_dtype, timeout")
+                              "slots, rollout_dtype, timeout, node_cache")
+        if node_cache not in (None, True, False):
+            raise ConfigError(f"odc checkpoint engine: node_cache={node_cache!r}; expected true, false or null")
         if not isinstance(slots, int) or slots < 2:
             raise ConfigError(f"odc checkpoint engine: slots={slots!r}; K must be an integer >= 2")
         self.bucket_size, self.is_master, self.name, self.slots = bucket_size, is_master, name, slots
-        self.rollout_dtype, self.timeout = _dtype(rollout_dtype), float(timeout)
+        self.rollout_dtype, self.timeout, self.node_cache = _dtype(rollout_dtype), float(timeout), node_cache
         self.server: odc_weights.WeightServer | None = None
         self.last_read: dict[str, Any] = {}
         self._served: tuple[Any, dict[str, int]] | None = None  # (module, fqn -> local shard address)
         self._source: dict[str, Any] | None = None
         self._reader: odc_weights.WeightReader | None = None
-        self._reader_of: tuple[str, str] | None = None
+        self._reader_of: tuple[str, str, bool] | None = None
         self._names: list[tuple[str, str]] = []
         self._model_type: str | None = None
         if is_master is not None:  # an actor rank: learn which engine makes the weights verl hands over
@@ -236,16 +316,22 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
     # ---- both sides -------------------------------------------------------------------------------------------
 
     def prepare(self) -> dict[str, Any]:
-        """What ``build_topology`` needs: this host, and on an actor rank the store, the served name and the
-        version published so far (-1 before the first ``send_weights``)."""
-        return {"host": _host(), "store": _store_address(), "name": self.name,
-                "published": -1 if self.server is None else self.server.version}
+        """What ``build_topology`` needs: this node, and on an actor rank the store, the served name, the version
+        published so far (-1 before the first ``send_weights``) and whether other nodes can read its slots (None
+        before the first); on a rollout worker its ``node_cache``."""
+        meta = {"node": _node_id(), "store": _store_address(), "name": self.name,
+                "published": -1 if self.server is None else self.server.version, "node_cache": self.node_cache}
+        if self.server is not None:
+            meta.update(fabric=self.server.fabric, fabric_error=self.server.fabric_error)
+        return meta
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int,
                        metadata: list[dict[str, Any]]) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """Hands the actor's store, name and published version to every rollout worker; refuses hosts it cannot
-        read across (this release: one host, shm)."""
+        """Hands the actor's store, name and published version to every rollout worker, and whether it shares what
+        crosses through its node's memory (``node_cache``; None: where more than one rollout worker runs on the
+        node). Refuses what a worker on another node could not read: a loopback store, an actor rank serving no
+        libfabric endpoint."""
         actor, rollout = metadata[:actor_wg_world_size], metadata[actor_wg_world_size:]
         if not actor or len(rollout) != rollout_world_size:
             raise ConfigError(f"odc checkpoint engine: {len(metadata)} workers' metadata for {actor_wg_world_size} "
@@ -255,29 +341,36 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
             raise ConfigError("odc checkpoint engine: actor rank 0 has no TCPStore address (its default process "
                               "group's store); readers find the served weights through it")
         for r, m in enumerate(actor):
-            if m["host"] != first["host"]:
-                raise ConfigError(f"odc checkpoint engine: actor rank {r} runs on {m['host']}, rank 0 on "
-                                  f"{first['host']}; this release reads the actor's shards within one host")
             for k in ("store", "name", "published"):
                 if m[k] != first[k]:
                     raise ConfigError(f"odc checkpoint engine: actor rank {r} has {k}={m[k]!r}, rank 0 "
                                       f"{first[k]!r}")
+        actor_nodes = [m["node"] for m in actor]
+        per_node: dict[str, int] = {}
+        for m in rollout:
+            per_node[m["node"]] = per_node.get(m["node"], 0) + 1
+        sources = []
         for i, m in enumerate(rollout):
-            if m["host"] != first["host"]:
-                raise ConfigError(f"odc checkpoint engine: rollout worker {i} runs on {m['host']}, the actor on "
-                                  f"{first['host']}; readers on another host are not supported in this release "
-                                  "(use the nccl or nixl backend there)")
-        source = {k: first[k] for k in ("host", "store", "name", "published")}
-        return {}, {"source": [source] * rollout_world_size}
+            remote = [r for r, n in enumerate(actor_nodes) if n != m["node"]]
+            if remote and _is_loopback(first["store"]):
+                raise ConfigError(f"odc checkpoint engine: rollout worker {i} runs on another node than actor rank "
+                                  f"{remote[0]}, and the actor's store is at {first['store']}, a loopback address it "
+                                  "cannot reach: start the actor with a MASTER_ADDR other nodes reach")
+            for r in remote:
+                if actor[r].get("fabric") is False:
+                    raise ConfigError(f"odc checkpoint engine: rollout worker {i} runs on another node than actor "
+                                      f"rank {r}, which serves its weights to its own node only: "
+                                      f"{actor[r].get('fabric_error')}")
+            cache = m.get("node_cache")
+            source = {k: first[k] for k in ("store", "name", "published")}
+            source["node_cache"] = per_node[m["node"]] > 1 if cache is None else bool(cache)
+            sources.append(source)
+        return {}, {"source": sources}
 
     def init_process_group(self, source: dict[str, Any] | None = None, **_: Any) -> None:
         """Rollout worker: keeps where to read (``source``). Actor rank: nothing (no group is formed)."""
-        if source is None:
-            return
-        if source["host"] != _host():
-            raise ConfigError(f"odc checkpoint engine: this rollout worker runs on {_host()}, the actor on "
-                              f"{source['host']}; readers on another host are not supported in this release")
-        self._source = dict(source)
+        if source is not None:
+            self._source = dict(source)
 
     def finalize(self) -> None:
         """Nothing to free: the actor's slots and the rollout's mapping of them are kept for the next update."""
@@ -340,6 +433,14 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
 
     @staticmethod
     def _addresses(module: Any) -> dict[str, int]:
+        """Where each served tensor's storage is: FSDP2's local shards by parameter; FSDP1's FlatParameter shards
+        (``_local_shard``: what ``serve_weights`` copies from) by unit."""
+        if _is_fsdp1(module):
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            return {n or "(root)": getattr(u._handle.flat_param, "_local_shard", u._handle.flat_param).data_ptr()
+                    for n, u in module.named_modules()
+                    if isinstance(u, FullyShardedDataParallel) and u._handle is not None}
         return {n: (p.to_local() if hasattr(p, "to_local") else p).data_ptr() for n, p in module.named_parameters()}
 
     def _check_unmoved(self, module: Any) -> None:
@@ -350,7 +451,8 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
                               f"as {self.name!r}; make one checkpoint engine per actor")
         for n, a in self._addresses(module).items():
             if addresses.get(n) != a:
-                raise ConfigError(f"odc checkpoint engine: parameter {n!r}'s local shard moved since it was served "
+                what = f"FSDP1 unit {n!r}" if _is_fsdp1(module) else f"parameter {n!r}"
+                raise ConfigError(f"odc checkpoint engine: {what}'s local shard moved since it was served "
                                   "(a parameter offload or a reload replaced its storage); this engine serves "
                                   "parameters that stay in place")
 
@@ -381,10 +483,11 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
             yield item
 
     def _read(self, source: dict[str, Any], asked: int) -> odc_weights.ReadResult:
-        key = (str(source["store"]), str(source["name"]))
+        key = (str(source["store"]), str(source["name"]), bool(source.get("node_cache")))
         if self._reader is None or self._reader_of != key:
-            reader = odc_weights.WeightReader(key[0], name=key[1], timeout=self.timeout)
-            names, model_type = self._fetch_names(*key)
+            reader = odc_weights.WeightReader(key[0], name=key[1], timeout=self.timeout, node_cache=key[2],
+                                              staging="pieces")
+            names, model_type = self._fetch_names(key[0], key[1])
             missing = [fqn for _, fqn in names if fqn not in reader.params]
             if missing:
                 raise LayoutError(f"odc checkpoint engine: the actor names {missing[0]!r}, which {key[1]!r} does "
@@ -397,7 +500,8 @@ class OdcCheckpointEngine(CheckpointEngine):  # type: ignore[misc]  # verl is un
                          asked, e)
             got = self._reader.read(version="latest", dtype=self.rollout_dtype, timeout=self.timeout)
         self.last_read = {"version": got.version, "asked": asked, "newest": got.newest, "age": got.age,
-                          "attempts": got.attempts, "seconds": got.seconds}
+                          "attempts": got.attempts, "seconds": got.seconds, "routes": list(self._reader.routes),
+                          "cache_fetches": self._reader.cache_fetches}
         _log.info("odc checkpoint engine: read version %d (asked %d; newest %d) in %.3f s", got.version, asked,
                   got.newest, got.seconds)
         return got
