@@ -276,6 +276,10 @@ def refused(world: int, out_dir: str) -> dict[str, str]:
     attempt("cost", trainer, cost="cubic")
     attempt("accumulation", trainer, accumulation="zero2")
     attempt("accum resharding", trainer, accumulation="fsdp2-accum")  # reshard_after_forward left True
+    attempt("compress format", trainer, compress={"push": "int4"})
+    attempt("compress deterministic", trainer, compress={"push": "int8"}, deterministic=True)
+    attempt("cross node", trainer, cross_node="ring")
+    attempt("compress accum", trainer, compress={"push": "int8"}, accumulation="fsdp2-accum")
     dist.barrier()
     return out
 

@@ -28,6 +28,9 @@ RANK_PRELOAD = ["transformers.trainer", "accelerate", "datasets", "trl", "trl.tr
 
 STEPS = 4  # three steps of the first epoch (its last one short: a rank without a sample) and one of the second
 LOSS_TOL = 1e-5
+# On one host only "all" compresses anything: every push, every read of another rank's shard.
+COMPRESS = {"gather": "fp8", "push": "int8", "scope": "all"}
+COMPRESSED_TOL = 5e-2  # relative to the loss: fp8 gathers' rounding (docs/benchmarks/compression.md: 0.6 % at most)
 RESUME_TOL = 1e-6
 
 
@@ -56,7 +59,9 @@ def two(tmp_path_factory):
              {"name": "sft-packed", "kind": "sft-packed", "steps": STEPS},
              {"name": "sft", "kind": "sft", "steps": STEPS},
              {"name": "sft-packed-accum", "kind": "sft-packed", "steps": STEPS, "accumulation": "fsdp2-accum"},
-             {"name": "sft-packed-odc-accum", "kind": "sft-packed", "steps": STEPS, "accumulation": "odc-accum"}]
+             {"name": "sft-packed-odc-accum", "kind": "sft-packed", "steps": STEPS, "accumulation": "odc-accum"},
+             {"name": "sft-packed-compressed", "kind": "sft-packed", "steps": STEPS, "compress": COMPRESS},
+             {"name": "sft-packed-deterministic", "kind": "sft-packed", "steps": STEPS, "deterministic": True}]
     return _suite(2, root, cases, refusals=True)
 
 
@@ -147,6 +152,28 @@ def test_odc_with_fsdp2_accumulation_matches_one_process(two):
     _uneven(counts)
 
 
+def test_deterministic_sums_through_the_trainer_match_one_process(two):
+    counts = _same_as_one_process(two, "sft-packed-deterministic", "sft-packed", 2)
+    assert counts == [two[r]["sft-packed"]["counts"] for r in range(2)], counts
+
+
+def test_compressed_pushes_and_gathers_through_the_trainer_follow_one_process(two):
+    """enable(trainer, compress=...) reaches odc.fsdp.enable: the same plan, every logged loss within the formats'
+    rounding of one process's, and none exact (from the first step's forward, which reads fp8 shards)."""
+    import _hf_worker as W
+
+    runs = [two[r]["sft-packed-compressed"] for r in range(2)]
+    assert all(r["enabled"] and r["class"].startswith("Odc") for r in runs)
+    assert [r["counts"] for r in runs] == [two[r]["sft-packed"]["counts"] for r in range(2)]
+    ref = W.reference("sft-packed", runs[0]["rows"], 2, STEPS)["logs"]
+    got = _logged(runs[0])
+    assert len(got) == STEPS and all(_logged(r) == got for r in runs[1:])
+    gaps = [abs(line["loss"] - want["loss"]) / want["loss"] for line, want in zip(got, ref, strict=True)]
+    print(f"\ncompressed ({COMPRESS}) loss vs one process, relative, per step: {[f'{g:.1e}' for g in gaps]}")
+    assert max(gaps) < COMPRESSED_TOL, gaps
+    assert min(gaps) * ref[0]["loss"] > LOSS_TOL, gaps  # compression is on at every step
+
+
 def test_resume_from_a_checkpoint_equals_the_uninterrupted_run(two):
     full, resumed = two[0]["trainer"], two[0]["resumed"]
     got, want = _logged(resumed), _logged(full)
@@ -181,6 +208,10 @@ REFUSED = {
     "cost": "cost='cubic'",
     "accumulation": "accumulation='zero2'",
     "accum resharding": "reshard_after_forward': False",
+    "compress format": "compress push='int4', block=32: Format::from_str: unknown compressed format \"int4\"",
+    "compress deterministic": "compress with deterministic=True",
+    "cross node": "cross_node='ring'; one of 'auto', 'node', 'direct'",
+    "compress accum": "compress with accumulation='fsdp2-accum'",
 }
 
 

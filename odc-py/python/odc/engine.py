@@ -215,7 +215,8 @@ def compress_args(compress: Mapping[str, Any] | None) -> tuple[str | None, str |
         ``(push, gather, block, feedback, scope)``, or ``None``.
 
     Raises:
-        ConfigError: an unknown key, or a value of the wrong type.
+        ConfigError: an unknown key or format, a block size the formats
+            cannot take, or a value of the wrong type.
     """
     if compress is None:
         return None
@@ -233,6 +234,12 @@ def compress_args(compress: Mapping[str, Any] | None) -> tuple[str | None, str |
     block = compress.get("block", 32)
     if isinstance(block, bool) or not isinstance(block, int) or block <= 0:
         raise ConfigError(f"compress block={block!r}: expected a positive multiple of 16")
+    for key, fmt in zip(("push", "gather"), formats, strict=True):
+        if fmt is not None:
+            try:  # the native check: the format's name, the block size
+                _odc.quant_sizes(fmt, int(block), 0)
+            except ConfigError as e:
+                raise ConfigError(f"compress {key}={fmt!r}, block={block}: {e}") from None
     scope = compress.get("scope", "cross-node")
     if not isinstance(scope, str):
         raise ConfigError(f"compress scope={scope!r}: expected \"cross-node\" or \"all\"")

@@ -81,7 +81,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -89,6 +89,7 @@ import torch.distributed as dist
 
 from .. import fsdp as odc_fsdp
 from .. import packing
+from ..engine import compress_args
 from ..errors import ConfigError, PackingError, ProtocolError
 from . import _hf_data, _hf_grpo
 from ._guard import import_trainer
@@ -109,12 +110,14 @@ FSDP2_ACCUM = "fsdp2-accum"
 ACCUM_ON_ODC = "odc-accum"
 """``enable``'s ``accumulation`` on ODC with FSDP2's own accumulation: one push per group per step and rank."""
 _ACCUMULATIONS = ("odc", ACCUM_ON_ODC, FSDP2_ACCUM)
+_CROSS_NODE = ("auto", "node", "direct")
 _WHAT = "odc.integrations.transformers"
 
 
 def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-mini",
            cost: str | packing.CostFit = "quadratic", timeout: float | None = None,
-           transport: str | None = None, accumulation: str = "odc") -> Any:
+           transport: str | None = None, accumulation: str = "odc", compress: Mapping[str, Any] | None = None,
+           cross_node: str | None = None, deterministic: bool = False) -> Any:
     """Makes ``trainer`` (a ``transformers.Trainer``, ``trl.SFTTrainer`` or ``trl.GRPOTrainer``, or a subclass) train
     on ODC.
 
@@ -143,6 +146,10 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
             microbatches and are pushed once, at its last one (ZeRO-2's gradient memory, one push per group per
             step); a rank the plan gives nothing runs nothing, as under ``"odc"``. ``Trainer`` and
             ``SFTTrainer`` only.
+        compress: as ``odc.fsdp.enable``: compressed pushes and gathers across nodes, e.g. ``{"gather": "fp8",
+            "push": "int8"}`` (docs/benchmarks/compression.md). Default None: nothing compressed.
+        cross_node: as ``odc.fsdp.enable``: how gradients cross nodes (``"auto"``, ``"node"``, ``"direct"``).
+        deterministic: as ``odc.fsdp.enable``: bitwise-reproducible sums, whichever rank ran which microbatch.
 
     Returns:
         The same trainer.
@@ -165,6 +172,7 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
         packing.plan([1], world_size=1, minibatch_size=1, strategy=strategy, max_tokens=1, cost=cost)
     except PackingError as e:
         raise ConfigError(f"{_WHAT}: cost={cost!r}: {e}") from None
+    engine_options = _engine_options(accumulation, compress, cross_node, deterministic)
     kind = _trl_kind(trainer)
     _fsdp_on_cpu(trainer)
     _refuse(trainer)
@@ -182,9 +190,36 @@ def enable(trainer: Any, *, max_tokens: int | None = None, strategy: str = "lb-m
     rows_limit = getattr(args, "max_length", None) if kind == "sft" else None
     trainer._odc = _Settings(max_tokens=max_tokens, row_limit=rows_limit, strategy=strategy, cost=cost,
                              timeout=timeout, transport=transport, trl=kind == "sft",
-                             accumulation=accumulation)
+                             accumulation=accumulation, engine_options=engine_options)
     trainer.__class__ = _subclass(type(trainer), _OdcGRPOTrainer if kind == "grpo" else _OdcTrainer)
     return trainer
+
+
+def _engine_options(accumulation: str, compress: Mapping[str, Any] | None, cross_node: str | None,
+                    deterministic: bool) -> dict[str, Any]:
+    """``odc.fsdp.enable``'s settings given to :func:`enable`, checked before training starts."""
+    options: dict[str, Any] = {}
+    if compress is not None:
+        compress_args(compress)  # keys, formats, block size: named now, not at the first step
+        options["compress"] = dict(compress)
+    if cross_node is not None:
+        if cross_node not in _CROSS_NODE:
+            raise ConfigError(f"{_WHAT}: cross_node={cross_node!r}; one of {', '.join(map(repr, _CROSS_NODE))}")
+        options["cross_node"] = cross_node
+    if not isinstance(deterministic, bool):
+        raise ConfigError(f"{_WHAT}: deterministic={deterministic!r}; True or False")
+    if deterministic:
+        options["deterministic"] = True
+        if compress is not None:
+            raise ConfigError(f"{_WHAT}: compress with deterministic=True: compressed sums are not bitwise "
+                              "reproducible across schedules; drop one")
+        if cross_node == "node":
+            raise ConfigError(f"{_WHAT}: cross_node='node' with deterministic=True: the node sums add in arrival "
+                              "order; use 'direct' or 'auto'")
+    if options and accumulation == FSDP2_ACCUM:
+        raise ConfigError(f"{_WHAT}: {', '.join(sorted(options))} with accumulation={FSDP2_ACCUM!r}, which trains "
+                          "on FSDP2's collectives, not on ODC")
+    return options
 
 
 @dataclasses.dataclass
@@ -199,6 +234,7 @@ class _Settings:
     transport: str | None
     trl: bool
     accumulation: str = "odc"  # one of _ACCUMULATIONS
+    engine_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # odc.fsdp.enable's, as given
     sampler: _hf_data.StepSampler | None = None
     optimizer: Any = None
     started: float = 0.0  # GRPO: when the step's first batch began
@@ -411,7 +447,7 @@ class _OdcTrainer:
             if s.optimizer is optimizer:
                 return
             odc_fsdp.disable(model)
-        odc_fsdp.enable(model, optimizer, timeout=s.timeout, transport=s.transport)
+        odc_fsdp.enable(model, optimizer, timeout=s.timeout, transport=s.transport, **s.engine_options)
         s.optimizer = optimizer
 
     def floating_point_ops(self, inputs: Any) -> int:
