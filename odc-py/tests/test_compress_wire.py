@@ -152,6 +152,8 @@ def test_a_wrong_setting_is_refused_by_name():
 @pytest.mark.parametrize(("kw", "words"), [
     ({"deterministic": True}, ("compress", "deterministic")),
     ({"transport": "emu-ipc"}, ("compress", "device")),
+    ({"sharding": "hybrid"}, ("scope \"cross-node\" under sharding \"hybrid\"", "nothing would be")),
+    ({"sharding": "hybrid-zero"}, ("scope \"cross-node\" under sharding \"hybrid-zero\"", "nothing would be")),
 ])
 def test_compression_is_refused_where_it_cannot_keep_its_promise(kw, words):
     with pytest.raises(odc.ConfigError) as e:

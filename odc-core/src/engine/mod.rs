@@ -234,8 +234,17 @@ fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig
         return Err(Error::Config(format!(
             "compress gather={g} with scope \"all\" under sharding \"hybrid-zero\": a node \
              shard there is assembled from pieces of every node, and its quantised copy is not \
-             built; use scope \"cross-node\" (no gather crosses nodes under hybrid-zero) or \
-             leave gather unset"
+             built; leave gather unset"
+        )));
+    }
+    if c.scope == Scope::CrossNode && config.sharding != Sharding::Full {
+        return Err(Error::Config(format!(
+            "compress with scope \"cross-node\" under sharding \"{}\": no push or gather \
+             crosses nodes there (parameters and gradients are sharded within a node), and the \
+             minibatch's cross-node sum of the gradient shards is not compressed in this release, \
+             so nothing would be; use sharding \"full\" (its node sums and node cache compress \
+             what crosses), scope \"all\" (node-local chunks), or drop compress",
+            config.sharding.name()
         )));
     }
     Ok(())

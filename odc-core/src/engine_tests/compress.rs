@@ -309,6 +309,19 @@ fn settings_that_cannot_keep_their_promise_are_refused_by_name() {
         ..gathering(Scope::CrossNode, None, "cz_gdet")
     });
     assert!(det.contains("deterministic"), "{det}");
+    // Under hybrid sharding nothing crosses nodes by the paths "cross-node" compresses.
+    for sharding in [crate::Sharding::Hybrid, crate::Sharding::HybridZero] {
+        let msg = refused(EngineConfig {
+            sharding,
+            ..gathering(Scope::CrossNode, None, "cz_hyb")
+        });
+        assert!(
+            msg.contains("cross-node")
+                && msg.contains(sharding.name())
+                && msg.contains("nothing would be"),
+            "{msg}"
+        );
+    }
 }
 
 /// Direct pushes (no node sums), every push compressed (`scope = "all"`):

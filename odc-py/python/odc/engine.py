@@ -472,8 +472,10 @@ class Engine:
             dequantised into the output (the node cache keeps the quantised
             bytes). A rank's own shard is never read compressed.
             ``deterministic=True`` and the device transports raise
-            ``ConfigError``, as does ``gather`` with ``scope="all"`` under
-            ``sharding="hybrid-zero"``. Unknown keys raise ``ConfigError``.
+            ``ConfigError``, as do ``gather`` with ``scope="all"`` under
+            ``sharding="hybrid-zero"`` and ``scope="cross-node"`` under
+            either hybrid sharding (nothing crosses nodes there by the paths
+            it compresses). Unknown keys raise ``ConfigError``.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every
