@@ -11,7 +11,8 @@ fewer cores than processes the readers take CPU from the trainer, which no proto
 
 ``--copy 16,256`` measures the copies instead, in one process: the publish of an f32 shard of that many MiB, the
 reader's one-sided copy of it, a read into new bf16 tensors and into f32 tensors, and torch's ``copy_`` of the same
-bytes (the ceiling); medians of 5, one thread.
+bytes (the ceiling); medians of 5, one thread. ``--overlap 64,256`` measures a step (a fixed compute, then the
+update) not served, served with the copy in the step's hook, and with ``serve_weights(overlap=True)``.
 """
 
 from __future__ import annotations
@@ -70,6 +71,65 @@ def copies(sizes: list[int]) -> None:
         print(f"| {mib} MiB | " + " | ".join(cells) + " |")
 
 
+def overlapped(sizes: list[int], rounds: int, steps: int) -> None:
+    """One process, one intra-op thread: a step is a fixed compute (matmuls of about the copy's length, the
+    microbatches' stand-in) then SGD's in-place update of an f32 parameter of ``mib`` MiB. Three arms, interleaved
+    ``rounds`` times, ``steps`` steps each: not served; served with the copy in the step's hook; served with
+    ``overlap=True`` (the copy on the server's thread while the next step's compute runs; the next update waits
+    for it). Prints each arm's median step time and the served arms' ratio to the plain one."""
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from odc.weights import serve_weights
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=datetime.timedelta(seconds=10),
+                          wait_for_workers=False)
+    print(f"load average before: {os.getloadavg()}")
+    print("| f32 parameter | compute | plain step | copy in the hook | overlap=True |")
+    for mib in sizes:
+        m = torch.nn.Module()
+        m.w = torch.nn.Parameter(torch.randn(mib * 2**20 // 4 // 1024, 1024))
+        m.w.grad = torch.full_like(m.w, 1e-6)
+        a = torch.randn(512, 512)
+        dst = torch.empty_like(m.w)
+        t0 = time.perf_counter()
+        dst.copy_(m.w.detach())
+        copy_s = time.perf_counter() - t0
+        reps = 1
+        while True:  # a compute of about one copy's length
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a @ a
+            if time.perf_counter() - t0 >= copy_s:
+                break
+            reps *= 2
+        compute_s = time.perf_counter() - t0
+        times: dict[str, list[float]] = {"plain": [], "sync": [], "overlap": []}
+        for r in range(rounds):
+            for arm, arm_times in times.items():
+                opt = torch.optim.SGD([m.w], lr=1e-3)
+                srv = None if arm == "plain" else serve_weights(m, opt, store=store, name=f"ov{mib}{arm}{r}",
+                                                                 slots=2, overlap=arm == "overlap")
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        a @ a
+                    opt.step()
+                    arm_times.append(time.perf_counter() - t0)
+                if srv is not None:
+                    srv.close()
+                del srv, opt
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(f"| {mib} MiB | {compute_s * 1e3:.0f} ms | {med['plain'] * 1e3:.0f} ms | {med['sync'] * 1e3:.0f} ms "
+              f"({med['sync'] / med['plain']:.2f}x) | {med['overlap'] * 1e3:.0f} ms "
+              f"({med['overlap'] / med['plain']:.2f}x) |")
+    print(f"load average after: {os.getloadavg()}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phases", type=int, default=8, help="alternating phases (even: idle, odd: reading)")
@@ -78,9 +138,14 @@ def main() -> int:
     ap.add_argument("--pace", type=float, default=0.0, help="seconds between a reader's reads (0: continuous)")
     ap.add_argument("--json", help="write the numbers here too")
     ap.add_argument("--copy", help="MiB sizes (comma-separated): measure the copies instead")
+    ap.add_argument("--overlap", help="MiB sizes (comma-separated): the step with the copy in the hook against "
+                    "overlap=True instead (--phases rounds of --steps steps per arm)")
     a = ap.parse_args()
     if a.copy:
         copies([int(x) for x in a.copy.split(",")])
+        return 0
+    if a.overlap:
+        overlapped([int(x) for x in a.overlap.split(",")], a.phases, a.steps)
         return 0
     import _weights as W
     from _dist import run_ranks

@@ -19,6 +19,7 @@ from _dist import need_gpu, run_ranks
 
 import odc
 import odc.fsdp
+import odc.weights
 
 JITTER_US = "200"
 
@@ -338,6 +339,59 @@ def test_cuda_ipc_engine_is_exact_on_cuda_tensors():
     res = H.all_ok(run_ranks(_exact, 2, timeout=180, transport="cuda-ipc", device=device))
     for info in res.values():
         assert info == {"transport": "cuda-ipc", "is_device": True, "device": device}, info
+
+
+def _weights_on_cuda(rank, world, store, steps=20):
+    """serve_weights on CUDA parameters (a plain module: rank 0 serves it whole) and a reader in this process:
+    after each step, the version of the step before is read (K = 2 keeps it) while this step's parameters are
+    already written: it must be its own step's parameters, bit for bit. Then the step time with and without
+    serving (each publish queues a device copy on a side stream)."""
+    import time
+
+    torch.cuda.set_device(0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.Linear(2048, 2048)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(64, 2048, device="cuda")
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n
+
+    timed(3)
+    plain = timed(steps)
+    server = odc.weights.serve_weights(model, opt, store=store, name="cuda", slots=2)
+    reader = odc.WeightReader(store, name="cuda", timeout=30)
+    want = {0: {k: p.detach().cpu() for k, p in model.named_parameters()}}
+    for v in range(1, steps + 1):
+        step()
+        want[v] = {k: p.detach().cpu() for k, p in model.named_parameters()}
+        got = reader.read(version=v - 1, dtype=torch.float32)
+        for k, w in want[v - 1].items():
+            assert torch.equal(got.tensors[k], w), f"version {v - 1}: {k} is not its step's"
+    served = timed(steps)
+    server.wait()
+    return {"plain_ms": plain * 1e3, "served_ms": served * 1e3, "device_bytes": server.device_bytes,
+            "slot_bytes": server.slot_bytes, "version": server.version}
+
+
+@pytest.mark.gpu
+def test_weights_of_cuda_parameters_are_each_steps_own():
+    need_gpu()
+    info = H.all_ok(run_ranks(_weights_on_cuda, 1, timeout=180))[0]
+    print(f"serve_weights on CUDA: step {info['plain_ms']:.2f} ms plain, {info['served_ms']:.2f} ms served "
+          f"({info['served_ms'] / info['plain_ms']:.2f}x); {info['device_bytes'] / 2**20:.0f} MiB device + pinned")
+    assert info["version"] == 2 * 20, info  # 20 steps checked, 20 timed: one version each
+    assert info["device_bytes"] == 2 * info["slot_bytes"], info
 
 
 def _cuda_mixing(rank, world, store):

@@ -9,6 +9,7 @@ version's local shards; every read must equal exactly one version, element for e
 from __future__ import annotations
 
 import datetime
+import time
 
 import _weights as W
 import pytest
@@ -60,16 +61,18 @@ def _check_reads(reads, per_version) -> tuple[int, int]:
     return len(reads), len({r[0] for r in reads})
 
 
-@pytest.mark.parametrize(("kill", "odc_on"), [(False, False), (True, False), (False, True)],
-                         ids=["two-readers", "one-reader-sigkilled", "fsdp2-on-odc"])
-def test_whole_versions_while_training(tmp_path, kill, odc_on):
+@pytest.mark.parametrize(("kill", "odc_on", "overlap"), [(False, False, False), (True, False, False),
+                                                         (False, True, False), (False, False, True)],
+                         ids=["two-readers", "one-reader-sigkilled", "fsdp2-on-odc", "overlapped-copies"])
+def test_whole_versions_while_training(tmp_path, kill, odc_on, overlap):
     """2 trainer ranks step 100 times as fast as they can while 2 readers loop: every read is exactly one
     version. With ``kill``, one reader is SIGKILLed in the middle of a copy: the trainers finish, the other reader
-    still reads whole versions. ``odc_on``: the trainer's FSDP2 runs on ODC (``odc.fsdp.enable``)."""
+    still reads whole versions. ``odc_on``: the trainer's FSDP2 runs on ODC (``odc.fsdp.enable``). ``overlap``:
+    each version is copied on the server's thread while the next step computes (``serve_weights(overlap=True)``)."""
     trainers, steps = 2, 100
     roles = ["trainer", "trainer", "reader", "reader"]
     kw = {"trainer": {"trainers": trainers, "steps": steps, "slots": 2, "out": str(tmp_path),
-                      "readers_first": 2, "odc_on": odc_on},
+                      "readers_first": 2, "odc_on": odc_on, "overlap": overlap},
           "reader": {"out": str(tmp_path), "fault_every": 3}}
     if kill:
         roles[3] = "killed"
@@ -185,6 +188,38 @@ def test_read_by_address_into_model_and_versions(store):
         r.read(version=9, timeout=0.2)
 
 
+def test_an_overlapped_copy_is_of_its_step_and_the_next_step_waits_for_it(store):
+    """serve_weights(overlap=True): each copy starts after a 0.3 s sleep (on the server's thread), so the optimizer
+    step that published it returns first; the next step waits for it (its pre-hook) before it writes the
+    parameters the copy reads, so every version is exactly its step's parameters. Without that wait the copy of
+    version 2 would read step 3's."""
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    server = serve_weights(m, opt, store=store, name="overlap", slots=2, overlap=True)
+    server._copy_delay = 0.3
+    r = odc.WeightReader(store, name="overlap", timeout=5)
+    seen = {}
+    for v in (1, 2, 3):
+        t0 = time.perf_counter()
+        _step(m, opt)
+        took = time.perf_counter() - t0
+        seen[v] = {k: p.detach().clone() for k, p in m.named_parameters()}
+        print(f"step {v}: {took * 1e3:.0f} ms (the copy of version {v - 1} waited for first)")
+        if v > 1:
+            assert took >= 0.25, took  # waited for the copy of the version before
+    assert server.publish_seconds[-1] < 0.1, server.publish_seconds  # the publish itself returned at once
+    server.wait()
+    assert server.version == r.latest() == 3
+    for v in (2, 3):
+        got = r.read(version=v, dtype=torch.float32)
+        for k, want in seen[v].items():
+            assert torch.equal(got.tensors[k], want), (v, k)
+    server._copy_delay = 0.0
+    server.close()
+    _step(m, opt)
+    assert server.version == 3  # closed: no hook publishes
+
+
 def test_bad_input_names_the_first_mismatch_and_leaves_into_unchanged(store):
     m = _model()
     server = serve_weights(m, store=store, name="bad", slots=2)  # kept: dropping it withdraws the slots
@@ -193,6 +228,10 @@ def test_bad_input_names_the_first_mismatch_and_leaves_into_unchanged(store):
         odc.WeightReader(store, name="nope", timeout=0.2)
     with pytest.raises(odc.ConfigError, match="slots"):
         serve_weights(m, store=store, name="k1", slots=1)
+    with pytest.raises(odc.ConfigError, match=r"shards are on \['meta'\]; they must all be on the CPU or all on "):
+        serve_weights(torch.nn.Linear(2, 2, device="meta"), store=store, name="m1")
+    with pytest.raises(odc.ConfigError, match="overlap='yes'; True or False"):
+        serve_weights(m, store=store, name="o1", overlap="yes")
     with pytest.raises(odc.ConfigError, match="staging='shard'; expected one of whole, pieces"):
         odc.WeightReader(store, name="bad", timeout=5, staging="shard")
     cases = {

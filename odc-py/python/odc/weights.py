@@ -272,9 +272,16 @@ class WeightServer:
     """
 
     def __init__(self, model: nn.Module, *, store: Any, name: str, slots: int, rank: int, world: int,
-                 timeout: float, transport: str = "auto") -> None:
+                 timeout: float, transport: str = "auto", overlap: bool = False) -> None:
         _check_name(name)
         _check_transport(transport, "serve_weights")
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"serve_weights: overlap={overlap!r}; True or False")
+        #: Whether :meth:`publish` copies on a thread of its own (see :func:`serve_weights`).
+        self.overlap = overlap
+        self._copier: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._copy_delay = 0.0  # tests: a sleep before each overlapped copy
         if not isinstance(slots, int) or slots < 2:
             raise ConfigError(f"serve_weights: slots={slots!r}; K must be an integer >= 2, so that a reader "
                               "of version v never blocks the publish of v + 1")
@@ -287,13 +294,19 @@ class WeightServer:
             params = [[fqn, list(p.shape), _dtype_name(p.dtype)] for fqn, p in model.named_parameters()]
         else:
             served, params = flat
+        devices = {local.device for _, local, _, _ in served}
+        if len(devices) > 1 or any(d.type not in ("cpu", "cuda") for d in devices):
+            raise ConfigError(f"serve_weights: this rank's shards are on {sorted(map(str, devices))}; they must "
+                              "all be on the CPU or all on one CUDA device")
         for fqn, local, _, elem in served:
-            if local.device.type != "cpu":
-                raise ConfigError(f"serve_weights: parameter {fqn!r} is on {local.device}; this release serves "
-                                  "CPU parameters only (the device plane comes later)")
             self._pieces.append((fqn, local, elem, offset))
             offset += -(-local.numel() * local.element_size() // _ALIGN) * _ALIGN
         self.slot_bytes = max(offset, _ALIGN)
+        #: CUDA shards: the device copy of a version and its host staging (see :class:`_DeviceSnapshot`).
+        self._device: _DeviceSnapshot | None = None
+        if devices and next(iter(devices)).type == "cuda":
+            self._device = _DeviceSnapshot(next(iter(devices)), self.slot_bytes)
+            self.overlap = True  # the copy to the host slot always runs on the thread
         base = _base_store(store)
         job_key = "w" + "".join(c if c.isalnum() else "_" for c in name)[:15]
         # Serving a name again in the same store (a restart, a test) is a new generation: every rank counts its
@@ -322,6 +335,7 @@ class WeightServer:
         self.version = -1
         self.publish_seconds: list[float] = []
         self.publish(0)
+        self.wait()
         shards = [[fqn, elem, t.numel(), off] for fqn, t, elem, off in self._pieces]
         base.set(_key(name, f"rank{rank}"), json.dumps({
             "job_id": job_id, "node": _node(), "endpoint": json.loads(self._server.endpoint()),
@@ -332,41 +346,122 @@ class WeightServer:
             base.set(_key(name, "meta"), json.dumps({
                 "format": _FORMAT, "world": world, "slots": slots, "job_key": job_key, "job_id": job_id,
                 "params": params}))
-        self._hook: Any = None
+        self._hooks: list[Any] = []
 
     def publish(self, version: int | None = None) -> int:
         """Copies this rank's shards as they are now into the slot of ``version`` (default: the next one) and
-        announces it; returns the version. Never waits for a reader."""
+        announces it; returns the version. Never waits for a reader. With ``overlap`` the copy runs on a thread
+        and this returns at once (after the copy before it finished): the shards must not be written until
+        :meth:`wait` returned, which the optimizer's next step does first when ``serve_weights`` was given it.
+
+        Raises:
+            OdcError: the overlapped copy before this one failed (what it raised).
+        """
+        self.wait()
         v = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
-        parts = []
+        parts, keep = [], []
         for _, local, _, off in self._pieces:
             src = local if local.is_contiguous() else local.contiguous()
+            keep.append(src)
             parts.append((off, src.data_ptr(), src.numel() * src.element_size()))
-        self._server.publish(v, parts)
+        if self._device is not None:  # CUDA: a device copy on a side stream now, the host copy on the thread
+            parts, keep = self._device.snapshot(self._pieces), [self._device.host]
+        if self.overlap:
+            if self._copier is None:
+                self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"odc-publish-{self.name}")
+            self._pending = self._copier.submit(self._copy, v, parts, keep)
+        else:
+            self._server.publish(v, parts)
         self.publish_seconds.append(time.perf_counter() - t0)
         self.version = v
         return v
 
+    def _copy(self, version: int, parts: list[tuple[int, int, int]], keep: list[torch.Tensor]) -> None:
+        if self._copy_delay:
+            time.sleep(self._copy_delay)
+        if self._device is not None:
+            self._device.staged.synchronize()  # the side stream's copy to the host staging is done
+        self._server.publish(version, parts)  # the GIL released for the copy
+        del keep
+
+    def wait(self) -> None:
+        """Returns once the last :meth:`publish`'s copy is done and its version announced (at once without
+        ``overlap``).
+
+        Raises:
+            OdcError: that copy failed (what it raised).
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
     @property
     def memory_bytes(self) -> int:
-        """Bytes of shared memory the slots hold on this rank (K · slot bytes, plus headers)."""
+        """Bytes of shared memory the slots hold on this rank (K · slot bytes, plus headers). CUDA shards add one
+        slot's bytes on the device and one in pinned host memory (:attr:`device_bytes`)."""
         return self.slots * (self.slot_bytes + 128) + 64
 
+    @property
+    def device_bytes(self) -> int:
+        """Bytes a CUDA rank holds besides the slots: the device copy of a version and its pinned host staging,
+        one slot's bytes each (0 for CPU shards)."""
+        return 0 if self._device is None else 2 * self.slot_bytes
+
     def close(self) -> None:
-        """Stops publishing (removes the optimizer hook); the slots stay readable until this object is gone."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        """Stops publishing (removes the optimizer hooks) once the last publish is announced; the slots stay
+        readable until this object is gone."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        try:
+            self.wait()
+        finally:
+            if self._copier is not None:
+                self._copier.shutdown()
+                self._copier = None
 
     def __repr__(self) -> str:
         return (f"WeightServer(name={self.name!r}, rank={self.rank}, slots={self.slots}, "
                 f"slot_bytes={self.slot_bytes}, version={self.version}, fabric={self.fabric})")
 
 
+class _DeviceSnapshot:
+    """A CUDA rank's publish: on a side stream of its own, after the work queued so far on the current stream (the
+    optimizer step), the rank's shards are copied into one device buffer (device to device: the snapshot), then
+    that buffer into pinned host memory; the current stream waits for the snapshot only (an event, no host wait)
+    before what comes next may write the parameters. The server's thread waits for the host copy, then copies it
+    into the version's slot. One publish at a time (the server waits for the one before)."""
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]  # unannotated in torch
+        self.snap = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        self.staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    def snapshot(self, pieces: list[tuple[str, torch.Tensor, int, int]]) -> list[tuple[int, int, int]]:
+        """Queues the copies of ``pieces`` (name, local shard, element offset, byte offset); returns the parts
+        (slot offset, host pointer, bytes) the thread copies into the slot once :attr:`staged` is reached."""
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        parts = []
+        with torch.cuda.stream(self.stream):
+            for _, local, _, off in pieces:
+                src = (local if local.is_contiguous() else local.contiguous()).reshape(-1).view(torch.uint8)
+                self.snap[off:off + src.numel()].copy_(src, non_blocking=True)
+                parts.append((off, self.host.data_ptr() + off, src.numel()))
+            self.copied.record(self.stream)
+            self.host.copy_(self.snap, non_blocking=True)
+            self.staged.record(self.stream)
+        current.wait_event(self.copied)  # later writes to the parameters come after the snapshot
+        return parts
+
+
 def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, name: str = "policy",
                   slots: int = 2, store: Any = None, timeout: float = 60.0, transport: str = "auto",
-                  group: dist.ProcessGroup | None = None) -> WeightServer:
+                  group: dist.ProcessGroup | None = None, overlap: bool = False) -> WeightServer:
     """Publishes this trainer rank's parameter shards for readers outside the training group.
 
     Call it on every rank, after ``fully_shard`` (and after ``odc.fsdp.enable``, if used), before the loop. It
@@ -374,11 +469,16 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     post-hook: the optimizer has just written this rank's shards). Without one, call
     :meth:`WeightServer.publish` yourself where a new version is final.
 
+    Parameters on a CUDA device are served too: each publish copies the rank's shards into a device buffer on a
+    side stream (the current stream waits for that copy only, on the device), then to pinned host memory, and the
+    server's thread copies that into the slot (one slot's bytes on the device and one pinned, besides the slots;
+    :attr:`WeightServer.device_bytes`). A version is readable once that thread is done.
+
     Args:
-        model: the FSDP2 model (parameters ``Shard(0)`` DTensors on a 1-D mesh, on CPU), an FSDP1 model
-            (``FullyShardedDataParallel`` with ``FULL_SHARD`` or ``SHARD_GRAD_OP``, either ``use_orig_params``: each
-            rank serves the runs of its FlatParameters' shards under the model's own parameter names), or a plain
-            module (rank 0 serves it whole).
+        model: the FSDP2 model (parameters ``Shard(0)`` DTensors on a 1-D mesh, on CPU or one CUDA device), an
+            FSDP1 model (``FullyShardedDataParallel`` with ``FULL_SHARD`` or ``SHARD_GRAD_OP``, either
+            ``use_orig_params``: each rank serves the runs of its FlatParameters' shards under the model's own
+            parameter names), or a plain module (rank 0 serves it whole).
         optimizer: whose steps make new versions; None to publish by hand.
         name: what readers ask for (``WeightReader(..., name=...)``).
         slots: K >= 2, the versions each rank keeps; memory is K times this rank's shard bytes.
@@ -392,14 +492,20 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             :attr:`WeightServer.fabric_error` and in a remote reader's error).
         group: the training group whose ranks serve the shards (default: the default process group), for a job
             whose default group holds other processes too (rollout workers, say).
+        overlap: copy each version into its slot on a thread of this rank's own while training goes on (the next
+            microbatch's forward and backward), instead of in the optimizer step's hook. The optimizer's next step
+            waits for that copy first (a step pre-hook: it reads the shards the step writes), and so does the next
+            publish. Parameters written outside ``optimizer.step()`` (a checkpoint load, an elastic rejoin's copy)
+            need :meth:`WeightServer.wait` before. A version is readable once its copy is done.
 
     Returns:
         this rank's :class:`WeightServer`. Keep it: when it is garbage collected its slots are withdrawn (the
         optimizer hook holds it as long as the optimizer lives).
 
     Raises:
-        ConfigError: ``slots`` < 2, a parameter not on CPU or not sharded as FSDP2 or FSDP1's full sharding do
-            (FSDP1's hybrid and ``NO_SHARD`` strategies, named), an unknown ``transport``.
+        ConfigError: ``slots`` < 2, shards on several devices or not on CPU or CUDA, or not sharded as FSDP2 or
+            FSDP1's full sharding do (FSDP1's hybrid and ``NO_SHARD`` strategies, named), an unknown
+            ``transport``.
         TransportError: ``transport="fabric"`` and libfabric cannot serve the slots.
     """
     if store is None:
@@ -407,12 +513,16 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     server = WeightServer(model, store=store, name=name, slots=slots, rank=rank, world=world, timeout=timeout,
-                          transport=transport)
+                          transport=transport, overlap=overlap)
     if optimizer is not None:
         def publish(*_: Any) -> None:
             server.publish()
 
-        server._hook = optimizer.register_step_post_hook(publish)
+        def wait(*_: Any) -> None:
+            server.wait()
+
+        # With overlap, a step waits for the copy of the version before it: the copy reads the shards it writes.
+        server._hooks = [optimizer.register_step_pre_hook(wait), optimizer.register_step_post_hook(publish)]
     return server
 
 

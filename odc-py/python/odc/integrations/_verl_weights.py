@@ -40,9 +40,9 @@ all-gathers every unit; on actor ranks of an ``odc`` engine that call is deferre
 iterated (verl's naive path iterates it: unchanged), so ``send_weights`` gathers nothing there either.
 
 Refused by name: LoRA / peft actors, QAT, ``param_offload`` (parameters that move), a state dict with buffers,
-weights that verl's FSDP engine did not make (Megatron, ...), FSDP1's hybrid and ``NO_SHARD`` strategies, parameters
-not on CPU (:func:`odc.fsdp.serve_weights`), an actor store on a loopback address with rollout workers on other
-nodes, and (at the first read) an actor rank that serves no libfabric endpoint to a worker on another node.
+weights that verl's FSDP engine did not make (Megatron, ...), FSDP1's hybrid and ``NO_SHARD`` strategies
+(:func:`odc.fsdp.serve_weights`), an actor store on a loopback address with rollout workers on other nodes, and (at
+the first read) an actor rank that serves no libfabric endpoint to a worker on another node.
 
 This module imports verl; :func:`odc.integrations.verl.register_checkpoint_engine` imports it. It uses only
 :mod:`odc.weights`' public API and never touches the training engine's communication (``odc.fsdp.enable``).
