@@ -16,13 +16,15 @@
 # Then the single-GPU figures, each against a device-to-device copy measured in the same run (the machine
 # has one GPU, so no NCCL baseline): the accumulate kernels against the copy-bound limit (gpu_kernels_perf),
 # cuda-ipc gathers and scatter-accumulate between two processes on the GPU and the 64 KiB gather latency
-# (python -m odc.bench.gpu).
+# (python -m odc.bench.gpu); and, on its host cores, the rollout weights' trainer stall with readers reading
+# against without (scripts/weights-stall.py, both in one run).
 #
 # Writes into $OUT (default out/gpu-run): summary.txt (one line per step, the figures and the verdict),
-# probe.json, tests.log (every step's output), figures-kernels.json, figures-ipc.json. Exit codes: 0 every
-# step passed; 1 a step failed; 2 usage; 3 no GPU here (everything before the first device call passed:
-# what a machine without a GPU can check); 4 the bundle is stale or incomplete, or make test's unoptimized
-# rehearsal bundle on a GPU; 5 a library or a package the run needs is missing.
+# probe.json, tests.log (every step's output), figures-kernels.json, figures-ipc.json,
+# figures-weights-stall.json. Exit codes: 0 every step passed; 1 a step failed; 2 usage; 3 no GPU here
+# (everything before the first device call passed: what a machine without a GPU can check); 4 the bundle is
+# stale or incomplete, or make test's unoptimized rehearsal bundle on a GPU; 5 a library or a package the run
+# needs is missing.
 # PYTHON (default python3) is the interpreter whose torch and wheels are used; STEP_TIMEOUT (default 240)
 # bounds each step in seconds.
 set -uo pipefail
@@ -168,6 +170,19 @@ step "figures: the accumulate kernels against the copy (gpu_kernels_perf)" \
     "$BUNDLE/bin/gpu_kernels_perf" -b 16M -e 256M -f 4 -n 20 -w 5 --json "$OUT/figures-kernels.json"
 step "figures: cuda-ipc gather, scatter-accumulate, 64 KiB latency against the copy (odc.bench.gpu)" \
     "$PYTHON" -m odc.bench.gpu --json "$OUT/figures-ipc.json"
+# The rollout weights' trainer stall with two readers reading continuously, on this machine's spare host cores (the
+# 2-core development host cannot measure it: six processes on two cores).
+step "figures: the trainer's step with 2 weight readers reading against without (scripts/weights-stall.py)" \
+    "$PYTHON" scripts/weights-stall.py --phases 8 --steps 25 --json "$OUT/figures-weights-stall.json"
+if [ -f "$OUT/figures-weights-stall.json" ]; then
+    "$PYTHON" - "$OUT/figures-weights-stall.json" <<'EOF' | tee -a "$SUMMARY" >&2
+import json, sys
+d = json.load(open(sys.argv[1]))
+ratios = ", ".join(f"rank {r['rank']} {r['ratio']:.3f} ({r['idle_ms']:.2f} / {r['reading_ms']:.2f} ms)" for r in d["ranks"])
+print(f"[gpu-run] figure  weights stall, 2 readers reading continuously: step with / without: {ratios}; "
+      f"{d['cores']} cores, load average {d['load_before'][0]:.2f} -> {d['load_after'][0]:.2f}")
+EOF
+fi
 for f in figures-kernels figures-ipc; do
     [ -f "$OUT/$f.json" ] || continue
     "$PYTHON" - "$OUT/$f.json" <<'EOF' | tee -a "$SUMMARY" >&2
