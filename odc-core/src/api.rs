@@ -17,6 +17,17 @@ use crate::plane::DataSizes;
 use crate::region::Bell;
 use crate::store::Store;
 use crate::sync::Ordering;
+
+/// What [`Engine::bytes_across_nodes`] counts, in bytes since the engine
+/// started.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BytesAcrossNodes {
+    /// Read by this rank's gathers from shards owned on another node.
+    pub gathered: u64,
+    /// Pushed by this rank to landing slots on another node, headers
+    /// included.
+    pub pushed: u64,
+}
 use crate::topology::Topology;
 use crate::{Error, Result};
 
@@ -191,6 +202,36 @@ impl Engine {
     /// node, not full sharding, the cache off, or not registered yet).
     pub fn node_cache_stats(&self) -> Option<crate::NodeCacheStats> {
         Some(self.core.reg.get()?.cache.as_ref()?.stats())
+    }
+
+    /// Bytes this rank moved across nodes on the host data path since the
+    /// engine started: its gathers' reads of shards owned on another node
+    /// (the node cache's fetches included) and its pushes' chunks to landing
+    /// slots on another node (headers included), compressed or not. Not
+    /// counted: hybrid sharding's end-of-minibatch sum across nodes, control
+    /// words. `None` on a device engine, whose data path does not count.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Protocol`] when a push panicked holding the
+    /// push state.
+    pub fn bytes_across_nodes(&self) -> Result<Option<BytesAcrossNodes>> {
+        let config = &self.core.config;
+        if config.device.is_some() || config.transport.is_device() {
+            return Ok(None);
+        }
+        let gathered = self
+            .core
+            .reg
+            .get()
+            .map_or(0, |r| r.read_across.load(Ordering::Relaxed));
+        let pushed = self
+            .core
+            .push
+            .lock()
+            .map_err(|_| Error::protocol(None, "a push panicked"))?
+            .sent_across;
+        Ok(Some(BytesAcrossNodes { gathered, pushed }))
     }
 
     /// Elastic hybrid sharding ([`EngineConfig::elastic`]): the nodes whose

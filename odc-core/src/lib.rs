@@ -190,7 +190,7 @@ mod loom_model;
 compile_error!("--cfg loom needs odc-core's loom feature: run `make loom` (scripts/loom.sh)");
 
 #[cfg(not(loom))]
-pub use api::Engine;
+pub use api::{BytesAcrossNodes, Engine};
 #[cfg(not(loom))]
 pub use client::{Device, Host};
 #[cfg(not(loom))]

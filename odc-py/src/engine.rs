@@ -477,6 +477,20 @@ impl PyEngine {
         self.engine.cross_node().name()
     }
 
+    /// Bytes this rank's gathers read from and its pushes sent to other
+    /// nodes since the engine started (`None` on a device engine).
+    fn bytes_across_nodes(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
+        let Some(b) = self
+            .engine
+            .bytes_across_nodes()
+            .map_err(|e| core_error(py, e))?
+        else {
+            return Ok(None);
+        };
+        let d = py_dict!(py, "gathered" => b.gathered, "pushed" => b.pushed);
+        Ok(Some(d.into_any().unbind()))
+    }
+
     /// What this rank's gathers did with the node cache (`None` without
     /// one): counts of pieces since registration.
     fn node_cache_stats(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {

@@ -458,9 +458,9 @@ fn gather_run(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
             h.finish_minibatch(v).unwrap();
             h.zero_grads().unwrap();
         }
-        let reg = e.core().reg.get().unwrap();
-        seen.read_across = reg.read_across.load(std::sync::atomic::Ordering::Relaxed);
-        seen.sent_across = e.core().push.lock().unwrap().sent_across;
+        let across = e.bytes_across_nodes().unwrap().unwrap();
+        seen.read_across = across.gathered;
+        seen.sent_across = across.pushed;
         seen.fetched = e.node_cache_stats().map_or(0, |s| s.fetched);
         sink.lock().unwrap().insert(rank, seen);
     });

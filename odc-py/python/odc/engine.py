@@ -680,6 +680,18 @@ class Engine:
         """
         return self._native.node_cache_stats()
 
+    def bytes_across_nodes(self) -> dict[str, int] | None:
+        """Bytes this rank moved across nodes since the engine started, or ``None`` on a device engine.
+
+        Returns:
+            ``gathered``: read by this rank's gathers from shards owned on another node (the node cache's
+            fetches included); ``pushed``: sent by its pushes to landing slots on another node, chunk headers
+            included. Compressed chunks count as the bytes that crossed. Not counted: hybrid sharding's
+            end-of-minibatch sum across nodes, control words. Nodes are as the engine sees them
+            (``LOCAL_WORLD_SIZE``), so emulated nodes on one host count too.
+        """
+        return self._native.bytes_across_nodes()
+
     @property
     def members(self) -> list[int] | None:
         """Elastic hybrid sharding: the nodes the next cross-node sum counts (``None`` unless ``elastic=True``)."""

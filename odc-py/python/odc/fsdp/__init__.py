@@ -173,9 +173,9 @@ from ._seams import _install_comms
 from ._steal import microbatches, rerun_share
 from ._sum import global_sum
 
-__all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "clip_grad_norm_", "disable",
-           "dropped", "elastic_events", "enable", "evaluation", "finish", "global_sum", "is_enabled", "members",
-           "microbatches", "minibatch", "rejoin", "rerun_share", "serve_weights", "skip", "skipped"]
+__all__ = ["TORCH_RANGE", "TORCH_VERSIONS_CHECKED", "TORCH_VERSIONS_TESTED", "bytes_across_nodes", "clip_grad_norm_",
+           "disable", "dropped", "elastic_events", "enable", "evaluation", "finish", "global_sum", "is_enabled",
+           "members", "microbatches", "minibatch", "rejoin", "rerun_share", "serve_weights", "skip", "skipped"]
 
 
 def is_enabled(model: Any) -> bool:
@@ -554,6 +554,15 @@ def evaluation(model: Any) -> Iterator[None]:
         yield
     finally:
         b.end_evaluation()
+
+
+def bytes_across_nodes(model: Any) -> dict[str, int] | None:
+    """Bytes this rank's gathers read from and its pushes sent to other nodes since :func:`enable`
+    (``{"gathered": ..., "pushed": ...}``, see :meth:`odc.Engine.bytes_across_nodes`): what ``compress=`` cuts.
+    ``None`` at world size 1 and on a device engine."""
+    if solo(model) is not None:
+        return None
+    return _bound(model).engine.bytes_across_nodes()
 
 
 def members(model: Any) -> list[int] | None:
