@@ -41,3 +41,33 @@ def test_weights_runs_every_arm_and_checks_each_read(tmp_path, capsys):
 def test_weights_refuses_an_unknown_setup(capsys):
     assert main(["weights", "--where", "moon"]) == 2
     assert "--where 'moon': expected host, netns or netns:RATE" in capsys.readouterr().err
+
+
+@pytest.mark.multinode
+def test_weights_over_two_trainer_hosts_reads_both_links(tmp_path, capsys):
+    """--trainer-hosts 2: the trainer ranks in two namespaces, each link shaped, the readers in a third (unshaped);
+    every reader reaches both trainer ranks over libfabric, and the limit counts both trainer links."""
+    from odc.bench.netns import unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        import os
+
+        if os.environ.get("ODC_REQUIRE_NETNS") == "1":
+            pytest.fail(f"ODC_REQUIRE_NETNS=1, but network namespaces are unavailable: {why}")
+        pytest.skip(why)
+    out = tmp_path / "weights.json"
+    code = main(["weights", "--sizes", "4M", "--dim", "256", "--trainers", "2", "--readers", "1", "--repeats", "1",
+                 "--steps", "1", "--where", "netns:1gbit", "--trainer-hosts", "2", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["where"] == "netns:1gbit x2" and row["trainer_hosts"] == 2, row
+    assert row["routes"] == ["fabric"], row  # every trainer rank over libfabric
+    assert row["limit_s"] == pytest.approx(row["bytes"] * 8 / (2 * 1e9)), row
+    assert "over 2 trainer links of 1 Gbit/s each" in row["limit"], row
+
+
+def test_weights_refuses_trainer_hosts_that_do_not_divide_the_trainers(capsys):
+    assert main(["weights", "--trainers", "4", "--trainer-hosts", "3"]) == 2
+    assert "--trainer-hosts 3: must divide --trainers 4" in capsys.readouterr().err

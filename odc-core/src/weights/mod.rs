@@ -650,22 +650,32 @@ impl WeightReader {
     /// `shm` ones copied meanwhile. Returns once every read landed, or with
     /// the first failure.
     fn get_all<'a>(&self, reads: impl Iterator<Item = (usize, usize, &'a mut [u8])>) -> Result<()> {
-        let mut ops = Vec::new();
+        let mut per_read = Vec::new();
         for (r, offset, dst) in reads {
             let remote = self.owners[r].region;
             let piece = match self.reach[r] {
                 Reach::Shm => dst.len().max(1),
                 Reach::Fabric => READ_PIECE,
             };
-            for (i, chunk) in dst.chunks_mut(piece).enumerate() {
-                ops.push(Op::Get {
+            let ops: Vec<Op> = dst
+                .chunks_mut(piece)
+                .enumerate()
+                .map(|(i, chunk)| Op::Get {
                     peer: r,
                     remote,
                     offset: offset + i * piece,
                     dst: chunk.as_mut_ptr(),
                     len: chunk.len(),
-                });
-            }
+                })
+                .collect();
+            per_read.push(ops.into_iter());
+        }
+        // One op of each owner in turn: the window of reads in flight spans
+        // every owner, so owners on different nodes send over their links at
+        // once.
+        let mut ops = Vec::new();
+        while per_read.iter().any(|o| o.len() > 0) {
+            ops.extend(per_read.iter_mut().filter_map(Iterator::next));
         }
         #[cfg(feature = "fabric")]
         if let Some(f) = &self.fabric {

@@ -65,7 +65,8 @@ _FORMAT = 1
 _ALIGN = 64
 _TRANSPORTS = ("auto", "shm", "fabric")
 _STAGINGS = ("whole", "pieces")
-#: ``staging="pieces"``: the bytes of one piece of a remote slot (a multiple of every dtype's size).
+#: ``staging="pieces"``: the bytes of one piece, shared between the remote ranks' slots (each rank's part a multiple
+#: of 64 bytes).
 PIECE_BYTES = 64 << 20
 
 
@@ -827,29 +828,37 @@ class WeightReader:
     def _fill_pieces(self, version: int, dst: dict[str, torch.Tensor], zeros: list[tuple[int, int]],
                      deadline: float, remote: list[int]) -> dict[str, Any] | None:
         """``staging="pieces"``: the remote ranks' slots in pieces of ``PIECE_BYTES``, one in flight while the one
-        before is cast (two buffers); each piece's copy checked whole on its own."""
-        pieces = [(r, a, min(PIECE_BYTES, self._slot_bytes[r] - a)) for r in remote
-                  for a in range(0, self._slot_bytes[r], PIECE_BYTES)]
-        size = max(n for _, _, n in pieces)
-        stages = [self._stage(-1, size), self._stage(-2, size)]
+        before is cast (two buffers); each piece's copy checked whole on its own. A piece holds the same byte range
+        of every remote rank's slot (``PIECE_BYTES`` shared between them), so each read goes to every trainer rank
+        at once: trainer ranks on several nodes send over their links together."""
+        sub = max(_ALIGN, PIECE_BYTES // len(remote) // _ALIGN * _ALIGN)  # bytes of one rank's slot per piece
+        starts = range(0, max(self._slot_bytes[r] for r in remote), sub)
+        stages = [self._stage(-1, sub * len(remote)), self._stage(-2, sub * len(remote))]
+
+        def spans(a: int) -> list[tuple[int, int, int]]:
+            """(rank, byte offset in the stage, bytes) of the piece starting at byte ``a`` of the slots."""
+            return [(r, j * sub, min(sub, self._slot_bytes[r] - a)) for j, r in enumerate(remote)
+                    if self._slot_bytes[r] > a]
 
         def fetch(i: int) -> dict[str, Any]:
-            r, a, n = pieces[i]
+            a, stage = starts[i], stages[i % 2]
             bufs = list(zeros)
-            bufs[r] = (stages[i % 2].data_ptr(), n)
+            for r, off, n in spans(a):
+                bufs[r] = (stage.data_ptr() + off, n)
             return dict(self._reader.read(version, bufs, max(deadline - time.monotonic(), 1e-3), 0, a))
 
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="odc-weight-reader")
         pending = self._pool.submit(fetch, 0)
         try:
-            for i, (r, a, _) in enumerate(pieces):
+            for i, a in enumerate(starts):
                 got = pending.result()
                 if "refused" in got:
                     return got
-                if i + 1 < len(pieces):
+                if i + 1 < len(starts):
                     pending = self._pool.submit(fetch, i + 1)
-                self._assemble(dst, r, stages[i % 2][:pieces[i][2]], a)
+                for r, off, n in spans(a):
+                    self._assemble(dst, r, stages[i % 2][off:off + n], a)
                 self._fault_point(i)
         finally:
             pending.result()  # never leave a copy landing in a buffer the next read reuses

@@ -268,6 +268,9 @@ def _weights_parser(sub: Any) -> None:
                         "netns:RATE (the link shaped with tc tbf, e.g. netns:10gbit) (default host)")
     w.add_argument("--trainers", type=_positive(int, "--trainers"), default=4, help="trainer ranks (default 4)")
     w.add_argument("--readers", type=_positive(int, "--readers"), default=2, help="reader processes (default 2)")
+    w.add_argument("--trainer-hosts", type=_positive(int, "--trainer-hosts"), default=1,
+                   help="netns setups: the trainer ranks over this many namespaces, each link shaped to RATE, the "
+                        "readers' namespace unshaped when more than one (default 1)")
     w.add_argument("--dim", type=_positive(int, "--dim"), default=4096, help="layer width (default 4096)")
     w.add_argument("--repeats", type=_positive(int, "--repeats"), default=3, help="timed reads per arm (median)")
     w.add_argument("--steps", type=_positive(int, "--steps"), default=3,

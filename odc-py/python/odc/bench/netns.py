@@ -204,6 +204,8 @@ class Namespaces:
         bridge, root_addr: the bridge and its address (the store's host).
         rate: the token-bucket rate each veth end is shaped to (``tc``'s
             units, ``"1gbit"``), or ``""`` for none.
+        rates: per namespace, its veth's rate instead of ``rate`` (``""``:
+            unshaped); empty: ``rate`` for every namespace.
     """
 
     n: int
@@ -215,6 +217,7 @@ class Namespaces:
     bridge: str = ""
     root_addr: str = ""
     rate: str = ""
+    rates: list[str] = field(default_factory=list)
     _created: bool = False
 
     def __post_init__(self) -> None:
@@ -222,6 +225,8 @@ class Namespaces:
             raise ValueError(f"namespaces: need 1 to 9, got {self.n}")
         if not self.prefix:
             self.prefix = f"odc{os.getpid()}{chr(ord('a') + next(_sequence) % 26)}"
+        if self.rates and len(self.rates) != self.n:
+            raise ValueError(f"namespaces: {len(self.rates)} rates for {self.n} namespaces")
 
     def create(self) -> Namespaces:
         """Makes the namespaces, veths and bridge; raises :class:`NetnsError` (after cleaning up) on failure."""
@@ -244,7 +249,9 @@ class Namespaces:
             _run("link", "add", self.bridge, "type", "bridge")
             _run("addr", "add", f"{self.root_addr}/24", "dev", self.bridge)
             _run("link", "set", self.bridge, "up")
-            for ns, root, inner, addr in zip(self.names, self.root_links, self.ifnames, self.addrs, strict=True):
+            rates = self.rates or [self.rate] * self.n
+            for ns, root, inner, addr, rate in zip(self.names, self.root_links, self.ifnames, self.addrs, rates,
+                                                   strict=True):
                 _run("netns", "add", ns)
                 _run("-n", ns, "link", "set", "lo", "up")
                 _run("link", "add", root, "type", "veth", "peer", "name", inner, "netns", ns)
@@ -252,9 +259,9 @@ class Namespaces:
                 _run("link", "set", root, "up")
                 _run("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
                 _run("-n", ns, "link", "set", inner, "up")
-                if self.rate:
-                    _shape(self.rate, root)
-                    _shape(self.rate, inner, ns)
+                if rate:
+                    _shape(rate, root)
+                    _shape(rate, inner, ns)
         except BaseException:
             with contextlib.suppress(NetnsError):
                 self.close()  # best effort: the creation error is the one to report

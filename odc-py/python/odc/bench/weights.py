@@ -21,7 +21,9 @@ gloo group of their own; reader processes (``--readers``, default 2) never join 
 
 ``--where``: ``host`` (every process on this host: shared memory), ``netns`` (trainers in one network namespace,
 readers in another, libfabric across an unshaped veth), ``netns:RATE`` (the veth shaped to RATE both ways with
-tc tbf, e.g. ``netns:10gbit``). Namespaces need root.
+tc tbf, e.g. ``netns:10gbit``). Namespaces need root. ``--trainer-hosts N`` puts the trainer ranks in N namespaces
+(each link shaped to RATE, the readers' left unshaped): a reader reads every trainer host at once, and the limit is
+each trainer link carrying its share.
 
 Memory: each trainer rank holds its shard and 2 slots (3x its shard); each reader its bf16 model and, for trainer
 ranks over the network, its staging (``--staging pieces``: two 64 MiB pieces; ``whole``: every remote rank's slot);
@@ -256,8 +258,9 @@ def _median(xs: list[float]) -> float:
 
 
 def summarise(where: str, rate_bps: float | None, out: dict[str, Any], sizes: list[int], trainers: int,
-              readers: int) -> list[dict[str, Any]]:
-    """Per size: the median over repeats of the slowest reader's time, each arm; the limit; the stall."""
+              readers: int, hosts: int = 1) -> list[dict[str, Any]]:
+    """Per size: the median over repeats of the slowest reader's time, each arm; the limit; the stall. ``hosts``:
+    the trainer hosts (namespaces) of a ``netns`` setup."""
     ranks = out["ranks"]
     rd = [r for r in ranks if r["role"] == "reader"]
     tr = [r for r in ranks if r["role"] == "trainer"]
@@ -270,6 +273,9 @@ def summarise(where: str, rate_bps: float | None, out: dict[str, Any], sizes: li
         if where == "host":
             copy = min(r["copy_Bps"] for r in rd)
             limit, how = nbytes / copy, f"f32 bytes / copy rate ({copy / 1e9:.2f} GB/s per reader, all at once)"
+        elif rate_bps and hosts > 1:  # each trainer host's link carries its ranks' share to every reader
+            limit = readers * nbytes * 8 / (hosts * rate_bps)
+            how = f"{readers} x f32 bytes over {hosts} trainer links of {rate_bps / 1e9:g} Gbit/s each"
         elif rate_bps:
             limit = readers * nbytes * 8 / rate_bps
             how = f"{readers} x f32 bytes over the {rate_bps / 1e9:g} Gbit/s link"
@@ -279,7 +285,8 @@ def summarise(where: str, rate_bps: float | None, out: dict[str, Any], sizes: li
         alone = _median([_median(r["sizes"][k]["step_alone_s"]) for r in tr])
         read = _median([_median(r["sizes"][k]["step_read_s"]) for r in tr])
         rows.append({
-            "where": where, "bytes": nbytes, "trainers": trainers, "readers": readers,
+            "where": where if hosts == 1 else f"{where} x{hosts}", "trainer_hosts": hosts, "bytes": nbytes,
+            "trainers": trainers, "readers": readers,
             "baseline_s": slowest["baseline_s"], "odc_s": slowest["odc_s"], "limit_s": limit, "limit": how,
             "speedup": slowest["baseline_s"] / slowest["odc_s"], "of_limit": slowest["odc_s"] / limit,
             "routes": rd[0]["sizes"][k]["routes"],
@@ -312,6 +319,9 @@ def command(args: Any) -> int:
         if where != "host" and where != "netns" and not where.startswith("netns:"):
             raise UsageError(f"--where {where!r}: expected host, netns or netns:RATE")
     world = args.trainers + args.readers
+    hosts = args.trainer_hosts
+    if args.trainers % hosts:
+        raise UsageError(f"--trainer-hosts {hosts}: must divide --trainers {args.trainers} (the same ranks on each)")
     rows: list[dict[str, Any]] = []
     runs: dict[str, Any] = {}
     for where in args.where.split(","):
@@ -323,15 +333,17 @@ def command(args: Any) -> int:
             out = launch.run_ranks(rank_fn, world, backend="gloo", tcp=False, **kw)
             rate_bps = None
         elif kind == "netns":
-            with netns.Namespaces(2, rate=rate) as ns:
-                place = [_place(ns, 0 if r < args.trainers else 1, args.trainers, args.readers, r)
-                         for r in range(world)]
+            # Several trainer hosts: the readers' namespace stays unshaped (a rollout node whose link carries what
+            # every trainer link sends), so that each trainer link bounds its own share.
+            rates = [rate] * hosts + ([""] if hosts > 1 else [rate])
+            with netns.Namespaces(hosts + 1, rate=rate, rates=rates) as ns:
+                place = [_place(ns, r, hosts, args.trainers, args.readers) for r in range(world)]
                 out = launch.run_ranks(rank_fn, world, backend="gloo", placement=place, store_host=ns.root_addr,
                                        tcp=not rate, **kw)
             rate_bps = netns.rate_bits(rate) if rate else None
         else:
             raise UsageError(f"--where {where!r}: expected host, netns or netns:RATE")
-        got = summarise(where, rate_bps, out, sizes, args.trainers, args.readers)
+        got = summarise(where, rate_bps, out, sizes, args.trainers, args.readers, hosts if kind == "netns" else 1)
         for r in got:
             r["load"] = [load0, os.getloadavg()[0]]
         rows += got
@@ -344,8 +356,10 @@ def command(args: Any) -> int:
     return 0
 
 
-def _place(ns: Any, i: int, trainers: int, readers: int, r: int) -> tuple[str, dict[str, str]]:
-    per = trainers if i == 0 else readers
-    local = r if i == 0 else r - trainers
+def _place(ns: Any, r: int, hosts: int, trainers: int, readers: int) -> tuple[str, dict[str, str]]:
+    """Rank ``r``'s namespace and environment: trainer ranks over the first ``hosts`` namespaces, consecutive ranks
+    together; the readers in the last."""
+    per_host = trainers // hosts
+    i, per, local = (r // per_host, per_host, r % per_host) if r < trainers else (hosts, readers, r - trainers)
     return (ns.names[i], {"LOCAL_WORLD_SIZE": str(per), "LOCAL_RANK": str(local), "ODC_FABRIC_ADDR": ns.addrs[i],
                           "GLOO_SOCKET_IFNAME": ns.ifnames[i], "ODC_TRANSPORT": "shm"})
