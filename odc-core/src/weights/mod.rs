@@ -1237,20 +1237,22 @@ mod tests {
     mod fabric {
         use super::*;
 
-        #[test]
-        fn a_node_cache_whose_fetch_fails_names_the_trainer_rank() {
+        /// Two owners of 2 slots of 4 KiB serving over libfabric (version 0
+        /// published) and a reader of them over libfabric, for job `tag` +
+        /// this process's id; `None` (skipped, said) without libfabric.
+        fn fabric_owners(tag: &str) -> Option<(Vec<WeightServer>, WeightReader)> {
             if !crate::transport::fabric::is_present() {
                 eprintln!("skipped: libfabric.so.1 cannot be loaded here");
-                return;
+                return None;
             }
             let layout = SlotLayout {
                 slots: 2,
                 slot_bytes: 4096,
             };
-            let job = format!("h{}", std::process::id());
-            let mut srv = servers(&job, 2, layout, Serve::Fabric);
+            let job = format!("{tag}{}", std::process::id());
+            let srv = servers(&job, 2, layout, Serve::Fabric);
             publish_all(&srv, 0);
-            let up = WeightReader::connect(
+            let r = WeightReader::connect(
                 "wtest",
                 &job,
                 owners(&srv),
@@ -1258,6 +1260,14 @@ mod tests {
                 Duration::from_secs(5),
             )
             .expect("connect");
+            Some((srv, r))
+        }
+
+        #[test]
+        fn a_node_cache_whose_fetch_fails_names_the_trainer_rank() {
+            let Some((mut srv, up)) = fabric_owners("h") else {
+                return;
+            };
             let copies = format!("h{}c", std::process::id());
             let cache = cache::NodeCache::start(
                 std::sync::Arc::new(up),
@@ -1343,25 +1353,9 @@ mod tests {
 
         #[test]
         fn a_gone_owner_is_named_not_waited_for() {
-            if !crate::transport::fabric::is_present() {
-                eprintln!("skipped: libfabric.so.1 cannot be loaded here");
+            let Some((mut srv, r)) = fabric_owners("g") else {
                 return;
-            }
-            let layout = SlotLayout {
-                slots: 2,
-                slot_bytes: 4096,
             };
-            let job = format!("g{}", std::process::id());
-            let mut srv = servers(&job, 2, layout, Serve::Fabric);
-            publish_all(&srv, 0);
-            let r = WeightReader::connect(
-                "wtest",
-                &job,
-                owners(&srv),
-                Prefer::Fabric,
-                Duration::from_secs(5),
-            )
-            .expect("connect");
             drop(srv.pop());
             let (mut a, mut b) = (vec![0u8; 4096], vec![0u8; 4096]);
             let t0 = Instant::now();
