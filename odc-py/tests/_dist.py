@@ -59,6 +59,22 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "transformers.models.llama.modeling_llama"]
 
 
+def python_with_verl_auto(code: str) -> str:
+    """Runs ``code`` in a new interpreter started as verl's workers start under ODC training
+    (``VERL_USE_EXTERNAL_MODULES=odc.integrations.verl_auto``, ``ODC_VERL_BALANCE=none``, no ``VERL_PLATFORM``), this
+    process's ``sys.path`` on its path; returns its last line of output. A non-zero exit fails the test, with its
+    stderr."""
+    import subprocess
+
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="odc.integrations.verl_auto", ODC_VERL_BALANCE="none",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("VERL_PLATFORM", None)
+    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=False, capture_output=True, text=True,
+                       env=env, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
 def preload_for(modules: Any) -> None:
     """Adds to ``PRELOAD`` what the ranks of these test modules import (each module's ``RANK_PRELOAD``, e.g. a
     trainer that takes 15 s of CPU to import in every rank), where its package is installed. conftest.py calls

@@ -163,17 +163,10 @@ def test_the_engine_is_registered_whichever_is_imported_first():
     ``VERL_USE_EXTERNAL_MODULES=odc.integrations.verl_auto`` (ODC training) verl imported odc.integrations.verl long
     before that, while verl itself was being imported: the engine is registered once verl's checkpoint engines load,
     and the finder that did it is gone."""
-    import subprocess
-    import sys
+    from _dist import python_with_verl_auto
 
     code = ("import sys, verl.checkpoint_engine as ce; from verl.utils.import_utils import import_external_libs; "
             "import_external_libs('odc.integrations.verl'); "
             "print(ce.CheckpointEngineRegistry.get('odc').__name__, "
             "[type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith('odc')])")
-    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="odc.integrations.verl_auto", ODC_VERL_BALANCE="none",
-               PYTHONPATH=os.pathsep.join(sys.path))
-    env.pop("VERL_PLATFORM", None)
-    p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=False, capture_output=True, text=True,
-                       env=env, timeout=240)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert p.stdout.strip().splitlines()[-1] == "OdcCheckpointEngine []", p.stdout
+    assert python_with_verl_auto(code) == "OdcCheckpointEngine []"
