@@ -37,17 +37,18 @@ def _local_shards(model) -> dict[str, torch.Tensor]:
 
 
 def trainer(rank, world, store, *, trainers, steps, slots, out, readers_first=0, hold_until=None, stall=None,
-            lr=0.05, odc_on=False, overlap=False):
+            lr=0.05, odc_on=False, overlap=False, served_dtype=None):
     """Trains ``steps`` SGD steps as fast as it can (after ``readers_first`` readers attached), recording every
     version's local shards into ``out`` (a torch.save file per rank). ``stall``: (phases, steps per phase) of
     alternating step-time phases without and with readers reading; returns the phases' step times. ``overlap``:
-    each version is copied on the server's thread while the next step computes."""
+    each version is copied on the server's thread while the next step computes. ``served_dtype``: served in it."""
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=trainers)
     model = build(trainers, seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     if odc_on:  # FSDP2 on ODC: the weights are served the same way
         odc.fsdp.enable(model, opt, timeout=60)
-    server = odc.fsdp.serve_weights(model, opt, name=NAME, slots=slots, store=store, overlap=overlap)
+    server = odc.fsdp.serve_weights(model, opt, name=NAME, slots=slots, store=store, overlap=overlap,
+                                    dtype=served_dtype)
     versions = [_local_shards(model)]
     if readers_first:
         _wait(store, f"t/attached{readers_first}")

@@ -38,6 +38,23 @@ def test_weights_runs_every_arm_and_checks_each_read(tmp_path, capsys):
     assert row["serve_memory_bytes_per_rank"] >= 2 * row["bytes"] // 2
 
 
+def test_weights_served_in_bf16_moves_half_the_bytes_on_both_arms(tmp_path, capsys):
+    """--served-dtype bf16: the trainers serve bf16 and the baseline broadcasts bf16; every read is still checked
+    against the broadcast model (rank_fn raises otherwise), the slots hold half the bytes, the limit counts bf16."""
+    out = tmp_path / "weights.json"
+    code = main(["weights", "--sizes", "4M", "--dim", "256", "--trainers", "2", "--readers", "1", "--repeats", "1",
+                 "--steps", "1", "--served-dtype", "bf16", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["where"] == "host, bf16 served" and row["served"] == "bf16", row
+    reader = next(r for r in doc["runs"]["host"]["ranks"] if r["role"] == "reader")
+    assert row["limit_s"] == pytest.approx(row["bytes"] / 2 / reader["copy_Bps"]), row
+    # 2 slots of each rank's half of the model in bf16: half the f32 server's.
+    assert 2 * row["bytes"] // 2 // 2 <= row["serve_memory_bytes_per_rank"] < 2 * row["bytes"] // 2, row
+
+
 def test_weights_refuses_an_unknown_setup(capsys):
     assert main(["weights", "--where", "moon"]) == 2
     assert "--where 'moon': expected host, netns or netns:RATE" in capsys.readouterr().err

@@ -61,18 +61,25 @@ def _check_reads(reads, per_version) -> tuple[int, int]:
     return len(reads), len({r[0] for r in reads})
 
 
-@pytest.mark.parametrize(("kill", "odc_on", "overlap"), [(False, False, False), (True, False, False),
-                                                         (False, True, False), (False, False, True)],
-                         ids=["two-readers", "one-reader-sigkilled", "fsdp2-on-odc", "overlapped-copies"])
-def test_whole_versions_while_training(tmp_path, kill, odc_on, overlap):
+WHOLE = {"two-readers": {}, "one-reader-sigkilled": {"kill": True}, "fsdp2-on-odc": {"odc_on": True},
+         "overlapped-copies": {"overlap": True}, "bf16-served": {"served_dtype": torch.bfloat16}}
+
+
+@pytest.mark.parametrize("case", list(WHOLE))
+def test_whole_versions_while_training(tmp_path, case):
     """2 trainer ranks step 100 times as fast as they can while 2 readers loop: every read is exactly one
     version. With ``kill``, one reader is SIGKILLed in the middle of a copy: the trainers finish, the other reader
     still reads whole versions. ``odc_on``: the trainer's FSDP2 runs on ODC (``odc.fsdp.enable``). ``overlap``:
-    each version is copied on the server's thread while the next step computes (``serve_weights(overlap=True)``)."""
+    each version is copied on the server's thread while the next step computes (``serve_weights(overlap=True)``).
+    ``served_dtype``: the versions are served in bf16 (``serve_weights(dtype=...)``), each read equal to one
+    version cast by the reader itself."""
+    kill = WHOLE[case].get("kill", False)
     trainers, steps = 2, 100
     roles = ["trainer", "trainer", "reader", "reader"]
     kw = {"trainer": {"trainers": trainers, "steps": steps, "slots": 2, "out": str(tmp_path),
-                      "readers_first": 2, "odc_on": odc_on, "overlap": overlap},
+                      "readers_first": 2, "odc_on": WHOLE[case].get("odc_on", False),
+                      "overlap": WHOLE[case].get("overlap", False),
+                      "served_dtype": WHOLE[case].get("served_dtype")},
           "reader": {"out": str(tmp_path), "fault_every": 3}}
     if kill:
         roles[3] = "killed"
@@ -220,6 +227,31 @@ def test_an_overlapped_copy_is_of_its_step_and_the_next_step_waits_for_it(store)
     assert server.version == 3  # closed: no hook publishes
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["copy-in-the-hook", "overlap"])
+def test_bf16_served_versions_hold_half_the_bytes_and_read_exactly_as_the_trainers_cast(store, overlap):
+    """serve_weights(dtype=torch.bfloat16): the slots hold bf16 (half the bytes of the f32 server's), the manifest
+    says bf16, a bf16 read of each version is bit-identical to casting that step's f32 parameters, an f32 read gets
+    those bf16 values widened; with overlap the cast runs on the server's thread, still before the next step."""
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    full = serve_weights(_model(), store=store, name=f"f32{overlap}", slots=2)
+    server = serve_weights(m, opt, store=store, name=f"bf16{overlap}", slots=2, overlap=overlap,
+                           dtype=torch.bfloat16)
+    assert server.slot_bytes < full.slot_bytes and server.dtype == torch.bfloat16
+    r = odc.WeightReader(store, name=f"bf16{overlap}", timeout=5)
+    assert {dt for _, dt in r.params.values()} == {torch.bfloat16}
+    for v in (1, 2, 3):
+        _step(m, opt)
+        want = {k: p.detach().clone() for k, p in m.named_parameters()}
+        server.wait()
+        got = r.read(version=v, dtype=torch.bfloat16)
+        wide = r.read(version=v, dtype=torch.float32)
+        for k, w in want.items():
+            assert torch.equal(got.tensors[k], w.to(torch.bfloat16)), (v, k)
+            assert torch.equal(wide.tensors[k], w.to(torch.bfloat16).float()), (v, k)
+        assert not all(torch.equal(wide.tensors[k], w) for k, w in want.items())  # rounded: not the f32 values
+
+
 def test_bad_input_names_the_first_mismatch_and_leaves_into_unchanged(store):
     m = _model()
     server = serve_weights(m, store=store, name="bad", slots=2)  # kept: dropping it withdraws the slots
@@ -230,6 +262,8 @@ def test_bad_input_names_the_first_mismatch_and_leaves_into_unchanged(store):
         serve_weights(m, store=store, name="k1", slots=1)
     with pytest.raises(odc.ConfigError, match=r"shards are on \['meta'\]; they must all be on the CPU or all on "):
         serve_weights(torch.nn.Linear(2, 2, device="meta"), store=store, name="m1")
+    with pytest.raises(odc.ConfigError, match=r"dtype=torch\.int8; a floating-point torch\.dtype"):
+        serve_weights(m, store=store, name="d1", dtype=torch.int8)
     with pytest.raises(odc.ConfigError, match="overlap='yes'; True or False"):
         serve_weights(m, store=store, name="o1", overlap="yes")
     with pytest.raises(odc.ConfigError, match="staging='shard'; expected one of whole, pieces"):

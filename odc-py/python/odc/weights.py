@@ -273,11 +273,17 @@ class WeightServer:
     """
 
     def __init__(self, model: nn.Module, *, store: Any, name: str, slots: int, rank: int, world: int,
-                 timeout: float, transport: str = "auto", overlap: bool = False) -> None:
+                 timeout: float, transport: str = "auto", overlap: bool = False,
+                 dtype: torch.dtype | None = None) -> None:
         _check_name(name)
         _check_transport(transport, "serve_weights")
         if not isinstance(overlap, bool):
             raise ConfigError(f"serve_weights: overlap={overlap!r}; True or False")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise ConfigError(f"serve_weights: dtype={dtype!r}; a floating-point torch.dtype (torch.bfloat16, say) "
+                              "or None (each parameter's own)")
+        #: The dtype floating-point parameters are served in (None: each parameter's own).
+        self.dtype = dtype
         #: Whether :meth:`publish` copies on a thread of its own (see :func:`serve_weights`).
         self.overlap = overlap
         self._copier: concurrent.futures.ThreadPoolExecutor | None = None
@@ -288,26 +294,39 @@ class WeightServer:
                               "of version v never blocks the publish of v + 1")
         self.name, self.slots, self.rank, self.world = name, slots, rank, world
         self._pieces: list[tuple[str, torch.Tensor, int, int]] = []  # name, local shard, elem offset, byte offset
+        #: Per piece, the dtype its slot bytes hold (the served dtype of a floating-point shard, else its own).
+        self._served_dtypes: list[torch.dtype] = []
         offset = 0
         flat = _fsdp1_pieces(model, world)
+        params: list[list[Any]]
         if flat is None:
             served = list(_local_pieces(model, rank, world))
             params = [[fqn, list(p.shape), _dtype_name(p.dtype)] for fqn, p in model.named_parameters()]
         else:
             served, params = flat
+        if dtype is not None:
+            params = [[fqn, shape, _dtype_name(dtype) if _dtype(dt).is_floating_point else dt]
+                      for fqn, shape, dt in params]
         devices = {local.device for _, local, _, _ in served}
         if len(devices) > 1 or any(d.type not in ("cpu", "cuda") for d in devices):
             raise ConfigError(f"serve_weights: this rank's shards are on {sorted(map(str, devices))}; they must "
                               "all be on the CPU or all on one CUDA device")
         for fqn, local, _, elem in served:
+            kind = dtype if dtype is not None and local.dtype.is_floating_point else local.dtype
             self._pieces.append((fqn, local, elem, offset))
-            offset += -(-local.numel() * local.element_size() // _ALIGN) * _ALIGN
+            self._served_dtypes.append(kind)
+            offset += -(-local.numel() * kind.itemsize // _ALIGN) * _ALIGN
         self.slot_bytes = max(offset, _ALIGN)
+        #: A cast on the host: this rank's shards in the served dtype, copied into the slot from here.
+        self._cast_stage: torch.Tensor | None = None
+        if any(k != local.dtype for k, (_, local, _, _) in zip(self._served_dtypes, self._pieces, strict=True)):
+            self._cast_stage = torch.empty(self.slot_bytes, dtype=torch.uint8)
         #: CUDA shards: the device copy of a version and its host staging (see :class:`_DeviceSnapshot`).
         self._device: _DeviceSnapshot | None = None
         if devices and next(iter(devices)).type == "cuda":
             self._device = _DeviceSnapshot(next(iter(devices)), self.slot_bytes)
             self.overlap = True  # the copy to the host slot always runs on the thread
+            self._cast_stage = None  # the device snapshot casts
         base = _base_store(store)
         job_key = "w" + "".join(c if c.isalnum() else "_" for c in name)[:15]
         # Serving a name again in the same store (a restart, a test) is a new generation: every rank counts its
@@ -362,27 +381,44 @@ class WeightServer:
         v = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
         parts, keep = [], []
-        for _, local, _, off in self._pieces:
+        casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slot bytes viewed in the served dtype, shard)
+        for (_, local, _, off), kind in zip(self._pieces, self._served_dtypes, strict=True):
             src = local if local.is_contiguous() else local.contiguous()
             keep.append(src)
-            parts.append((off, src.data_ptr(), src.numel() * src.element_size()))
+            if self._cast_stage is not None and kind != src.dtype:
+                n = src.numel() * kind.itemsize
+                casts.append((self._cast_stage[off:off + n].view(kind), src.reshape(-1)))
+                parts.append((off, self._cast_stage.data_ptr() + off, n))
+            else:
+                parts.append((off, src.data_ptr(), src.numel() * src.element_size()))
         if self._device is not None:  # CUDA: a device copy on a side stream now, the host copy on the thread
-            parts, keep = self._device.snapshot(self._pieces), [self._device.host]
+            parts, keep = self._device.snapshot(self._pieces, self._served_dtypes), [self._device.host]
+        if casts:
+            keep.append(self._cast_stage)  # type: ignore[arg-type]  # not None where casts were made
         if self.overlap:
             if self._copier is None:
                 self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"odc-publish-{self.name}")
-            self._pending = self._copier.submit(self._copy, v, parts, keep)
+            self._pending = self._copier.submit(self._copy, v, parts, keep, casts)
         else:
+            self._cast(casts)
             self._server.publish(v, parts)
         self.publish_seconds.append(time.perf_counter() - t0)
         self.version = v
         return v
 
-    def _copy(self, version: int, parts: list[tuple[int, int, int]], keep: list[torch.Tensor]) -> None:
+    @staticmethod
+    def _cast(casts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for dst, src in casts:
+                dst.copy_(src)
+
+    def _copy(self, version: int, parts: list[tuple[int, int, int]], keep: list[torch.Tensor],
+              casts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self._copy_delay:
             time.sleep(self._copy_delay)
         if self._device is not None:
             self._device.staged.synchronize()  # the side stream's copy to the host staging is done
+        self._cast(casts)
         self._server.publish(version, parts)  # the GIL released for the copy
         del keep
 
@@ -442,17 +478,20 @@ class _DeviceSnapshot:
         self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
-    def snapshot(self, pieces: list[tuple[str, torch.Tensor, int, int]]) -> list[tuple[int, int, int]]:
-        """Queues the copies of ``pieces`` (name, local shard, element offset, byte offset); returns the parts
-        (slot offset, host pointer, bytes) the thread copies into the slot once :attr:`staged` is reached."""
+    def snapshot(self, pieces: list[tuple[str, torch.Tensor, int, int]],
+                 dtypes: list[torch.dtype]) -> list[tuple[int, int, int]]:
+        """Queues the copies of ``pieces`` (name, local shard, element offset, byte offset), each cast to its dtype
+        of ``dtypes`` on the device; returns the parts (slot offset, host pointer, bytes) the thread copies into the
+        slot once :attr:`staged` is reached."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
         parts = []
         with torch.cuda.stream(self.stream):
-            for _, local, _, off in pieces:
-                src = (local if local.is_contiguous() else local.contiguous()).reshape(-1).view(torch.uint8)
-                self.snap[off:off + src.numel()].copy_(src, non_blocking=True)
-                parts.append((off, self.host.data_ptr() + off, src.numel()))
+            for (_, local, _, off), kind in zip(pieces, dtypes, strict=True):
+                src = (local if local.is_contiguous() else local.contiguous()).reshape(-1)
+                n = src.numel() * kind.itemsize
+                self.snap[off:off + n].view(kind).copy_(src, non_blocking=True)
+                parts.append((off, self.host.data_ptr() + off, n))
             self.copied.record(self.stream)
             self.host.copy_(self.snap, non_blocking=True)
             self.staged.record(self.stream)
@@ -462,7 +501,8 @@ class _DeviceSnapshot:
 
 def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, name: str = "policy",
                   slots: int = 2, store: Any = None, timeout: float = 60.0, transport: str = "auto",
-                  group: dist.ProcessGroup | None = None, overlap: bool = False) -> WeightServer:
+                  group: dist.ProcessGroup | None = None, overlap: bool = False,
+                  dtype: torch.dtype | None = None) -> WeightServer:
     """Publishes this trainer rank's parameter shards for readers outside the training group.
 
     Call it on every rank, after ``fully_shard`` (and after ``odc.fsdp.enable``, if used), before the loop. It
@@ -498,6 +538,12 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             waits for that copy first (a step pre-hook: it reads the shards the step writes), and so does the next
             publish. Parameters written outside ``optimizer.step()`` (a checkpoint load, an elastic rejoin's copy)
             need :meth:`WeightServer.wait` before. A version is readable once its copy is done.
+        dtype: the dtype floating-point parameters are served in, e.g. ``torch.bfloat16`` for rollout workers that
+            run in bf16: each publish casts the shards (round to nearest even, as ``Tensor.to``) into the slot,
+            so the slots hold half the bytes of f32 and readers move half as many; a reader's bf16 read is
+            bit-identical to casting the trainer's f32 parameters itself, and a wider read gets those bf16
+            values widened. Costs one staging copy of the slot on the host (CUDA: the device snapshot casts).
+            None (default): each parameter's own dtype.
 
     Returns:
         this rank's :class:`WeightServer`. Keep it: when it is garbage collected its slots are withdrawn (the
@@ -514,7 +560,7 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     server = WeightServer(model, store=store, name=name, slots=slots, rank=rank, world=world, timeout=timeout,
-                          transport=transport, overlap=overlap)
+                          transport=transport, overlap=overlap, dtype=dtype)
     if optimizer is not None:
         def publish(*_: Any) -> None:
             server.publish()

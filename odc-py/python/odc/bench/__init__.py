@@ -278,6 +278,9 @@ def _weights_parser(sub: Any) -> None:
     w.add_argument("--staging", choices=("whole", "pieces"), default="pieces",
                    help="the readers' WeightReader(staging=...) for trainer ranks over the network (default pieces: "
                         "two 64 MiB buffers, a copy in flight while the piece before is cast)")
+    w.add_argument("--served-dtype", choices=("f32", "bf16"), default="f32",
+                   help="the dtype the trainers serve (serve_weights(dtype=...)) and the baseline broadcasts "
+                        "(default f32: the model's own)")
     w.add_argument("--json", metavar="FILE", help="write the rows and every process's measurements")
 
 

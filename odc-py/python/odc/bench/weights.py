@@ -108,9 +108,10 @@ def _tcp_rate(ctx: Any, trainers: int, role_rank: int, nbytes: int = 256 << 20) 
 
 
 def rank_fn(ctx: Any, *, trainers: int, sizes: list[int], dim: int, repeats: int, steps: int, staging: str,
-            tcp: bool) -> dict[str, Any]:
+            tcp: bool, served: str = "f32") -> dict[str, Any]:
     """One process of the benchmark: ranks ``0..trainers-1`` train, the others read. Returns every process's
-    measurements (rank 0 gathers them)."""
+    measurements (rank 0 gathers them). ``served="bf16"``: the trainers serve bf16 (``serve_weights(dtype=...)``)
+    and the baseline's rank 0 casts each tensor to bf16 before it broadcasts it (the same bytes on the wire)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -163,15 +164,16 @@ def rank_fn(ctx: Any, *, trainers: int, sizes: list[int], dim: int, repeats: int
                 full: Any = get_model_state_dict(model, options=opts)
                 if ctx.rank == 0:
                     for n in names:
-                        dist.broadcast(full[n], src=0, group=bgroup)
+                        dist.broadcast(full[n] if served == "f32" else full[n].to(torch.bfloat16), src=0,
+                                       group=bgroup)
                 del full
                 runs.append(time.perf_counter() - t0)
             else:
                 got = {}
-                buf = torch.empty(dim, dim)
+                buf = torch.empty(dim, dim, dtype=torch.float32 if served == "f32" else torch.bfloat16)
                 for n in names:
                     dist.broadcast(buf, src=0, group=bgroup)
-                    got[n] = buf.to(torch.bfloat16)
+                    got[n] = buf.to(torch.bfloat16, copy=True)
                 runs.append(time.perf_counter() - t0)
                 sums = _sums(got)
                 del got
@@ -181,7 +183,8 @@ def rank_fn(ctx: Any, *, trainers: int, sizes: list[int], dim: int, repeats: int
         server: Any = None
         if trainer:
             server = odc.fsdp.serve_weights(model, None, name=f"{NAME}{size}", slots=2, store=ctx.store,
-                                            group=tgroup, timeout=120)
+                                            group=tgroup, timeout=120,
+                                            dtype=torch.bfloat16 if served == "bf16" else None)
             row["serve_memory_bytes"] = server.memory_bytes
             row["fabric"] = server.fabric
             row["publish_s"] = []
@@ -258,9 +261,10 @@ def _median(xs: list[float]) -> float:
 
 
 def summarise(where: str, rate_bps: float | None, out: dict[str, Any], sizes: list[int], trainers: int,
-              readers: int, hosts: int = 1) -> list[dict[str, Any]]:
+              readers: int, hosts: int = 1, served: str = "f32") -> list[dict[str, Any]]:
     """Per size: the median over repeats of the slowest reader's time, each arm; the limit; the stall. ``hosts``:
-    the trainer hosts (namespaces) of a ``netns`` setup."""
+    the trainer hosts (namespaces) of a ``netns`` setup; ``served``: the dtype the versions are served (and the
+    baseline broadcast) in, whose bytes the limit counts."""
     ranks = out["ranks"]
     rd = [r for r in ranks if r["role"] == "reader"]
     tr = [r for r in ranks if r["role"] == "trainer"]
@@ -268,24 +272,28 @@ def summarise(where: str, rate_bps: float | None, out: dict[str, Any], sizes: li
     for size in sizes:
         k = str(size)
         nbytes = rd[0]["sizes"][k]["bytes"]
+        wire = nbytes if served == "f32" else nbytes // 2  # the bytes a reader moves
         slowest = {arm: _median([max(r["sizes"][k][arm][i] for r in rd)
                                  for i in range(len(rd[0]["sizes"][k][arm]))]) for arm in ("baseline_s", "odc_s")}
         if where == "host":
             copy = min(r["copy_Bps"] for r in rd)
-            limit, how = nbytes / copy, f"f32 bytes / copy rate ({copy / 1e9:.2f} GB/s per reader, all at once)"
+            limit, how = wire / copy, f"{served} bytes / copy rate ({copy / 1e9:.2f} GB/s per reader, all at once)"
         elif rate_bps and hosts > 1:  # each trainer host's link carries its ranks' share to every reader
-            limit = readers * nbytes * 8 / (hosts * rate_bps)
-            how = f"{readers} x f32 bytes over {hosts} trainer links of {rate_bps / 1e9:g} Gbit/s each"
+            limit = readers * wire * 8 / (hosts * rate_bps)
+            how = f"{readers} x {served} bytes over {hosts} trainer links of {rate_bps / 1e9:g} Gbit/s each"
         elif rate_bps:
-            limit = readers * nbytes * 8 / rate_bps
-            how = f"{readers} x f32 bytes over the {rate_bps / 1e9:g} Gbit/s link"
+            limit = readers * wire * 8 / rate_bps
+            how = f"{readers} x {served} bytes over the {rate_bps / 1e9:g} Gbit/s link"
         else:
             tcp = next(r["tcp_Bps"] for r in rd if r["tcp_Bps"])
-            limit, how = readers * nbytes / tcp, f"{readers} x f32 bytes over a plain TCP stream ({tcp / 1e9:.2f} GB/s)"
+            limit = readers * wire / tcp
+            how = f"{readers} x {served} bytes over a plain TCP stream ({tcp / 1e9:.2f} GB/s)"
         alone = _median([_median(r["sizes"][k]["step_alone_s"]) for r in tr])
         read = _median([_median(r["sizes"][k]["step_read_s"]) for r in tr])
         rows.append({
-            "where": where if hosts == 1 else f"{where} x{hosts}", "trainer_hosts": hosts, "bytes": nbytes,
+            "where": (where if hosts == 1 else f"{where} x{hosts}") + ("" if served == "f32" else f", {served} served"),
+            "trainer_hosts": hosts, "served": served,
+            "bytes": nbytes,
             "trainers": trainers, "readers": readers,
             "baseline_s": slowest["baseline_s"], "odc_s": slowest["odc_s"], "limit_s": limit, "limit": how,
             "speedup": slowest["baseline_s"] / slowest["odc_s"], "of_limit": slowest["odc_s"] / limit,
@@ -327,7 +335,7 @@ def command(args: Any) -> int:
     for where in args.where.split(","):
         kind, _, rate = where.partition(":")
         kw = {"trainers": args.trainers, "sizes": sizes, "dim": args.dim, "repeats": args.repeats,
-              "steps": args.steps, "staging": args.staging}
+              "steps": args.steps, "staging": args.staging, "served": args.served_dtype}
         load0 = os.getloadavg()[0]
         if kind == "host":
             out = launch.run_ranks(rank_fn, world, backend="gloo", tcp=False, **kw)
@@ -343,7 +351,8 @@ def command(args: Any) -> int:
             rate_bps = netns.rate_bits(rate) if rate else None
         else:
             raise UsageError(f"--where {where!r}: expected host, netns or netns:RATE")
-        got = summarise(where, rate_bps, out, sizes, args.trainers, args.readers, hosts if kind == "netns" else 1)
+        got = summarise(where, rate_bps, out, sizes, args.trainers, args.readers, hosts if kind == "netns" else 1,
+                        args.served_dtype)
         for r in got:
             r["load"] = [load0, os.getloadavg()[0]]
         rows += got
