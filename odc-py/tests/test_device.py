@@ -370,14 +370,20 @@ def _weights_on_cuda(rank, world, store, steps=20):
     timed(3)
     plain = timed(steps)
     server = odc.weights.serve_weights(model, opt, store=store, name="cuda", slots=2)
+    # The same versions served in bf16: the device snapshot casts.
+    halved = odc.weights.serve_weights(model, opt, store=store, name="cuda-bf16", slots=2, dtype=torch.bfloat16)
     reader = odc.WeightReader(store, name="cuda", timeout=30)
+    reader16 = odc.WeightReader(store, name="cuda-bf16", timeout=30)
     want = {0: {k: p.detach().cpu() for k, p in model.named_parameters()}}
     for v in range(1, steps + 1):
         step()
         want[v] = {k: p.detach().cpu() for k, p in model.named_parameters()}
         got = reader.read(version=v - 1, dtype=torch.float32)
+        got16 = reader16.read(version=v - 1, dtype=torch.bfloat16)
         for k, w in want[v - 1].items():
             assert torch.equal(got.tensors[k], w), f"version {v - 1}: {k} is not its step's"
+            assert torch.equal(got16.tensors[k], w.to(torch.bfloat16)), f"bf16 version {v - 1}: {k}"
+    halved.close()
     served = timed(steps)
     server.wait()
     return {"plain_ms": plain * 1e3, "served_ms": served * 1e3, "device_bytes": server.device_bytes,

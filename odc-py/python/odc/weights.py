@@ -436,7 +436,8 @@ class WeightServer:
     @property
     def memory_bytes(self) -> int:
         """Bytes of shared memory the slots hold on this rank (K · slot bytes, plus headers). CUDA shards add one
-        slot's bytes on the device and one in pinned host memory (:attr:`device_bytes`)."""
+        slot's bytes on the device and one in pinned host memory (:attr:`device_bytes`); CPU shards served in
+        another dtype (``dtype=``) one slot's bytes of private host memory, the staging they are cast into."""
         return self.slots * (self.slot_bytes + 128) + 64
 
     @property
