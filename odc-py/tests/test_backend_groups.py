@@ -128,7 +128,7 @@ def test_turns_pair_every_rank_on_the_same_groups_operation_also_when_the_switch
     def make_second_group(rank: int) -> None:
         time.sleep(0.05 * (rank + 1))  # group 0's operations are running meanwhile
         try:
-            sets[rank].post_turns(dist.PrefixStore("group1/", store), 20.0)
+            sets[rank].post_turns(dist.PrefixStore("group1/", store), 20.0, 1)
         except BaseException as e:
             errors.append(e)
         created[rank].set()
@@ -145,3 +145,57 @@ def test_turns_pair_every_rank_on_the_same_groups_operation_also_when_the_switch
         assert len(seen[rank]) == 120, len(seen[rank])
         crossed = [(turn, mine, other) for turn, mine, other in seen[rank] if mine != other]
         assert crossed == [], crossed[:5]
+
+
+def test_the_new_groups_operation_waits_for_the_latest_turn_any_rank_switched_at():
+    """The race above, made certain: rank 1 is in turn 2 (group 0's operation 2, waiting for rank 0) when the second
+    group is made, so rank 0 switches at turn 2 and rank 1 at turn 3; rank 0's new-group thread then asks first.
+    Before, it took turn 2 (posted, but rank 1 read from turn 3 on): rank 0 ran group 1's operation 0 against rank
+    1's group 0 operation 2, and the next turns waited on each other until the deadline."""
+    from odc.backend._engines import EngineSet, SetKey
+
+    store = dist.HashStore()
+    key = SetKey((0, 1), "shm", None, 1 << 20, 5.0, "test")
+    sets = [EngineSet(key, r, dist.PrefixStore("order/", store)) for r in range(2)]
+    seen: dict[int, list] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def op(rank: int, ticket: tuple[int, int]) -> None:
+        try:
+            sets[rank].acquire(ticket, "op")
+            try:
+                _engine_op(store, rank, sets[rank]._turn, ticket, seen[rank])
+            finally:
+                sets[rank].release()
+        except BaseException as e:
+            errors.append(e)
+
+    def run(*calls: tuple[int, tuple[int, int]]) -> list[threading.Thread]:
+        threads = [threading.Thread(target=op, args=c) for c in calls]
+        for t in threads:
+            t.start()
+        return threads
+
+    for i in (0, 1):  # turns 0 and 1: group 0 on both ranks
+        for t in run((0, (0, i)), (1, (0, i))):
+            t.join(10)
+    (late,) = run((1, (0, 2)))  # rank 1 takes turn 2 and waits for rank 0 there
+    deadline = time.monotonic() + 5
+    while not sets[1]._busy and time.monotonic() < deadline:
+        time.sleep(0.001)
+    switch = [threading.Thread(target=sets[r].post_turns, args=(dist.PrefixStore("group1/", store), 5.0, 1))
+              for r in (0, 1)]
+    for t in switch:
+        t.start()
+    for t in switch:
+        t.join(10)
+    assert (sets[0]._posted_from, sets[1]._posted_from) == (2, 3)
+    new = run((0, (1, 0)), (1, (1, 0)))  # rank 0's new group asks before its group 0's operation 2
+    time.sleep(0.2)
+    old = run((0, (0, 2)))
+    for t in [late, *new, *old]:
+        t.join(15)
+    assert not errors, errors
+    for rank in (0, 1):
+        assert [(turn, mine) for turn, mine, _ in seen[rank]] == [(0, (0, 0)), (1, (0, 1)), (2, (0, 2)), (3, (1, 0))]
+        assert all(mine == other for _, mine, other in seen[rank]), seen[rank]

@@ -19,7 +19,10 @@ turns when its second group is made, without waiting for any operation in progre
 next turn on and says which that is, each other rank reads from then, or from its own next turn if that is
 later, and the new group's creation waits until every rank has switched. A turn a rank ran unread after
 rank 0 began posting is safe: until the switch completes, no rank has made the new group, so the turn was
-an operation of the one group that rank had (in that group's order).
+an operation of the one group that rank had (in that group's order). And no rank runs the new group's
+operations before the latest turn any rank switched at (rank 0 gathers them and hands the latest to every
+rank): a rank behind another would otherwise run one in a turn the other already ran, unposted, with the
+first group's operation.
 """
 
 from __future__ import annotations
@@ -245,6 +248,9 @@ class EngineSet:
         self._turn = 0  # turns taken so far, alike on every rank
         self._next: tuple[int, int] | None = None  # the ticket rank 0 posted for this turn, once read
         self._posted_from: int | None = None  # the first turn this rank posts (rank 0) or reads (the others)
+        # The group made at the switch, and the first turn its operations may take: the latest turn any rank
+        # switched at (before it, some rank ran the earlier group's operations unposted).
+        self._held: tuple[int, int] | None = None
 
     # -- turns ---------------------------------------------------------------------------------------
     @property
@@ -252,19 +258,27 @@ class EngineSet:
         """Whether this set's turns are posted (from its second group on)."""
         return self._posted_from is not None
 
-    def post_turns(self, group_store: Store, seconds: float) -> None:
-        """Switches this set to posted turns for a new group of it (collective over the new group, through its
-        store, before the group's creation completes: see the module doc)."""
+    def post_turns(self, group_store: Store, seconds: float, group: int) -> None:
+        """Switches this set to posted turns for ``group``, a new group of it (collective over the new group,
+        through its store, before the group's creation completes: see the module doc)."""
         if self.world == 1 or self.posted:
             return
         deadline = time.monotonic() + seconds
         if self.rank == 0:
-            group_store.set("odc-turns/from", str(self._switch(0)))
-            group_store.wait([f"odc-turns/ack{r}" for r in range(1, self.world)], _delta(deadline))
+            first = self._switch(0)
+            group_store.set("odc-turns/from", str(first))
+            acks = [f"odc-turns/ack{r}" for r in range(1, self.world)]
+            group_store.wait(acks, _delta(deadline))
+            hold = max([first, *(int(v.decode()) for v in group_store.multi_get(acks))])
+            group_store.set("odc-turns/hold", str(hold))
         else:
             group_store.wait(["odc-turns/from"], _delta(deadline))
-            self._switch(int(group_store.get("odc-turns/from").decode()))
-            group_store.set(f"odc-turns/ack{self.rank}", "1")
+            group_store.set(f"odc-turns/ack{self.rank}",
+                            str(self._switch(int(group_store.get("odc-turns/from").decode()))))
+            group_store.wait(["odc-turns/hold"], _delta(deadline))
+            hold = int(group_store.get("odc-turns/hold").decode())
+        with self._cv:
+            self._held = (group, hold)
 
     def _switch(self, first: int) -> int:
         """Posts (rank 0) or reads (the others) every turn from ``first`` or this rank's next turn, whichever is
@@ -284,6 +298,11 @@ class EngineSet:
                     f"{what} on the engines of ranks {list(self.key.ranks)} (turn {self._turn})"
                 )
 
+    def _may_run(self, ticket: tuple[int, int]) -> bool:
+        """Whether ``ticket`` may take the next turn: not an operation of the group made at the switch (or a later
+        one) before every rank switched (holding the set's condition)."""
+        return self._held is None or ticket[0] < self._held[0] or self._turn >= self._held[1]
+
     def acquire(self, ticket: tuple[int, int], what: str) -> None:
         """Returns when this thread may run the operation ``ticket`` (group index, operation index) on the set:
         the set is free and, under posted turns, rank 0 runs the same ticket in this turn. Pair with
@@ -291,7 +310,8 @@ class EngineSet:
         deadline = time.monotonic() + self.key.seconds
         while True:
             with self._cv:
-                self._wait(lambda: not self._busy and self._next in (None, ticket), deadline,
+                self._wait(lambda: not self._busy and self._next in (None, ticket) and self._may_run(ticket),
+                           deadline,
                            f"its turn for {what} (group {ticket[0]}, operation {ticket[1]}) after "
                            f"group {self._next[0] if self._next else '?'}'s operation "
                            f"{self._next[1] if self._next else '?'}, which rank {self.key.ranks[0]} runs now")

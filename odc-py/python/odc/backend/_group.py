@@ -212,7 +212,7 @@ class ProcessGroupODC(_Base):
         self._set.check_transport()
         self._ops = 0  # this group's ODC operations so far: with _index, the ticket of its next one
         if self._index > 0:  # groups of these ranks share engines from now on: their turns are posted
-            self._set.post_turns(store, self._seconds)
+            self._set.post_turns(store, self._seconds, self._index)
         self._engines_made = 0  # names each engine made through this group's store afresh
         self._seq = 0  # the collectives called so far (_get_sequence_number_for_group)
         self._gloo: Any = dist.ProcessGroupGloo(prefix_store("odc-gloo/", store), rank, world_size, self._timeout)
