@@ -93,6 +93,10 @@ def _context():
     """The fork-server context; its server starts with the first rank and lives as long as pytest."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    # multiprocessing has one fork server per process: one already started (by odc.bench's launcher, in a test
+    # that ran odc-bench first) holds other preloads. Stopped here (its children live on) so that this one has ours.
+    if forkserver._forkserver._forkserver_pid is not None:
+        forkserver._forkserver._stop()
     # Python 3.11's fork server is a new interpreter that never applies the sys.path it is handed (only each
     # forked child does): the helpers beside this file reach its preload through PYTHONPATH, at its start.
     before = os.environ.get("PYTHONPATH")
