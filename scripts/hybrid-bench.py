@@ -45,7 +45,12 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
 - ``odc-hybrid-zero-raf``: the same with ``reshard_after_forward=G`` on the
   layers (ZeRO++'s hpZ: FSDP2 keeps 1/G of each gathered layer after the
   forward and re-gathers it over the node in the backward, which ODC serves
-  from hybrid-zero's node copy: no more cross-node bytes than without it).
+  from hybrid-zero's node copy: no more cross-node bytes than without it);
+- ``odc-hybrid-<P>``, ``odc-hybrid-zero-<P>``: those two with the
+  end-of-minibatch sum across nodes compressed (``compress={"push": P}``,
+  error feedback on; no gather crosses nodes there, so no gather format):
+  each rank reads the other nodes' quantised partial sums; the formula
+  column is theirs with the sum at ``P``'s width.
 
 Every rank runs the same microbatches (``--micros`` per minibatch of
 ``--seq`` tokens) and the same AdamW loop with torch's clip. Each rank reads
@@ -75,16 +80,35 @@ import sys
 import time
 from typing import Any
 
-from odc.bench.compressed import GATHER_FORMATS, HEADER_BYTES, PUSH_FORMATS, mode_compress, unknown_mode, width
+from odc.bench.compressed import GATHER_FORMATS, HEADER_BYTES, PUSH_FORMATS, mode_compress, width
 
 MODES = ("collective-hsdp", "collective-full", "odc-full", "odc-full-direct", "odc-full-cache", "odc-full-sums",
          "odc-full-bounded", "odc-full-bounded-node", "odc-hybrid", "odc-hybrid-elastic", "odc-hybrid-zero",
          "odc-hybrid-zero-raf")
 
 
+#: The uncompressed modes a compressed one extends (longest name first: odc-hybrid-zero-int8 is hybrid-zero's).
+COMPRESSIBLE = ("odc-full", "odc-hybrid-zero", "odc-hybrid")
+
+
+def split_mode(mode: str, block: int) -> tuple[str, dict[str, Any] | None]:
+    """The uncompressed mode ``mode`` extends and its ``compress=`` setting (``None``: uncompressed); raises
+    ValueError for a name no mode has, a gather format on a hybrid mode among them (no gather crosses nodes)."""
+    if mode in MODES:
+        return mode, None
+    for base in COMPRESSIBLE:
+        try:
+            compress = mode_compress(mode, base, MODES, block)
+        except ValueError:
+            continue
+        if compress is not None and (base == "odc-full" or compress["gather"] is None):
+            return base, compress
+    raise ValueError(mode)
+
+
 def compress_of(mode: str, block: int) -> dict[str, Any] | None:
     """The ``compress=`` setting of a mode (``None``: uncompressed); raises ValueError for a name no mode has."""
-    return mode_compress(mode, "odc-full", MODES, block)
+    return split_mode(mode, block)[1]
 
 
 def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micros: int, seq: int,
@@ -103,6 +127,8 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
     g = ctx.local_world or ctx.world
     n = ctx.world // g
     model = build_model(ModelSpec(**spec), seed=0)
+    compress = compress_of(mode, block)
+    mode = split_mode(mode, block)[0] if mode.startswith("odc-hybrid") else mode  # odc-full-*: by its own name
     if mode in ("collective-hsdp", "odc-hybrid", "odc-hybrid-elastic"):
         mesh = init_device_mesh("cpu", (n, g), mesh_dim_names=("replicate", "shard"))
     else:
@@ -124,7 +150,6 @@ def rank_fn(ctx: Any, *, mode: str, spec: dict[str, Any], minibatches: int, micr
         if mode == "odc-full-bounded-node":
             os.environ["ODC_NODE_CACHE_MB"] = str(g * bounded_cache_mb(model, n, g))
         cross = {"odc-full-direct": "direct", "odc-full-cache": "direct", "odc-full-sums": "node"}.get(mode)
-        compress = compress_of(mode, block)
         odc.fsdp.enable(model, opt, sharding=sharding, timeout=120, cross_node=cross, elastic=elastic,
                         compress=compress)
         eng = model._odc_fsdp.engine
@@ -193,7 +218,11 @@ def formula(mode: str, res: dict[str, Any], minibatches: int, block: int = 32) -
     their scales and the pushed chunks' headers), from P and the counted calls."""
     p, n, g = res["params"], res["n"], res["g"]
     d = n * g
-    compress = compress_of(mode, block)
+    base, compress = split_mode(mode, block)
+    if compress is not None and base == "odc-hybrid":
+        return (n - 1) * p / g * width(compress["push"], block)  # the other nodes' quantised partial sums
+    if compress is not None and base == "odc-hybrid-zero":  # the sums of its piece quantised, the pieces f32
+        return (n - 1) * p / d * (width(compress["push"], block) + 4)
     if compress is not None:
         # The node rules at the formats' widths; a header per pushed chunk (each remote node's sums of this
         # rank's shard of every bucket: one chunk each at these sizes).
@@ -237,7 +266,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated, from {', '.join(MODES)}, or odc-full with compression: odc-full-<push> "
                          f"({', '.join(PUSH_FORMATS)}), odc-full-<gather>g ({', '.join(GATHER_FORMATS)}) or both, "
-                         "e.g. odc-full-int8, odc-full-fp8g-int8; a mode may repeat (runs alternated by hand)")
+                         "e.g. odc-full-int8, odc-full-fp8g-int8; odc-hybrid-<push> or odc-hybrid-zero-<push> (the "
+                         "cross-node sum compressed); a mode may repeat (runs alternated by hand)")
     ap.add_argument("--block", type=int, default=32, help="elements per f32 scale of the compressed modes")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -253,9 +283,13 @@ def main() -> int:
     spec = {"hidden": args.hidden, "layers": args.layers}
     rows, raw, loads = [], {}, []
     modes = args.modes.split(",")
-    bad = unknown_mode(modes, "odc-full", MODES)
-    if bad is not None:
-        ap.error(bad)
+    for mode in modes:
+        try:
+            split_mode(mode, args.block)
+        except ValueError:
+            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, odc-full with compression "
+                     f"(odc-full-<push>, odc-full-<gather>g or odc-full-<gather>g-<push>), or odc-hybrid-<push> / "
+                     f"odc-hybrid-zero-<push> (push: {', '.join(PUSH_FORMATS)}; gather: {', '.join(GATHER_FORMATS)})")
     for mode in modes:
         load_before = os.getloadavg()
         res = netns.run_ranks(rank_fn, args.world, netns=args.netns, transport="auto", backend="gloo", mode=mode,

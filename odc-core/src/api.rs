@@ -27,6 +27,10 @@ pub struct BytesAcrossNodes {
     /// Pushed by this rank to landing slots on another node, headers
     /// included.
     pub pushed: u64,
+    /// Read by this rank's cross-node sum (hybrid sharding) from its
+    /// replicas on the other nodes: their partial sums, or their quantised
+    /// copies under a push format.
+    pub summed: u64,
 }
 use crate::topology::Topology;
 use crate::{Error, Result};
@@ -206,10 +210,11 @@ impl Engine {
 
     /// Bytes this rank moved across nodes on the host data path since the
     /// engine started: its gathers' reads of shards owned on another node
-    /// (the node cache's fetches included) and its pushes' chunks to landing
-    /// slots on another node (headers included), compressed or not. Not
-    /// counted: hybrid sharding's end-of-minibatch sum across nodes, control
-    /// words. `None` on a device engine, whose data path does not count.
+    /// (the node cache's fetches and hybrid-zero's piece copies included),
+    /// its pushes' chunks to landing slots on another node (headers
+    /// included) and what hybrid sharding's end-of-minibatch sum read from
+    /// the other nodes, compressed or not. Not counted: control words.
+    /// `None` on a device engine, whose data path does not count.
     ///
     /// # Errors
     ///
@@ -220,18 +225,20 @@ impl Engine {
         if config.device.is_some() || config.transport.is_device() {
             return Ok(None);
         }
-        let gathered = self
-            .core
-            .reg
-            .get()
-            .map_or(0, |r| r.read_across.load(Ordering::Relaxed));
+        let reg = self.core.reg.get();
+        let gathered = reg.map_or(0, |r| r.read_across.load(Ordering::Relaxed));
+        let summed = reg.map_or(0, |r| r.summed_across.load(Ordering::Relaxed));
         let pushed = self
             .core
             .push
             .lock()
             .map_err(|_| Error::protocol(None, "a push panicked"))?
             .sent_across;
-        Ok(Some(BytesAcrossNodes { gathered, pushed }))
+        Ok(Some(BytesAcrossNodes {
+            gathered,
+            pushed,
+            summed,
+        }))
     }
 
     /// Elastic hybrid sharding ([`EngineConfig::elastic`]): the nodes whose

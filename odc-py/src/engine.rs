@@ -477,8 +477,9 @@ impl PyEngine {
         self.engine.cross_node().name()
     }
 
-    /// Bytes this rank's gathers read from and its pushes sent to other
-    /// nodes since the engine started (`None` on a device engine).
+    /// Bytes this rank's gathers read from, its pushes sent to and its
+    /// cross-node sum (hybrid) read from other nodes since the engine
+    /// started (`None` on a device engine).
     fn bytes_across_nodes(&self, py: Python<'_>) -> PyResult<Option<Py<PyAny>>> {
         let Some(b) = self
             .engine
@@ -487,7 +488,7 @@ impl PyEngine {
         else {
             return Ok(None);
         };
-        let d = py_dict!(py, "gathered" => b.gathered, "pushed" => b.pushed);
+        let d = py_dict!(py, "gathered" => b.gathered, "pushed" => b.pushed, "summed" => b.summed);
         Ok(Some(d.into_any().unbind()))
     }
 

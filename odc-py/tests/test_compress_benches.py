@@ -44,6 +44,23 @@ def test_compressed_mode_names(name):
             mod.compress_of(bad, 32)
 
 
+def test_hybrid_modes_compress_the_cross_node_sum_only():
+    mod = _script("hybrid-bench")
+    int8 = {"push": "int8", "gather": None, "block": 32, "feedback": True}
+    assert mod.split_mode("odc-hybrid-int8", 32) == ("odc-hybrid", int8)
+    assert mod.split_mode("odc-hybrid-zero-int8", 32) == ("odc-hybrid-zero", int8)
+    assert mod.split_mode("odc-hybrid-zero", 32) == ("odc-hybrid-zero", None)
+    # No gather crosses nodes under hybrid sharding: a gather format there names no mode.
+    for bad in ("odc-hybrid-fp8g", "odc-hybrid-fp8g-int8", "odc-hybrid-zero-fp8g", "odc-hybrid-elastic-int8"):
+        with pytest.raises(ValueError, match=bad):
+            mod.split_mode(bad, 32)
+    res = {"params": 1 << 20, "n": 2, "g": 4, "buckets": 5, "micros": 1}
+    f32, zero = mod.formula("odc-hybrid", res, 1), mod.formula("odc-hybrid-zero", res, 1)
+    assert mod.formula("odc-hybrid-int8", res, 1) == pytest.approx(f32 * 36 / 128, rel=1e-12)
+    # hybrid-zero: its piece's sums at int8, the updated pieces still f32.
+    assert mod.formula("odc-hybrid-zero-int8", res, 1) == pytest.approx(zero / 2 * (1 + 36 / 128), rel=1e-12)
+
+
 def test_cross_node_formula_counts_scales_and_headers():
     mod = _script("cross-node-bench")
     args = argparse.Namespace(buckets=8, numel=1 << 20, world=8, micros=2)
@@ -120,11 +137,16 @@ def test_hybrid_bench_int8_pushes_move_fewer_bytes(tmp_path):
     _netns_or_skip()
     out = tmp_path / "h.json"
     p = _run("hybrid-bench.py", "--netns", "2", "-g", "4", "--minibatches", "1", "--micros", "1", "--seq", "64",
-             "--hidden", "64", "--layers", "2", "--modes", "odc-full,odc-full-int8", "--json", str(out), timeout=300)
+             "--hidden", "64", "--layers", "2", "--modes", "odc-full,odc-full-int8,odc-hybrid,odc-hybrid-int8",
+             "--json", str(out), timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(out.read_text())
     rows = {r[0]: r for r in doc["rows"]}
     plain, packed = rows["odc-full"][2], rows["odc-full-int8"][2]
     assert packed < 0.8 * plain, (packed, plain)
     assert rows["odc-full-int8"][3] < rows["odc-full"][3]  # the formula counts the narrower pushes
-    assert [m for m, _, _ in doc["loads"]] == ["odc-full", "odc-full-int8"]
+    # Hybrid: the cross-node sum, all that crosses, at int8 (36/128 of f32 with its scales), TCP's own on top.
+    plain, packed = rows["odc-hybrid"][2], rows["odc-hybrid-int8"][2]
+    assert packed < 0.4 * plain, (packed, plain)
+    assert 0.85 < packed / rows["odc-hybrid-int8"][3] < 1.3, (packed, rows["odc-hybrid-int8"][3])
+    assert [m for m, _, _ in doc["loads"]] == ["odc-full", "odc-full-int8", "odc-hybrid", "odc-hybrid-int8"]

@@ -29,17 +29,19 @@ FP8_INT8 = {"gather": "fp8", "push": "int8", "block": 32, "feedback": True}
 TABLE = ((2, 1, 1, 2),) * 8
 
 
-def compress_worker(rank, world, store, per_node, modes, table, lr, transport="shm"):
+def compress_worker(rank, world, store, per_node, modes, table, lr, transport="shm", sharding="full"):
     """Per mode (a name and its ``compress=`` setting), the same SGD loop over ``table`` on one fixed batch
     (microbatch m of rank r is the same at every step): this rank's summed loss per step and, per parameter,
-    the sum over steps of its gradient shard as FSDP2 holds it."""
+    the sum over steps of its gradient shard as FSDP2 holds it. Full sharding with node sums, or ``sharding``
+    ("hybrid": FSDP2's HSDP mesh; "hybrid-zero": a 1-D mesh)."""
     H.as_nodes(per_node, transport)
     H.init_pg(rank, world, store)
     out = {}
     for name, compress in modes:
-        model = H.build(world)
+        model = H.build(world, mesh=H.hsdp_mesh(world, per_node) if sharding == "hybrid" else None)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
-        odc.fsdp.enable(model, opt, timeout=60, cross_node="node", compress=compress)
+        kw = {"cross_node": "node"} if sharding == "full" else {"sharding": sharding}
+        odc.fsdp.enable(model, opt, timeout=60, compress=compress, **kw)
         engine = model._odc_fsdp.engine
         losses, grads = [], {}
         for plan in table:
@@ -137,6 +139,43 @@ def test_compressed_gathers_and_pushes_follow_the_uncompressed_run(transport):
     assert 0.27 < ratios[0] < 0.30 and 0.27 < ratios[1] < 0.34, ratios
 
 
+@pytest.mark.parametrize("sharding", ["hybrid", "hybrid-zero"])
+def test_compressed_hybrid_sums_follow_the_uncompressed_run_and_keep_the_replicas_equal(sharding):
+    # Under hybrid sharding only the end-of-minibatch sum of the gradient shards crosses nodes: with a push
+    # format each rank quantises its node's partial sums once (int8, error feedback) and every node adds every
+    # node's dequantised copy in node order, its own too.
+    modes = (("plain", None), ("int8", INT8))
+    out = H.all_ok(run_ranks(compress_worker, WORLD, timeout=240, per_node=PER_NODE, modes=modes, table=TABLE,
+                             lr=0.5, sharding=sharding))
+    plain = [sum(out[r]["plain"]["losses"][s] for r in out) for s in range(len(TABLE))]
+    packed = [sum(out[r]["int8"]["losses"][s] for r in out) for s in range(len(TABLE))]
+    assert plain[-1] < 0.9 * plain[0], plain
+    grads = _gap(out, "int8")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(packed, plain, strict=True))
+    print(f"{sharding}: losses uncompressed {plain}, int8 sums {packed}, largest relative gap {worst:.2e}; "
+          f"grads {grads:.2e}")
+    # On: the gradient sums differ by far more than summation order would (a few 1e-7 relative).
+    assert grads > 2e-5, f"compress= had no effect: gradient sums differ by {grads:.2e}"
+    # The bound of the full-sharding test above, for the same reason: one int8 rounding (amax/254 of a block)
+    # of each node's partial sums, kept within one residual of the exact updates by error feedback.
+    assert worst < 2e-4, (worst, plain, packed)
+    if sharding == "hybrid":
+        # Every node added the same dequantised copies in the same order: the replicas' gradient shards (and
+        # so their parameters) are the same bits.
+        for r in range(PER_NODE):
+            assert out[r]["int8"]["grads"] == out[r + PER_NODE]["int8"]["grads"], r
+    # What crossed, by the engine's counters: only the sums' reads (hybrid-zero's piece copies of parameters
+    # too, uncompressed and alike in both runs), int8 copies with a 4-byte scale per 32 elements: 0.28x.
+    across = {name: {k: sum(out[r][name]["across"][k] for r in out) for k in ("gathered", "pushed", "summed")}
+              for name in ("plain", "int8")}
+    print(f"{sharding}: bytes across nodes {across}")
+    assert across["plain"]["pushed"] == across["int8"]["pushed"] == 0, across
+    assert across["plain"]["gathered"] == across["int8"]["gathered"], across
+    assert (across["plain"]["gathered"] > 0) == (sharding == "hybrid-zero"), across
+    ratio = across["int8"]["summed"] / across["plain"]["summed"]
+    assert 0.27 < ratio < 0.30, (ratio, across)
+
+
 def test_error_feedback_keeps_the_sum_of_pushes_exact():
     steps = ((1, 1, 1, 1),) * 6
     modes = (("plain", None), ("feedback", INT8), ("no_feedback", {**INT8, "feedback": False}))
@@ -159,15 +198,28 @@ def test_a_wrong_setting_is_refused_by_name():
     assert odc.engine.compress_args(None) is None
 
 
+def test_what_deterministic_mode_cannot_keep_is_refused_before_an_engine_is_made():
+    check = odc.engine.check_engine_options
+    with pytest.raises(odc.ConfigError, match=r"^compress with deterministic=True: .*drop one$"):
+        check(compress={"push": "int8"}, cross_node="node", deterministic=True)
+    with pytest.raises(odc.ConfigError, match=r"^cross_node='node' with deterministic=True: .*'direct' or 'auto'$"):
+        check(compress=None, cross_node="node", deterministic=True)
+    for cross_node in (None, "auto", "direct"):
+        check(compress=None, cross_node=cross_node, deterministic=True)
+    check(compress={"push": "int8"}, cross_node="node", deterministic=False)
+
+
 @pytest.mark.parametrize(("kw", "words"), [
     ({"deterministic": True}, ("compress", "deterministic")),
     ({"transport": "emu-ipc"}, ("compress", "device")),
-    ({"sharding": "hybrid"}, ("scope \"cross-node\" under sharding \"hybrid\"", "nothing would be")),
-    ({"sharding": "hybrid-zero"}, ("scope \"cross-node\" under sharding \"hybrid-zero\"", "nothing would be")),
+    ({"sharding": "hybrid", "compress": {"gather": "fp8"}},
+     ("gather=fp8/32 with scope \"cross-node\" under sharding \"hybrid\"", "nothing would be")),
+    ({"sharding": "hybrid-zero", "compress": {"push": "int8", "gather": "fp8"}},
+     ("gather=fp8/32 with scope \"cross-node\" under sharding \"hybrid-zero\"", "nothing would be")),
 ])
 def test_compression_is_refused_where_it_cannot_keep_its_promise(kw, words):
     with pytest.raises(odc.ConfigError) as e:
-        odc.Engine(torch.distributed.HashStore(), 0, 1, compress={"push": "int8"}, **kw)
+        odc.Engine(torch.distributed.HashStore(), 0, 1, **{"compress": {"push": "int8"}, **kw})
     assert all(w in str(e.value) for w in words), str(e.value)
     with pytest.raises(odc.ConfigError, match="hybrid-zero"):
         odc.Engine(torch.distributed.HashStore(), 0, 1, sharding="hybrid-zero",

@@ -10,6 +10,7 @@ use super::Worker;
 use crate::elastic::{nodes_of, Event, Membership, Rounds};
 use crate::engine::{load, BucketId};
 use crate::layout::BucketLayout;
+use crate::protocol::compress::QuantCopy;
 use crate::protocol::membership::{self, Nodes, Outcome};
 use crate::protocol::{partials, pieces};
 use crate::region::{Bell, SignalRef};
@@ -62,6 +63,7 @@ impl Worker<'_> {
                 .filter(|&(n, _)| n != gs.node)
                 .try_for_each(|(_, &r)| self.signal_replica(r, offset, stamp, None))
         };
+        self.quantise_partials(stamp)?;
         reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
         signal_all(lay.partial_ready(gs.node))?;
         let mut sum = PartialSum::new(self);
@@ -89,6 +91,79 @@ impl Worker<'_> {
                 .map_err(|(_, _, e)| core.attribute(None, e))?;
         }
         signal_all(lay.partial_read(gs.node))
+    }
+
+    /// Compressed cross-node sums (the engine's `QuantSums`), before
+    /// this rank tells the replicas its partial sums of the minibatch
+    /// stamped `stamp` are final: quantises its accumulators (plus the
+    /// residual of the last minibatch, with error feedback) into its
+    /// quantised copies, once per minibatch. The copies of the last
+    /// minibatch must have been read first (every replica read them before
+    /// the accumulators changed; waited for again here, for a rank whose
+    /// accumulators did not). No-op without compression.
+    fn quantise_partials(&self, stamp: u64) -> Result<()> {
+        let reg = self.reg;
+        let Some(q) = &reg.qsum else {
+            return Ok(());
+        };
+        let mut st =
+            (q.state.lock()).map_err(|_| Error::protocol(None, "a cross-node sum panicked"))?;
+        if st.quantised >= stamp {
+            return Ok(());
+        }
+        self.wait_partials_read(None)?;
+        let kernel = |e: odc_kernels::Error| Error::protocol(None, format!("cross-node sum: {e}"));
+        let base = reg.accum.as_ptr();
+        for (i, b) in reg.buckets.iter().enumerate() {
+            let n = b.block_len();
+            for p in 0..q.blocks {
+                let (copy, off) = (q.copies[i * q.blocks + p], q.off[i * q.blocks + p]);
+                let spec = copy.spec;
+                for j in 0..copy.runs() {
+                    let elems = copy.elems(j);
+                    let (len, first) = (elems.len(), p * n + elems.start);
+                    let at = off + copy.at(j);
+                    if at % 4 != 0 {
+                        return Err(Error::protocol(
+                            None,
+                            format!("cross-node sum: a quantised run at byte {at} (unaligned)"),
+                        ));
+                    }
+                    // SAFETY: the accumulators of bucket `i` and its block
+                    // `p`'s quantised copy lie inside the accumulator region
+                    // (laid out at registration, disjoint). Every push of
+                    // the minibatch is added (the done wait), none of the
+                    // next arrives before this rank publishes again, and
+                    // every replica read the last copies (above): nothing
+                    // else reads or writes them now. `at` is 4-aligned
+                    // (checked), the scales come first.
+                    let (src, scales, payload) = unsafe {
+                        let codes = base.add(at + 4 * spec.scales(len));
+                        (
+                            std::slice::from_raw_parts(
+                                base.cast::<f32>().add(reg.accum_off[i] + first),
+                                len,
+                            ),
+                            std::slice::from_raw_parts_mut(
+                                base.add(at).cast::<f32>(),
+                                spec.scales(len),
+                            ),
+                            std::slice::from_raw_parts_mut(codes, spec.payload_bytes(len)),
+                        )
+                    };
+                    match &mut st.feedback {
+                        Some(fb) => {
+                            fb.register(i, b.shard_len()).map_err(kernel)?;
+                            fb.push(i, first, src, payload, scales).map_err(kernel)?;
+                        }
+                        None => odc_kernels::cpu::quant::quantise(spec, src, payload, scales)
+                            .map_err(kernel)?,
+                    }
+                }
+            }
+        }
+        st.quantised = stamp;
+        Ok(())
     }
 
     /// Elastic hybrid sharding, at the end of minibatch `k`: sums the
@@ -120,6 +195,7 @@ impl Worker<'_> {
         let (mut members, mut e) = (m.members(), 0u32);
         // The last drop, recorded once the next epoch's round is decided.
         let mut pending: Option<(Event, Instant)> = None;
+        self.quantise_partials(stamp)?;
         self.reg.partials_out.fetch_max(stamp, Ordering::AcqRel);
         loop {
             let decided = match self.sum_members(k, e, members, stamp, &rounds)? {
@@ -347,6 +423,7 @@ impl Worker<'_> {
             core.transport
                 .get(r, &reg.peer_params[r], at, dst)
                 .map_err(|e| core.attribute(Some(b.name()), e))?;
+            (reg.read_across).fetch_add(bytes as u64, Ordering::Relaxed);
             signal(r, lay.piece_read(gs.node, bucket.0))?;
         }
         Ok(())
@@ -488,8 +565,13 @@ struct PartialSum<'w, 'a> {
     w: &'w Worker<'a>,
     /// (first accumulator element, first element of `reduced`, elements).
     runs: Vec<(usize, usize, usize)>,
+    /// Compressed: per run, its quantised copy and that copy's byte offset
+    /// in every replica's accumulator region (the engine's `QuantSums`).
+    quant: Option<Vec<(QuantCopy, usize)>>,
     sum: &'w mut [f32],
     scratch: Vec<u8>,
+    /// Compressed: one run of a copy as read (4-aligned for its scales).
+    qscratch: Vec<f32>,
 }
 
 impl<'w, 'a> PartialSum<'w, 'a> {
@@ -498,7 +580,7 @@ impl<'w, 'a> PartialSum<'w, 'a> {
     /// reduce-scatter, not an all-reduce).
     fn new(w: &'w Worker<'a>) -> PartialSum<'w, 'a> {
         let reg = w.reg;
-        let runs: Vec<(usize, usize, usize)> = if reg.groups.blocks > 1 {
+        let runs: Vec<(usize, usize, usize)> = if reg.groups.blocks > 1 || reg.qsum.is_some() {
             let piece = reg.piece();
             (reg.buckets.iter().enumerate())
                 .map(|(i, b)| {
@@ -518,12 +600,37 @@ impl<'w, 'a> PartialSum<'w, 'a> {
         sum.fill(0.0);
         let chunk = (reg.ctrl_layout.chunk_bytes() / 4).max(1);
         let longest = runs.iter().map(|r| r.2).max().unwrap_or(0);
+        let piece = reg.piece();
+        let quant: Option<Vec<(QuantCopy, usize)>> = reg.qsum.as_ref().map(|q| {
+            (0..reg.buckets.len())
+                .map(|i| (q.copies[i * q.blocks + piece], q.off[i * q.blocks + piece]))
+                .collect()
+        });
+        let widest = (quant.iter().flatten())
+            .map(|(c, _)| c.stride().min(c.len()))
+            .max()
+            .unwrap_or(0);
         PartialSum {
             w,
             runs,
+            quant,
             sum,
             scratch: vec![0u8; chunk.min(longest) * 4],
+            qscratch: vec![0f32; widest.div_ceil(4)],
         }
+    }
+
+    /// Compressed: adds run `j` of copy `copy` (at `src`, read) into the
+    /// run's elements of `reduced` starting at `dst`.
+    fn add_quantised(dst: &mut [f32], copy: &QuantCopy, j: usize, src: &[u8]) -> Result<()> {
+        let elems = copy.elems(j);
+        odc_kernels::cpu::quant::dequantise_accumulate_chunk(
+            copy.spec,
+            &src[..copy.bytes(j)],
+            &mut dst[elems],
+            1.0,
+        )
+        .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))
     }
 
     fn add(dst: &mut [f32], src: &[u8]) -> Result<()> {
@@ -531,9 +638,26 @@ impl<'w, 'a> PartialSum<'w, 'a> {
             .map_err(|e| Error::protocol(None, format!("cross-node sum: {e}")))
     }
 
-    /// Adds this rank's own accumulators.
+    /// Adds this rank's own accumulators (compressed: its own quantised
+    /// copies, as the other nodes add them).
     fn add_own(&mut self) -> Result<()> {
         let reg = self.w.reg;
+        if let Some(quant) = &self.quant {
+            let base = reg.accum.as_ptr();
+            for (&(_, dst, len), (copy, off)) in self.runs.iter().zip(quant) {
+                for j in 0..copy.runs() {
+                    // SAFETY: this rank's quantised copies lie inside its
+                    // accumulator region; they were written before it told
+                    // the replicas its sums are final and change only at the
+                    // next minibatch's end.
+                    let own = unsafe {
+                        std::slice::from_raw_parts(base.add(off + copy.at(j)), copy.bytes(j))
+                    };
+                    Self::add_quantised(&mut self.sum[dst..dst + len], copy, j, own)?;
+                }
+            }
+            return Ok(());
+        }
         for &(src, dst, len) in &self.runs {
             // SAFETY: every push of the minibatch is added (the done wait)
             // and none of the next can arrive before this rank publishes
@@ -627,6 +751,8 @@ impl<'w, 'a> PartialSum<'w, 'a> {
                                 .get(r, remote, el * 4, crate::bytes_of_mut(o))
                         })
                         .map_err(|e| (n, r, e))?;
+                    (reg.summed_across)
+                        .fetch_add((x.len() + 4 * o.len()) as u64, Ordering::Relaxed);
                     add_exact(fixed, spill, x, o).map_err(kernel(n, r))?;
                 }
                 read_exact(fixed, spill).map_err(kernel(me, own_rank))?;
@@ -643,6 +769,18 @@ impl<'w, 'a> PartialSum<'w, 'a> {
         let remote = self.w.reg.peer_accum[r]
             .as_ref()
             .ok_or_else(|| Error::protocol(None, format!("rank {r} published no accumulators")))?;
+        let counted = &self.w.reg.summed_across;
+        if let Some(quant) = &self.quant {
+            for (&(_, dst, len), (copy, off)) in self.runs.iter().zip(quant) {
+                for j in 0..copy.runs() {
+                    let buf = &mut crate::bytes_of_mut(&mut self.qscratch[..])[..copy.bytes(j)];
+                    core.transport.get(r, remote, off + copy.at(j), buf)?;
+                    counted.fetch_add(buf.len() as u64, Ordering::Relaxed);
+                    Self::add_quantised(&mut self.sum[dst..dst + len], copy, j, buf)?;
+                }
+            }
+            return Ok(());
+        }
         let chunk = self.scratch.len() / 4;
         for &(src, dst, len) in &self.runs {
             let mut at = 0;
@@ -650,6 +788,7 @@ impl<'w, 'a> PartialSum<'w, 'a> {
                 let n_el = chunk.min(len - at);
                 let buf = &mut self.scratch[..n_el * 4];
                 core.transport.get(r, remote, (src + at) * 4, buf)?;
+                counted.fetch_add(buf.len() as u64, Ordering::Relaxed);
                 Self::add(&mut self.sum[dst + at..dst + at + n_el], buf)?;
                 at += n_el;
             }

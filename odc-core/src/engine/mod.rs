@@ -238,14 +238,19 @@ fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig
         )));
     }
     if c.scope == Scope::CrossNode && config.sharding != Sharding::Full {
-        return Err(Error::Config(format!(
-            "compress with scope \"cross-node\" under sharding \"{}\": no push or gather \
-             crosses nodes there (parameters and gradients are sharded within a node), and the \
-             minibatch's cross-node sum of the gradient shards is not compressed in this release, \
-             so nothing would be; use sharding \"full\" (its node sums and node cache compress \
-             what crosses), scope \"all\" (node-local chunks), or drop compress",
-            config.sharding.name()
-        )));
+        // Only the minibatch's cross-node sum of the gradient shards crosses
+        // nodes there: the push format compresses it, a gather format has
+        // nothing to compress.
+        if let Some(g) = c.gather {
+            return Err(Error::Config(format!(
+                "compress gather={g} with scope \"cross-node\" under sharding \"{}\": no \
+                 gather crosses nodes there (parameters are sharded within a node, and \
+                 hybrid-zero's piece copies are not compressed), so nothing would be; leave \
+                 gather unset (push compresses the minibatch's cross-node sum), or use sharding \
+                 \"full\"",
+                config.sharding.name()
+            )));
+        }
     }
     Ok(())
 }

@@ -14,7 +14,9 @@ use serde::{Deserialize, Serialize};
 
 use super::cache::{CacheLayout, NodeCache};
 use super::config::{CrossNode, EngineConfig, Groups, Sharding, DEFAULT_NODE_CACHE};
-use super::state::{Accum, Core, Exact, NodeSums, NodeVersions, Quant, Registered};
+use super::state::{
+    Accum, Core, Exact, NodeSums, NodeVersions, Quant, QuantSumState, QuantSums, Registered,
+};
 use crate::control::{landing_chunk, CtrlLayout};
 use crate::layout::{BucketLayout, BucketSpec, ALIGN_BYTES};
 use crate::plane::{DataSizes, Plane};
@@ -69,6 +71,10 @@ pub(crate) struct Plan {
     /// Compressed gathers: each bucket's quantised copy and its byte
     /// offset in the params region, when some gather reads them.
     quant: Option<(Vec<QuantCopy>, Vec<usize>)>,
+    /// Compressed cross-node sums (hybrid across nodes with a push format):
+    /// each bucket block's quantised copy and its byte offset in the
+    /// accumulator region (`QuantSums`).
+    qsum: Option<(Vec<QuantCopy>, Vec<usize>)>,
 }
 
 /// This rank's regions.
@@ -138,6 +144,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
     let (done_early, done_late) = done_targets(core, &plan, &peers);
     let (announce_to, node_versions) = node_announce(core, &plan, &peers)?;
     let sums = node_sums(core, &plan, plane.as_deref())?;
+    let nb_blocks = plan.groups.blocks;
     let nb = plan.buckets.len();
     let world_group = plan.groups.group.len();
     let group_ctrl = plan
@@ -185,6 +192,19 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
             staging: std::sync::Mutex::new(Vec::new()),
         }),
         read_across: AtomicU64::new(0),
+        qsum: plan.qsum.map(|(copies, off)| QuantSums {
+            copies,
+            off,
+            blocks: nb_blocks,
+            state: std::sync::Mutex::new(QuantSumState {
+                feedback: (core.config.compress)
+                    .filter(|c| c.feedback)
+                    .and_then(|c| c.push)
+                    .map(odc_kernels::cpu::quant::ErrorFeedback::new),
+                quantised: 0,
+            }),
+        }),
+        summed_across: AtomicU64::new(0),
     };
     core.reg
         .set(reg)
@@ -259,6 +279,9 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         gather: (quant.as_ref()).map_or_else(String::new, |(c, _, _)| {
             c.first().map_or_else(String::new, |q| q.spec.to_string())
         }),
+        sum: (crate::protocol::compress::sum_spec(core.config.compress.as_ref()))
+            .filter(|_| groups.replicas.len() > 1 && !on_device)
+            .map_or_else(String::new, |s| s.to_string()),
         accum: if core.config.deterministic {
             format!("{} (deterministic)", core.config.accum_dtype.name())
         } else {
@@ -308,6 +331,23 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
             .saturating_mul(odc_kernels::cpu::exact::BYTES_PER_ELEMENT)
             .saturating_add(off),
     };
+    // Compressed cross-node sums: the quantised copies follow.
+    let qsum = (crate::protocol::compress::sum_spec(core.config.compress.as_ref()))
+        .filter(|_| across)
+        .map(|spec| {
+            let mut at = accum_region.next_multiple_of(ALIGN_BYTES);
+            let (mut copies, mut off) = (Vec::new(), Vec::new());
+            for b in &buckets {
+                for _ in 0..groups.blocks {
+                    let q = QuantCopy::new(spec, ctrl_layout.chunk_bytes(), b.block_len());
+                    off.push(at);
+                    at = at.saturating_add(q.len().next_multiple_of(ALIGN_BYTES));
+                    copies.push(q);
+                }
+            }
+            (copies, off, at)
+        });
+    let accum_region = qsum.as_ref().map_or(accum_region, |(_, _, end)| *end);
     if let Err(e) = check_shm_room(
         core.transport.name(),
         &core.topo,
@@ -343,6 +383,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         cross_node,
         node_announce,
         quant: quant.map(|(copies, off, _)| (copies, off)),
+        qsum: qsum.map(|(copies, off, _)| (copies, off)),
     })
 }
 
@@ -511,6 +552,18 @@ pub(crate) fn compare(ours: &RegPost, theirs: &RegPost, peer: usize) -> Result<(
             name(&ours.gather)
         )));
     }
+    if theirs.sum != ours.sum {
+        let name = |g: &str| match g {
+            "" => "f32".to_owned(),
+            g => format!("{g} (quantised)"),
+        };
+        return Err(Error::Config(format!(
+            "rank {peer} sums across nodes in {}, this rank in {} (compress push and block: set \
+             them alike on every rank)",
+            name(&theirs.sum),
+            name(&ours.sum)
+        )));
+    }
     if theirs.node_cache != ours.node_cache {
         return Err(Error::Config(format!(
             "rank {peer} keeps a node cache of {} bytes, this rank {} (ODC_NODE_CACHE_MB, \
@@ -636,8 +689,13 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
         let want = RegionSizes {
             ctrl: plan.ctrl_layout.len(),
             params: plan.host_params_len,
-            accum: (plan.accum_region > 0 && plan.groups.replicas.contains(&peer))
-                .then_some(plan.accum_len * 4),
+            // The accumulators, and the quantised partial sums after them.
+            accum: (plan.accum_region > 0 && plan.groups.replicas.contains(&peer)).then_some(
+                match plan.qsum {
+                    Some(_) => plan.accum_region,
+                    None => plan.accum_len * 4,
+                },
+            ),
         };
         let (theirs, [c, p], a) = check_endpoint(&key, peer, &v, &want)?;
         if core.transport.name() == "shm" && theirs.endpoint.host != my_host {
@@ -806,7 +864,11 @@ fn prefault(
     }
     t.prefault(peer, &params, 0..plan.host_params_len, false)?;
     if let Some(a) = accum {
-        t.prefault(peer, &a, 0..plan.accum_len * 4, false)?;
+        let len = match plan.qsum {
+            Some(_) => plan.accum_region,
+            None => plan.accum_len * 4,
+        };
+        t.prefault(peer, &a, 0..len, false)?;
     }
     Ok(())
 }
@@ -1084,6 +1146,10 @@ pub(crate) struct RegPost {
     /// The format of the quantised copies gathers read (empty: none).
     #[serde(default)]
     gather: String,
+    /// The format of the cross-node sum's quantised partial sums (empty:
+    /// f32).
+    #[serde(default)]
+    sum: String,
     accum: String,
     specs: Vec<(String, usize, String)>,
 }

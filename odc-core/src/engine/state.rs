@@ -108,8 +108,46 @@ pub(crate) struct Registered {
     /// shards live (every rank's alike), when some gather reads them.
     pub(crate) quant: Option<Quant>,
     /// Bytes this rank's gathers read from ranks on other nodes (node
-    /// cache fetches included), since registration.
+    /// cache fetches and hybrid-zero's piece copies included), since
+    /// registration.
     pub(crate) read_across: AtomicU64,
+    /// Hybrid across nodes with compressed pushes: this rank's quantised
+    /// partial sums, which the other nodes' replicas read instead of its
+    /// accumulators.
+    pub(crate) qsum: Option<QuantSums>,
+    /// Bytes the cross-node sum (hybrid) read from the other nodes'
+    /// replicas, since registration.
+    pub(crate) summed_across: AtomicU64,
+}
+
+/// Compressed cross-node sums (hybrid sharding over several nodes with a
+/// push format, [`crate::protocol::compress::sum_spec`]): at the end of a
+/// minibatch each rank quantises its partial sums (its accumulators, plus
+/// the residual it kept from the last minibatch with error feedback) once
+/// into the accumulator region, after the accumulators, and every replica,
+/// this rank's own node included, adds the dequantised copies of every
+/// node in node order: the replicas keep bitwise-equal sums.
+///
+/// The copy of bucket `i`'s block `p` (a node's piece under hybrid-zero;
+/// the whole shard under hybrid, one block) is `copies[i * blocks + p]`, at
+/// byte `off[i * blocks + p]` of the accumulator region: the same layout on
+/// every rank, so a replica reads the piece it sums at the offset its own
+/// copy of that piece has.
+#[derive(Debug)]
+pub(crate) struct QuantSums {
+    pub(crate) copies: Vec<crate::protocol::compress::QuantCopy>,
+    pub(crate) off: Vec<usize>,
+    pub(crate) blocks: usize,
+    pub(crate) state: Mutex<QuantSumState>,
+}
+
+/// What the quantisation of a minibatch's partial sums changes: the
+/// residuals (error feedback, per bucket) and the last minibatch + 1 it
+/// ran for (once per minibatch, also when an elastic round runs again).
+#[derive(Debug)]
+pub(crate) struct QuantSumState {
+    pub(crate) feedback: Option<odc_kernels::cpu::quant::ErrorFeedback>,
+    pub(crate) quantised: u64,
 }
 
 /// Compressed gathers ([`crate::protocol::compress`]): per bucket the

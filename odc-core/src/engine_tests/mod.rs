@@ -8,6 +8,7 @@ use std::time::Duration;
 use odc_kernels::DType;
 
 mod compress;
+mod compress_hybrid;
 mod deterministic;
 mod node_cache;
 

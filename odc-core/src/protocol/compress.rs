@@ -80,6 +80,16 @@ pub fn push_spec(c: Option<&Compress>, server_is_local: bool) -> Option<Spec> {
     }
 }
 
+/// The format of hybrid sharding's end-of-minibatch sum across nodes: the
+/// push format under either scope (that sum always crosses nodes; it is
+/// the only gradient traffic that does there). Each rank quantises its
+/// partial sums once, with error feedback when set, and every node adds
+/// every node's dequantised copy, its own included, so the replicas stay
+/// equal bit for bit.
+pub fn sum_spec(c: Option<&Compress>) -> Option<Spec> {
+    c?.push
+}
+
 /// Whether a gather's read of another rank's shard takes the owner's
 /// quantised copy in `spec` rather than the shard (`owner_is_me`: the
 /// reader's own shard, always read as it is; `owner_is_local`: on the

@@ -685,10 +685,11 @@ class Engine:
 
         Returns:
             ``gathered``: read by this rank's gathers from shards owned on another node (the node cache's
-            fetches included); ``pushed``: sent by its pushes to landing slots on another node, chunk headers
-            included. Compressed chunks count as the bytes that crossed. Not counted: hybrid sharding's
-            end-of-minibatch sum across nodes, control words. Nodes are as the engine sees them
-            (``LOCAL_WORLD_SIZE``), so emulated nodes on one host count too.
+            fetches and hybrid-zero's piece copies included); ``pushed``: sent by its pushes to landing slots on
+            another node, chunk headers included; ``summed``: read by hybrid sharding's end-of-minibatch sum from
+            this rank's replicas on the other nodes. Compressed chunks and copies count as the bytes that
+            crossed. Not counted: control words. Nodes are as the engine sees them (``LOCAL_WORLD_SIZE``), so
+            emulated nodes on one host count too.
         """
         return self._native.bytes_across_nodes()
 

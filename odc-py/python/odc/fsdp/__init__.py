@@ -557,8 +557,9 @@ def evaluation(model: Any) -> Iterator[None]:
 
 
 def bytes_across_nodes(model: Any) -> dict[str, int] | None:
-    """Bytes this rank's gathers read from and its pushes sent to other nodes since :func:`enable`
-    (``{"gathered": ..., "pushed": ...}``, see :meth:`odc.Engine.bytes_across_nodes`): what ``compress=`` cuts.
+    """Bytes this rank's gathers read from, its pushes sent to and its hybrid cross-node sum read from other nodes
+    since :func:`enable` (``{"gathered": ..., "pushed": ..., "summed": ...}``, see
+    :meth:`odc.Engine.bytes_across_nodes`): what ``compress=`` cuts.
     ``None`` at world size 1 and on a device engine."""
     if solo(model) is not None:
         return None

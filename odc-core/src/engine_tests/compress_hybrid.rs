@@ -1,0 +1,242 @@
+//! Compressed cross-node sums under hybrid sharding, in process: two
+//! emulated nodes of two over `shm`. Every node adds every node's
+//! dequantised partial sums in node order (its own included), so the
+//! replicas hold the same bits; each sum lies within the format's bound of
+//! the exact one; with error feedback, what the ranks got over several
+//! minibatches plus the residuals the ranks still hold equals the exact
+//! sum to f32 rounding, and without it it does not; the bytes read across
+//! nodes are the quantised copies' (scales included), about 0.28 of the
+//! f32 sum's in int8 with blocks of 32.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use odc_kernels::cpu::quant::{Format, Spec};
+use odc_kernels::DType;
+
+use super::{config, run_on_nodes};
+use crate::protocol::compress::{Compress, QuantCopy, Scope};
+use crate::{bytes_of, BucketSpec, Engine, EngineConfig, Sharding};
+
+const WORLD: usize = 4;
+const LOCAL: usize = 2;
+const NUMEL: usize = 2501;
+const MINIBATCHES: u64 = 4;
+
+/// Element `i` of rank `r`'s gradient in microbatch `m` of minibatch `k`:
+/// not exact in int8, magnitudes from 0.01 to 7, a different mix per node.
+fn grad(r: usize, k: u64, m: u64, i: usize) -> f32 {
+    let x = ((i * 31 + r * 17 + k as usize * 7 + m as usize * 5) % 97) as f32;
+    (x - 48.0) / 7.0 + 0.01 * (i % 11) as f32
+}
+
+fn micros(r: usize, k: u64) -> u64 {
+    1 + (r as u64 + k) % 3
+}
+
+/// The exact (f64) sum of every rank's pushes of minibatch `k` into
+/// bucket element `i` (factor 0.5).
+fn exact(k: u64, i: usize) -> f64 {
+    (0..WORLD)
+        .flat_map(|r| (0..micros(r, k)).map(move |m| (r, m)))
+        .map(|(r, m)| 0.5 * f64::from(grad(r, k, m, i)))
+        .sum()
+}
+
+fn hybrid(sharding: Sharding, push: Option<(Spec, bool)>, key: &str) -> EngineConfig {
+    EngineConfig {
+        sharding,
+        transport: crate::TransportKind::Shm,
+        compress: push.map(|(spec, feedback)| Compress {
+            push: Some(spec),
+            gather: None,
+            feedback,
+            scope: Scope::CrossNode,
+        }),
+        ..config(key)
+    }
+}
+
+/// What one rank saw: the bucket elements of its summed gradient (its
+/// shard under hybrid, its piece under hybrid-zero) and, per minibatch,
+/// their values; its residual over its whole shard (error feedback); the
+/// bytes its cross-node sums read.
+#[derive(Clone, Debug, Default)]
+struct Seen {
+    elements: Vec<usize>,
+    sums: Vec<Vec<f32>>,
+    /// Shard element -> bucket element, for the residual.
+    shard: Vec<usize>,
+    residual: Option<Vec<f32>>,
+    summed: u64,
+    copy: Option<QuantCopy>,
+}
+
+fn train(cfg: EngineConfig) -> Vec<Seen> {
+    let out = Arc::new(Mutex::new(BTreeMap::new()));
+    let sink = Arc::clone(&out);
+    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+        let rank = e.rank();
+        e.register(&[BucketSpec::new("g", NUMEL, DType::F32)])
+            .unwrap();
+        let h = e.host().unwrap();
+        let id = e.bucket_id("g").unwrap();
+        let lay = e.bucket(id).unwrap().clone();
+        let (l, n) = (rank % LOCAL, rank / LOCAL);
+        let piece = if lay.blocks() > 1 { n } else { 0 };
+        let bl = lay.block_len();
+        let mut seen = Seen {
+            elements: (0..bl).map(|j| lay.global_of(l, piece * bl + j)).collect(),
+            shard: (0..lay.shard_len()).map(|s| lay.global_of(l, s)).collect(),
+            ..Seen::default()
+        };
+        for k in 0..MINIBATCHES {
+            for m in 0..micros(rank, k) {
+                let g: Vec<f32> = (0..NUMEL).map(|i| grad(rank, k, m, i)).collect();
+                h.scatter_accumulate(id, bytes_of(&g), DType::F32, 0.5)
+                    .unwrap();
+            }
+            h.finish_minibatch(k).unwrap();
+            let mut got = vec![0f32; bl];
+            h.read_grad_shard(id, &mut got).unwrap();
+            seen.sums.push(got);
+            h.zero_grads().unwrap();
+        }
+        // Every replica read this rank's last copies before it looks.
+        h.wait_partials_read().unwrap();
+        let reg = e.core().reg.get().unwrap();
+        if let Some(q) = &reg.qsum {
+            let st = q.state.lock().unwrap();
+            seen.residual = st
+                .feedback
+                .as_ref()
+                .and_then(|fb| fb.residual(0))
+                .map(<[f32]>::to_vec);
+            seen.copy = Some(q.copies[piece]);
+        }
+        seen.summed = e.bytes_across_nodes().unwrap().unwrap().summed;
+        sink.lock().unwrap().insert(rank, seen);
+    });
+    let v = out.lock().unwrap();
+    (0..WORLD).map(|r| v[&r].clone()).collect()
+}
+
+/// The largest error of any rank's sum of minibatch `k` against the exact
+/// sum, relative to the largest exact sum, and whether any element missed
+/// it by more than f32 reordering could (compression is on).
+fn worst_error(seen: &[Seen]) -> (f64, bool) {
+    let (mut worst, mut peak, mut rounded) = (0f64, 0f64, false);
+    for s in seen {
+        for (k, sums) in s.sums.iter().enumerate() {
+            for (&i, &got) in s.elements.iter().zip(sums) {
+                let want = if i < NUMEL { exact(k as u64, i) } else { 0.0 };
+                let err = (f64::from(got) - want).abs();
+                worst = worst.max(err);
+                peak = peak.max(want.abs());
+                rounded |= err > 1e-4 * want.abs().max(1.0);
+            }
+        }
+    }
+    (worst / peak, rounded)
+}
+
+/// The largest gap, relative to the sum (at least 1), between the exact sum
+/// over every minibatch and what the ranks got plus the residuals every
+/// rank of the replica column still holds for those elements.
+fn feedback_gap(seen: &[Seen]) -> f64 {
+    let mut held: BTreeMap<usize, f64> = BTreeMap::new();
+    for s in seen {
+        for (&i, &r) in s.shard.iter().zip(s.residual.as_deref().unwrap_or(&[])) {
+            *held.entry(i).or_default() += f64::from(r);
+        }
+    }
+    let mut worst = 0f64;
+    for s in seen {
+        for (j, &i) in s.elements.iter().enumerate() {
+            let got: f64 = s.sums.iter().map(|g| f64::from(g[j])).sum();
+            let want: f64 = if i < NUMEL {
+                (0..MINIBATCHES).map(|k| exact(k, i)).sum()
+            } else {
+                0.0
+            };
+            let gap = (got + held.get(&i).copied().unwrap_or(0.0) - want).abs();
+            worst = worst.max(gap / want.abs().max(1.0));
+        }
+    }
+    worst
+}
+
+#[test]
+fn compressed_hybrid_sums_are_equal_on_every_replica_and_near_the_exact_sum() {
+    let int8 = Spec::new(Format::Int8, 32).unwrap();
+    let plain = train(hybrid(Sharding::Hybrid, None, "czh_plain"));
+    let packed = train(hybrid(Sharding::Hybrid, Some((int8, true)), "czh_int8"));
+    let (err_plain, on_plain) = worst_error(&plain);
+    let (err, on) = worst_error(&packed);
+    eprintln!("hybrid, int8/32 sums: largest error {err:.2e} of the peak (f32: {err_plain:.2e})");
+    assert!(!on_plain, "the f32 sums are off by more than rounding");
+    assert!(
+        on,
+        "no sum was rounded: the cross-node sum was not compressed"
+    );
+    // One int8 rounding of each node's partial sum (plus residual): at most
+    // half a step of 1/127 of its block's largest value, per node.
+    assert!(err < 2.0 / 127.0, "int8 sums off by {err:.2e} of the peak");
+    // The replicas (local rank l on either node) hold the same bits.
+    for l in 0..LOCAL {
+        let (a, b) = (&packed[l], &packed[l + LOCAL]);
+        assert_eq!(a.elements, b.elements);
+        for k in 0..MINIBATCHES as usize {
+            let same = a.sums[k].iter().zip(&b.sums[k]);
+            assert!(
+                same.clone().all(|(x, y)| x.to_bits() == y.to_bits()),
+                "local rank {l}, minibatch {k}: the replicas' sums differ"
+            );
+        }
+    }
+    // Bytes: each rank read the other node's quantised copy of its shard,
+    // once a minibatch: scales and codes, against the f32 partial sums.
+    for (r, (p, s)) in plain.iter().zip(&packed).enumerate() {
+        let copy = s.copy.expect("a compressed engine keeps quantised copies");
+        assert_eq!(s.summed, MINIBATCHES * copy.len() as u64, "rank {r}");
+        assert_eq!(
+            p.summed,
+            MINIBATCHES * 4 * p.elements.len() as u64,
+            "rank {r}"
+        );
+        let ratio = s.summed as f64 / p.summed as f64;
+        assert!((0.27..0.30).contains(&ratio), "rank {r}: {ratio}");
+    }
+}
+
+#[test]
+fn error_feedback_keeps_the_compressed_hybrid_sums_exact_over_minibatches() {
+    let int8 = Spec::new(Format::Int8, 32).unwrap();
+    for sharding in [Sharding::Hybrid, Sharding::HybridZero] {
+        for feedback in [true, false] {
+            let key = format!("czh_fb_{}_{feedback}", sharding.name());
+            let seen = train(hybrid(sharding, Some((int8, feedback)), &key));
+            let worst = feedback_gap(&seen);
+            let (err, on) = worst_error(&seen);
+            eprintln!(
+                "{}, feedback {feedback}: gap {worst:.2e}, largest error {err:.2e}",
+                sharding.name()
+            );
+            assert!(on, "{}: nothing compressed", sharding.name());
+            if feedback {
+                assert!(seen.iter().all(|s| s.residual.is_some()));
+                assert!(
+                    worst < 2e-5,
+                    "{}: got + residual differs from the exact sum by {worst:.2e}",
+                    sharding.name()
+                );
+            } else {
+                assert!(
+                    worst > 1e-3,
+                    "{}: no feedback, yet exact ({worst:.2e})",
+                    sharding.name()
+                );
+            }
+        }
+    }
+}
