@@ -221,8 +221,7 @@ impl Engine {
     /// [`Error::Protocol`] when a push panicked holding the
     /// push state.
     pub fn bytes_across_nodes(&self) -> Result<Option<BytesAcrossNodes>> {
-        let config = &self.core.config;
-        if config.device.is_some() || config.transport.is_device() {
+        if self.core.config.is_device() {
             return Ok(None);
         }
         let reg = self.core.reg.get();

@@ -299,6 +299,12 @@ impl EngineConfig {
     pub(crate) fn register_deadline(&self) -> std::time::Instant {
         std::time::Instant::now() + self.register_timeout.unwrap_or(self.timeout)
     }
+
+    /// Whether the engine's data path is the device's (a device plane, or
+    /// a device transport): what the host-only features refuse.
+    pub(crate) fn is_device(&self) -> bool {
+        self.device.is_some() || self.transport.is_device()
+    }
 }
 
 impl Default for EngineConfig {

@@ -221,7 +221,7 @@ fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig
                 .into(),
         ));
     }
-    if config.device.is_some() || config.transport.is_device() {
+    if config.is_device() {
         return Err(Error::Config(format!(
             "compress on a device engine (transport {}): compressed chunks are built on the \
              host data path only; drop compress or use a host transport",
