@@ -246,6 +246,29 @@ def compress_args(compress: Mapping[str, Any] | None) -> tuple[str | None, str |
     return formats[0], formats[1], int(block), bool(compress.get("feedback", True)), scope
 
 
+def check_engine_options(*, compress: Mapping[str, Any] | None, cross_node: str | None, deterministic: bool) -> None:
+    """Refuses the combinations of :class:`Engine` settings that deterministic mode cannot keep, before an engine
+    is made (the engine refuses them too, with its own words, when it is made).
+
+    Args:
+        compress: the ``compress=`` setting (``None``: nothing compressed).
+        cross_node: the ``cross_node=`` setting (``None``: the default).
+        deterministic: the ``deterministic=`` setting.
+
+    Raises:
+        ConfigError: ``compress`` with ``deterministic=True``, or ``cross_node="node"`` with
+            ``deterministic=True``.
+    """
+    if not deterministic:
+        return
+    if compress is not None:
+        raise ConfigError("compress with deterministic=True: compressed sums are not bitwise reproducible across "
+                          "schedules; drop one")
+    if cross_node == "node":
+        raise ConfigError("cross_node='node' with deterministic=True: the node sums add in arrival order; use "
+                          "'direct' or 'auto'")
+
+
 def _local_world_size(store: Any, rank: int, world: int, prefix: str) -> int:
     """Ranks per node: ``LOCAL_WORLD_SIZE`` when this engine spans the whole job
     (``WORLD_SIZE`` unset or equal to ``world``), else from every rank's host name."""

@@ -89,7 +89,7 @@ import torch.distributed as dist
 
 from .. import fsdp as odc_fsdp
 from .. import packing
-from ..engine import compress_args
+from ..engine import check_engine_options, compress_args
 from ..errors import ConfigError, PackingError, ProtocolError
 from . import _hf_data, _hf_grpo
 from ._guard import import_trainer
@@ -210,12 +210,10 @@ def _engine_options(accumulation: str, compress: Mapping[str, Any] | None, cross
         raise ConfigError(f"{_WHAT}: deterministic={deterministic!r}; True or False")
     if deterministic:
         options["deterministic"] = True
-        if compress is not None:
-            raise ConfigError(f"{_WHAT}: compress with deterministic=True: compressed sums are not bitwise "
-                              "reproducible across schedules; drop one")
-        if cross_node == "node":
-            raise ConfigError(f"{_WHAT}: cross_node='node' with deterministic=True: the node sums add in arrival "
-                              "order; use 'direct' or 'auto'")
+    try:  # what the engine would refuse at the first step: named now
+        check_engine_options(compress=compress, cross_node=cross_node, deterministic=deterministic)
+    except ConfigError as e:
+        raise ConfigError(f"{_WHAT}: {e}") from None
     if options and accumulation == FSDP2_ACCUM:
         raise ConfigError(f"{_WHAT}: {', '.join(sorted(options))} with accumulation={FSDP2_ACCUM!r}, which trains "
                           "on FSDP2's collectives, not on ODC")
