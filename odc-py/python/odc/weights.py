@@ -184,6 +184,11 @@ def _dtype(name: str) -> torch.dtype:
     return dt
 
 
+def _fsdp1_clean_name(name: str) -> str:
+    """An FSDP1 module name without FSDP1's wrapper parts (``_fsdp_wrapped_module``), as the model names it."""
+    return name.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module").rstrip(".")
+
+
 def _fsdp1_pieces(model: nn.Module, world: int) -> tuple[list[tuple[str, torch.Tensor, list[int], int]],
                                                           list[list[Any]]] | None:
     """FSDP1's (``FullyShardedDataParallel``) pieces and parameter list, or None for a model without FSDP1 units.
@@ -198,8 +203,7 @@ def _fsdp1_pieces(model: nn.Module, world: int) -> tuple[list[tuple[str, torch.T
     units = FullyShardedDataParallel.fsdp_modules(model)
     if not units:
         return None
-    prefixes = {id(m): n.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module").rstrip(".")
-                for n, m in model.named_modules()}
+    prefixes = {id(m): _fsdp1_clean_name(n) for n, m in model.named_modules()}
     pieces, params = [], []
     for unit in units:
         handle = unit._handle

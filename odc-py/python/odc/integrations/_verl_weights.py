@@ -45,7 +45,8 @@ weights that verl's FSDP engine did not make (Megatron, ...), FSDP1's hybrid and
 the first read) an actor rank that serves no libfabric endpoint to a worker on another node.
 
 This module imports verl; :func:`odc.integrations.verl.register_checkpoint_engine` imports it. It uses only
-:mod:`odc.weights`' public API and never touches the training engine's communication (``odc.fsdp.enable``).
+:mod:`odc.weights`' public API (and its FSDP1 name cleaning, so that both name FSDP1 parameters alike) and never
+touches the training engine's communication (``odc.fsdp.enable``).
 """
 
 from __future__ import annotations
@@ -230,8 +231,7 @@ def _fsdp1_names(module: Any) -> list[tuple[str, str]]:
 
     clean: dict[int, str] = {}
     for n, m in module.named_modules():
-        clean.setdefault(id(m), n.replace("_fsdp_wrapped_module.", "").removesuffix("_fsdp_wrapped_module")
-                         .rstrip("."))
+        clean.setdefault(id(m), odc_weights._fsdp1_clean_name(n))
         buffers = [b for b in m._buffers if b not in m._non_persistent_buffers_set and m._buffers[b] is not None]
         if buffers:
             raise ConfigError(f"odc checkpoint engine: the actor's state dict holds {clean[id(m)]}.{buffers[0]}, a "
