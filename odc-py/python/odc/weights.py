@@ -384,21 +384,22 @@ class WeightServer:
         self.wait()
         v = self.version + 1 if version is None else int(version)
         t0 = time.perf_counter()
-        parts, keep = [], []
         casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slot bytes viewed in the served dtype, shard)
-        for (_, local, _, off), kind in zip(self._pieces, self._served_dtypes, strict=True):
-            src = local if local.is_contiguous() else local.contiguous()
-            keep.append(src)
-            if self._cast_stage is not None and kind != src.dtype:
-                n = src.numel() * kind.itemsize
-                casts.append((self._cast_stage[off:off + n].view(kind), src.reshape(-1)))
-                parts.append((off, self._cast_stage.data_ptr() + off, n))
-            else:
-                parts.append((off, src.data_ptr(), src.numel() * src.element_size()))
         if self._device is not None:  # CUDA: a device copy on a side stream now, the host copy on the thread
             parts, keep = self._device.snapshot(self._pieces, self._served_dtypes), [self._device.host]
-        if casts:
-            keep.append(self._cast_stage)  # type: ignore[arg-type]  # not None where casts were made
+        else:  # CPU: the slot copies straight from the shards (contiguous), or from the cast stage
+            parts, keep = [], []
+            for (_, local, _, off), kind in zip(self._pieces, self._served_dtypes, strict=True):
+                src = local if local.is_contiguous() else local.contiguous()
+                keep.append(src)
+                if self._cast_stage is not None and kind != src.dtype:
+                    n = src.numel() * kind.itemsize
+                    casts.append((self._cast_stage[off:off + n].view(kind), src.reshape(-1)))
+                    parts.append((off, self._cast_stage.data_ptr() + off, n))
+                else:
+                    parts.append((off, src.data_ptr(), src.numel() * src.element_size()))
+            if casts:
+                keep.append(self._cast_stage)  # type: ignore[arg-type]  # not None where casts were made
         if self.overlap:
             if self._copier is None:
                 self._copier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"odc-publish-{self.name}")
