@@ -493,12 +493,17 @@ class Engine:
             says (``"cross-node"``: only shards owned on another node, e.g.
             the node cache's fetches; ``"all"``: every other rank's shard),
             dequantised into the output (the node cache keeps the quantised
-            bytes). A rank's own shard is never read compressed.
-            ``deterministic=True`` and the device transports raise
+            bytes). A rank's own shard is never read compressed. Under
+            either hybrid sharding across nodes, ``push`` also compresses
+            the end-of-minibatch sum across nodes (whatever ``scope``): each
+            rank quantises its node's partial sums once (with ``feedback``,
+            plus the residual it kept), and every node adds every node's
+            dequantised copy in node order, so the replicas keep the same
+            bits. ``deterministic=True`` and the device transports raise
             ``ConfigError``, as do ``gather`` with ``scope="all"`` under
-            ``sharding="hybrid-zero"`` and ``scope="cross-node"`` under
-            either hybrid sharding (nothing crosses nodes there by the paths
-            it compresses). Unknown keys raise ``ConfigError``.
+            ``sharding="hybrid-zero"`` and ``gather`` with
+            ``scope="cross-node"`` under either hybrid sharding (no gather
+            crosses nodes there). Unknown keys raise ``ConfigError``.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every

@@ -294,7 +294,9 @@ def enable(
             only what crosses nodes (the node sums' pushes, the node cache's
             fetches of shards owned on another node) carries block-scaled
             values; ``"scope": "all"`` compresses every push and every read
-            of another rank's shard. Default ``None`` (nothing compressed).
+            of another rank's shard; under ``sharding="hybrid"`` or
+            ``"hybrid-zero"`` ``push`` compresses the end-of-minibatch sum
+            across nodes. Default ``None`` (nothing compressed).
             Not with ``deterministic=True``. See the ``compress`` argument
             of :class:`odc.Engine`.
         elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
