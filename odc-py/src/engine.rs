@@ -164,7 +164,7 @@ impl Store for PyStore {
     }
 }
 
-fn parse_dtype(py: Python<'_>, s: &str) -> PyResult<DType> {
+pub(crate) fn parse_dtype(py: Python<'_>, s: &str) -> PyResult<DType> {
     s.parse::<DType>()
         .map_err(|e| odc_error(py, "LayoutError", e.to_string()))
 }

@@ -13,13 +13,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use odc_core::region::{Endpoint, RegionDesc};
-use odc_core::weights::{Outcome, Owner, Prefer, Reach, ReadOptions, Serve, SlotLayout, Want};
+use odc_core::weights::{
+    Outcome, Owner, Prefer, PublishPart, Reach, ReadOptions, Serve, SlotLayout, Want,
+};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::errors::{core_error, odc_error};
 
 /// Runs `work` with the GIL released, mapping an ODC error to its class.
+/// One part of a publish as Python passes it: slot offset, pointer, bytes,
+/// and the cast on the way (`(from, to)` dtype names) or none.
+type PyPart = (usize, usize, usize, Option<(String, String)>);
+
 fn detached<T: Send>(
     py: Python<'_>,
     work: impl FnOnce() -> odc_core::Result<T> + Send,
@@ -130,24 +136,28 @@ impl PyWeightServer {
         self.inner.latest()
     }
 
-    /// Copies `parts` (`(offset in the slot, pointer, bytes)`) into slot
-    /// `version mod K` and announces `version`.
-    fn publish(
-        &self,
-        py: Python<'_>,
-        version: u64,
-        parts: Vec<(usize, usize, usize)>,
-    ) -> PyResult<()> {
-        for &(_, ptr, nbytes) in &parts {
-            if nbytes > 0 && ptr == 0 {
+    /// Copies `parts` (`(offset in the slot, pointer, bytes, cast)`) into
+    /// slot `version mod K` and announces `version`; `cast` is `None` (the
+    /// bytes as they are) or `(from, to)` dtype names (the bytes hold
+    /// `from` elements, the slot takes them cast to `to`).
+    fn publish(&self, py: Python<'_>, version: u64, parts: Vec<PyPart>) -> PyResult<()> {
+        let mut casts = Vec::with_capacity(parts.len());
+        for (_, ptr, nbytes, cast) in &parts {
+            if *nbytes > 0 && *ptr == 0 {
                 return Err(odc_error(py, "LayoutError", "null buffer pointer".into()));
             }
+            casts.push(match cast {
+                Some((from, to)) => Some((
+                    crate::engine::parse_dtype(py, from)?,
+                    crate::engine::parse_dtype(py, to)?,
+                )),
+                None => None,
+            });
         }
         let inner = &self.inner;
         detached(py, move || {
-            let views: Vec<(usize, &[u8])> = parts
-                .iter()
-                .map(|&(off, ptr, nbytes)| {
+            let views: Vec<PublishPart<'_>> = (parts.iter().zip(casts))
+                .map(|(&(offset, ptr, nbytes, _), cast)| {
                     let bytes: &[u8] = if nbytes == 0 {
                         &[]
                     } else {
@@ -156,10 +166,14 @@ impl PyWeightServer {
                         // written: the optimizer step is over) for the call.
                         unsafe { std::slice::from_raw_parts(ptr as *const u8, nbytes) }
                     };
-                    (off, bytes)
+                    PublishPart {
+                        offset,
+                        bytes,
+                        cast,
+                    }
                 })
                 .collect();
-            inner.publish(version, &views)
+            inner.publish_parts(version, &views)
         })
     }
 

@@ -238,6 +238,7 @@ def test_bf16_served_versions_hold_half_the_bytes_and_read_exactly_as_the_traine
     server = serve_weights(m, opt, store=store, name=f"bf16{overlap}", slots=2, overlap=overlap,
                            dtype=torch.bfloat16)
     assert server.slot_bytes < full.slot_bytes and server.dtype == torch.bfloat16
+    assert server._cast_stage is None  # f32 -> bf16: the native publish casts into the slot, no staging
     r = odc.WeightReader(store, name=f"bf16{overlap}", timeout=5)
     assert {dt for _, dt in r.params.values()} == {torch.bfloat16}
     for v in (1, 2, 3):
@@ -250,6 +251,26 @@ def test_bf16_served_versions_hold_half_the_bytes_and_read_exactly_as_the_traine
             assert torch.equal(got.tensors[k], w.to(torch.bfloat16)), (v, k)
             assert torch.equal(wide.tensors[k], w.to(torch.bfloat16).float()), (v, k)
         assert not all(torch.equal(wide.tensors[k], w) for k, w in want.items())  # rounded: not the f32 values
+
+
+def test_a_cast_the_native_publish_does_not_make_goes_through_a_staging_copy(store):
+    """f64 parameters served in bf16 (the native cast takes f32, bf16 and f16 only): cast by torch into a staging
+    slot, then copied; every read still equals torch's cast of that step's parameters, and the f32 second layer of
+    the same model is cast natively beside it."""
+    m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    m[0].double()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    server = serve_weights(m, opt, store=store, name="f64", slots=2, dtype=torch.bfloat16)
+    assert server._cast_stage is not None
+    r = odc.WeightReader(store, name="f64", timeout=5)
+    for v in (1, 2):
+        m[0].weight.grad = torch.randn_like(m[0].weight)
+        for p in (m[0].bias, *m[1].parameters()):
+            p.grad = torch.randn_like(p)
+        opt.step()
+        got = r.read(version=v, dtype=torch.bfloat16)
+        for k, w in m.named_parameters():
+            assert torch.equal(got.tensors[k], w.detach().to(torch.bfloat16)), (v, k)
 
 
 def test_bad_input_names_the_first_mismatch_and_leaves_into_unchanged(store):

@@ -275,20 +275,37 @@ impl WeightServer {
     /// it. Waits for nothing; bytes of the slot no part covers keep what
     /// they held (zeros, for a layout that never changes).
     pub fn publish(&self, version: u64, parts: &[(usize, &[u8])]) -> Result<()> {
-        for (offset, bytes) in parts {
-            if offset
-                .checked_add(bytes.len())
+        let parts: Vec<PublishPart<'_>> = (parts.iter())
+            .map(|&(offset, bytes)| PublishPart {
+                offset,
+                bytes,
+                cast: None,
+            })
+            .collect();
+        self.publish_parts(version, &parts)
+    }
+
+    /// [`WeightServer::publish`] with parts that may be cast on the way
+    /// into the slot ([`PublishPart::cast`]): one pass from the caller's
+    /// tensor into the slot, where a cast into a staging buffer and a copy
+    /// of that would be two.
+    pub fn publish_parts(&self, version: u64, parts: &[PublishPart<'_>]) -> Result<()> {
+        let mut lens = Vec::with_capacity(parts.len());
+        for p in parts {
+            let len = p.slot_len()?;
+            if p.offset
+                .checked_add(len)
                 .is_none_or(|end| end > self.layout.slot_bytes)
             {
                 return Err(Error::layout(
                     None,
                     format!(
-                        "weight server: {} bytes at offset {offset} exceed the slot's {} bytes",
-                        bytes.len(),
-                        self.layout.slot_bytes
+                        "weight server: {len} bytes at offset {} exceed the slot's {} bytes",
+                        p.offset, self.layout.slot_bytes
                     ),
                 ));
             }
+            lens.push(len);
         }
         let mut published = self.published.lock().map_err(|_| Error::Internal {
             rank: self.endpoint().rank,
@@ -313,24 +330,74 @@ impl WeightServer {
         // included (a full fence: `mfence` on x86).
         fence(Ordering::SeqCst);
         let data = self.layout.data(s);
-        for (offset, bytes) in parts {
+        let mut failed = None;
+        for (p, &len) in parts.iter().zip(&lens) {
             // SAFETY: in bounds (checked above against the slot, which the
             // region holds); readers only read it, and detect a torn copy
             // by the sequence words; the caller's bytes never overlap the
             // region.
-            unsafe {
-                odc_kernels::cpu::copy_raw(
-                    self.region.as_ptr().add(data + offset),
-                    bytes.as_ptr(),
-                    bytes.len(),
-                )
-            };
+            let dst = unsafe { self.region.as_ptr().add(data + p.offset) };
+            match p.cast {
+                // SAFETY: as above, `len` bytes from `dst` are the slot's.
+                None => unsafe { odc_kernels::cpu::copy_raw(dst, p.bytes.as_ptr(), len) },
+                Some((from, to)) => {
+                    // SAFETY: as above; only this publish (under the lock)
+                    // writes the slot.
+                    let out = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+                    if let Err(e) = odc_kernels::cpu::cast(p.bytes, from, out, to) {
+                        failed = Some(Error::layout(
+                            None,
+                            format!("weight server: a part at offset {}: {e}", p.offset),
+                        ));
+                        break;
+                    }
+                }
+            }
         }
         fence(Ordering::SeqCst);
+        if let Some(e) = failed {
+            // The slot holds part of `version`: its end word stays behind
+            // its begin word, so no reader takes it, and nothing announces it.
+            return Err(e);
+        }
         self.word(self.layout.end(s)).store(tag, Ordering::Release);
         self.word(OFF_LATEST).store(tag, Ordering::Release);
         *published = tag;
         Ok(())
+    }
+}
+
+/// One part of a [`WeightServer::publish_parts`]: `bytes` go to byte
+/// `offset` of the slot as they are, or with `cast = Some((from, to))`
+/// element by element from `from` to `to` (rounded to nearest, ties to
+/// even, as torch casts; the slot takes `to`'s bytes).
+#[derive(Clone, Copy, Debug)]
+pub struct PublishPart<'a> {
+    /// Where the part starts in the slot, in bytes.
+    pub offset: usize,
+    /// The caller's bytes (in `from`'s dtype when cast).
+    pub bytes: &'a [u8],
+    /// `(from, to)`: cast element by element; `None`: copied as they are.
+    pub cast: Option<(odc_kernels::DType, odc_kernels::DType)>,
+}
+
+impl PublishPart<'_> {
+    /// The bytes this part takes in the slot.
+    fn slot_len(&self) -> Result<usize> {
+        match self.cast {
+            None => Ok(self.bytes.len()),
+            Some((from, to)) if self.bytes.len() % from.size_bytes() == 0 => {
+                Ok(self.bytes.len() / from.size_bytes() * to.size_bytes())
+            }
+            Some((from, _)) => Err(Error::layout(
+                None,
+                format!(
+                    "weight server: a part at offset {} holds {} bytes, not whole {from} elements",
+                    self.offset,
+                    self.bytes.len()
+                ),
+            )),
+        }
     }
 }
 
@@ -1116,6 +1183,68 @@ mod tests {
             "{old:?}"
         );
         assert!(srv[0].publish(5, &[]).is_err(), "a version published twice");
+    }
+
+    /// A cast part lands in the slot as the kernels' cast gives it (f32 to
+    /// bf16, rounded to nearest, ties to even) beside a part copied as it
+    /// is; a part of no whole element is refused and announces nothing.
+    #[test]
+    fn cast_parts_land_cast_in_one_pass() {
+        use odc_kernels::DType;
+        let layout = SlotLayout {
+            slots: 2,
+            slot_bytes: 64,
+        };
+        let job = format!("c{}", std::process::id());
+        let srv = servers(&job, 1, layout, Serve::Shm);
+        // 1 + 2^-8 is a tie (rounds to 1), 1 + 3 * 2^-8 rounds up.
+        let xs: Vec<f32> = (0..8)
+            .map(|i| 1.0 + i as f32 / 256.0 - 3.5 * (i % 2) as f32)
+            .collect();
+        let raw = [7u8; 16];
+        let f32s = crate::bytes_of(&xs);
+        srv[0]
+            .publish_parts(
+                0,
+                &[
+                    PublishPart {
+                        offset: 0,
+                        bytes: f32s,
+                        cast: Some((DType::F32, DType::BF16)),
+                    },
+                    PublishPart {
+                        offset: 16,
+                        bytes: &raw,
+                        cast: None,
+                    },
+                ],
+            )
+            .expect("publish");
+        let reader = reader(&job, &srv, Prefer::Auto);
+        let mut got = vec![0u8; 64];
+        let out = reader
+            .read(Want::Latest, &mut [&mut got], opts())
+            .expect("read");
+        assert!(matches!(out, Outcome::Got(Got { version: 0, .. })));
+        let want: Vec<u8> = xs
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_ne_bytes())
+            .collect();
+        assert_eq!(&got[..16], &want[..]);
+        assert_eq!(&got[16..32], &raw);
+        let err = srv[0]
+            .publish_parts(
+                1,
+                &[PublishPart {
+                    offset: 0,
+                    bytes: &raw[..6],
+                    cast: Some((DType::F32, DType::BF16)),
+                }],
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not whole f32 elements"), "{err}");
+        assert_eq!(srv[0].latest(), Some(0));
     }
 
     /// Every read while the servers publish versions (`pause` between two)

@@ -65,6 +65,10 @@ _FORMAT = 1
 _ALIGN = 64
 _TRANSPORTS = ("auto", "shm", "fabric")
 _STAGINGS = ("whole", "pieces")
+#: One part of a native publish: slot offset, source pointer, source bytes, and the cast on the way (from, to).
+_Part = tuple[int, int, int, tuple[str, str] | None]
+#: The dtypes the native publish casts between.
+_NATIVE_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: ``staging="pieces"``: the bytes of one piece, shared between the remote ranks' slots (each rank's part a multiple
 #: of 64 bytes).
 PIECE_BYTES = 64 << 20
@@ -175,6 +179,12 @@ def _fabric_addr(addr: str | None) -> Iterator[None]:
 
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
+
+
+def _native_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether the native publish copies ``src`` into a slot of ``dst`` itself (the same dtype, or a cast between
+    f32, bf16 and f16: rounded to nearest, ties to even, as torch casts)."""
+    return src == dst or (src in _NATIVE_FLOATS and dst in _NATIVE_FLOATS)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -321,9 +331,11 @@ class WeightServer:
             self._served_dtypes.append(kind)
             offset += -(-local.numel() * kind.itemsize // _ALIGN) * _ALIGN
         self.slot_bytes = max(offset, _ALIGN)
-        #: A cast on the host: this rank's shards in the served dtype, copied into the slot from here.
+        #: A cast the native publish does not make (f32, bf16 and f16 it casts on its way into the slot, in one
+        #: pass): this rank's shards in the served dtype, copied into the slot from here.
         self._cast_stage: torch.Tensor | None = None
-        if any(k != local.dtype for k, (_, local, _, _) in zip(self._served_dtypes, self._pieces, strict=True)):
+        if any(not _native_cast(local.dtype, k)
+               for k, (_, local, _, _) in zip(self._served_dtypes, self._pieces, strict=True)):
             self._cast_stage = torch.empty(self.slot_bytes, dtype=torch.uint8)
         #: CUDA shards: the device copy of a version and its host staging (see :class:`_DeviceSnapshot`).
         self._device: _DeviceSnapshot | None = None
@@ -387,17 +399,22 @@ class WeightServer:
         casts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (slot bytes viewed in the served dtype, shard)
         if self._device is not None:  # CUDA: a device copy on a side stream now, the host copy on the thread
             parts, keep = self._device.snapshot(self._pieces, self._served_dtypes), [self._device.host]
-        else:  # CPU: the slot copies straight from the shards (contiguous), or from the cast stage
+        else:  # CPU: the slot copies (or casts) straight from the shards (contiguous), or from the cast stage
             parts, keep = [], []
             for (_, local, _, off), kind in zip(self._pieces, self._served_dtypes, strict=True):
                 src = local if local.is_contiguous() else local.contiguous()
                 keep.append(src)
-                if self._cast_stage is not None and kind != src.dtype:
-                    n = src.numel() * kind.itemsize
-                    casts.append((self._cast_stage[off:off + n].view(kind), src.reshape(-1)))
-                    parts.append((off, self._cast_stage.data_ptr() + off, n))
+                nbytes = src.numel() * src.element_size()
+                if kind == src.dtype:
+                    parts.append((off, src.data_ptr(), nbytes, None))
+                elif _native_cast(src.dtype, kind):
+                    parts.append((off, src.data_ptr(), nbytes, (str(src.dtype), str(kind))))
                 else:
-                    parts.append((off, src.data_ptr(), src.numel() * src.element_size()))
+                    stage = self._cast_stage
+                    assert stage is not None  # made for every cast the native publish does not make
+                    n = src.numel() * kind.itemsize
+                    casts.append((stage[off:off + n].view(kind), src.reshape(-1)))
+                    parts.append((off, stage.data_ptr() + off, n, None))
             if casts:
                 keep.append(self._cast_stage)  # type: ignore[arg-type]  # not None where casts were made
         if self.overlap:
@@ -417,7 +434,7 @@ class WeightServer:
             for dst, src in casts:
                 dst.copy_(src)
 
-    def _copy(self, version: int, parts: list[tuple[int, int, int]], keep: list[torch.Tensor],
+    def _copy(self, version: int, parts: list[_Part], keep: list[torch.Tensor],
               casts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if self._copy_delay:
             time.sleep(self._copy_delay)
@@ -441,8 +458,9 @@ class WeightServer:
     @property
     def memory_bytes(self) -> int:
         """Bytes of shared memory the slots hold on this rank (K · slot bytes, plus headers). CUDA shards add one
-        slot's bytes on the device and one in pinned host memory (:attr:`device_bytes`); CPU shards served in
-        another dtype (``dtype=``) one slot's bytes of private host memory, the staging they are cast into."""
+        slot's bytes on the device and one in pinned host memory (:attr:`device_bytes`). CPU shards served in
+        another dtype (``dtype=``) are cast on their way into the slot (f32, bf16, f16), or, for other dtypes, into
+        one slot's bytes of private host memory first."""
         return self.slots * (self.slot_bytes + 128) + 64
 
     @property
@@ -485,19 +503,19 @@ class _DeviceSnapshot:
         self.staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
 
     def snapshot(self, pieces: list[tuple[str, torch.Tensor, int, int]],
-                 dtypes: list[torch.dtype]) -> list[tuple[int, int, int]]:
+                 dtypes: list[torch.dtype]) -> list[_Part]:
         """Queues the copies of ``pieces`` (name, local shard, element offset, byte offset), each cast to its dtype
-        of ``dtypes`` on the device; returns the parts (slot offset, host pointer, bytes) the thread copies into the
-        slot once :attr:`staged` is reached."""
+        of ``dtypes`` on the device; returns the parts (slot offset, host pointer, bytes, no cast) the thread copies
+        into the slot once :attr:`staged` is reached."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        parts = []
+        parts: list[_Part] = []
         with torch.cuda.stream(self.stream):
             for (_, local, _, off), kind in zip(pieces, dtypes, strict=True):
                 src = (local if local.is_contiguous() else local.contiguous()).reshape(-1)
                 n = src.numel() * kind.itemsize
                 self.snap[off:off + n].view(kind).copy_(src, non_blocking=True)
-                parts.append((off, self.host.data_ptr() + off, n))
+                parts.append((off, self.host.data_ptr() + off, n, None))
             self.copied.record(self.stream)
             self.host.copy_(self.snap, non_blocking=True)
             self.staged.record(self.stream)
@@ -548,7 +566,8 @@ def serve_weights(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             run in bf16: each publish casts the shards (round to nearest even, as ``Tensor.to``) into the slot,
             so the slots hold half the bytes of f32 and readers move half as many; a reader's bf16 read is
             bit-identical to casting the trainer's f32 parameters itself, and a wider read gets those bf16
-            values widened. Costs one staging copy of the slot on the host (CUDA: the device snapshot casts).
+            values widened. The native publish casts f32, bf16 and f16 on their way into the slot, one pass (other
+            floating dtypes: one staging copy of the slot on the host first; CUDA: the device snapshot casts).
             None (default): each parameter's own dtype.
 
     Returns:
