@@ -240,3 +240,33 @@ fn error_feedback_keeps_the_compressed_hybrid_sums_exact_over_minibatches() {
         }
     }
 }
+
+/// Replicas that would add their copies in different formats (one rank
+/// with int8 sums, the others f32) are refused at registration, naming
+/// both formats, instead of reading each other's bytes as the wrong thing.
+#[test]
+fn replicas_with_different_sum_formats_refuse_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let int8 = Spec::new(Format::Int8, 32).unwrap();
+    let threads: Vec<_> = (0..WORLD)
+        .map(|rank| {
+            let store = Arc::new(crate::FileStore::new(dir.path()).unwrap());
+            std::thread::spawn(move || {
+                let push = (rank == 1).then_some((int8, true));
+                let cfg = hybrid(Sharding::Hybrid, push, "czh_mix");
+                let topo = crate::Topology::new(rank, WORLD, LOCAL).unwrap();
+                let e = Engine::new(store, topo, cfg).unwrap();
+                e.register(&[BucketSpec::new("g", NUMEL, DType::F32)])
+                    .unwrap_err()
+                    .to_string()
+            })
+        })
+        .collect();
+    for (rank, t) in threads.into_iter().enumerate() {
+        let err = t.join().unwrap();
+        assert!(
+            err.contains("sums across nodes in") && err.contains("int8/32") && err.contains("f32"),
+            "rank {rank}: {err}"
+        );
+    }
+}
