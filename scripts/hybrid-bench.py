@@ -48,9 +48,12 @@ bridge: every byte between "nodes" crosses the kernel's TCP stack), in each of
   from hybrid-zero's node copy: no more cross-node bytes than without it);
 - ``odc-hybrid-<P>``, ``odc-hybrid-zero-<P>``: those two with the
   end-of-minibatch sum across nodes compressed (``compress={"push": P}``,
-  error feedback on; no gather crosses nodes there, so no gather format):
-  each rank reads the other nodes' quantised partial sums; the formula
-  column is theirs with the sum at ``P``'s width.
+  error feedback on): each rank reads the other nodes' quantised partial
+  sums; ``odc-hybrid-zero-<G>g`` / ``odc-hybrid-zero-<G>g-<P>``: the
+  updated parameter pieces hybrid-zero copies across nodes at each publish
+  read from their owners' quantised copies too (no gather crosses nodes
+  under ``hybrid``, so no gather format there); the formula column is
+  theirs at the formats' widths.
 
 Every rank runs the same microbatches (``--micros`` per minibatch of
 ``--seq`` tokens) and the same AdamW loop with torch's clip. Each rank reads
@@ -101,7 +104,7 @@ def split_mode(mode: str, block: int) -> tuple[str, dict[str, Any] | None]:
             compress = mode_compress(mode, base, MODES, block)
         except ValueError:
             continue
-        if compress is not None and (base == "odc-full" or compress["gather"] is None):
+        if compress is not None and (base != "odc-hybrid" or compress["gather"] is None):
             return base, compress
     raise ValueError(mode)
 
@@ -221,8 +224,8 @@ def formula(mode: str, res: dict[str, Any], minibatches: int, block: int = 32) -
     base, compress = split_mode(mode, block)
     if compress is not None and base == "odc-hybrid":
         return (n - 1) * p / g * width(compress["push"], block)  # the other nodes' quantised partial sums
-    if compress is not None and base == "odc-hybrid-zero":  # the sums of its piece quantised, the pieces f32
-        return (n - 1) * p / d * (width(compress["push"], block) + 4)
+    if compress is not None and base == "odc-hybrid-zero":  # the sums of its piece, then the updated pieces
+        return (n - 1) * p / d * (width(compress["push"], block) + width(compress["gather"], block))
     if compress is not None:
         # The node rules at the formats' widths; a header per pushed chunk (each remote node's sums of this
         # rank's shard of every bucket: one chunk each at these sizes).
@@ -266,8 +269,8 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated, from {', '.join(MODES)}, or odc-full with compression: odc-full-<push> "
                          f"({', '.join(PUSH_FORMATS)}), odc-full-<gather>g ({', '.join(GATHER_FORMATS)}) or both, "
-                         "e.g. odc-full-int8, odc-full-fp8g-int8; odc-hybrid-<push> or odc-hybrid-zero-<push> (the "
-                         "cross-node sum compressed); a mode may repeat (runs alternated by hand)")
+                         "e.g. odc-full-int8, odc-full-fp8g-int8; odc-hybrid-<push> (the cross-node sum compressed) or "
+                         "odc-hybrid-zero with compression as odc-full's; a mode may repeat (runs alternated by hand)")
     ap.add_argument("--block", type=int, default=32, help="elements per f32 scale of the compressed modes")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -287,9 +290,9 @@ def main() -> int:
         try:
             split_mode(mode, args.block)
         except ValueError:
-            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, odc-full with compression "
-                     f"(odc-full-<push>, odc-full-<gather>g or odc-full-<gather>g-<push>), or odc-hybrid-<push> / "
-                     f"odc-hybrid-zero-<push> (push: {', '.join(PUSH_FORMATS)}; gather: {', '.join(GATHER_FORMATS)})")
+            ap.error(f"unknown mode {mode!r}; choose from {', '.join(MODES)}, odc-full or odc-hybrid-zero with "
+                     f"compression (odc-full-<push>, odc-full-<gather>g or odc-full-<gather>g-<push>), or "
+                     f"odc-hybrid-<push> (push: {', '.join(PUSH_FORMATS)}; gather: {', '.join(GATHER_FORMATS)})")
     for mode in modes:
         load_before = os.getloadavg()
         res = netns.run_ranks(rank_fn, args.world, netns=args.netns, transport="auto", backend="gloo", mode=mode,

@@ -44,21 +44,23 @@ def test_compressed_mode_names(name):
             mod.compress_of(bad, 32)
 
 
-def test_hybrid_modes_compress_the_cross_node_sum_only():
+def test_hybrid_modes_compress_what_crosses_nodes():
     mod = _script("hybrid-bench")
     int8 = {"push": "int8", "gather": None, "block": 32, "feedback": True}
     assert mod.split_mode("odc-hybrid-int8", 32) == ("odc-hybrid", int8)
     assert mod.split_mode("odc-hybrid-zero-int8", 32) == ("odc-hybrid-zero", int8)
     assert mod.split_mode("odc-hybrid-zero", 32) == ("odc-hybrid-zero", None)
+    assert mod.split_mode("odc-hybrid-zero-fp8g-int8", 32) == ("odc-hybrid-zero", {**int8, "gather": "fp8"})
     # No gather crosses nodes under hybrid sharding: a gather format there names no mode.
-    for bad in ("odc-hybrid-fp8g", "odc-hybrid-fp8g-int8", "odc-hybrid-zero-fp8g", "odc-hybrid-elastic-int8"):
+    for bad in ("odc-hybrid-fp8g", "odc-hybrid-fp8g-int8", "odc-hybrid-elastic-int8", "odc-hybrid-zero-int4"):
         with pytest.raises(ValueError, match=bad):
             mod.split_mode(bad, 32)
     res = {"params": 1 << 20, "n": 2, "g": 4, "buckets": 5, "micros": 1}
     f32, zero = mod.formula("odc-hybrid", res, 1), mod.formula("odc-hybrid-zero", res, 1)
     assert mod.formula("odc-hybrid-int8", res, 1) == pytest.approx(f32 * 36 / 128, rel=1e-12)
-    # hybrid-zero: its piece's sums at int8, the updated pieces still f32.
+    # hybrid-zero: its piece's sums at int8, the updated parameter pieces f32 or fp8.
     assert mod.formula("odc-hybrid-zero-int8", res, 1) == pytest.approx(zero / 2 * (1 + 36 / 128), rel=1e-12)
+    assert mod.formula("odc-hybrid-zero-fp8g-int8", res, 1) == pytest.approx(zero * 36 / 128, rel=1e-12)
 
 
 def test_cross_node_formula_counts_scales_and_headers():

@@ -420,13 +420,61 @@ impl Worker<'_> {
             // version, and this version is announced only after this call),
             // and only this publish (under the publish lock) writes it.
             let dst = unsafe { std::slice::from_raw_parts_mut(reg.params.as_ptr().add(at), bytes) };
-            core.transport
-                .get(r, &reg.peer_params[r], at, dst)
-                .map_err(|e| core.attribute(Some(b.name()), e))?;
-            (reg.read_across).fetch_add(bytes as u64, Ordering::Relaxed);
+            let read = match &reg.quant {
+                // Compressed: node m's copy of its piece, dequantised here.
+                Some(q) => self.read_piece_copy(q, (b, bucket.0), r, dst)?,
+                None => {
+                    core.transport
+                        .get(r, &reg.peer_params[r], at, dst)
+                        .map_err(|e| core.attribute(Some(b.name()), e))?;
+                    bytes
+                }
+            };
+            (reg.read_across).fetch_add(read as u64, Ordering::Relaxed);
             signal(r, lay.piece_read(gs.node, bucket.0))?;
         }
         Ok(())
+    }
+
+    /// Hybrid-zero with compressed gathers: reads replica `r`'s quantised
+    /// copy of its piece of bucket `b` (at the copy's offset in every
+    /// rank's params region) into a staging buffer and dequantises it into
+    /// `dst` (that piece's block of this rank's node shard, in the bucket's
+    /// dtype); returns the bytes read.
+    fn read_piece_copy(
+        &self,
+        q: &crate::engine::Quant,
+        (b, bucket): (&crate::layout::BucketLayout, usize),
+        r: usize,
+        dst: &mut [u8],
+    ) -> Result<usize> {
+        let core = self.core;
+        let copy = q.copies[bucket];
+        let len = copy.len();
+        let mut buf = q.take(len);
+        let read = (|| {
+            // SAFETY: `take` gave at least `len` bytes, this call's alone.
+            let stage =
+                unsafe { std::slice::from_raw_parts_mut(buf.as_mut_ptr().cast::<u8>(), len) };
+            // Every rank's copy of its piece lies at the same offset.
+            core.transport
+                .get(r, &self.reg.peer_params[r], q.off[bucket], stage)
+                .map_err(|e| core.attribute(Some(b.name()), e))?;
+            // SAFETY: the staging buffer holds the copy's `len` bytes
+            // (8-aligned), `dst` the piece's `block_len` elements of the
+            // bucket's dtype; both are this call's alone.
+            unsafe {
+                super::quantised::dequantise_copy(
+                    &copy,
+                    (stage.as_ptr() as u64, b.block_len()),
+                    dst.as_mut_ptr() as u64,
+                    b.dtype(),
+                )
+            }
+            .map_err(|e| core.attribute(Some(b.name()), e))
+        })();
+        q.put_back(buf);
+        read.map(|()| len)
     }
 
     /// Hybrid-zero, before a publish overwrites this rank's piece of

@@ -290,12 +290,13 @@ impl<'e> Worker<'e> {
         let at = reg.piece() * b.block_bytes();
         // SAFETY: the caller vouches for `src`; the wait above is the rule.
         unsafe { path.write_shard(reg, bucket.0, at, src, bytes)? };
+        // Compressed gathers: the quantised copy (of the piece, under
+        // hybrid-zero), before the announce below or the pieces' signals
+        // make the version (and with it the copy) visible.
+        self.quantise_shard(bucket.0)?;
         if b.blocks() > 1 && reg.cross_node() {
             self.gather_pieces(b, bucket, stamp)?;
         }
-        // Compressed gathers: the quantised copy, before the announce below
-        // makes the version (and with it the copy) visible.
-        self.quantise_shard(bucket.0)?;
         let offset = reg.ctrl_layout.seen_version(reg.groups.me, bucket.0);
         path.announce(Signals::to(self.core, &reg.announce_to, offset, stamp))
             .map_err(|e| self.core.attribute(Some(b.name()), e))
@@ -362,7 +363,8 @@ impl<'e> Worker<'e> {
         let elems = b.check_full_len(elems_of(b, bytes, dtype, "output")?)?;
         // Compressed gathers: peers' quantised copies land in staging, one
         // place per owner, before they are dequantised into `out`.
-        let mut held = reg.quant.as_ref().map(|q| {
+        // (Hybrid-zero's copies of pieces cross only at the publish.)
+        let mut held = reg.quant.as_ref().filter(|_| b.blocks() == 1).map(|q| {
             let copy = q.copies[bucket.0];
             let stride = copy.len().next_multiple_of(64);
             (q, q.take(stride * reg.groups.group.len()), stride, copy)

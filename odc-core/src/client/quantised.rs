@@ -25,7 +25,8 @@ use crate::{Error, Result};
 
 impl Worker<'_> {
     /// Rewrites this rank's quantised copy of its shard of `bucket` from
-    /// the shard a publish just wrote (no-op without copies).
+    /// the shard a publish just wrote (under hybrid-zero: of its piece, the
+    /// block of the node shard it publishes); no-op without copies.
     pub(super) fn quantise_shard(&self, bucket: usize) -> Result<()> {
         let reg = self.reg;
         let Some(q) = &reg.quant else {
@@ -34,6 +35,11 @@ impl Worker<'_> {
         let b = &reg.buckets[bucket];
         let copy = q.copies[bucket];
         let (dtype, size) = (b.dtype(), b.dtype().size_bytes());
+        let first = if b.blocks() > 1 {
+            reg.piece() * b.block_len()
+        } else {
+            0
+        };
         let kernel = |e: odc_kernels::Error| Error::protocol(Some(b.name()), e.to_string());
         let mut values = vec![0f32; copy.run.min(copy.shard_len)];
         for j in 0..copy.runs() {
@@ -41,12 +47,14 @@ impl Worker<'_> {
             // SAFETY: this rank's shard of `bucket` and its quantised copy
             // lie inside its params region (offsets fixed at registration,
             // disjoint); the publish lock is held and every reader released
-            // the previous version, so nothing else reads or writes them.
+            // the previous version (under hybrid-zero every other node also
+            // copied the previous piece: `wait_pieces_read`), so nothing
+            // else reads or writes them.
             let (src, dst) = unsafe {
                 let base = reg.params.as_ptr();
                 (
                     std::slice::from_raw_parts(
-                        base.add(reg.params_off[bucket] + elems.start * size),
+                        base.add(reg.params_off[bucket] + (first + elems.start) * size),
                         elems.len() * size,
                     ),
                     std::slice::from_raw_parts_mut(

@@ -288,9 +288,12 @@ pub struct EngineConfig {
     /// block-scaled low-precision chunks, with error feedback if asked, and
     /// gathers read the owners' quantised copies of their shards (made once
     /// per version), by default only what crosses nodes. `None` (the
-    /// default) moves every byte as it is. Host engines only, not with
-    /// `deterministic`; quantised copies not under hybrid-zero with scope
-    /// all.
+    /// default) moves every byte as it is. Under hybrid sharding across
+    /// nodes the push format compresses the cross-node sum of the gradient
+    /// shards ([`crate::protocol::compress::sum_spec`]), and under
+    /// hybrid-zero the gather format the pieces copied across nodes. Host
+    /// engines only, not with `deterministic`; quantised copies not under
+    /// hybrid-zero with scope all, nor under hybrid.
     pub compress: Option<crate::protocol::compress::Compress>,
 }
 

@@ -20,7 +20,7 @@ pub use config::{
     check_env, node_cache_bytes, BucketId, CrossNode, EngineConfig, Sharding, DEFAULT_NODE_CACHE,
 };
 pub(crate) use register::data_sizes;
-pub(crate) use state::{load, record_error, Core, NodeSums, Packer, PushState, Registered};
+pub(crate) use state::{load, record_error, Core, NodeSums, Packer, PushState, Quant, Registered};
 
 use crate::layout::BucketSpec;
 use crate::protocol::handoff::OwnPush;
@@ -237,18 +237,16 @@ fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig
              built; leave gather unset"
         )));
     }
-    if c.scope == Scope::CrossNode && config.sharding != Sharding::Full {
+    if c.scope == Scope::CrossNode && config.sharding == Sharding::Hybrid {
         // Only the minibatch's cross-node sum of the gradient shards crosses
         // nodes there: the push format compresses it, a gather format has
-        // nothing to compress.
+        // nothing to compress (hybrid-zero's piece copies it compresses).
         if let Some(g) = c.gather {
             return Err(Error::Config(format!(
-                "compress gather={g} with scope \"cross-node\" under sharding \"{}\": no \
-                 gather crosses nodes there (parameters are sharded within a node, and \
-                 hybrid-zero's piece copies are not compressed), so nothing would be; leave \
-                 gather unset (push compresses the minibatch's cross-node sum), or use sharding \
-                 \"full\"",
-                config.sharding.name()
+                "compress gather={g} with scope \"cross-node\" under sharding \"hybrid\": no \
+                 gather crosses nodes there (every node holds the whole parameters), so nothing \
+                 would be; leave gather unset (push compresses the minibatch's cross-node sum), \
+                 or use sharding \"hybrid-zero\" or \"full\""
             )));
         }
     }

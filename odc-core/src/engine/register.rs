@@ -392,7 +392,10 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
 /// chunk (a node cache piece is one run); `None` where no gather reads
 /// one: no gather format, or no other rank of the shard group that a read
 /// of the scope compresses (scope cross-node with the whole group on this
-/// node: hybrid sharding, one node).
+/// node: hybrid sharding, one node). Under hybrid-zero across nodes with
+/// scope cross-node, the copies of this rank's piece of each bucket, which
+/// the other nodes' replicas copy into their node shards at each publish
+/// (the only parameter bytes that cross there).
 fn quant_copies(
     config: &EngineConfig,
     topo: &Topology,
@@ -402,6 +405,14 @@ fn quant_copies(
 ) -> Option<Vec<QuantCopy>> {
     let c = config.compress.as_ref()?;
     let spec = c.gather?;
+    if groups.blocks > 1 {
+        let across = groups.replicas.len() > 1;
+        return (across && c.scope == crate::protocol::compress::Scope::CrossNode).then(|| {
+            (buckets.iter())
+                .map(|b| QuantCopy::new(spec, ctrl.chunk_bytes(), b.block_len()))
+                .collect()
+        });
+    }
     let me = topo.rank();
     let read = (groups.group.iter()).any(|&r| {
         crate::protocol::compress::gather_spec(Some(c), r == me, topo.is_local(r)).is_some()

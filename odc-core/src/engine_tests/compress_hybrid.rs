@@ -270,3 +270,85 @@ fn replicas_with_different_sum_formats_refuse_each_other() {
         );
     }
 }
+
+/// A value of rank `r`'s piece in version `v`, not exact in fp8.
+fn param(r: usize, j: usize, v: u64) -> f32 {
+    ((j * 37 + r * 11 + v as usize * 5) % 101) as f32 / 7.0 - 7.0
+}
+
+/// Hybrid-zero with fp8 gathers: at each publish a rank's replicas on the
+/// other node read its piece's fp8 copy, so its node shard holds its own
+/// node's pieces exactly and the other node's as the reference
+/// dequantisation of their copies, bit for bit, at every version; the
+/// bytes read across nodes are the copies'.
+#[test]
+fn hybrid_zero_copies_the_other_nodes_pieces_quantised() {
+    use odc_kernels::cpu::quant;
+    let fp8 = Spec::new(Format::Fp8E4m3, 32).unwrap();
+    let cfg = EngineConfig {
+        compress: Some(Compress {
+            push: None,
+            gather: Some(fp8),
+            feedback: true,
+            scope: Scope::CrossNode,
+        }),
+        ..hybrid(Sharding::HybridZero, None, "czh_gz")
+    };
+    let versions = 3u64;
+    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+        let rank = e.rank();
+        e.register(&[BucketSpec::new("g", NUMEL, DType::F32)])
+            .unwrap();
+        let h = e.host().unwrap();
+        let id = e.bucket_id("g").unwrap();
+        let lay = e.bucket(id).unwrap().clone();
+        let bl = lay.block_len();
+        let piece_of = |r: usize, v: u64| -> Vec<f32> { (0..bl).map(|j| param(r, j, v)).collect() };
+        let reference = |r: usize, v: u64| -> Vec<f32> {
+            let src = piece_of(r, v);
+            let mut codes = vec![0u8; fp8.payload_bytes(bl)];
+            let mut scales = vec![0f32; fp8.scales(bl)];
+            quant::quantise(fp8, &src, &mut codes, &mut scales).unwrap();
+            let mut out = vec![0f32; bl];
+            quant::dequantise(fp8, &codes, &scales, &mut out).unwrap();
+            out
+        };
+        let mut rounded = false;
+        for v in 0..versions {
+            h.publish(id, bytes_of(&piece_of(rank, v)), DType::F32, v)
+                .unwrap();
+            let mut full = vec![0f32; NUMEL];
+            h.gather(id, v, crate::bytes_of_mut(&mut full), DType::F32)
+                .unwrap();
+            let (exact, copied) = (
+                (0..WORLD).map(|r| piece_of(r, v)).collect::<Vec<_>>(),
+                (0..WORLD).map(|r| reference(r, v)).collect::<Vec<_>>(),
+            );
+            for (i, &x) in full.iter().enumerate() {
+                let (owner, local) = lay.owner_of(i);
+                let (node, j) = (local / bl, local % bl);
+                let from = node * LOCAL + owner; // the rank that published it
+                let want = if node == rank / LOCAL {
+                    exact[from][j]
+                } else {
+                    copied[from][j]
+                };
+                assert_eq!(
+                    x.to_bits(),
+                    want.to_bits(),
+                    "rank {rank}, v{v}, element {i} (rank {from}'s piece)"
+                );
+                rounded |= node != rank / LOCAL && x != exact[from][j];
+            }
+            h.finish_minibatch(v).unwrap(); // releases version v (nothing pushed)
+            h.zero_grads().unwrap();
+        }
+        assert!(
+            rounded,
+            "rank {rank}: the other node's pieces arrived exact (not compressed)"
+        );
+        let copy = QuantCopy::new(fp8, e.core().config.chunk_bytes, bl);
+        let across = e.bytes_across_nodes().unwrap().unwrap();
+        assert_eq!(across.gathered, versions * copy.len() as u64, "rank {rank}");
+    });
+}

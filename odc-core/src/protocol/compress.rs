@@ -9,7 +9,11 @@
 //! the node cache's fetches, or the direct reads without a cache);
 //! [`Scope::All`] compresses every push and every read of another rank's
 //! shard, for tests on one host. A rank's own shard is never read
-//! compressed. A chunk holds whole blocks of its format wherever the slot
+//! compressed. Under hybrid sharding what crosses nodes is the minibatch's
+//! sum of the gradient shards, compressed in the push format
+//! ([`sum_spec`]), and under hybrid-zero also the parameter pieces each
+//! node copies from the others at a publish, read from their owners'
+//! quantised copies in the gather format. A chunk holds whole blocks of its format wherever the slot
 //! takes one ([`chunk_elems`]), so a block never straddles a chunk, let
 //! alone a shard; the quantised copy of a shard ([`QuantCopy`]) is cut into
 //! runs of whole blocks of that shard alone, each laid out as a chunk

@@ -499,11 +499,12 @@ class Engine:
             rank quantises its node's partial sums once (with ``feedback``,
             plus the residual it kept), and every node adds every node's
             dequantised copy in node order, so the replicas keep the same
-            bits. ``deterministic=True`` and the device transports raise
+            bits; under ``hybrid-zero``, ``gather`` compresses the copies of
+            the updated parameter pieces that cross at each publish.
+            ``deterministic=True`` and the device transports raise
             ``ConfigError``, as do ``gather`` with ``scope="all"`` under
-            ``sharding="hybrid-zero"`` and ``gather`` with
-            ``scope="cross-node"`` under either hybrid sharding (no gather
-            crosses nodes there). Unknown keys raise ``ConfigError``.
+            ``sharding="hybrid-zero"`` and ``gather`` under ``hybrid`` (no
+            gather crosses nodes there). Unknown keys raise ``ConfigError``.
 
     ``emu-ipc`` (and ``emu-shmem``, whose puts to another node arrive only
     at the stream's next deliver, as NVSHMEM's do at a quiet) runs every

@@ -296,7 +296,9 @@ def enable(
             values; ``"scope": "all"`` compresses every push and every read
             of another rank's shard; under ``sharding="hybrid"`` or
             ``"hybrid-zero"`` ``push`` compresses the end-of-minibatch sum
-            across nodes. Default ``None`` (nothing compressed).
+            across nodes (and under ``"hybrid-zero"`` ``gather`` the
+            parameter pieces copied across nodes). Default ``None``
+            (nothing compressed).
             Not with ``deterministic=True``. See the ``compress`` argument
             of :class:`odc.Engine`.
         elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
