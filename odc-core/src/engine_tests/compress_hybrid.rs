@@ -279,11 +279,13 @@ fn param(r: usize, j: usize, v: u64) -> f32 {
 /// Hybrid-zero with fp8 gathers: at each publish a rank's replicas on the
 /// other node read its piece's fp8 copy, so its node shard holds its own
 /// node's pieces exactly and the other node's as the reference
-/// dequantisation of their copies, bit for bit, at every version; the
-/// bytes read across nodes are the copies'.
+/// dequantisation of their copies (into the bucket's dtype: f32, and bf16
+/// for a second bucket), bit for bit, at every version; the bytes read
+/// across nodes are the copies'.
 #[test]
 fn hybrid_zero_copies_the_other_nodes_pieces_quantised() {
     use odc_kernels::cpu::quant;
+    use odc_kernels::half::bf16;
     let fp8 = Spec::new(Format::Fp8E4m3, 32).unwrap();
     let cfg = EngineConfig {
         compress: Some(Compress {
@@ -295,60 +297,90 @@ fn hybrid_zero_copies_the_other_nodes_pieces_quantised() {
         ..hybrid(Sharding::HybridZero, None, "czh_gz")
     };
     let versions = 3u64;
+    const SMALL: usize = 77;
     run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
-        e.register(&[BucketSpec::new("g", NUMEL, DType::F32)])
-            .unwrap();
+        e.register(&[
+            BucketSpec::new("g", NUMEL, DType::F32),
+            BucketSpec::new("v", SMALL, DType::BF16),
+        ])
+        .unwrap();
         let h = e.host().unwrap();
-        let id = e.bucket_id("g").unwrap();
-        let lay = e.bucket(id).unwrap().clone();
-        let bl = lay.block_len();
-        let piece_of = |r: usize, v: u64| -> Vec<f32> { (0..bl).map(|j| param(r, j, v)).collect() };
-        let reference = |r: usize, v: u64| -> Vec<f32> {
-            let src = piece_of(r, v);
+        let ids = [e.bucket_id("g").unwrap(), e.bucket_id("v").unwrap()];
+        let lays = ids.map(|id| e.bucket(id).unwrap().clone());
+        // Piece values as the bucket's dtype holds them (bf16: rounded).
+        let piece_of = |b: usize, r: usize, v: u64| -> Vec<f32> {
+            let x = (0..lays[b].block_len()).map(|j| param(r, j, v));
+            match b {
+                0 => x.collect(),
+                _ => x.map(|x| bf16::from_f32(x).to_f32()).collect(),
+            }
+        };
+        // The engine's dequantisation into the bucket's dtype, widened.
+        let reference = |b: usize, r: usize, v: u64| -> Vec<f32> {
+            let (src, bl) = (piece_of(b, r, v), lays[b].block_len());
             let mut codes = vec![0u8; fp8.payload_bytes(bl)];
             let mut scales = vec![0f32; fp8.scales(bl)];
             quant::quantise(fp8, &src, &mut codes, &mut scales).unwrap();
-            let mut out = vec![0f32; bl];
+            if b == 0 {
+                let mut out = vec![0f32; bl];
+                quant::dequantise(fp8, &codes, &scales, &mut out).unwrap();
+                return out;
+            }
+            let mut out = vec![bf16::ZERO; bl];
             quant::dequantise(fp8, &codes, &scales, &mut out).unwrap();
-            out
+            out.iter().map(|x| x.to_f32()).collect()
         };
-        let mut rounded = false;
+        let mut rounded = [false; 2];
         for v in 0..versions {
-            h.publish(id, bytes_of(&piece_of(rank, v)), DType::F32, v)
-                .unwrap();
-            let mut full = vec![0f32; NUMEL];
-            h.gather(id, v, crate::bytes_of_mut(&mut full), DType::F32)
-                .unwrap();
-            let (exact, copied) = (
-                (0..WORLD).map(|r| piece_of(r, v)).collect::<Vec<_>>(),
-                (0..WORLD).map(|r| reference(r, v)).collect::<Vec<_>>(),
-            );
-            for (i, &x) in full.iter().enumerate() {
-                let (owner, local) = lay.owner_of(i);
-                let (node, j) = (local / bl, local % bl);
-                let from = node * LOCAL + owner; // the rank that published it
-                let want = if node == rank / LOCAL {
-                    exact[from][j]
+            for (b, (&id, lay)) in ids.iter().zip(&lays).enumerate() {
+                let numel = [NUMEL, SMALL][b];
+                let piece = piece_of(b, rank, v);
+                let full: Vec<f32> = if b == 0 {
+                    h.publish(id, bytes_of(&piece), DType::F32, v).unwrap();
+                    let mut full = vec![0f32; numel];
+                    h.gather(id, v, crate::bytes_of_mut(&mut full), DType::F32)
+                        .unwrap();
+                    full
                 } else {
-                    copied[from][j]
+                    let piece: Vec<bf16> = piece.iter().map(|&x| bf16::from_f32(x)).collect();
+                    h.publish(id, bytes_of(&piece), DType::BF16, v).unwrap();
+                    let mut full = vec![bf16::ZERO; numel];
+                    h.gather(id, v, crate::bytes_of_mut(&mut full), DType::BF16)
+                        .unwrap();
+                    full.iter().map(|x| x.to_f32()).collect()
                 };
-                assert_eq!(
-                    x.to_bits(),
-                    want.to_bits(),
-                    "rank {rank}, v{v}, element {i} (rank {from}'s piece)"
-                );
-                rounded |= node != rank / LOCAL && x != exact[from][j];
+                let bl = lay.block_len();
+                let exact: Vec<Vec<f32>> = (0..WORLD).map(|r| piece_of(b, r, v)).collect();
+                let copied: Vec<Vec<f32>> = (0..WORLD).map(|r| reference(b, r, v)).collect();
+                for (i, &x) in full.iter().enumerate() {
+                    let (owner, local) = lay.owner_of(i);
+                    let (node, j) = (local / bl, local % bl);
+                    let from = node * LOCAL + owner; // the rank that published it
+                    let want = if node == rank / LOCAL {
+                        exact[from][j]
+                    } else {
+                        copied[from][j]
+                    };
+                    assert_eq!(
+                        x.to_bits(),
+                        want.to_bits(),
+                        "rank {rank}, bucket {b}, v{v}, element {i} (rank {from}'s piece)"
+                    );
+                    rounded[b] |= node != rank / LOCAL && x != exact[from][j];
+                }
             }
             h.finish_minibatch(v).unwrap(); // releases version v (nothing pushed)
             h.zero_grads().unwrap();
         }
-        assert!(
-            rounded,
+        assert_eq!(
+            rounded, [true; 2],
             "rank {rank}: the other node's pieces arrived exact (not compressed)"
         );
-        let copy = QuantCopy::new(fp8, e.core().config.chunk_bytes, bl);
+        let copies: usize = (lays.iter())
+            .map(|l| QuantCopy::new(fp8, e.core().config.chunk_bytes, l.block_len()).len())
+            .sum();
         let across = e.bytes_across_nodes().unwrap().unwrap();
-        assert_eq!(across.gathered, versions * copy.len() as u64, "rank {rank}");
+        assert_eq!(across.gathered, versions * copies as u64, "rank {rank}");
     });
 }
