@@ -69,14 +69,14 @@ def full_params(model):
 
 
 def train(model, rank, world, table, *, odc_on, clip="fsdp1", lr=1e-2, deterministic=False, no_sync=False,
-          keep=False, sharding="full"):
+          keep=False, sharding="full", compress=None):
     """AdamW; ranks run table[s][r] microbatches at step s; clip: "fsdp1" (model.clip_grad_norm_), "torch"
     (torch.nn.utils.clip_grad_norm_ on this rank's shards, as a user might), "odc" or None; ``no_sync``: all
     but each rank's last microbatch under FSDP1's no_sync() (verl's default); ``keep``: no zero_grad after the
     first step, so the second minibatch's gradients add onto the first's."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if odc_on:
-        odc.fsdp.enable(model, opt, timeout=60, deterministic=deterministic, sharding=sharding)
+        odc.fsdp.enable(model, opt, timeout=60, deterministic=deterministic, sharding=sharding, compress=compress)
     norms, losses = [], []
     for s, plan in enumerate(table):
         norm = TOKENS * sum(plan)
@@ -183,6 +183,24 @@ def hybrid_worker(rank, world, store, table, per_node):
         out["full"] = "no error"
     except odc.ConfigError as e:
         out["full"] = str(e)
+    if rank == 0:
+        out["ref"] = reference(table, world)
+    return out
+
+
+def hybrid_compressed_worker(rank, world, store, table, per_node):
+    """FSDP1's HYBRID_SHARD under sharding="hybrid" with the cross-node sum in int8 (and uncompressed, the same
+    table): each run's norms, parameters and this rank's shards; rank 0 adds the one-process reference."""
+    from _fsdp_helpers import as_nodes
+
+    as_nodes(per_node)
+    init_pg(rank, world, store)
+    nodes = world // per_node
+    out = {}
+    for name, compress in (("plain", None), ("int8", {"push": "int8"})):
+        model = build(strategy="HYBRID_SHARD", nodes=nodes)
+        out[name] = train(model, rank, world, table, odc_on=True, sharding="hybrid", compress=compress)
+        out[name]["local"] = [p.detach().reshape(-1).tolist() for p in model.parameters()]
     if rank == 0:
         out["ref"] = reference(table, world)
     return out

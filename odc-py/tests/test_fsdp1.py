@@ -78,6 +78,33 @@ def test_even_counts_on_fsdp1_match_fsdp1_over_gloo_with_torchs_clip_fsdp1s_clip
     assert per_rank[0] != per_rank[1]  # torch's clip saw each rank's own shards, as over gloo
 
 
+def test_fsdp1_hybrid_shard_with_compressed_cross_node_sums():
+    """HYBRID_SHARD under sharding="hybrid" with compress={"push": "int8"} on 2 emulated nodes x 2: the cross-node
+    sum crosses as int8 with error feedback; the nodes still hold the same replica bit for bit, and the run follows
+    the uncompressed one (which matches one process) within int8's rounding."""
+    table = [[2, 1, 0, 0], [0, 1, 2, 1], [1, 0, 1, 2]]
+    out = all_ok(run_ranks(W.hybrid_compressed_worker, 4, timeout=240, table=table, per_node=2))
+    ref = out[0]["ref"]
+    for rank, res in out.items():
+        plain, packed = res["plain"], res["int8"]
+        assert_params_close(ref["params"], plain["params"], 2e-6)
+        assert packed["local"] == out[rank ^ 2]["int8"]["local"], rank  # replicas: the same bits
+        gaps = [abs(x - y) / y for x, y in zip(packed["norms"], plain["norms"], strict=True)]
+        print(f"rank {rank}: clip norms int8 {packed['norms']}, f32 {plain['norms']}, relative gaps {gaps}")
+        # On: the norms differ by more than f32 summation order would (1e-7); within int8's rounding: each
+        # gradient element errs by at most amax/254 of its block (0.4 %), and the norm, a sum of squares over all
+        # of them, by less.
+        assert max(gaps) > 1e-7 and max(gaps) < 4e-3, gaps
+    # The losses, summed over the ranks: step 0's are computed before any update (the same); later ones move by
+    # the updates' difference, which AdamW's normalisation can make up to 2 lr for an element whose gradient
+    # rounds to the other sign, but which is that small only on a few elements.
+    losses = {name: [sum(out[r][name]["losses"][s] for r in out) for s in range(len(table))]
+              for name in ("plain", "int8")}
+    loss_gaps = [abs(a - b) / abs(b) for a, b in zip(losses["int8"], losses["plain"], strict=True)]
+    print(f"losses {losses}, relative gaps {loss_gaps}")
+    assert loss_gaps[0] == 0.0 and max(loss_gaps) < 1e-3, loss_gaps
+
+
 def test_fsdp1_hybrid_strategies_run_under_hybrid_sharding_against_one_process_and_gloo():
     """HYBRID_SHARD (flat parameters) and _HYBRID_SHARD_ZERO2 (use_orig_params=True) on 2 emulated nodes × 2:
     uneven counts with a whole node idle at a step match one process, both nodes end with the same replica;
