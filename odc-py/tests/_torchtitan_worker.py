@@ -89,6 +89,14 @@ def planned_worker(rank: int, world: int, store, root: str) -> dict:
     micro = odc_titan.plan_documents(docs, world, 4, SEQ_LEN, strategy="lb-micro")
     out["lb_micro_gloo"] = train(odc_titan.Trainer, config(), plan=micro, documents=docs, odc=False)
     out["lb_mini_odc"] = train(odc_titan.Trainer, config(), plan=mini, documents=docs)
+    # One host: only scope "all" compresses anything (every push, every read of the other rank's shard).
+    out["lb_mini_odc_compressed"] = train(odc_titan.Trainer, config(), plan=mini, documents=docs,
+                                          compress={"gather": "fp8", "push": "int8", "scope": "all"})
+    try:
+        odc_titan.Trainer(config(), compress={"push": "int4"})
+        out["bad_compress"] = "built"
+    except odc.ConfigError as e:
+        out["bad_compress"] = str(e)
     bad = config()
     bad.parallelism.tensor_parallel_degree, bad.parallelism.data_parallel_shard_degree = 2, 1
     try:

@@ -36,13 +36,14 @@ torchtitan's internals read here are checked against
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .. import fsdp as odc_fsdp
 from .. import packing
+from ..engine import compress_args
 from ..errors import ConfigError
 from ._guard import import_trainer
 
@@ -181,17 +182,21 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
             count on every rank per step, e.g. ``strategy="lb-micro"``).
         timeout: seconds a wait on a peer may take (default: as ``odc.fsdp.enable``).
         transport: as ``odc.fsdp.enable``.
+        compress: as ``odc.fsdp.enable``: compressed pushes and gathers
+            across nodes (under ``data_parallel_replicate_degree > 1``, the
+            cross-node sum of the gradient shards). Default ``None``.
 
     Raises:
         ConfigError: tensor, context, pipeline or expert parallelism is on,
             CUDA graphs are (``training.disable_cuda_graphs`` False, torchtitan's
-            default), or the plan does not fit the data-parallel world or
-            ``seq_len``.
+            default), the plan does not fit the data-parallel world or
+            ``seq_len``, or ``compress`` is not a setting (checked here,
+            before anything is built) or is given with ``odc=False``.
     """
 
     def __init__(self, config: Any, *, plan: packing.Plan | None = None,
                  documents: Sequence[Sequence[int]] | None = None, odc: bool = True, timeout: float | None = None,
-                 transport: str | None = None) -> None:
+                 transport: str | None = None, compress: Mapping[str, Any] | None = None) -> None:
         if odc and not config.training.disable_cuda_graphs:
             raise ConfigError(
                 "odc.integrations.torchtitan: torchtitan captures its forward and backward in a CUDA graph "
@@ -201,6 +206,13 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
             )
         self._odc = odc
         self._odc_timeout, self._odc_transport = timeout, transport
+        self._odc_engine: dict[str, Any] = {}
+        if compress is not None:
+            if not odc:
+                raise ConfigError("odc.integrations.torchtitan: compress with odc=False, which trains on FSDP's "
+                                  "collectives")
+            compress_args(compress)  # keys, formats, block size: named now, not at the first step
+            self._odc_engine["compress"] = dict(compress)
         config.model_spec = dataclasses.replace(config.model_spec,
                                                 parallelize_fn=_fsdp_only(config.model_spec.parallelize_fn))
         if plan is not None:
@@ -224,7 +236,7 @@ class Trainer(_TitanTrainer):  # type: ignore[misc,valid-type]
             model.set_reduce_scatter_unused_params(True)
             hybrid = self.parallel_dims.dp_replicate > 1
             odc_fsdp.enable(model, self.optimizers, sharding="hybrid" if hybrid else "full",
-                            timeout=self._odc_timeout, transport=self._odc_transport)
+                            timeout=self._odc_timeout, transport=self._odc_transport, **self._odc_engine)
         return super().train_step(data_iterator)
 
 
