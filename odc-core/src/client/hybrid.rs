@@ -115,50 +115,39 @@ impl Worker<'_> {
         let kernel = |e: odc_kernels::Error| Error::protocol(None, format!("cross-node sum: {e}"));
         let base = reg.accum.as_ptr();
         for (i, b) in reg.buckets.iter().enumerate() {
+            if let Some(fb) = &mut st.feedback {
+                fb.register(i, b.shard_len()).map_err(kernel)?;
+            }
             let n = b.block_len();
             for p in 0..q.blocks {
                 let (copy, off) = (q.copies[i * q.blocks + p], q.off[i * q.blocks + p]);
-                let spec = copy.spec;
                 for j in 0..copy.runs() {
                     let elems = copy.elems(j);
-                    let (len, first) = (elems.len(), p * n + elems.start);
-                    let at = off + copy.at(j);
-                    if at % 4 != 0 {
-                        return Err(Error::protocol(
-                            None,
-                            format!("cross-node sum: a quantised run at byte {at} (unaligned)"),
-                        ));
-                    }
+                    let first = p * n + elems.start;
                     // SAFETY: the accumulators of bucket `i` and its block
                     // `p`'s quantised copy lie inside the accumulator region
                     // (laid out at registration, disjoint). Every push of
                     // the minibatch is added (the done wait), none of the
                     // next arrives before this rank publishes again, and
                     // every replica read the last copies (above): nothing
-                    // else reads or writes them now. `at` is 4-aligned
-                    // (checked), the scales come first.
-                    let (src, scales, payload) = unsafe {
-                        let codes = base.add(at + 4 * spec.scales(len));
+                    // else reads or writes them now.
+                    let (src, chunk) = unsafe {
                         (
                             std::slice::from_raw_parts(
                                 base.cast::<f32>().add(reg.accum_off[i] + first),
-                                len,
+                                elems.len(),
                             ),
                             std::slice::from_raw_parts_mut(
-                                base.add(at).cast::<f32>(),
-                                spec.scales(len),
+                                base.add(off + copy.at(j)),
+                                copy.bytes(j),
                             ),
-                            std::slice::from_raw_parts_mut(codes, spec.payload_bytes(len)),
                         )
                     };
                     match &mut st.feedback {
-                        Some(fb) => {
-                            fb.register(i, b.shard_len()).map_err(kernel)?;
-                            fb.push(i, first, src, payload, scales).map_err(kernel)?;
-                        }
-                        None => odc_kernels::cpu::quant::quantise(spec, src, payload, scales)
-                            .map_err(kernel)?,
+                        Some(fb) => fb.push_chunk(i, first, src, chunk),
+                        None => odc_kernels::cpu::quant::quantise_chunk(copy.spec, src, chunk),
                     }
+                    .map_err(kernel)?;
                 }
             }
         }

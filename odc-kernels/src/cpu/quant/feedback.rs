@@ -18,7 +18,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{dequantise_accumulate_on, quantise_on, Spec};
+use super::{dequantise_accumulate_on, quantise_on, split_chunk_mut, Spec};
 use crate::cpu::Level;
 use crate::{Error, Result};
 
@@ -74,6 +74,24 @@ impl ErrorFeedback {
         for r in self.residuals.values_mut() {
             r.fill(0.0);
         }
+    }
+
+    /// [`ErrorFeedback::push`] into one chunk buffer laid out as
+    /// [`super::quantise_chunk`] writes it (scales, then payload).
+    ///
+    /// Errors: as [`ErrorFeedback::push`], and as
+    /// [`super::quantise_chunk`] for a chunk of the wrong size or
+    /// alignment (the residual is then unchanged).
+    pub fn push_chunk(
+        &mut self,
+        bucket: usize,
+        offset: usize,
+        grad: &[f32],
+        chunk: &mut [u8],
+    ) -> Result<()> {
+        let (scales, payload) =
+            split_chunk_mut("ErrorFeedback::push_chunk", self.spec, grad.len(), chunk)?;
+        self.push(bucket, offset, grad, payload, scales)
     }
 
     /// Quantises `grad + residual` for elements `offset..offset +

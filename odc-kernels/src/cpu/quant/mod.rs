@@ -471,7 +471,7 @@ fn split_chunk_op<'a>(
     Ok((scales, payload))
 }
 
-fn split_chunk_mut<'a>(
+pub(crate) fn split_chunk_mut<'a>(
     op: &'static str,
     spec: Spec,
     n: usize,

@@ -575,6 +575,46 @@ fn error_feedback_loses_nothing_over_a_run() {
     }
 }
 
+/// `push_chunk` is `push` laid out as a chunk (scales, then payload), bit
+/// for bit, residual included; a chunk of the wrong size leaves the
+/// residual as it was.
+#[test]
+fn error_feedback_into_a_chunk_is_push_laid_out_as_a_chunk() {
+    for format in Format::ALL {
+        let s = spec(format, 32);
+        let n = 300;
+        let (mut a, mut b) = (ErrorFeedback::new(s), ErrorFeedback::new(s));
+        ok(a.register(1, n));
+        ok(b.register(1, n));
+        let mut chunk = vec![0u32; s.chunk_bytes(n).div_ceil(4)];
+        for step in 0..3u32 {
+            let g = values(n, step + 77, false);
+            let mut p16 = vec![0u16; n];
+            let mut p8 = vec![0u8; n];
+            let mut sc = vec![0f32; s.scales(n)];
+            let p: &mut [u8] = if format == Format::Bf16 {
+                bytemuck::cast_slice_mut(&mut p16)
+            } else {
+                &mut p8
+            };
+            ok(a.push(1, 0, &g, p, &mut sc));
+            let bytes = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut chunk)[..s.chunk_bytes(n)];
+            ok(b.push_chunk(1, 0, &g, bytes));
+            let mut want = bytemuck::cast_slice::<f32, u8>(&sc).to_vec();
+            want.extend_from_slice(p);
+            assert_eq!(bytes, &want[..], "{format}, step {step}");
+            assert_eq!(a.residual(1), b.residual(1), "{format}, step {step}");
+        }
+        let kept = b.residual(1).map(<[f32]>::to_vec);
+        let short = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut chunk)[..s.chunk_bytes(n) - 1];
+        assert!(
+            b.push_chunk(1, 0, &values(n, 5, false), short).is_err(),
+            "{format}"
+        );
+        assert_eq!(b.residual(1).map(<[f32]>::to_vec), kept, "{format}");
+    }
+}
+
 #[test]
 fn error_feedback_is_deterministic_and_checks_its_arguments() {
     let s = spec(Format::Fp8E4m3, 32);
