@@ -77,6 +77,17 @@ pub(crate) struct Plan {
     qsum: Option<(Vec<QuantCopy>, Vec<usize>)>,
 }
 
+impl Plan {
+    /// Bytes of a replica's accumulator region this rank reads: the
+    /// accumulators, and the quantised partial sums after them.
+    fn accum_read_len(&self) -> usize {
+        match self.qsum {
+            Some(_) => self.accum_region,
+            None => self.accum_len * 4,
+        }
+    }
+}
+
 /// This rank's regions.
 pub(crate) struct Regions {
     ctrl: LocalRegion,
@@ -240,16 +251,14 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     let quant = quant_copies(&core.config, &core.topo, &groups, &buckets, &ctrl_layout)
         .filter(|_| !on_device)
         .map(|copies| {
-            let mut at = params_len;
-            let off: Vec<usize> = (copies.iter())
-                .map(|q| {
-                    let o = at;
-                    at += q.len().next_multiple_of(ALIGN_BYTES);
-                    o
-                })
-                .collect();
-            (copies, off, at - params_len)
+            let (off, end) = lay_out(&copies, params_len);
+            (copies, off, end - params_len)
         });
+    // Hybrid across nodes on a host transport: the replicas read each
+    // other's accumulators (and their quantised copies, with a push format).
+    let across = groups.replicas.len() > 1 && !on_device;
+    let sum_spec =
+        crate::protocol::compress::sum_spec(core.config.compress.as_ref()).filter(|_| across);
     let cache = cache_layout(
         &core.config,
         &core.topo,
@@ -279,9 +288,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         gather: (quant.as_ref()).map_or_else(String::new, |(c, _, _)| {
             c.first().map_or_else(String::new, |q| q.spec.to_string())
         }),
-        sum: (crate::protocol::compress::sum_spec(core.config.compress.as_ref()))
-            .filter(|_| groups.replicas.len() > 1 && !on_device)
-            .map_or_else(String::new, |s| s.to_string()),
+        sum: sum_spec.map_or_else(String::new, |s| s.to_string()),
         accum: if core.config.deterministic {
             format!("{} (deterministic)", core.config.accum_dtype.name())
         } else {
@@ -319,7 +326,6 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         (false, Some((_, _, bytes))) => params_len + bytes,
         (false, None) => params_len,
     };
-    let across = groups.replicas.len() > 1 && !on_device;
     let exact_off =
         (across && core.config.deterministic).then(|| (accum_len * 4).next_multiple_of(64));
     let accum_region = match (across, exact_off) {
@@ -331,22 +337,16 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
             .saturating_mul(odc_kernels::cpu::exact::BYTES_PER_ELEMENT)
             .saturating_add(off),
     };
-    // Compressed cross-node sums: the quantised copies follow.
-    let qsum = (crate::protocol::compress::sum_spec(core.config.compress.as_ref()))
-        .filter(|_| across)
-        .map(|spec| {
-            let mut at = accum_region.next_multiple_of(ALIGN_BYTES);
-            let (mut copies, mut off) = (Vec::new(), Vec::new());
-            for b in &buckets {
-                for _ in 0..groups.blocks {
-                    let q = QuantCopy::new(spec, ctrl_layout.chunk_bytes(), b.block_len());
-                    off.push(at);
-                    at = at.saturating_add(q.len().next_multiple_of(ALIGN_BYTES));
-                    copies.push(q);
-                }
-            }
-            (copies, off, at)
-        });
+    // Compressed cross-node sums: the quantised copies (one per bucket and
+    // block) follow.
+    let qsum = sum_spec.map(|spec| {
+        let copies: Vec<QuantCopy> = (buckets.iter())
+            .flat_map(|b| std::iter::repeat_n(b.block_len(), groups.blocks))
+            .map(|len| QuantCopy::new(spec, ctrl_layout.chunk_bytes(), len))
+            .collect();
+        let (off, end) = lay_out(&copies, accum_region.next_multiple_of(ALIGN_BYTES));
+        (copies, off, end)
+    });
     let accum_region = qsum.as_ref().map_or(accum_region, |(_, _, end)| *end);
     if let Err(e) = check_shm_room(
         core.transport.name(),
@@ -385,6 +385,21 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         quant: quant.map(|(copies, off, _)| (copies, off)),
         qsum: qsum.map(|(copies, off, _)| (copies, off)),
     })
+}
+
+/// Where each of `copies` starts when they are laid out back to back from
+/// byte `start`, each at a multiple of [`ALIGN_BYTES`] (the same on every
+/// rank), and where the last one ends.
+fn lay_out(copies: &[QuantCopy], start: usize) -> (Vec<usize>, usize) {
+    let mut at = start;
+    let off = (copies.iter())
+        .map(|q| {
+            let o = at;
+            at = at.saturating_add(q.len().next_multiple_of(ALIGN_BYTES));
+            o
+        })
+        .collect();
+    (off, at)
 }
 
 /// The quantised copies of every bucket's shard that compressed gathers
@@ -700,13 +715,8 @@ fn connect(core: &Core, plan: &Plan, regions: &Regions, deadline: Instant) -> Re
         let want = RegionSizes {
             ctrl: plan.ctrl_layout.len(),
             params: plan.host_params_len,
-            // The accumulators, and the quantised partial sums after them.
-            accum: (plan.accum_region > 0 && plan.groups.replicas.contains(&peer)).then_some(
-                match plan.qsum {
-                    Some(_) => plan.accum_region,
-                    None => plan.accum_len * 4,
-                },
-            ),
+            accum: (plan.accum_region > 0 && plan.groups.replicas.contains(&peer))
+                .then(|| plan.accum_read_len()),
         };
         let (theirs, [c, p], a) = check_endpoint(&key, peer, &v, &want)?;
         if core.transport.name() == "shm" && theirs.endpoint.host != my_host {
@@ -875,11 +885,7 @@ fn prefault(
     }
     t.prefault(peer, &params, 0..plan.host_params_len, false)?;
     if let Some(a) = accum {
-        let len = match plan.qsum {
-            Some(_) => plan.accum_region,
-            None => plan.accum_len * 4,
-        };
-        t.prefault(peer, &a, 0..len, false)?;
+        t.prefault(peer, &a, 0..plan.accum_read_len(), false)?;
     }
     Ok(())
 }
