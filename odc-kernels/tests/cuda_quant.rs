@@ -232,6 +232,32 @@ fn quant_kernels_match_the_host_bit_for_bit() {
                 for (i, (a, b)) in g.iter().zip(&want_b).enumerate() {
                     assert!(a == b || (a.is_nan() && b.is_nan()), "{what}: bf16 {i}");
                 }
+
+                // Error feedback's step: residual acc0, gradient x.
+                let mut want_r = acc0.clone();
+                let (mut fb_p, mut fb_s) = (vec![0u8; want_p.len()], vec![0f32; want_s.len()]);
+                quant::feedback_quantise(spec, &mut want_r, &x, &mut fb_p, &mut fb_s)
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let d_r = upload(&s, bytemuck::cast_slice(&acc0));
+                let d_fp = upload(&s, &vec![0u8; want_p.len()]);
+                let d_fs = upload(&s, &vec![0u8; 4 * want_s.len().max(1)]);
+                {
+                    use odc_kernels::cuda::cudarc::driver::DevicePtr;
+                    let ((r, _r), (g, _g)) = (d_r.device_ptr(&s), d_x.device_ptr(&s));
+                    let ((p, _p), (c, _c)) = (d_fp.device_ptr(&s), d_fs.device_ptr(&s));
+                    // SAFETY: four live allocations of the sizes the
+                    // format asks for n elements, on this stream.
+                    unsafe { q.feedback_quantise_raw(&s, spec, r, g, p, c, n) }
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                same_f32(
+                    &format!("{what}: feedback residual"),
+                    &download(&s, &d_r),
+                    &want_r,
+                );
+                if format != Format::Bf16 {
+                    assert_eq!(download(&s, &d_fp), fb_p, "{what}: feedback payload");
+                }
             }
         }
     }

@@ -78,7 +78,9 @@ static void spit(const std::string& p, const void* d, size_t n) {
     fclose(f);
 }
 
-// args: dir fmt(0 fp8, 1 int8) block factor; reads dir/x, dir/acc; writes codes, scales, acc_out, out, out16.
+// args: dir fmt(0 fp8, 1 int8) block factor; reads dir/x, dir/acc; writes codes, scales, acc_out, out, out16,
+// and error feedback's step on residual acc and gradient x (feedback_quantise_raw's launches, the first one,
+// kernels.cu's accumulate with factor 1, as a plain add): fb_codes, fb_scales, fb_residual.
 int main(int argc, char** argv) {
     if (argc != 5) return 2;
     std::string dir = argv[1];
@@ -91,6 +93,17 @@ int main(int argc, char** argv) {
     std::vector<u8> codes(n);
     std::vector<float> scales(nb), acc((const float*)ab.data(), (const float*)ab.data() + n), out(n);
     std::vector<bf16> out16(n);
+    std::vector<u8> fb_codes(n);
+    std::vector<float> fb_scales(nb), residual(acc);
+    for (u64 i = 0; i < n; i++) residual[i] = __fadd_rn(residual[i], x[i]);
+    if (fmt == 0) {
+        launch([&] { odc_quantise_fp8(residual.data(), fb_codes.data(), fb_scales.data(), n, block); });
+        launch([&] { odc_dequantise_accumulate_fp8(residual.data(), fb_codes.data(), fb_scales.data(), n, block, -1.0f); });
+    } else {
+        launch([&] { odc_quantise_int8(residual.data(), fb_codes.data(), fb_scales.data(), n, block); });
+        launch([&] { odc_dequantise_accumulate_int8(residual.data(), fb_codes.data(), fb_scales.data(), n, block, -1.0f); });
+    }
+    launch([&] { odc_zero_non_finite(residual.data(), n); });
     if (fmt == 0) {
         launch([&] { odc_quantise_fp8(x, codes.data(), scales.data(), n, block); });
         launch([&] { odc_dequantise_accumulate_fp8(acc.data(), codes.data(), scales.data(), n, block, factor); });
@@ -107,6 +120,9 @@ int main(int argc, char** argv) {
     spit(dir + "/acc_out", acc.data(), 4 * n);
     spit(dir + "/out", out.data(), 4 * n);
     spit(dir + "/out16", out16.data(), 2 * n);
+    spit(dir + "/fb_codes", fb_codes.data(), n);
+    spit(dir + "/fb_scales", fb_scales.data(), 4 * nb);
+    spit(dir + "/fb_residual", residual.data(), 4 * n);
     return 0;
 }
 "#;
@@ -262,6 +278,29 @@ fn quant_cu_on_the_host_matches_the_host_kernels() {
                         "{what}: bf16 element {i}: quant.cu {g}, host {w}"
                     );
                 }
+                // Error feedback's step: residual acc0, gradient x (with
+                // non-finite elements: their residuals are zeroed).
+                let mut residual = acc0.clone();
+                let (mut fb_codes, mut fb_scales) = (vec![0u8; n], vec![0f32; spec.scales(n)]);
+                ok(quant::feedback_quantise(
+                    spec,
+                    &mut residual,
+                    &x,
+                    &mut fb_codes,
+                    &mut fb_scales,
+                ));
+                assert!(residual.iter().all(|r| r.is_finite()), "{what}");
+                assert_eq!(read(&file("fb_codes")), fb_codes, "{what}: feedback codes");
+                same_f32(
+                    &format!("{what}: feedback scales"),
+                    &read(&file("fb_scales")),
+                    &fb_scales,
+                );
+                same_f32(
+                    &format!("{what}: feedback residual"),
+                    &read(&file("fb_residual")),
+                    &residual,
+                );
             }
         }
     }

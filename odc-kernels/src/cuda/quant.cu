@@ -25,6 +25,7 @@
 //   odc_dequantise_accumulate_<fmt>(float* acc, const u8* codes, const float* scales,
 //                                   u64 n, u32 block, float factor)
 //   odc_dequantise_<fmt>_to_<dst>(const u8* codes, const float* scales, dst* out, u64 n, u32 block)
+//   odc_zero_non_finite(float* x, u64 n)   (error feedback's last step)
 // with <fmt> in {fp8, int8} and <dst> in {f32, bf16}. The bf16 format has no
 // kernels here: it is kernels.cu's f32 <-> bf16 cast and accumulate.
 
@@ -214,3 +215,11 @@ __device__ __forceinline__ void dequantise(const u8* __restrict__ codes, const f
 
 ODC_QUANT(fp8, FP8)
 ODC_QUANT(int8, INT8)
+
+// Error feedback's last step (cpu/quant/feedback.rs): a residual that is not
+// finite becomes +0, so one overflowed step does not poison later pushes.
+extern "C" __global__ void odc_zero_non_finite(float* x, u64 n) {
+    for (u64 i = thread_index(); i < n; i += thread_count()) {
+        if (!is_finite(x[i])) x[i] = 0.0f;
+    }
+}

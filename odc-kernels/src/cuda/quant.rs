@@ -47,6 +47,7 @@ pub fn quant_entries() -> Vec<String> {
         out.push(format!("odc_dequantise_{f}_to_f32"));
         out.push(format!("odc_dequantise_{f}_to_bf16"));
     }
+    out.push("odc_zero_non_finite".to_owned());
     out
 }
 
@@ -84,6 +85,7 @@ pub struct CudaQuant {
     image: Image,
     fp8: Kernels,
     int8: Kernels,
+    zero_non_finite: CudaFunction,
     max_blocks: u32,
 }
 
@@ -120,6 +122,7 @@ impl CudaQuant {
         Ok(CudaQuant {
             fp8: kernels("fp8")?,
             int8: kernels("int8")?,
+            zero_non_finite: function("odc_zero_non_finite".to_owned())?,
             image,
             max_blocks: info.multiprocessors.saturating_mul(BLOCKS_PER_SM),
             cast,
@@ -406,6 +409,56 @@ impl CudaQuant {
         // the caller vouches for the memory.
         unsafe { launch.launch(cfg) }
             .map_err(|e| cuda_error(format!("launch odc_dequantise for {spec}"), e))?;
+        Ok(())
+    }
+
+    /// [`cpu::quant::feedback_quantise`](crate::cpu::quant::feedback_quantise)
+    /// on raw device addresses, in four launches on `stream`: `residual +=
+    /// grad`, quantise it into `payload` and `scales`, `residual -=` its
+    /// dequantisation, and a residual that is not finite zeroed; the same
+    /// operations as the host's, so the same bits.
+    ///
+    /// # Safety
+    ///
+    /// As [`CudaQuant::quantise_raw`], with `residual` `n` readable and
+    /// writable f32 and `grad` `n` readable f32, neither overlapping the
+    /// others.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn feedback_quantise_raw(
+        &self,
+        stream: &CudaStream,
+        spec: Spec,
+        residual: u64,
+        grad: u64,
+        payload: u64,
+        scales: u64,
+        n: usize,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract, for each launch; the stream runs
+        // them in order.
+        unsafe {
+            self.cast
+                .accumulate_raw(stream, residual, DType::F32, grad, DType::F32, n, 1.0)?;
+            self.quantise_raw(stream, spec, residual, payload, scales, n)?;
+            self.dequantise_accumulate_raw(stream, spec, payload, scales, residual, n, -1.0)?;
+        }
+        let n64 = n as u64;
+        let blocks = u32::try_from(n.div_ceil(THREADS as usize))
+            .unwrap_or(u32::MAX)
+            .clamp(1, self.max_blocks.max(1));
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(&self.zero_non_finite);
+        launch.arg(&residual).arg(&n64);
+        // SAFETY: the arguments match (float*, u64); the caller vouches for
+        // the memory.
+        unsafe { launch.launch(cfg) }.map_err(|e| cuda_error("launch odc_zero_non_finite", e))?;
         Ok(())
     }
 

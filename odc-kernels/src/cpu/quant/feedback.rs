@@ -131,18 +131,71 @@ impl ErrorFeedback {
                 ),
             });
         };
-        spec.check(OP, n, payload.len(), scales.len())?;
-        let level = Level::current();
-        // t = grad + residual, held in the residual buffer.
-        level.accumulate(residual, grad, 1.0);
-        quantise_on(level, spec, residual, payload, scales)?;
-        // residual = t + (-1) · dequantised = t - dequantised.
-        dequantise_accumulate_on(level, spec, payload, scales, residual, -1.0)?;
-        for r in residual.iter_mut() {
-            if !r.is_finite() {
-                *r = 0.0;
-            }
-        }
-        Ok(())
+        feedback_step(OP, spec, residual, grad, payload, scales)
     }
+}
+
+/// One error-feedback push on caller-held residual memory (what
+/// [`ErrorFeedback::push`] does to its own): quantises `grad + residual`
+/// into `payload` and `scales` and leaves `(grad + residual) - dequantised`
+/// in `residual` (zero where that is not finite).
+///
+/// Errors: [`Error::InvalidArgument`] for `residual` and `grad` of
+/// different lengths or wrongly sized `payload` / `scales` (the residual is
+/// then unchanged).
+pub fn feedback_quantise(
+    spec: Spec,
+    residual: &mut [f32],
+    grad: &[f32],
+    payload: &mut [u8],
+    scales: &mut [f32],
+) -> Result<()> {
+    const OP: &str = "feedback_quantise";
+    if residual.len() != grad.len() {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            detail: format!(
+                "a residual of {} elements for a gradient of {}",
+                residual.len(),
+                grad.len()
+            ),
+        });
+    }
+    feedback_step(OP, spec, residual, grad, payload, scales)
+}
+
+/// [`feedback_quantise`] into one chunk buffer laid out as
+/// [`super::quantise_chunk`] writes it (scales, then payload).
+pub fn feedback_quantise_chunk(
+    spec: Spec,
+    residual: &mut [f32],
+    grad: &[f32],
+    chunk: &mut [u8],
+) -> Result<()> {
+    let (scales, payload) = split_chunk_mut("feedback_quantise_chunk", spec, grad.len(), chunk)?;
+    feedback_quantise(spec, residual, grad, payload, scales)
+}
+
+/// The push's arithmetic on a residual of `grad`'s length.
+fn feedback_step(
+    op: &'static str,
+    spec: Spec,
+    residual: &mut [f32],
+    grad: &[f32],
+    payload: &mut [u8],
+    scales: &mut [f32],
+) -> Result<()> {
+    spec.check(op, grad.len(), payload.len(), scales.len())?;
+    let level = Level::current();
+    // t = grad + residual, held in the residual buffer.
+    level.accumulate(residual, grad, 1.0);
+    quantise_on(level, spec, residual, payload, scales)?;
+    // residual = t + (-1) · dequantised = t - dequantised.
+    dequantise_accumulate_on(level, spec, payload, scales, residual, -1.0)?;
+    for r in residual.iter_mut() {
+        if !r.is_finite() {
+            *r = 0.0;
+        }
+    }
+    Ok(())
 }

@@ -80,7 +80,7 @@ mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use feedback::ErrorFeedback;
+pub use feedback::{feedback_quantise, feedback_quantise_chunk, ErrorFeedback};
 
 /// The largest fp8 e4m3fn magnitude (`S.1111.110`).
 pub const FP8_E4M3_MAX: f32 = 448.0;

@@ -616,6 +616,39 @@ fn error_feedback_into_a_chunk_is_push_laid_out_as_a_chunk() {
 }
 
 #[test]
+fn feedback_on_caller_memory_is_error_feedback_push() {
+    for format in Format::ALL {
+        let s = spec(format, 32);
+        let n = 300;
+        let mut fb = ErrorFeedback::new(s);
+        ok(fb.register(4, n));
+        let mut residual = vec![0f32; n];
+        let mut chunk = vec![0u32; s.chunk_bytes(n).div_ceil(4)];
+        let mut want = chunk.clone();
+        for step in 0..3u32 {
+            let mut g = values(n, step + 11, false);
+            g[7] = f32::INFINITY;
+            let got = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut chunk)[..s.chunk_bytes(n)];
+            ok(feedback_quantise_chunk(s, &mut residual, &g, got));
+            let w = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut want)[..s.chunk_bytes(n)];
+            ok(fb.push_chunk(4, 0, &g, w));
+            assert_eq!(got, w, "{format}, step {step}");
+            assert_eq!(Some(&residual[..]), fb.residual(4), "{format}, step {step}");
+            assert_eq!(
+                residual[7], 0.0,
+                "{format}: an infinite element leaves a zero residual"
+            );
+        }
+        // A residual of another length is refused and left as it was.
+        let kept = residual.clone();
+        let bytes = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut chunk)[..s.chunk_bytes(n - 1)];
+        let e = feedback_quantise_chunk(s, &mut residual, &values(n - 1, 3, false), bytes);
+        assert!(e.is_err_and(|e| e.to_string().contains("a residual of 300 elements")));
+        assert_eq!(residual, kept, "{format}");
+    }
+}
+
+#[test]
 fn error_feedback_is_deterministic_and_checks_its_arguments() {
     let s = spec(Format::Fp8E4m3, 32);
     let run = || {
