@@ -4,7 +4,9 @@
 //! GPUs (NVSHMEM places one PE per GPU). Publish, gather, release, uneven
 //! scatter-accumulates (f32 and bf16) and finish over several minibatches,
 //! every buffer in device memory and every call on a stream of its rank;
-//! the gathered values and the accumulators are checked exactly.
+//! the gathered values and the accumulators are checked exactly. Compressed
+//! pushes on `cuda-ipc` are checked bit for bit against `emu-ipc`, whose
+//! half (and its rounding check) runs without a GPU too.
 //!
 //! Without a driver or a device it prints what is missing and passes
 //! (skips); `scripts/gpu-run.sh` sets `ODC_REQUIRE_GPU=1`, which makes a
@@ -303,4 +305,154 @@ fn run_rank(e: &Engine, device: usize) {
         e.device().unwrap().zero_grads(s).unwrap();
         stream.synchronize().unwrap();
     }
+}
+
+/// Compressed pushes on `cuda-ipc` (int8 blocks of 32, error feedback,
+/// every push compressed): two ranks, four minibatches of uneven, inexact
+/// gradients (f32 and bf16 buckets), every accumulator equal bit for bit to
+/// the same program on `emu-ipc`, whose daemon packs and adds with the host
+/// kernels (two ranks: each element sums the owner's own part and one
+/// compressed chunk, in either order the same bits).
+#[test]
+fn gpu_engine_cuda_ipc_compressed_pushes_match_the_host_kernels() {
+    if std::env::var_os(CHILD_PE).is_some() {
+        return;
+    }
+    // The emu-ipc half runs anywhere: every push compressed within a node.
+    let emu = compressed_pushes(TransportKind::EmuIpc, "gpu_cz_emu");
+    let exact = |k: u64, at: usize| -> f32 {
+        (0..2)
+            .map(|r| (1 + (r + k as usize) % 2) as f32 * 0.5 * compressed_grad(r, k, 0, at))
+            .sum()
+    };
+    let sl = emu[0][0].len();
+    let (mut rounded, mut worst) = (0, 0f32);
+    for (r, seen) in emu.iter().enumerate() {
+        for j in (0..sl).filter(|j| r * sl + j < 100_003) {
+            let err = (seen[0][j] - exact(0, r * sl + j)).abs();
+            rounded += usize::from(err > 0.0);
+            worst = worst.max(err);
+        }
+    }
+    // int8/32 of one peer's chunk: half a step of at most 14.4 / 127.
+    assert!(
+        rounded > 0,
+        "nothing was rounded: the pushes were not compressed"
+    );
+    assert!(worst <= 0.06, "error {worst} beyond int8's bound");
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    let cuda = compressed_pushes(TransportKind::CudaIpc, "gpu_cz_cuda");
+    assert_eq!(emu.len(), cuda.len());
+    for (rank, (e, c)) in emu.iter().zip(&cuda).enumerate() {
+        for (k, (e, c)) in e.iter().zip(c).enumerate() {
+            for (i, (x, y)) in e.iter().zip(c).enumerate() {
+                assert_eq!(
+                    x.to_bits(),
+                    y.to_bits(),
+                    "rank {rank} minibatch {k} elem {i}: emu {x}, cuda {y}"
+                );
+            }
+        }
+    }
+}
+
+fn compressed_grad(rank: usize, k: u64, bucket: usize, i: usize) -> f32 {
+    ((i * 37 + rank * 11 + k as usize * 5 + bucket * 3) % 101) as f32 / 7.0 - 7.0
+}
+
+/// Per rank, per minibatch: the f32 bucket's accumulator.
+fn compressed_pushes(transport: TransportKind, key: &'static str) -> Vec<Vec<Vec<f32>>> {
+    let dir = tempfile::tempdir().unwrap();
+    let world = 2;
+    let threads: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = Arc::new(FileStore::new(dir.path()).unwrap());
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    chunk_bytes: 4 << 10,
+                    timeout: Duration::from_secs(60),
+                    job_key: key.into(),
+                    transport,
+                    device: (transport == TransportKind::CudaIpc).then_some(0),
+                    compress: Some(odc_core::protocol::compress::Compress {
+                        push: Some(
+                            odc_kernels::cpu::quant::Spec::new(
+                                odc_kernels::cpu::quant::Format::Int8,
+                                32,
+                            )
+                            .unwrap(),
+                        ),
+                        gather: None,
+                        feedback: true,
+                        scope: odc_core::protocol::compress::Scope::All,
+                    }),
+                    ..EngineConfig::default()
+                };
+                let e =
+                    Engine::new(store, Topology::single_node(rank, world).unwrap(), cfg).unwrap();
+                compressed_rank(&e, transport == TransportKind::CudaIpc)
+            })
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().unwrap()).collect()
+}
+
+fn compressed_rank(e: &Engine, cuda: bool) -> Vec<Vec<f32>> {
+    let rank = e.rank();
+    let numel = 100_003;
+    e.register(&[
+        BucketSpec::new("w", numel, DType::F32),
+        BucketSpec::new("h", 7_001, DType::BF16),
+    ])
+    .unwrap();
+    let (w, h) = (BucketId(0), BucketId(1));
+    let gpu = cuda.then(|| Gpu::open(0).unwrap());
+    let emu = (!cuda).then(|| odc_core::plane::emu::EmuStream::new(Duration::ZERO).unwrap());
+    let cu_stream = gpu.as_ref().map(|g| g.context().new_stream().unwrap());
+    let s = match (&cu_stream, &emu) {
+        (Some(c), _) => c.cu_stream() as usize,
+        (None, Some(e)) => e.handle(),
+        _ => unreachable!(),
+    };
+    let mut out = Vec::new();
+    for k in 0..4u64 {
+        let grads: Vec<f32> = (0..numel).map(|i| compressed_grad(rank, k, 0, i)).collect();
+        let hgrads: Vec<u16> = (0..7_001)
+            .map(|i| common::to_bf16(compressed_grad(rank, k, 1, i)))
+            .collect();
+        // Host memory stands for device memory on emu-ipc.
+        let (held, ptrs) = match &gpu {
+            Some(g) => {
+                let (a, b) = (upload(g, bytes_of(&grads)), upload(g, &u16_bytes(&hgrads)));
+                let p = (a.ptr(), b.ptr());
+                (Some((a, b)), p)
+            }
+            None => (None, (grads.as_ptr() as u64, hgrads.as_ptr() as u64)),
+        };
+        let d = e.device().unwrap();
+        // SAFETY: the buffers live until after the finish, which waits for
+        // the stream.
+        unsafe {
+            for _ in 0..=(rank + k as usize) % 2 {
+                d.scatter_accumulate(w, 0, ptrs.0, numel * 4, DType::F32, 0.5, s)
+                    .unwrap();
+            }
+            d.scatter_accumulate(h, 0, ptrs.1, 7_001 * 2, DType::BF16, 1.0, s)
+                .unwrap();
+        }
+        d.finish_minibatch(k, s).unwrap();
+        let mut g = vec![0f32; e.bucket(w).unwrap().shard_len()];
+        d.read_grad_shard(w, &mut g).unwrap();
+        out.push(g);
+        d.zero_grads(s).unwrap();
+        match (&cu_stream, &emu) {
+            (Some(c), _) => c.synchronize().unwrap(),
+            (None, Some(e)) => e.synchronize().unwrap(),
+            _ => unreachable!(),
+        }
+        drop(held);
+    }
+    out
 }

@@ -75,14 +75,16 @@ def _gap(out, name, base="plain"):
     return diff / scale
 
 
-@pytest.mark.parametrize("transport", ["shm", "auto"])
+@pytest.mark.parametrize("transport", ["shm", "auto", "emu-shmem"])
 def test_compressed_training_follows_the_uncompressed_run(transport):
     # "auto": libfabric between the emulated nodes (shm+fabric), so the compressed chunks cross a socket.
+    # "emu-shmem": nvshmem's device data path emulated in host memory, where the node sums are packed into int8
+    # chunks and added by the daemons' streams (the GPU's kernels there).
     modes = (("plain", None), ("int8", INT8))
     out = H.all_ok(run_ranks(compress_worker, WORLD, timeout=240, per_node=PER_NODE, modes=modes, table=TABLE,
                              lr=0.5, transport=transport))
     assert out[0]["int8"]["cross_node"] == "node"
-    assert out[0]["int8"]["transport"] == ("shm" if transport == "shm" else "shm+fabric")
+    assert out[0]["int8"]["transport"] == {"auto": "shm+fabric"}.get(transport, transport)
     plain = [sum(out[r]["plain"]["losses"][s] for r in out) for s in range(len(TABLE))]
     packed = [sum(out[r]["int8"]["losses"][s] for r in out) for s in range(len(TABLE))]
     # Training moves: the loss on the batch falls over the run.
@@ -223,7 +225,7 @@ def test_what_deterministic_mode_cannot_keep_is_refused_before_an_engine_is_made
 
 @pytest.mark.parametrize(("kw", "words"), [
     ({"deterministic": True}, ("compress", "deterministic")),
-    ({"transport": "emu-ipc"}, ("compress", "device")),
+    ({"transport": "emu-ipc", "compress": {"gather": "fp8"}}, ("gather=fp8/32", "device engine")),
     ({"sharding": "hybrid", "compress": {"gather": "fp8"}},
      ("gather=fp8/32 with scope \"cross-node\" under sharding \"hybrid\"", "nothing would be")),
 ])

@@ -9,10 +9,11 @@ use std::sync::Arc;
 
 use odc_kernels::DType;
 
-use super::{buffer_len_error, DataPath, Signals, Worker};
+use super::{buffer_len_error, DataPath, Pack, Signals, Worker};
 use crate::control::HEADER_BYTES;
-use crate::engine::{record_error, BucketId, Core, Registered};
-use crate::plane::{HostWork, Plane, StreamHandle};
+use crate::engine::{record_error, BucketId, Core, Packer, Registered};
+use crate::layout::BucketLayout;
+use crate::plane::{HostWork, PackJob, Plane, StreamHandle};
 use crate::protocol::slots::slot_count;
 use crate::region::{Bell, SignalRef};
 use crate::Result;
@@ -66,6 +67,51 @@ impl DataPath for DevicePath<'_> {
             self.plane
                 .get_params(self.stream, dst, rank, reg.params_off[bucket] + at, len)
         }
+    }
+
+    unsafe fn pack(
+        &self,
+        reg: &Registered,
+        b: &BucketLayout,
+        _packer: Option<&mut Packer>,
+        job: Pack,
+    ) -> Result<u64> {
+        let pack = reg.device_pack.ok_or_else(|| {
+            crate::Error::protocol(Some(b.name()), "compressed push without its device buffers")
+        })?;
+        let base = self.plane.local_landing();
+        let (bucket, owner) = job.key;
+        let residual = pack.residual(reg.accum_off[bucket], b, owner, job.start);
+        let chunk = base + (pack.cells + job.cell * pack.cell_bytes) as u64;
+        let ops = self.plane.ops();
+        let server = ops.server_stream();
+        // The daemon's stream packs, after the caller's work so far (the
+        // gradient), and the caller's stream puts the chunk after that.
+        ops.order(server, self.stream)?;
+        // SAFETY: the cell, the values and the residual lie past the landing
+        // slots of this rank's landing region, laid out by `DevicePack`
+        // (disjoint); the cell is free (its slot's last chunk was
+        // acknowledged after the owner's add read it); the values and the
+        // residual are used by the daemon's stream alone, in order; the
+        // caller vouches for the source.
+        unsafe {
+            ops.pack_on_server(PackJob {
+                spec: job.spec,
+                src: job.src,
+                src_dtype: job.dtype,
+                scale: job.scale,
+                n: job.len,
+                values: base + pack.values as u64,
+                residual: residual.map(|r| base + r as u64),
+                chunk,
+            })?
+        };
+        ops.order(self.stream, server)?;
+        Ok(chunk)
+    }
+
+    fn packs_on_device(&self) -> bool {
+        true
     }
 
     unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {

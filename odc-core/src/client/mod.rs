@@ -130,6 +130,30 @@ pub(crate) trait DataPath {
         Ok(())
     }
 
+    /// Packs one compressed chunk of a push into staging cell `job.cell`
+    /// and returns the chunk's address: on the host now, from the push's
+    /// host buffers ([`Packer`]); a device path overrides it.
+    ///
+    /// # Safety
+    /// `job.src` addresses `job.len` readable elements of `job.dtype`,
+    /// valid until the chunk's write has run.
+    unsafe fn pack(
+        &self,
+        reg: &Registered,
+        b: &BucketLayout,
+        packer: Option<&mut Packer>,
+        job: Pack,
+    ) -> Result<u64> {
+        // SAFETY: the caller's contract.
+        unsafe { pack_on_host(reg, b, packer, job) }
+    }
+
+    /// Whether [`DataPath::pack`] packs in device memory (the push keeps
+    /// no host buffers for it then).
+    fn packs_on_device(&self) -> bool {
+        false
+    }
+
     /// Every read `reads` yields ([`DataPath::read_shard`] each), with as
     /// many in flight at once as the transport takes; returns once all
     /// completed. The default makes them one after the other.
@@ -621,7 +645,8 @@ impl<'e> Worker<'e> {
             .compress
             .as_ref()
             .filter(|c| c.push.is_some());
-        if let (Some(c), None) = (packing.and_then(|c| c.push), &push.packer) {
+        let host_packing = !path.packs_on_device();
+        if let (Some(c), None, true) = (packing.and_then(|c| c.push), &push.packer, host_packing) {
             let slot = lay.chunk_bytes();
             let elems = compress::chunk_elems(c, slot).unwrap_or(0);
             let feedback = packing.is_some_and(|c| c.feedback);
@@ -630,6 +655,7 @@ impl<'e> Worker<'e> {
         let headers = push.headers.as_mut_ptr();
         loop {
             let mut round = PushRound {
+                path,
                 topo: &self.core.topo,
                 compress: packing,
                 error: None,
@@ -1098,7 +1124,9 @@ enum Source {
 /// header is written into the server's header cell
 /// (`headers[2 · server + slot]`), which stays untouched until the slot's
 /// acknowledgement.
-struct PushRound<'a> {
+struct PushRound<'a, P> {
+    /// Where compressed chunks are packed.
+    path: &'a P,
     reg: &'a Registered,
     topo: &'a Topology,
     /// The compressed-chunk setting, when pushes are compressed.
@@ -1120,7 +1148,7 @@ struct PushRound<'a> {
     pushed: bool,
 }
 
-impl PushRound<'_> {
+impl<P> PushRound<'_, P> {
     /// The address of element `start` of owner `o`'s shard in the source.
     fn addr(&self, o: usize, start: usize) -> u64 {
         let size = self.dtype.size_bytes();
@@ -1139,7 +1167,7 @@ impl PushRound<'_> {
     }
 }
 
-impl PushRound<'_> {
+impl<P: DataPath> PushRound<'_, P> {
     /// Quantises `scale ·` elements `start..start + len` of owner `o`'s
     /// shard in the source (plus their residual, with error feedback) into
     /// staging cell `cell` (scales, then codes); returns the cell's address.
@@ -1151,41 +1179,80 @@ impl PushRound<'_> {
         start: usize,
         len: usize,
     ) -> Result<u64> {
-        let size = self.dtype.size_bytes();
-        let src = self.addr(o, start);
-        let key = self.bucket as usize * self.reg.groups.group.len() + o;
-        let (shard, name) = (self.b.shard_len(), self.b.name());
-        let kernel = |e: odc_kernels::Error| Error::protocol(Some(name), e.to_string());
-        let packer =
-            self.push.packer.as_mut().ok_or_else(|| {
-                Error::protocol(Some(name), "compressed push without its buffers")
-            })?;
+        let job = Pack {
+            spec,
+            src: self.addr(o, start),
+            dtype: self.dtype,
+            scale: self.scale,
+            len,
+            key: (self.bucket as usize, o),
+            start,
+            cell,
+        };
         // SAFETY: `push_from`'s caller vouches that the source holds every
-        // cursor's elements, valid until the writes have run; this reads
+        // cursor's elements, valid until the writes have run; the job reads
         // `len` of them from the cursor's start.
-        let data = unsafe { std::slice::from_raw_parts(src as *const u8, len * size) };
-        let values = &mut packer.values[..len];
-        values.fill(0.0);
-        odc_kernels::cpu::accumulate_into_f32(values, data, self.dtype, self.scale)
-            .map_err(kernel)?;
-        let cell = &mut packer.staging[cell];
-        let (scales, rest) = cell.split_at_mut(spec.scales(len));
-        let payload = &mut crate::bytes_of_mut(rest)[..spec.payload_bytes(len)];
-        match &mut packer.feedback {
-            Some(fb) => {
-                fb.register(key, shard).map_err(kernel)?;
-                fb.push(key, start, values, payload, scales)
-                    .map_err(kernel)?;
-            }
-            None => {
-                odc_kernels::cpu::quant::quantise(spec, values, payload, scales).map_err(kernel)?
-            }
+        unsafe {
+            self.path
+                .pack(self.reg, self.b, self.push.packer.as_mut(), job)
         }
-        Ok(cell.as_ptr() as u64)
     }
 }
 
-impl Iterator for PushRound<'_> {
+/// One compressed chunk of a push to pack ([`DataPath::pack`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Pack {
+    pub(crate) spec: odc_kernels::cpu::quant::Spec,
+    /// `len` elements of `dtype`: the gradient of the chunk.
+    pub(crate) src: u64,
+    pub(crate) dtype: DType,
+    pub(crate) scale: f32,
+    pub(crate) len: usize,
+    /// (bucket, owner in the shard group): whose residual it carries.
+    pub(crate) key: (usize, usize),
+    /// The chunk's first element in the owner's shard.
+    pub(crate) start: usize,
+    /// The staging cell (`2 · server + slot`).
+    pub(crate) cell: usize,
+}
+
+/// [`DataPath::pack`] on the host.
+///
+/// # Safety
+/// As [`DataPath::pack`].
+unsafe fn pack_on_host(
+    reg: &Registered,
+    b: &BucketLayout,
+    packer: Option<&mut Packer>,
+    job: Pack,
+) -> Result<u64> {
+    let Pack { spec, len, .. } = job;
+    let (shard, name) = (b.shard_len(), b.name());
+    let kernel = |e: odc_kernels::Error| Error::protocol(Some(name), e.to_string());
+    let packer =
+        packer.ok_or_else(|| Error::protocol(Some(name), "compressed push without its buffers"))?;
+    // SAFETY: the caller's contract.
+    let data =
+        unsafe { std::slice::from_raw_parts(job.src as *const u8, len * job.dtype.size_bytes()) };
+    let values = &mut packer.values[..len];
+    values.fill(0.0);
+    odc_kernels::cpu::accumulate_into_f32(values, data, job.dtype, job.scale).map_err(kernel)?;
+    let cell = &mut packer.staging[job.cell];
+    let (scales, rest) = cell.split_at_mut(spec.scales(len));
+    let payload = &mut crate::bytes_of_mut(rest)[..spec.payload_bytes(len)];
+    match &mut packer.feedback {
+        Some(fb) => {
+            let key = job.key.0 * reg.groups.group.len() + job.key.1;
+            fb.register(key, shard).map_err(kernel)?;
+            fb.push(key, job.start, values, payload, scales)
+                .map_err(kernel)?;
+        }
+        None => odc_kernels::cpu::quant::quantise(spec, values, payload, scales).map_err(kernel)?,
+    }
+    Ok(cell.as_ptr() as u64)
+}
+
+impl<P: DataPath> Iterator for PushRound<'_, P> {
     type Item = ChunkPut;
 
     fn next(&mut self) -> Option<ChunkPut> {

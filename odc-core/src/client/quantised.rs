@@ -12,7 +12,8 @@
 //! by the rule that keeps the shard whole, and the node cache keys its
 //! entries by version as it does for f32 pieces.
 //!
-//! Host data paths only: the engine refuses compression on device engines.
+//! Host data paths only: the engine refuses compressed gathers on device
+//! engines (their compressed pushes are packed on the device: `device.rs`).
 
 use odc_kernels::cpu::quant::{self, Spec};
 use odc_kernels::half::{bf16, f16};

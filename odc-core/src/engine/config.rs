@@ -291,9 +291,10 @@ pub struct EngineConfig {
     /// default) moves every byte as it is. Under hybrid sharding across
     /// nodes the push format compresses the cross-node sum of the gradient
     /// shards ([`crate::protocol::compress::sum_spec`]), and under
-    /// hybrid-zero the gather format the pieces copied across nodes. Host
-    /// engines only, not with `deterministic`; quantised copies not under
-    /// hybrid-zero with scope all, nor under hybrid.
+    /// hybrid-zero the gather format the pieces copied across nodes. Not
+    /// with `deterministic`; quantised copies not on device engines (their
+    /// pushes compress), not under hybrid-zero with scope all, nor under
+    /// hybrid.
     pub compress: Option<crate::protocol::compress::Compress>,
 }
 

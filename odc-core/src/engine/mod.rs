@@ -20,7 +20,9 @@ pub use config::{
     check_env, node_cache_bytes, BucketId, CrossNode, EngineConfig, Sharding, DEFAULT_NODE_CACHE,
 };
 pub(crate) use register::data_sizes;
-pub(crate) use state::{load, record_error, Core, NodeSums, Packer, PushState, Quant, Registered};
+pub(crate) use state::{
+    load, record_error, Core, DevicePack, NodeSums, Packer, PushState, Quant, Registered,
+};
 
 use crate::layout::BucketSpec;
 use crate::protocol::handoff::OwnPush;
@@ -221,10 +223,11 @@ fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig
                 .into(),
         ));
     }
-    if config.is_device() {
+    if let (true, Some(g)) = (config.is_device(), c.gather) {
         return Err(Error::Config(format!(
-            "compress on a device engine (transport {}): compressed chunks are built on the \
-             host data path only; drop compress or use a host transport",
+            "compress gather={g} on a device engine (transport {}): quantised copies of the \
+             shards are built on the host data path only (device engines compress pushes); \
+             leave gather unset or use a host transport",
             config.transport.name()
         )));
     }

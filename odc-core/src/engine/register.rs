@@ -71,6 +71,9 @@ pub(crate) struct Plan {
     /// Compressed gathers: each bucket's quantised copy and its byte
     /// offset in the params region, when some gather reads them.
     quant: Option<(Vec<QuantCopy>, Vec<usize>)>,
+    /// A device engine's compressed pushes: their buffers past the landing
+    /// slots.
+    device_pack: Option<super::DevicePack>,
     /// Compressed cross-node sums (hybrid across nodes with a push format):
     /// each bucket block's quantised copy and its byte offset in the
     /// accumulator region (`QuantSums`).
@@ -197,6 +200,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         done_late,
         announce_to,
         node_versions,
+        device_pack: plan.device_pack,
         quant: plan.quant.map(|(copies, off)| Quant {
             copies,
             off,
@@ -248,6 +252,17 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     let ctrl_layout = control_layout(&groups, buckets.len(), &core.config)?;
     let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
     let on_device = core.device.is_some();
+    let device_pack = on_device
+        .then(|| {
+            let world = groups.group.len();
+            super::DevicePack::plan(
+                core.config.compress.as_ref(),
+                &ctrl_layout,
+                world,
+                accum_len,
+            )
+        })
+        .flatten();
     let quant = quant_copies(&core.config, &core.topo, &groups, &buckets, &ctrl_layout)
         .filter(|_| !on_device)
         .map(|copies| {
@@ -383,6 +398,7 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         cross_node,
         node_announce,
         quant: quant.map(|(copies, off, _)| (copies, off)),
+        device_pack,
         qsum: qsum.map(|(copies, off, _)| (copies, off)),
     })
 }
@@ -1050,7 +1066,7 @@ fn connect_plane(
     };
     let sizes = DataSizes {
         params: plan.params_len,
-        landing: plan.ctrl_layout.landing_len(),
+        landing: plan.ctrl_layout.landing_len() + plan.device_pack.map_or(0, |p| p.len),
         accum: plan.accum_len * 4 + sums,
         cache: plan.cache.as_ref().map_or(0, CacheLayout::data_len),
     };
@@ -1101,9 +1117,13 @@ pub(crate) fn data_sizes(
         CrossNode::Node => node_sum_bytes(topology.nodes(), accum)?,
         _ => 0,
     };
+    let pack = match device {
+        true => super::DevicePack::plan(config.compress.as_ref(), &ctrl, groups.group.len(), accum),
+        false => None,
+    };
     Ok(DataSizes {
         params,
-        landing: ctrl.landing_len(),
+        landing: ctrl.landing_len() + pack.map_or(0, |p| p.len),
         accum: accum * 4 + sums,
         cache: cache.as_ref().map_or(0, CacheLayout::data_len),
     })

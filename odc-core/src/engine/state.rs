@@ -12,8 +12,9 @@ use super::cache::NodeCache;
 use super::config::{CrossNode, EngineConfig, Groups};
 use super::BucketId;
 use crate::control::{CtrlLayout, HEADER_BYTES};
-use crate::layout::BucketLayout;
+use crate::layout::{BucketLayout, ALIGN_BYTES};
 use crate::plane::{Connect, Plane};
+use crate::protocol::compress::{self, Compress};
 use crate::protocol::handoff::OwnPush;
 use crate::protocol::nodesum;
 use crate::protocol::slots::SlotSender;
@@ -107,6 +108,8 @@ pub(crate) struct Registered {
     /// Compressed gathers: where this rank's quantised copies of its
     /// shards live (every rank's alike), when some gather reads them.
     pub(crate) quant: Option<Quant>,
+    /// A device engine's compressed pushes: where they are packed.
+    pub(crate) device_pack: Option<DevicePack>,
     /// Bytes this rank's gathers read from ranks on other nodes (node
     /// cache fetches and hybrid-zero's piece copies included), since
     /// registration.
@@ -532,6 +535,75 @@ impl Packer {
             values: vec![0.0; elems],
             feedback: feedback.then(|| odc_kernels::cpu::quant::ErrorFeedback::new(spec)),
         }
+    }
+}
+
+/// Where a device engine packs its compressed pushes: device memory after
+/// the landing slots in its own landing region (peers write only the
+/// slots): a staging cell per (server, slot) of a chunk's bytes, one
+/// chunk of f32 values, and with error feedback a residual per (bucket,
+/// owner) the size of the owner's shard, for every owner of the shard group
+/// (4 bytes an element of the padded model).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct DevicePack {
+    /// Byte offset of cell 0 in the landing region; cells are
+    /// `cell_bytes` apart.
+    pub(crate) cells: usize,
+    pub(crate) cell_bytes: usize,
+    /// Byte offset of the f32 values.
+    pub(crate) values: usize,
+    /// Byte offset of the residuals, with error feedback.
+    residuals: Option<usize>,
+    /// Owners in the shard group.
+    world: usize,
+    /// Bytes past the landing slots.
+    pub(crate) len: usize,
+}
+
+impl DevicePack {
+    /// The layout a device engine with `compress` needs beside the landing
+    /// slots of `ctrl` (`world` servers), for accumulators of `accum_len`
+    /// elements; `None` when its pushes are not compressed (or no whole
+    /// block fits a slot: they then go as they are).
+    pub(crate) fn plan(
+        compress: Option<&Compress>,
+        ctrl: &CtrlLayout,
+        world: usize,
+        accum_len: usize,
+    ) -> Option<DevicePack> {
+        let c = compress?;
+        let elems = compress::chunk_elems(c.push?, ctrl.chunk_bytes())?;
+        let start = ctrl.landing_len();
+        let cells = start.next_multiple_of(ALIGN_BYTES);
+        let values = (cells + 2 * world * ctrl.chunk_bytes()).next_multiple_of(ALIGN_BYTES);
+        let mut end = values + 4 * elems;
+        let residuals = c.feedback.then(|| {
+            let at = end.next_multiple_of(ALIGN_BYTES);
+            end = at + 4 * world * accum_len;
+            at
+        });
+        Some(DevicePack {
+            cells,
+            cell_bytes: ctrl.chunk_bytes(),
+            values,
+            residuals,
+            world,
+            len: end - start,
+        })
+    }
+
+    /// Byte offset, in the landing region, of the residual of element
+    /// `start` of owner `owner`'s shard of the bucket whose accumulator
+    /// starts at element `accum_off`.
+    pub(crate) fn residual(
+        &self,
+        accum_off: usize,
+        b: &BucketLayout,
+        owner: usize,
+        start: usize,
+    ) -> Option<usize> {
+        let at = self.world * accum_off + owner * b.shard_len() + start;
+        self.residuals.map(|r| r + 4 * at)
     }
 }
 

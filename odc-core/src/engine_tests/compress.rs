@@ -127,46 +127,53 @@ fn compressed_node_sums_lie_within_the_formats_bound() {
     for (format, key) in [(Format::Int8, "cz_int8"), (Format::Fp8E4m3, "cz_fp8")] {
         let spec = Spec::new(format, 32).unwrap();
         let seen = train(compressing(spec, false, key), 1);
-        let mut worst = 0f64;
-        for (o, s) in seen.iter().enumerate() {
-            let other = 1 - o / LOCAL;
-            // Chunks start at the shard's start and hold whole blocks, so
-            // block j is elements [32j, 32j + 32) of the shard.
-            for (j, block) in s.shards[0].chunks(32).enumerate() {
-                let first = o * s.shard_len + 32 * j;
-                let remote: Vec<f64> = (first..first + block.len())
-                    .map(|i| {
-                        if i < NUMEL {
-                            exact(0, i, Some(other))
-                        } else {
-                            0.0
-                        }
-                    })
-                    .collect();
-                let amax = remote.iter().fold(0f64, |a, x| a.max(x.abs()));
-                for (t, &got) in block.iter().enumerate() {
-                    let i = first + t;
-                    let want = if i < NUMEL { exact(0, i, None) } else { 0.0 };
-                    // int8: half a step of amax / 127; fp8 e4m3: half an
-                    // ulp (2^-4 relative) or half the subnormal step.
-                    let q = match format {
-                        Format::Int8 => amax / 127.0 / 2.0,
-                        _ => (remote[t].abs() / 16.0).max(amax / 448.0 / 1024.0),
-                    };
-                    let bound = q * 1.001 + 1e-5 * want.abs().max(1.0);
-                    let err = (f64::from(got) - want).abs();
-                    assert!(
-                        err <= bound,
-                        "{format}: owner {o} element {i}: got {got}, exact {want}, bound {bound}"
-                    );
-                    worst = worst.max(err / bound);
-                }
+        check_within_bound(format, &seen);
+    }
+}
+
+/// Asserts that minibatch 0's sums in `seen` lie within `format`'s bound
+/// of the exact sums (one quantisation of the other node's sum), and that
+/// the error is real (not orders of magnitude under the bound).
+fn check_within_bound(format: Format, seen: &[Seen]) {
+    let mut worst = 0f64;
+    for (o, s) in seen.iter().enumerate() {
+        let other = 1 - o / LOCAL;
+        // Chunks start at the shard's start and hold whole blocks, so
+        // block j is elements [32j, 32j + 32) of the shard.
+        for (j, block) in s.shards[0].chunks(32).enumerate() {
+            let first = o * s.shard_len + 32 * j;
+            let remote: Vec<f64> = (first..first + block.len())
+                .map(|i| {
+                    if i < NUMEL {
+                        exact(0, i, Some(other))
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let amax = remote.iter().fold(0f64, |a, x| a.max(x.abs()));
+            for (t, &got) in block.iter().enumerate() {
+                let i = first + t;
+                let want = if i < NUMEL { exact(0, i, None) } else { 0.0 };
+                // int8: half a step of amax / 127; fp8 e4m3: half an
+                // ulp (2^-4 relative) or half the subnormal step.
+                let q = match format {
+                    Format::Int8 => amax / 127.0 / 2.0,
+                    _ => (remote[t].abs() / 16.0).max(amax / 448.0 / 1024.0),
+                };
+                let bound = q * 1.001 + 1e-5 * want.abs().max(1.0);
+                let err = (f64::from(got) - want).abs();
+                assert!(
+                    err <= bound,
+                    "{format}: owner {o} element {i}: got {got}, exact {want}, bound {bound}"
+                );
+                worst = worst.max(err / bound);
             }
         }
-        eprintln!("{format}/32: largest error {worst:.3} of the bound");
-        // The bound is not loose by orders of magnitude: the error is real.
-        assert!(worst > 0.05, "{format}: largest error {worst} of the bound");
     }
+    eprintln!("{format}/32: largest error {worst:.3} of the bound");
+    // The bound is not loose by orders of magnitude: the error is real.
+    assert!(worst > 0.05, "{format}: largest error {worst} of the bound");
 }
 
 const MINIBATCHES: u64 = 4;
@@ -707,4 +714,128 @@ fn fp8_gathers_and_int8_pushes_cross_at_most_030_of_the_f32_bytes() {
         (ratio / formula - 1.0).abs() <= 0.02,
         "{ratio} against {formula}"
     );
+}
+
+/// [`train`] on the device plane: `emu-shmem` (what `nvshmem` does across
+/// nodes, in process), each gradient pushed from (emulated) device memory
+/// on a stream, the residuals read from the engine's device buffers.
+#[cfg(feature = "fabric")]
+fn train_device(cfg: EngineConfig, minibatches: u64) -> Vec<Seen> {
+    let cfg = EngineConfig {
+        transport: crate::TransportKind::EmuShmem,
+        ..cfg
+    };
+    let out = Arc::new(Mutex::new(BTreeMap::new()));
+    let sink = Arc::clone(&out);
+    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+        let rank = e.rank();
+        let stream =
+            crate::plane::emu::EmuStream::new(std::time::Duration::from_micros(50)).unwrap();
+        let s = stream.handle();
+        e.register(&[BucketSpec::new("a", NUMEL, DType::F32)])
+            .unwrap();
+        let d = e.device().unwrap();
+        let id = e.bucket_id("a").unwrap();
+        let shard_len = e.bucket(id).unwrap().shard_len();
+        let mut seen = Seen {
+            shard_len,
+            ..Seen::default()
+        };
+        for k in 0..minibatches {
+            // Every gradient stays alive until the stream ran its pushes.
+            let grads: Vec<Vec<f32>> = (0..micros(rank, k))
+                .map(|m| (0..NUMEL).map(|i| grad(rank, k, m, i)).collect())
+                .collect();
+            for g in &grads {
+                // SAFETY: `g` outlives the finish below, which waits for
+                // the stream.
+                unsafe {
+                    d.scatter_accumulate(id, 0, g.as_ptr() as u64, NUMEL * 4, DType::F32, 0.5, s)
+                        .unwrap();
+                }
+            }
+            d.finish_minibatch(k, s).unwrap();
+            let mut got = vec![0f32; shard_len];
+            d.read_grad_shard(id, &mut got).unwrap();
+            seen.shards.push(got);
+            d.zero_grads(s).unwrap();
+            stream.synchronize().unwrap();
+        }
+        let reg = e.core().reg.get().unwrap();
+        let plane = reg.plane.as_deref().unwrap();
+        if let Some(pack) = reg.device_pack {
+            for o in 0..WORLD {
+                let Some(at) = pack.residual(reg.accum_off[0], &reg.buckets[0], o, 0) else {
+                    continue;
+                };
+                let mut r = vec![0f32; shard_len];
+                // SAFETY: the residual of owner `o`'s shard lies in this
+                // rank's landing region (`DevicePack`).
+                unsafe {
+                    plane
+                        .ops()
+                        .read_to_host(
+                            plane.local_landing() + at as u64,
+                            crate::bytes_of_mut(&mut r),
+                        )
+                        .unwrap()
+                };
+                if r.iter().any(|&x| x != 0.0) {
+                    seen.residuals.insert(o, r);
+                }
+            }
+        }
+        seen.sent_across = e.core().push.lock().unwrap().sent_across;
+        sink.lock().unwrap().insert(rank, seen);
+    });
+    let v = out.lock().unwrap();
+    (0..WORLD).map(|r| v[&r].clone()).collect()
+}
+
+/// The device plane's compressed node sums (packed and added by the
+/// daemon's stream, as a GPU's kernels do) keep the host's promises: within
+/// the format's bound after one minibatch, nothing lost over minibatches
+/// with error feedback (the residuals in device memory make up what the
+/// owners lack), and the bytes the host engine hands to other nodes.
+#[cfg(feature = "fabric")]
+#[test]
+fn device_engines_compress_node_sums_as_the_host_does() {
+    for (format, key) in [(Format::Int8, "czd_int8"), (Format::Fp8E4m3, "czd_fp8")] {
+        let spec = Spec::new(format, 32).unwrap();
+        let seen = train_device(compressing(spec, false, key), 1);
+        check_within_bound(format, &seen);
+        assert!(
+            seen.iter().all(|s| s.residuals.is_empty()),
+            "no feedback, no residual"
+        );
+    }
+    let spec = Spec::new(Format::Int8, 32).unwrap();
+    let host = train(compressing(spec, true, "czd_host"), MINIBATCHES);
+    let device = train_device(compressing(spec, true, "czd_fb"), MINIBATCHES);
+    let worst = feedback_gap(&device);
+    eprintln!("device, feedback: largest relative gap {worst:.2e}");
+    assert!(
+        device.iter().all(|s| !s.residuals.is_empty()),
+        "every rank aggregates for owners on the other node and keeps residuals"
+    );
+    assert!(
+        worst < 2e-5,
+        "pushed + residual differs from the exact sum by {worst}"
+    );
+    let without = feedback_gap(&train_device(
+        compressing(spec, false, "czd_nofb"),
+        MINIBATCHES,
+    ));
+    assert!(
+        without > 1e-3,
+        "no feedback, yet the sums are exact ({without})"
+    );
+    for (r, (h, d)) in host.iter().zip(&device).enumerate() {
+        assert_eq!(h.sent_across, d.sent_across, "rank {r}: bytes across nodes");
+        assert_eq!(
+            h.residuals.keys().collect::<Vec<_>>(),
+            d.residuals.keys().collect::<Vec<_>>(),
+            "rank {r}: the owners it keeps residuals for"
+        );
+    }
 }

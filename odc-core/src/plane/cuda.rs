@@ -31,12 +31,14 @@ use std::ffi::c_void;
 use std::fmt;
 use std::io::Write;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
+use odc_kernels::cpu::quant::Spec;
+use odc_kernels::cuda::quant::CudaQuant;
 use odc_kernels::cuda::{CudaKernels, CudaStream};
 use odc_kernels::DType;
 
-use super::{DeviceBackend, DeviceOps, HostWork, StreamHandle};
+use super::{DeviceBackend, DeviceOps, HostWork, PackJob, StreamHandle};
 use crate::gpu::device::{cuda, Gpu, Stream};
 use crate::gpu::Missing;
 use crate::{Error, Result};
@@ -53,6 +55,9 @@ pub struct CudaBackend {
     // then the kernels' module, then the context.
     server: Arc<CudaStream>,
     kernels: CudaKernels,
+    /// The compressed chunks' kernels, compiled at their first use.
+    quant: OnceLock<CudaQuant>,
+    quant_init: Mutex<()>,
     gpu: Arc<Gpu>,
 }
 
@@ -117,8 +122,28 @@ impl CudaBackend {
         Ok(Arc::new(CudaBackend {
             server,
             kernels,
+            quant: OnceLock::new(),
+            quant_init: Mutex::new(()),
             gpu,
         }))
+    }
+
+    /// The quantise kernels, compiled and loaded at the first call (a
+    /// device engine that compresses nothing never compiles them).
+    fn quant(&self) -> Result<&CudaQuant> {
+        if let Some(q) = self.quant.get() {
+            return Ok(q);
+        }
+        let _one = self
+            .quant_init
+            .lock()
+            .map_err(|_| Error::protocol(None, "loading the quantise kernels panicked"))?;
+        if let Some(q) = self.quant.get() {
+            return Ok(q);
+        }
+        let q = CudaQuant::with_context(Arc::clone(self.gpu.context()))
+            .map_err(|e| kernels_error("quantise kernels' load (NVRTC, cuModuleLoadData)", e))?;
+        Ok(self.quant.get_or_init(|| q))
     }
 
     /// The device.
@@ -239,6 +264,91 @@ impl DeviceOps for CudaBackend {
                 .accumulate_raw(&self.server, acc, DType::F32, x, x_dtype, n, scale)
         }
         .map_err(|e| kernels_error("cuLaunchKernel (accumulate)", e))
+    }
+
+    unsafe fn pack_on_server(&self, job: PackJob) -> Result<()> {
+        let PackJob { spec, n, .. } = job;
+        if n == 0 {
+            return Ok(());
+        }
+        let f32_size = DType::F32.size_bytes() as u64;
+        let aligned = [job.values, job.chunk]
+            .into_iter()
+            .chain(job.residual)
+            .all(|a| a % f32_size == 0)
+            && job.src % job.src_dtype.size_bytes() as u64 == 0;
+        if !aligned {
+            return Err(Error::layout(
+                None,
+                format!("packing a compressed chunk on the device: a misaligned buffer in {job:?}"),
+            ));
+        }
+        self.gpu.bind()?;
+        let quant = self.quant()?;
+        let (scales, payload) = job.split();
+        let launch = |e| kernels_error("cuLaunchKernel (compressed push)", e);
+        // SAFETY: the caller's contract: every range of `job` is device
+        // memory of this device of the sizes it names, valid until the work
+        // has run, not overlapping; all are aligned (checked).
+        unsafe {
+            self.server().zero(job.values, n * 4)?;
+            self.kernels
+                .accumulate_raw(
+                    &self.server,
+                    job.values,
+                    DType::F32,
+                    job.src,
+                    job.src_dtype,
+                    n,
+                    job.scale,
+                )
+                .map_err(launch)?;
+            match job.residual {
+                Some(r) => quant.feedback_quantise_raw(
+                    &self.server,
+                    spec,
+                    r,
+                    job.values,
+                    payload,
+                    scales,
+                    n,
+                ),
+                None => quant.quantise_raw(&self.server, spec, job.values, payload, scales, n),
+            }
+        }
+        .map_err(launch)
+    }
+
+    unsafe fn dequantise_accumulate_on_server(
+        &self,
+        acc: u64,
+        chunk: u64,
+        spec: Spec,
+        n: usize,
+        scale: f32,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        if acc % 4 != 0 || chunk % 4 != 0 {
+            return Err(Error::layout(
+                None,
+                format!(
+                    "adding a compressed chunk on the device: accumulator at {acc:#x} or chunk at \
+                     {chunk:#x} is not 4-aligned"
+                ),
+            ));
+        }
+        self.gpu.bind()?;
+        let quant = self.quant()?;
+        let payload = chunk + (4 * spec.scales(n)) as u64;
+        // SAFETY: the caller's contract: `acc` addresses `n` writable f32s
+        // and `chunk` the chunk's bytes on this device, valid until the work
+        // has run, not overlapping; both aligned (checked).
+        unsafe {
+            quant.dequantise_accumulate_raw(&self.server, spec, payload, chunk, acc, n, scale)
+        }
+        .map_err(|e| kernels_error("cuLaunchKernel (compressed chunk add)", e))
     }
 
     unsafe fn zero_on_server(&self, dst: u64, len: usize) -> Result<()> {

@@ -29,9 +29,10 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use odc_kernels::cpu::quant::{self, Spec};
 use odc_kernels::DType;
 
-use super::{Connect, DataSizes, DeviceBackend, DeviceOps, HostWork, Plane, StreamHandle};
+use super::{Connect, DataSizes, DeviceBackend, DeviceOps, HostWork, PackJob, Plane, StreamHandle};
 use crate::gpu::ipc::MemfdMemory;
 use crate::store::Store;
 use crate::topology::Topology;
@@ -314,6 +315,59 @@ impl DeviceOps for EmuBackend {
                 )
             };
             odc_kernels::cpu::accumulate_into_f32(acc, x, x_dtype, scale).map_err(|e| e.to_string())
+        }))?;
+        Ok(())
+    }
+
+    unsafe fn pack_on_server(&self, job: PackJob) -> Result<()> {
+        self.server.shared.push(Box::new(move || {
+            let PackJob { spec, n, .. } = job;
+            // SAFETY: the caller vouched for every range of `job`, valid
+            // until this has run and not overlapping.
+            let (src, values, chunk) = unsafe {
+                (
+                    std::slice::from_raw_parts(
+                        job.src as *const u8,
+                        n * job.src_dtype.size_bytes(),
+                    ),
+                    std::slice::from_raw_parts_mut(job.values as *mut f32, n),
+                    std::slice::from_raw_parts_mut(job.chunk as *mut u8, spec.chunk_bytes(n)),
+                )
+            };
+            values.fill(0.0);
+            let kernel = |e: odc_kernels::Error| e.to_string();
+            odc_kernels::cpu::accumulate_into_f32(values, src, job.src_dtype, job.scale)
+                .map_err(kernel)?;
+            match job.residual {
+                Some(r) => {
+                    // SAFETY: as above.
+                    let r = unsafe { std::slice::from_raw_parts_mut(r as *mut f32, n) };
+                    quant::feedback_quantise_chunk(spec, r, values, chunk).map_err(kernel)
+                }
+                None => quant::quantise_chunk(spec, values, chunk).map_err(kernel),
+            }
+        }))?;
+        Ok(())
+    }
+
+    unsafe fn dequantise_accumulate_on_server(
+        &self,
+        acc: u64,
+        chunk: u64,
+        spec: Spec,
+        n: usize,
+        scale: f32,
+    ) -> Result<()> {
+        self.server.shared.push(Box::new(move || {
+            // SAFETY: the caller vouched for `n` f32s at `acc` and the
+            // chunk's bytes at `chunk`, valid until this has run.
+            let (acc, chunk) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(acc as *mut f32, n),
+                    std::slice::from_raw_parts(chunk as *const u8, spec.chunk_bytes(n)),
+                )
+            };
+            quant::dequantise_accumulate_chunk(spec, chunk, acc, scale).map_err(|e| e.to_string())
         }))?;
         Ok(())
     }

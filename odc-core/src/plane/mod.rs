@@ -37,6 +37,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use odc_kernels::cpu::quant::Spec;
 use odc_kernels::DType;
 
 use crate::gpu::fdshare::SharePolicy;
@@ -104,6 +105,34 @@ pub trait DeviceOps: Send + Sync + fmt::Debug {
         scale: f32,
     ) -> Result<()>;
 
+    /// Enqueues on the server stream the packing of one compressed chunk
+    /// ([`PackJob`]): `scale · src` widened to f32 into `values`, then
+    /// quantised into `chunk` (scales, then payload), through the residual
+    /// with error feedback. The same arithmetic as the host's push, bit for
+    /// bit.
+    ///
+    /// # Safety
+    /// Every address of `job` must be backend memory of the sizes
+    /// [`PackJob`] names, valid until the work has run, not overlapping.
+    unsafe fn pack_on_server(&self, job: PackJob) -> Result<()>;
+
+    /// Enqueues `acc[i] += scale · dequantised[i]` on the server stream for
+    /// the `n` elements of the compressed chunk at `chunk` (scales, then
+    /// payload, as [`DeviceOps::pack_on_server`] writes it).
+    ///
+    /// # Safety
+    /// `acc` must address `n` writable f32s and `chunk` the chunk's
+    /// `spec.chunk_bytes(n)` bytes, both valid until the work has run, not
+    /// overlapping.
+    unsafe fn dequantise_accumulate_on_server(
+        &self,
+        acc: u64,
+        chunk: u64,
+        spec: Spec,
+        n: usize,
+        scale: f32,
+    ) -> Result<()>;
+
     /// Enqueues zeroing `len` bytes at `dst` on the server stream.
     ///
     /// # Safety
@@ -129,6 +158,38 @@ pub trait DeviceOps: Send + Sync + fmt::Debug {
     /// # Safety
     /// `src` must address `dst.len()` readable bytes of backend memory.
     unsafe fn read_to_host(&self, src: u64, dst: &mut [u8]) -> Result<()>;
+}
+
+/// One compressed chunk to pack on the device ([`DeviceOps::pack_on_server`]).
+#[derive(Clone, Copy, Debug)]
+pub struct PackJob {
+    /// The chunk's format.
+    pub spec: Spec,
+    /// `n` elements of `src_dtype`: the gradient.
+    pub src: u64,
+    /// The gradient's dtype.
+    pub src_dtype: DType,
+    /// The factor the gradient is multiplied by (the push's scale).
+    pub scale: f32,
+    /// Elements.
+    pub n: usize,
+    /// `n` f32 of scratch: the scaled gradient.
+    pub values: u64,
+    /// With error feedback, `n` f32: this pusher's residual of these
+    /// elements, read and rewritten.
+    pub residual: Option<u64>,
+    /// `spec.chunk_bytes(n)` bytes, 4-aligned: the packed chunk.
+    pub chunk: u64,
+}
+
+impl PackJob {
+    /// The chunk's scales and payload addresses.
+    pub fn split(&self) -> (u64, u64) {
+        (
+            self.chunk,
+            self.chunk + (4 * self.spec.scales(self.n)) as u64,
+        )
+    }
 }
 
 /// Sizes of the data regions one rank allocates, in bytes.

@@ -504,12 +504,6 @@ fn add_on_device(
     let peer = reg.groups.group[client];
     let lay = &reg.ctrl_layout;
     let enqueued = checked_header(reg, client, slot, seq).and_then(|h| {
-        if let Some(spec) = h.compress {
-            return Err(format!(
-                "rank {peer}: a compressed chunk ({spec}) on the device plane, which adds \
-                 uncompressed chunks only"
-            ));
-        }
         let x = plane.local_landing() + lay.landing_data(client, slot) as u64;
         let acc = match h.owner {
             // Node aggregation: into this rank's node buffer for `owner`.
@@ -520,12 +514,18 @@ fn add_on_device(
             None => reg.accum_addr(plane, h.bucket, h.offset),
         };
         // SAFETY: `checked_header` put the range inside the bucket's
-        // accumulator and the data inside the slot; the client leaves the
-        // slot alone until the acknowledgement, enqueued after the add.
+        // accumulator and the data (a compressed chunk's too) inside the
+        // slot; the client leaves the slot alone until the acknowledgement,
+        // enqueued after the add.
         unsafe {
-            plane
-                .ops()
-                .accumulate_on_server(acc, x, h.dtype, h.len, h.scale)
+            match h.compress {
+                Some(spec) => plane
+                    .ops()
+                    .dequantise_accumulate_on_server(acc, x, spec, h.len, h.scale),
+                None => plane
+                    .ops()
+                    .accumulate_on_server(acc, x, h.dtype, h.len, h.scale),
+            }
         }
         .map_err(|e| format!("rank {peer}: {e}"))?;
         let (transport, errors) = (Arc::clone(&core.transport), Arc::clone(&core.server_error));
