@@ -1,9 +1,9 @@
 //! What the node rules save across nodes on the device plane, counted by
 //! `emu-shmem` itself (every byte its planes read from or wrote to a rank
 //! on another emulated node: what `nvshmem` would send over the network),
-//! for the same program run three times in this process: the node cache and
-//! node sums, then `direct`, then node sums compressed to int8. A test
-//! binary of its own: the count is the process's.
+//! for the same program run four times in this process: the node cache and
+//! node sums, then `direct`, then node sums compressed to int8, then fp8
+//! gathers as well. A test binary of its own: the count is the process's.
 
 #![cfg(feature = "fabric")]
 #![allow(clippy::unwrap_used)]
@@ -27,15 +27,18 @@ const GATHERS: usize = 3;
 /// per minibatch a publish, `GATHERS` gathers (forward, backward's
 /// re-gather, one more) and one push of the whole bucket, checked exactly.
 fn run(cfg: EngineConfig) {
+    let fp8 = cfg.compress.as_ref().is_some_and(|c| c.gather.is_some());
     // int8 with error feedback: a sum differs from the exact one by this
     // minibatch's residual less the last one's, within a step of the
     // largest node sum (13 / 127).
     let tolerance = if cfg.compress.is_some() { 0.11 } else { 0.0 };
-    common::run_config(WORLD, LOCAL, cfg, 100, move |e| program(&e, tolerance));
+    common::run_config(WORLD, LOCAL, cfg, 100, move |e| program(&e, tolerance, fp8));
 }
 
-/// The program; gradient sums are checked to `tolerance` (exactly when 0).
-fn program(e: &Engine, tolerance: f32) {
+/// The program; gradient sums are checked to `tolerance` (exactly when 0),
+/// gathers exactly, or with `fp8` those of shards on the other node to
+/// fp8's rounding (2^-4 of the value).
+fn program(e: &Engine, tolerance: f32, fp8: bool) {
     let rank = e.rank();
     let stream = EmuStream::new(Duration::from_micros(100)).unwrap();
     let s = stream.handle();
@@ -63,8 +66,19 @@ fn program(e: &Engine, tolerance: f32) {
         }
         d.finish_minibatch(k, s).unwrap();
         for out in &outs {
-            let want = (0..NUMEL).map(|i| i as f32 + k as f32);
-            assert!(out.iter().copied().eq(want), "rank {rank} version {k}");
+            for (i, &x) in out.iter().enumerate() {
+                let want = i as f32 + k as f32;
+                let remote = (i / sl) / LOCAL != rank / LOCAL;
+                let bound = if fp8 && remote {
+                    want.abs() / 16.0
+                } else {
+                    0.0
+                };
+                assert!(
+                    (x - want).abs() <= bound,
+                    "rank {rank} version {k} element {i}: {x}"
+                );
+            }
         }
         let mut g = vec![0f32; sl];
         d.read_grad_shard(w, &mut g).unwrap();
@@ -113,12 +127,24 @@ fn the_node_rules_move_hierarchical_bytes_across_nodes_on_the_device_plane() {
         ..config("bytes_int8", CrossNode::Node, None)
     });
     let last = cross_node_bytes();
+    let fp8 = Spec::new(Format::Fp8E4m3, 32).unwrap();
+    run(EngineConfig {
+        compress: Some(Compress {
+            push: Some(int8),
+            gather: Some(fp8),
+            feedback: true,
+            scope: Scope::CrossNode,
+        }),
+        ..config("bytes_fp8_int8", CrossNode::Node, None)
+    });
+    let end = cross_node_bytes();
     let node = (mid.0 - before.0, mid.1 - before.1);
     let direct = (after.0 - mid.0, after.1 - mid.1);
     let compressed = (last.0 - after.0, last.1 - after.1);
+    let both = (end.0 - last.0, end.1 - last.1);
     eprintln!(
         "bytes across nodes (read, written): node rules {node:?}, direct {direct:?}, \
-         int8 node sums {compressed:?}"
+         int8 node sums {compressed:?}, fp8 gathers and int8 node sums {both:?}"
     );
     // Gathers: each remote shard version once per node under the cache;
     // every rank's every gather reads it under direct.
@@ -146,4 +172,15 @@ fn the_node_rules_move_hierarchical_bytes_across_nodes_on_the_device_plane() {
         compressed.1 * 10 < node.1 * 3,
         "{compressed:?} against {node:?}"
     );
+    // fp8 gathers: each remote shard's quantised copy (runs of whole
+    // blocks that fit a slot, scales included) once per node and version.
+    assert_eq!(both.1, compressed.1);
+    let per_run = 512 / fp8.chunk_bytes(32) * 32;
+    let copy: u64 = (0..elems)
+        .step_by(per_run)
+        .map(|at| fp8.chunk_bytes(per_run.min(elems - at)) as u64)
+        .sum();
+    assert_eq!(both.0, VERSIONS * nodes * remote * copy);
+    let (all, f32_all) = (both.0 + both.1, node.0 + node.1);
+    assert!(all * 100 <= f32_all * 30, "{both:?} against {node:?}");
 }

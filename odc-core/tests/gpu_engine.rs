@@ -307,25 +307,28 @@ fn run_rank(e: &Engine, device: usize) {
     }
 }
 
-/// Compressed pushes on `cuda-ipc` (int8 blocks of 32, error feedback,
-/// every push compressed): two ranks, four minibatches of uneven, inexact
-/// gradients (f32 and bf16 buckets), every accumulator equal bit for bit to
-/// the same program on `emu-ipc`, whose daemon packs and adds with the host
-/// kernels (two ranks: each element sums the owner's own part and one
-/// compressed chunk, in either order the same bits).
+/// Compressed pushes and gathers on `cuda-ipc` (int8 pushes with error
+/// feedback, fp8 gathers, blocks of 32, every transfer compressed): two
+/// ranks, four minibatches of uneven, inexact gradients and new parameter
+/// versions (f32 and bf16 buckets), every accumulator and every gathered
+/// element equal bit for bit to the same program on `emu-ipc`, whose
+/// daemon packs, quantises and dequantises with the host kernels (two
+/// ranks: each element sums the owner's own part and one compressed chunk,
+/// in either order the same bits).
 #[test]
 fn gpu_engine_cuda_ipc_compressed_pushes_match_the_host_kernels() {
     if std::env::var_os(CHILD_PE).is_some() {
         return;
     }
-    // The emu-ipc half runs anywhere: every push compressed within a node.
+    // The emu-ipc half runs anywhere: every transfer compressed within a
+    // node.
     let emu = compressed_pushes(TransportKind::EmuIpc, "gpu_cz_emu");
     let exact = |k: u64, at: usize| -> f32 {
         (0..2)
             .map(|r| (1 + (r + k as usize) % 2) as f32 * 0.5 * compressed_grad(r, k, 0, at))
             .sum()
     };
-    let sl = emu[0][0].len();
+    let sl = emu[0][0].len() - 100_003 - 7_001;
     let (mut rounded, mut worst) = (0, 0f32);
     for (r, seen) in emu.iter().enumerate() {
         for j in (0..sl).filter(|j| r * sl + j < 100_003) {
@@ -340,6 +343,28 @@ fn gpu_engine_cuda_ipc_compressed_pushes_match_the_host_kernels() {
         "nothing was rounded: the pushes were not compressed"
     );
     assert!(worst <= 0.06, "error {worst} beyond int8's bound");
+    // fp8/32 gathers: the peer's shard within 2^-4 of each value (and not
+    // exact), this rank's own exact.
+    for (r, seen) in emu.iter().enumerate() {
+        let gathered = &seen[0][sl..sl + 100_003];
+        let (mut lossy, mut own_exact) = (0, true);
+        for (i, &x) in gathered.iter().enumerate() {
+            let want = compressed_param(0, 0, i);
+            if i / sl == r {
+                own_exact &= x == want;
+            } else {
+                assert!(
+                    (x - want).abs() <= want.abs() / 16.0,
+                    "rank {r} elem {i}: {x} {want}"
+                );
+                lossy += usize::from(x != want);
+            }
+        }
+        assert!(
+            own_exact && lossy > 0,
+            "rank {r}: own exact {own_exact}, lossy {lossy}"
+        );
+    }
     if gpu_or_skip().is_none() {
         return;
     }
@@ -384,7 +409,13 @@ fn compressed_pushes(transport: TransportKind, key: &'static str) -> Vec<Vec<Vec
                             )
                             .unwrap(),
                         ),
-                        gather: None,
+                        gather: Some(
+                            odc_kernels::cpu::quant::Spec::new(
+                                odc_kernels::cpu::quant::Format::Fp8E4m3,
+                                32,
+                            )
+                            .unwrap(),
+                        ),
                         feedback: true,
                         scope: odc_core::protocol::compress::Scope::All,
                     }),
@@ -399,16 +430,49 @@ fn compressed_pushes(transport: TransportKind, key: &'static str) -> Vec<Vec<Vec
     threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
+/// Element `i` of version `k` of bucket `b` (the published shards).
+fn compressed_param(k: u64, b: usize, i: usize) -> f32 {
+    ((i * 13 + k as usize * 7 + b) % 97) as f32 / 5.0 - 9.0
+}
+
+/// A buffer: its bytes (host memory stands for device memory on emu-ipc)
+/// and, on a GPU, its device copy.
+struct Buf(Vec<u8>, Option<DeviceRegion>);
+
+impl Buf {
+    fn new(gpu: Option<&Arc<Gpu>>, bytes: Vec<u8>) -> Buf {
+        let dev = gpu.map(|g| upload(g, &bytes));
+        Buf(bytes, dev)
+    }
+
+    fn ptr(&self) -> u64 {
+        self.1
+            .as_ref()
+            .map_or(self.0.as_ptr() as u64, DeviceRegion::ptr)
+    }
+
+    fn fetch(&self, gpu: Option<&Arc<Gpu>>) -> Vec<u8> {
+        match (gpu, &self.1) {
+            (Some(g), Some(r)) => download(g, r, self.0.len()),
+            _ => self.0.clone(),
+        }
+    }
+}
+
+/// Per minibatch: the f32 bucket's accumulator, then both buckets as
+/// gathered (the bf16 one widened).
 fn compressed_rank(e: &Engine, cuda: bool) -> Vec<Vec<f32>> {
     let rank = e.rank();
-    let numel = 100_003;
+    let numel = [100_003, 7_001];
     e.register(&[
-        BucketSpec::new("w", numel, DType::F32),
-        BucketSpec::new("h", 7_001, DType::BF16),
+        BucketSpec::new("w", numel[0], DType::F32),
+        BucketSpec::new("h", numel[1], DType::BF16),
     ])
     .unwrap();
     let (w, h) = (BucketId(0), BucketId(1));
+    let sl = [0, 1].map(|b| e.bucket(BucketId(b)).unwrap().shard_len());
     let gpu = cuda.then(|| Gpu::open(0).unwrap());
+    let g = gpu.as_ref();
     let emu = (!cuda).then(|| odc_core::plane::emu::EmuStream::new(Duration::ZERO).unwrap());
     let cu_stream = gpu.as_ref().map(|g| g.context().new_stream().unwrap());
     let s = match (&cu_stream, &emu) {
@@ -418,41 +482,65 @@ fn compressed_rank(e: &Engine, cuda: bool) -> Vec<Vec<f32>> {
     };
     let mut out = Vec::new();
     for k in 0..4u64 {
-        let grads: Vec<f32> = (0..numel).map(|i| compressed_grad(rank, k, 0, i)).collect();
-        let hgrads: Vec<u16> = (0..7_001)
+        let grads: Vec<f32> = (0..numel[0])
+            .map(|i| compressed_grad(rank, k, 0, i))
+            .collect();
+        let hgrads: Vec<u16> = (0..numel[1])
             .map(|i| common::to_bf16(compressed_grad(rank, k, 1, i)))
             .collect();
-        // Host memory stands for device memory on emu-ipc.
-        let (held, ptrs) = match &gpu {
-            Some(g) => {
-                let (a, b) = (upload(g, bytes_of(&grads)), upload(g, &u16_bytes(&hgrads)));
-                let p = (a.ptr(), b.ptr());
-                (Some((a, b)), p)
-            }
-            None => (None, (grads.as_ptr() as u64, hgrads.as_ptr() as u64)),
-        };
+        let shard: Vec<f32> = (0..sl[0])
+            .map(|i| compressed_param(k, 0, rank * sl[0] + i))
+            .collect();
+        let hshard: Vec<u16> = (0..sl[1])
+            .map(|i| common::to_bf16(compressed_param(k, 1, rank * sl[1] + i)))
+            .collect();
+        let bufs = [
+            Buf::new(g, bytes_of(&grads).to_vec()),
+            Buf::new(g, u16_bytes(&hgrads)),
+            Buf::new(g, bytes_of(&shard).to_vec()),
+            Buf::new(g, u16_bytes(&hshard)),
+            Buf::new(g, vec![0xff; numel[0] * 4]),
+            Buf::new(g, vec![0xff; numel[1] * 2]),
+        ];
         let d = e.device().unwrap();
         // SAFETY: the buffers live until after the finish, which waits for
         // the stream.
         unsafe {
+            d.publish(w, bufs[2].ptr(), sl[0] * 4, DType::F32, k, s)
+                .unwrap();
+            d.publish(h, bufs[3].ptr(), sl[1] * 2, DType::BF16, k, s)
+                .unwrap();
+            d.gather(w, k, bufs[4].ptr(), numel[0] * 4, DType::F32, s, false)
+                .unwrap();
+            d.gather(h, k, bufs[5].ptr(), numel[1] * 2, DType::BF16, s, false)
+                .unwrap();
+            d.release(w, k, s).unwrap();
+            d.release(h, k, s).unwrap();
             for _ in 0..=(rank + k as usize) % 2 {
-                d.scatter_accumulate(w, 0, ptrs.0, numel * 4, DType::F32, 0.5, s)
+                d.scatter_accumulate(w, 0, bufs[0].ptr(), numel[0] * 4, DType::F32, 0.5, s)
                     .unwrap();
             }
-            d.scatter_accumulate(h, 0, ptrs.1, 7_001 * 2, DType::BF16, 1.0, s)
+            d.scatter_accumulate(h, 0, bufs[1].ptr(), numel[1] * 2, DType::BF16, 1.0, s)
                 .unwrap();
         }
         d.finish_minibatch(k, s).unwrap();
-        let mut g = vec![0f32; e.bucket(w).unwrap().shard_len()];
-        d.read_grad_shard(w, &mut g).unwrap();
-        out.push(g);
+        let mut got = vec![0f32; sl[0]];
+        d.read_grad_shard(w, &mut got).unwrap();
+        got.extend(floats(&bufs[4].fetch(g)));
+        got.extend(
+            bufs[5]
+                .fetch(g)
+                .chunks(2)
+                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)),
+        );
+        out.push(got);
         d.zero_grads(s).unwrap();
         match (&cu_stream, &emu) {
             (Some(c), _) => c.synchronize().unwrap(),
             (None, Some(e)) => e.synchronize().unwrap(),
             _ => unreachable!(),
         }
-        drop(held);
+        drop(bufs);
     }
     out
 }

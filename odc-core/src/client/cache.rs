@@ -65,9 +65,8 @@ impl Piece {
     /// copy ran, on a device).
     unsafe fn copy_out(&self, path: &impl DataPath, src: u64) -> Result<()> {
         match self.quant {
-            // SAFETY: the caller's contract; compressed gathers run on
-            // host paths only (host addresses).
-            Some((run, _)) => unsafe { quantised::dequantise_run(run, src, self.dst) },
+            // SAFETY: the caller's contract.
+            Some((run, _)) => unsafe { path.dequantise(run, src, self.dst) },
             // SAFETY: the caller's contract.
             None => unsafe { path.copy_in_node(src, self.dst, self.out_len) },
         }
@@ -632,7 +631,7 @@ unsafe fn copy_cached(
         debug_assert!(cache.layout.direct());
         // SAFETY: the slot holds the piece (above, and until this rank's
         // release); the caller vouches for the output.
-        unsafe { path.copy_in_node(cache.slot_data(slot), piece.dst, piece.out_len)? };
+        unsafe { piece.copy_out(path, cache.slot_data(slot))? };
         touch(cache, slot);
         return Ok(true);
     }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use odc_kernels::DType;
 
+use super::quantised::Run;
 use super::{buffer_len_error, DataPath, Pack, Signals, Worker};
 use crate::control::HEADER_BYTES;
 use crate::engine::{record_error, BucketId, Core, Packer, Registered};
@@ -99,7 +100,7 @@ impl DataPath for DevicePath<'_> {
                 spec: job.spec,
                 src: job.src,
                 src_dtype: job.dtype,
-                scale: job.scale,
+                scale: Some(job.scale),
                 n: job.len,
                 values: base + pack.values as u64,
                 residual: residual.map(|r| base + r as u64),
@@ -110,8 +111,60 @@ impl DataPath for DevicePath<'_> {
         Ok(chunk)
     }
 
-    fn packs_on_device(&self) -> bool {
+    fn on_device(&self) -> bool {
         true
+    }
+
+    fn quantise_copy(&self, w: &Worker<'_>, bucket: usize) -> Result<()> {
+        let reg = w.reg;
+        let (Some(q), Some(dq)) = (&reg.quant, &reg.device_quant) else {
+            return Ok(());
+        };
+        let b = &reg.buckets[bucket];
+        let (copy, size) = (q.copies[bucket], b.dtype().size_bytes());
+        let base = self.plane.local_params();
+        let ops = self.plane.ops();
+        let server = ops.server_stream();
+        // The daemon's stream quantises after the shard's copy on the
+        // caller's stream, and the announce on that stream follows it.
+        ops.order(server, self.stream)?;
+        for j in 0..copy.runs() {
+            let elems = copy.elems(j);
+            // SAFETY: this rank's shard of `bucket`, its quantised copy and
+            // the values scratch lie in its params region, disjoint
+            // (`DeviceQuant`); every reader released the previous version
+            // (the publish's wait), so nothing reads the copy; the
+            // scratch is the daemon's stream's alone.
+            unsafe {
+                ops.pack_on_server(PackJob {
+                    spec: copy.spec,
+                    src: base + (reg.params_off[bucket] + elems.start * size) as u64,
+                    src_dtype: b.dtype(),
+                    scale: None,
+                    n: elems.len(),
+                    values: base + dq.values as u64,
+                    residual: None,
+                    chunk: base + (q.off[bucket] + copy.at(j)) as u64,
+                })?
+            };
+        }
+        ops.order(self.stream, server)
+    }
+
+    unsafe fn dequantise(&self, run: Run, src: u64, dst: u64) -> Result<()> {
+        let ops = self.plane.ops();
+        let server = ops.server_stream();
+        ops.order(server, self.stream)?;
+        // SAFETY: the caller's contract; the daemon's stream runs it after
+        // the read that brought the run (enqueued on the caller's stream
+        // before this), and the caller's later work after it.
+        unsafe { ops.dequantise_on_server(src, run.spec, run.len, run.take, dst, run.dtype)? };
+        ops.order(self.stream, server)
+    }
+
+    fn device_staging(&self, reg: &Registered, bucket: usize) -> Option<u64> {
+        let dq = reg.device_quant.as_ref()?;
+        Some(self.plane.local_params() + dq.staging[bucket] as u64)
     }
 
     unsafe fn copy_in_node(&self, src: u64, dst: u64, len: usize) -> Result<()> {

@@ -19,8 +19,8 @@ use crate::transport::Op;
 use crate::{Error, Result};
 
 /// Host memory through the transport, on the calling thread.
-struct HostPath<'e> {
-    core: &'e Core,
+pub(super) struct HostPath<'e> {
+    pub(super) core: &'e Core,
 }
 
 impl DataPath for HostPath<'_> {

@@ -454,6 +454,7 @@ impl Worker<'_> {
             // bucket's dtype; both are this call's alone.
             unsafe {
                 super::quantised::dequantise_copy(
+                    &super::host::HostPath { core },
                     &copy,
                     (stage.as_ptr() as u64, b.block_len()),
                     dst.as_mut_ptr() as u64,

@@ -148,10 +148,37 @@ pub(crate) trait DataPath {
         unsafe { pack_on_host(reg, b, packer, job) }
     }
 
-    /// Whether [`DataPath::pack`] packs in device memory (the push keeps
-    /// no host buffers for it then).
-    fn packs_on_device(&self) -> bool {
+    /// Whether the path's memory is a device's: [`DataPath::pack`] packs
+    /// in device memory (the push keeps no host buffers for it then), and a
+    /// compressed gather's staging is [`DataPath::device_staging`].
+    fn on_device(&self) -> bool {
         false
+    }
+
+    /// Rewrites this rank's quantised copy of its shard of `bucket` after a
+    /// publish wrote the shard (no-op without copies): on the host now
+    /// ([`Worker::quantise_shard`]); a device path enqueues it.
+    fn quantise_copy(&self, w: &Worker<'_>, bucket: usize) -> Result<()> {
+        w.quantise_shard(bucket)
+    }
+
+    /// Dequantises the first `run.take` elements of the quantised run at
+    /// `src` into `dst`: before returning on the host, on the stream on a
+    /// device.
+    ///
+    /// # Safety
+    /// `src` holds the run's chunk and `dst` `run.take` writable elements
+    /// of `run.dtype` (addresses of the path's kind), valid until it ran.
+    unsafe fn dequantise(&self, run: quantised::Run, src: u64, dst: u64) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { quantised::dequantise_run(run, src, dst) }
+    }
+
+    /// A device path's staging for a compressed gather of `bucket` (device
+    /// memory the engine keeps per bucket); `None` on the host, whose
+    /// gathers take a host buffer from [`crate::engine::Quant`]'s pool.
+    fn device_staging(&self, _reg: &Registered, _bucket: usize) -> Option<u64> {
+        None
     }
 
     /// Every read `reads` yields ([`DataPath::read_shard`] each), with as
@@ -317,7 +344,7 @@ impl<'e> Worker<'e> {
         // Compressed gathers: the quantised copy (of the piece, under
         // hybrid-zero), before the announce below or the pieces' signals
         // make the version (and with it the copy) visible.
-        self.quantise_shard(bucket.0)?;
+        path.quantise_copy(self, bucket.0)?;
         if b.blocks() > 1 && reg.cross_node() {
             self.gather_pieces(b, bucket, stamp)?;
         }
@@ -388,15 +415,20 @@ impl<'e> Worker<'e> {
         // Compressed gathers: peers' quantised copies land in staging, one
         // place per owner, before they are dequantised into `out`.
         // (Hybrid-zero's copies of pieces cross only at the publish.)
-        let mut held = reg.quant.as_ref().filter(|_| b.blocks() == 1).map(|q| {
+        let quant = reg.quant.as_ref().filter(|_| b.blocks() == 1);
+        let device = quant.and_then(|_| path.device_staging(reg, bucket.0));
+        let mut held = quant.filter(|_| device.is_none()).map(|q| {
             let copy = q.copies[bucket.0];
-            let stride = copy.len().next_multiple_of(64);
-            (q, q.take(stride * reg.groups.group.len()), stride, copy)
+            (q, q.take(copy.staging_stride() * reg.groups.group.len()))
         });
-        let staging = held.as_mut().map(|(_, buf, stride, copy)| Staging {
-            base: buf.as_mut_ptr() as u64,
-            stride: *stride,
-            copy: *copy,
+        let staging = quant.map(|q| {
+            let copy = q.copies[bucket.0];
+            Staging {
+                base: device
+                    .unwrap_or_else(|| held.as_mut().map_or(0, |(_, buf)| buf.as_mut_ptr() as u64)),
+                stride: copy.staging_stride(),
+                copy,
+            }
         });
         // SAFETY: the caller's contract; the staging buffer outlives the call.
         let done = unsafe {
@@ -409,7 +441,7 @@ impl<'e> Worker<'e> {
                 staging,
             )
         };
-        if let Some((q, buf, ..)) = held {
+        if let Some((q, buf)) = held {
             q.put_back(buf);
         }
         done
@@ -476,7 +508,7 @@ impl<'e> Worker<'e> {
             unsafe { remote.finish(path, first.is_ok()) }?;
             first?;
             // SAFETY: the batch completed; `out` as above.
-            unsafe { reads.dequantise_pending() }?;
+            unsafe { reads.dequantise_pending(path) }?;
         }
         loop {
             // SAFETY: each read is of a shard that holds `version` (the
@@ -488,7 +520,7 @@ impl<'e> Worker<'e> {
                 return Err(e);
             }
             // SAFETY: the batch completed; `out` as above.
-            unsafe { reads.dequantise_pending() }?;
+            unsafe { reads.dequantise_pending(path) }?;
             match reads.blocked.take() {
                 Some(owner) => self.wait_shard(b, bucket, owner, version)?,
                 None => return Ok(()),
@@ -645,7 +677,7 @@ impl<'e> Worker<'e> {
             .compress
             .as_ref()
             .filter(|c| c.push.is_some());
-        let host_packing = !path.packs_on_device();
+        let host_packing = !path.on_device();
         if let (Some(c), None, true) = (packing.and_then(|c| c.push), &push.packer, host_packing) {
             let slot = lay.chunk_bytes();
             let elems = compress::chunk_elems(c, slot).unwrap_or(0);
@@ -1006,15 +1038,16 @@ impl GatherReads<'_, '_> {
     ///
     /// # Safety
     /// The batch completed; the output is valid for the gather's call.
-    unsafe fn dequantise_pending(&mut self) -> Result<()> {
+    unsafe fn dequantise_pending(&mut self, path: &impl DataPath) -> Result<()> {
         let Some(st) = self.staging else {
             return Ok(());
         };
         let dtype = self.b.dtype();
         for (src, take, dst) in self.pending.drain(..) {
             // SAFETY: the read of the copy's covering runs completed into
-            // `src`; `dst` holds `take` elements of the output.
-            unsafe { quantised::dequantise_copy(&st.copy, (src, take), dst, dtype) }
+            // `src` (on a device: was enqueued before this on the stream);
+            // `dst` holds `take` elements of the output.
+            unsafe { quantised::dequantise_copy(path, &st.copy, (src, take), dst, dtype) }
                 .map_err(|e| self.w.core.attribute(Some(self.b.name()), e))?;
         }
         Ok(())

@@ -12,14 +12,15 @@
 //! by the rule that keeps the shard whole, and the node cache keys its
 //! entries by version as it does for f32 pieces.
 //!
-//! Host data paths only: the engine refuses compressed gathers on device
-//! engines (their compressed pushes are packed on the device: `device.rs`).
+//! The host's quantising and dequantising are here; a device path does
+//! both on its daemon's stream ([`super::DataPath::quantise_copy`],
+//! [`super::DataPath::dequantise`]), the same rule and the same bits.
 
 use odc_kernels::cpu::quant::{self, Spec};
 use odc_kernels::half::{bf16, f16};
 use odc_kernels::{DType, Element};
 
-use super::Worker;
+use super::{DataPath, Worker};
 use crate::engine::Registered;
 use crate::protocol::compress::QuantCopy;
 use crate::{Error, Result};
@@ -102,11 +103,11 @@ pub(super) fn copy_at(reg: &Registered, bucket: usize, at: usize) -> usize {
 /// One run of a quantised copy, as read: its format, its elements and how
 /// many of them the output takes (a prefix), and the output's dtype.
 #[derive(Clone, Copy, Debug)]
-pub(super) struct Run {
-    pub(super) spec: Spec,
-    pub(super) len: usize,
-    pub(super) take: usize,
-    pub(super) dtype: DType,
+pub(crate) struct Run {
+    pub(crate) spec: Spec,
+    pub(crate) len: usize,
+    pub(crate) take: usize,
+    pub(crate) dtype: DType,
 }
 
 /// Dequantises the first `run.take` elements of the run at `src` (a chunk
@@ -128,45 +129,24 @@ pub(super) unsafe fn dequantise_run(run: Run, src: u64, dst: u64) -> Result<()> 
     debug_assert!(take <= len);
     let bad = |e: odc_kernels::Error| Error::protocol(None, format!("a compressed gather: {e}"));
     // SAFETY: the caller's contract.
-    let chunk =
-        unsafe { std::slice::from_raw_parts(src as usize as *const u8, spec.chunk_bytes(len)) };
-    let (scales, payload) = quant::split_chunk(spec, len, chunk).map_err(bad)?;
-    let (scales, payload) = (
-        &scales[..spec.scales(take)],
-        &payload[..spec.payload_bytes(take)],
-    );
-    if dst % dtype.size_bytes() as u64 != 0 {
-        return Err(Error::protocol(
-            None,
-            format!("a compressed gather's output at {dst:#x} is not aligned to {dtype}"),
-        ));
-    }
-    // SAFETY: the caller's contract; the address is aligned (above).
-    unsafe {
-        match dtype {
-            DType::F32 => quant::dequantise(spec, payload, scales, out::<f32>(dst, take)),
-            DType::BF16 => quant::dequantise(spec, payload, scales, out::<bf16>(dst, take)),
-            DType::F16 => quant::dequantise(spec, payload, scales, out::<f16>(dst, take)),
-        }
-    }
-    .map_err(bad)
-}
-
-/// # Safety
-/// `dst` addresses `n` writable, aligned `T`s, borrowed for the caller's call.
-unsafe fn out<'a, T: Element>(dst: u64, n: usize) -> &'a mut [T] {
-    // SAFETY: the caller's contract.
-    unsafe { std::slice::from_raw_parts_mut(dst as usize as *mut T, n) }
+    let (chunk, out) = unsafe {
+        (
+            std::slice::from_raw_parts(src as usize as *const u8, spec.chunk_bytes(len)),
+            std::slice::from_raw_parts_mut(dst as usize as *mut u8, take * dtype.size_bytes()),
+        )
+    };
+    quant::dequantise_chunk_into(spec, len, chunk, out, dtype).map_err(bad)
 }
 
 /// Dequantises shard elements `[0, take)` of the quantised copy `copy`,
 /// whose runs from the first on are at `src`, into `dst` (`take`
-/// elements of `dtype`).
+/// elements of `dtype`), on `path` ([`DataPath::dequantise`]).
 ///
 /// # Safety
-/// As [`dequantise_run`] for each run: `src` holds `copy.covering(take)`'s
-/// bytes, `dst` `take` elements.
+/// As [`DataPath::dequantise`] for each run: `src` holds
+/// `copy.covering(take)`'s bytes, `dst` `take` elements.
 pub(super) unsafe fn dequantise_copy(
+    path: &impl DataPath,
     copy: &QuantCopy,
     (src, take): (u64, usize),
     dst: u64,
@@ -185,7 +165,7 @@ pub(super) unsafe fn dequantise_copy(
         // SAFETY: run j of the copy is at `copy.at(j)` of `src` and its
         // elements at `elems.start` of `dst` (the caller's contract).
         unsafe {
-            dequantise_run(
+            path.dequantise(
                 run,
                 src + copy.at(j) as u64,
                 dst + elems.start as u64 * size,

@@ -292,9 +292,8 @@ pub struct EngineConfig {
     /// nodes the push format compresses the cross-node sum of the gradient
     /// shards ([`crate::protocol::compress::sum_spec`]), and under
     /// hybrid-zero the gather format the pieces copied across nodes. Not
-    /// with `deterministic`; quantised copies not on device engines (their
-    /// pushes compress), not under hybrid-zero with scope all, nor under
-    /// hybrid.
+    /// with `deterministic`; quantised copies not of f16 buckets on device
+    /// engines, not under hybrid-zero with scope all, nor under hybrid.
     pub compress: Option<crate::protocol::compress::Compress>,
 }
 

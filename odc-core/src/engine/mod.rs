@@ -21,7 +21,8 @@ pub use config::{
 };
 pub(crate) use register::data_sizes;
 pub(crate) use state::{
-    load, record_error, Core, DevicePack, NodeSums, Packer, PushState, Quant, Registered,
+    load, record_error, Core, DevicePack, DeviceQuant, NodeSums, Packer, PushState, Quant,
+    Registered,
 };
 
 use crate::layout::BucketSpec;
@@ -222,14 +223,6 @@ fn check_compress(c: &crate::protocol::compress::Compress, config: &EngineConfig
              residual kept per pusher) do not keep; drop compress or deterministic"
                 .into(),
         ));
-    }
-    if let (true, Some(g)) = (config.is_device(), c.gather) {
-        return Err(Error::Config(format!(
-            "compress gather={g} on a device engine (transport {}): quantised copies of the \
-             shards are built on the host data path only (device engines compress pushes); \
-             leave gather unset or use a host transport",
-            config.transport.name()
-        )));
     }
     if let (Some(g), Scope::All, true) =
         (c.gather, c.scope, config.sharding == Sharding::HybridZero)

@@ -47,7 +47,6 @@ pub(crate) struct Plan {
     ctrl_layout: CtrlLayout,
     params_off: Vec<usize>,
     accum_off: Vec<usize>,
-    params_len: usize,
     accum_len: usize,
     /// Element offset of each bucket's final gradient in the cross-node sum
     /// (its piece under hybrid-zero, its shard under hybrid).
@@ -74,6 +73,12 @@ pub(crate) struct Plan {
     /// A device engine's compressed pushes: their buffers past the landing
     /// slots.
     device_pack: Option<super::DevicePack>,
+    /// A device engine's compressed gathers: staging and scratch after the
+    /// quantised copies in its params region.
+    device_quant: Option<super::DeviceQuant>,
+    /// Bytes of a device engine's params region (shards, copies, their
+    /// staging).
+    plane_params_len: usize,
     /// Compressed cross-node sums (hybrid across nodes with a push format):
     /// each bucket block's quantised copy and its byte offset in the
     /// accumulator region (`QuantSums`).
@@ -201,6 +206,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
         announce_to,
         node_versions,
         device_pack: plan.device_pack,
+        device_quant: plan.device_quant,
         quant: plan.quant.map(|(copies, off)| Quant {
             copies,
             off,
@@ -263,12 +269,29 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
             )
         })
         .flatten();
-    let quant = quant_copies(&core.config, &core.topo, &groups, &buckets, &ctrl_layout)
-        .filter(|_| !on_device)
-        .map(|copies| {
+    let quant =
+        quant_copies(&core.config, &core.topo, &groups, &buckets, &ctrl_layout).map(|copies| {
             let (off, end) = lay_out(&copies, params_len);
             (copies, off, end - params_len)
         });
+    // A device engine keeps its gathers' staging after the copies.
+    let device_quant = (quant.as_ref())
+        .filter(|_| on_device)
+        .map(|(copies, _, bytes)| {
+            super::DeviceQuant::lay_out(copies, params_len + bytes, groups.group.len())
+        });
+    if let (Some(_), Some(b)) = (
+        &device_quant,
+        buckets
+            .iter()
+            .find(|b| b.dtype() == odc_kernels::DType::F16),
+    ) {
+        return Err(Error::layout(
+            Some(b.name()),
+            "compress gather on a device engine takes f32 and bf16 buckets (the device \
+             dequantises into those), not f16; leave gather unset or register it as bf16",
+        ));
+    }
     // Hybrid across nodes on a host transport: the replicas read each
     // other's accumulators (and their quantised copies, with a push format).
     let across = groups.replicas.len() > 1 && !on_device;
@@ -387,7 +410,6 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         ctrl_layout,
         params_off,
         accum_off,
-        params_len,
         accum_len,
         grad_off,
         reduced_len,
@@ -398,6 +420,8 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         cross_node,
         node_announce,
         quant: quant.map(|(copies, off, _)| (copies, off)),
+        plane_params_len: device_quant.as_ref().map_or(params_len, |(_, end)| *end),
+        device_quant: device_quant.map(|(layout, _)| layout),
         device_pack,
         qsum: qsum.map(|(copies, off, _)| (copies, off)),
     })
@@ -495,7 +519,7 @@ fn cache_layout(
     if bound == 0 {
         return Ok(None);
     }
-    let Some(full) = CacheLayout::new(buckets, world, (piece, None), usize::MAX, true) else {
+    let Some(full) = CacheLayout::new(buckets, world, (piece, quant), usize::MAX, true) else {
         return Ok(None);
     };
     if full.direct() && full.bytes() <= bound {
@@ -1065,7 +1089,7 @@ fn connect_plane(
         _ => 0,
     };
     let sizes = DataSizes {
-        params: plan.params_len,
+        params: plan.plane_params_len,
         landing: plan.ctrl_layout.landing_len() + plan.device_pack.map_or(0, |p| p.len),
         accum: plan.accum_len * 4 + sums,
         cache: plan.cache.as_ref().map_or(0, CacheLayout::data_len),
@@ -1102,15 +1126,23 @@ pub(crate) fn data_sizes(
     let (_, _, params, accum) = offsets(&buckets);
     let ctrl = control_layout(&groups, buckets.len(), config)?;
     let device = config.transport.is_device();
+    let copies = quant_copies(config, topology, &groups, &buckets, &ctrl).filter(|_| device);
     let cache = match device {
         true => cache_layout(
             config,
             topology,
             ("", true),
             &buckets,
-            (ctrl.chunk_bytes(), None),
+            (ctrl.chunk_bytes(), copies.as_deref()),
         )?,
         false => None,
+    };
+    let params = match &copies {
+        Some(copies) => {
+            let (_, end) = lay_out(copies, params);
+            super::DeviceQuant::lay_out(copies, end, groups.group.len()).1
+        }
+        None => params,
     };
     let transport = crate::transport::control_name(config.transport, topology);
     let sums = match cross_node(config, topology, (transport, device))? {

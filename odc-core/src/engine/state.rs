@@ -110,6 +110,8 @@ pub(crate) struct Registered {
     pub(crate) quant: Option<Quant>,
     /// A device engine's compressed pushes: where they are packed.
     pub(crate) device_pack: Option<DevicePack>,
+    /// A device engine's compressed gathers: their staging and scratch.
+    pub(crate) device_quant: Option<DeviceQuant>,
     /// Bytes this rank's gathers read from ranks on other nodes (node
     /// cache fetches and hybrid-zero's piece copies included), since
     /// registration.
@@ -163,6 +165,45 @@ pub(crate) struct Quant {
     pub(crate) copies: Vec<crate::protocol::compress::QuantCopy>,
     pub(crate) off: Vec<usize>,
     pub(crate) staging: Mutex<Vec<Vec<u64>>>,
+}
+
+/// A device engine's compressed gathers: device memory in its params
+/// region after the quantised copies (private to the rank; peers read only
+/// the copies).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct DeviceQuant {
+    /// Per bucket, the byte offset of its gathers' staging: a copy's
+    /// [`staging_stride`](crate::protocol::compress::QuantCopy::staging_stride)
+    /// per owner of the shard group.
+    pub(crate) staging: Vec<usize>,
+    /// Byte offset of the f32 values a bf16 shard is widened into before
+    /// it is quantised (one run's worth).
+    pub(crate) values: usize,
+}
+
+impl DeviceQuant {
+    /// The layout after copies ending at byte `end`, for a shard group of
+    /// `world`; and where it ends (the device params region's length).
+    pub(crate) fn lay_out(
+        copies: &[crate::protocol::compress::QuantCopy],
+        end: usize,
+        world: usize,
+    ) -> (DeviceQuant, usize) {
+        let mut at = end.next_multiple_of(ALIGN_BYTES);
+        let staging = (copies.iter())
+            .map(|c| {
+                let o = at;
+                at = (at + c.staging_stride() * world).next_multiple_of(ALIGN_BYTES);
+                o
+            })
+            .collect();
+        let run = (copies.iter())
+            .map(|c| c.run.min(c.shard_len))
+            .max()
+            .unwrap_or(0);
+        let values = at;
+        (DeviceQuant { staging, values }, values + 4 * run)
+    }
 }
 
 impl Quant {

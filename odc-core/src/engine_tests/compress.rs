@@ -839,3 +839,151 @@ fn device_engines_compress_node_sums_as_the_host_does() {
         );
     }
 }
+
+/// [`gather_run`] on the device plane (`emu-shmem`: `nvshmem`'s path in
+/// process): the publishes, gathers and pushes enqueued on a stream, the
+/// quantised copies made and read runs dequantised by the daemon's stream.
+#[cfg(feature = "fabric")]
+fn gather_run_device(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
+    let cfg = EngineConfig {
+        transport: crate::TransportKind::EmuShmem,
+        ..cfg
+    };
+    let out = Arc::new(Mutex::new(BTreeMap::new()));
+    let sink = Arc::clone(&out);
+    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+        let rank = e.rank();
+        let stream =
+            crate::plane::emu::EmuStream::new(std::time::Duration::from_micros(50)).unwrap();
+        let s = stream.handle();
+        e.register(&gather_specs()).unwrap();
+        let d = e.device().unwrap();
+        let mut seen = Gathered::default();
+        for v in 0..versions {
+            // Every buffer lives until the finish below ran the stream.
+            let mut shards = Vec::new();
+            for (b, spec) in gather_specs().iter().enumerate() {
+                let id = e.bucket_id(&spec.name).unwrap();
+                let r = e.bucket(id).unwrap().shard_range(rank);
+                let shard: Vec<f32> = r
+                    .map(|i| if i < spec.numel { param(b, i, v) } else { 0.0 })
+                    .collect();
+                let bytes: Vec<u8> = match spec.dtype {
+                    DType::F32 => bytes_of(&shard).to_vec(),
+                    _ => shard
+                        .iter()
+                        .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_ne_bytes())
+                        .collect(),
+                };
+                shards.push(bytes);
+                let src = shards[b].as_ptr() as u64;
+                // SAFETY: `shards` outlives the finish below.
+                unsafe {
+                    d.publish(id, src, shards[b].len(), spec.dtype, v, s)
+                        .unwrap()
+                };
+            }
+            let mut outs: Vec<Vec<Vec<u32>>> = vec![Vec::new(); 2];
+            for out in &mut outs {
+                for spec in &gather_specs() {
+                    let id = e.bucket_id(&spec.name).unwrap();
+                    let words = (spec.numel * spec.dtype.size_bytes()).div_ceil(4);
+                    out.push(vec![u32::MAX; words]);
+                    let buf = out.last_mut().unwrap();
+                    let bytes = spec.numel * spec.dtype.size_bytes();
+                    // SAFETY: `outs` outlives the finish below.
+                    unsafe {
+                        d.gather(id, v, buf.as_mut_ptr() as u64, bytes, spec.dtype, s, false)
+                            .unwrap()
+                    };
+                }
+            }
+            for spec in &gather_specs() {
+                d.release(e.bucket_id(&spec.name).unwrap(), v, s).unwrap();
+            }
+            let a = e.bucket_id("a").unwrap();
+            let g: Vec<f32> = (0..GATHER_NUMEL[0]).map(|i| grad(rank, v, 0, i)).collect();
+            // SAFETY: `g` outlives the finish below.
+            unsafe {
+                d.scatter_accumulate(a, 0, g.as_ptr() as u64, g.len() * 4, DType::F32, 0.5, s)
+                    .unwrap()
+            };
+            d.finish_minibatch(v, s).unwrap();
+            d.zero_grads(s).unwrap();
+            stream.synchronize().unwrap();
+            let widened = |b: usize, words: &[u32]| -> Vec<u32> {
+                let n = GATHER_NUMEL[b];
+                match b {
+                    0 => words[..n].to_vec(),
+                    _ => words
+                        .iter()
+                        .flat_map(|w| w.to_ne_bytes())
+                        .collect::<Vec<u8>>()
+                        .chunks_exact(2)
+                        .take(n)
+                        .map(|c| {
+                            let h = half::bf16::from_bits(u16::from_ne_bytes([c[0], c[1]]));
+                            h.to_f32().to_bits()
+                        })
+                        .collect(),
+                }
+            };
+            let got: [Vec<u32>; 2] = [widened(0, &outs[0][0]), widened(1, &outs[0][1])];
+            for b in 0..2 {
+                assert_eq!(
+                    got[b],
+                    widened(b, &outs[1][b]),
+                    "rank {rank}: the second gather of v{v} differs"
+                );
+            }
+            seen.full.push(got);
+        }
+        seen.fetched = e.node_cache_stats().map_or(0, |s| s.fetched);
+        sink.lock().unwrap().insert(rank, seen);
+    });
+    let v = out.lock().unwrap();
+    (0..WORLD).map(|r| v[&r].clone()).collect()
+}
+
+/// Compressed gathers on the device plane: every element read compressed
+/// is the reference dequantisation of its version bit for bit, every other
+/// one the shard exactly, through the device node cache and without it, f32
+/// and bf16 buckets; an f16 bucket is refused by name.
+#[cfg(feature = "fabric")]
+#[test]
+fn device_engines_gather_compressed_copies_as_the_host_does() {
+    let spec = Spec::new(Format::Fp8E4m3, 32).unwrap();
+    let across = |r: usize, o: usize| r / LOCAL != o / LOCAL;
+    for (cache, key) in [(Some(1 << 20), "cgd_cache"), (Some(0), "cgd_direct")] {
+        let seen = gather_run_device(gathering(Scope::CrossNode, cache, key), 3);
+        let (q, x, lossy) = check_gathered(&seen, spec, across);
+        let fetched: u64 = seen.iter().map(|s| s.fetched).sum();
+        eprintln!("{key}: {q} compressed ({lossy} lossy), {x} exact; {fetched} pieces fetched");
+        assert!(q > 0 && x > 0 && lossy * 2 > q, "{key}: {q} {x} {lossy}");
+        assert_eq!(fetched > 0, cache != Some(0), "{key}");
+    }
+    let seen = gather_run_device(gathering(Scope::All, None, "cgd_all"), 2);
+    let (q, x, _) = check_gathered(&seen, spec, |r, o| r != o);
+    assert_eq!(q, 5 * x);
+    // An f16 bucket: the device dequantises into f32 and bf16 only.
+    let cfg = EngineConfig {
+        transport: crate::TransportKind::EmuShmem,
+        ..gathering(Scope::CrossNode, None, "cgd_f16")
+    };
+    let refused = Arc::new(Mutex::new(Vec::new()));
+    let sink = Arc::clone(&refused);
+    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+        let msg = e
+            .register(&[BucketSpec::new("h", 4096, DType::F16)])
+            .unwrap_err()
+            .to_string();
+        sink.lock().unwrap().push(msg);
+    });
+    for msg in refused.lock().unwrap().iter() {
+        assert!(
+            msg.contains("\"h\"") || msg.contains("h:") || msg.contains(" h "),
+            "{msg}"
+        );
+        assert!(msg.contains("f16") && msg.contains("device"), "{msg}");
+    }
+}

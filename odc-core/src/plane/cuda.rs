@@ -291,32 +291,73 @@ impl DeviceOps for CudaBackend {
         // memory of this device of the sizes it names, valid until the work
         // has run, not overlapping; all are aligned (checked).
         unsafe {
-            self.server().zero(job.values, n * 4)?;
-            self.kernels
-                .accumulate_raw(
-                    &self.server,
-                    job.values,
-                    DType::F32,
-                    job.src,
-                    job.src_dtype,
-                    n,
-                    job.scale,
-                )
-                .map_err(launch)?;
+            // The f32 values: the scaled gradient (0 + factor · x, as the
+            // host's push computes it), the shard itself (f32), or the
+            // shard widened.
+            let values = match (job.scale, job.src_dtype) {
+                (Some(factor), _) => {
+                    self.server().zero(job.values, n * 4)?;
+                    self.kernels
+                        .accumulate_raw(
+                            &self.server,
+                            job.values,
+                            DType::F32,
+                            job.src,
+                            job.src_dtype,
+                            n,
+                            factor,
+                        )
+                        .map_err(launch)?;
+                    job.values
+                }
+                (None, DType::F32) => job.src,
+                (None, dtype) => {
+                    self.kernels
+                        .cast_raw(&self.server, job.src, dtype, job.values, DType::F32, n)
+                        .map_err(launch)?;
+                    job.values
+                }
+            };
             match job.residual {
-                Some(r) => quant.feedback_quantise_raw(
-                    &self.server,
-                    spec,
-                    r,
-                    job.values,
-                    payload,
-                    scales,
-                    n,
-                ),
-                None => quant.quantise_raw(&self.server, spec, job.values, payload, scales, n),
+                Some(r) => {
+                    quant.feedback_quantise_raw(&self.server, spec, r, values, payload, scales, n)
+                }
+                None => quant.quantise_raw(&self.server, spec, values, payload, scales, n),
             }
         }
         .map_err(launch)
+    }
+
+    unsafe fn dequantise_on_server(
+        &self,
+        chunk: u64,
+        spec: Spec,
+        len: usize,
+        take: usize,
+        dst: u64,
+        dst_dtype: DType,
+    ) -> Result<()> {
+        if take == 0 {
+            return Ok(());
+        }
+        if take > len || chunk % 4 != 0 || dst % dst_dtype.size_bytes() as u64 != 0 {
+            return Err(Error::layout(
+                None,
+                format!(
+                    "dequantising on the device: {take} of {len} elements, chunk at {chunk:#x}, \
+                     output at {dst:#x} ({dst_dtype}): out of range or misaligned"
+                ),
+            ));
+        }
+        self.gpu.bind()?;
+        let quant = self.quant()?;
+        let payload = chunk + (4 * spec.scales(len)) as u64;
+        // SAFETY: the caller's contract: the chunk's bytes at `chunk` and
+        // `take` writable elements at `dst` on this device, valid until the
+        // work has run, not overlapping; aligned (checked). The first
+        // `take` elements' scales and codes are the prefixes of the chunk's.
+        unsafe { quant.dequantise_raw(&self.server, spec, payload, chunk, dst, dst_dtype, take) }
+            .map_err(|e| kernels_error("cuLaunchKernel (compressed gather)", e))
     }
 
     unsafe fn dequantise_accumulate_on_server(

@@ -334,10 +334,21 @@ impl DeviceOps for EmuBackend {
                     std::slice::from_raw_parts_mut(job.chunk as *mut u8, spec.chunk_bytes(n)),
                 )
             };
-            values.fill(0.0);
             let kernel = |e: odc_kernels::Error| e.to_string();
-            odc_kernels::cpu::accumulate_into_f32(values, src, job.src_dtype, job.scale)
-                .map_err(kernel)?;
+            match job.scale {
+                Some(factor) => {
+                    values.fill(0.0);
+                    odc_kernels::cpu::accumulate_into_f32(values, src, job.src_dtype, factor)
+                        .map_err(kernel)?;
+                }
+                None => odc_kernels::cpu::cast(
+                    src,
+                    job.src_dtype,
+                    crate::bytes_of_mut(values),
+                    DType::F32,
+                )
+                .map_err(kernel)?,
+            }
             match job.residual {
                 Some(r) => {
                     // SAFETY: as above.
@@ -346,6 +357,30 @@ impl DeviceOps for EmuBackend {
                 }
                 None => quant::quantise_chunk(spec, values, chunk).map_err(kernel),
             }
+        }))?;
+        Ok(())
+    }
+
+    unsafe fn dequantise_on_server(
+        &self,
+        chunk: u64,
+        spec: Spec,
+        len: usize,
+        take: usize,
+        dst: u64,
+        dst_dtype: DType,
+    ) -> Result<()> {
+        self.server.shared.push(Box::new(move || {
+            // SAFETY: the caller vouched for the chunk's bytes at `chunk` and
+            // `take` elements at `dst`, valid until this has run.
+            let (chunk, out) = unsafe {
+                (
+                    std::slice::from_raw_parts(chunk as *const u8, spec.chunk_bytes(len)),
+                    std::slice::from_raw_parts_mut(dst as *mut u8, take * dst_dtype.size_bytes()),
+                )
+            };
+            quant::dequantise_chunk_into(spec, len, chunk, out, dst_dtype)
+                .map_err(|e| e.to_string())
         }))?;
         Ok(())
     }

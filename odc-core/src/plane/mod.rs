@@ -116,6 +116,26 @@ pub trait DeviceOps: Send + Sync + fmt::Debug {
     /// [`PackJob`] names, valid until the work has run, not overlapping.
     unsafe fn pack_on_server(&self, job: PackJob) -> Result<()>;
 
+    /// Enqueues on the server stream the dequantisation of the first `take`
+    /// elements of the compressed chunk of `len` elements at `chunk`
+    /// (scales, then payload) into `dst`, `take` elements of `dst_dtype`
+    /// (what a compressed gather writes into its output).
+    ///
+    /// # Safety
+    /// `chunk` must address the chunk's `spec.chunk_bytes(len)` bytes and
+    /// `dst` `take` writable elements, both valid until the work has run,
+    /// not overlapping.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn dequantise_on_server(
+        &self,
+        chunk: u64,
+        spec: Spec,
+        len: usize,
+        take: usize,
+        dst: u64,
+        dst_dtype: DType,
+    ) -> Result<()>;
+
     /// Enqueues `acc[i] += scale · dequantised[i]` on the server stream for
     /// the `n` elements of the compressed chunk at `chunk` (scales, then
     /// payload, as [`DeviceOps::pack_on_server`] writes it).
@@ -169,8 +189,10 @@ pub struct PackJob {
     pub src: u64,
     /// The gradient's dtype.
     pub src_dtype: DType,
-    /// The factor the gradient is multiplied by (the push's scale).
-    pub scale: f32,
+    /// `Some(factor)`: the values are `0 + factor · src` (a push's scaled
+    /// gradient, as the host's push computes them); `None`: `src` widened
+    /// to f32 exactly (a published shard's quantised copy).
+    pub scale: Option<f32>,
     /// Elements.
     pub n: usize,
     /// `n` f32 of scratch: the scaled gradient.

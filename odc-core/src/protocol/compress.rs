@@ -169,6 +169,12 @@ impl QuantCopy {
         self.at(last) + self.bytes(last)
     }
 
+    /// Bytes a gather's staging keeps per owner for this copy (its length,
+    /// 64-aligned).
+    pub fn staging_stride(&self) -> usize {
+        self.len().next_multiple_of(64)
+    }
+
     /// Whether the copy holds no element.
     pub fn is_empty(&self) -> bool {
         self.shard_len == 0

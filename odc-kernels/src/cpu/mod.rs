@@ -502,7 +502,10 @@ fn view<'a, T: Element>(op: &'static str, what: &'static str, bytes: &'a [u8]) -
     bytemuck::try_cast_slice(bytes).map_err(|_| misaligned::<T>(op, what, bytes.as_ptr()))
 }
 
-fn view_mut<'a, T: Element>(op: &'static str, bytes: &'a mut [u8]) -> Result<&'a mut [T]> {
+pub(crate) fn view_mut<'a, T: Element>(
+    op: &'static str,
+    bytes: &'a mut [u8],
+) -> Result<&'a mut [T]> {
     const WHAT: &str = "destination";
     check_view::<T>(op, WHAT, bytes)?;
     if bytes.is_empty() {

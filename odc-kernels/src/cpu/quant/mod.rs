@@ -448,6 +448,46 @@ pub fn dequantise_accumulate_chunk(
     dequantise_accumulate(spec, payload, scales, acc, factor)
 }
 
+/// Dequantises the first elements of a chunk of `len` elements (laid out
+/// as [`quantise_chunk`] writes it) into `dst`, bytes of `dtype`: as many
+/// elements as `dst` holds, at most `len` (a gather's output may end inside
+/// the chunk's last run).
+///
+/// Errors like [`quantise_chunk`]; [`Error::PartialElement`] or
+/// [`Error::Misaligned`] for a bad `dst`, [`Error::InvalidArgument`] for
+/// more than `len` elements.
+pub fn dequantise_chunk_into(
+    spec: Spec,
+    len: usize,
+    chunk: &[u8],
+    dst: &mut [u8],
+    dtype: crate::DType,
+) -> Result<()> {
+    const OP: &str = "dequantise_chunk_into";
+    let take = dst.len() / dtype.size_bytes();
+    if take > len {
+        return Err(Error::InvalidArgument {
+            op: OP,
+            detail: format!("{take} elements out of a chunk of {len}"),
+        });
+    }
+    let (scales, payload) = split_chunk_op(OP, spec, len, chunk)?;
+    let (scales, payload) = (
+        &scales[..spec.scales(take)],
+        &payload[..spec.payload_bytes(take)],
+    );
+    match dtype {
+        crate::DType::F32 => dequantise(spec, payload, scales, super::view_mut::<f32>(OP, dst)?),
+        crate::DType::BF16 => dequantise(spec, payload, scales, super::view_mut::<bf16>(OP, dst)?),
+        crate::DType::F16 => dequantise(
+            spec,
+            payload,
+            scales,
+            super::view_mut::<half::f16>(OP, dst)?,
+        ),
+    }
+}
+
 /// The scales and payload of a chunk of `n` elements.
 ///
 /// Errors like [`quantise_chunk`].
