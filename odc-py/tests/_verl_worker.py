@@ -140,6 +140,15 @@ def ppo_worker(rank: int, world: int, store, model_dir: str, ckpt_dir: str, hang
     out["fsdp1"].update(enabled=odc.fsdp.is_enabled(fsdp1_actor.module), cls=type(fsdp1_actor.module).__name__,
                         odc=train(fsdp1_actor, rank, model_dir))
 
+    # compress= through the integration: every gather and push compressed (scope "all": these two ranks share a
+    # host), the same PPO minibatches (the NaN one too) on a new FSDP2 actor.
+    odc_verl.disable()
+    odc_verl.enable(compress={"gather": "fp8", "push": "int8", "scope": "all"})
+    packed = V.build_engine(model_dir, MAX_TOKENS)
+    out["compressed"] = {"enabled": odc.fsdp.is_enabled(packed.module), "run": train(packed, rank, model_dir)}
+    odc_verl.disable()
+    odc_verl.enable()
+
     # odc-bench's verl-maxcount against verl's own split with its data-parallel all-reduces, in this group.
     out["maxcount_split"] = _baselines_worker.synced_split(rank, split_cases)
 

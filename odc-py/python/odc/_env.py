@@ -143,6 +143,10 @@ ENVIRONMENT: tuple[EnvVar, ...] = (
            "rank's samples, unequal microbatch counts) or `none` (verl's own split).", "python"),
     EnvVar("ODC_VERL_COST", "`verl`", "`odc.integrations.verl_auto`",
            "The cost model LB-Mini balances verl's samples with (any name `odc.packing` takes).", "python"),
+    EnvVar("ODC_VERL_COMPRESS", "unset: nothing compressed", "`odc.integrations.verl_auto`",
+           "The `compress=` setting verl's engines on ODC get, as JSON (e.g. "
+           "`{\"gather\": \"fp8\", \"push\": \"int8\"}`); not JSON or a malformed setting is a ConfigError "
+           "naming it.", "python"),
     EnvVar("ODC_BENCH_SPAWN", "unset: ranks fork from a server that imported torch once", "`odc.bench.launch`",
            "`1`: `odc-bench` starts each local rank as a fresh interpreter (for settings torch reads only at "
            "import).", "python"),

@@ -81,7 +81,7 @@ import inspect
 import pickle
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +90,7 @@ import torch.distributed as dist
 
 from .. import fsdp as odc_fsdp
 from .. import packing
+from ..engine import compress_args
 from ..errors import ConfigError, PackingError
 from . import _exchange
 from ._guard import import_trainer
@@ -110,6 +111,7 @@ class _Settings:
     cost: str
     timeout: float | None
     transport: str | None
+    compress: tuple[tuple[str, Any], ...] | None = None  # the compress= mapping's items, sorted
 
 
 @dataclass
@@ -169,7 +171,7 @@ def is_enabled() -> bool:
 
 
 def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: float | None = None,
-           transport: str | None = None) -> None:
+           transport: str | None = None, compress: Mapping[str, Any] | None = None) -> None:
     """Makes verl's FSDP2 actor and critic engines built from now on in this process run on ODC.
 
     Call it in every process that builds engines, before they are built
@@ -188,11 +190,14 @@ def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: floa
         timeout: seconds a wait on a peer may take (default: as
             ``odc.fsdp.enable``, the process group's timeout).
         transport: as ``odc.fsdp.enable``.
+        compress: as ``odc.fsdp.enable``: block-scaled low-precision gathers
+            and pushes, by default only what crosses nodes (``None``: every
+            byte as it is). Checked here, before any engine is built.
 
     Raises:
         ConfigError: verl is missing or lacks a name this integration reads, an
-            unknown ``balance`` or ``cost``, or already enabled with other
-            settings (call :func:`disable` first).
+            unknown ``balance`` or ``cost``, a malformed ``compress``, or already
+            enabled with other settings (call :func:`disable` first).
     """
     if balance not in BALANCES:
         raise ConfigError(f"odc.integrations.verl.enable: unknown balance {balance!r}; expected 'lb-mini' or None")
@@ -200,7 +205,9 @@ def enable(*, balance: str | None = "lb-mini", cost: str = "verl", timeout: floa
         packing.sequence_cost(1, cost)
     except PackingError as e:
         raise ConfigError(f"odc.integrations.verl.enable: cost {cost!r}: {e}") from None
-    settings = _Settings(balance, cost, timeout, transport)
+    compress_args(compress)  # a malformed setting is refused by name now, not when verl builds an engine
+    settings = _Settings(balance, cost, timeout, transport,
+                         None if compress is None else tuple(sorted(compress.items())))
     installed = _state.installed
     if installed is not None:
         if installed.settings != settings:
@@ -276,7 +283,9 @@ class _OdcEngine:
     def _odc_enable(self) -> None:
         s = _current().settings
         sharding = "hybrid" if getattr(getattr(self, "device_mesh", None), "ndim", 1) == 2 else "full"
-        odc_fsdp.enable(self.module, self.optimizer, sharding=sharding, timeout=s.timeout, transport=s.transport)
+        compress = None if s.compress is None else dict(s.compress)
+        odc_fsdp.enable(self.module, self.optimizer, sharding=sharding, timeout=s.timeout, transport=s.transport,
+                        compress=compress)
 
     def forward_backward_batch(self, data: Any, loss_function: Callable[..., Any], forward_only: bool = False) -> Any:
         if not odc_fsdp.is_enabled(self.module):
