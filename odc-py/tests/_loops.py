@@ -269,15 +269,17 @@ def train(variant, rank, world, plan, comm):
                     m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     opt = torch.optim.AdamW(model.parameters(), lr=variant.get("lr", 1e-2), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)) if loop == "hf" else None
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if prec == "fp16" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=variant.get("init_scale", 2.0**8)) if prec == "fp16" else None
     if comm == "odc":
-        odc.fsdp.enable(model, opt, timeout=60, deterministic=variant.get("deterministic", False))
+        odc.fsdp.enable(model, opt, timeout=60, deterministic=variant.get("deterministic", False),
+                        compress=variant.get("compress"))
     norms, shards = [], []
     for s, counts in enumerate(plan):
         mbs = [packed(s, rank, j) for j in range(counts[rank])]
         kw = {"sched": sched} if loop == "hf" else {"scaler": scaler}
         norms.append(STEPS[loop](model, opt, mbs, world, variant.get("clip", 1.0), log=shards, **kw))
-    out = {"norms": norms, "shard_sq": shards, "params": full_params(model)}
+    out = {"norms": norms, "shard_sq": shards, "params": full_params(model),
+           "scale": None if scaler is None else float(scaler.get_scale())}
     if comm == "odc":
         engine = model._odc_fsdp.engine
         out.update(transport=engine.transport, cross_node=engine.cross_node, cache=engine.node_cache_stats())

@@ -15,6 +15,8 @@ shard and its node-mate's stay f32.
 
 from __future__ import annotations
 
+import math
+
 import _fsdp_helpers as H
 import pytest
 import torch
@@ -242,3 +244,31 @@ def test_compression_is_refused_where_it_cannot_keep_its_promise(kw, words):
                    compress={"gather": "fp8", "scope": "all"})
     with pytest.raises(odc.ConfigError, match="block size 24"):
         odc.Engine(torch.distributed.HashStore(), 0, 1, compress={"push": "int8", "block": 24})
+
+
+def test_gradscaler_under_compression_skips_the_same_overflowed_steps():
+    """fp16 compute with torch's GradScaler (a torchtitan-shaped loop, FSDP2's fp16 MixedPrecisionPolicy) whose
+    first scale overflows: the compressed run (fp8 gathers, int8 pushes with feedback, scope "all" on one host)
+    skips the same step as the uncompressed run, lowers its scale alike, and trains close to it afterwards. (The
+    overflow here lands in rank 0's own part of its shard, which is never pushed; an overflow pushed compressed, and
+    the zero residual it must leave, is odc-core's engine_tests::compress::an_overflowed_push_*.)"""
+    import _loops as L
+
+    L.quiet()
+    plan = [(2, 1), (1, 2), (2, 2), (1, 1), (2, 1), (1, 2), (2, 2)]
+    base = {"loop": "titan", "model": "llama", "precision": "fp16", "init_scale": 2.0**20}
+    variants = [base, {**base, "compress": {"gather": "fp8", "push": "int8", "scope": "all"}}]
+    out = H.all_ok(run_ranks(L.loops_worker, 2, timeout=600, variants=variants, plan=plan, ref=False))
+    for rank in out:
+        plain, packed = out[rank][0]["odc"], out[rank][1]["odc"]
+        print(f"rank {rank}: norms uncompressed {plain['norms']}, compressed {packed['norms']}; scales "
+              f"{plain['scale']}, {packed['scale']}")
+        skipped = [not math.isfinite(n) for n in plain["norms"]]
+        assert [not math.isfinite(n) for n in packed["norms"]] == skipped, (plain["norms"], packed["norms"])
+        assert any(skipped) and not all(skipped), skipped  # the loop overflowed, then trained
+        assert packed["scale"] == plain["scale"], (packed["scale"], plain["scale"])
+        gaps = [abs(a - b) / abs(b) for a, b, s in zip(packed["norms"], plain["norms"], skipped, strict=True)
+                if not s]
+        assert max(gaps) > 1e-6, gaps  # compressed
+        assert max(gaps) < 5e-2, gaps
+        assert all(math.isfinite(x) for v in packed["params"].values() for x in torch.tensor(v).flatten().tolist())

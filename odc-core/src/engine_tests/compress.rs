@@ -987,3 +987,121 @@ fn device_engines_gather_compressed_copies_as_the_host_does() {
         assert!(msg.contains("f16") && msg.contains("device"), "{msg}");
     }
 }
+
+/// What the owners hold after each of two minibatches in which every rank
+/// pushes [`grad`] of minibatch `k` (one microbatch), except that in
+/// minibatch 0 rank 3 (node 1) pushes +inf at element `bad` (in rank 0's
+/// shard, so it crosses to node 0 in a compressed node sum). On the device
+/// plane (`emu-shmem`) when `device`.
+fn run_with_an_inf(cfg: EngineConfig, bad: usize, device: bool) -> Vec<Vec<Vec<f32>>> {
+    let cfg = if device {
+        EngineConfig {
+            transport: crate::TransportKind::EmuShmem,
+            ..cfg
+        }
+    } else {
+        cfg
+    };
+    let out = Arc::new(Mutex::new(BTreeMap::new()));
+    let sink = Arc::clone(&out);
+    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+        let rank = e.rank();
+        e.register(&[BucketSpec::new("a", NUMEL, DType::F32)])
+            .unwrap();
+        let id = e.bucket_id("a").unwrap();
+        let shard_len = e.bucket(id).unwrap().shard_len();
+        let stream = device.then(|| {
+            crate::plane::emu::EmuStream::new(std::time::Duration::from_micros(20)).unwrap()
+        });
+        let mut seen = Vec::new();
+        for k in 0..2u64 {
+            let mut g: Vec<f32> = (0..NUMEL).map(|i| grad(rank, k, 0, i)).collect();
+            if k == 0 && rank == 3 {
+                g[bad] = f32::INFINITY;
+            }
+            let mut got = vec![0f32; shard_len];
+            match &stream {
+                Some(st) => {
+                    let (d, s) = (e.device().unwrap(), st.handle());
+                    // SAFETY: `g` outlives the finish, which waits for the
+                    // stream.
+                    unsafe {
+                        d.scatter_accumulate(
+                            id,
+                            0,
+                            g.as_ptr() as u64,
+                            NUMEL * 4,
+                            DType::F32,
+                            0.5,
+                            s,
+                        )
+                        .unwrap()
+                    };
+                    d.finish_minibatch(k, s).unwrap();
+                    d.read_grad_shard(id, &mut got).unwrap();
+                    d.zero_grads(s).unwrap();
+                    st.synchronize().unwrap();
+                }
+                None => {
+                    let h = e.host().unwrap();
+                    h.scatter_accumulate(id, bytes_of(&g), DType::F32, 0.5)
+                        .unwrap();
+                    h.finish_minibatch(k).unwrap();
+                    h.read_grad_shard(id, &mut got).unwrap();
+                    h.zero_grads().unwrap();
+                }
+            }
+            seen.push(got);
+        }
+        sink.lock().unwrap().insert(rank, seen);
+    });
+    let v = out.lock().unwrap();
+    (0..WORLD).map(|r| v[&r].clone()).collect()
+}
+
+/// An overflowed gradient (a loss scaler's skipped step) pushed compressed
+/// with error feedback: its element reaches the owner non-finite, so the
+/// owner's inf check finds it, and it leaves a zero residual, so the next
+/// minibatch's sums are all finite and within the format's bound (a
+/// non-finite residual would poison that element in every later push).
+/// On the host and on the device plane.
+#[test]
+fn an_overflowed_push_reaches_the_owner_non_finite_and_poisons_nothing_after() {
+    let spec = Spec::new(Format::Int8, 32).unwrap();
+    let bad = 77;
+    let mut runs = vec![(false, "cz_inf_host")];
+    if cfg!(feature = "fabric") {
+        runs.push((true, "cz_inf_device"));
+    }
+    for (device, key) in runs {
+        let seen = run_with_an_inf(compressing(spec, true, key), bad, device);
+        let owner = &seen[0];
+        assert!(
+            !owner[0][bad].is_finite(),
+            "{key}: the inf arrived as {}",
+            owner[0][bad]
+        );
+        for (o, s) in seen.iter().enumerate() {
+            for (j, &x) in s[0].iter().enumerate() {
+                let i = o * s[0].len() + j;
+                if i != bad {
+                    assert!(x.is_finite(), "{key}: minibatch 0, element {i}: {x}");
+                }
+            }
+            for (j, &x) in s[1].iter().enumerate() {
+                let i = o * s[1].len() + j;
+                let want: f64 = if i < NUMEL {
+                    (0..WORLD).map(|r| 0.5 * f64::from(grad(r, 1, 0, i))).sum()
+                } else {
+                    0.0
+                };
+                // This minibatch's rounding and the last one's residual:
+                // within two int8 steps of the largest node sum (< 8).
+                assert!(
+                    (f64::from(x) - want).abs() <= 2.0 * 8.0 / 127.0,
+                    "{key}: minibatch 1, element {i}: {x}, exact {want}"
+                );
+            }
+        }
+    }
+}
