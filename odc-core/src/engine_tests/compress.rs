@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use odc_kernels::cpu::quant::{Format, Spec};
 use odc_kernels::DType;
 
-use super::{config, run_on_nodes};
+use super::{config, run_on_nodes, run_per_rank};
 use crate::control::HEADER_BYTES;
 use crate::protocol::compress::{Compress, Scope};
 use crate::{bytes_of, BucketSpec, Engine, EngineConfig, Error, FileStore, Topology};
@@ -69,9 +69,7 @@ struct Seen {
 /// Runs `minibatches` minibatches of bucket "a" on every rank with `cfg`;
 /// returns what each rank saw, by rank.
 fn train(cfg: EngineConfig, minibatches: u64) -> Vec<Seen> {
-    let out = Arc::new(Mutex::new(BTreeMap::new()));
-    let sink = Arc::clone(&out);
-    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+    run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         e.register(&[BucketSpec::new("a", NUMEL, DType::F32)])
             .unwrap();
@@ -106,10 +104,8 @@ fn train(cfg: EngineConfig, minibatches: u64) -> Vec<Seen> {
             }
         }
         drop(push);
-        sink.lock().unwrap().insert(rank, seen);
-    });
-    let v = out.lock().unwrap();
-    (0..WORLD).map(|r| v[&r].clone()).collect()
+        seen
+    })
 }
 
 /// The exact (f64) sum of every rank's pushes of minibatch `k` into
@@ -405,9 +401,7 @@ struct Gathered {
 /// there is one), pushes a gradient of bucket "a" and finishes; returns
 /// what each rank gathered, by rank.
 fn gather_run(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
-    let out = Arc::new(Mutex::new(BTreeMap::new()));
-    let sink = Arc::clone(&out);
-    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+    run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         e.register(&gather_specs()).unwrap();
         let h = e.host().unwrap();
@@ -468,10 +462,8 @@ fn gather_run(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
         seen.read_across = across.gathered;
         seen.sent_across = across.pushed;
         seen.fetched = e.node_cache_stats().map_or(0, |s| s.fetched);
-        sink.lock().unwrap().insert(rank, seen);
-    });
-    let v = out.lock().unwrap();
-    (0..WORLD).map(|r| v[&r].clone()).collect()
+        seen
+    })
 }
 
 /// Owner `o`'s shard of bucket `b` at version `v` as its owner holds it
@@ -725,9 +717,7 @@ fn train_device(cfg: EngineConfig, minibatches: u64) -> Vec<Seen> {
         transport: crate::TransportKind::EmuShmem,
         ..cfg
     };
-    let out = Arc::new(Mutex::new(BTreeMap::new()));
-    let sink = Arc::clone(&out);
-    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+    run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         let stream =
             crate::plane::emu::EmuStream::new(std::time::Duration::from_micros(50)).unwrap();
@@ -786,10 +776,8 @@ fn train_device(cfg: EngineConfig, minibatches: u64) -> Vec<Seen> {
             }
         }
         seen.sent_across = e.core().push.lock().unwrap().sent_across;
-        sink.lock().unwrap().insert(rank, seen);
-    });
-    let v = out.lock().unwrap();
-    (0..WORLD).map(|r| v[&r].clone()).collect()
+        seen
+    })
 }
 
 /// The device plane's compressed node sums (packed and added by the
@@ -849,9 +837,7 @@ fn gather_run_device(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
         transport: crate::TransportKind::EmuShmem,
         ..cfg
     };
-    let out = Arc::new(Mutex::new(BTreeMap::new()));
-    let sink = Arc::clone(&out);
-    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+    run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         let stream =
             crate::plane::emu::EmuStream::new(std::time::Duration::from_micros(50)).unwrap();
@@ -939,10 +925,8 @@ fn gather_run_device(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
             seen.full.push(got);
         }
         seen.fetched = e.node_cache_stats().map_or(0, |s| s.fetched);
-        sink.lock().unwrap().insert(rank, seen);
-    });
-    let v = out.lock().unwrap();
-    (0..WORLD).map(|r| v[&r].clone()).collect()
+        seen
+    })
 }
 
 /// Compressed gathers on the device plane: every element read compressed
@@ -1002,9 +986,7 @@ fn run_with_an_inf(cfg: EngineConfig, bad: usize, device: bool) -> Vec<Vec<Vec<f
     } else {
         cfg
     };
-    let out = Arc::new(Mutex::new(BTreeMap::new()));
-    let sink = Arc::clone(&out);
-    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+    run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         e.register(&[BucketSpec::new("a", NUMEL, DType::F32)])
             .unwrap();
@@ -1053,10 +1035,8 @@ fn run_with_an_inf(cfg: EngineConfig, bad: usize, device: bool) -> Vec<Vec<Vec<f
             }
             seen.push(got);
         }
-        sink.lock().unwrap().insert(rank, seen);
-    });
-    let v = out.lock().unwrap();
-    (0..WORLD).map(|r| v[&r].clone()).collect()
+        seen
+    })
 }
 
 /// An overflowed gradient (a loss scaler's skipped step) pushed compressed

@@ -9,12 +9,12 @@
 //! f32 sum's in int8 with blocks of 32.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use odc_kernels::cpu::quant::{Format, Spec};
 use odc_kernels::DType;
 
-use super::{config, run_on_nodes};
+use super::{config, run_on_nodes, run_per_rank};
 use crate::protocol::compress::{Compress, QuantCopy, Scope};
 use crate::{bytes_of, BucketSpec, Engine, EngineConfig, Sharding};
 
@@ -73,9 +73,7 @@ struct Seen {
 }
 
 fn train(cfg: EngineConfig) -> Vec<Seen> {
-    let out = Arc::new(Mutex::new(BTreeMap::new()));
-    let sink = Arc::clone(&out);
-    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
+    run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         e.register(&[BucketSpec::new("g", NUMEL, DType::F32)])
             .unwrap();
@@ -115,10 +113,8 @@ fn train(cfg: EngineConfig) -> Vec<Seen> {
             seen.copy = Some(q.copies[piece]);
         }
         seen.summed = e.bytes_across_nodes().unwrap().unwrap().summed;
-        sink.lock().unwrap().insert(rank, seen);
-    });
-    let v = out.lock().unwrap();
-    (0..WORLD).map(|r| v[&r].clone()).collect()
+        seen
+    })
 }
 
 /// The largest error of any rank's sum of minibatch `k` against the exact

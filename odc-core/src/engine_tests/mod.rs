@@ -56,6 +56,23 @@ where
     }
 }
 
+/// [`run_on_nodes`], collecting what `f` returns on each rank, by rank.
+pub(super) fn run_per_rank<T, F>(world: usize, local: usize, cfg: EngineConfig, f: F) -> Vec<T>
+where
+    T: Send + 'static,
+    F: Fn(Engine) -> T + Send + Sync + 'static,
+{
+    let out = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::new()));
+    let sink = Arc::clone(&out);
+    run_on_nodes(world, local, cfg, move |e: Engine| {
+        let rank = e.rank();
+        let seen = f(e);
+        sink.lock().unwrap().insert(rank, seen);
+    });
+    let mut by_rank = std::mem::take(&mut *out.lock().unwrap());
+    (0..world).map(|r| by_rank.remove(&r).unwrap()).collect()
+}
+
 #[test]
 fn gather_scatter_three_ranks_threads() {
     run_ranks(3, "unit_gs3", |e| {
