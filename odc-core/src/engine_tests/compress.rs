@@ -708,15 +708,20 @@ fn fp8_gathers_and_int8_pushes_cross_at_most_030_of_the_f32_bytes() {
     );
 }
 
+/// `cfg` on `emu-shmem`: `nvshmem`'s device data path, in process.
+fn on_device_plane(cfg: EngineConfig) -> EngineConfig {
+    EngineConfig {
+        transport: crate::TransportKind::EmuShmem,
+        ..cfg
+    }
+}
+
 /// [`train`] on the device plane: `emu-shmem` (what `nvshmem` does across
 /// nodes, in process), each gradient pushed from (emulated) device memory
 /// on a stream, the residuals read from the engine's device buffers.
 #[cfg(feature = "fabric")]
 fn train_device(cfg: EngineConfig, minibatches: u64) -> Vec<Seen> {
-    let cfg = EngineConfig {
-        transport: crate::TransportKind::EmuShmem,
-        ..cfg
-    };
+    let cfg = on_device_plane(cfg);
     run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         let stream =
@@ -833,10 +838,7 @@ fn device_engines_compress_node_sums_as_the_host_does() {
 /// quantised copies made and read runs dequantised by the daemon's stream.
 #[cfg(feature = "fabric")]
 fn gather_run_device(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
-    let cfg = EngineConfig {
-        transport: crate::TransportKind::EmuShmem,
-        ..cfg
-    };
+    let cfg = on_device_plane(cfg);
     run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         let stream =
@@ -950,10 +952,7 @@ fn device_engines_gather_compressed_copies_as_the_host_does() {
     let (q, x, _) = check_gathered(&seen, spec, |r, o| r != o);
     assert_eq!(q, 5 * x);
     // An f16 bucket: the device dequantises into f32 and bf16 only.
-    let cfg = EngineConfig {
-        transport: crate::TransportKind::EmuShmem,
-        ..gathering(Scope::CrossNode, None, "cgd_f16")
-    };
+    let cfg = on_device_plane(gathering(Scope::CrossNode, None, "cgd_f16"));
     let refused = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&refused);
     run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
@@ -978,14 +977,7 @@ fn device_engines_gather_compressed_copies_as_the_host_does() {
 /// shard, so it crosses to node 0 in a compressed node sum). On the device
 /// plane (`emu-shmem`) when `device`.
 fn run_with_an_inf(cfg: EngineConfig, bad: usize, device: bool) -> Vec<Vec<Vec<f32>>> {
-    let cfg = if device {
-        EngineConfig {
-            transport: crate::TransportKind::EmuShmem,
-            ..cfg
-        }
-    } else {
-        cfg
-    };
+    let cfg = if device { on_device_plane(cfg) } else { cfg };
     run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         e.register(&[BucketSpec::new("a", NUMEL, DType::F32)])
