@@ -10,12 +10,12 @@
 //! with compression are refused by name.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use odc_kernels::cpu::quant::{Format, Spec};
 use odc_kernels::DType;
 
-use super::{config, run_on_nodes, run_per_rank};
+use super::{config, run_per_rank};
 use crate::control::HEADER_BYTES;
 use crate::protocol::compress::{Compress, Scope};
 use crate::{bytes_of, BucketSpec, Engine, EngineConfig, Error, FileStore, Topology};
@@ -953,16 +953,12 @@ fn device_engines_gather_compressed_copies_as_the_host_does() {
     assert_eq!(q, 5 * x);
     // An f16 bucket: the device dequantises into f32 and bf16 only.
     let cfg = on_device_plane(gathering(Scope::CrossNode, None, "cgd_f16"));
-    let refused = Arc::new(Mutex::new(Vec::new()));
-    let sink = Arc::clone(&refused);
-    run_on_nodes(WORLD, LOCAL, cfg, move |e: Engine| {
-        let msg = e
-            .register(&[BucketSpec::new("h", 4096, DType::F16)])
+    let refused = run_per_rank(WORLD, LOCAL, cfg, |e: Engine| {
+        e.register(&[BucketSpec::new("h", 4096, DType::F16)])
             .unwrap_err()
-            .to_string();
-        sink.lock().unwrap().push(msg);
+            .to_string()
     });
-    for msg in refused.lock().unwrap().iter() {
+    for msg in &refused {
         assert!(
             msg.contains("\"h\"") || msg.contains("h:") || msg.contains(" h "),
             "{msg}"
