@@ -298,7 +298,9 @@ def enable(
             ``"hybrid-zero"`` ``push`` compresses the end-of-minibatch sum
             across nodes (and under ``"hybrid-zero"`` ``gather`` the
             parameter pieces copied across nodes). Default ``None``
-            (nothing compressed).
+            (nothing compressed). On the GPU transports the device's
+            kernels quantise and dequantise (a gather format there takes
+            f32 and bf16 parameters, not f16).
             Not with ``deterministic=True``. See the ``compress`` argument
             of :class:`odc.Engine`.
         elastic: under ``sharding="hybrid"`` across nodes, go on when a rank
