@@ -60,11 +60,34 @@ fn program(e: &Engine, tolerance: f32, fp8: bool) {
                 d.gather(w, k, out.as_ptr() as u64, NUMEL * 4, DType::F32, s, false)
                     .unwrap();
             }
+        }
+        // What the stream's next work (a forward) reads of the last output:
+        // the gathered values, written (or dequantised) before it.
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (sink, last) = (
+            std::sync::Arc::clone(&seen),
+            outs[GATHERS - 1].as_ptr() as usize,
+        );
+        stream
+            .enqueue(Box::new(move || {
+                // SAFETY: `outs` outlives the finish below, which waits for
+                // this.
+                let got = unsafe { std::slice::from_raw_parts(last as *const f32, NUMEL) };
+                *sink.lock().unwrap() = got.to_vec();
+            }))
+            .unwrap();
+        // SAFETY: as above.
+        unsafe {
             d.release(w, k, s).unwrap();
             d.scatter_accumulate(w, 0, grads.as_ptr() as u64, NUMEL * 4, DType::F32, 1.0, s)
                 .unwrap();
         }
         d.finish_minibatch(k, s).unwrap();
+        assert!(
+            *seen.lock().unwrap() == outs[GATHERS - 1],
+            "rank {rank} version {k}: the stream's next work read the output before the gather \
+             had written it"
+        );
         for out in &outs {
             for (i, &x) in out.iter().enumerate() {
                 let want = i as f32 + k as f32;

@@ -886,6 +886,25 @@ fn gather_run_device(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
                     };
                 }
             }
+            // What the stream's next work (a forward) reads of the first
+            // pass's outputs: the gathered values, dequantised before it.
+            let snaps: Vec<Arc<std::sync::Mutex<Vec<u32>>>> = (outs[0].iter())
+                .map(|buf| {
+                    let (ptr, len) = (buf.as_ptr() as usize, buf.len());
+                    let snap = Arc::new(std::sync::Mutex::new(Vec::new()));
+                    let sink = Arc::clone(&snap);
+                    stream
+                        .enqueue(Box::new(move || {
+                            // SAFETY: `outs` outlives the finish below,
+                            // which waits for this.
+                            let words =
+                                unsafe { std::slice::from_raw_parts(ptr as *const u32, len) };
+                            *sink.lock().unwrap() = words.to_vec();
+                        }))
+                        .unwrap();
+                    snap
+                })
+                .collect();
             for spec in &gather_specs() {
                 d.release(e.bucket_id(&spec.name).unwrap(), v, s).unwrap();
             }
@@ -916,6 +935,13 @@ fn gather_run_device(cfg: EngineConfig, versions: u64) -> Vec<Gathered> {
                         .collect(),
                 }
             };
+            for (b, snap) in snaps.iter().enumerate() {
+                assert!(
+                    *snap.lock().unwrap() == outs[0][b],
+                    "rank {rank}, v{v}, bucket {b}: the stream's next work read the output before \
+                     the gather had written it"
+                );
+            }
             let got: [Vec<u32>; 2] = [widened(0, &outs[0][0]), widened(1, &outs[0][1])];
             for b in 0..2 {
                 assert_eq!(
