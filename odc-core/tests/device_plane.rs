@@ -551,3 +551,59 @@ fn cuda_ipc_without_a_gpu_names_what_is_missing() {
     assert!(matches!(err, Error::GpuUnavailable(_)), "{err:?}");
     assert!(TransportKind::CudaIpc.is_device() && !TransportKind::Shm.is_device());
 }
+
+/// Compressed gathers on `emu-ipc` (fp8 blocks of 32, scope all, 2 ranks):
+/// each version's quantised copy is written before the version is
+/// announced, and read before it is dequantised. The daemons' streams (which
+/// quantise and dequantise) sleep up to 3 ms before each operation while
+/// the callers' streams do not, so a copy announced before the daemon wrote
+/// it would be read stale (the last version's, or zeros): far outside fp8's
+/// rounding of these values, which change by a whole factor per version.
+#[test]
+fn compressed_copies_are_written_before_their_version_is_announced() {
+    use odc_core::protocol::compress::{Compress, Scope};
+    use odc_kernels::cpu::quant::{Format, Spec};
+    let cfg = EngineConfig {
+        compress: Some(Compress {
+            push: None,
+            gather: Some(Spec::new(Format::Fp8E4m3, 32).unwrap()),
+            feedback: true,
+            scope: Scope::All,
+        }),
+        ..config("dp_cz_order", TransportKind::EmuIpc)
+    };
+    let numel = 4096;
+    common::run_config(2, 2, cfg, 3000, move |e| {
+        let rank = e.rank();
+        let stream = EmuStream::new(Duration::ZERO).unwrap();
+        let s = stream.handle();
+        e.register(&[BucketSpec::new("w", numel, DType::F32)])
+            .unwrap();
+        let w = BucketId(0);
+        let sl = e.bucket(w).unwrap().shard_len();
+        let d = e.device().unwrap();
+        for k in 0..4u64 {
+            let value = |i: usize| (i % 97) as f32 * (k + 1) as f32 + 1.0;
+            let shard: Vec<f32> = (0..sl).map(|j| value(rank * sl + j)).collect();
+            let out = vec![0f32; numel];
+            // SAFETY: both buffers outlive the finish below, which waits for
+            // the stream.
+            unsafe {
+                d.publish(w, shard.as_ptr() as u64, sl * 4, DType::F32, k, s)
+                    .unwrap();
+                d.gather(w, k, out.as_ptr() as u64, numel * 4, DType::F32, s, false)
+                    .unwrap();
+                d.release(w, k, s).unwrap();
+            }
+            d.finish_minibatch(k, s).unwrap();
+            for (i, &x) in out.iter().enumerate() {
+                let want = value(i);
+                assert!(
+                    (x - want).abs() <= want.abs() / 16.0,
+                    "rank {rank} v{k} element {i}: {x}, want {want}"
+                );
+            }
+            stream.synchronize().unwrap();
+        }
+    });
+}
