@@ -150,7 +150,9 @@ impl Engine {
     }
 
     /// The data regions an engine with `config` on `topology` allocates
-    /// for `specs` on a device transport: published shards, landing slots,
+    /// for `specs` on a device transport: published shards (with a gather
+    /// format, their quantised copies and the gathers' staging after them),
+    /// landing slots (with a push format, the packing buffers after them),
     /// f32 accumulators, this rank's share of the node cache (the figures
     /// `register` gives the plane).
     ///

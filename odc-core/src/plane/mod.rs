@@ -217,9 +217,11 @@ impl PackJob {
 /// Sizes of the data regions one rank allocates, in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DataSizes {
-    /// Published parameter shards (every bucket's, aligned).
+    /// Published parameter shards (every bucket's, aligned), then with
+    /// compressed gathers their quantised copies and the gathers' staging.
     pub params: usize,
-    /// Landing-slot data: two slots of `chunk_bytes` per client.
+    /// Landing-slot data: two slots of `chunk_bytes` per client, then with
+    /// compressed pushes the buffers they are packed in.
     pub landing: usize,
     /// f32 accumulators.
     pub accum: usize,
