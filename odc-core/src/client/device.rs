@@ -77,7 +77,7 @@ impl DataPath for DevicePath<'_> {
         _packer: Option<&mut Packer>,
         job: Pack,
     ) -> Result<u64> {
-        let pack = reg.device_pack.ok_or_else(|| {
+        let pack = reg.device_pack.as_ref().ok_or_else(|| {
             crate::Error::protocol(Some(b.name()), "compressed push without its device buffers")
         })?;
         let base = self.plane.local_landing();

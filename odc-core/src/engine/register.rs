@@ -258,17 +258,6 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
     let ctrl_layout = control_layout(&groups, buckets.len(), &core.config)?;
     let (params_off, accum_off, params_len, accum_len) = offsets(&buckets);
     let on_device = core.device.is_some();
-    let device_pack = on_device
-        .then(|| {
-            let world = groups.group.len();
-            super::DevicePack::plan(
-                core.config.compress.as_ref(),
-                &ctrl_layout,
-                world,
-                accum_len,
-            )
-        })
-        .flatten();
     let quant =
         quant_copies(&core.config, &core.topo, &groups, &buckets, &ctrl_layout).map(|copies| {
             let (off, end) = lay_out(&copies, params_len);
@@ -312,6 +301,17 @@ fn agree(core: &Core, specs: &[BucketSpec], deadline: Instant) -> Result<Plan> {
         &core.topo,
         (core.transport.name(), core.device.is_some()),
     )?;
+    let device_pack = on_device
+        .then(|| {
+            super::DevicePack::plan(
+                core.config.compress.as_ref(),
+                &ctrl_layout,
+                (groups.me, &groups.group),
+                (&core.topo, cross_node == CrossNode::Node),
+                accum_len,
+            )
+        })
+        .flatten();
     // The announce rule must be the same on every rank (an owner tells one
     // rank per other node only where that node's ranks read it there).
     let node_announce = cross_node == CrossNode::Node && core.transport.name() == "shm+fabric";
@@ -1090,7 +1090,7 @@ fn connect_plane(
     };
     let sizes = DataSizes {
         params: plan.plane_params_len,
-        landing: plan.ctrl_layout.landing_len() + plan.device_pack.map_or(0, |p| p.len),
+        landing: plan.ctrl_layout.landing_len() + plan.device_pack.as_ref().map_or(0, |p| p.len),
         accum: plan.accum_len * 4 + sums,
         cache: plan.cache.as_ref().map_or(0, CacheLayout::data_len),
     };
@@ -1145,12 +1145,19 @@ pub(crate) fn data_sizes(
         None => params,
     };
     let transport = crate::transport::control_name(config.transport, topology);
-    let sums = match cross_node(config, topology, (transport, device))? {
-        CrossNode::Node => node_sum_bytes(topology.nodes(), accum)?,
-        _ => 0,
+    let node_sums = cross_node(config, topology, (transport, device))? == CrossNode::Node;
+    let sums = match node_sums {
+        true => node_sum_bytes(topology.nodes(), accum)?,
+        false => 0,
     };
     let pack = match device {
-        true => super::DevicePack::plan(config.compress.as_ref(), &ctrl, groups.group.len(), accum),
+        true => super::DevicePack::plan(
+            config.compress.as_ref(),
+            &ctrl,
+            (groups.me, &groups.group),
+            (topology, node_sums),
+            accum,
+        ),
         false => None,
     };
     Ok(DataSizes {

@@ -583,9 +583,12 @@ impl Packer {
 /// the landing slots in its own landing region (peers write only the
 /// slots): a staging cell per (server, slot) of a chunk's bytes, one
 /// chunk of f32 values, and with error feedback a residual per (bucket,
-/// owner) the size of the owner's shard, for every owner of the shard group
-/// (4 bytes an element of the padded model).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// owner) the size of the owner's shard, for each owner this rank pushes
+/// compressed chunks to: under scope "all" every other rank; under
+/// "cross-node" the ranks on other nodes (direct pushes: `(D - G) / D` of
+/// the padded model, 4 bytes an element) or, with node sums, the ranks on
+/// other nodes this rank aggregates for (`(N - 1) / D` of it).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct DevicePack {
     /// Byte offset of cell 0 in the landing region; cells are
     /// `cell_bytes` apart.
@@ -595,32 +598,60 @@ pub(crate) struct DevicePack {
     pub(crate) values: usize,
     /// Byte offset of the residuals, with error feedback.
     residuals: Option<usize>,
-    /// Owners in the shard group.
-    world: usize,
+    /// Per owner in the shard group, its residual's place among the owners
+    /// that have one.
+    slot: Vec<Option<usize>>,
+    /// Owners with a residual.
+    count: usize,
     /// Bytes past the landing slots.
     pub(crate) len: usize,
 }
 
 impl DevicePack {
     /// The layout a device engine with `compress` needs beside the landing
-    /// slots of `ctrl` (`world` servers), for accumulators of `accum_len`
-    /// elements; `None` when its pushes are not compressed (or no whole
-    /// block fits a slot: they then go as they are).
+    /// slots of `ctrl`, for accumulators of `accum_len` elements, as rank
+    /// `me` of the shard group `group` (global ranks) on `topo`, with node
+    /// sums when `node_sums`; `None` when its pushes are not compressed (or
+    /// no whole block fits a slot: they then go as they are).
     pub(crate) fn plan(
         compress: Option<&Compress>,
         ctrl: &CtrlLayout,
-        world: usize,
+        (me, group): (usize, &[usize]),
+        (topo, node_sums): (&Topology, bool),
         accum_len: usize,
     ) -> Option<DevicePack> {
         let c = compress?;
         let elems = compress::chunk_elems(c.push?, ctrl.chunk_bytes())?;
+        let local = topo.local_world();
+        // Whether this rank pushes compressed chunks for owner `o`.
+        let compressed = |o: usize| {
+            let rank = group[o];
+            o != me
+                && match c.scope {
+                    compress::Scope::All => true,
+                    compress::Scope::CrossNode if node_sums => {
+                        !topo.is_local(rank) && nodesum::server(group[me], rank, local) == group[me]
+                    }
+                    compress::Scope::CrossNode => !topo.is_local(rank),
+                }
+        };
+        let mut count = 0;
+        let slot = (0..group.len())
+            .map(|o| {
+                (c.feedback && compressed(o)).then(|| {
+                    count += 1;
+                    count - 1
+                })
+            })
+            .collect();
         let start = ctrl.landing_len();
         let cells = start.next_multiple_of(ALIGN_BYTES);
+        let world = group.len();
         let values = (cells + 2 * world * ctrl.chunk_bytes()).next_multiple_of(ALIGN_BYTES);
         let mut end = values + 4 * elems;
-        let residuals = c.feedback.then(|| {
+        let residuals = (c.feedback && count > 0).then(|| {
             let at = end.next_multiple_of(ALIGN_BYTES);
-            end = at + 4 * world * accum_len;
+            end = at + 4 * count * accum_len;
             at
         });
         Some(DevicePack {
@@ -628,14 +659,16 @@ impl DevicePack {
             cell_bytes: ctrl.chunk_bytes(),
             values,
             residuals,
-            world,
+            slot,
+            count,
             len: end - start,
         })
     }
 
     /// Byte offset, in the landing region, of the residual of element
     /// `start` of owner `owner`'s shard of the bucket whose accumulator
-    /// starts at element `accum_off`.
+    /// starts at element `accum_off`; `None` without error feedback, or for
+    /// an owner this rank pushes no compressed chunk to.
     pub(crate) fn residual(
         &self,
         accum_off: usize,
@@ -643,7 +676,8 @@ impl DevicePack {
         owner: usize,
         start: usize,
     ) -> Option<usize> {
-        let at = self.world * accum_off + owner * b.shard_len() + start;
+        let slot = (*self.slot.get(owner)?)?;
+        let at = self.count * accum_off + slot * b.shard_len() + start;
         self.residuals.map(|r| r + 4 * at)
     }
 }

@@ -758,7 +758,7 @@ fn train_device(cfg: EngineConfig, minibatches: u64) -> Vec<Seen> {
         }
         let reg = e.core().reg.get().unwrap();
         let plane = reg.plane.as_deref().unwrap();
-        if let Some(pack) = reg.device_pack {
+        if let Some(pack) = &reg.device_pack {
             for o in 0..WORLD {
                 let Some(at) = pack.residual(reg.accum_off[0], &reg.buckets[0], o, 0) else {
                     continue;
@@ -1097,5 +1097,43 @@ fn an_overflowed_push_reaches_the_owner_non_finite_and_poisons_nothing_after() {
                 );
             }
         }
+    }
+}
+
+/// A device engine keeps error feedback's residuals only for the owners it
+/// pushes compressed chunks to: with node sums the ranks on other nodes it
+/// aggregates for (1 of 6 here), with direct pushes every rank on another
+/// node (3), under scope "all" every other rank (5); each a shard's f32s.
+#[test]
+fn device_residuals_cover_only_the_owners_pushed_compressed() {
+    let spec = Spec::new(Format::Int8, 32).unwrap();
+    let specs = [BucketSpec::new("a", NUMEL, DType::F32)];
+    let topo = Topology::new(0, WORLD, LOCAL).unwrap();
+    let shard = crate::layout::BucketLayout::blocked(specs[0].clone(), WORLD, 1)
+        .unwrap()
+        .shard_len();
+    let landing = |cross_node, scope, feedback| {
+        let mut cfg = on_device_plane(compressing(spec, feedback, "cz_sizes"));
+        cfg.cross_node = cross_node;
+        if let Some(c) = cfg.compress.as_mut() {
+            c.scope = scope;
+        }
+        Engine::data_sizes(&specs, &topo, &cfg).unwrap().landing
+    };
+    for (cross_node, scope, owners) in [
+        (crate::CrossNode::Node, Scope::CrossNode, 1),
+        (crate::CrossNode::Direct, Scope::CrossNode, WORLD - LOCAL),
+        (crate::CrossNode::Direct, Scope::All, WORLD - 1),
+    ] {
+        let (with, without) = (
+            landing(cross_node, scope, true),
+            landing(cross_node, scope, false),
+        );
+        let residuals = 4 * owners * shard;
+        assert!(
+            with - without >= residuals && with - without < residuals + crate::layout::ALIGN_BYTES,
+            "{cross_node:?}, {scope:?}: {} bytes more with feedback, {owners} residuals of {shard}",
+            with - without
+        );
     }
 }
