@@ -83,6 +83,18 @@ impl DataPath for DevicePath<'_> {
         let base = self.plane.local_landing();
         let (bucket, owner) = job.key;
         let residual = pack.residual(reg.accum_off[bucket], b, owner, job.start);
+        if pack.feedback && residual.is_none() {
+            // The layout keeps residuals for the owners the push rules
+            // compress for; a chunk outside them would lose its feedback.
+            return Err(crate::Error::protocol(
+                Some(b.name()),
+                format!(
+                    "a compressed push to rank {} with error feedback, but no residual is kept \
+                     for it",
+                    reg.groups.group[owner]
+                ),
+            ));
+        }
         let chunk = base + (pack.cells + job.cell * pack.cell_bytes) as u64;
         let ops = self.plane.ops();
         let server = ops.server_stream();

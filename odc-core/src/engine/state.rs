@@ -603,6 +603,8 @@ pub(crate) struct DevicePack {
     slot: Vec<Option<usize>>,
     /// Owners with a residual.
     count: usize,
+    /// Error feedback on.
+    pub(crate) feedback: bool,
     /// Bytes past the landing slots.
     pub(crate) len: usize,
 }
@@ -661,6 +663,7 @@ impl DevicePack {
             residuals,
             slot,
             count,
+            feedback: c.feedback,
             len: end - start,
         })
     }
