@@ -14,7 +14,7 @@ use super::{buffer_len_error, DataPath, Pack, Signals, Worker};
 use crate::control::HEADER_BYTES;
 use crate::engine::{record_error, BucketId, Core, Packer, Registered};
 use crate::layout::BucketLayout;
-use crate::plane::{HostWork, PackJob, Plane, StreamHandle};
+use crate::plane::{DeviceOps, HostWork, PackJob, Plane, StreamHandle};
 use crate::protocol::slots::slot_count;
 use crate::region::{Bell, SignalRef};
 use crate::Result;
@@ -24,6 +24,20 @@ struct DevicePath<'e> {
     core: &'e Core,
     plane: &'e dyn Plane,
     stream: StreamHandle,
+}
+
+impl DevicePath<'_> {
+    /// Runs `work` (enqueues on the daemon's stream) after the work
+    /// enqueued on the caller's stream so far, and makes the caller's later
+    /// work wait for it: the daemon's stream is the one whose kernels the
+    /// backend launches.
+    fn on_server(&self, work: impl FnOnce(&dyn DeviceOps) -> Result<()>) -> Result<()> {
+        let ops = self.plane.ops();
+        let server = ops.server_stream();
+        ops.order(server, self.stream)?;
+        work(ops)?;
+        ops.order(self.stream, server)
+    }
 }
 
 impl DataPath for DevicePath<'_> {
@@ -96,30 +110,28 @@ impl DataPath for DevicePath<'_> {
             ));
         }
         let chunk = base + (pack.cells + job.cell * pack.cell_bytes) as u64;
-        let ops = self.plane.ops();
-        let server = ops.server_stream();
-        // The daemon's stream packs, after the caller's work so far (the
-        // gradient), and the caller's stream puts the chunk after that.
-        ops.order(server, self.stream)?;
-        // SAFETY: the cell, the values and the residual lie past the landing
-        // slots of this rank's landing region, laid out by `DevicePack`
-        // (disjoint); the cell is free (its slot's last chunk was
-        // acknowledged after the owner's add read it); the values and the
-        // residual are used by the daemon's stream alone, in order; the
-        // caller vouches for the source.
-        unsafe {
-            ops.pack_on_server(PackJob {
-                spec: job.spec,
-                src: job.src,
-                src_dtype: job.dtype,
-                scale: Some(job.scale),
-                n: job.len,
-                values: base + pack.values as u64,
-                residual: residual.map(|r| base + r as u64),
-                chunk,
-            })?
-        };
-        ops.order(self.stream, server)?;
+        // The daemon's stream packs after the gradient was made, and the
+        // caller's stream puts the chunk after that.
+        self.on_server(|ops| {
+            // SAFETY: the cell, the values and the residual lie past the
+            // landing slots of this rank's landing region, laid out by
+            // `DevicePack` (disjoint); the cell is free (its slot's last
+            // chunk was acknowledged after the owner's add read it); the
+            // values and the residual are used by the daemon's stream alone,
+            // in order; the caller vouches for the source.
+            unsafe {
+                ops.pack_on_server(PackJob {
+                    spec: job.spec,
+                    src: job.src,
+                    src_dtype: job.dtype,
+                    scale: Some(job.scale),
+                    n: job.len,
+                    values: base + pack.values as u64,
+                    residual: residual.map(|r| base + r as u64),
+                    chunk,
+                })
+            }
+        })?;
         Ok(chunk)
     }
 
@@ -135,43 +147,39 @@ impl DataPath for DevicePath<'_> {
         let b = &reg.buckets[bucket];
         let (copy, size) = (q.copies[bucket], b.dtype().size_bytes());
         let base = self.plane.local_params();
-        let ops = self.plane.ops();
-        let server = ops.server_stream();
         // The daemon's stream quantises after the shard's copy on the
         // caller's stream, and the announce on that stream follows it.
-        ops.order(server, self.stream)?;
-        for j in 0..copy.runs() {
-            let elems = copy.elems(j);
-            // SAFETY: this rank's shard of `bucket`, its quantised copy and
-            // the values scratch lie in its params region, disjoint
-            // (`DeviceQuant`); every reader released the previous version
-            // (the publish's wait), so nothing reads the copy; the
-            // scratch is the daemon's stream's alone.
-            unsafe {
-                ops.pack_on_server(PackJob {
-                    spec: copy.spec,
-                    src: base + (reg.params_off[bucket] + elems.start * size) as u64,
-                    src_dtype: b.dtype(),
-                    scale: None,
-                    n: elems.len(),
-                    values: base + dq.values as u64,
-                    residual: None,
-                    chunk: base + (q.off[bucket] + copy.at(j)) as u64,
-                })?
-            };
-        }
-        ops.order(self.stream, server)
+        self.on_server(|ops| {
+            (0..copy.runs()).try_for_each(|j| {
+                let elems = copy.elems(j);
+                // SAFETY: this rank's shard of `bucket`, its quantised copy
+                // and the values scratch lie in its params region, disjoint
+                // (`DeviceQuant`); every reader released the previous
+                // version (the publish's wait), so nothing reads the copy;
+                // the scratch is the daemon's stream's alone.
+                unsafe {
+                    ops.pack_on_server(PackJob {
+                        spec: copy.spec,
+                        src: base + (reg.params_off[bucket] + elems.start * size) as u64,
+                        src_dtype: b.dtype(),
+                        scale: None,
+                        n: elems.len(),
+                        values: base + dq.values as u64,
+                        residual: None,
+                        chunk: base + (q.off[bucket] + copy.at(j)) as u64,
+                    })
+                }
+            })
+        })
     }
 
     unsafe fn dequantise(&self, run: Run, src: u64, dst: u64) -> Result<()> {
-        let ops = self.plane.ops();
-        let server = ops.server_stream();
-        ops.order(server, self.stream)?;
         // SAFETY: the caller's contract; the daemon's stream runs it after
         // the read that brought the run (enqueued on the caller's stream
         // before this), and the caller's later work after it.
-        unsafe { ops.dequantise_on_server(src, run.spec, run.len, run.take, dst, run.dtype)? };
-        ops.order(self.stream, server)
+        self.on_server(|ops| unsafe {
+            ops.dequantise_on_server(src, run.spec, run.len, run.take, dst, run.dtype)
+        })
     }
 
     fn device_staging(&self, reg: &Registered, bucket: usize) -> Option<u64> {
@@ -362,22 +370,19 @@ impl<'e> Device<'e> {
             // Device engines are never blocked (registration refuses
             // hybrid-zero there): the own part is contiguous in `grads`.
             let first = b.global_of(reg.groups.me, own.start) - offset;
-            let server = plane.ops().server_stream();
             let acc = reg.accum_addr(plane, bucket.0, own.start);
-            plane.ops().order(server, stream)?;
             // SAFETY: the range lies inside the bucket's accumulator (the
             // overlap of its shard); the daemon's stream runs it after the
             // caller's work so far, and the caller's stream waits for it.
-            unsafe {
-                plane.ops().accumulate_on_server(
+            self.path(stream).on_server(|ops| unsafe {
+                ops.accumulate_on_server(
                     acc,
                     grads + (first * size) as u64,
                     dtype,
                     own.len(),
                     scale,
-                )?
-            };
-            plane.ops().order(stream, server)?;
+                )
+            })?;
         }
         // SAFETY: the caller's contract.
         unsafe {
@@ -432,14 +437,12 @@ impl<'e> Device<'e> {
     /// `stream`'s later work sees the zeros.
     pub fn zero_grad(&self, bucket: BucketId, stream: StreamHandle) -> Result<()> {
         let (addr, len) = self.grad_shard(bucket)?;
-        let ops = self.plane.ops();
-        let server = ops.server_stream();
-        ops.order(server, stream)?;
-        // SAFETY: `addr` holds `len` f32s of this rank's accumulators; no
-        // push adds into them before this rank's next publish, which comes
-        // after this on `stream`.
-        unsafe { ops.zero_on_server(addr, len * 4)? };
-        ops.order(stream, server)?;
+        self.path(stream).on_server(|ops| {
+            // SAFETY: `addr` holds `len` f32s of this rank's accumulators; no
+            // push adds into them before this rank's next publish, which
+            // comes after this on `stream`.
+            unsafe { ops.zero_on_server(addr, len * 4) }
+        })?;
         // The adds of the chunks held until now queue behind the zeroing on
         // the daemon's stream.
         self.w.open_accumulators(Some(bucket))
