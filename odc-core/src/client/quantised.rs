@@ -17,8 +17,7 @@
 //! [`super::DataPath::dequantise`]), the same rule and the same bits.
 
 use odc_kernels::cpu::quant::{self, Spec};
-use odc_kernels::half::{bf16, f16};
-use odc_kernels::{DType, Element};
+use odc_kernels::DType;
 
 use super::{DataPath, Worker};
 use crate::engine::Registered;
@@ -66,27 +65,12 @@ impl Worker<'_> {
                 )
             };
             let v = &mut values[..elems.len()];
-            widen(src, dtype, v);
+            // Widened exactly (signed zeros kept), as the device path does.
+            odc_kernels::cpu::cast(src, dtype, crate::bytes_of_mut(v), DType::F32)
+                .map_err(kernel)?;
             quant::quantise_chunk(copy.spec, v, dst).map_err(kernel)?;
         }
         Ok(())
-    }
-}
-
-/// `dst[i] = src[i]` widened to f32 exactly (signed zeros, NaN payloads
-/// as the casts keep them).
-fn widen(src: &[u8], dtype: DType, dst: &mut [f32]) {
-    fn each<T: Element, const N: usize>(src: &[u8], dst: &mut [f32], from: fn([u8; N]) -> T) {
-        for (d, c) in dst.iter_mut().zip(src.chunks_exact(N)) {
-            let mut w = [0u8; N];
-            w.copy_from_slice(c);
-            *d = from(w).to_f32();
-        }
-    }
-    match dtype {
-        DType::F32 => each::<f32, 4>(src, dst, f32::from_ne_bytes),
-        DType::BF16 => each::<bf16, 2>(src, dst, |w| bf16::from_bits(u16::from_ne_bytes(w))),
-        DType::F16 => each::<f16, 2>(src, dst, |w| f16::from_bits(u16::from_ne_bytes(w))),
     }
 }
 
