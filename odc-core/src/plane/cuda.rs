@@ -351,12 +351,12 @@ impl DeviceOps for CudaBackend {
         }
         self.gpu.bind()?;
         let quant = self.quant()?;
-        let payload = chunk + (4 * spec.scales(len)) as u64;
+        let (scales, payload) = super::chunk_parts(chunk, spec, len);
         // SAFETY: the caller's contract: the chunk's bytes at `chunk` and
         // `take` writable elements at `dst` on this device, valid until the
         // work has run, not overlapping; aligned (checked). The first
         // `take` elements' scales and codes are the prefixes of the chunk's.
-        unsafe { quant.dequantise_raw(&self.server, spec, payload, chunk, dst, dst_dtype, take) }
+        unsafe { quant.dequantise_raw(&self.server, spec, payload, scales, dst, dst_dtype, take) }
             .map_err(|e| kernels_error("cuLaunchKernel (compressed gather)", e))
     }
 
@@ -382,12 +382,12 @@ impl DeviceOps for CudaBackend {
         }
         self.gpu.bind()?;
         let quant = self.quant()?;
-        let payload = chunk + (4 * spec.scales(n)) as u64;
+        let (scales, payload) = super::chunk_parts(chunk, spec, n);
         // SAFETY: the caller's contract: `acc` addresses `n` writable f32s
         // and `chunk` the chunk's bytes on this device, valid until the work
         // has run, not overlapping; both aligned (checked).
         unsafe {
-            quant.dequantise_accumulate_raw(&self.server, spec, payload, chunk, acc, n, scale)
+            quant.dequantise_accumulate_raw(&self.server, spec, payload, scales, acc, n, scale)
         }
         .map_err(|e| kernels_error("cuLaunchKernel (compressed chunk add)", e))
     }

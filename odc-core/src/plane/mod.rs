@@ -207,11 +207,14 @@ pub struct PackJob {
 impl PackJob {
     /// The chunk's scales and payload addresses.
     pub fn split(&self) -> (u64, u64) {
-        (
-            self.chunk,
-            self.chunk + (4 * self.spec.scales(self.n)) as u64,
-        )
+        chunk_parts(self.chunk, self.spec, self.n)
     }
+}
+
+/// The scales and payload addresses of a compressed chunk of `n` elements
+/// at `chunk` (scales, then payload, as `quantise_chunk` lays it out).
+pub fn chunk_parts(chunk: u64, spec: Spec, n: usize) -> (u64, u64) {
+    (chunk, chunk + (4 * spec.scales(n)) as u64)
 }
 
 /// Sizes of the data regions one rank allocates, in bytes.
