@@ -141,7 +141,7 @@ impl CudaBackend {
         if let Some(q) = self.quant.get() {
             return Ok(q);
         }
-        let q = CudaQuant::with_context(Arc::clone(self.gpu.context()))
+        let q = CudaQuant::with_kernels(self.kernels.clone())
             .map_err(|e| kernels_error("quantise kernels' load (NVRTC, cuModuleLoadData)", e))?;
         Ok(self.quant.get_or_init(|| q))
     }

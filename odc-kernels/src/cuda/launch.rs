@@ -34,7 +34,7 @@ pub enum Image {
 ///
 /// Build one per device and share it (`Send + Sync`); launches take `&self`.
 /// The module is unloaded when the last clone of its functions drops.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct CudaKernels {
     ctx: Arc<CudaContext>,
     info: DeviceInfo,

@@ -103,7 +103,13 @@ impl CudaQuant {
 
     /// [`CudaQuant::new`] into an existing context.
     pub fn with_context(ctx: Arc<CudaContext>) -> Result<CudaQuant> {
-        let cast = CudaKernels::with_context(ctx.clone())?;
+        CudaQuant::with_kernels(CudaKernels::with_context(ctx)?)
+    }
+
+    /// [`CudaQuant::new`] beside kernels already loaded (bf16's cast and
+    /// accumulate are theirs), in their context.
+    pub fn with_kernels(cast: CudaKernels) -> Result<CudaQuant> {
+        let ctx = Arc::clone(cast.context());
         let info = cast.device().clone();
         let (module, image) = load_module(&ctx, QUANT_SOURCE, &info)?;
         let function = |name: String| {
