@@ -415,20 +415,19 @@ impl<'e> Worker<'e> {
         // Compressed gathers: peers' quantised copies land in staging, one
         // place per owner, before they are dequantised into `out`.
         // (Hybrid-zero's copies of pieces cross only at the publish.)
+        // A host path takes a buffer from the pool (handed back below).
         let quant = reg.quant.as_ref().filter(|_| b.blocks() == 1);
-        let device = quant.and_then(|_| path.device_staging(reg, bucket.0));
-        let mut held = quant.filter(|_| device.is_none()).map(|q| {
-            let copy = q.copies[bucket.0];
-            (q, q.take(copy.staging_stride() * reg.groups.group.len()))
-        });
+        let mut held = None;
         let staging = quant.map(|q| {
             let copy = q.copies[bucket.0];
-            Staging {
-                base: device
-                    .unwrap_or_else(|| held.as_mut().map_or(0, |(_, buf)| buf.as_mut_ptr() as u64)),
-                stride: copy.staging_stride(),
-                copy,
-            }
+            let stride = copy.staging_stride();
+            let base = match path.device_staging(reg, bucket.0) {
+                Some(addr) => addr,
+                None => held
+                    .insert(q.take(stride * reg.groups.group.len()))
+                    .as_mut_ptr() as u64,
+            };
+            Staging { base, stride, copy }
         });
         // SAFETY: the caller's contract; the staging buffer outlives the call.
         let done = unsafe {
@@ -441,7 +440,7 @@ impl<'e> Worker<'e> {
                 staging,
             )
         };
-        if let Some((q, buf)) = held {
+        if let (Some(q), Some(buf)) = (quant, held) {
             q.put_back(buf);
         }
         done
