@@ -625,17 +625,23 @@ impl DevicePack {
         let c = compress?;
         let elems = compress::chunk_elems(c.push?, ctrl.chunk_bytes())?;
         let local = topo.local_world();
-        // Whether this rank pushes compressed chunks for owner `o`.
+        // Whether this rank pushes compressed chunks for owner `o`, by the
+        // push's own rule (`compress::push_spec` on the server a chunk goes
+        // to): its gradient's chunks (to the owner, or with node sums to the
+        // owner's aggregator on this node), and with node sums the node
+        // buffer it aggregates for an owner on another node.
+        let (rank, squeezed) = (group[me], |server: usize| {
+            compress::push_spec(Some(c), topo.is_local(server)).is_some()
+        });
         let compressed = |o: usize| {
-            let rank = group[o];
-            o != me
-                && match c.scope {
-                    compress::Scope::All => true,
-                    compress::Scope::CrossNode if node_sums => {
-                        !topo.is_local(rank) && nodesum::server(group[me], rank, local) == group[me]
-                    }
-                    compress::Scope::CrossNode => !topo.is_local(rank),
-                }
+            let owner = group[o];
+            let server = if node_sums {
+                nodesum::server(rank, owner, local)
+            } else {
+                owner
+            };
+            let aggregates = node_sums && !topo.is_local(owner) && server == rank;
+            o != me && (squeezed(server) || (aggregates && squeezed(owner)))
         };
         let mut count = 0;
         let slot = (0..group.len())
