@@ -454,6 +454,7 @@ impl<'e> Host<'e> {
         let reg = self.w.reg;
         let b = reg.bucket(bucket)?;
         self.w.wait_partials_read(Some(b.name()))?;
+        self.w.settle_partials(bucket.0)?;
         let (ptr, len) = reg.accum_ptr(bucket.0);
         // SAFETY: as in `read_grad_shard`; all-zero bits are 0.0f32.
         unsafe { std::ptr::write_bytes(ptr, 0, len) };

@@ -95,12 +95,19 @@ impl Worker<'_> {
 
     /// Compressed cross-node sums (the engine's `QuantSums`), before
     /// this rank tells the replicas its partial sums of the minibatch
-    /// stamped `stamp` are final: quantises its accumulators (plus the
-    /// residual of the last minibatch, with error feedback) into its
-    /// quantised copies, once per minibatch. The copies of the last
-    /// minibatch must have been read first (every replica read them before
-    /// the accumulators changed; waited for again here, for a rank whose
-    /// accumulators did not). No-op without compression.
+    /// stamped `stamp` are final: quantises its accumulators into its
+    /// quantised copies, once per minibatch. With error feedback the
+    /// residual is folded into the accumulators first, at the first
+    /// quantisation since they were zeroed, and settled from the copies
+    /// when they are zeroed ([`Worker::settle_partials`]): a minibatch that
+    /// continues the sums (an elastic rerun, several minibatches per step)
+    /// quantises everything since the zeroing from the residual it began
+    /// with (one push per step: settled after each quantisation, the first
+    /// one's error would be carried into the second and the residual lost).
+    /// The copies of the last minibatch must have been read first (every
+    /// replica read them before the accumulators changed; waited for again
+    /// here, for a rank whose accumulators did not). No-op without
+    /// compression.
     fn quantise_partials(&self, stamp: u64) -> Result<()> {
         let reg = self.reg;
         let Some(q) = &reg.qsum else {
@@ -114,9 +121,18 @@ impl Worker<'_> {
         self.wait_partials_read(None)?;
         let kernel = |e: odc_kernels::Error| Error::protocol(None, format!("cross-node sum: {e}"));
         let base = reg.accum.as_ptr();
+        let st = &mut *st;
         for (i, b) in reg.buckets.iter().enumerate() {
             if let Some(fb) = &mut st.feedback {
                 fb.register(i, b.shard_len()).map_err(kernel)?;
+                if !st.folded[i] {
+                    let (acc, len) = reg.accum_ptr(i);
+                    // SAFETY: bucket `i`'s accumulators (nothing else
+                    // touches them now: below).
+                    let acc = unsafe { std::slice::from_raw_parts_mut(acc, len) };
+                    fb.fold(i, 0, acc).map_err(kernel)?;
+                    st.folded[i] = true;
+                }
             }
             let n = b.block_len();
             for p in 0..q.blocks {
@@ -143,15 +159,59 @@ impl Worker<'_> {
                             ),
                         )
                     };
-                    match &mut st.feedback {
-                        Some(fb) => fb.push_chunk(i, first, src, chunk),
-                        None => odc_kernels::cpu::quant::quantise_chunk(copy.spec, src, chunk),
-                    }
-                    .map_err(kernel)?;
+                    odc_kernels::cpu::quant::quantise_chunk(copy.spec, src, chunk)
+                        .map_err(kernel)?;
                 }
             }
         }
         st.quantised = stamp;
+        Ok(())
+    }
+
+    /// Compressed cross-node sums with error feedback, before bucket
+    /// `bucket`'s accumulators are zeroed (the sums consumed): keeps what
+    /// its last quantised copies did not carry of them (the residual folded
+    /// in included) as its residual. The other nodes read those copies
+    /// already (the caller waited). No-op otherwise, and for a bucket not
+    /// quantised since its last zeroing.
+    pub(crate) fn settle_partials(&self, bucket: usize) -> Result<()> {
+        let reg = self.reg;
+        let Some(q) = &reg.qsum else {
+            return Ok(());
+        };
+        let mut st =
+            (q.state.lock()).map_err(|_| Error::protocol(None, "a cross-node sum panicked"))?;
+        let st = &mut *st;
+        let Some(fb) = st.feedback.as_mut().filter(|_| st.folded[bucket]) else {
+            return Ok(());
+        };
+        let kernel = |e: odc_kernels::Error| Error::protocol(None, format!("cross-node sum: {e}"));
+        let (base, n) = (reg.accum.as_ptr(), reg.buckets[bucket].block_len());
+        for p in 0..q.blocks {
+            let (copy, off) = (
+                q.copies[bucket * q.blocks + p],
+                q.off[bucket * q.blocks + p],
+            );
+            for j in 0..copy.runs() {
+                let elems = copy.elems(j);
+                let first = p * n + elems.start;
+                // SAFETY: as in `quantise_partials`; the accumulators are
+                // unchanged since (no push of the next minibatch before they
+                // are zeroed and opened) and every replica read the copies.
+                let (sent, chunk) = unsafe {
+                    (
+                        std::slice::from_raw_parts(
+                            base.cast::<f32>().add(reg.accum_off[bucket] + first),
+                            elems.len(),
+                        ),
+                        std::slice::from_raw_parts(base.add(off + copy.at(j)), copy.bytes(j)),
+                    )
+                };
+                fb.settle_chunk(bucket, first, sent, chunk)
+                    .map_err(kernel)?;
+            }
+        }
+        st.folded[bucket] = false;
         Ok(())
     }
 

@@ -222,6 +222,7 @@ pub(crate) fn register(core: &Core, specs: &[BucketSpec]) -> Result<()> {
                     .filter(|c| c.feedback)
                     .and_then(|c| c.push)
                     .map(odc_kernels::cpu::quant::ErrorFeedback::new),
+                folded: vec![false; nb],
                 quantised: 0,
             }),
         }),

@@ -147,11 +147,17 @@ pub(crate) struct QuantSums {
 }
 
 /// What the quantisation of a minibatch's partial sums changes: the
-/// residuals (error feedback, per bucket) and the last minibatch + 1 it
-/// ran for (once per minibatch, also when an elastic round runs again).
+/// residuals (error feedback, per bucket), which buckets' accumulators hold
+/// their residual now (folded in at the first quantisation after a
+/// zeroing, settled from the last copy at the next zeroing: a minibatch
+/// that continues the sums, an elastic rerun or several minibatches per
+/// step, quantises the grown accumulators again from the same residual),
+/// and the last minibatch + 1 it ran for (once per minibatch, also when an
+/// elastic round runs again).
 #[derive(Debug)]
 pub(crate) struct QuantSumState {
     pub(crate) feedback: Option<odc_kernels::cpu::quant::ErrorFeedback>,
+    pub(crate) folded: Vec<bool>,
     pub(crate) quantised: u64,
 }
 

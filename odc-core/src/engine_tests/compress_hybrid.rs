@@ -73,6 +73,14 @@ struct Seen {
 }
 
 fn train(cfg: EngineConfig) -> Vec<Seen> {
+    train_steps(cfg, 1)
+}
+
+/// [`train`] with `per_step` minibatches per optimizer step: the sums are
+/// read and zeroed only after every `per_step`-th finish (the minibatches
+/// between continue them, as an elastic rerun or several minibatches per
+/// step do); `sums` holds one entry per step.
+fn train_steps(cfg: EngineConfig, per_step: u64) -> Vec<Seen> {
     run_per_rank(WORLD, LOCAL, cfg, move |e: Engine| {
         let rank = e.rank();
         e.register(&[BucketSpec::new("g", NUMEL, DType::F32)])
@@ -95,6 +103,9 @@ fn train(cfg: EngineConfig) -> Vec<Seen> {
                     .unwrap();
             }
             h.finish_minibatch(k).unwrap();
+            if (k + 1) % per_step != 0 {
+                continue;
+            }
             let mut got = vec![0f32; bl];
             h.read_grad_shard(id, &mut got).unwrap();
             seen.sums.push(got);
@@ -230,6 +241,47 @@ fn error_feedback_keeps_the_compressed_hybrid_sums_exact_over_minibatches() {
                 assert!(
                     worst > 1e-3,
                     "{}: no feedback, yet exact ({worst:.2e})",
+                    sharding.name()
+                );
+            }
+        }
+    }
+}
+
+/// Two minibatches per step (the second continues the first's sums, as an
+/// elastic rerun does): each step's sum is quantised twice, and the second
+/// quantisation must start from the residual the step began with. What the
+/// ranks got per step plus the residuals held still equals the exact sum
+/// to f32 rounding, and (hybrid) the replicas' sums are the same bits. (Settling the
+/// residual at each quantisation, as a plain push would, carries the first
+/// one's error into the second and loses the residual the step began with:
+/// a gap of a quantisation step.)
+#[test]
+fn a_step_over_two_minibatches_quantises_its_sums_from_the_residual_it_began_with() {
+    let int8 = Spec::new(Format::Int8, 32).unwrap();
+    for sharding in [Sharding::Hybrid, Sharding::HybridZero] {
+        let key = format!("czh_cont_{}", sharding.name());
+        let seen = train_steps(hybrid(sharding, Some((int8, true)), &key), 2);
+        let worst = feedback_gap(&seen);
+        eprintln!("{}, 2 minibatches a step: gap {worst:.2e}", sharding.name());
+        assert!(seen
+            .iter()
+            .all(|s| s.sums.len() == MINIBATCHES as usize / 2));
+        assert!(
+            worst < 2e-5,
+            "{}: got + residual differs from the exact sum by {worst:.2e}",
+            sharding.name()
+        );
+        if sharding == Sharding::HybridZero {
+            continue; // each replica sums its own piece
+        }
+        for l in 0..LOCAL {
+            let (a, b) = (&seen[l], &seen[l + LOCAL]);
+            assert_eq!(a.elements, b.elements);
+            for (k, (x, y)) in a.sums.iter().zip(&b.sums).enumerate() {
+                assert!(
+                    x.iter().zip(y).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{}, local rank {l}, step {k}: the replicas' sums differ",
                     sharding.name()
                 );
             }

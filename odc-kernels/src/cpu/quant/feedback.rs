@@ -112,26 +112,81 @@ impl ErrorFeedback {
     ) -> Result<()> {
         const OP: &str = "ErrorFeedback::push";
         let spec = self.spec;
-        let n = grad.len();
+        let residual = self.held_mut(OP, bucket, offset, grad.len())?;
+        feedback_step(OP, spec, residual, grad, payload, scales)
+    }
+
+    /// The first half of a push split in two, for a sum that may be
+    /// quantised again before it is consumed (hybrid sharding's cross-node
+    /// sum, finished again before the accumulators are cleared: an elastic
+    /// rerun, several minibatches per step): adds the residual of elements
+    /// `offset..offset + acc.len()` of `bucket` into `acc` and zeroes it.
+    /// Quantising `acc` (plain [`super::quantise_chunk`], as often as it
+    /// changes) and then [`settle_chunk`](Self::settle_chunk) on what was
+    /// quantised last give the codes and the residual one
+    /// [`push`](Self::push) of the final `acc` would, bit for bit; a push
+    /// would instead carry the first quantisation's error into the second
+    /// and lose the residual it started from.
+    ///
+    /// Errors: as [`ErrorFeedback::push`] for the bucket and range (`acc`
+    /// and the residual are then unchanged).
+    pub fn fold(&mut self, bucket: usize, offset: usize, acc: &mut [f32]) -> Result<()> {
+        let residual = self.held_mut("ErrorFeedback::fold", bucket, offset, acc.len())?;
+        // acc + 1.0 · residual: the sum a push forms (f32 addition
+        // commutes), and the residual now lives in `acc`.
+        Level::current().accumulate(acc, residual, 1.0);
+        residual.fill(0.0);
+        Ok(())
+    }
+
+    /// The second half (see [`fold`](Self::fold)): once the sum is
+    /// consumed, keeps `sent - dequantised` as the residual of elements
+    /// `offset..offset + sent.len()` of `bucket`, where `sent` is what was
+    /// quantised (the accumulators, the residual folded in) into `chunk`
+    /// (laid out as [`super::quantise_chunk`] writes it), zero where that is
+    /// not finite.
+    ///
+    /// Errors: as [`ErrorFeedback::push_chunk`] (the residual is then
+    /// unchanged).
+    pub fn settle_chunk(
+        &mut self,
+        bucket: usize,
+        offset: usize,
+        sent: &[f32],
+        chunk: &[u8],
+    ) -> Result<()> {
+        const OP: &str = "ErrorFeedback::settle_chunk";
+        let spec = self.spec;
+        let (scales, payload) = super::split_chunk_op(OP, spec, sent.len(), chunk)?;
+        let residual = self.held_mut(OP, bucket, offset, sent.len())?;
+        residual.copy_from_slice(sent);
+        settle(Level::current(), spec, payload, scales, residual)
+    }
+
+    /// The residual of elements `offset..offset + n` of `bucket`.
+    fn held_mut(
+        &mut self,
+        op: &'static str,
+        bucket: usize,
+        offset: usize,
+        n: usize,
+    ) -> Result<&mut [f32]> {
         let Some(held) = self.residuals.get_mut(&bucket) else {
             return Err(Error::InvalidArgument {
-                op: OP,
+                op,
                 detail: format!("bucket {bucket} is not registered"),
             });
         };
-        let Some(residual) = offset
+        let len = held.len();
+        offset
             .checked_add(n)
             .and_then(|end| held.get_mut(offset..end))
-        else {
-            return Err(Error::InvalidArgument {
-                op: OP,
+            .ok_or_else(|| Error::InvalidArgument {
+                op,
                 detail: format!(
-                    "elements {offset}..{offset}+{n} are outside bucket {bucket} ({} elements)",
-                    held.len()
+                    "elements {offset}..{offset}+{n} are outside bucket {bucket} ({len} elements)"
                 ),
-            });
-        };
-        feedback_step(OP, spec, residual, grad, payload, scales)
+            })
     }
 }
 
@@ -190,7 +245,18 @@ fn feedback_step(
     // t = grad + residual, held in the residual buffer.
     level.accumulate(residual, grad, 1.0);
     quantise_on(level, spec, residual, payload, scales)?;
-    // residual = t + (-1) · dequantised = t - dequantised.
+    settle(level, spec, payload, scales, residual)
+}
+
+/// `t` (in `residual`) becomes `t + (-1) · dequantised = t - dequantised`,
+/// zero where that is not finite.
+fn settle(
+    level: Level,
+    spec: Spec,
+    payload: &[u8],
+    scales: &[f32],
+    residual: &mut [f32],
+) -> Result<()> {
     dequantise_accumulate_on(level, spec, payload, scales, residual, -1.0)?;
     for r in residual.iter_mut() {
         if !r.is_finite() {

@@ -495,7 +495,7 @@ pub fn split_chunk(spec: Spec, n: usize, chunk: &[u8]) -> Result<(&[f32], &[u8])
     split_chunk_op("split_chunk", spec, n, chunk)
 }
 
-fn split_chunk_op<'a>(
+pub(crate) fn split_chunk_op<'a>(
     op: &'static str,
     spec: Spec,
     n: usize,

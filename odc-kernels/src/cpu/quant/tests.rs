@@ -615,6 +615,110 @@ fn error_feedback_into_a_chunk_is_push_laid_out_as_a_chunk() {
     }
 }
 
+/// A push split in two (`fold` into the sum, plain `quantise_chunk`,
+/// `settle_chunk`) gives what one `push` gives, codes and residual bit for
+/// bit, non-finite elements included; quantising a grown sum again before
+/// settling starts from the residual the sum began with (what a push of
+/// the grown sum would do), where two pushes would not; a range outside
+/// the bucket is refused and changes nothing.
+#[test]
+fn a_push_split_into_fold_and_settle_is_one_push() {
+    for format in Format::ALL {
+        let s = spec(format, 32);
+        let (n, off) = (300, 40);
+        let (mut one, mut two) = (ErrorFeedback::new(s), ErrorFeedback::new(s));
+        ok(one.register(2, n + off));
+        ok(two.register(2, n + off));
+        let bytes = s.chunk_bytes(n);
+        let mut a = vec![0u32; bytes.div_ceil(4)];
+        let mut b = a.clone();
+        for step in 0..4u32 {
+            let mut g = values(n, step + 31, step == 2);
+            if step == 1 {
+                g[9] = f32::INFINITY;
+            }
+            let want = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut a)[..bytes];
+            ok(one.push_chunk(2, off, &g, want));
+            let mut sum = g.clone();
+            ok(two.fold(2, off, &mut sum));
+            assert!(
+                two.residual(2).unwrap().iter().all(|&r| r == 0.0),
+                "{format}: folded"
+            );
+            let got = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut b)[..bytes];
+            ok(quantise_chunk(s, &sum, got));
+            ok(two.settle_chunk(2, off, &sum, got));
+            assert_eq!(got, want, "{format}, step {step}: codes");
+            let (r1, r2) = (one.residual(2).unwrap(), two.residual(2).unwrap());
+            assert!(
+                r1.iter().zip(r2).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{format}, step {step}: residuals"
+            );
+            if step == 1 {
+                assert_eq!(
+                    r2[off + 9],
+                    0.0,
+                    "{format}: an infinite element leaves a zero residual"
+                );
+            }
+        }
+        // A sum quantised, grown, quantised again and then settled: what
+        // was sent last plus the residual is the grown sum plus the
+        // residual it started from, to f32 rounding. Two pushes instead
+        // carry the first one's error into the second and lose the
+        // residual started from.
+        let (g, more) = (values(n, 91, false), values(n, 92, false));
+        let r0 = two.residual(2).unwrap()[off..].to_vec();
+        let mut sum = g.clone();
+        ok(two.fold(2, off, &mut sum));
+        let got = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut b)[..bytes];
+        ok(quantise_chunk(s, &sum, got));
+        for (x, y) in sum.iter_mut().zip(&more) {
+            *x += y;
+        }
+        ok(quantise_chunk(s, &sum, got));
+        ok(two.settle_chunk(2, off, &sum, got));
+        let gap = |fb: &ErrorFeedback, chunk: &[u8]| {
+            let mut sent = vec![0f32; n];
+            ok(dequantise_accumulate_chunk(s, chunk, &mut sent, 1.0));
+            let held = &fb.residual(2).unwrap()[off..];
+            (0..n)
+                .map(|i| {
+                    let want = f64::from(g[i]) + f64::from(more[i]) + f64::from(r0[i]);
+                    (f64::from(sent[i]) + f64::from(held[i]) - want).abs()
+                })
+                .fold(0f64, f64::max)
+        };
+        let peak = g.iter().chain(&more).fold(0f32, |m, x| m.max(x.abs()));
+        let split = gap(&two, got);
+        assert!(
+            split <= 1e-6 * f64::from(peak),
+            "{format}: split gap {split:e}"
+        );
+        let mut twice = one.clone();
+        let grown: Vec<f32> = g.iter().zip(&more).map(|(x, y)| x + y).collect();
+        let w = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut a)[..bytes];
+        ok(twice.push_chunk(2, off, &g, w));
+        ok(twice.push_chunk(2, off, &grown, w));
+        let pushed = gap(&twice, w);
+        assert!(
+            pushed > 100.0 * split.max(1e-7),
+            "{format}: two pushes {pushed:e}, split {split:e}"
+        );
+        // Out of range: refused, nothing changed.
+        let (kept, mut acc) = (two.residual(2).map(<[f32]>::to_vec), g.clone());
+        assert!(two.fold(2, off + 1, &mut acc).is_err(), "{format}");
+        assert!(two.fold(3, 0, &mut acc).is_err(), "{format}");
+        assert_eq!(acc, g, "{format}");
+        assert!(two.settle_chunk(2, off + 1, &sum, got).is_err(), "{format}");
+        assert!(
+            two.settle_chunk(2, off, &sum, &got[..bytes - 1]).is_err(),
+            "{format}"
+        );
+        assert_eq!(two.residual(2).map(<[f32]>::to_vec), kept, "{format}");
+    }
+}
+
 #[test]
 fn feedback_on_caller_memory_is_error_feedback_push() {
     for format in Format::ALL {
