@@ -231,7 +231,14 @@ pub fn feedback_quantise_chunk(
     feedback_quantise(spec, residual, grad, payload, scales)
 }
 
-/// The push's arithmetic on a residual of `grad`'s length.
+/// Elements a push's three passes (add, quantise, subtract) cover before
+/// moving on, rounded up to whole blocks: 16 KiB of residual, so the
+/// second and third pass read it from cache.
+const TILE: usize = 4096;
+
+/// The push's arithmetic on a residual of `grad`'s length, tile by tile
+/// (whole blocks each: every element and block sees the same operations as
+/// over the whole length at once).
 fn feedback_step(
     op: &'static str,
     spec: Spec,
@@ -242,10 +249,24 @@ fn feedback_step(
 ) -> Result<()> {
     spec.check(op, grad.len(), payload.len(), scales.len())?;
     let level = Level::current();
-    // t = grad + residual, held in the residual buffer.
-    level.accumulate(residual, grad, 1.0);
-    quantise_on(level, spec, residual, payload, scales)?;
-    settle(level, spec, payload, scales, residual)
+    let (n, tile, width) = (
+        grad.len(),
+        TILE.div_ceil(spec.block()) * spec.block(),
+        spec.format().code_bytes(),
+    );
+    for start in (0..n).step_by(tile) {
+        let end = (start + tile).min(n);
+        let (r, p, s) = (
+            &mut residual[start..end],
+            &mut payload[start * width..end * width],
+            &mut scales[spec.scales(start)..spec.scales(end)],
+        );
+        // t = grad + residual, held in the residual buffer.
+        level.accumulate(r, &grad[start..end], 1.0);
+        quantise_on(level, spec, r, p, s)?;
+        settle(level, spec, p, s, r)?;
+    }
+    Ok(())
 }
 
 /// `t` (in `residual`) becomes `t + (-1) · dequantised = t - dequantised`,

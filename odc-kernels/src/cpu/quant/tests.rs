@@ -719,6 +719,60 @@ fn a_push_split_into_fold_and_settle_is_one_push() {
     }
 }
 
+/// A push over many tiles (lengths around the tile, blocks that do and do
+/// not divide it, non-finite elements) is the untiled arithmetic bit for
+/// bit: add, quantise, subtract the dequantised, zero the non-finite.
+#[test]
+fn a_push_is_the_untiled_arithmetic_over_any_length() {
+    for format in Format::ALL {
+        for block in [16, 32, 48, 4096, 6144, MAX_BLOCK] {
+            let s = spec(format, block);
+            for n in [1, 4095, 4096, 4097, 3 * 4096 + 37, 70_001] {
+                let g = values(n, (n + block) as u32, true);
+                let r0 = values(n, 7 + n as u32, false);
+                let (mut want_r, mut want_p, mut want_s) = (
+                    r0.clone(),
+                    vec![0u8; s.payload_bytes(n)],
+                    vec![0f32; s.scales(n)],
+                );
+                ok(crate::cpu::accumulate(&mut want_r, &g, 1.0));
+                ok(quantise(s, &want_r, &mut want_p, &mut want_s));
+                ok(dequantise_accumulate(
+                    s,
+                    &want_p,
+                    &want_s,
+                    &mut want_r,
+                    -1.0,
+                ));
+                want_r
+                    .iter_mut()
+                    .filter(|r| !r.is_finite())
+                    .for_each(|r| *r = 0.0);
+                let (mut r, mut p, mut sc) = (
+                    r0.clone(),
+                    vec![0u8; s.payload_bytes(n)],
+                    vec![0f32; s.scales(n)],
+                );
+                ok(feedback_quantise(s, &mut r, &g, &mut p, &mut sc));
+                let what = format!("{format}, block {block}, {n} elements");
+                assert_eq!(p, want_p, "{what}: codes");
+                assert!(
+                    sc.iter()
+                        .zip(&want_s)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: scales"
+                );
+                assert!(
+                    r.iter()
+                        .zip(&want_r)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: residual"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn feedback_on_caller_memory_is_error_feedback_push() {
     for format in Format::ALL {
