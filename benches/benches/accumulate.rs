@@ -8,6 +8,12 @@
 //! `copy_bytes` is the transport's bulk copy: a plain memcpy below
 //! `cpu::STREAM_COPY_MIN` (so 1.0 there), streaming stores from it on.
 //!
+//! `int8 push` / `fp8 push` are a compressed push's packing: error
+//! feedback's quantisation of `x` (f32) with blocks of 32 (add the
+//! residual, quantise, keep what was lost); `int8 deq+=` the owner's add of
+//! such a chunk into f32, `fp8 deq` a compressed gather's dequantisation
+//! into f32 (GB/s of the f32 side in all four).
+//!
 //! After criterion's report, `cargo bench` prints a table with the ratio of
 //! each kernel to memcpy, measured here in the same process.
 
@@ -17,6 +23,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput};
 use half::{bf16, f16};
 use odc_kernels::cpu;
+use odc_kernels::cpu::quant::{self, ErrorFeedback, Format, Spec};
 
 const KIB: usize = 1 << 10;
 const MIB: usize = 1 << 20;
@@ -65,9 +72,36 @@ enum Op {
         out: Vec<f32>,
         x: Vec<u8>,
     },
+    /// Error feedback's push of `x` into a chunk (scales, then codes).
+    Push {
+        feedback: ErrorFeedback,
+        x: Vec<f32>,
+        chunk: Vec<u32>,
+    },
+    /// A chunk added into f32 (`factor` 1.0 and -1.0 in turn: the
+    /// accumulator stays bounded), or dequantised into it.
+    Dequantise {
+        spec: Spec,
+        chunk: Vec<u32>,
+        out: Vec<f32>,
+        add: bool,
+        factor: f32,
+    },
 }
 
-const NAMES: [&str; 8] = [
+fn spec(format: Format) -> Spec {
+    Spec::new(format, 32).expect("blocks of 32")
+}
+
+/// `x` quantised into a chunk (u32s: 4-aligned for its scales).
+fn chunk_of(spec: Spec, x: &[f32]) -> Vec<u32> {
+    let mut chunk = vec![0u32; spec.chunk_bytes(x.len()).div_ceil(4)];
+    let bytes = &mut bytemuck::cast_slice_mut::<u32, u8>(&mut chunk)[..spec.chunk_bytes(x.len())];
+    quant::quantise_chunk(spec, x, bytes).expect("a chunk of the right size");
+    chunk
+}
+
+const NAMES: [&str; 12] = [
     "memcpy",
     "copy_bytes",
     "f32+=f32",
@@ -76,6 +110,10 @@ const NAMES: [&str; 8] = [
     "bf16+=bf16",
     "exact+=f32",
     "exact+drain",
+    "int8 push",
+    "fp8 push",
+    "int8 deq+=",
+    "fp8 deq",
 ];
 
 /// Small integers: no subnormals (which would trap to microcode) and no
@@ -130,6 +168,33 @@ impl Op {
                 out: vec![0.0; x_bytes / 4],
                 x: bytemuck::cast_slice(&grads(x_bytes / 4)).to_vec(),
             },
+            "int8 push" | "fp8 push" => {
+                let spec = spec(if name == "int8 push" {
+                    Format::Int8
+                } else {
+                    Format::Fp8E4m3
+                });
+                let x = grads(x_bytes / 4);
+                let mut feedback = ErrorFeedback::new(spec);
+                feedback.register(0, x.len()).expect("a new bucket");
+                Op::Push {
+                    feedback,
+                    chunk: chunk_of(spec, &x),
+                    x,
+                }
+            }
+            "int8 deq+=" | "fp8 deq" => {
+                let add = name == "int8 deq+=";
+                let spec = spec(if add { Format::Int8 } else { Format::Fp8E4m3 });
+                let x = grads(x_bytes / 4);
+                Op::Dequantise {
+                    spec,
+                    chunk: chunk_of(spec, &x),
+                    out: vec![0.0; x.len()],
+                    add,
+                    factor: 1.0,
+                }
+            }
             _ => Op::Bf16Bf16 {
                 acc: values(x_bytes / 2, bf16::from_f32),
                 x: values(x_bytes / 2, bf16::from_f32),
@@ -156,6 +221,28 @@ impl Op {
                 cpu::exact::accumulate_exact(fixed, out, x, odc_kernels::DType::F32, 0.25)
                     .and_then(|()| cpu::exact::read_exact(fixed, out))
             }
+            Op::Push { feedback, x, chunk } => {
+                let bytes = feedback.spec().chunk_bytes(x.len());
+                let chunk = &mut bytemuck::cast_slice_mut::<u32, u8>(chunk)[..bytes];
+                feedback.push_chunk(0, 0, x, chunk)
+            }
+            Op::Dequantise {
+                spec,
+                chunk,
+                out,
+                add,
+                factor,
+            } => {
+                let n = out.len();
+                let chunk = &bytemuck::cast_slice::<u32, u8>(chunk)[..spec.chunk_bytes(n)];
+                if *add {
+                    *factor = -*factor;
+                    quant::dequantise_accumulate_chunk(*spec, chunk, out, *factor)
+                } else {
+                    let dst = bytemuck::cast_slice_mut::<f32, u8>(out);
+                    quant::dequantise_chunk_into(*spec, n, chunk, dst, odc_kernels::DType::F32)
+                }
+            }
         };
         black_box(ok.is_ok());
         black_box(self);
@@ -171,6 +258,11 @@ impl Op {
             Op::Exact { .. } => 9 * x_bytes,
             // Then the i128 read and zeroed, the f32 read and written.
             Op::ExactDrain { .. } => 19 * x_bytes,
+            // x, the residual read and written, codes and scales (36/128).
+            Op::Push { .. } => x_bytes * 3 + x_bytes * 9 / 32,
+            // Codes and scales; the f32 read and written, or written.
+            Op::Dequantise { add: true, .. } => x_bytes * 9 / 32 + 2 * x_bytes,
+            Op::Dequantise { add: false, .. } => x_bytes * 9 / 32 + x_bytes,
         }
     }
 }
