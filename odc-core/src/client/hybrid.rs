@@ -134,34 +134,24 @@ impl Worker<'_> {
                     st.folded[i] = true;
                 }
             }
-            let n = b.block_len();
-            for p in 0..q.blocks {
-                let (copy, off) = (q.copies[i * q.blocks + p], q.off[i * q.blocks + p]);
-                for j in 0..copy.runs() {
-                    let elems = copy.elems(j);
-                    let first = p * n + elems.start;
-                    // SAFETY: the accumulators of bucket `i` and its block
-                    // `p`'s quantised copy lie inside the accumulator region
-                    // (laid out at registration, disjoint). Every push of
-                    // the minibatch is added (the done wait), none of the
-                    // next arrives before this rank publishes again, and
-                    // every replica read the last copies (above): nothing
-                    // else reads or writes them now.
-                    let (src, chunk) = unsafe {
-                        (
-                            std::slice::from_raw_parts(
-                                base.cast::<f32>().add(reg.accum_off[i] + first),
-                                elems.len(),
-                            ),
-                            std::slice::from_raw_parts_mut(
-                                base.add(off + copy.at(j)),
-                                copy.bytes(j),
-                            ),
-                        )
-                    };
-                    odc_kernels::cpu::quant::quantise_chunk(copy.spec, src, chunk)
-                        .map_err(kernel)?;
-                }
+            for (elems, chunk, spec) in q.runs(i, b.block_len()) {
+                // SAFETY: the accumulators of bucket `i` and the run's
+                // quantised copy lie inside the accumulator region (laid
+                // out at registration, disjoint). Every push of the
+                // minibatch is added (the done wait), none of the next
+                // arrives before this rank publishes again, and every
+                // replica read the last copies (above): nothing else reads
+                // or writes them now.
+                let (src, chunk) = unsafe {
+                    (
+                        std::slice::from_raw_parts(
+                            base.cast::<f32>().add(reg.accum_off[i] + elems.start),
+                            elems.len(),
+                        ),
+                        std::slice::from_raw_parts_mut(base.add(chunk.start), chunk.len()),
+                    )
+                };
+                odc_kernels::cpu::quant::quantise_chunk(spec, src, chunk).map_err(kernel)?;
             }
         }
         st.quantised = stamp;
@@ -186,30 +176,22 @@ impl Worker<'_> {
             return Ok(());
         };
         let kernel = |e: odc_kernels::Error| Error::protocol(None, format!("cross-node sum: {e}"));
-        let (base, n) = (reg.accum.as_ptr(), reg.buckets[bucket].block_len());
-        for p in 0..q.blocks {
-            let (copy, off) = (
-                q.copies[bucket * q.blocks + p],
-                q.off[bucket * q.blocks + p],
-            );
-            for j in 0..copy.runs() {
-                let elems = copy.elems(j);
-                let first = p * n + elems.start;
-                // SAFETY: as in `quantise_partials`; the accumulators are
-                // unchanged since (no push of the next minibatch before they
-                // are zeroed and opened) and every replica read the copies.
-                let (sent, chunk) = unsafe {
-                    (
-                        std::slice::from_raw_parts(
-                            base.cast::<f32>().add(reg.accum_off[bucket] + first),
-                            elems.len(),
-                        ),
-                        std::slice::from_raw_parts(base.add(off + copy.at(j)), copy.bytes(j)),
-                    )
-                };
-                fb.settle_chunk(bucket, first, sent, chunk)
-                    .map_err(kernel)?;
-            }
+        let base = reg.accum.as_ptr();
+        for (elems, chunk, _) in q.runs(bucket, reg.buckets[bucket].block_len()) {
+            // SAFETY: as in `quantise_partials`; the accumulators are
+            // unchanged since (no push of the next minibatch before they are
+            // zeroed and opened) and every replica read the copies.
+            let (sent, chunk) = unsafe {
+                (
+                    std::slice::from_raw_parts(
+                        base.cast::<f32>().add(reg.accum_off[bucket] + elems.start),
+                        elems.len(),
+                    ),
+                    std::slice::from_raw_parts(base.add(chunk.start), chunk.len()),
+                )
+            };
+            fb.settle_chunk(bucket, elems.start, sent, chunk)
+                .map_err(kernel)?;
         }
         st.folded[bucket] = false;
         Ok(())

@@ -6,6 +6,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::cache::NodeCache;
@@ -25,6 +26,7 @@ use crate::topology::Topology;
 use crate::transport::Transport;
 use crate::wait::Waiter;
 use crate::{Error, Result};
+use odc_kernels::cpu::quant::Spec;
 
 /// Everything that exists after registration.
 #[derive(Debug)]
@@ -144,6 +146,35 @@ pub(crate) struct QuantSums {
     pub(crate) off: Vec<usize>,
     pub(crate) blocks: usize,
     pub(crate) state: Mutex<QuantSumState>,
+}
+
+impl QuantSums {
+    /// The runs of bucket `i`'s quantised copies (blocks of `block_len`
+    /// elements), in order: the run's elements of the bucket's accumulators
+    /// (from its shard's start), the byte range of its chunk in the
+    /// accumulator region, and its format.
+    pub(crate) fn runs(
+        &self,
+        i: usize,
+        block_len: usize,
+    ) -> impl Iterator<Item = (Range<usize>, Range<usize>, Spec)> + '_ {
+        (0..self.blocks).flat_map(move |p| {
+            let (copy, off) = (
+                self.copies[i * self.blocks + p],
+                self.off[i * self.blocks + p],
+            );
+            (0..copy.runs()).map(move |j| {
+                let elems = copy.elems(j);
+                let first = p * block_len + elems.start;
+                let at = off + copy.at(j);
+                (
+                    first..first + elems.len(),
+                    at..at + copy.bytes(j),
+                    copy.spec,
+                )
+            })
+        })
+    }
 }
 
 /// What the quantisation of a minibatch's partial sums changes: the
