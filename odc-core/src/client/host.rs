@@ -449,7 +449,8 @@ impl<'e> Host<'e> {
     /// Zeroes the accumulator of `bucket` (after the optimizer step, before
     /// the next publish; in deterministic mode its exact sum too: until
     /// then every finish reads out the exact sum since the last zeroing). Under hybrid sharding over several nodes it first
-    /// waits until the other nodes have read this rank's partial sums.
+    /// waits until the other nodes have read this rank's partial sums, and with compressed sums and error feedback
+    /// keeps what the last quantised copies did not carry of them as the residual (the sums are consumed now).
     pub fn zero_grad(&self, bucket: BucketId) -> Result<()> {
         let reg = self.w.reg;
         let b = reg.bucket(bucket)?;
